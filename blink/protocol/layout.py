@@ -1,0 +1,258 @@
+"""The ring: the one data structure shared by the frontend ("DPU") roles and the device.
+
+Everything about the ring's bytes is defined here, once. The CUDA header
+`blink/gpu/include/blink_ring.h` is generated from these dtypes by `blink.protocol.cgen`
+(a test fails when the checked-in header is stale).
+
+Memory map of a ring (all offsets in bytes from the start of the mapping)::
+
+    0                      HEADER_DTYPE (512 B)
+    slots_offset           SLOT_DTYPE x n_slots (128 B each)
+    prompt_arena_offset    int32 x prompt_arena_tokens   (frontend writes, device reads)
+    output_arena_offset    int32 x n_slots x output_capacity  (device writes, frontend reads)
+
+Ownership (single writer per word; no cross-party atomics, because GPU atomics on
+host-mapped memory are not atomic with respect to the host):
+
+    slot.state   EMPTY -> PREFILL_PENDING                  frontend (after writing the request)
+                 PREFILL_PENDING -> PREFILL_PROCESSING      device (CAS among device threads)
+                 ... -> DECODE_PROCESSING <-> DECODE_PAUSED device
+                 ... -> DECODE_COMPLETED                    device (after the last token is published)
+                 DECODE_COMPLETED -> EMPTY                  frontend (after reading every token)
+    slot.cancel       frontend sets 1; cleared by frontend only while the slot is EMPTY
+    slot.generated    device, release-store after the token is in the output arena
+    slot.consumed     frontend, after reading tokens (flow control for the output ring)
+    header.submit_seq / cancel_seq   frontend doorbells, incremented after the slot writes
+    header device fields (status, heartbeat, stats, kv counters)   device
+
+Output ring: token k of slot s is at output[s, k % output_capacity]. The device never
+writes token k while k - consumed >= output_capacity; such a slot sits in DECODE_PAUSED
+until the frontend catches up. Generation length is unbounded (max_new_tokens may be
+UNLIMITED).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+RING_MAGIC = 0x474E524B4E494C42  # b"BLINKRNG" little-endian
+RING_VERSION = 1
+MAX_STOP_IDS = 8  # stop token ids carried in a slot (EOS included by the frontend)
+UNLIMITED = 0xFFFFFFFF  # max_new_tokens value meaning "until a stop condition or the context ends"
+HEADER_BYTES = 512
+SLOT_BYTES = 128
+ALIGN = 4096  # arenas start on page boundaries
+
+
+class SlotState(enum.IntEnum):
+    EMPTY = 0
+    PREFILL_PENDING = 1
+    PREFILL_PROCESSING = 2
+    DECODE_PROCESSING = 3
+    DECODE_PAUSED = 4
+    DECODE_COMPLETED = 5
+
+
+class FinishReason(enum.IntEnum):
+    NONE = 0
+    STOP = 1  # a stop token id (EOS included) was sampled; it is published as the last token
+    LENGTH = 2  # max_new_tokens reached
+    CONTEXT = 3  # the model's context (max_context) is full
+    CANCELLED = 4  # slot.cancel was seen
+    ERROR = 5  # the device rejected the request (see slot.error)
+
+
+class SlotError(enum.IntEnum):
+    NONE = 0
+    PROMPT_TOO_LONG = 1  # prompt_len + 1 > max_context
+    BAD_PROMPT = 2  # prompt_len == 0, prompt outside the arena, or a token id >= vocab_size
+    BAD_PARAMS = 3  # temperature < 0, top_p outside (0, 1], n_stop > MAX_STOP_IDS
+    NO_KV_SPACE = 4  # the prompt alone needs more KV blocks than the cache has
+    DEVICE_FAULT = 5  # a launch failed; the request cannot continue
+
+
+class DeviceStatus(enum.IntEnum):
+    STARTING = 0  # ring created, device not serving yet
+    READY = 1  # scheduler running
+    STOPPING = 2  # shutdown flag seen, draining
+    STOPPED = 3  # clean exit
+    FAILED = 4  # unrecoverable device error (header.fault holds a code)
+
+
+class SlotFlags(enum.IntFlag):
+    NONE = 0
+    GREEDY = 1  # argmax regardless of temperature (temperature == 0 implies it too)
+
+
+# fmt: off
+HEADER_DTYPE = np.dtype([
+    # identity and geometry: written once by whoever creates the ring
+    ("magic", "<u8"),                # RING_MAGIC
+    ("version", "<u4"),              # RING_VERSION
+    ("header_bytes", "<u4"),         # HEADER_BYTES
+    ("n_slots", "<u4"),              # number of slot records
+    ("slot_bytes", "<u4"),           # SLOT_BYTES
+    ("prompt_arena_tokens", "<u4"),  # int32 tokens in the prompt arena
+    ("output_capacity", "<u4"),      # int32 tokens per slot in the output arena (a ring per slot)
+    ("slots_offset", "<u8"),         # byte offset of slot 0
+    ("prompt_arena_offset", "<u8"),  # byte offset of the prompt arena
+    ("output_arena_offset", "<u8"),  # byte offset of the output arena
+    ("total_bytes", "<u8"),          # size of the whole mapping
+    # device description: written by the device before status becomes READY
+    ("vocab_size", "<u4"),           # logits width; prompt ids must be below it
+    ("max_context", "<u4"),          # prompt + generated tokens per request
+    ("max_batch", "<u4"),            # sequences per decode step
+    ("kv_block_size", "<u4"),        # tokens per KV block
+    ("kv_blocks_total", "<u4"),      # blocks in the pool
+    ("kv_blocks_free", "<u4"),       # blocks free now (device-updated every step)
+    ("device_status", "<u4"),        # DeviceStatus
+    ("fault", "<u4"),                # device fault code when FAILED (CUDA error or SlotError)
+    # frontend -> device
+    ("shutdown", "<u4"),             # 1: finish in-flight work, then STOPPED; 2: stop now
+    ("_pad0", "<u4"),
+    ("submit_seq", "<u8"),           # incremented after a slot becomes PREFILL_PENDING
+    ("cancel_seq", "<u8"),           # incremented after a slot's cancel flag is set
+    # device -> frontend: liveness and statistics (monotonic counters)
+    ("heartbeat", "<u8"),            # incremented at least every millisecond while serving
+    ("heartbeat_ns", "<u8"),         # device clock (ns since the Unix epoch) at the last beat
+    ("steps", "<u8"),                # decode steps run
+    ("prefill_steps", "<u8"),        # prefill launches run
+    ("tokens_generated", "<u8"),     # tokens published
+    ("prompt_tokens", "<u8"),        # prompt tokens prefilled
+    ("requests_admitted", "<u8"),    # PREFILL_PENDING -> PREFILL_PROCESSING transitions
+    ("requests_completed", "<u8"),   # -> DECODE_COMPLETED transitions
+    ("launches", "<u8"),             # graph launches (device-side or host-side)
+    ("relaunches", "<u8"),           # scheduler tail self-relaunches
+    ("launch_errors", "<u8"),        # failed launches (retries not counted)
+    ("running", "<u4"),              # sequences in the decode batch now
+    ("waiting", "<u4"),              # claimed or pending requests not yet in the batch
+    ("sched_ns_total", "<u8"),       # scheduler time outside graphs (launch + poll + bookkeeping)
+    ("step_ns_total", "<u8"),        # wall time of decode steps
+    ("scan_ns_total", "<u8"),        # time spent scanning the slots
+    ("scans", "<u8"),                # slot scans performed
+], align=True)
+
+SLOT_DTYPE = np.dtype([
+    ("state", "<u4"),                # SlotState
+    ("cancel", "<u4"),               # 1 = cancel requested by the frontend
+    ("request_id", "<u8"),           # frontend's id, echoed for sanity checks
+    ("prompt_offset", "<u4"),        # first token of the prompt, in int32 units into the prompt arena
+    ("prompt_len", "<u4"),           # prompt tokens
+    ("max_new_tokens", "<u4"),       # >= 1, or UNLIMITED
+    ("min_new_tokens", "<u4"),       # stop ids are ignored before this many tokens
+    ("temperature", "<f4"),          # 0 = greedy
+    ("top_p", "<f4"),                # (0, 1]
+    ("seed", "<u8"),                 # sampling stream: token k uses counter (seed, k)
+    ("top_k", "<u4"),                # 0 = off
+    ("n_stop", "<u4"),               # valid entries of stop_ids
+    ("stop_ids", "<i4", (MAX_STOP_IDS,)),  # sampled token in this set ends the request (published)
+    ("generated", "<u4"),            # tokens published so far (device, release)
+    ("consumed", "<u4"),             # tokens the frontend has read (frontend)
+    ("finish_reason", "<u2"),        # FinishReason, valid once state == DECODE_COMPLETED
+    ("error", "<u2"),                # SlotError when finish_reason == ERROR
+    ("flags", "<u4"),                # SlotFlags
+    ("t_submit_ns", "<u8"),          # frontend clock when the request was published
+    ("t_admit_ns", "<u8"),           # device clock when the slot was claimed
+    ("t_first_ns", "<u8"),           # device clock when the first token was published
+], align=True)
+# fmt: on
+
+assert HEADER_DTYPE.itemsize <= HEADER_BYTES, HEADER_DTYPE.itemsize
+assert SLOT_DTYPE.itemsize == SLOT_BYTES, SLOT_DTYPE.itemsize
+
+TOKEN_DTYPE = np.dtype("<i4")
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class RingGeometry:
+    """Byte offsets of a ring with the given sizes (pure arithmetic, no memory)."""
+
+    __slots__ = (
+        "n_slots",
+        "prompt_arena_tokens",
+        "output_capacity",
+        "slots_offset",
+        "prompt_arena_offset",
+        "output_arena_offset",
+        "total_bytes",
+    )
+
+    def __init__(self, n_slots: int, prompt_arena_tokens: int, output_capacity: int):
+        if not 1 <= n_slots <= 1 << 20:
+            raise ValueError(f"n_slots must be in [1, 2^20], got {n_slots}")
+        if prompt_arena_tokens < 1 or output_capacity < 1:
+            raise ValueError("arena sizes must be positive")
+        self.n_slots = n_slots
+        self.prompt_arena_tokens = prompt_arena_tokens
+        self.output_capacity = output_capacity
+        self.slots_offset = HEADER_BYTES
+        self.prompt_arena_offset = _round_up(HEADER_BYTES + n_slots * SLOT_BYTES, ALIGN)
+        self.output_arena_offset = _round_up(self.prompt_arena_offset + 4 * prompt_arena_tokens, ALIGN)
+        self.total_bytes = _round_up(self.output_arena_offset + 4 * n_slots * output_capacity, ALIGN)
+
+    @classmethod
+    def from_header(cls, hdr: np.ndarray) -> RingGeometry:
+        g = cls(int(hdr["n_slots"]), int(hdr["prompt_arena_tokens"]), int(hdr["output_capacity"]))
+        for f in ("slots_offset", "prompt_arena_offset", "output_arena_offset", "total_bytes"):
+            if int(hdr[f]) != getattr(g, f):
+                raise ValueError(f"ring header field {f}={int(hdr[f])} disagrees with geometry {getattr(g, f)}")
+        return g
+
+    def slot_offset(self, i: int) -> int:
+        return self.slots_offset + i * SLOT_BYTES
+
+    def output_offset(self, slot: int, k: int) -> int:
+        """Byte offset of generated token k of a slot (the output ring wraps)."""
+        return self.output_arena_offset + 4 * (slot * self.output_capacity + k % self.output_capacity)
+
+    def init_header(self, hdr: np.ndarray) -> None:
+        """Fill the geometry fields of a zeroed header (magic last)."""
+        hdr["version"] = RING_VERSION
+        hdr["header_bytes"] = HEADER_BYTES
+        hdr["n_slots"] = self.n_slots
+        hdr["slot_bytes"] = SLOT_BYTES
+        hdr["prompt_arena_tokens"] = self.prompt_arena_tokens
+        hdr["output_capacity"] = self.output_capacity
+        hdr["slots_offset"] = self.slots_offset
+        hdr["prompt_arena_offset"] = self.prompt_arena_offset
+        hdr["output_arena_offset"] = self.output_arena_offset
+        hdr["total_bytes"] = self.total_bytes
+        hdr["device_status"] = DeviceStatus.STARTING
+        hdr["magic"] = RING_MAGIC
+
+
+class RingView:
+    """numpy views over a ring's bytes (any writable buffer: mmap, bytearray, pinned memory).
+
+    This is the local (load/store) access path used by the emulated device and by the
+    shared-memory transport. Remote transports (RDMA) move the same byte ranges.
+    """
+
+    def __init__(self, buf, geometry: RingGeometry | None = None):
+        self.buf = memoryview(buf).cast("B")
+        self.header = np.ndarray((), HEADER_DTYPE, self.buf, 0)
+        if geometry is None:
+            if int(self.header["magic"]) != RING_MAGIC:
+                raise ValueError("not a Blink ring (bad magic)")
+            if int(self.header["version"]) != RING_VERSION:
+                raise ValueError(f"ring version {int(self.header['version'])}, expected {RING_VERSION}")
+            geometry = RingGeometry.from_header(self.header)
+        self.geo = geometry
+        if len(self.buf) < geometry.total_bytes:
+            raise ValueError(f"buffer of {len(self.buf)} B is smaller than the ring ({geometry.total_bytes} B)")
+        g = geometry
+        self.slots = np.ndarray((g.n_slots,), SLOT_DTYPE, self.buf, g.slots_offset)
+        self.prompt_arena = np.ndarray((g.prompt_arena_tokens,), TOKEN_DTYPE, self.buf, g.prompt_arena_offset)
+        self.output_arena = np.ndarray((g.n_slots, g.output_capacity), TOKEN_DTYPE, self.buf, g.output_arena_offset)
+
+    @classmethod
+    def create(cls, buf, geometry: RingGeometry) -> RingView:
+        view = cls(buf, geometry)
+        np.frombuffer(view.buf, np.uint8, geometry.total_bytes).fill(0)
+        geometry.init_header(view.header)
+        return view
