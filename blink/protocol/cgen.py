@@ -35,7 +35,7 @@ _CTYPES = {
 }
 
 
-def _struct(name: str, dtype: np.dtype, pad_to: int | None = None) -> list[str]:
+def struct_lines(name: str, dtype: np.dtype, pad_to: int | None = None) -> list[str]:
     lines = [f"struct {name} {{"]
     asserts = []
     for fname in dtype.names:
@@ -89,8 +89,8 @@ def render() -> str:
     lines += _enum("SlotError", L.SlotError, "SLOTERR")
     lines += _enum("DeviceStatus", L.DeviceStatus, "DEV")
     lines += _enum("SlotFlags", L.SlotFlags, "SLOTFLAG")
-    lines += _struct("RingHeader", L.HEADER_DTYPE, pad_to=L.HEADER_BYTES)
-    lines += _struct("RingSlot", L.SLOT_DTYPE)
+    lines += struct_lines("RingHeader", L.HEADER_DTYPE, pad_to=L.HEADER_BYTES)
+    lines += struct_lines("RingSlot", L.SLOT_DTYPE)
     lines += ["}  // namespace blink", ""]
     return "\n".join(lines)
 
