@@ -1,0 +1,56 @@
+"""The executor interface: one model step over a packed batch, KV cache held by the executor.
+
+The Python ring interpreter (`blink.device.ring_device`) owns scheduling and the KV block
+tables; an executor owns weights and the KV pool and runs one step. Two executors exist:
+`blink.device.numpy_executor` (the emulated device) and `blink.gpu.host_executor` (CUDA graphs
+launched from the host: the baseline of the scheduler ablation). The GPU-resident scheduler
+drives the same CUDA graphs through the buffers described in `blink.gpu.abi`, with the same
+meaning as the fields below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass
+class StepBatch:
+    """One step. S sequences, T packed tokens (decode: T == S)."""
+
+    input_ids: np.ndarray  # (T,) int32  packed token ids
+    positions: np.ndarray  # (T,) int32  position of each token within its sequence
+    cu_q_lens: np.ndarray  # (S+1,) int32  prefix sums of tokens per sequence
+    seq_lens: np.ndarray  # (S,) int32  context length of each sequence after this step
+    block_tables: np.ndarray  # (S, max_blocks_per_seq) int32  physical block of each logical block
+    temperature: np.ndarray  # (S,) float32  0 = greedy
+    top_p: np.ndarray  # (S,) float32
+    top_k: np.ndarray  # (S,) int32  0 = off
+    seeds: np.ndarray  # (S,) uint64
+    sample_pos: np.ndarray  # (S,) uint32  index k of the token being sampled
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class Executor(Protocol):
+    vocab_size: int
+    max_context: int  # longest sequence (prompt + generated) the executor accepts
+    block_size: int  # tokens per KV block
+    num_blocks: int  # KV blocks in the pool
+    max_batch: int  # sequences per step
+    max_tokens: int  # packed tokens per step
+
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        """Run the step: write K/V of every token into its block, sample one token per sequence
+        from the logits of its last token. Returns (S,) int32."""
+        ...
+
+    def close(self) -> None: ...
