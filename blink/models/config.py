@@ -1,0 +1,288 @@
+"""Model configuration: one frozen dataclass for the Llama family (Llama 2/3.x, SmolLM2, Qwen3).
+
+Built once at the edge from an HF `config.json` dict, from GGUF metadata, or from a named
+preset (random weights, real shapes) and then passed around read-only. Every engine (numpy,
+CUDA) derives its shapes from here, so the presets are the shared vocabulary of benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+ARCHS = ("llama", "qwen3")
+
+# HF `architectures` / `model_type` -> our arch.  Mistral-style models are plain Llama here.
+_HF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
+_GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3"}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes an architecture or feature this engine does not implement."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `type` is 'llama3' (Llama 3.1+) or 'default' (none)."""
+
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.type not in ("default", "llama3"):
+            raise UnsupportedModelError(f"rope scaling type {self.type!r} is not supported (default, llama3)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # "llama" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each q/k head before RoPE
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    name: str
+    rope_scaling: RopeScaling = RopeScaling()
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise UnsupportedModelError(f"arch {self.arch!r} is not supported ({', '.join(ARCHS)})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """(head_dim/2,) float64 inverse frequencies, with Llama-3 scaling applied (as transformers does)."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = config.rope_scaling
+    if rs.type == "default":
+        return inv
+    low_wavelen = rs.original_max_position / rs.low_freq_factor
+    high_wavelen = rs.original_max_position / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def _rope_scaling_from_hf(d: Mapping[str, Any] | None) -> RopeScaling:
+    if not d:
+        return RopeScaling()
+    kind = d.get("rope_type", d.get("type", "default"))
+    if kind == "default":
+        return RopeScaling()
+    if kind != "llama3":
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, llama3)")
+    return RopeScaling(
+        type="llama3",
+        factor=float(d["factor"]),
+        low_freq_factor=float(d["low_freq_factor"]),
+        high_freq_factor=float(d["high_freq_factor"]),
+        original_max_position=int(d["original_max_position_embeddings"]),
+    )
+
+
+def _eos_tuple(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, (list, tuple)):
+        return tuple(int(x) for x in v)
+    return (int(v),)
+
+
+def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
+    """ModelConfig from a parsed HF config.json."""
+    archs = d.get("architectures") or []
+    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None)
+    if arch is None:
+        arch = _HF_MODEL_TYPE.get(d.get("model_type", ""))
+    if arch is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs or d.get('model_type')!r}; supported: {sorted(_HF_ARCH)}"
+        )
+    # transformers >= 5 writes rope_theta and the scaling into `rope_parameters`.
+    rope_params = d.get("rope_parameters") or {}
+    rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+    scaling = d.get("rope_scaling") or (rope_params if "rope_type" in rope_params else None)
+    heads = int(d["num_attention_heads"])
+    hidden = int(d["hidden_size"])
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or hidden // heads),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling_from_hf(scaling),
+        rms_eps=float(d.get("rms_norm_eps", 1e-6)),
+        max_position=int(d.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qk_norm=arch == "qwen3",
+        bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
+        eos_token_ids=_eos_tuple(d.get("eos_token_id")),
+        name=name or str(d.get("_name_or_path", "") or arch),
+    )
+
+
+def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: set[str], name: str = "") -> ModelConfig:
+    """ModelConfig from GGUF key/value metadata (values already decoded) and the tensor names."""
+    ga = str(meta.get("general.architecture", ""))
+    arch = _GGUF_ARCH.get(ga)
+    if arch is None:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {ga!r}; supported: {sorted(_GGUF_ARCH)}")
+
+    def key(k: str, default: Any = None) -> Any:
+        v = meta.get(f"{ga}.{k}", default)
+        if v is None:
+            raise UnsupportedModelError(f"GGUF metadata lacks {ga}.{k}")
+        return v
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(meta.get(f"{ga}.attention.key_length", 0) or meta.get(f"{ga}.rope.dimension_count", 0))
+    head_dim = head_dim or hidden // heads
+    vocab = meta.get(f"{ga}.vocab_size")
+    if vocab is None:
+        vocab = len(meta["tokenizer.ggml.tokens"])
+    scaling = RopeScaling()
+    if meta.get(f"{ga}.rope.scaling.type", "none") not in ("none", "linear") or "rope_freqs.weight" in tensor_names:
+        # llama.cpp stores Llama-3 scaling as a rope_freqs tensor; the loader checks it against these.
+        scaling = RopeScaling(
+            type="llama3",
+            factor=float(meta.get(f"{ga}.rope.scaling.factor", 8.0)),
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position=int(meta.get(f"{ga}.rope.scaling.original_context_length", 8192)),
+        )
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    eos_ids = _eos_tuple(eos) + tuple(x for x in _eos_tuple(eot) if x not in _eos_tuple(eos))
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{ga}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=float(meta.get(f"{ga}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_eps=float(np.float32(key("attention.layer_norm_rms_epsilon"))),
+        max_position=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qk_norm=arch == "qwen3",
+        bos_token_id=None
+        if meta.get("tokenizer.ggml.bos_token_id") is None
+        else int(meta["tokenizer.ggml.bos_token_id"]),
+        eos_token_ids=eos_ids,
+        name=name or str(meta.get("general.name", ga)),
+    )
+
+
+_LLAMA31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+
+# Real shapes of the models the paper evaluates, plus tiny ones for tests.
+# fmt: off
+_PRESETS: dict[str, ModelConfig] = {
+    "llama3-8b": ModelConfig(
+        arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=_LLAMA31_SCALING,
+        rms_eps=1e-5, max_position=131072, tie_word_embeddings=False, qk_norm=False,
+        bos_token_id=128000, eos_token_ids=(128009, 128001, 128008), name="llama3-8b",
+    ),
+    "qwen3-8b": ModelConfig(
+        arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_eps=1e-6,
+        max_position=40960, tie_word_embeddings=False, qk_norm=True,
+        bos_token_id=151643, eos_token_ids=(151645, 151643), name="qwen3-8b",
+    ),
+    "qwen3-32b": ModelConfig(
+        arch="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
+        num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_eps=1e-6,
+        max_position=40960, tie_word_embeddings=False, qk_norm=True,
+        bos_token_id=151643, eos_token_ids=(151645, 151643), name="qwen3-32b",
+    ),
+    "smollm2-135m": ModelConfig(
+        arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_eps=1e-5,
+        max_position=8192, tie_word_embeddings=True, qk_norm=False,
+        bos_token_id=1, eos_token_ids=(2,), name="smollm2-135m",
+    ),
+    # Tiny shapes keep GQA (group 2), llama3 scaling, tied / untied and qk-norm covered in tests.
+    "tiny-llama": ModelConfig(
+        arch="llama", vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 32), rms_eps=1e-5, max_position=1024,
+        tie_word_embeddings=True, qk_norm=False, bos_token_id=1, eos_token_ids=(2,), name="tiny-llama",
+    ),
+    "tiny-qwen3": ModelConfig(
+        arch="qwen3", vocab_size=768, hidden_size=96, intermediate_size=192, num_layers=3,
+        num_heads=6, num_kv_heads=2, head_dim=32, rope_theta=1000000.0, rms_eps=1e-6,
+        max_position=1024, tie_word_embeddings=False, qk_norm=True,
+        bos_token_id=1, eos_token_ids=(2,), name="tiny-qwen3",
+    ),
+}
+# fmt: on
+
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def preset(name: str) -> ModelConfig:
+    """A named shape preset (weights come from `blink.models.weights.random_weights`)."""
+    try:
+        return _PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown model preset {name!r}; known: {', '.join(_PRESETS)}") from None

@@ -1,0 +1,243 @@
+"""Model weights as `dict[name, np.ndarray]` in ONE naming: Hugging Face's, shapes as HF (out, in).
+
+    model.embed_tokens.weight                       (vocab, hidden)
+    model.layers.{i}.input_layernorm.weight         (hidden,)
+    model.layers.{i}.self_attn.q_proj.weight        (heads*head_dim, hidden)
+    model.layers.{i}.self_attn.k_proj.weight        (kv_heads*head_dim, hidden)
+    model.layers.{i}.self_attn.v_proj.weight        (kv_heads*head_dim, hidden)
+    model.layers.{i}.self_attn.o_proj.weight        (hidden, heads*head_dim)
+    model.layers.{i}.self_attn.q_norm.weight        (head_dim,)   qwen3 only
+    model.layers.{i}.self_attn.k_norm.weight        (head_dim,)   qwen3 only
+    model.layers.{i}.post_attention_layernorm.weight (hidden,)
+    model.layers.{i}.mlp.gate_proj.weight           (intermediate, hidden)
+    model.layers.{i}.mlp.up_proj.weight             (intermediate, hidden)
+    model.layers.{i}.mlp.down_proj.weight           (hidden, intermediate)
+    model.norm.weight                               (hidden,)
+    lm_head.weight                                  (vocab, hidden)   absent when tied
+
+Loaders: GGUF (dequantised to float32; llama.cpp's q/k row permutation undone so RoPE is the
+HF rotate-half form), an HF directory (config.json + *.safetensors, bf16 widened to float32),
+and `random_weights` for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import zlib
+from typing import Any
+
+import numpy as np
+
+from blink.models.config import ModelConfig, UnsupportedModelError, from_gguf_metadata, from_hf_config, rope_inv_freq
+from blink.models.progress import ProgressFn, make_progress
+
+Weights = dict[str, np.ndarray]
+
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor of `config` and its shape, in load order."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, c.hidden_size)
+        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, c.hidden_size)
+        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, c.hidden_size)
+        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+    shapes["model.norm.weight"] = (c.hidden_size,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: Weights) -> None:
+    """Raise ValueError unless `weights` holds exactly the canonical tensors with the right shapes."""
+    expected = weight_shapes(config)
+    missing = [k for k in expected if k not in weights]
+    extra = [k for k in weights if k not in expected]
+    bad = [f"{k}: {weights[k].shape} != {s}" for k, s in expected.items() if k in weights and weights[k].shape != s]
+    if missing or extra or bad:
+        raise ValueError(f"weights do not match config: missing={missing[:5]} extra={extra[:5]} bad_shapes={bad[:5]}")
+
+
+def random_weights(config: ModelConfig, seed: int = 0, dtype: Any = np.float32) -> Weights:
+    """Random weights that keep activations O(1): linears ~ N(0, 1/fan_in), embeddings ~ N(0, 1/hidden)
+    (tied logits then have unit scale), norm gains ~ 1 + N(0, 0.1). Each tensor draws from its own
+    stream keyed by (seed, name), so a GPU engine can generate any one tensor alone, identically."""
+    out: Weights = {}
+    for name, shape in weight_shapes(config).items():
+        out[name] = random_tensor(name, shape, seed, dtype)
+    return out
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int = 0, dtype: Any = np.float32) -> np.ndarray:
+    """The tensor `random_weights` gives for `name` (see there)."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if len(shape) == 1:
+        w = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    else:
+        w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[1]))
+    return w.astype(dtype, copy=False)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """Decoded key/value metadata of an open `gguf.GGUFReader`."""
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's convert script interleaves each head's rows (pairs) for its rotate-adjacent RoPE;
+    # invert it to recover the HF rotate-half layout.
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequant(tensor: Any) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    qt = tensor.tensor_type
+    if qt == GGMLQuantizationType.F32:
+        return np.array(tensor.data, dtype=np.float32)
+    if qt == GGMLQuantizationType.F16:
+        return np.asarray(tensor.data).astype(np.float32)
+    return quants.dequantize(tensor.data, qt).astype(np.float32, copy=False)
+
+
+def load_gguf_weights(
+    reader: Any, config: ModelConfig, progress: bool | ProgressFn | None = None, dtype: Any = np.float32
+) -> Weights:
+    """Dequantise every tensor of an open GGUFReader into canonical names (float32 unless `dtype`)."""
+    report = make_progress(progress, "loading weights", "B")
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    done = 0
+    out: Weights = {}
+    for t in reader.tensors:
+        w = _dequant(t)
+        if t.name == "rope_freqs.weight":
+            _check_rope_freqs(config, w)
+        else:
+            m = _GGUF_BLK.match(t.name)
+            if m and m.group(2) in _GGUF_LAYER:
+                name = f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+            elif t.name in _GGUF_GLOBAL:
+                name = _GGUF_GLOBAL[t.name]
+            else:
+                raise UnsupportedModelError(f"unexpected GGUF tensor {t.name!r}")
+            if config.arch == "llama" and name.endswith("q_proj.weight"):
+                w = _unpermute_rope_rows(w, config.num_heads)
+            elif config.arch == "llama" and name.endswith("k_proj.weight"):
+                w = _unpermute_rope_rows(w, config.num_kv_heads)
+            out[name] = w.astype(dtype, copy=False)
+        done += int(t.n_bytes)
+        if report:
+            report(done, total)
+    check_weights(config, out)
+    return out
+
+
+def _check_rope_freqs(config: ModelConfig, factors: np.ndarray) -> None:
+    d = config.head_dim
+    base = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    ours = base / rope_inv_freq(config)
+    if factors.shape != ours.shape or not np.allclose(factors, ours, rtol=1e-4):
+        raise UnsupportedModelError("GGUF rope_freqs do not match Llama-3 scaling (factor 8, low 1, high 4)")
+
+
+def load_gguf(
+    path: str | os.PathLike[str], progress: bool | ProgressFn | None = None
+) -> tuple[ModelConfig, Weights, dict[str, Any]]:
+    """(config, weights, metadata) of a GGUF file; metadata feeds `blink.models.tokenizer.from_gguf_metadata`."""
+    import gguf
+
+    reader = gguf.GGUFReader(os.fspath(path))
+    meta = gguf_metadata(reader)
+    config = from_gguf_metadata(meta, {t.name for t in reader.tensors}, name=pathlib.Path(path).stem)
+    return config, load_gguf_weights(reader, config, progress), meta
+
+
+# ---------------------------------------------------------------- HF directory
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}
+
+
+def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """All tensors of one .safetensors file as float32 (bf16 widened by a 16-bit shift)."""
+    from safetensors import safe_open
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    data_start = 8 + n
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out: dict[str, np.ndarray] = {}
+    with safe_open(os.fspath(path), "np") as sf:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] == "BF16":
+                a, b = info["data_offsets"]
+                bits = raw[data_start + a : data_start + b].view(np.uint16).reshape(info["shape"])
+                out[name] = (bits.astype(np.uint32) << 16).view(np.float32)
+            elif info["dtype"] in _ST_DTYPES:
+                out[name] = sf.get_tensor(name).astype(np.float32, copy=False)
+            else:
+                raise UnsupportedModelError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+    return out
+
+
+def load_hf_dir(path: str | os.PathLike[str], progress: bool | ProgressFn | None = None) -> tuple[ModelConfig, Weights]:
+    """(config, weights) of an HF model directory (config.json + *.safetensors)."""
+    root = pathlib.Path(path)
+    config = from_hf_config(json.loads((root / "config.json").read_text()), name=root.name)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {root}")
+    report = make_progress(progress, "loading weights", "B")
+    total = sum(f.stat().st_size for f in files)
+    done = 0
+    expected = weight_shapes(config)
+    out: Weights = {}
+    for f in files:
+        for name, w in _read_safetensors(f).items():
+            # Skip buffers some checkpoints carry (rotary inv_freq) and a duplicate tied head.
+            if name in expected:
+                out[name] = w
+        done += f.stat().st_size
+        if report:
+            report(done, total)
+    check_weights(config, out)
+    return config, out
