@@ -1,0 +1,156 @@
+"""Tokenizer + chat template, built from GGUF metadata or an HF directory. No network.
+
+GGUF: a byte-level BPE `tokenizers.Tokenizer` from tokenizer.ggml.{tokens,merges,token_type};
+control tokens (type 3) become special added tokens. The pre-tokenizer splits digits one by one
+before the GPT-2 regex, which is llama.cpp's "smollm" pre-type (verified against transformers on
+digits, unicode, whitespace, code and chat prompts). Chat templates render in a sandboxed jinja2
+environment configured as transformers does (trim_blocks, lstrip_blocks, raise_exception).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from blink.models.config import UnsupportedModelError
+
+_CONTROL = 3  # llama.cpp token_type for control tokens
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _compile_template(source: str) -> Any:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """encode/decode + chat template; ids of bos/eos and the special tokens."""
+
+    def __init__(
+        self,
+        tok: Any,
+        chat_template: str | None,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos: bool = False,
+    ) -> None:
+        self._tok = tok
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.add_bos = add_bos
+        self.special_tokens = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def token_str(self, i: int | None) -> str:
+        return "" if i is None else (self._tok.id_to_token(int(i)) or "")
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template")
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.token_str(self.bos_token_id),
+            eos_token=self.token_str(self.eos_token_id),
+            **kwargs,
+        )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template already contains any bos text; do not add another.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+
+
+def from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
+    """Build from decoded GGUF metadata (`blink.models.weights.gguf_metadata`)."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (gpt2 byte-level BPE)")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if meta.get("tokenizer.ggml.pre", "default") == "smollm":
+        split.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(split)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL]
+    )
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    return Tokenizer(
+        tok,
+        meta.get("tokenizer.chat_template"),
+        None if bos is None else int(bos),
+        list(dict.fromkeys(eos_ids)),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def _token_content(v: Any) -> str | None:
+    return v.get("content") if isinstance(v, dict) else v
+
+
+def from_hf_dir(path: str | os.PathLike[str], eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """Load tokenizer.json + tokenizer_config.json (+ chat_template.jinja) from an HF directory.
+    `eos_token_ids` (e.g. from config.json / generation_config.json) extend the template's eos."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    root = pathlib.Path(path)
+    tok = HFTokenizer.from_file(os.fspath(root / "tokenizer.json"))
+    cfg_path = root / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if template is None and (root / "chat_template.jinja").exists():
+        template = (root / "chat_template.jinja").read_text()
+    bos_str, eos_str = _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token"))
+    bos = tok.token_to_id(bos_str) if bos_str else None
+    eos = [tok.token_to_id(eos_str)] if eos_str and tok.token_to_id(eos_str) is not None else []
+    gen_path = root / "generation_config.json"
+    if gen_path.exists():
+        g = json.loads(gen_path.read_text()).get("eos_token_id")
+        eos += g if isinstance(g, list) else ([g] if g is not None else [])
+    eos += list(eos_token_ids)
+    return Tokenizer(
+        tok, template, bos, list(dict.fromkeys(int(e) for e in eos)), add_bos=bool(cfg.get("add_bos_token", False))
+    )
