@@ -1,0 +1,121 @@
+"""Deploy config parsing, pure placement planning, and cluster.yaml against Ray's own validator."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from blink.actors.config import ConfigError, DeployConfig, load_deploy_config, parse_deploy_config
+from blink.actors.placement import plan_placement
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_config_defaults_and_nested_tables(tmp_path: Path) -> None:
+    f = tmp_path / "blink.toml"
+    f.write_text('name = "dp"\nreplicas = 2\ndevice = "emulated"\n[ring]\nn_slots = 8\n[http]\nport = 0\n')
+    cfg = load_deploy_config(f)
+    assert cfg.name == "dp" and cfg.replicas == 2 and cfg.device == "emulated"
+    assert cfg.ring.n_slots == 8 and cfg.ring.output_capacity == DeployConfig().ring.output_capacity
+    assert cfg.http.port == 0
+    assert cfg.gpu_actor_name(1) == "dp-gpu-1" and cfg.ring_name(0) == "dp-ring-0"
+    with pytest.raises(AttributeError):
+        cfg.replicas = 3  # type: ignore[misc]  # frozen
+
+
+@pytest.mark.parametrize(
+    "data, msg",
+    [
+        ({"replica": 2}, "unknown key"),
+        ({"ring": {"n_slot": 2}}, "unknown key"),
+        ({"http": {"port": "80"}}, "must be int"),
+        ({"replicas": True}, "must be int"),
+        ({"device": "tpu"}, "device must be"),
+        ({"placement": {"dpu": "maybe"}}, "placement.dpu"),
+        ({"ring": 3}, "must be a table"),
+        ({"lifecycle": {"down_after_s": 0}}, "down_after_s"),
+    ],
+)
+def test_config_rejects_bad_input(data: dict, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        parse_deploy_config(data)
+
+
+def test_overrides_apply_after_file() -> None:
+    cfg = load_deploy_config(None, replicas=3, name="x")
+    assert (cfg.replicas, cfg.name) == (3, "x")
+
+
+def _cfg(**kw) -> DeployConfig:
+    return parse_deploy_config(kw)
+
+
+def test_plan_frontend_beside_gpus_without_dpu() -> None:
+    plan = plan_placement(_cfg(replicas=2), [{"CPU": 16, "GPU": 2}])
+    assert plan.use_gpu and not plan.use_dpu and plan.strategy == "STRICT_PACK"
+    assert plan.bundles == ({"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0})
+    assert plan.gpu_bundle(1) == 2 and plan.frontend_bundle == 0
+
+
+def test_plan_frontend_on_dpu_node() -> None:
+    plan = plan_placement(_cfg(replicas=2), [{"CPU": 16, "GPU": 2}, {"CPU": 4, "dpu": 2}])
+    assert plan.use_dpu and plan.strategy == "PACK"
+    assert plan.bundles[0] == {"CPU": 1.0, "dpu": 1.0}
+    assert all("dpu" not in b for b in plan.bundles[1:])
+    off = plan_placement(_cfg(replicas=2, placement={"dpu": "off"}), [{"CPU": 16, "GPU": 2}, {"CPU": 4, "dpu": 2}])
+    assert not off.use_dpu and off.strategy == "STRICT_PACK"
+
+
+def test_plan_replicas_zero_means_one_per_gpu() -> None:
+    assert plan_placement(_cfg(replicas=0), [{"CPU": 64, "GPU": 8}]).replicas == 8
+    with pytest.raises(ConfigError, match="no GPU"):
+        plan_placement(_cfg(replicas=0), [{"CPU": 8}])
+
+
+def test_plan_auto_device_falls_back_to_emulated_without_gpus() -> None:
+    plan = plan_placement(_cfg(replicas=2), [{"CPU": 8}])
+    assert not plan.use_gpu and all("GPU" not in b for b in plan.bundles)
+    with pytest.raises(ConfigError, match="need 2 GPUs"):
+        plan_placement(_cfg(replicas=2, device="cuda"), [{"CPU": 8, "GPU": 1}])
+
+
+def test_plan_rejects_what_cannot_fit() -> None:
+    # GPUs on two hosts and no dpu node: the shm ring needs one host, so refuse up front.
+    with pytest.raises(ConfigError, match="one host"):
+        plan_placement(_cfg(replicas=2, device="cuda"), [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}])
+    with pytest.raises(ConfigError, match="require"):
+        plan_placement(_cfg(placement={"dpu": "require"}), [{"CPU": 8, "GPU": 1}])
+    with pytest.raises(ConfigError, match="room for the frontend"):
+        plan_placement(_cfg(placement={"frontend_cpus": 8.0}), [{"CPU": 8, "GPU": 1}, {"CPU": 2, "dpu": 1}])
+
+
+def _prepared(cfg: dict) -> dict:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(copy.deepcopy(cfg))
+    validate_config(prepared)
+    return prepared
+
+
+def test_cluster_yaml_passes_ray_validation() -> None:
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert raw["provider"]["type"] == "local"
+    assert raw["provider"]["head_ip"] and raw["provider"]["worker_ips"]
+    prepared = _prepared(raw)
+    node_type = prepared["available_node_types"][prepared["head_node_type"]]
+    assert node_type["max_workers"] == len(raw["provider"]["worker_ips"])
+    text = (ROOT / "cluster.yaml").read_text()
+    assert '"dpu"' in text and "pip install" in text
+    assert any("blink" in c for c in raw["setup_commands"])
+
+
+def test_ray_validation_catches_a_broken_cluster_yaml() -> None:
+    import jsonschema
+
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    raw["setup_command"] = raw.pop("setup_commands")  # misspelled key
+    with pytest.raises(jsonschema.ValidationError):
+        _prepared(raw)
