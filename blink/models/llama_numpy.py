@@ -1,0 +1,205 @@
+"""Float32 numpy forward of the Llama family (Llama 3.x, SmolLM2, Qwen3) over a paged KV cache.
+
+One call runs a packed varlen batch: T tokens of S sequences (prefill chunks and decode rows
+mixed), every token at its own position. Per layer:
+
+    h = rmsnorm(x) @ W_qkv                      one GEMM for all T rows (q, k, v fused at load)
+    q, k = qk_norm(q, k) (qwen3); rope(q, k)    HF rotate-half form, llama3 frequency scaling
+    K/V of every token -> cache[block_tables[s, pos // bs], pos % bs]
+    attention: each query at position p sees cached keys 0..p of its own sequence (GQA groups)
+    x += attn @ W_o;  x += silu(g) * u @ W_down with [g|u] = rmsnorm(x) @ W_gate_up
+
+Writing K/V before attending makes a chunk see itself causally and earlier chunks through the
+cache, so prefill, chunked prefill and decode are the same code. Decode rows (one query each)
+attend in one batched matmul over their gathered blocks; longer chunks go one sequence at a time.
+
+KV pool layout (the Executor contract): k_cache, v_cache (layers, num_blocks, block_size, kv_heads, head_dim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.models.config import ModelConfig, rope_inv_freq
+from blink.models.weights import Weights, check_weights
+
+_Q_CHUNK = 256  # query rows per attention block in prefill (bounds the score matrix)
+
+
+@dataclass
+class _Layer:
+    ln1: np.ndarray  # (hidden,)
+    w_qkv: np.ndarray  # (hidden, q_size + 2*kv_size)   input-major so x @ w is one GEMM
+    q_norm: np.ndarray | None  # (head_dim,)  qwen3
+    k_norm: np.ndarray | None  # (head_dim,)
+    w_o: np.ndarray  # (q_size, hidden)
+    ln2: np.ndarray  # (hidden,)
+    w_gate_up: np.ndarray  # (hidden, 2*intermediate)
+    w_down: np.ndarray  # (intermediate, hidden)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return x * (1.0 / np.sqrt(ms + np.float32(eps))) * w
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    # x (T, heads, D); cos/sin (T, 1, D/2); rotate-half pairs dim i with i + D/2.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _softmax_rows(s: np.ndarray) -> np.ndarray:
+    s = s - s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s
+
+
+class LlamaNumpy:
+    """Weights fused and transposed once; `forward` runs one packed step against a KV pool."""
+
+    def __init__(self, config: ModelConfig, weights: Weights) -> None:
+        check_weights(config, weights)
+        c = config
+        self.config = c
+
+        def f32(a: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(a, dtype=np.float32)
+
+        self.embed = f32(weights["model.embed_tokens.weight"])  # (vocab, hidden)
+        # Tied: the head is the embedding; x @ embed.T is a transposed GEMM, no copy.
+        self.lm_head = self.embed if c.tie_word_embeddings else f32(weights["lm_head.weight"])  # (vocab, hidden)
+        self.norm = f32(weights["model.norm.weight"])
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = np.concatenate([weights[a + n + "_proj.weight"] for n in "qkv"], axis=0)
+            gu = np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], axis=0)
+            self.layers.append(
+                _Layer(
+                    ln1=f32(weights[p + "input_layernorm.weight"]),
+                    w_qkv=f32(qkv.T),
+                    q_norm=f32(weights[a + "q_norm.weight"]) if c.qk_norm else None,
+                    k_norm=f32(weights[a + "k_norm.weight"]) if c.qk_norm else None,
+                    w_o=f32(weights[a + "o_proj.weight"].T),
+                    ln2=f32(weights[p + "post_attention_layernorm.weight"]),
+                    w_gate_up=f32(gu.T),
+                    w_down=f32(weights[p + "mlp.down_proj.weight"].T),
+                )
+            )
+        self.inv_freq = rope_inv_freq(c)  # (head_dim/2,) float64
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        c = self.config
+        return (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        cu_q_lens: np.ndarray,
+        block_tables: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        logits_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Run one step; writes K/V into the caches. Returns logits (R, vocab) float32 of the packed
+        rows `logits_rows` (default: the last token of each sequence)."""
+        c = self.config
+        ids = np.asarray(input_ids, dtype=np.int64)
+        pos = np.asarray(positions, dtype=np.int64)
+        cu = np.asarray(cu_q_lens, dtype=np.int64)
+        T, S = ids.shape[0], cu.shape[0] - 1
+        q_lens = np.diff(cu)
+        seq_of_tok = np.repeat(np.arange(S), q_lens)
+        bs = k_cache.shape[2]
+        blk = np.asarray(block_tables, dtype=np.int64)[seq_of_tok, pos // bs]
+        off = pos % bs
+
+        ang = pos[:, None].astype(np.float64) * self.inv_freq[None, :]
+        cos = np.cos(ang).astype(np.float32)[:, None, :]
+        sin = np.sin(ang).astype(np.float32)[:, None, :]
+
+        # Decode rows (q_len 1) attend together; their context is seq length = pos + 1.
+        dec_seqs = np.flatnonzero(q_lens == 1)
+        long_seqs = np.flatnonzero(q_lens > 1)
+        dec_tok = cu[dec_seqs]
+        bt = np.asarray(block_tables, dtype=np.int64)
+
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        scale = np.float32(1.0 / np.sqrt(D))
+        x = self.embed[ids]  # (T, hidden)
+        for li, L in enumerate(self.layers):
+            h = rmsnorm(x, L.ln1, c.rms_eps) @ L.w_qkv
+            q = h[:, : c.q_size].reshape(T, H, D)
+            k = h[:, c.q_size : c.q_size + c.kv_size].reshape(T, KVH, D)
+            v = h[:, c.q_size + c.kv_size :].reshape(T, KVH, D)
+            if L.q_norm is not None:
+                q = rmsnorm(q, L.q_norm, c.rms_eps)
+                k = rmsnorm(k, L.k_norm, c.rms_eps)
+            q = _rope(q, cos, sin) * scale
+            k = _rope(k, cos, sin)
+            kc, vc = k_cache[li], v_cache[li]
+            kc[blk, off] = k
+            vc[blk, off] = v
+
+            attn = np.empty((T, H, D), dtype=np.float32)
+            if dec_seqs.size:
+                attn[dec_tok] = self._attend_decode(q[dec_tok], pos[dec_tok], bt[dec_seqs], kc, vc)
+            for s in long_seqs:
+                a, b = int(cu[s]), int(cu[s + 1])
+                attn[a:b] = self._attend_seq(q[a:b], pos[a:b], bt[s], kc, vc)
+            x = x + attn.reshape(T, c.q_size) @ L.w_o
+
+            gu = rmsnorm(x, L.ln2, c.rms_eps) @ L.w_gate_up
+            g, u = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
+            with np.errstate(over="ignore"):
+                act = g / (1.0 + np.exp(-g)) * u
+            x = x + act @ L.w_down
+
+        rows = cu[1:] - 1 if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
+        return rmsnorm(x[rows], self.norm, c.rms_eps) @ self.lm_head.T
+
+    def _attend_decode(
+        self, q: np.ndarray, pos: np.ndarray, bt: np.ndarray, kc: np.ndarray, vc: np.ndarray
+    ) -> np.ndarray:
+        # q (S, H, D) already scaled; each row sees keys 0..pos of its sequence.
+        c = self.config
+        S, KVH, D = q.shape[0], c.num_kv_heads, c.head_dim
+        G = c.num_heads // KVH
+        bs = kc.shape[1]
+        nb = int(pos.max()) // bs + 1
+        # Rows shorter than the longest may carry padding ids past their blocks; clip, then mask.
+        bt = np.clip(bt[:, :nb], 0, kc.shape[0] - 1)
+        keys = kc[bt].reshape(S, nb * bs, KVH, D).transpose(0, 2, 3, 1)  # (S, KVH, D, L)
+        vals = vc[bt].reshape(S, nb * bs, KVH, D).transpose(0, 2, 1, 3)  # (S, KVH, L, D)
+        s = q.reshape(S, KVH, G, D) @ keys  # batch (S, KVH): (G, D) @ (D, L)
+        mask = np.arange(nb * bs)[None, :] > pos[:, None]  # (S, L)
+        s[np.broadcast_to(mask[:, None, None, :], s.shape)] = -np.inf
+        return (_softmax_rows(s) @ vals).reshape(S, c.num_heads, D)
+
+    def _attend_seq(self, q: np.ndarray, pos: np.ndarray, bt: np.ndarray, kc: np.ndarray, vc: np.ndarray) -> np.ndarray:
+        # q (n, H, D) of one sequence, scaled; key j visible to query i iff j <= pos[i].
+        c = self.config
+        n, KVH, D = q.shape[0], c.num_kv_heads, c.head_dim
+        G = c.num_heads // KVH
+        bs = kc.shape[1]
+        ctx = int(pos.max()) + 1
+        nb = (ctx + bs - 1) // bs
+        keys = kc[bt[:nb]].reshape(nb * bs, KVH, D)[:ctx].transpose(1, 2, 0)[:, None]  # (KVH, 1, D, ctx)
+        vals = vc[bt[:nb]].reshape(nb * bs, KVH, D)[:ctx].transpose(1, 0, 2)[:, None]  # (KVH, 1, ctx, D)
+        out = np.empty((n, c.num_heads, D), dtype=np.float32)
+        qg = q.reshape(n, KVH, G, D).transpose(1, 2, 0, 3)  # (KVH, G, n, D)
+        for a in range(0, n, _Q_CHUNK):
+            b = min(n, a + _Q_CHUNK)
+            s = qg[:, :, a:b] @ keys  # (KVH, G, m, ctx)
+            mask = np.arange(ctx)[None, :] > pos[a:b, None]  # (m, ctx)
+            s[np.broadcast_to(mask, s.shape)] = -np.inf
+            o = _softmax_rows(s) @ vals  # (KVH, G, m, D)
+            out[a:b] = o.transpose(2, 0, 1, 3).reshape(b - a, c.num_heads, D)
+        return out
