@@ -1,0 +1,227 @@
+"""Configuration, parsed once at the edge into frozen dataclasses.
+
+Sources, later ones win: defaults < config file (JSON, TOML; YAML when pyyaml is installed)
+< command-line flags. A file is a mapping of sections (`server`, `ring`, `device`, `model`) to
+mappings of fields. Unknown sections or keys, wrong types and out-of-range values are errors
+that name the offending key. Nothing below the edge reads environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names it."""
+
+
+def _bounds(section: str, name: str, value: float | int, lo: float | None = None, hi: float | None = None) -> None:
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+        raise ConfigError(f"{section}.{name} = {value!r} is outside {rng}")
+
+
+def _choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{section}.{name} = {value!r}; expected one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds (loopback by default; 0.0.0.0 exposes it)."""
+    port: int = 8000
+    """TCP port of the HTTP server; 0 picks a free one."""
+    api_key: str | None = None
+    """When set, every /v1 request needs `Authorization: Bearer <api_key>`."""
+    max_body_bytes: int = 4 << 20
+    """Largest accepted request body; larger ones get 413."""
+    max_queue: int = 1024
+    """Requests that may wait for a free ring slot; beyond that new requests get 429."""
+    heartbeat_timeout_s: float = 30.0
+    """Device heartbeat silence (seconds) that counts as a device failure."""
+
+    def __post_init__(self) -> None:
+        _bounds("server", "port", self.port, 0, 65535)
+        _bounds("server", "max_body_bytes", self.max_body_bytes, 1024, 1 << 30)
+        _bounds("server", "max_queue", self.max_queue, 0, 1 << 20)
+        _bounds("server", "heartbeat_timeout_s", self.heartbeat_timeout_s, 0.1, 3600)
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("server.api_key must not be empty (leave it unset to disable auth)")
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    n_slots: int = 256
+    """Request slots in the ring: the most requests in flight on the device at once."""
+    prompt_arena_tokens: int = 256 * 8192
+    """Prompt arena size in tokens; each slot owns prompt_arena_tokens // n_slots of it."""
+    output_capacity: int = 1024
+    """Output ring tokens per slot; the device pauses a slot whose reader falls this far behind."""
+
+    def __post_init__(self) -> None:
+        _bounds("ring", "n_slots", self.n_slots, 1, 1 << 16)
+        _bounds("ring", "output_capacity", self.output_capacity, 1, 1 << 20)
+        _bounds("ring", "prompt_arena_tokens", self.prompt_arena_tokens, self.n_slots, 1 << 28)
+
+    @property
+    def prompt_tokens_per_slot(self) -> int:
+        return self.prompt_arena_tokens // self.n_slots
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    kind: str = "auto"
+    """auto (cuda when a GPU is usable, else emulated) | emulated (numpy on the CPU) | cuda."""
+    scheduler: str = "gpu"
+    """gpu: the persistent scheduler kernel; host: the host-driven loop (baseline). cuda only."""
+    max_batch: int = 32
+    """Sequences per decode step."""
+    max_tokens: int = 2048
+    """Packed tokens per step (prefill chunk size)."""
+    kv_block_size: int = 16
+    """Tokens per KV cache block."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool; None sizes the pool from kv_cache_fraction (cuda) or max_batch x max_context."""
+    kv_cache_fraction: float = 0.9
+    """Fraction of free GPU memory given to the KV cache when num_kv_blocks is None."""
+    max_context: int | None = None
+    """Prompt + generated tokens per request; None = the model's own limit."""
+    ready_timeout_s: float = 900.0
+    """How long start-up (model load, warm-up) may take before the server gives up."""
+
+    def __post_init__(self) -> None:
+        _choice("device", "kind", self.kind, ("auto", "emulated", "cuda"))
+        _choice("device", "scheduler", self.scheduler, ("gpu", "host"))
+        _bounds("device", "max_batch", self.max_batch, 1, 4096)
+        _bounds("device", "max_tokens", self.max_tokens, 1, 1 << 20)
+        _bounds("device", "kv_block_size", self.kv_block_size, 1, 1024)
+        if self.num_kv_blocks is not None:
+            _bounds("device", "num_kv_blocks", self.num_kv_blocks, 1, 1 << 24)
+        _bounds("device", "kv_cache_fraction", self.kv_cache_fraction, 0.01, 0.99)
+        if self.max_context is not None:
+            _bounds("device", "max_context", self.max_context, 2, 1 << 24)
+        _bounds("device", "ready_timeout_s", self.ready_timeout_s, 1, 24 * 3600)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    spec: str = "default"
+    """default (SmolLM2-135M-Instruct) | a .gguf file | an HF directory | random:<preset> (tests)."""
+    name: str | None = None
+    """Model name served by the API (`model` field, /v1/models); None derives it from the spec."""
+
+    def __post_init__(self) -> None:
+        if not self.spec:
+            raise ConfigError("model.spec must not be empty")
+        if self.name is not None and not self.name:
+            raise ConfigError("model.name must not be empty")
+
+
+@dataclass(frozen=True)
+class BlinkConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    ring: RingConfig = field(default_factory=RingConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def replace(self, **sections: Mapping[str, Any]) -> BlinkConfig:
+        """A copy with some fields of some sections changed, checked like a file would be."""
+        return from_mapping(sections, base=self)
+
+
+SECTIONS: dict[str, type] = {"server": ServerConfig, "ring": RingConfig, "device": DeviceConfig, "model": ModelConfig}
+
+
+def _coerce(where: str, value: Any, annotation: Any) -> Any:
+    """Check a parsed value against a field's type (no silent str->int conversion)."""
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{where} must not be null")
+    for t in options:
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{where} must be finite")
+            return float(value)
+        if t is str and isinstance(value, str):
+            return value
+    names = " | ".join("null" if t is type(None) else t.__name__ for t in options)
+    raise ConfigError(f"{where} = {value!r} has the wrong type; expected {names}")
+
+
+def _section(cls: type, name: str, values: Mapping[str, Any], base: Any) -> Any:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"section {name!r} must be a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"unknown key {name}.{key} (known: {', '.join(sorted(known))})")
+    changes = {k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
+    try:
+        return dataclasses.replace(base, **changes)
+    except TypeError as e:  # pragma: no cover - keys are checked above
+        raise ConfigError(str(e)) from e
+
+
+def from_mapping(data: Mapping[str, Any], base: BlinkConfig | None = None) -> BlinkConfig:
+    """Build a config from nested mappings {section: {field: value}}, over `base` (defaults)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
+    base = base or BlinkConfig()
+    out = {}
+    for name in data:
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown config section {name!r} (known: {', '.join(SECTIONS)})")
+    for name, cls in SECTIONS.items():
+        cur = getattr(base, name)
+        out[name] = _section(cls, name, data[name], cur) if name in data else cur
+    return BlinkConfig(**out)
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a JSON, TOML or YAML config file into plain mappings (not yet validated)."""
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    try:
+        if ext == ".json":
+            return json.loads(raw)
+        if ext == ".toml":
+            return tomllib.loads(raw.decode())
+        if ext in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError as e:
+                raise ConfigError(f"{path}: YAML needs pyyaml (pip install pyyaml), or use JSON/TOML") from e
+            return yaml.safe_load(raw) or {}
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from e
+    raise ConfigError(f"{path}: unknown config format {ext!r} (use .json, .toml, .yaml)")
+
+
+def build(config_file: str | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> BlinkConfig:
+    """The one entry point: defaults, then the file, then explicit overrides (CLI flags that were given)."""
+    cfg = from_mapping(load_file(config_file)) if config_file else BlinkConfig()
+    if overrides:
+        cfg = from_mapping({k: v for k, v in overrides.items() if v}, base=cfg)
+    return cfg

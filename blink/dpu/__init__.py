@@ -1,0 +1,7 @@
+"""Frontend ("DPU") roles, one module per role; they reach the device only through the ring.
+
+tokenizer.py (encode, chat template, validation), detokenizer.py (incremental text, stop strings),
+slot_tracker.py (free slots, publishing requests), token_reader.py (tokens back, device health),
+request_tracker.py (per-request state joining the two), server.py (OpenAI HTTP API + SSE).
+Nothing here imports cupy: these roles are meant to run on a DPU's ARM cores.
+"""

@@ -1,0 +1,200 @@
+"""Request tracker: per-request state between submission and the last token (paper §4.4).
+
+Joins the slot tracker (where a request goes) and the token reader (what comes back) behind one
+async API used by the HTTP server, `blink generate` and the benchmarks:
+
+    handle = await tracker.submit(SubmitRequest(...))   # waits in a bounded FIFO for a free slot
+    async for ev in handle: ...                           # TokenEvents; the last one has finish_reason
+    handle.cancel()                                       # client gone / stop string: slot is freed
+
+A full ring never drops a request: it waits in the queue (FIFO, woken one per released slot)
+until a slot frees up, and only when the queue itself is full does submit raise QueueFullError
+(the server's 429). On attach, slots left non-EMPTY by a previous frontend on the same ring are
+reclaimed: completed ones are released, live ones are cancelled, drained and released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from collections.abc import AsyncIterator
+
+from blink.protocol.layout import FinishReason, SlotState
+from blink.protocol.transport import Transport
+from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest, TokenEvent
+
+from .slot_tracker import SlotTracker, attach_geometry
+from .token_reader import TokenReader
+
+
+class QueueFullError(RuntimeError):
+    """Every slot is busy and the wait queue is full."""
+
+
+class DeviceDownError(RuntimeError):
+    """The device is not serving (failed, stopped, or its heartbeat stalled)."""
+
+
+class RequestHandle:
+    """One submitted request: iterate it for TokenEvents; cancel() frees its slot early."""
+
+    def __init__(self, tracker: RequestTracker, request_id: int, slot: int, n_prompt: int):
+        self._tracker = tracker
+        self.request_id = request_id
+        self.slot = slot
+        self.n_prompt = n_prompt
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.finished = False
+        self.t_submit = time.perf_counter()
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        while not self.finished:
+            ev = await self.queue.get()
+            if ev.finished:
+                self.finished = True
+            yield ev
+
+    def cancel(self) -> None:
+        """Stop the request on the device (no more events are delivered); idempotent."""
+        if not self.finished:
+            self.finished = True
+            self._tracker._cancel(self)
+
+
+class RequestTracker:
+    def __init__(
+        self,
+        transport: Transport,
+        max_queue: int = 1024,
+        heartbeat_timeout_s: float = 30.0,
+        reader_kwargs: dict | None = None,
+    ):
+        self.t = transport
+        self.geo = attach_geometry(transport)
+        self.slots = SlotTracker(transport, self.geo)
+        self.reader = TokenReader(
+            self.slots, heartbeat_timeout_s=heartbeat_timeout_s, on_release=self._on_release, **(reader_kwargs or {})
+        )
+        self.max_queue = max_queue
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._ids = itertools.count(int(time.time_ns() & 0xFFFFFFFF) << 20)
+        self._task: asyncio.Task[None] | None = None
+        self.reclaimed = 0  # orphan slots taken over on attach
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self.reclaim_orphans()
+        self._task = asyncio.get_running_loop().create_task(self.reader.run(), name="token-reader")
+
+    async def close(self) -> None:
+        self.reader.stop()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        for w in self._waiters:
+            if not w.done():
+                w.set_exception(DeviceDownError("frontend shutting down"))
+        self._waiters.clear()
+
+    def reclaim_orphans(self) -> int:
+        """Take over slots a previous frontend left behind (attach to an existing ring)."""
+        n = 0
+        for slot in self.slots.orphans():
+            rec = self.slots.records[slot]
+            self.slots.adopt(slot)
+            if int(rec["state"]) == SlotState.DECODE_COMPLETED:
+                self.slots.release(slot)
+            else:
+                self.slots.cancel(slot)
+                self.reader.register(slot, int(rec["request_id"]), None, delivered=int(rec["consumed"]))
+            n += 1
+        self.reclaimed += n
+        return n
+
+    # -- state ---------------------------------------------------------------------------
+    def health(self) -> DeviceHealth:
+        return self.reader.health()
+
+    def stats(self) -> RingStats:
+        return RingStats(self.geo.n_slots, self.slots.n_held, len(self._waiters), self.slots.n_free)
+
+    @property
+    def max_context(self) -> int:
+        return int(self.reader.header["max_context"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.reader.header["vocab_size"])
+
+    def new_request_id(self) -> int:
+        return next(self._ids)
+
+    # -- submit / cancel -----------------------------------------------------------------
+    def check_prompt(self, n_prompt: int) -> str | None:
+        """Why a prompt of n_prompt tokens cannot be served (None if it can)."""
+        if n_prompt < 1:
+            return "the prompt is empty"
+        limit = min(self.slots.prompt_capacity, self.max_context - 1 if self.max_context else 1 << 62)
+        if n_prompt > limit:
+            return (
+                f"the prompt has {n_prompt} tokens; this server accepts at most {limit} "
+                f"(max_context {self.max_context}, one token left to generate)"
+            )
+        return None
+
+    async def submit(self, req: SubmitRequest) -> RequestHandle:
+        """Claim a slot for `req` (waiting in the FIFO queue while the ring is full) and publish it."""
+        if self.reader.failed:
+            raise DeviceDownError(self.reader.failed)
+        why = self.check_prompt(len(req.prompt_ids))
+        if why:
+            raise ValueError(why)
+        slot = None if self._waiters else self.slots.claim(req)
+        front = False  # a woken waiter that lost its slot to a newcomer keeps its place
+        while slot is None:
+            if not front and len(self._waiters) >= self.max_queue:
+                raise QueueFullError(f"all {self.geo.n_slots} slots busy and {len(self._waiters)} requests queued")
+            fut = asyncio.get_running_loop().create_future()
+            (self._waiters.appendleft if front else self._waiters.append)(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+                elif fut.done() and not fut.cancelled():
+                    self._wake_one()  # we were handed a slot we will not use: pass it on
+                raise
+            if self.reader.failed:
+                raise DeviceDownError(self.reader.failed)
+            slot = self.slots.claim(req)
+            front = True
+        h = RequestHandle(self, req.request_id, slot, len(req.prompt_ids))
+        self.reader.register(slot, req.request_id, h.queue.put_nowait)
+        return h
+
+    def _on_release(self, slot: int) -> None:
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    def _cancel(self, h: RequestHandle) -> None:
+        if h.slot in self.reader.active and not self.reader.failed:
+            self.reader.detach(h.slot)
+            self.slots.cancel(h.slot)
+
+
+def finish_name(reason: int) -> str:
+    """OpenAI finish_reason for a device FinishReason."""
+    if reason in (FinishReason.LENGTH, FinishReason.CONTEXT):
+        return "length"
+    return "stop"

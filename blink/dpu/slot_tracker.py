@@ -1,0 +1,166 @@
+"""Slot tracker: finds free ring slots and publishes requests into them (paper §4.4).
+
+The tracker never scans the ring per submission. It keeps a local availability cache: a slot
+is free when its last-seen ring state is EMPTY and this frontend does not hold it. The cache
+is refreshed by one bulk read of all slot records (`refresh`, done by the token reader every
+poll cycle, which reads the records anyway). A hint-based circular scan starting after the
+last claimed slot finds a free one in O(1) amortized time: claims sweep the ring in order, so
+the slots right after the hint are the ones released longest ago.
+
+Publishing a request follows the ring's single-writer rules (blink/protocol/layout.py): while
+the slot is EMPTY the frontend owns the whole record, so it writes the prompt into the slot's
+region of the prompt arena and the record fields (state still EMPTY), then stores state =
+PREFILL_PENDING (the release store that hands the slot to the device), then bumps submit_seq.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from blink.protocol.layout import (
+    HEADER_DTYPE,
+    SLOT_DTYPE,
+    TOKEN_DTYPE,
+    RingGeometry,
+    SlotFlags,
+    SlotState,
+)
+from blink.protocol.transport import Transport
+from blink.protocol.wire import SubmitRequest
+
+_STATE = SLOT_DTYPE.fields["state"][1]
+_CANCEL = SLOT_DTYPE.fields["cancel"][1]
+_GENERATED = SLOT_DTYPE.fields["generated"][1]
+_CONSUMED = SLOT_DTYPE.fields["consumed"][1]
+_SUBMIT_SEQ = HEADER_DTYPE.fields["submit_seq"][1]
+_CANCEL_SEQ = HEADER_DTYPE.fields["cancel_seq"][1]
+
+
+def read_header(transport: Transport) -> np.ndarray:
+    """One read of the ring header -> a 0-d HEADER_DTYPE array (a private copy)."""
+    out = np.zeros((), HEADER_DTYPE)
+    transport.read_into(0, out.reshape(1).view(np.uint8)[: HEADER_DTYPE.itemsize])
+    return out
+
+
+def attach_geometry(transport: Transport) -> RingGeometry:
+    hdr = read_header(transport)
+    return RingGeometry.from_header(hdr)
+
+
+class SlotTracker:
+    """Local cache of slot availability plus the frontend's writes into slots."""
+
+    def __init__(self, transport: Transport, geometry: RingGeometry):
+        self.t = transport
+        self.geo = geometry
+        n = geometry.n_slots
+        self.prompt_capacity = geometry.prompt_arena_tokens // n  # tokens of prompt arena per slot
+        self.records = np.zeros(n, SLOT_DTYPE)  # last bulk read of the slot records
+        self.held = np.zeros(n, bool)  # slots this frontend claimed and has not released
+        self._free = np.zeros(n, bool)  # cache: ring state EMPTY and not held
+        self._hint = 0
+        hdr = read_header(transport)
+        # The frontend is the only writer of both doorbells, so a local copy is authoritative.
+        self._submit_seq = int(hdr["submit_seq"])
+        self._cancel_seq = int(hdr["cancel_seq"])
+        self.refresh()
+
+    # -- cache ------------------------------------------------------------------------
+    def refresh(self) -> np.ndarray:
+        """One bulk read of every slot record; updates the availability cache. Returns the records."""
+        self.t.read_into(self.geo.slots_offset, self.records)
+        self._free = (self.records["state"] == SlotState.EMPTY) & ~self.held
+        return self.records
+
+    @property
+    def n_free(self) -> int:
+        return int(self._free.sum())
+
+    @property
+    def n_held(self) -> int:
+        return int(self.held.sum())
+
+    def find_free(self) -> int | None:
+        """Circular scan from the hint over the cache; no ring access."""
+        free = self._free
+        h = self._hint
+        # Vectorized scan of [h, n) then [0, h): one numpy call each instead of a Python loop.
+        idx = np.flatnonzero(free[h:])
+        if idx.size:
+            return h + int(idx[0])
+        idx = np.flatnonzero(free[:h])
+        if idx.size:
+            return int(idx[0])
+        return None
+
+    # -- frontend writes ----------------------------------------------------------------
+    def claim(self, req: SubmitRequest, slot: int | None = None) -> int | None:
+        """Publish `req` into a free slot; returns the slot, or None when the cache shows none free."""
+        if len(req.prompt_ids) > self.prompt_capacity:
+            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens exceeds the slot's {self.prompt_capacity}")
+        if slot is None:
+            slot = self.find_free()
+            if slot is None:
+                return None
+        elif not self._free[slot]:
+            raise ValueError(f"slot {slot} is not free")
+        off = slot * self.prompt_capacity
+        self.t.write(self.geo.prompt_arena_offset + 4 * off, np.asarray(req.prompt_ids, dtype=TOKEN_DTYPE))
+        rec = np.zeros((), SLOT_DTYPE)
+        rec["state"] = SlotState.EMPTY
+        rec["request_id"] = req.request_id
+        rec["prompt_offset"] = off
+        rec["prompt_len"] = len(req.prompt_ids)
+        rec["max_new_tokens"] = req.max_new_tokens
+        rec["min_new_tokens"] = req.min_new_tokens
+        rec["temperature"] = req.temperature
+        rec["top_p"] = req.top_p
+        rec["seed"] = req.seed & 0xFFFFFFFFFFFFFFFF
+        rec["top_k"] = req.top_k
+        rec["n_stop"] = len(req.stop_ids)
+        rec["stop_ids"][: len(req.stop_ids)] = req.stop_ids
+        rec["flags"] = SlotFlags.GREEDY if req.greedy or req.temperature == 0 else SlotFlags.NONE
+        rec["t_submit_ns"] = time.time_ns()
+        base = self.geo.slot_offset(slot)
+        self.t.write(base, rec.reshape(1).view(np.uint8))
+        self.t.store_u32(base + _STATE, SlotState.PREFILL_PENDING)
+        self._submit_seq += 1
+        self.t.store_u64(_SUBMIT_SEQ, self._submit_seq)
+        self.held[slot] = True
+        self._free[slot] = False
+        self._hint = (slot + 1) % self.geo.n_slots
+        return slot
+
+    def store_consumed(self, slot: int, consumed: int) -> None:
+        self.t.store_u32(self.geo.slot_offset(slot) + _CONSUMED, consumed & 0xFFFFFFFF)
+
+    def cancel(self, slot: int) -> None:
+        """Set the slot's cancel flag and ring the cancel doorbell; the device finishes it CANCELLED."""
+        self.t.store_u32(self.geo.slot_offset(slot) + _CANCEL, 1)
+        self._cancel_seq += 1
+        self.t.store_u64(_CANCEL_SEQ, self._cancel_seq)
+
+    def release(self, slot: int) -> None:
+        """DECODE_COMPLETED -> EMPTY, after every token was read. The slot is free again at once."""
+        self.t.store_u32(self.geo.slot_offset(slot) + _STATE, SlotState.EMPTY)
+        self.held[slot] = False
+        self._free[slot] = True
+
+    def load_state(self, slot: int) -> int:
+        return self.t.load_u32(self.geo.slot_offset(slot) + _STATE)
+
+    def load_generated(self, slot: int) -> int:
+        return self.t.load_u32(self.geo.slot_offset(slot) + _GENERATED)
+
+    def orphans(self) -> list[int]:
+        """Slots left non-EMPTY by a previous frontend (on (re)attach): not held by us, not EMPTY."""
+        self.refresh()
+        return [int(s) for s in np.flatnonzero((self.records["state"] != SlotState.EMPTY) & ~self.held)]
+
+    def adopt(self, slot: int) -> None:
+        """Take over an orphan slot so that the token reader drains and releases it."""
+        self.held[slot] = True
+        self._free[slot] = False

@@ -1,0 +1,200 @@
+"""Token reader: the background task that moves generated tokens from the ring to requests (paper §4.4).
+
+Each cycle does one bulk read of the slot records (the same read refreshes the slot tracker's
+availability cache) and one read of the header, then, for each active slot, compares the
+device's `generated` with the tokens already delivered. Slots admitted since the last cycle are
+"urgent" and served first, so a first token waits at most one poll interval. New tokens are read
+from the slot's output ring (at most two contiguous reads, since it wraps), `consumed` is stored
+back (the device's flow control), and a TokenEvent goes to the request's asyncio queue. A slot
+that reached DECODE_COMPLETED is released (state EMPTY) once all its tokens were read.
+
+Polling adapts: while tokens flow the loop only yields to the event loop between cycles; after
+`spin_cycles` empty cycles it sleeps with a doubling interval capped at `max_idle_s` (<= 1 ms),
+and with no request in flight it parks on an event (waking every `health_interval_s` to watch
+the device). Device failure: header.device_status FAILED/STOPPED, or a heartbeat that has not
+advanced for `heartbeat_timeout_s`; every in-flight request then ends with an error event and
+`health()` reports not ok (the server answers /health with 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.protocol.layout import TOKEN_DTYPE, DeviceStatus, FinishReason, SlotError, SlotState
+from blink.protocol.wire import DeviceHealth, TokenEvent
+
+from .slot_tracker import SlotTracker, read_header
+
+
+@dataclass
+class _Active:
+    request_id: int
+    sink: Callable[[TokenEvent], None] | None  # None: an orphan slot, drained and released silently
+    delivered: int = 0  # tokens read from the output ring
+
+
+class TokenReader:
+    def __init__(
+        self,
+        tracker: SlotTracker,
+        heartbeat_timeout_s: float = 30.0,
+        spin_cycles: int = 64,
+        max_idle_s: float = 0.001,
+        health_interval_s: float = 0.25,
+        on_release: Callable[[int], None] | None = None,
+    ):
+        self.tracker = tracker
+        self.t = tracker.t
+        self.geo = tracker.geo
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.spin_cycles = spin_cycles
+        self.max_idle_s = max_idle_s
+        self.health_interval_s = health_interval_s
+        self.on_release = on_release  # called with the slot after it became EMPTY (wakes queued submits)
+        self.active: dict[int, _Active] = {}
+        self._urgent: list[int] = []
+        self._wake = asyncio.Event()
+        self._stop = False
+        self.header = read_header(self.t)
+        self._hb = int(self.header["heartbeat"])
+        self._hb_changed_at = time.monotonic()
+        self.failed: str | None = None  # why the device is considered down
+        self.cycles = 0
+        self.tokens_read = 0
+        self._cap = self.geo.output_capacity
+
+    # -- registration (called by the request tracker) ---------------------------------------
+    def register(
+        self, slot: int, request_id: int, sink: Callable[[TokenEvent], None] | None, delivered: int = 0
+    ) -> None:
+        self.active[slot] = _Active(request_id, sink, delivered)
+        self._urgent.append(slot)
+        self._wake.set()
+
+    def detach(self, slot: int) -> None:
+        """Stop delivering to a request (client gone); the slot is still drained and released."""
+        a = self.active.get(slot)
+        if a is not None:
+            a.sink = None
+
+    # -- health -------------------------------------------------------------------------
+    def health(self) -> DeviceHealth:
+        status = int(self.header["device_status"])
+        if self.failed:
+            return DeviceHealth(False, status, self._hb, self.failed)
+        if status != DeviceStatus.READY:
+            return DeviceHealth(False, status, self._hb, f"device status {DeviceStatus(status).name}")
+        return DeviceHealth(True, status, self._hb)
+
+    def _check_device(self, now: float) -> None:
+        hb = int(self.header["heartbeat"])
+        if hb != self._hb:
+            self._hb, self._hb_changed_at = hb, now
+        if self.failed:
+            return
+        status = int(self.header["device_status"])
+        if status in (DeviceStatus.FAILED, DeviceStatus.STOPPED):
+            self._fail(f"device {DeviceStatus(status).name.lower()} (fault {int(self.header['fault'])})")
+        elif status == DeviceStatus.READY and now - self._hb_changed_at > self.heartbeat_timeout_s:
+            self._fail(f"device heartbeat stalled for {now - self._hb_changed_at:.1f} s")
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        for slot, a in list(self.active.items()):
+            if a.sink is not None:
+                a.sink(TokenEvent(a.request_id, [], FinishReason.ERROR, SlotError.DEVICE_FAULT, why))
+                a.sink = None
+            del self.active[slot]  # the slots stay held: a dead device cannot hand them back
+        self._urgent.clear()
+
+    # -- one cycle ------------------------------------------------------------------------
+    def poll_once(self) -> int:
+        """One cycle: bulk read, deliver new tokens, release completed slots. Returns tokens delivered."""
+        self.cycles += 1
+        self.t.read_into(0, self.header.reshape(1))
+        recs = self.tracker.refresh()
+        self._check_device(time.monotonic())
+        if not self.active:
+            return 0
+        urgent, self._urgent = self._urgent, []
+        order = urgent + [s for s in self.active if s not in urgent]
+        n = 0
+        for slot in order:
+            a = self.active.get(slot)
+            if a is None:
+                continue
+            rec = recs[slot]
+            state = int(rec["state"])
+            gen = int(rec["generated"])
+            if state == SlotState.DECODE_COMPLETED:
+                # generated is stored before the state; re-read it after seeing COMPLETED.
+                gen = self.tracker.load_generated(slot)
+            if gen > a.delivered:
+                ids = self._read_tokens(slot, a.delivered, gen)
+                a.delivered = gen
+                self.tracker.store_consumed(slot, gen)
+                n += len(ids)
+                if a.sink is not None and state != SlotState.DECODE_COMPLETED:
+                    a.sink(TokenEvent(a.request_id, ids))
+                    ids = None
+            else:
+                ids = None
+            if state == SlotState.DECODE_COMPLETED:
+                if a.sink is not None:
+                    reason, err = int(rec["finish_reason"]), int(rec["error"])
+                    msg = f"request rejected by the device: {SlotError(err).name}" if err else ""
+                    a.sink(TokenEvent(a.request_id, ids or [], reason or FinishReason.STOP, err, msg))
+                del self.active[slot]
+                self.tracker.release(slot)
+                if self.on_release is not None:
+                    self.on_release(slot)
+        self.tokens_read += n
+        return n
+
+    def _read_tokens(self, slot: int, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of a slot from its output ring (it wraps every output_capacity)."""
+        cap = self._cap
+        if end - start > cap:  # cannot happen with a conforming device (flow control)
+            raise RuntimeError(f"slot {slot}: device overran the output ring ({end - start} > {cap})")
+        out = np.empty(end - start, TOKEN_DTYPE)
+        i0 = start % cap
+        first = min(end - start, cap - i0)
+        base = self.geo.output_offset(slot, 0)
+        self.t.read_into(base + 4 * i0, out[:first])
+        if first < out.size:
+            self.t.read_into(base, out[first:])
+        return out.tolist()
+
+    # -- the loop -------------------------------------------------------------------------
+    async def run(self) -> None:
+        idle = 0
+        sleep_s = 0.0
+        while not self._stop:
+            n = self.poll_once()
+            if n or self._urgent:
+                idle, sleep_s = 0, 0.0
+                await asyncio.sleep(0)
+                continue
+            if not self.active:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.health_interval_s)
+                except TimeoutError:
+                    pass  # periodic health check of an idle device
+                idle, sleep_s = 0, 0.0
+                continue
+            idle += 1
+            if idle <= self.spin_cycles:
+                await asyncio.sleep(0)
+            else:
+                sleep_s = min(self.max_idle_s, max(sleep_s * 2, 50e-6))
+                await asyncio.sleep(sleep_s)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()

@@ -1,0 +1,76 @@
+"""Wire types between the frontend roles (and, later, between Ray actors).
+
+Only msgspec Structs: they encode to compact msgpack arrays (`array_like`), skip fields that
+hold their default (`omit_defaults`), and are not tracked by the GC (`gc=False`: they hold
+no reference cycles). Nothing here is pickled. The ring itself is not a wire type; its
+layout lives in `layout.py`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .layout import FinishReason, SlotError
+
+_OPTS = dict(array_like=True, omit_defaults=True, gc=False, frozen=True)
+
+
+class SubmitRequest(msgspec.Struct, **_OPTS):
+    """A tokenized request, ready for a slot: what the tokenizer role hands the slot tracker."""
+
+    request_id: int  # frontend-unique, echoed in the slot record
+    prompt_ids: list[int]  # the full prompt (chat template applied)
+    max_new_tokens: int  # >= 1, or layout.UNLIMITED
+    min_new_tokens: int = 0  # stop ids are ignored before this many tokens
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = off
+    seed: int = 0  # counter-based sampling stream (see blink.device.sampling)
+    stop_ids: list[int] = []  # EOS included by the tokenizer role unless ignore_eos
+    greedy: bool = False  # SlotFlags.GREEDY
+
+
+class TokenEvent(msgspec.Struct, **_OPTS):
+    """New tokens of one request, from the token reader. `finish_reason` != NONE ends the stream."""
+
+    request_id: int
+    token_ids: list[int] = []
+    finish_reason: int = FinishReason.NONE  # layout.FinishReason
+    error: int = SlotError.NONE  # layout.SlotError when finish_reason == ERROR
+    message: str = ""  # human-readable cause of an ERROR (device failure, rejected request)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != FinishReason.NONE
+
+
+class CancelRequest(msgspec.Struct, **_OPTS):
+    """Ask for a request's slot to be cancelled (client gone, stop string matched)."""
+
+    request_id: int
+
+
+class DeviceHealth(msgspec.Struct, **_OPTS):
+    """The token reader's view of the device, from the ring header."""
+
+    ok: bool  # serving: status READY and the heartbeat advancing
+    status: int  # layout.DeviceStatus
+    heartbeat: int  # last heartbeat counter read
+    message: str = ""  # why not ok
+
+
+class RingStats(msgspec.Struct, **_OPTS):
+    """Frontend-side occupancy of one ring, for routing and /metrics."""
+
+    n_slots: int
+    busy_slots: int  # slots this frontend holds (claimed, not yet released)
+    queued: int  # requests waiting for a slot
+    free_slots: int
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return msgspec.msgpack.encode(msg)
+
+
+def decoder(kind: type[msgspec.Struct]) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(kind)

@@ -1,0 +1,252 @@
+"""Slot tracker, token reader and request tracker against a real ShmTransport ring, with the
+"device" side driven by hand in the test (numpy views of the same shared memory)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from blink.dpu.request_tracker import DeviceDownError, QueueFullError, RequestTracker
+from blink.dpu.slot_tracker import SlotTracker
+from blink.dpu.token_reader import TokenReader
+from blink.protocol.layout import DeviceStatus, FinishReason, RingGeometry, SlotError, SlotFlags, SlotState
+from blink.protocol.transport import ShmTransport
+from blink.protocol.wire import SubmitRequest, TokenEvent
+
+
+class HandDevice:
+    """The device's side of the ring, written directly by the test."""
+
+    def __init__(self, n_slots: int = 4, per_slot: int = 32, cap: int = 8):
+        self.name = f"blink-test-{uuid.uuid4().hex[:12]}"
+        self.t = ShmTransport.create(self.name, RingGeometry(n_slots, n_slots * per_slot, cap))
+        self.v = self.t.view()
+        h = self.v.header
+        h["vocab_size"], h["max_context"], h["max_batch"] = 1000, 64, n_slots
+        h["device_status"] = DeviceStatus.READY
+
+    def beat(self) -> None:
+        self.v.header["heartbeat"] += 1
+
+    def admit(self, s: int) -> None:
+        assert self.v.slots[s]["state"] == SlotState.PREFILL_PENDING
+        self.v.slots[s]["state"] = SlotState.DECODE_PROCESSING
+
+    def publish(self, s: int, ids: list[int]) -> None:
+        rec = self.v.slots[s]
+        cap = self.v.geo.output_capacity
+        for tok in ids:
+            k = int(rec["generated"])
+            assert k - int(rec["consumed"]) < cap, "test device would overrun the output ring"
+            self.v.output_arena[s, k % cap] = tok
+            rec["generated"] = k + 1
+
+    def complete(self, s: int, reason: FinishReason = FinishReason.STOP, err: SlotError = SlotError.NONE) -> None:
+        self.v.slots[s]["finish_reason"] = reason
+        self.v.slots[s]["error"] = err
+        self.v.slots[s]["state"] = SlotState.DECODE_COMPLETED
+
+    def close(self) -> None:
+        self.t.close()
+        self.t.unlink()
+
+
+@pytest.fixture
+def dev():
+    d = HandDevice()
+    yield d
+    d.close()
+
+
+def _req(rid: int, n: int = 3, **kw) -> SubmitRequest:
+    return SubmitRequest(rid, list(range(10, 10 + n)), 5, **kw)
+
+
+def test_claim_writes_record_then_state_and_doorbell(dev):
+    fe = ShmTransport.open(dev.name)
+    st = SlotTracker(fe, RingGeometry.from_header(dev.v.header))
+    req = SubmitRequest(
+        77, [5, 6, 7], 9, min_new_tokens=2, temperature=0.5, top_p=0.9, top_k=40, seed=123, stop_ids=[2, 3]
+    )
+    s = st.claim(req)
+    assert s == 0
+    rec = dev.v.slots[s]
+    assert rec["state"] == SlotState.PREFILL_PENDING
+    assert rec["request_id"] == 77 and rec["prompt_len"] == 3 and rec["max_new_tokens"] == 9
+    assert rec["min_new_tokens"] == 2 and rec["top_k"] == 40 and rec["seed"] == 123
+    assert np.isclose(rec["temperature"], 0.5) and np.isclose(rec["top_p"], 0.9)
+    assert rec["n_stop"] == 2 and list(rec["stop_ids"][:2]) == [2, 3]
+    assert rec["flags"] == SlotFlags.NONE and rec["generated"] == 0 and rec["consumed"] == 0
+    off = int(rec["prompt_offset"])
+    assert off == s * st.prompt_capacity
+    assert list(dev.v.prompt_arena[off : off + 3]) == [5, 6, 7]
+    assert dev.v.header["submit_seq"] == 1
+    # greedy flag for temperature 0; the next claim goes to the next slot (hint)
+    s2 = st.claim(SubmitRequest(78, [1], 1, temperature=0.0))
+    assert s2 == 1 and dev.v.slots[1]["flags"] == SlotFlags.GREEDY
+    assert int(dev.v.slots[1]["prompt_offset"]) == st.prompt_capacity
+    assert dev.v.header["submit_seq"] == 2
+    with pytest.raises(ValueError):
+        st.claim(SubmitRequest(79, [1] * (st.prompt_capacity + 1), 1))
+
+
+def test_free_slot_scan_is_circular_and_respects_ring_state(dev):
+    fe = ShmTransport.open(dev.name)
+    st = SlotTracker(fe, RingGeometry.from_header(dev.v.header))
+    slots = [st.claim(_req(i)) for i in range(4)]
+    assert slots == [0, 1, 2, 3]
+    assert st.claim(_req(9)) is None and st.n_free == 0
+    st.release(2)  # hint is at 0 after slot 3: the scan wraps and finds 2
+    assert st.find_free() == 2
+    # a slot that is EMPTY locally-released but another party made non-EMPTY is not free after refresh
+    dev.v.slots[2]["state"] = SlotState.DECODE_COMPLETED
+    st.refresh()
+    assert st.find_free() is None
+
+
+def test_token_reader_delivers_in_order_and_releases(dev):
+    fe = ShmTransport.open(dev.name)
+    st = SlotTracker(fe, RingGeometry.from_header(dev.v.header))
+    got: list[TokenEvent] = []
+    released: list[int] = []
+    rd = TokenReader(st, on_release=released.append)
+    s = st.claim(_req(5))
+    rd.register(s, 5, got.append)
+    assert rd.poll_once() == 0 and got == []
+    dev.admit(s)
+    dev.publish(s, [100, 101, 102])
+    assert rd.poll_once() == 3
+    assert got[-1].token_ids == [100, 101, 102] and not got[-1].finished
+    assert dev.v.slots[s]["consumed"] == 3  # flow control stored back
+    # wrap the output ring (capacity 8) several times
+    seq = list(range(200, 230))
+    for i in range(0, 30, 5):
+        dev.publish(s, seq[i : i + 5])
+        rd.poll_once()
+    dev.publish(s, [2])
+    dev.complete(s, FinishReason.STOP)
+    rd.poll_once()
+    ids = [t for e in got for t in e.token_ids]
+    assert ids == [100, 101, 102, *seq, 2]
+    assert got[-1].finish_reason == FinishReason.STOP
+    assert dev.v.slots[s]["state"] == SlotState.EMPTY and released == [s]
+    assert s not in rd.active and st.find_free() is not None
+
+
+def test_urgent_slot_first_and_error_finish(dev):
+    fe = ShmTransport.open(dev.name)
+    st = SlotTracker(fe, RingGeometry.from_header(dev.v.header))
+    order: list[int] = []
+    rd = TokenReader(st)
+    a = st.claim(_req(1))
+    rd.register(a, 1, lambda e: order.append(e.request_id))
+    rd.poll_once()
+    b = st.claim(_req(2))
+    rd.register(b, 2, lambda e: order.append(e.request_id))
+    for s in (a, b):
+        dev.admit(s)
+        dev.publish(s, [7])
+    rd.poll_once()
+    assert order == [2, 1]  # the newly admitted slot is scanned first
+    got: list[TokenEvent] = []
+    c = st.claim(_req(3))
+    rd.register(c, 3, got.append)
+    dev.complete(c, FinishReason.ERROR, SlotError.PROMPT_TOO_LONG)
+    rd.poll_once()
+    assert got[-1].finish_reason == FinishReason.ERROR and got[-1].error == SlotError.PROMPT_TOO_LONG
+    assert "PROMPT_TOO_LONG" in got[-1].message
+
+
+async def _drain(h) -> list[TokenEvent]:
+    return [e async for e in h]
+
+
+@pytest.mark.asyncio
+async def test_request_tracker_queue_full_cancel_and_heartbeat(dev):
+    fe = ShmTransport.open(dev.name)
+    rt = RequestTracker(fe, max_queue=2, heartbeat_timeout_s=0.5, reader_kwargs={"health_interval_s": 0.02})
+    await rt.start()
+    try:
+        hs = [await rt.submit(_req(rt.new_request_id())) for _ in range(4)]  # fills the 4 slots
+        queued = [asyncio.ensure_future(rt.submit(_req(rt.new_request_id()))) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert rt.stats().queued == 2
+        with pytest.raises(QueueFullError):
+            await rt.submit(_req(99))
+        # finish the first request: the first queued one gets its slot, FIFO
+        dev.admit(hs[0].slot)
+        dev.publish(hs[0].slot, [1, 2])
+        dev.complete(hs[0].slot, FinishReason.LENGTH)
+        evs = await asyncio.wait_for(_drain(hs[0]), 2)
+        assert [t for e in evs for t in e.token_ids] == [1, 2] and evs[-1].finish_reason == FinishReason.LENGTH
+        h5 = await asyncio.wait_for(queued[0], 2)
+        assert h5.slot == hs[0].slot and not queued[1].done()
+        # cancel: flag + doorbell; the device completes it CANCELLED and the slot is released
+        hs[1].cancel()
+        assert dev.v.slots[hs[1].slot]["cancel"] == 1 and dev.v.header["cancel_seq"] == 1
+        dev.complete(hs[1].slot, FinishReason.CANCELLED)
+        h6 = await asyncio.wait_for(queued[1], 2)
+        assert h6.slot == hs[1].slot
+        # prompt validation against the device's max_context (64) and the slot's arena share (32)
+        with pytest.raises(ValueError, match="at most 32"):
+            await rt.submit(_req(100, n=40))
+        # heartbeat: while beating, healthy; when it stops, in-flight requests end with an error
+        for _ in range(10):
+            dev.beat()
+            await asyncio.sleep(0.03)
+        assert rt.health().ok
+        evs = await asyncio.wait_for(_drain(hs[2]), 3)
+        assert evs[-1].finish_reason == FinishReason.ERROR and "heartbeat" in evs[-1].message
+        assert not rt.health().ok
+        with pytest.raises(DeviceDownError):
+            await rt.submit(_req(101))
+    finally:
+        await rt.close()
+
+
+@pytest.mark.asyncio
+async def test_reattach_reclaims_orphan_slots(dev):
+    fe1 = ShmTransport.open(dev.name)
+    st = SlotTracker(fe1, RingGeometry.from_header(dev.v.header))
+    a, b = st.claim(_req(1)), st.claim(_req(2))
+    dev.admit(a)
+    dev.publish(a, [4, 5])
+    dev.admit(b)
+    dev.complete(b, FinishReason.STOP)
+    # a new frontend attaches: b (completed) is released at once, a (running) is cancelled and drained
+    rt = RequestTracker(ShmTransport.open(dev.name), reader_kwargs={"health_interval_s": 0.02})
+    await rt.start()
+    try:
+        assert rt.reclaimed == 2
+        assert dev.v.slots[b]["state"] == SlotState.EMPTY
+        assert dev.v.slots[a]["cancel"] == 1
+        dev.publish(a, [6])
+        dev.complete(a, FinishReason.CANCELLED)
+        for _ in range(100):
+            if dev.v.slots[a]["state"] == SlotState.EMPTY:
+                break
+            await asyncio.sleep(0.01)
+        assert dev.v.slots[a]["state"] == SlotState.EMPTY and dev.v.slots[a]["consumed"] == 3
+        assert rt.stats().busy_slots == 0
+    finally:
+        await rt.close()
+
+
+def test_dpu_never_imports_cupy():
+    code = (
+        "import sys, pkgutil, importlib, blink.dpu\n"
+        "for m in pkgutil.iter_modules(blink.dpu.__path__):\n"
+        "    importlib.import_module('blink.dpu.' + m.name)\n"
+        "import blink.protocol.wire, blink.config\n"
+        "assert 'cupy' not in sys.modules, 'cupy imported'\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
