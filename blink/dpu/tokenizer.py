@@ -1,0 +1,153 @@
+"""Tokenizer role: chat template, encoding, prompt validation, stop ids; loads no weights.
+
+Wraps `blink.models.tokenizer.Tokenizer`. The frontend needs only the tokenizer and the
+model's name and vocabulary, so for a GGUF file it reads the metadata (a memory map, no
+dequantisation) instead of resolving the whole model bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from blink.models.tokenizer import Tokenizer
+
+from .detokenizer import IncrementalDetokenizer
+
+
+class PromptError(ValueError):
+    """The request's prompt or messages cannot be turned into tokens (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _content_text(content: Any, i: int) -> str:
+    """OpenAI message content: a string, or a list of parts of which only text is supported."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, Mapping) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise PromptError("only text content parts are supported", f"messages[{i}].content")
+            parts.append(p["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise PromptError("content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # served model name
+    vocab_size: int
+
+
+class FrontendTokenizer:
+    def __init__(self, tokenizer: Tokenizer, info: ModelInfo):
+        self.tok = tokenizer
+        self.info = info
+        self.eos_ids = tuple(tokenizer.eos_token_ids)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def chat_prompt(self, messages: Sequence[Any]) -> list[int]:
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise PromptError("messages must be a non-empty list", "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise PromptError("each message must be an object", f"messages[{i}]")
+            role = m.get("role")
+            if role not in _ROLES:
+                raise PromptError(f"unknown role {role!r}", f"messages[{i}].role")
+            clean.append(
+                {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
+            )
+        try:
+            text = self.tok.apply_chat_template(clean, add_generation_prompt=True)
+        except ValueError as e:
+            raise PromptError(str(e), "messages") from e
+        return self.tok.encode(text, add_bos=False)
+
+    def completion_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tok.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
+            if bad is not None:
+                raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})", "prompt")
+        if not ids:
+            raise PromptError("the prompt is empty", "prompt")
+        return ids
+
+    def stop_ids(self, extra: Sequence[int], ignore_eos: bool) -> list[int]:
+        """Token ids that end generation: EOS (unless ignore_eos) plus the request's stop_token_ids."""
+        ids = ([] if ignore_eos else list(self.eos_ids)) + [int(t) for t in extra]
+        return list(dict.fromkeys(ids))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def detokenizer(self, stop: Sequence[str] = ()) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.decode, stop)
+
+
+def load_tokenizer(spec: str | None, served_name: str | None = None) -> FrontendTokenizer:
+    """The tokenizer of a model spec (as `blink.models.registry.resolve_model` accepts), without weights."""
+    from blink.models import registry
+
+    s = None if spec is None else os.fspath(spec)
+    if s in (None, "", "default", registry.DEFAULT_NAME, registry.DEFAULT_NAME.lower()):
+        path = registry.find_default()
+        if path is None:
+            raise FileNotFoundError(f"{registry.DEFAULT_NAME} is not installed; run `blink pull`")
+        tok, info = _from_gguf(path, registry.DEFAULT_NAME)
+    elif s.startswith("random:"):
+        from blink.models.config import preset
+
+        config = preset(s.removeprefix("random:"))
+        tok, info = registry.synthetic_tokenizer(config), ModelInfo(config.name, config.vocab_size)
+    else:
+        p = pathlib.Path(s).expanduser()
+        if p.is_file() and p.suffix == ".gguf":
+            tok, info = _from_gguf(p, None)
+        elif p.is_dir() and (p / "config.json").is_file():
+            import json
+
+            from blink.models.config import from_hf_config
+            from blink.models.tokenizer import from_hf_dir
+
+            config = from_hf_config(json.loads((p / "config.json").read_text()), name=p.name)
+            tok, info = from_hf_dir(p, config.eos_token_ids), ModelInfo(p.name, config.vocab_size)
+        else:
+            raise FileNotFoundError(
+                f"model {s!r}: expected 'default', a .gguf file, an HF directory, or random:<preset>"
+            )
+    if served_name:
+        info = ModelInfo(served_name, info.vocab_size)
+    return FrontendTokenizer(tok, info)
+
+
+def _from_gguf(path: pathlib.Path, name: str | None) -> tuple[Tokenizer, ModelInfo]:
+    import gguf
+
+    from blink.models.config import from_gguf_metadata as config_from_meta
+    from blink.models.tokenizer import from_gguf_metadata
+    from blink.models.weights import gguf_metadata
+
+    reader = gguf.GGUFReader(os.fspath(path))
+    meta = gguf_metadata(reader)
+    config = config_from_meta(meta, {t.name for t in reader.tensors}, name=pathlib.Path(path).stem)
+    return from_gguf_metadata(meta), ModelInfo(name or config.name, config.vocab_size)

@@ -1,0 +1,110 @@
+"""Incremental detokenizer: UTF-8 split across tokens, emoji, stop strings across token boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from blink.dpu.detokenizer import IncrementalDetokenizer
+from blink.dpu.tokenizer import PromptError, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_tokenizer("default")
+
+
+@pytest.fixture(scope="module")
+def byte_tok():
+    return load_tokenizer("random:tiny-llama")
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], step: int = 1) -> list[str]:
+    out = [detok.push(ids[i : i + step]) for i in range(0, len(ids), step)]
+    out.append(detok.finish())
+    return out
+
+
+@pytest.mark.parametrize(
+    "text", ["héllo wörld 🤖🚀 日本語のテキスト", "emoji 👩‍👩‍👧‍👦 family", "plain ascii, code: x = f(1)\n"]
+)
+def test_every_delta_is_clean_utf8_and_joins_to_decode(smol, text):
+    ids = smol.tok.encode(text)
+    deltas = _stream(smol.detokenizer(), ids)
+    assert "".join(deltas) == smol.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_multibyte_char_split_over_byte_tokens_is_held_back(byte_tok):
+    # The byte-level synthetic tokenizer gives one token per byte: a 4-byte emoji is 4 tokens.
+    ids = byte_tok.tok.encode("a🤖b")
+    assert len(ids) == 6
+    d = byte_tok.detokenizer()
+    assert d.push(ids[:1]) == "a"
+    assert [d.push([t]) for t in ids[1:4]] == ["", "", ""]  # incomplete emoji: nothing yet
+    assert d.push(ids[4:5]) == "🤖"
+    assert d.push(ids[5:]) == "b"
+    assert d.finish() == ""
+
+
+def test_incomplete_char_at_the_end_is_flushed(byte_tok):
+    ids = byte_tok.tok.encode("ok🤖")[:-1]  # generation stopped inside the emoji
+    d = byte_tok.detokenizer()
+    assert "".join(_stream(d, ids)) == "ok\ufffd"
+
+
+def test_stop_string_across_tokens_is_never_emitted(byte_tok):
+    text = "hello STOP world"
+    ids = byte_tok.tok.encode(text)
+    d = byte_tok.detokenizer(stop=["STOP"])
+    out = []
+    for t in ids:
+        out.append(d.push([t]))
+        if d.stopped:
+            break
+    assert "".join(out) == "hello "
+    assert d.stopped and d.finish() == ""
+    # the held-back partial "ST" was not sent before the match was known
+    assert out[-3:] == ["", "", ""]
+
+
+def test_partial_stop_prefix_is_released_when_it_does_not_match(byte_tok):
+    ids = byte_tok.tok.encode("a STOrm")
+    d = byte_tok.detokenizer(stop=["STOP"])
+    deltas = [d.push([t]) for t in ids]
+    assert deltas[2:5] == ["", "", ""]  # "S", "T", "O" held back
+    assert deltas[5] == "STOr"
+    assert "".join(deltas) + d.finish() == "a STOrm" and not d.stopped
+
+
+def test_earliest_of_several_stop_strings_wins_with_multi_token_push(smol):
+    ids = smol.tok.encode("one, two. three! four")
+    d = smol.detokenizer(stop=["!", ". t"])
+    assert d.push(ids) == "one, two"
+    assert d.stopped
+
+
+def test_stop_string_in_held_tail_at_finish(byte_tok):
+    d = byte_tok.detokenizer(stop=["xyz"])
+    ids = byte_tok.tok.encode("abxy")
+    assert d.push(ids) == "ab"
+    assert d.finish() == "xy"  # generation ended: the partial prefix is real text
+
+
+def test_special_tokens_are_not_text(smol):
+    d = smol.detokenizer()
+    ids = smol.tok.encode("Paris.") + [smol.eos_ids[0]]
+    assert "".join(_stream(d, ids)) == "Paris."
+
+
+def test_chat_prompt_validation(smol):
+    ids = smol.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+    assert len(ids) == 37  # the SmolLM2 chat prompt of this question (env-facts §4)
+    for bad in ([], "x", [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 5}], [3]):
+        with pytest.raises(PromptError):
+            smol.chat_prompt(bad)
+    with pytest.raises(PromptError):
+        smol.completion_prompt([1, 2, 10**9])
+    with pytest.raises(PromptError):
+        smol.completion_prompt("")
+    assert smol.stop_ids([7, 2], ignore_eos=False) == [2, 7]
+    assert smol.stop_ids([], ignore_eos=True) == []
