@@ -8,49 +8,53 @@ from pathlib import Path
 import pytest
 import yaml
 
-from blink.actors.config import ConfigError, DeployConfig, load_deploy_config, parse_deploy_config
+from blink.actors.config import ConfigError, DeployConfig, build, from_mapping
 from blink.actors.placement import plan_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_config_defaults_and_nested_tables(tmp_path: Path) -> None:
+def test_config_file_with_deploy_section(tmp_path: Path) -> None:
     f = tmp_path / "blink.toml"
-    f.write_text('name = "dp"\nreplicas = 2\ndevice = "emulated"\n[ring]\nn_slots = 8\n[http]\nport = 0\n')
-    cfg = load_deploy_config(f)
-    assert cfg.name == "dp" and cfg.replicas == 2 and cfg.device == "emulated"
-    assert cfg.ring.n_slots == 8 and cfg.ring.output_capacity == DeployConfig().ring.output_capacity
-    assert cfg.http.port == 0
+    f.write_text(
+        '[deploy]\nname = "dp"\nreplicas = 2\n[device]\nkind = "emulated"\n[ring]\nn_slots = 8\n[server]\nport = 0\n'
+    )
+    cfg = build(str(f))
+    assert cfg.name == "dp" and cfg.deploy.replicas == 2 and cfg.serving.device.kind == "emulated"
+    assert cfg.serving.ring.n_slots == 8 and cfg.serving.server.port == 0
     assert cfg.gpu_actor_name(1) == "dp-gpu-1" and cfg.ring_name(0) == "dp-ring-0"
+    assert DeployConfig.from_json(cfg.to_json()) == cfg
     with pytest.raises(AttributeError):
-        cfg.replicas = 3  # type: ignore[misc]  # frozen
+        cfg.deploy.replicas = 3  # type: ignore[misc]  # frozen
 
 
 @pytest.mark.parametrize(
     "data, msg",
     [
-        ({"replica": 2}, "unknown key"),
-        ({"ring": {"n_slot": 2}}, "unknown key"),
-        ({"http": {"port": "80"}}, "must be int"),
-        ({"replicas": True}, "must be int"),
-        ({"device": "tpu"}, "device must be"),
-        ({"placement": {"dpu": "maybe"}}, "placement.dpu"),
-        ({"ring": 3}, "must be a table"),
-        ({"lifecycle": {"down_after_s": 0}}, "down_after_s"),
+        ({"deploy": {"replica": 2}}, "unknown key deploy.replica"),
+        ({"deploy": {"replicas": True}}, "wrong type"),
+        ({"deploy": {"replicas": "2"}}, "wrong type"),
+        ({"deploy": {"dpu": "maybe"}}, "deploy.dpu"),
+        ({"deploy": {"name": "a b"}}, "deploy.name"),
+        ({"deploy": 3}, "must be a mapping"),
+        ({"deployment": {}}, "unknown config section"),
+        ({"ring": {"n_slot": 2}}, "unknown key ring.n_slot"),
     ],
 )
 def test_config_rejects_bad_input(data: dict, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg):
-        parse_deploy_config(data)
+        from_mapping(data)
 
 
-def test_overrides_apply_after_file() -> None:
-    cfg = load_deploy_config(None, replicas=3, name="x")
-    assert (cfg.replicas, cfg.name) == (3, "x")
+def test_overrides_apply_after_file(tmp_path: Path) -> None:
+    f = tmp_path / "blink.json"
+    f.write_text('{"deploy": {"replicas": 2, "name": "a"}}')
+    cfg = build(str(f), {"deploy": {"replicas": 3}, "server": {}})
+    assert (cfg.deploy.replicas, cfg.name) == (3, "a")
 
 
-def _cfg(**kw) -> DeployConfig:
-    return parse_deploy_config(kw)
+def _cfg(device: str = "auto", **deploy) -> DeployConfig:
+    return from_mapping({"deploy": deploy, "device": {"kind": device}})
 
 
 def test_plan_frontend_beside_gpus_without_dpu() -> None:
@@ -65,7 +69,7 @@ def test_plan_frontend_on_dpu_node() -> None:
     assert plan.use_dpu and plan.strategy == "PACK"
     assert plan.bundles[0] == {"CPU": 1.0, "dpu": 1.0}
     assert all("dpu" not in b for b in plan.bundles[1:])
-    off = plan_placement(_cfg(replicas=2, placement={"dpu": "off"}), [{"CPU": 16, "GPU": 2}, {"CPU": 4, "dpu": 2}])
+    off = plan_placement(_cfg(replicas=2, dpu="off"), [{"CPU": 16, "GPU": 2}, {"CPU": 4, "dpu": 2}])
     assert not off.use_dpu and off.strategy == "STRICT_PACK"
 
 
@@ -79,17 +83,17 @@ def test_plan_auto_device_falls_back_to_emulated_without_gpus() -> None:
     plan = plan_placement(_cfg(replicas=2), [{"CPU": 8}])
     assert not plan.use_gpu and all("GPU" not in b for b in plan.bundles)
     with pytest.raises(ConfigError, match="need 2 GPUs"):
-        plan_placement(_cfg(replicas=2, device="cuda"), [{"CPU": 8, "GPU": 1}])
+        plan_placement(_cfg("cuda", replicas=2), [{"CPU": 8, "GPU": 1}])
 
 
 def test_plan_rejects_what_cannot_fit() -> None:
     # GPUs on two hosts and no dpu node: the shm ring needs one host, so refuse up front.
     with pytest.raises(ConfigError, match="one host"):
-        plan_placement(_cfg(replicas=2, device="cuda"), [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}])
+        plan_placement(_cfg("cuda", replicas=2), [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}])
     with pytest.raises(ConfigError, match="require"):
-        plan_placement(_cfg(placement={"dpu": "require"}), [{"CPU": 8, "GPU": 1}])
+        plan_placement(_cfg(dpu="require"), [{"CPU": 8, "GPU": 1}])
     with pytest.raises(ConfigError, match="room for the frontend"):
-        plan_placement(_cfg(placement={"frontend_cpus": 8.0}), [{"CPU": 8, "GPU": 1}, {"CPU": 2, "dpu": 1}])
+        plan_placement(_cfg(frontend_cpus=8.0), [{"CPU": 8, "GPU": 1}, {"CPU": 2, "dpu": 1}])
 
 
 def _prepared(cfg: dict) -> dict:

@@ -1,186 +1,138 @@
-"""Deployment config: parsed once, at the edge, into frozen dataclasses.
+"""Deployment config: the serving config (blink/config.py) plus a `deploy` section, parsed once.
 
-A deployment is N replicas (one GPU actor each, each with its own ring and engine) and one
-frontend actor that serves HTTP for all of them. The file is TOML (or JSON); every key is
-checked, unknown keys are errors. Example (all keys optional)::
+`blink serve --ray`, `blink deploy`, `blink status` and `blink stop` read the same file as
+`blink serve` (sections server / ring / device / model, see blink/config.py) with one more
+section, `deploy`, defined here. Every key is checked; unknown keys are errors::
 
-    name = "blink"              # actor, placement-group and ring names derive from it
-    namespace = "blink"         # Ray namespace of the detached actors
-    model = ""                  # GGUF path; "" = the SmolLM2-135M reference model
-    device = "auto"             # auto | cuda | emulated
-    replicas = 1                # GPU actors; 0 = one per GPU in the cluster
-
-    [ring]
-    n_slots = 64
-    prompt_arena_tokens = 262144
-    output_capacity = 1024
-
-    [http]
-    host = "127.0.0.1"
-    port = 8000
-
-    [placement]
-    dpu = "auto"                # auto | require | off: frontend on a node with the `dpu` resource
+    [deploy]
+    name = "blink"           # actor, placement-group and ring names derive from it
+    namespace = "blink"      # Ray namespace of the (detached) named actors
+    replicas = 1             # GPU actors, each with its own ring and engine; 0 = one per GPU
+    dpu = "auto"             # frontend on a node with the `dpu` resource: auto | require | off
     gpu_actor_cpus = 1.0
     frontend_cpus = 1.0
+    start_timeout_s = 900.0  # bound on each actor's start() (model load + engine start)
+    max_restarts = -1        # Ray restarts of a killed actor; -1 = unbounded
 
-    [lifecycle]
-    start_timeout_s = 300.0
-    max_restarts = -1           # Ray restarts of a killed actor; -1 = unbounded
-    down_after_s = 2.0          # a ring whose heartbeat is older than this is a dead replica
+Replica liveness uses `server.heartbeat_timeout_s` (the device heartbeat in the ring header).
+
+Actors receive the config as JSON text (`to_json` / `from_json`), not as a pickled object.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-DEVICES = ("auto", "cuda", "emulated")
+from blink import config as serving
+
+ConfigError = serving.ConfigError
 DPU_MODES = ("auto", "require", "off")
 
 
 @dataclass(frozen=True)
-class RingConfig:
-    n_slots: int = 64
-    """Request slots per replica ring (the most requests one replica holds at once)."""
-    prompt_arena_tokens: int = 1 << 18
-    """int32 tokens in the prompt arena shared by all slots."""
-    output_capacity: int = 1024
-    """Tokens per slot in the output ring before the device pauses that slot."""
-
-    def __post_init__(self) -> None:
-        _check(1 <= self.n_slots <= 1 << 20, "ring.n_slots must be in [1, 2^20]")
-        _check(self.prompt_arena_tokens >= 1, "ring.prompt_arena_tokens must be >= 1")
-        _check(self.output_capacity >= 1, "ring.output_capacity must be >= 1")
-
-
-@dataclass(frozen=True)
-class HttpConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    """0 picks a free port (tests); `blink status` reports the bound one."""
-
-    def __post_init__(self) -> None:
-        _check(0 <= self.port <= 65535, "http.port must be in [0, 65535]")
-
-
-@dataclass(frozen=True)
-class PlacementConfig:
+class DeploySection:
+    name: str = "blink"
+    """Deployment name; actor, placement-group and ring names derive from it."""
+    namespace: str = "blink"
+    """Ray namespace of the named actors and the placement group."""
+    replicas: int = 1
+    """GPU actors (data-parallel replicas); 0 = one per GPU of the cluster."""
     dpu: str = "auto"
     """auto: frontend on a `dpu` node when the cluster has one, else beside the GPU actors;
-    require: fail when no node has `dpu`; off: never use `dpu` nodes."""
+    require: fail without a `dpu` node; off: never use one."""
     gpu_actor_cpus: float = 1.0
+    """CPUs reserved per GPU actor (the emulated device computes on them)."""
     frontend_cpus: float = 1.0
-
-    def __post_init__(self) -> None:
-        _check(self.dpu in DPU_MODES, f"placement.dpu must be one of {DPU_MODES}")
-        _check(self.gpu_actor_cpus >= 0 and self.frontend_cpus >= 0, "placement cpus must be >= 0")
-
-
-@dataclass(frozen=True)
-class LifecycleConfig:
-    start_timeout_s: float = 300.0
-    """Bound on each actor's start() (model load + engine start)."""
+    """CPUs reserved for the frontend actor (HTTP, tokenizer, slot tracker, token reader)."""
+    start_timeout_s: float = 900.0
+    """Bound on each actor's start(): model load, engine start, HTTP bind."""
     max_restarts: int = -1
-    down_after_s: float = 2.0
-    """Heartbeat age after which the frontend treats a replica as dead."""
+    """How often Ray restarts a killed actor; -1 = unbounded."""
 
     def __post_init__(self) -> None:
-        _check(self.start_timeout_s > 0, "lifecycle.start_timeout_s must be > 0")
-        _check(self.max_restarts >= -1, "lifecycle.max_restarts must be >= -1")
-        _check(self.down_after_s > 0, "lifecycle.down_after_s must be > 0")
+        if not self.name or not self.name.replace("-", "").isalnum():
+            raise ConfigError(f"deploy.name = {self.name!r}: use letters, digits and '-'")
+        if not self.namespace:
+            raise ConfigError("deploy.namespace must not be empty")
+        if self.replicas < 0:
+            raise ConfigError("deploy.replicas must be >= 0 (0 = one per GPU)")
+        if self.dpu not in DPU_MODES:
+            raise ConfigError(f"deploy.dpu = {self.dpu!r}; expected one of {', '.join(DPU_MODES)}")
+        if self.gpu_actor_cpus < 0 or self.frontend_cpus < 0:
+            raise ConfigError("deploy.*_cpus must be >= 0")
+        if self.start_timeout_s <= 0:
+            raise ConfigError("deploy.start_timeout_s must be > 0")
+        if self.max_restarts < -1:
+            raise ConfigError("deploy.max_restarts must be >= -1")
 
 
 @dataclass(frozen=True)
 class DeployConfig:
-    name: str = "blink"
-    namespace: str = "blink"
-    model: str = ""
-    device: str = "auto"
-    replicas: int = 1
-    ring: RingConfig = field(default_factory=RingConfig)
-    http: HttpConfig = field(default_factory=HttpConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    deploy: DeploySection = field(default_factory=DeploySection)
+    serving: serving.BlinkConfig = field(default_factory=serving.BlinkConfig)
 
-    def __post_init__(self) -> None:
-        _check(self.name.replace("-", "").isalnum(), "name must be letters, digits and '-'")
-        _check(bool(self.namespace), "namespace must not be empty")
-        _check(self.device in DEVICES, f"device must be one of {DEVICES}")
-        _check(self.replicas >= 0, "replicas must be >= 0 (0 = one per GPU)")
+    # -- shorthands and derived names: one place, so deploy / status / stop agree -----
+    @property
+    def name(self) -> str:
+        return self.deploy.name
 
-    # -- derived names: one place, so deploy / status / stop agree --------------------
+    @property
+    def namespace(self) -> str:
+        return self.deploy.namespace
+
     @property
     def frontend_name(self) -> str:
-        return f"{self.name}-frontend"
+        return f"{self.deploy.name}-frontend"
 
     @property
     def placement_group_name(self) -> str:
-        return f"{self.name}-pg"
+        return f"{self.deploy.name}-pg"
 
     def gpu_actor_name(self, replica: int) -> str:
-        return f"{self.name}-gpu-{replica}"
+        return f"{self.deploy.name}-gpu-{replica}"
 
     def ring_name(self, replica: int) -> str:
-        return f"{self.name}-ring-{replica}"
+        return f"{self.deploy.name}-ring-{replica}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_json(self) -> str:
+        return json.dumps({"deploy": dataclasses.asdict(self.deploy), **dataclasses.asdict(self.serving)})
 
-
-class ConfigError(ValueError):
-    pass
-
-
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
+    @classmethod
+    def from_json(cls, text: str) -> DeployConfig:
+        return from_mapping(json.loads(text))
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'} must be a table, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"unknown key(s) in {where or 'config'}: {', '.join(unknown)}")
-    kwargs: dict[str, Any] = {}
-    for k, v in data.items():
-        ftype = fields[k].type
-        sub = _SECTIONS.get(ftype) if isinstance(ftype, str) else None
-        if sub is not None:
-            kwargs[k] = _build(sub, v, f"{where}.{k}" if where else k)
-            continue
-        want = {"int": int, "float": (int, float), "str": str}.get(str(ftype))
-        if want is not None and (not isinstance(v, want) or isinstance(v, bool)):
-            raise ConfigError(f"{where + '.' if where else ''}{k} must be {ftype}, got {v!r}")
-        kwargs[k] = float(v) if ftype == "float" else v
-    return cls(**kwargs)
+def _deploy_section(values: Any, base: DeploySection) -> DeploySection:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"section 'deploy' must be a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(DeploySection)
+    known = {f.name for f in dataclasses.fields(DeploySection)}
+    changes = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown key deploy.{key} (known: {', '.join(sorted(known))})")
+        changes[key] = serving._coerce(f"deploy.{key}", value, hints[key])
+    return dataclasses.replace(base, **changes)
 
 
-_SECTIONS = {
-    "RingConfig": RingConfig,
-    "HttpConfig": HttpConfig,
-    "PlacementConfig": PlacementConfig,
-    "LifecycleConfig": LifecycleConfig,
-}
+def from_mapping(data: Mapping[str, Any], base: DeployConfig | None = None) -> DeployConfig:
+    """{deploy: {...}, server: {...}, ring: {...}, ...} -> DeployConfig over `base` (defaults)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
+    base = base or DeployConfig()
+    rest = {k: v for k, v in data.items() if k != "deploy"}
+    dep = _deploy_section(data["deploy"], base.deploy) if "deploy" in data else base.deploy
+    return DeployConfig(dep, serving.from_mapping(rest, base=base.serving))
 
 
-def parse_deploy_config(data: dict[str, Any]) -> DeployConfig:
-    """Build a DeployConfig from a plain dict (a parsed file); unknown keys raise ConfigError."""
-    return _build(DeployConfig, data, "")
-
-
-def load_deploy_config(path: str | Path | None, **overrides: Any) -> DeployConfig:
-    """Read a TOML or JSON file (None: defaults) and apply top-level overrides (CLI flags)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        raw = p.read_bytes()
-        data = json.loads(raw) if p.suffix == ".json" else tomllib.loads(raw.decode())
-    cfg = parse_deploy_config(data)
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+def build(config_file: str | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> DeployConfig:
+    """Defaults, then the file, then explicit overrides ({section: {key: value}}, CLI flags given)."""
+    cfg = from_mapping(serving.load_file(config_file)) if config_file else DeployConfig()
+    if overrides:
+        cfg = from_mapping({k: v for k, v in overrides.items() if v}, base=cfg)
+    return cfg

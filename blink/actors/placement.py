@@ -60,13 +60,13 @@ def plan_placement(cfg: DeployConfig, nodes: list[dict[str, float]]) -> Placemen
     placement group wait forever)."""
     total_gpus = sum(n.get("GPU", 0.0) for n in nodes)
     dpu_nodes = [n for n in nodes if n.get(DPU_RESOURCE, 0.0) >= 1]
-    if cfg.device == "cuda":
+    if cfg.serving.device.kind == "cuda":
         use_gpu = True
-    elif cfg.device == "emulated":
+    elif cfg.serving.device.kind == "emulated":
         use_gpu = False
     else:  # auto: GPUs when the cluster has enough for the replicas asked for
-        use_gpu = total_gpus >= max(cfg.replicas, 1)
-    replicas = cfg.replicas
+        use_gpu = total_gpus >= max(cfg.deploy.replicas, 1)
+    replicas = cfg.deploy.replicas
     if replicas == 0:
         replicas = int(math.floor(total_gpus + 1e-9))
         if replicas == 0:
@@ -74,23 +74,23 @@ def plan_placement(cfg: DeployConfig, nodes: list[dict[str, float]]) -> Placemen
     if use_gpu and total_gpus + 1e-9 < replicas:
         raise ConfigError(f"{replicas} replicas need {replicas} GPUs; the cluster has {total_gpus:g}")
 
-    mode = cfg.placement.dpu
+    mode = cfg.deploy.dpu
     use_dpu = bool(dpu_nodes) and mode != "off"
     if mode == "require" and not dpu_nodes:
-        raise ConfigError(f"placement.dpu = require, but no node has the `{DPU_RESOURCE}` resource")
+        raise ConfigError(f"deploy.dpu = require, but no node has the `{DPU_RESOURCE}` resource")
 
     frontend: dict[str, float] = {}
-    if cfg.placement.frontend_cpus > 0:
-        frontend["CPU"] = cfg.placement.frontend_cpus
+    if cfg.deploy.frontend_cpus > 0:
+        frontend["CPU"] = cfg.deploy.frontend_cpus
     if use_dpu:
         frontend[DPU_RESOURCE] = 1.0
     gpu: dict[str, float] = {}
-    if cfg.placement.gpu_actor_cpus > 0:
-        gpu["CPU"] = cfg.placement.gpu_actor_cpus
+    if cfg.deploy.gpu_actor_cpus > 0:
+        gpu["CPU"] = cfg.deploy.gpu_actor_cpus
     if use_gpu:
         gpu["GPU"] = 1.0
     if not frontend or not gpu:
-        raise ConfigError("every bundle needs a resource: set placement.*_cpus > 0 (or use GPUs)")
+        raise ConfigError("every bundle needs a resource: set deploy.*_cpus > 0 (or use GPUs)")
     bundles = (frontend,) + tuple(dict(gpu) for _ in range(replicas))
 
     if use_dpu:

@@ -1,0 +1,156 @@
+"""Place and start a deployment on a connected Ray cluster; find it again; stop it.
+
+Used by `blink serve --ray` (embedded local Ray, actors owned by the driver), `blink deploy`
+(running cluster, detached named actors in a namespace), `blink status`, `blink stop` and
+bench/scaleout.py. Every Ray call here is start-up or control plane; after `deploy()` returns,
+requests and tokens flow HTTP -> frontend -> ring -> engine without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from .config import DeployConfig
+from .placement import PlacementPlan, alive_node_resources, ensure_placement_group, plan_placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Deployment:
+    cfg: DeployConfig
+    plan: PlacementPlan
+    gpu_actors: list[Any]  # ray ActorHandle per replica
+    frontend: Any  # ray ActorHandle
+    rings: list[dict[str, Any]]  # GpuActor.ring_info() per replica
+    frontend_info: dict[str, Any]  # FrontendActor.start() result (url, ...)
+
+    @property
+    def url(self) -> str:
+        return self.frontend_info["url"]
+
+
+def _actor_options(cfg: DeployConfig, name: str, pg: Any, bundle: int, detached: bool) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    opts: dict[str, Any] = dict(
+        name=name,
+        namespace=cfg.namespace,
+        get_if_exists=True,  # a second deploy finds the running actor instead of failing
+        max_restarts=cfg.lifecycle.max_restarts,
+        max_task_retries=0,
+        # start() runs for seconds; status() must answer meanwhile.
+        max_concurrency=4,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=False
+        ),
+    )
+    if detached:
+        opts["lifetime"] = "detached"
+    return opts
+
+
+def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
+    """Reserve the placement group, start every GPU actor, then the frontend; all under timeouts."""
+    import ray
+
+    from .frontend_actor import FrontendActor
+    from .gpu_actor import GpuActor
+
+    plan = plan_placement(cfg, alive_node_resources())
+    timeout = cfg.lifecycle.start_timeout_s
+    pg = ensure_placement_group(plan, detached, timeout)
+    gpu_cls = ray.remote(GpuActor)
+    fe_cls = ray.remote(FrontendActor)
+    gpu_bundle = plan.bundles[plan.gpu_bundle(0)]
+    gpus = []
+    for i in range(plan.replicas):
+        opts = _actor_options(cfg, cfg.gpu_actor_name(i), pg, plan.gpu_bundle(i), detached)
+        opts.update(num_cpus=gpu_bundle.get("CPU", 0.0), num_gpus=gpu_bundle.get("GPU", 0.0))
+        gpus.append(gpu_cls.options(**opts).remote(cfg, i))
+    rings = _get_all([a.start.remote() for a in gpus], timeout, "GPU actor start()", gpus)
+    fe_bundle = plan.bundles[plan.frontend_bundle]
+    opts = _actor_options(cfg, cfg.frontend_name, pg, plan.frontend_bundle, detached)
+    opts.update(num_cpus=fe_bundle.get("CPU", 0.0))
+    if "dpu" in fe_bundle:
+        opts["resources"] = {"dpu": fe_bundle["dpu"]}
+    frontend = fe_cls.options(**opts).remote(cfg, plan.replicas)
+    (fe_info,) = _get_all([frontend.start.remote()], timeout, "frontend start()", [frontend])
+    return Deployment(cfg, plan, gpus, frontend, rings, fe_info)
+
+
+def _get_all(refs: list[Any], timeout: float, what: str, actors: list[Any]) -> list[Any]:
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        raise TimeoutError(f"{what} did not finish in {timeout:g}s; actors killed") from None
+
+
+def find(cfg: DeployConfig) -> tuple[list[Any], Any | None]:
+    """Handles of a running deployment's actors (named, in cfg.namespace): (gpu actors, frontend)."""
+    import ray
+
+    gpus = []
+    i = 0
+    while True:
+        try:
+            gpus.append(ray.get_actor(cfg.gpu_actor_name(i), namespace=cfg.namespace))
+        except ValueError:
+            break
+        i += 1
+    try:
+        frontend = ray.get_actor(cfg.frontend_name, namespace=cfg.namespace)
+    except ValueError:
+        frontend = None
+    return gpus, frontend
+
+
+def status(cfg: DeployConfig, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Status of every actor of the deployment; an actor that does not answer is reported as such."""
+    import ray
+
+    gpus, frontend = find(cfg)
+    out: dict[str, Any] = {"name": cfg.name, "namespace": cfg.namespace, "replicas": [], "frontend": None}
+    for i, a in enumerate(gpus):
+        try:
+            out["replicas"].append(ray.get(a.status.remote(), timeout=timeout_s))
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            out["replicas"].append({"replica": i, "state": "UNREACHABLE", "error": f"{type(e).__name__}: {e}"})
+    if frontend is not None:
+        try:
+            out["frontend"] = ray.get(frontend.status.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            out["frontend"] = {"state": "UNREACHABLE", "error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def stop(cfg: DeployConfig, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Stop the frontend, drain and stop each engine, kill the actors, release the placement group."""
+    import ray
+
+    from .placement import remove_placement_group_by_name
+
+    gpus, frontend = find(cfg)
+    stopped: dict[str, Any] = {"frontend": False, "replicas": 0, "placement_group": False}
+    if frontend is not None:
+        try:
+            ray.get(frontend.stop.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            log.warning("frontend stop: %s", e)
+        ray.kill(frontend, no_restart=True)
+        stopped["frontend"] = True
+    for a in gpus:
+        try:
+            ray.get(a.stop.remote(drain=True, timeout_s=timeout_s), timeout=timeout_s + 5)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            log.warning("gpu actor stop: %s", e)
+        ray.kill(a, no_restart=True)
+        stopped["replicas"] += 1
+    stopped["placement_group"] = remove_placement_group_by_name(cfg.placement_group_name)
+    return stopped

@@ -1,0 +1,186 @@
+"""GPU actor: one per GPU. Creates its replica's ring, loads the model, starts the engine, detaches.
+
+After `start()` the engine (the CUDA persistent scheduler, or the emulated device without a GPU)
+serves the ring on its own; this actor only keeps the process that owns the ring and the device
+context alive and answers `status()` from the ring header. No Ray call is made per token.
+
+Lifecycle: the constructor is cheap; the deployer calls `start()` under a timeout. When Ray
+restarts a killed GPU actor (max_restarts), the new incarnation starts itself from the
+constructor: it replaces the dead ring with a fresh one (new inode, same name), which is how the
+frontend, watching the heartbeat and the file identity, sees the replica come back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Protocol
+
+from blink.protocol.layout import DeviceStatus, RingGeometry
+from blink.protocol.transport import ShmTransport, shm_path
+
+from . import raycount
+from .config import DeployConfig
+
+log = logging.getLogger(__name__)
+
+# Header fields `status()` reports (device-written counters and gauges).
+STATUS_FIELDS = (
+    "device_status",
+    "fault",
+    "heartbeat",
+    "heartbeat_ns",
+    "steps",
+    "prefill_steps",
+    "tokens_generated",
+    "prompt_tokens",
+    "requests_admitted",
+    "requests_completed",
+    "running",
+    "waiting",
+    "kv_blocks_total",
+    "kv_blocks_free",
+    "max_batch",
+    "n_slots",
+)
+
+
+class Engine(Protocol):
+    """What the actor holds after start: something serving the ring until stopped."""
+
+    def alive(self) -> bool: ...
+    def stop(self, timeout_s: float) -> None: ...
+
+
+def resolve_device(device: str) -> str:
+    """auto -> cuda when CuPy sees a GPU in this process, else emulated."""
+    if device != "auto":
+        return device
+    try:
+        import cupy
+
+        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "emulated"
+    except (ImportError, RuntimeError) as e:  # no cupy / no libcuda / old driver: no usable GPU
+        log.info("no usable GPU (%s: %s); using the emulated device", type(e).__name__, e)
+        return "emulated"
+
+
+def start_engine(device: str, cfg: DeployConfig, ring_name: str) -> Engine:
+    """Load the model and start the engine on an existing ring (lazy imports: CUDA only when asked)."""
+    from . import engines
+
+    if device == "cuda":
+        return engines.start_cuda(cfg, ring_name)
+    return engines.start_emulated(cfg, ring_name)
+
+
+class GpuActor:
+    def __init__(self, cfg: DeployConfig, replica: int):
+        raycount.install()
+        raycount.note_incoming("__init__")
+        self.cfg = cfg
+        self.replica = replica
+        self.ring_name = cfg.ring_name(replica)
+        self._lock = threading.Lock()
+        self._transport: ShmTransport | None = None
+        self._engine: Engine | None = None
+        self._device = ""
+        self._start_error: str = ""
+        self._incarnation = 0
+        if _reconstructed():
+            # Ray restarted us after a crash: nobody will call start(), so start now (in the
+            # background: a constructor must return quickly for Ray to mark the actor alive).
+            threading.Thread(target=self._start_background, name="gpu-actor-restart", daemon=True).start()
+
+    def _start_background(self) -> None:
+        try:
+            self.start()
+        except Exception as e:  # recorded and reported by status(); the actor stays up to say why
+            log.exception("restart of replica %d failed", self.replica)
+            self._start_error = f"{type(e).__name__}: {e}"
+
+    def start(self) -> dict[str, Any]:
+        """Create the ring, load the model, start the engine; idempotent. Returns ring_info()."""
+        raycount.note_incoming("start")
+        with self._lock:
+            if self._engine is None:
+                self._incarnation = _incarnation()
+                geo = RingGeometry(
+                    self.cfg.ring.n_slots, self.cfg.ring.prompt_arena_tokens, self.cfg.ring.output_capacity
+                )
+                path = shm_path(self.ring_name)
+                if os.path.exists(path):
+                    # A ring left by a dead incarnation: unlink rather than reuse, so anyone still
+                    # mapping it keeps the old bytes and sees a new inode under the name.
+                    os.unlink(path)
+                self._transport = ShmTransport.create(self.ring_name, geo)
+                self._device = resolve_device(self.cfg.device)
+                self._engine = start_engine(self._device, self.cfg, self.ring_name)
+        return self.ring_info()
+
+    def ring_info(self) -> dict[str, Any]:
+        raycount.note_incoming("ring_info")
+        import ray
+
+        return {
+            "replica": self.replica,
+            "ring": self.ring_name,
+            "path": shm_path(self.ring_name),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "device": self._device,
+            "incarnation": self._incarnation,
+        }
+
+    def status(self) -> dict[str, Any]:
+        """The ring header's device fields, plus whether the engine is alive."""
+        raycount.note_incoming("status")
+        out: dict[str, Any] = {"replica": self.replica, "pid": os.getpid(), "device": self._device}
+        out["start_error"] = self._start_error
+        t = self._transport
+        if t is None:
+            out["state"] = "NOT_STARTED"
+            return out
+        hdr = t.view().header
+        for f in STATUS_FIELDS:
+            out[f] = int(hdr[f])
+        out["state"] = DeviceStatus(out["device_status"]).name
+        out["engine_alive"] = self._engine is not None and self._engine.alive()
+        return out
+
+    def stop(self, drain: bool = True, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Ask the engine to stop (drain: finish in-flight work), wait, unlink the ring."""
+        raycount.note_incoming("stop")
+        with self._lock:
+            if self._transport is not None:
+                self._transport.view().header["shutdown"] = 1 if drain else 2
+            if self._engine is not None:
+                self._engine.stop(timeout_s)
+            st = self.status()
+            if self._transport is not None:
+                self._transport.unlink()
+                self._transport.close()
+            self._transport = None
+            self._engine = None
+        return st
+
+    def ray_counts(self) -> dict[str, int]:
+        return raycount.counts()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _reconstructed() -> bool:
+    import ray
+
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except RuntimeError:  # not inside an actor (plain-object use in tests)
+        return False
+
+
+def _incarnation() -> int:
+    return time.time_ns()

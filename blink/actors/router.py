@@ -1,0 +1,196 @@
+"""Data-parallel routing inside the frontend process: N rings (one per GPU actor), one HTTP ingress.
+
+`Router` has the request tracker's interface (submit / health / stats / check_prompt / ...), so
+the HTTP server serves N replicas exactly as it serves one. Each request goes to the live replica
+with the most free slots (ties: the lowest index), read from that replica's slot tracker cache:
+no Ray, no extra ring read.
+
+Replica liveness comes from the ring alone. A replica whose token reader declared its device
+down (status FAILED/STOPPED or a heartbeat silent for server.heartbeat_timeout_s) is dropped
+from routing; its in-flight requests have already ended with an error event. A watcher checks
+each ring file every `watch_interval_s`: when the GPU actor is restarted it creates a fresh ring
+under the same name (a new inode), and once that ring says READY the replica is attached again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from blink.dpu.request_tracker import DeviceDownError, RequestHandle, RequestTracker
+from blink.protocol.layout import RING_MAGIC, DeviceStatus
+from blink.protocol.transport import ShmTransport, shm_path
+from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest
+
+log = logging.getLogger(__name__)
+
+MakeTracker = Callable[[ShmTransport], RequestTracker]
+
+
+@dataclass
+class Replica:
+    index: int
+    ring: str  # shm name
+    tracker: RequestTracker | None = None
+    transport: ShmTransport | None = None
+    inode: int = 0  # identity of the ring file attached (0: none)
+    down_reason: str = "not attached yet"
+    attaches: int = 0  # times a ring was attached (1 = never restarted)
+    requests: int = 0  # requests routed here
+    history: list[str] = field(default_factory=list)  # up/down transitions, for status()
+
+    @property
+    def up(self) -> bool:
+        return self.tracker is not None and not self.tracker.reader.failed
+
+
+def _ring_ready(path: str) -> tuple[int, bool]:
+    """(inode, READY) of the ring file at `path` ((0, False) when absent or not a ring yet)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return 0, False
+    if st.st_size < 512:
+        return st.st_ino, False
+    t = ShmTransport.open(path)
+    try:
+        hdr = t.view().header
+        ready = int(hdr["magic"]) == RING_MAGIC and int(hdr["device_status"]) == DeviceStatus.READY
+        del hdr
+    finally:
+        t.close()
+    return st.st_ino, ready
+
+
+class Router:
+    def __init__(self, rings: list[str], make_tracker: MakeTracker, watch_interval_s: float = 0.25):
+        if not rings:
+            raise ValueError("a router needs at least one ring")
+        self.replicas = [Replica(i, name) for i, name in enumerate(rings)]
+        self._make_tracker = make_tracker
+        self.watch_interval_s = watch_interval_s
+        self._watch: asyncio.Task[None] | None = None
+        self._ids = 0
+        self._closing = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        for r in self.replicas:
+            await self._try_attach(r)
+        self._watch = asyncio.get_running_loop().create_task(self._watcher(), name="replica-watcher")
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._watch is not None:
+            self._watch.cancel()
+            try:
+                await self._watch
+            except asyncio.CancelledError:
+                pass  # the watcher was cancelled by us just above
+        for r in self.replicas:
+            await self._detach(r, "frontend closed")
+
+    async def _try_attach(self, r: Replica) -> bool:
+        path = shm_path(r.ring)
+        inode, ready = _ring_ready(path)
+        if not ready or inode == r.inode:
+            return False  # no ring, not serving yet, or the same (dead) ring we already dropped
+        transport = ShmTransport.open(path)
+        tracker = self._make_tracker(transport)
+        await tracker.start()
+        r.tracker, r.transport, r.inode = tracker, transport, inode
+        r.attaches += 1
+        r.down_reason = ""
+        r.history.append("up")
+        log.info("replica %d attached to ring %s (inode %d)", r.index, r.ring, inode)
+        return True
+
+    async def _detach(self, r: Replica, why: str) -> None:
+        if r.tracker is not None:
+            await r.tracker.close()
+            r.history.append(f"down: {why}")
+            log.warning("replica %d down: %s", r.index, why)
+        r.tracker = None
+        if r.transport is not None:
+            r.transport.close()
+        r.transport = None
+        r.down_reason = why
+
+    async def _watcher(self) -> None:
+        while not self._closing:
+            for r in self.replicas:
+                if r.tracker is not None and r.tracker.reader.failed:
+                    await self._detach(r, r.tracker.reader.failed)
+                if r.tracker is None:
+                    await self._try_attach(r)
+            await asyncio.sleep(self.watch_interval_s)
+
+    # -- routing -------------------------------------------------------------------------
+    def pick(self) -> Replica:
+        """The live replica with the most free slots (minus requests already waiting for one)."""
+        best, best_free = None, None
+        for r in self.replicas:
+            if not r.up:
+                continue
+            s = r.tracker.stats()
+            free = s.free_slots - s.queued
+            if best_free is None or free > best_free:
+                best, best_free = r, free
+        if best is None:
+            raise DeviceDownError(
+                "no replica is serving: " + "; ".join(f"{r.index}: {r.down_reason}" for r in self.replicas)
+            )
+        return best
+
+    async def submit(self, req: SubmitRequest) -> RequestHandle:
+        r = self.pick()
+        r.requests += 1
+        return await r.tracker.submit(req)
+
+    # -- the tracker interface the server reads -------------------------------------------
+    def _any(self) -> RequestTracker:
+        return self.pick().tracker
+
+    def health(self) -> DeviceHealth:
+        up = [r for r in self.replicas if r.up]
+        if up:
+            return up[0].tracker.health()
+        why = "; ".join(f"replica {r.index}: {r.down_reason}" for r in self.replicas)
+        return DeviceHealth(False, int(DeviceStatus.FAILED), 0, why)
+
+    def stats(self) -> RingStats:
+        parts = [r.tracker.stats() for r in self.replicas if r.up]
+        return RingStats(
+            sum(p.n_slots for p in parts),
+            sum(p.busy_slots for p in parts),
+            sum(p.queued for p in parts),
+            sum(p.free_slots for p in parts),
+        )
+
+    @property
+    def max_context(self) -> int:
+        return self._any().max_context
+
+    @property
+    def vocab_size(self) -> int:
+        return self._any().vocab_size
+
+    def new_request_id(self) -> int:
+        return self._any().new_request_id()
+
+    def check_prompt(self, n_prompt: int) -> str | None:
+        return self._any().check_prompt(n_prompt)
+
+    def replica_status(self) -> list[dict]:
+        out = []
+        for r in self.replicas:
+            d = {"replica": r.index, "ring": r.ring, "up": r.up, "down_reason": r.down_reason}
+            d.update(attaches=r.attaches, requests=r.requests, history=list(r.history[-8:]))
+            if r.up:
+                s = r.tracker.stats()
+                d.update(free_slots=s.free_slots, busy_slots=s.busy_slots, queued=s.queued)
+            out.append(d)
+        return out
