@@ -1,0 +1,346 @@
+"""The ring interpreter: a device loop that serves a ring with any `Executor`.
+
+With the numpy executor this is the emulated device; with the CUDA host executor it is the
+host-driven baseline of the scheduler ablation. Either way it speaks the ring protocol of
+`blink.protocol.layout` exactly as the GPU-resident scheduler does, so one conformance suite
+(tests/conformance) checks all of them through the ring alone.
+
+One iteration: beat; read the doorbells (submit_seq, cancel_seq) and, when one moved or a rescan
+is due, scan the slots (claim PREFILL_PENDING, validate, hand to the scheduler; apply cancel
+flags); refresh `consumed` of sequences whose output ring is full; schedule; run the step; publish
+each sampled token (token into the output arena first, then `generated`: the release order the
+readers rely on); finish slots; write the header statistics.
+
+Idle polling spins for `spin_s` after the last activity, then sleeps with exponential backoff up
+to `max_sleep_s` (<= 1 ms), so an idle device does not hold a core and still beats every ms.
+During a step the loop is inside the executor, so the heartbeat pauses for the step's length.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.protocol.layout import (
+    MAX_STOP_IDS,
+    DeviceStatus,
+    FinishReason,
+    RingView,
+    SlotError,
+    SlotFlags,
+    SlotState,
+)
+
+from .executor import Executor, StepBatch
+from .kv_blocks import BlockManager
+from .scheduler import Scheduler, SchedulerConfig, StepKind, StepPlan
+
+_STAT_FIELDS = (
+    "steps",
+    "prefill_steps",
+    "tokens_generated",
+    "prompt_tokens",
+    "requests_admitted",
+    "requests_completed",
+    "launches",
+    "sched_ns_total",
+    "step_ns_total",
+    "scan_ns_total",
+    "scans",
+)
+
+
+@dataclass(frozen=True)
+class RingDeviceConfig:
+    max_batch: int = 0
+    """Sequences per step; 0 = the executor's max_batch (never more than it)."""
+    max_tokens: int = 0
+    """Packed tokens per prefill step; 0 = the executor's max_tokens (never more than it)."""
+    spin_s: float = 200e-6
+    """Busy-poll this long after the last activity before sleeping."""
+    max_sleep_s: float = 1e-3
+    """Longest idle sleep (the heartbeat period bound while idle)."""
+    rescan_s: float = 5e-3
+    """Scan the slots this often even when no doorbell moved."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 0 or self.max_tokens < 0:
+            raise ValueError("max_batch and max_tokens must be >= 0")
+        if not 0 < self.max_sleep_s <= 1e-3:
+            raise ValueError(f"max_sleep_s must be in (0, 1 ms], got {self.max_sleep_s}")
+        if self.spin_s < 0 or self.rescan_s <= 0:
+            raise ValueError("spin_s must be >= 0 and rescan_s > 0")
+
+
+def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepBatch:
+    """Pack a plan into the executor's step buffers."""
+    S, T = plan.num_seqs, plan.num_tokens
+    b = StepBatch(
+        input_ids=np.empty(T, np.int32),
+        positions=np.empty(T, np.int32),
+        cu_q_lens=np.zeros(S + 1, np.int32),
+        seq_lens=np.empty(S, np.int32),
+        block_tables=np.zeros((S, table_width), np.int32),
+        temperature=np.empty(S, np.float32),
+        top_p=np.empty(S, np.float32),
+        top_k=np.empty(S, np.int32),
+        seeds=np.empty(S, np.uint64),
+        sample_pos=np.empty(S, np.uint32),
+    )
+    o = 0
+    for i, c in enumerate(plan.chunks):
+        s = c.seq
+        b.input_ids[o : o + c.n] = s.tokens[c.start : c.start + c.n]
+        b.positions[o : o + c.n] = np.arange(c.start, c.start + c.n, dtype=np.int32)
+        o += c.n
+        b.cu_q_lens[i + 1] = o
+        b.seq_lens[i] = c.start + c.n
+        table = blocks.table(s.seq_id)
+        b.block_tables[i, : len(table)] = table
+        b.temperature[i] = s.temperature
+        b.top_p[i] = s.top_p
+        b.top_k[i] = s.top_k
+        b.seeds[i] = s.seed
+        b.sample_pos[i] = s.num_generated
+    return b
+
+
+class RingDevice:
+    """Serves one ring with one executor until header.shutdown says stop."""
+
+    def __init__(self, view: RingView, executor: Executor, config: RingDeviceConfig | None = None):
+        self.view = view
+        self.ex = executor
+        self.config = config or RingDeviceConfig()
+        cfg = self.config
+        self.max_batch = min(cfg.max_batch or executor.max_batch, executor.max_batch, executor.max_tokens)
+        self.max_tokens = min(cfg.max_tokens or executor.max_tokens, executor.max_tokens)
+        # A sequence that fits the context must fit the pool alone (never fail it for KV), so the
+        # context the device advertises is capped by the pool: L tokens hold L-1 K/V entries.
+        self.max_context = min(executor.max_context, executor.num_blocks * executor.block_size + 1)
+        self.blocks = BlockManager(executor.num_blocks, executor.block_size)
+        self.sched = Scheduler(
+            SchedulerConfig(self.max_batch, self.max_tokens, self.max_context, view.geo.output_capacity),
+            self.blocks,
+        )
+        self.table_width = self.blocks.blocks_for(executor.max_context)
+        self.hdr = view.header
+        slots = view.slots
+        self._state = slots["state"]
+        self._cancel = slots["cancel"]
+        self._generated = slots["generated"]
+        self._consumed = slots["consumed"]
+        self._finish_reason = slots["finish_reason"]
+        self._error = slots["error"]
+        self._t_submit = slots["t_submit_ns"]
+        self._t_admit = slots["t_admit_ns"]
+        self._t_first = slots["t_first_ns"]
+        self.stats = dict.fromkeys(_STAT_FIELDS, 0)
+        self._beats = int(self.hdr["heartbeat"])
+        self._last_submit = -1
+        self._last_cancel = -1
+        self._next_rescan = 0.0
+
+    # -- header -----------------------------------------------------------------
+    def _beat(self) -> None:
+        self._beats += 1
+        self.hdr["heartbeat"] = self._beats
+        self.hdr["heartbeat_ns"] = time.time_ns()
+
+    def _flush_stats(self) -> None:
+        h = self.hdr
+        for k, v in self.stats.items():
+            h[k] = v
+        h["running"] = self.sched.num_running
+        h["waiting"] = self.sched.num_waiting
+        h["kv_blocks_free"] = self.blocks.num_free
+
+    def _describe(self) -> None:
+        h = self.hdr
+        h["vocab_size"] = self.ex.vocab_size
+        h["max_context"] = self.max_context
+        h["max_batch"] = self.max_batch
+        h["kv_block_size"] = self.blocks.block_size
+        h["kv_blocks_total"] = self.blocks.num_blocks
+        h["kv_blocks_free"] = self.blocks.num_free
+        h["fault"] = 0
+        self._flush_stats()
+        self._beat()
+        h["device_status"] = DeviceStatus.READY  # last: the description is complete before READY
+
+    # -- slots ------------------------------------------------------------------
+    def _finish(self, slot: int, reason: FinishReason, error: SlotError = SlotError.NONE) -> None:
+        self._finish_reason[slot] = reason
+        self._error[slot] = error
+        self._state[slot] = SlotState.DECODE_COMPLETED
+        self.stats["requests_completed"] += 1
+
+    def _validate(self, rec: np.void) -> SlotError:
+        n, off = int(rec["prompt_len"]), int(rec["prompt_offset"])
+        if n == 0 or off + n > self.view.geo.prompt_arena_tokens:
+            return SlotError.BAD_PROMPT
+        if n + 1 > self.max_context:
+            return SlotError.PROMPT_TOO_LONG
+        ids = self.view.prompt_arena[off : off + n]
+        if int(ids.min()) < 0 or int(ids.max()) >= self.ex.vocab_size:
+            return SlotError.BAD_PROMPT
+        t, p = float(rec["temperature"]), float(rec["top_p"])
+        if not (math.isfinite(t) and t >= 0.0) or not (0.0 < p <= 1.0) or int(rec["n_stop"]) > MAX_STOP_IDS:
+            return SlotError.BAD_PARAMS
+        if int(rec["max_new_tokens"]) == 0:
+            return SlotError.BAD_PARAMS
+        return SlotError.NONE
+
+    def _admit(self, slot: int) -> None:
+        """Claim a PREFILL_PENDING slot and hand its request to the scheduler (or finish it)."""
+        self._state[slot] = SlotState.PREFILL_PROCESSING
+        self._t_admit[slot] = time.time_ns()
+        self.stats["requests_admitted"] += 1
+        rec = self.view.slots[slot].copy()  # the frontend wrote every field before the state
+        if rec["cancel"]:
+            self._finish(slot, FinishReason.CANCELLED)
+            return
+        err = self._validate(rec)
+        if err is not SlotError.NONE:
+            self._finish(slot, FinishReason.ERROR, err)
+            return
+        off, n = int(rec["prompt_offset"]), int(rec["prompt_len"])
+        greedy = bool(int(rec["flags"]) & SlotFlags.GREEDY)
+        self.sched.add(
+            slot,
+            self.view.prompt_arena[off : off + n].tolist(),  # a copy: recompute after preemption needs it
+            max_new_tokens=int(rec["max_new_tokens"]),
+            min_new_tokens=int(rec["min_new_tokens"]),
+            stop_ids=rec["stop_ids"][: int(rec["n_stop"])].tolist(),
+            temperature=0.0 if greedy else float(rec["temperature"]),
+            top_p=float(rec["top_p"]),
+            top_k=int(rec["top_k"]),
+            seed=int(rec["seed"]),
+        )
+
+    def _scan(self) -> bool:
+        t0 = time.perf_counter_ns()
+        pending = np.flatnonzero(self._state == SlotState.PREFILL_PENDING)
+        if pending.size:
+            # FCFS by the frontend's submit clock; the slot index breaks ties.
+            order = np.lexsort((pending, self._t_submit[pending]))
+            for slot in pending[order]:
+                self._admit(int(slot))
+        self.stats["scans"] += 1
+        self.stats["scan_ns_total"] += time.perf_counter_ns() - t0
+        return bool(pending.size)
+
+    def _apply_cancels(self) -> bool:
+        hit = [sid for sid in self.sched.seqs if self._cancel[sid]]
+        for sid in hit:
+            self.sched.abort(sid)
+            self._finish(sid, FinishReason.CANCELLED)
+        return bool(hit)
+
+    def _poll(self, admit: bool) -> bool:
+        """Doorbells, scan, cancels, consumed counters. Returns whether anything changed."""
+        now = time.monotonic()
+        submit, cancel = int(self.hdr["submit_seq"]), int(self.hdr["cancel_seq"])
+        rescan = now >= self._next_rescan
+        if rescan:
+            self._next_rescan = now + self.config.rescan_s
+        changed = False
+        if admit and (submit != self._last_submit or rescan):
+            self._last_submit = submit
+            changed |= self._scan()
+        if cancel != self._last_cancel or rescan:
+            self._last_cancel = cancel
+            changed |= self._apply_cancels()
+        for s in self.sched.seqs.values():
+            if self.sched.output_full(s):
+                c = int(self._consumed[s.seq_id])
+                if c != s.consumed:
+                    s.consumed = c
+                    changed = True
+        if changed:
+            self._sync_states()
+        return changed
+
+    def _sync_states(self) -> None:
+        for sid, s in self.sched.seqs.items():
+            st = self.sched.ring_state(s)
+            if self._state[sid] != st:
+                self._state[sid] = st
+
+    # -- steps ------------------------------------------------------------------
+    def _step(self, plan: StepPlan) -> int:
+        """Run one step and publish its tokens; returns the executor's time (ns)."""
+        batch = build_batch(plan, self.blocks, self.table_width)
+        t0 = time.perf_counter_ns()
+        sampled = self.ex.execute(batch)
+        dt = time.perf_counter_ns() - t0
+        self.stats["launches"] += 1
+        if plan.kind is StepKind.PREFILL:
+            self.stats["prefill_steps"] += 1
+            self.stats["prompt_tokens"] += plan.num_tokens
+        else:
+            self.stats["steps"] += 1
+            self.stats["step_ns_total"] += dt
+        cap = self.view.geo.output_capacity
+        out = self.view.output_arena
+        for e in self.sched.update(plan, sampled):
+            out[e.seq_id, e.index % cap] = e.token
+            if e.index == 0:
+                self._t_first[e.seq_id] = time.time_ns()
+            self._generated[e.seq_id] = e.index + 1  # release: the token is in the arena already
+            self.stats["tokens_generated"] += 1
+            if e.finish is not FinishReason.NONE:
+                self._finish(e.seq_id, e.finish)
+        self._sync_states()
+        return dt
+
+    def _abort_all(self, reason: FinishReason, error: SlotError = SlotError.NONE) -> None:
+        for sid in list(self.sched.seqs):
+            self.sched.abort(sid)
+            self._finish(sid, reason, error)
+
+    # -- loop -------------------------------------------------------------------
+    def run(self) -> DeviceStatus:
+        """Serve until header.shutdown (1: drain in-flight requests, 2: cancel them). Returns the final status."""
+        self._describe()
+        last_active = time.monotonic()
+        sleep_s = 10e-6
+        status = DeviceStatus.READY
+        try:
+            while True:
+                t_iter = time.perf_counter_ns()
+                self._beat()
+                shutdown = int(self.hdr["shutdown"])
+                if shutdown >= 2:
+                    self._abort_all(FinishReason.CANCELLED)
+                    break
+                if shutdown == 1 and status is not DeviceStatus.STOPPING:
+                    status = DeviceStatus.STOPPING
+                    self.hdr["device_status"] = status
+                active = self._poll(admit=shutdown == 0)
+                if shutdown == 1 and not self.sched.has_work():
+                    break
+                plan = self.sched.schedule()
+                if plan is not None:
+                    exec_ns = self._step(plan)
+                    self.stats["sched_ns_total"] += time.perf_counter_ns() - t_iter - exec_ns
+                    active = True
+                if active:
+                    self._flush_stats()
+                    last_active = time.monotonic()
+                    sleep_s = 10e-6
+                elif time.monotonic() - last_active > self.config.spin_s:
+                    time.sleep(sleep_s)
+                    sleep_s = min(sleep_s * 2, self.config.max_sleep_s)
+        except BaseException:
+            self.hdr["fault"] = SlotError.DEVICE_FAULT
+            self._abort_all(FinishReason.ERROR, SlotError.DEVICE_FAULT)
+            self._flush_stats()
+            self.hdr["device_status"] = DeviceStatus.FAILED
+            raise
+        self._flush_stats()
+        self.hdr["device_status"] = DeviceStatus.STOPPED
+        return DeviceStatus.STOPPED

@@ -1,0 +1,343 @@
+"""Scheduling policy: FCFS continuous batching with inline (chunked) prefill and recompute preemption.
+
+A pure state machine, no ring and no model: `schedule()` returns the next `StepPlan`, the caller
+runs it, `update(plan, sampled)` advances the sequences and returns the published tokens. Unit
+tests drive it with fabricated samples; `blink.device.ring_device` drives it from the ring.
+
+Every sequence keeps `tokens` (prompt + generated) and `num_computed`, the tokens whose K/V is in
+the cache. A step computes a chunk tokens[num_computed : num_computed + n]; when the chunk reaches
+the end of `tokens`, the logits of its last token give the next generated token. Decode is the
+case n == 1; prefill, chunked prefill and the recompute of a preempted sequence are the same
+operation with larger n.
+
+Policy (paper §4.2, the same as vLLM / TensorRT-LLM / SGLang so the comparison isolates the
+scheduler's placement):
+- A step is either a prefill step or a decode step, never mixed: the GPU scheduler launches one
+  graph per step, chosen by (batch, tokens).
+- Prefill step: first the running sequences whose prefill is unfinished (chunked prefill), then
+  waiting sequences in arrival order while the batch (max_batch) and the KV pool allow; chunks are
+  packed up to max_tokens, so a prompt longer than max_tokens is prefilled over several steps.
+- While sequences are decoding, prefill and decode steps alternate, so a new request is admitted
+  within one decode step and a decoding sequence waits at most one prefill step.
+- Decode step: every running sequence that has finished its prefill and has room in its output
+  ring. A sequence whose output ring is full (generated - consumed >= output_capacity) sits out
+  until the reader catches up.
+- When the pool runs dry, the newest running sequence is preempted: its blocks are freed and it
+  is recomputed later (prompt + generated re-prefilled). Admission never preempts; a running
+  sequence never fails for lack of KV, because max_context fits the pool (the caller's duty).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
+
+from .kv_blocks import BlockManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int
+    """Sequences in the batch (running, holding KV), and so per step."""
+    max_tokens: int
+    """Packed tokens per prefill step (>= 1); decode steps hold max_batch tokens."""
+    max_context: int
+    """prompt + generated tokens per sequence; must fit the KV pool."""
+    output_capacity: int
+    """Tokens of a sequence's output ring: generated - consumed never exceeds it."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_tokens", "max_context", "output_capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context < 2:
+            raise ValueError("max_context must be >= 2 (a prompt token and a generated one)")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = 0  # not holding KV (new, or preempted)
+    RUNNING = 1  # holds KV and a batch place
+    FINISHED = 2
+
+
+class StepKind(enum.Enum):
+    PREFILL = 0
+    DECODE = 1
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request. `seq_id` is the caller's key (the ring slot)."""
+
+    seq_id: int
+    tokens: list[int]  # prompt + generated
+    prompt_len: int
+    max_new_tokens: int = UNLIMITED
+    min_new_tokens: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    arrival: int = 0  # FCFS order, set by Scheduler.add
+    num_computed: int = 0
+    consumed: int = 0  # output tokens the reader has taken (output ring flow control)
+    status: SeqStatus = SeqStatus.WAITING
+    preemptions: int = 0
+    finish: FinishReason = FinishReason.NONE
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def prefilling(self) -> bool:
+        """More than the last token is missing from the cache (decode computes only the last)."""
+        return len(self.tokens) - self.num_computed > 1 or self.num_generated == 0
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Seq
+    start: int  # first position computed
+    n: int  # tokens computed
+    sample: bool  # the chunk reaches the end of seq.tokens: its last logits give a new token
+
+
+@dataclass
+class StepPlan:
+    kind: StepKind
+    chunks: list[ScheduledChunk]
+    preempted: list[Seq] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.n for c in self.chunks)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token to publish: token `index` of sequence `seq_id`; finish != NONE on its last."""
+
+    seq_id: int
+    index: int
+    token: int
+    finish: FinishReason
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        if blocks.blocks_for(config.max_context - 1) > blocks.num_blocks:
+            raise ValueError(
+                f"max_context {config.max_context} needs {blocks.blocks_for(config.max_context - 1)} KV blocks, "
+                f"the pool has {blocks.num_blocks}"
+            )
+        self.config = config
+        self.blocks = blocks
+        self.seqs: dict[int, Seq] = {}
+        self.waiting: list[Seq] = []  # arrival order (preempted ones re-inserted in place)
+        self.running: list[Seq] = []
+        self._arrivals = 0
+        self._last_kind: StepKind | None = None
+
+    # -- requests ---------------------------------------------------------------
+    def add(
+        self,
+        seq_id: int,
+        prompt: Iterable[int],
+        *,
+        max_new_tokens: int = UNLIMITED,
+        min_new_tokens: int = 0,
+        stop_ids: Iterable[int] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> Seq:
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} is already scheduled")
+        tokens = [int(t) for t in prompt]
+        if not tokens or len(tokens) + 1 > self.config.max_context:
+            raise ValueError(f"prompt of {len(tokens)} tokens does not fit max_context {self.config.max_context}")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        s = Seq(
+            seq_id=seq_id,
+            tokens=tokens,
+            prompt_len=len(tokens),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            stop_ids=frozenset(int(t) for t in stop_ids),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            arrival=self._arrivals,
+        )
+        self._arrivals += 1
+        self.seqs[seq_id] = s
+        self.waiting.append(s)
+        return s
+
+    def abort(self, seq_id: int) -> Seq | None:
+        """Drop a sequence at once (cancel): its KV blocks return to the pool."""
+        s = self.seqs.pop(seq_id, None)
+        if s is None:
+            return None
+        (self.running if s.status is SeqStatus.RUNNING else self.waiting).remove(s)
+        self.blocks.free(seq_id)
+        s.status = SeqStatus.FINISHED
+        s.finish = FinishReason.CANCELLED
+        return s
+
+    def set_consumed(self, seq_id: int, consumed: int) -> None:
+        self.seqs[seq_id].consumed = consumed
+
+    def output_full(self, s: Seq) -> bool:
+        return s.num_generated - s.consumed >= self.config.output_capacity
+
+    def ring_state(self, s: Seq) -> SlotState:
+        """The slot state a live sequence shows on the ring."""
+        if s.num_generated == 0:
+            return SlotState.PREFILL_PROCESSING
+        if s.status is SeqStatus.RUNNING and not s.prefilling and not self.output_full(s):
+            return SlotState.DECODE_PROCESSING
+        return SlotState.DECODE_PAUSED
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    # -- policy -----------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step, or None when nothing can run now (idle, or every sequence blocked)."""
+        decode_ready = [s for s in self.running if not s.prefilling and not self.output_full(s)]
+        wants_prefill = any(s.prefilling for s in self.running) or (
+            len(self.running) < self.config.max_batch and any(not self.output_full(s) for s in self.waiting)
+        )
+        if wants_prefill and (not decode_ready or self._last_kind is StepKind.DECODE):
+            plan = self._schedule_prefill()
+            if plan.chunks:
+                self._last_kind = StepKind.PREFILL
+                return plan
+        decode_ready = [s for s in self.running if not s.prefilling and not self.output_full(s)]
+        if not decode_ready:
+            return None
+        self._last_kind = StepKind.DECODE
+        return self._schedule_decode(decode_ready)
+
+    def _preempt_newest(self, plan: StepPlan) -> Seq:
+        victim = max(self.running, key=lambda s: s.arrival)
+        self.running.remove(victim)
+        self.blocks.free(victim.seq_id)
+        victim.num_computed = 0
+        victim.status = SeqStatus.WAITING
+        victim.preemptions += 1
+        bisect.insort(self.waiting, victim, key=lambda s: s.arrival)
+        plan.preempted.append(victim)
+        return victim
+
+    def _reserve(self, s: Seq, n_tokens: int, plan: StepPlan) -> bool:
+        """Blocks for s to hold n_tokens, preempting newer running sequences; False if s itself went."""
+        while not self.blocks.grow(s.seq_id, n_tokens):
+            if self._preempt_newest(plan) is s:
+                return False
+        return True
+
+    def _schedule_decode(self, ready: list[Seq]) -> StepPlan:
+        plan = StepPlan(StepKind.DECODE, [])
+        ready.sort(key=lambda s: s.arrival)
+        for s in ready:
+            if s.status is not SeqStatus.RUNNING:
+                continue  # preempted for an older sequence earlier in this loop
+            if self._reserve(s, len(s.tokens), plan):
+                plan.chunks.append(ScheduledChunk(s, len(s.tokens) - 1, 1, True))
+        return plan
+
+    def _schedule_prefill(self) -> StepPlan:
+        plan = StepPlan(StepKind.PREFILL, [])
+        budget = self.config.max_tokens
+        for s in sorted((s for s in self.running if s.prefilling), key=lambda s: s.arrival):
+            if budget == 0:
+                break
+            if s.status is not SeqStatus.RUNNING:
+                continue
+            n = min(len(s.tokens) - s.num_computed, budget)
+            sample = s.num_computed + n == len(s.tokens)
+            if sample and self.output_full(s):
+                continue  # a recompute that would publish into a full output ring waits
+            if self._reserve(s, s.num_computed + n, plan):
+                plan.chunks.append(ScheduledChunk(s, s.num_computed, n, sample))
+                budget -= n
+        for s in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_batch:
+                break
+            if s in plan.preempted:
+                break  # preempted by this very step: admitting it back would undo that
+            if self.output_full(s):
+                continue
+            n = min(len(s.tokens), budget)
+            if not self.blocks.can_allocate(n):
+                break  # FCFS: no overtaking the head for lack of KV
+            self.blocks.allocate(s.seq_id, n)
+            self.waiting.remove(s)
+            self.running.append(s)
+            s.status = SeqStatus.RUNNING
+            plan.chunks.append(ScheduledChunk(s, 0, n, n == len(s.tokens)))
+            budget -= n
+        return plan
+
+    # -- results ----------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: Sequence[int] | np.ndarray) -> list[TokenEvent]:
+        """Advance the sequences of `plan` by the step's sampled tokens (one per chunk)."""
+        if len(sampled) != len(plan.chunks):
+            raise ValueError(f"{len(sampled)} samples for {len(plan.chunks)} chunks")
+        events: list[TokenEvent] = []
+        for c, tok in zip(plan.chunks, sampled, strict=True):
+            s = c.seq
+            if s.status is not SeqStatus.RUNNING:
+                continue  # aborted between schedule and update: its result is dropped
+            s.num_computed = c.start + c.n
+            if not c.sample:
+                continue
+            tok = int(tok)
+            k = s.num_generated
+            s.tokens.append(tok)
+            finish = self._finish_reason(s, k, tok)
+            events.append(TokenEvent(s.seq_id, k, tok, finish))
+            if finish is not FinishReason.NONE:
+                self._retire(s, finish)
+        return events
+
+    def _finish_reason(self, s: Seq, k: int, tok: int) -> FinishReason:
+        if tok in s.stop_ids and k >= s.min_new_tokens:
+            return FinishReason.STOP
+        if s.max_new_tokens != UNLIMITED and k + 1 >= s.max_new_tokens:
+            return FinishReason.LENGTH
+        if len(s.tokens) >= self.config.max_context:
+            return FinishReason.CONTEXT
+        return FinishReason.NONE
+
+    def _retire(self, s: Seq, finish: FinishReason) -> None:
+        self.running.remove(s)
+        del self.seqs[s.seq_id]
+        self.blocks.free(s.seq_id)
+        s.status = SeqStatus.FINISHED
+        s.finish = finish

@@ -1,0 +1,186 @@
+"""Scheduler policy, driven without a model: schedule() -> StepPlan, update(plan, fabricated tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from blink.device.kv_blocks import BlockManager
+from blink.device.scheduler import Scheduler, SchedulerConfig, SeqStatus, StepKind
+from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
+
+
+def make(max_batch=4, max_tokens=64, max_context=256, output_capacity=1024, num_blocks=64, block_size=4):
+    cfg = SchedulerConfig(max_batch, max_tokens, max_context, output_capacity)
+    return Scheduler(cfg, BlockManager(num_blocks, block_size))
+
+
+def token_for(seq_id: int, k: int) -> int:
+    return 1000 * (seq_id + 1) + k  # token k of a sequence: recognisable, never a stop id by accident
+
+
+def step(s: Scheduler, tok=token_for):
+    plan = s.schedule()
+    if plan is None:
+        return None, []
+    toks = [tok(c.seq.seq_id, c.seq.num_generated) for c in plan.chunks]
+    return plan, s.update(plan, toks)
+
+
+def drain(s: Scheduler, max_steps=10_000, tok=token_for):
+    plans, events = [], []
+    for _ in range(max_steps):
+        plan, ev = step(s, tok)
+        if plan is None:
+            break
+        plans.append(plan)
+        events += ev
+    return plans, events
+
+
+def test_prefill_packs_prompts_fcfs_then_decodes():
+    s = make()
+    for i, n in enumerate((10, 20, 30)):
+        s.add(i, range(1, n + 1), max_new_tokens=3)
+    plan, ev = step(s)
+    assert plan.kind is StepKind.PREFILL
+    assert [c.seq.seq_id for c in plan.chunks] == [0, 1, 2]
+    assert [(c.start, c.n, c.sample) for c in plan.chunks] == [(0, 10, True), (0, 20, True), (0, 30, True)]
+    assert [(e.seq_id, e.index) for e in ev] == [(0, 0), (1, 0), (2, 0)]
+    plan, ev = step(s)
+    assert plan.kind is StepKind.DECODE and plan.num_tokens == 3
+    assert [(c.start, c.n) for c in plan.chunks] == [(10, 1), (20, 1), (30, 1)]
+    plans, events = drain(s)
+    assert [e.finish for e in events[-3:]] == [FinishReason.LENGTH] * 3
+    assert s.blocks.num_free == s.blocks.num_blocks and not s.seqs
+
+
+def test_chunked_prefill_of_a_prompt_longer_than_max_tokens():
+    s = make(max_tokens=32, max_context=512, num_blocks=128)
+    s.add(0, range(100), max_new_tokens=2)
+    chunks = []
+    for _ in range(4):
+        plan, ev = step(s)
+        assert plan.kind is StepKind.PREFILL and plan.num_seqs == 1
+        chunks.append((plan.chunks[0].start, plan.chunks[0].n, plan.chunks[0].sample))
+    assert chunks == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True)]
+    assert s.seqs[0].tokens[-1] == token_for(0, 0)
+    plan, ev = step(s)
+    assert plan.kind is StepKind.DECODE and ev[0].finish is FinishReason.LENGTH
+
+
+def test_batch_capacity_admits_when_sequences_finish():
+    s = make(max_batch=2)
+    s.add(0, [1, 2], max_new_tokens=1)
+    s.add(1, [1, 2], max_new_tokens=3)
+    s.add(2, [1, 2], max_new_tokens=1)
+    plan, ev = step(s)
+    assert [c.seq.seq_id for c in plan.chunks] == [0, 1]
+    assert ev[0].finish is FinishReason.LENGTH  # seq 0 finished in its prefill step: its place frees
+    plan, _ = step(s)  # decode of seq 1 first (prefill and decode alternate) ...
+    assert plan.kind is StepKind.DECODE
+    plan, _ = step(s)  # ... then seq 2 joins
+    assert plan.kind is StepKind.PREFILL and [c.seq.seq_id for c in plan.chunks] == [2]
+    assert s.num_running <= 2
+
+
+def test_new_arrivals_join_within_one_decode_step():
+    s = make()
+    s.add(0, [1, 2, 3], max_new_tokens=UNLIMITED)
+    kinds = []
+    for i in range(6):
+        if i == 2:
+            s.add(1, [4, 5], max_new_tokens=UNLIMITED)
+        plan, _ = step(s)
+        kinds.append((plan.kind, sorted(c.seq.seq_id for c in plan.chunks)))
+    assert kinds[:4] == [
+        (StepKind.PREFILL, [0]),
+        (StepKind.DECODE, [0]),
+        (StepKind.PREFILL, [1]),  # admitted right after one decode step
+        (StepKind.DECODE, [0, 1]),
+    ]
+
+
+def test_stop_ids_respect_min_new_tokens_and_are_published():
+    s = make()
+    stop = token_for(0, 1)
+    s.add(0, [7], stop_ids=[stop], min_new_tokens=0)
+    s.add(1, [7], stop_ids=[token_for(1, 1)], min_new_tokens=3, max_new_tokens=5)
+    _, events = drain(s, tok=lambda sid, k: token_for(sid, k if k < 2 else 1))
+    ev0 = [e for e in events if e.seq_id == 0]
+    assert [e.token for e in ev0] == [token_for(0, 0), stop] and ev0[-1].finish is FinishReason.STOP
+    ev1 = [e for e in events if e.seq_id == 1]
+    # stop id sampled at k=1, 2 (ignored: k < min_new_tokens) and at k=3 (honoured)
+    assert [e.index for e in ev1] == [0, 1, 2, 3] and ev1[-1].finish is FinishReason.STOP
+
+
+def test_context_limit_finishes_with_context():
+    s = make(max_context=12)
+    s.add(0, range(8))
+    _, events = drain(s)
+    assert len(events) == 4  # 8 prompt + 4 generated = max_context
+    assert events[-1].finish is FinishReason.CONTEXT
+    with pytest.raises(ValueError):
+        s.add(1, range(12))  # prompt + 1 > max_context
+
+
+def test_kv_exhaustion_preempts_newest_and_recomputes():
+    # 6 blocks of 2 tokens: three 3-token prompts fit (2 blocks each) but cannot all grow.
+    s = make(max_batch=4, num_blocks=6, block_size=2, max_context=13)
+    for i in range(3):
+        s.add(i, [1, 2, 3], max_new_tokens=6)
+    plans, events = drain(s)
+    preempted = [v.seq_id for p in plans for v in p.preempted]
+    assert preempted and preempted[0] == 2  # the newest goes first
+    for sid in range(3):
+        toks = [e.token for e in events if e.seq_id == sid]
+        assert toks == [token_for(sid, k) for k in range(6)]  # nothing lost, nothing repeated
+    # a recompute prefill covers prompt + generated and samples the next index
+    recompute = [c for p in plans if p.kind is StepKind.PREFILL for c in p.chunks if c.start == 0 and c.n > 3]
+    assert recompute and all(c.sample for c in recompute)
+    assert s.blocks.num_free == 6 and not s.seqs
+
+
+def test_a_sequence_that_fits_alone_never_fails():
+    s = make(max_batch=8, num_blocks=4, block_size=4, max_context=17, max_tokens=16)
+    for i in range(8):
+        s.add(i, [5] * (1 + i), max_new_tokens=UNLIMITED)
+    _, events = drain(s)
+    for i in range(8):
+        ev = [e for e in events if e.seq_id == i]
+        assert ev[-1].finish is FinishReason.CONTEXT and len(ev) == 17 - (1 + i)
+    assert s.blocks.num_free == 4
+
+
+def test_full_output_ring_pauses_until_consumed():
+    s = make(output_capacity=2)
+    s.add(0, [1], max_new_tokens=5)
+    s.add(1, [1], max_new_tokens=5)
+    step(s)  # prefill: 1 token each
+    plan, _ = step(s)  # decode: 2 tokens each -> both rings full
+    assert plan.num_seqs == 2
+    assert s.schedule() is None
+    assert s.ring_state(s.seqs[0]) is SlotState.DECODE_PAUSED
+    s.set_consumed(1, 2)
+    plan, ev = step(s)
+    assert [c.seq.seq_id for c in plan.chunks] == [1] and ev[0].index == 2
+    s.set_consumed(0, 1)
+    plan, ev = step(s)
+    assert [(e.seq_id, e.index) for e in ev] == [(0, 2), (1, 3)]
+    assert s.schedule() is None  # both full again (0: 3 - 1, 1: 4 - 2)
+
+
+def test_abort_frees_blocks_at_once():
+    s = make()
+    s.add(0, range(30), max_new_tokens=UNLIMITED)
+    s.add(1, range(5))
+    step(s)
+    assert s.blocks.num_free < 64
+    assert s.abort(0).finish is FinishReason.CANCELLED
+    assert s.blocks.table(0) == [] and 0 not in s.seqs
+    assert s.abort(1).status is SeqStatus.FINISHED
+    assert s.blocks.num_free == 64 and s.schedule() is None
+
+
+def test_pool_smaller_than_context_is_rejected():
+    with pytest.raises(ValueError):
+        Scheduler(SchedulerConfig(4, 64, 100, 16), BlockManager(4, 4))
