@@ -56,7 +56,7 @@ class EmulatedDeviceConfig:
     """Output ring size per slot of a created ring."""
     spin_s: float = 200e-6
     """Busy-poll time after activity before idle sleeps."""
-    max_sleep_s: float = 1e-3
+    max_sleep_s: float = 500e-6
     """Longest idle sleep (<= 1 ms)."""
 
     def __post_init__(self) -> None:
