@@ -123,6 +123,12 @@ class RequestTracker:
     def stats(self) -> RingStats:
         return RingStats(self.geo.n_slots, self.slots.n_held, len(self._waiters), self.slots.n_free)
 
+    def device_counters(self) -> dict[str, int]:
+        """Device statistics from the ring header (as of the token reader's last cycle)."""
+        from .metrics import DEVICE_FIELDS
+
+        return {f: int(self.reader.header[f]) for f in DEVICE_FIELDS}
+
     @property
     def max_context(self) -> int:
         return int(self.reader.header["max_context"])

@@ -1,0 +1,201 @@
+"""The `blink` command: serve | generate | pull (| deploy | status | stop, via blink.actors.cli).
+
+Configuration is parsed here, once: defaults < --config FILE < flags, into blink.config.BlinkConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from blink import config as C
+
+_RAY_COMMANDS = ("deploy", "status", "stop")
+
+
+def _add_stack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="JSON/TOML (YAML with pyyaml) file with server/ring/device/model sections")
+    p.add_argument("--model", dest="model.spec", help="default | FILE.gguf | HF_DIR | random:<preset>")
+    p.add_argument("--served-model-name", dest="model.name", help="model name served by the API")
+    p.add_argument("--device", dest="device.kind", choices=("auto", "emulated", "cuda"))
+    p.add_argument("--scheduler", dest="device.scheduler", choices=("gpu", "host"))
+    p.add_argument("--max-batch", dest="device.max_batch", type=int)
+    p.add_argument("--max-tokens-per-step", dest="device.max_tokens", type=int)
+    p.add_argument("--max-context", dest="device.max_context", type=int)
+    p.add_argument("--kv-block-size", dest="device.kv_block_size", type=int)
+    p.add_argument("--num-kv-blocks", dest="device.num_kv_blocks", type=int)
+    p.add_argument("--kv-cache-fraction", dest="device.kv_cache_fraction", type=float)
+    p.add_argument("--n-slots", dest="ring.n_slots", type=int)
+    p.add_argument("--prompt-arena-tokens", dest="ring.prompt_arena_tokens", type=int)
+    p.add_argument("--output-capacity", dest="ring.output_capacity", type=int)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="blink", description="LLM serving with a GPU-resident scheduler")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    _add_stack_flags(s)
+    s.add_argument("--host", dest="server.host")
+    s.add_argument("--port", dest="server.port", type=int)
+    s.add_argument("--api-key", dest="server.api_key")
+    s.add_argument("--max-body-bytes", dest="server.max_body_bytes", type=int)
+    s.add_argument("--max-queue", dest="server.max_queue", type=int)
+
+    g = sub.add_parser("generate", help="print one completion (same stack, no HTTP)")
+    _add_stack_flags(g)
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+
+    p = sub.add_parser("pull", help="download the default model (SmolLM2-135M-Instruct) if missing")
+    p.add_argument("model", nargs="?", default="default")
+    p.add_argument("--cache-dir", help="where to put it (default ~/.cache/blink/models)")
+
+    for name in _RAY_COMMANDS:
+        r = sub.add_parser(name, help=f"{name} on a Ray cluster (blink.actors.cli)", add_help=False)
+        r.add_argument("rest", nargs=argparse.REMAINDER)
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> C.BlinkConfig:
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if "." in key and value is not None:
+            section, field = key.split(".", 1)
+            overrides.setdefault(section, {})[field] = value
+    return C.build(args.config, overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _RAY_COMMANDS:
+        return _ray_command(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "pull":
+            return _pull(args)
+        cfg = config_from_args(args)
+    except C.ConfigError as e:
+        print(f"blink: config error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return _serve(cfg)
+    return _generate(cfg, args)
+
+
+def _ray_command(argv: list[str]) -> int:
+    try:
+        from blink.actors import cli as actors_cli
+    except ImportError as e:
+        print(f"blink {argv[0]}: Ray deployment is not available ({e})", file=sys.stderr)
+        return 2
+    return int(actors_cli.main(argv) or 0)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from blink.models import registry
+
+    if args.model not in ("default", registry.DEFAULT_NAME):
+        print(f"blink pull: only the default model ({registry.DEFAULT_NAME}) can be pulled", file=sys.stderr)
+        return 2
+    path = registry.pull(args.cache_dir, progress=True)
+    print(path)
+    return 0
+
+
+def _run(coro: Any) -> Any:
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+def _serve(cfg: C.BlinkConfig) -> int:
+    from blink.dpu.launch import Stack, stderr_progress
+
+    stack = Stack(cfg, stderr_progress)
+    try:
+        stack.start_device()
+        _run(_serve_async(stack))
+    except (RuntimeError, TimeoutError, FileNotFoundError) as e:
+        print(f"blink serve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stack.shutdown()
+    return 0
+
+
+async def _serve_async(stack: Any) -> None:
+    from blink.dpu.server import OpenAIServer, start_http
+
+    cfg = stack.cfg
+    tracker = await stack.start_frontend()
+    server = OpenAIServer(tracker, stack.tokenizer, cfg.server)
+    runner, port = await start_http(server, cfg.server.host, cfg.server.port)
+    # The bound port on its own line: scripts that pass --port 0 read it from here.
+    print(f"blink: serving {stack.tokenizer.name} on http://{cfg.server.host}:{port}/v1", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        print("blink: shutting down", file=sys.stderr, flush=True)
+    finally:
+        await runner.cleanup()
+        await stack.stop_frontend()
+
+
+def _generate(cfg: C.BlinkConfig, args: argparse.Namespace) -> int:
+    from blink.dpu.launch import Stack
+
+    stack = Stack(cfg, progress=None)
+    try:
+        stack.start_device()
+        return _run(_generate_async(stack, args))
+    except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as e:
+        print(f"blink generate: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stack.shutdown()
+
+
+async def _generate_async(stack: Any, args: argparse.Namespace) -> int:
+    from blink.dpu.server import stream_text
+    from blink.protocol.wire import SubmitRequest
+
+    tok = stack.tokenizer
+    tracker = await stack.start_frontend()
+    try:
+        if args.chat:
+            ids = tok.chat_prompt([{"role": "user", "content": args.prompt}])
+        else:
+            ids = tok.completion_prompt(args.prompt)
+        req = SubmitRequest(
+            tracker.new_request_id(),
+            ids,
+            args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            stop_ids=tok.stop_ids([], ignore_eos=False),
+            greedy=args.temperature == 0,
+        )
+        async for ev in stream_text(tracker, tok, req, []):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        await stack.stop_frontend()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    with contextlib.suppress(KeyboardInterrupt):
+        raise SystemExit(main())

@@ -1,0 +1,238 @@
+"""OpenAI API shapes: request bodies (typed, validated) and response / chunk objects.
+
+Request bodies decode straight into msgspec Structs, so a wrong type is a 400 naming the field.
+Fields OpenAI defines that Blink does not implement (logprobs, n > 1, penalties, echo, ...)
+are rejected with a 400 when set to a non-default value, never silently ignored. Unknown
+fields are ignored (clients send vendor extensions). Extensions follow vLLM: top_k,
+stop_token_ids, ignore_eos, min_tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from blink.protocol.layout import MAX_STOP_IDS, UNLIMITED
+from blink.protocol.wire import SubmitRequest
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension
+    min_tokens: int = 0  # extension
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Any
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+_decoders = {cls: msgspec.json.Decoder(cls) for cls in (ChatRequest, CompletionRequest)}
+
+
+def parse(cls: type[_Sampling], body: bytes) -> Any:
+    try:
+        return _decoders[cls].decode(body)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = msg.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in msg else None
+        raise APIError(400, msg, param) from e
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"malformed JSON body: {e}") from e
+
+
+MAX_STOP_STRINGS = 16
+
+
+def sampling_params(
+    r: _Sampling, request_id: int, prompt_ids: list[int], stop_ids: list[int], max_tokens: int | None
+) -> SubmitRequest:
+    """Validate the sampling fields; build the ring request. Defaults follow OpenAI/vLLM:
+    temperature 1, top_p 1, no top_k, a random seed when none is given."""
+    if r.n not in (None, 1):
+        raise APIError(400, "only n=1 is supported", "n")
+    if r.logprobs or r.top_logprobs:
+        raise APIError(400, "logprobs are not supported", "logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(r, name):
+            raise APIError(400, f"{name} is not supported", name)
+    if r.logit_bias:
+        raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    t = 1.0 if r.temperature is None else r.temperature
+    if not (math.isfinite(t) and 0.0 <= t <= 2.0):
+        raise APIError(400, f"temperature must be in [0, 2], got {t}", "temperature")
+    p = 1.0 if r.top_p is None else r.top_p
+    if not (math.isfinite(p) and 0.0 < p <= 1.0):
+        raise APIError(400, f"top_p must be in (0, 1], got {p}", "top_p")
+    k = 0 if r.top_k in (None, -1) else r.top_k
+    if k < 0:
+        raise APIError(400, f"top_k must be >= 0 (or -1 for off), got {k}", "top_k")
+    if r.min_tokens < 0 or (max_tokens is not None and r.min_tokens > max_tokens):
+        raise APIError(400, "min_tokens must be in [0, max_tokens]", "min_tokens")
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise APIError(400, f"at most {MAX_STOP_IDS} stop token ids (EOS included)", "stop_token_ids")
+    seed = random.getrandbits(63) if r.seed is None else r.seed & 0xFFFFFFFFFFFFFFFF
+    return SubmitRequest(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        max_new_tokens=UNLIMITED if max_tokens is None else max_tokens,
+        min_new_tokens=r.min_tokens,
+        temperature=t,
+        top_p=p,
+        top_k=k,
+        seed=seed,
+        stop_ids=stop_ids,
+        greedy=t == 0.0,
+    )
+
+
+def stop_strings(r: _Sampling) -> list[str]:
+    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    return [s for s in stop if s]
+
+
+def completion_prompt(r: CompletionRequest) -> str | list[int]:
+    """A single prompt: a string, a list of token ids, or a one-element list of either."""
+    p = r.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return p
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise APIError(400, "only one prompt per request is supported", "prompt")
+    raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(n_prompt: int, n_gen: int) -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, n_prompt: int, n_gen: int) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": usage(n_prompt, n_gen),
+    }
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, n_prompt: int, n_gen: int) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "usage": usage(n_prompt, n_gen),
+    }
+
+
+class ChunkMaker:
+    """Streaming chunks of one response (chat.completion.chunk or text_completion)."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool):
+        self.chat = chat
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        c = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if self.include_usage:
+            c["usage"] = None
+        return c
+
+    def role(self) -> dict[str, Any]:
+        return self._chunk(
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        )
+
+    def text(self, text: str, finish: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta = {"content": text} if text else {}
+            return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
+        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+
+    def usage(self, n_prompt: int, n_gen: int) -> dict[str, Any]:
+        c = self._chunk({})
+        c["choices"] = []
+        c["usage"] = usage(n_prompt, n_gen)
+        return c

@@ -1,0 +1,294 @@
+"""HTTP server role: the OpenAI-compatible API (aiohttp on uvloop) with SSE streaming.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health   GET /metrics
+
+A handler tokenizes (tokenizer role), submits through the request tracker (slot tracker + token
+reader), and turns TokenEvents into text with the incremental detokenizer. Every error is
+answered in OpenAI's shape with a 4xx/5xx status; the server keeps serving after any of them.
+A client that disconnects mid-stream gets its handler cancelled (aiohttp handler_cancellation),
+and the `finally` of the generation cancels its ring slot, so the slot is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple, Protocol
+
+import msgspec
+from aiohttp import web
+
+from blink.config import ServerConfig
+from blink.protocol.layout import FinishReason, SlotError
+from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest
+
+from . import openai_api as api
+from .metrics import Metrics
+from .request_tracker import DeviceDownError, QueueFullError, RequestHandle, finish_name
+from .tokenizer import FrontendTokenizer, PromptError
+
+log = logging.getLogger("blink.server")
+_json = msgspec.json.Encoder()
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Backend(Protocol):
+    """What the server needs from the ring side (RequestTracker; a data-parallel router may stand in)."""
+
+    async def submit(self, req: SubmitRequest) -> RequestHandle: ...
+    def health(self) -> DeviceHealth: ...
+    def stats(self) -> RingStats: ...
+    def device_counters(self) -> dict[str, int]: ...
+    def check_prompt(self, n_prompt: int) -> str | None: ...
+    def new_request_id(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+
+class TextEvent(NamedTuple):
+    text: str  # new text (may be "")
+    n_tokens: int  # tokens behind it
+    finish: str | None  # OpenAI finish_reason on the last event
+
+
+class GenerationError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+async def stream_text(
+    backend: Backend, tok: FrontendTokenizer, req: SubmitRequest, stop: list[str]
+) -> AsyncIterator[TextEvent]:
+    """Submit `req` and yield text as tokens arrive. The slot is cancelled if the consumer stops early."""
+    try:
+        handle = await backend.submit(req)
+    except QueueFullError as e:
+        raise api.APIError(429, f"server busy: {e}", code="rate_limit_exceeded") from e
+    except DeviceDownError as e:
+        raise api.APIError(503, f"device unavailable: {e}", type_="server_error") from e
+    detok = tok.detokenizer(stop)
+    try:
+        async for ev in handle:
+            if ev.finish_reason == FinishReason.ERROR:
+                status = 503 if ev.error in (SlotError.DEVICE_FAULT, SlotError.NONE) else 400
+                raise GenerationError(status, ev.message or "the device failed the request")
+            text = detok.push(ev.token_ids)
+            if detok.stopped:
+                handle.cancel()  # stop string: the device would keep generating
+                yield TextEvent(text, len(ev.token_ids), "stop")
+                return
+            if ev.finished:
+                yield TextEvent(text + detok.finish(), len(ev.token_ids), finish_name(ev.finish_reason))
+                return
+            yield TextEvent(text, len(ev.token_ids), None)
+    finally:
+        handle.cancel()  # no-op after the last event; frees the slot when the consumer went away
+
+
+class OpenAIServer:
+    def __init__(self, backend: Backend, tokenizer: FrontendTokenizer, config: ServerConfig):
+        self.backend = backend
+        self.tok = tokenizer
+        self.config = config
+        self.metrics = Metrics()
+
+    # -- app ----------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except api.APIError as e:
+            return _error_response(e)
+        except GenerationError as e:
+            return _error_response(api.APIError(e.status, str(e)))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(e.status)
+            msg = e.text if e.status != 413 else f"request body exceeds {self.config.max_body_bytes} bytes"
+            return _error_response(api.APIError(e.status, msg or e.reason, code=code))
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        key = self.config.api_key
+        if key is not None and request.path.startswith("/v1/"):
+            if request.headers.get("Authorization", "") != f"Bearer {key}":
+                raise api.APIError(401, "invalid or missing API key", code="invalid_api_key")
+        return await handler(request)
+
+    # -- endpoints ----------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.tok.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "blink",
+            "max_model_len": self.backend.max_context,
+        }
+        return _json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        h = self.backend.health()
+        if h.ok:
+            return _json_response({"status": "ok"})
+        return _json_response({"status": "unavailable", "reason": h.message}, status=503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        st = self.backend.stats()
+        ring = {"slots": st.n_slots, "busy_slots": st.busy_slots, "free_slots": st.free_slots, "queued": st.queued}
+        text = self.metrics.render(ring, self.backend.device_counters(), self.backend.health().ok)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        endpoint = "chat" if chat else "completions"
+        try:
+            body = await request.read()
+            r = api.parse(api.ChatRequest if chat else api.CompletionRequest, body)
+            if r.model != self.tok.name:
+                raise api.APIError(404, f"The model `{r.model}` does not exist.", "model", "model_not_found")
+            try:
+                ids = self.tok.chat_prompt(r.messages) if chat else self.tok.completion_prompt(api.completion_prompt(r))
+            except PromptError as e:
+                raise api.APIError(400, str(e), e.param) from e
+            if not chat and (r.echo or r.suffix or (r.best_of or 1) > 1):
+                raise api.APIError(400, "echo, suffix and best_of are not supported", "echo")
+            why = self.backend.check_prompt(len(ids))
+            if why:
+                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
+            max_tokens = r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens
+            stop_ids = self.tok.stop_ids(r.stop_token_ids or [], r.ignore_eos)
+            sub = api.sampling_params(r, self.backend.new_request_id(), ids, stop_ids, max_tokens)
+            stop = api.stop_strings(r)
+        except (api.APIError, web.HTTPException):
+            self.metrics.request(endpoint, "rejected")
+            raise
+        self.metrics.prompt_tokens += len(ids)
+        gen = stream_text(self.backend, self.tok, sub, stop)
+        include_usage = bool(r.stream_options and r.stream_options.include_usage)
+        try:
+            if r.stream:
+                resp = await self._stream(request, gen, chat, len(ids), include_usage, t0)
+            else:
+                resp = await self._complete(gen, chat, len(ids), t0)
+        except (api.APIError, GenerationError) as e:
+            self.metrics.request(endpoint, "busy" if getattr(e, "status", 0) == 429 else "error")
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.request(endpoint, "disconnected")
+            self.metrics.cancelled += 1
+            raise
+        finally:
+            await gen.aclose()
+        self.metrics.request(endpoint, "ok")
+        return resp
+
+    def _observe(self, t0: float, t_prev: float | None, n: int) -> float:
+        now = time.perf_counter()
+        if t_prev is None:
+            self.metrics.ttft.observe(now - t0)
+        elif n:
+            gap = (now - t_prev) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self.metrics.generation_tokens += n
+        return now
+
+    async def _complete(self, gen: AsyncIterator[TextEvent], chat: bool, n_prompt: int, t0: float) -> web.Response:
+        parts: list[str] = []
+        n_gen, finish, t_prev = 0, "stop", None
+        async for ev in gen:
+            if ev.n_tokens:
+                t_prev = self._observe(t0, t_prev, ev.n_tokens)
+            parts.append(ev.text)
+            n_gen += ev.n_tokens
+            finish = ev.finish or finish
+        self.metrics.e2e.observe(time.perf_counter() - t0)
+        make = api.chat_response if chat else api.completion_response
+        rid = api.new_id("chatcmpl" if chat else "cmpl")
+        return _json_response(make(rid, self.tok.name, "".join(parts), finish, n_prompt, n_gen))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        gen: AsyncIterator[TextEvent],
+        chat: bool,
+        n_prompt: int,
+        include_usage: bool,
+        t0: float,
+    ) -> web.StreamResponse:
+        chunks = api.ChunkMaker(chat, self.tok.name, include_usage)
+        # Wait for the first event before sending headers, so that a busy ring (429) or a
+        # rejected request still gets a proper HTTP error status.
+        first = await anext(gen, None)
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+
+        async def send(obj: dict[str, Any]) -> None:
+            await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
+
+        n_gen, t_prev = 0, None
+        try:
+            if chat:
+                await send(chunks.role())
+            ev = first
+            while ev is not None:
+                if ev.n_tokens:
+                    t_prev = self._observe(t0, t_prev, ev.n_tokens)
+                n_gen += ev.n_tokens
+                if ev.finish is not None:
+                    if ev.text and chat:
+                        await send(chunks.text(ev.text))
+                        await send(chunks.text("", ev.finish))
+                    else:
+                        await send(chunks.text(ev.text, ev.finish))
+                    break
+                if ev.text:
+                    await send(chunks.text(ev.text))
+                ev = await anext(gen, None)
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+            if include_usage:
+                await send(chunks.usage(n_prompt, n_gen))
+        except (api.APIError, GenerationError) as e:
+            err = e if isinstance(e, api.APIError) else api.APIError(e.status, str(e))
+            await send(err.body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(obj), status=status, content_type="application/json")
+
+
+def _error_response(e: api.APIError) -> web.Response:
+    return _json_response(e.body(), status=e.status)
+
+
+async def start_http(server: OpenAIServer, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve the app; returns the runner (await runner.cleanup() to stop) and the bound port."""
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
+    return runner, bound
