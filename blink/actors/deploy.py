@@ -39,7 +39,7 @@ def _actor_options(cfg: DeployConfig, name: str, pg: Any, bundle: int, detached:
         name=name,
         namespace=cfg.namespace,
         get_if_exists=True,  # a second deploy finds the running actor instead of failing
-        max_restarts=cfg.lifecycle.max_restarts,
+        max_restarts=cfg.deploy.max_restarts,
         max_task_retries=0,
         # start() runs for seconds; status() must answer meanwhile.
         max_concurrency=4,
@@ -60,7 +60,7 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
     from .gpu_actor import GpuActor
 
     plan = plan_placement(cfg, alive_node_resources())
-    timeout = cfg.lifecycle.start_timeout_s
+    timeout = cfg.deploy.start_timeout_s
     pg = ensure_placement_group(plan, detached, timeout)
     gpu_cls = ray.remote(GpuActor)
     fe_cls = ray.remote(FrontendActor)
@@ -69,14 +69,14 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
     for i in range(plan.replicas):
         opts = _actor_options(cfg, cfg.gpu_actor_name(i), pg, plan.gpu_bundle(i), detached)
         opts.update(num_cpus=gpu_bundle.get("CPU", 0.0), num_gpus=gpu_bundle.get("GPU", 0.0))
-        gpus.append(gpu_cls.options(**opts).remote(cfg, i))
+        gpus.append(gpu_cls.options(**opts).remote(cfg.to_json(), i))
     rings = _get_all([a.start.remote() for a in gpus], timeout, "GPU actor start()", gpus)
     fe_bundle = plan.bundles[plan.frontend_bundle]
     opts = _actor_options(cfg, cfg.frontend_name, pg, plan.frontend_bundle, detached)
     opts.update(num_cpus=fe_bundle.get("CPU", 0.0))
     if "dpu" in fe_bundle:
         opts["resources"] = {"dpu": fe_bundle["dpu"]}
-    frontend = fe_cls.options(**opts).remote(cfg, plan.replicas)
+    frontend = fe_cls.options(**opts).remote(cfg.to_json(), plan.replicas)
     (fe_info,) = _get_all([frontend.start.remote()], timeout, "frontend start()", [frontend])
     return Deployment(cfg, plan, gpus, frontend, rings, fe_info)
 

@@ -8,6 +8,7 @@ process; the CUDA engine (blink.gpu.serve) is imported only when a GPU is used.
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 
 from blink.protocol.layout import DeviceStatus
@@ -49,26 +50,56 @@ class ThreadEngine:
             self._thread.join(5.0)
 
 
-def start_emulated(cfg: DeployConfig, ring_name: str) -> ThreadEngine:
-    from blink.device.numpy_executor import NumpyExecutor
-    from blink.device.ring_device import RingDevice, RingDeviceConfig
+def emulated_config(cfg: DeployConfig, ring_name: str):
+    """The emulated device's settings from the serving config's [device] and [model] sections."""
+    from blink.device.emulated import EmulatedDeviceConfig
+    from blink.dpu.launch import emulated_kv_blocks
 
     dev = cfg.serving.device
-    model = cfg.serving.model
-    executor = NumpyExecutor.from_model(
-        model.spec,
-        num_blocks=dev.num_kv_blocks or 1024,
+    kw = dict(
+        ring=ring_name,
+        model=cfg.serving.model.spec,
         block_size=dev.kv_block_size,
         max_batch=dev.max_batch,
         max_tokens=dev.max_tokens,
+        max_context=dev.max_context or 0,
     )
+    return EmulatedDeviceConfig(kv_blocks=emulated_kv_blocks(cfg.serving), **kw)
+
+
+def start_emulated(cfg: DeployConfig, ring_name: str) -> ThreadEngine:
+    """The emulated device on a thread of this process: it dies with the GPU actor, as a GPU
+    context would (a child process would outlive a killed actor and keep beating)."""
+    from blink.device.emulated import run_emulated
+
+    ecfg = emulated_config(cfg, ring_name)
     transport = ShmTransport.open(ring_name)
-    device = RingDevice(transport.view(), executor, RingDeviceConfig())
-    engine = ThreadEngine(f"emulated-{ring_name}", device.run, transport)
-    return engine
+    return ThreadEngine(f"emulated-{ring_name}", lambda: run_emulated(ecfg), transport)
 
 
-def start_cuda(cfg: DeployConfig, ring_name: str):
-    from blink.gpu import serve  # noqa: F401  (lazy: CuPy and the CUDA engine only on GPU nodes)
+class ProcessEngine:
+    """An engine behind a process handle (poll / wait / kill), as blink.gpu.serve.start returns."""
 
-    raise NotImplementedError("the CUDA engine launcher (blink.gpu.serve) is not wired into the GPU actor yet")
+    def __init__(self, handle, transport: ShmTransport):
+        self._h = handle
+        self._transport = transport
+
+    def alive(self) -> bool:
+        return self._h.poll() is None
+
+    def stop(self, timeout_s: float) -> None:
+        hdr = self._transport.view().header
+        if int(hdr["shutdown"]) == 0:
+            hdr["shutdown"] = 1
+        try:
+            self._h.wait(timeout_s)
+        except (TimeoutError, subprocess.TimeoutExpired):
+            self._h.kill()
+            self._h.wait(5.0)
+
+
+def start_cuda(cfg: DeployConfig, ring_name: str) -> ProcessEngine:
+    """The CUDA engine on this actor's GPU (Ray set CUDA_VISIBLE_DEVICES for the actor)."""
+    from blink.gpu import serve as gpu_serve  # lazy: CuPy and the CUDA engine only on GPU nodes
+
+    return ProcessEngine(gpu_serve.start(ring_name=ring_name, config=cfg.serving), ShmTransport.open(ring_name))

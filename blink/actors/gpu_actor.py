@@ -23,6 +23,7 @@ from blink.protocol.transport import ShmTransport, shm_path
 
 from . import raycount
 from .config import DeployConfig
+from .lifecycle import reconstructed, start_in_background
 
 log = logging.getLogger(__name__)
 
@@ -77,48 +78,52 @@ def start_engine(device: str, cfg: DeployConfig, ring_name: str) -> Engine:
 
 
 class GpuActor:
-    def __init__(self, cfg: DeployConfig, replica: int):
+    def __init__(self, cfg_json: str, replica: int):
         raycount.install()
         raycount.note_incoming("__init__")
-        self.cfg = cfg
+        self.cfg = DeployConfig.from_json(cfg_json)
         self.replica = replica
-        self.ring_name = cfg.ring_name(replica)
+        self.ring_name = self.cfg.ring_name(replica)
         self._lock = threading.Lock()
         self._transport: ShmTransport | None = None
         self._engine: Engine | None = None
         self._device = ""
         self._start_error: str = ""
         self._incarnation = 0
-        if _reconstructed():
-            # Ray restarted us after a crash: nobody will call start(), so start now (in the
-            # background: a constructor must return quickly for Ray to mark the actor alive).
-            threading.Thread(target=self._start_background, name="gpu-actor-restart", daemon=True).start()
+        if reconstructed():
+            start_in_background(self.start, f"gpu-actor-{replica}", self._set_start_error)
 
-    def _start_background(self) -> None:
-        try:
-            self.start()
-        except Exception as e:  # recorded and reported by status(); the actor stays up to say why
-            log.exception("restart of replica %d failed", self.replica)
-            self._start_error = f"{type(e).__name__}: {e}"
+    def _set_start_error(self, why: str) -> None:
+        self._start_error = why
 
     def start(self) -> dict[str, Any]:
         """Create the ring, load the model, start the engine; idempotent. Returns ring_info()."""
         raycount.note_incoming("start")
         with self._lock:
             if self._engine is None:
-                self._incarnation = _incarnation()
-                geo = RingGeometry(
-                    self.cfg.ring.n_slots, self.cfg.ring.prompt_arena_tokens, self.cfg.ring.output_capacity
-                )
+                self._incarnation = time.time_ns()
+                rc = self.cfg.serving.ring
+                geo = RingGeometry(rc.n_slots, rc.prompt_arena_tokens, rc.output_capacity)
                 path = shm_path(self.ring_name)
                 if os.path.exists(path):
                     # A ring left by a dead incarnation: unlink rather than reuse, so anyone still
                     # mapping it keeps the old bytes and sees a new inode under the name.
                     os.unlink(path)
                 self._transport = ShmTransport.create(self.ring_name, geo)
-                self._device = resolve_device(self.cfg.device)
+                self._device = resolve_device(self.cfg.serving.device.kind)
                 self._engine = start_engine(self._device, self.cfg, self.ring_name)
+                self._wait_ready(self._engine, self._transport)
         return self.ring_info()
+
+    @staticmethod
+    def _wait_ready(engine: Engine, transport: ShmTransport) -> None:
+        # The deployer bounds start() with its own timeout; here we only stop waiting early
+        # when the engine died (bad model path, out of memory) so its error reaches the caller.
+        hdr = transport.view().header
+        while int(hdr["device_status"]) != DeviceStatus.READY:
+            if not engine.alive():
+                raise RuntimeError(f"engine exited before READY: {getattr(engine, 'error', '') or 'no error recorded'}")
+            time.sleep(0.01)
 
     def ring_info(self) -> dict[str, Any]:
         raycount.note_incoming("ring_info")
@@ -171,16 +176,3 @@ class GpuActor:
 
     def pid(self) -> int:
         return os.getpid()
-
-
-def _reconstructed() -> bool:
-    import ray
-
-    try:
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except RuntimeError:  # not inside an actor (plain-object use in tests)
-        return False
-
-
-def _incarnation() -> int:
-    return time.time_ns()

@@ -2,7 +2,7 @@
 
 `Router` has the request tracker's interface (submit / health / stats / check_prompt / ...), so
 the HTTP server serves N replicas exactly as it serves one. Each request goes to the live replica
-with the most free slots (ties: the lowest index), read from that replica's slot tracker cache:
+with the most free slots (ties rotate), read from that replica's slot tracker cache:
 no Ray, no extra ring read.
 
 Replica liveness comes from the ring alone. A replica whose token reader declared its device
@@ -73,7 +73,7 @@ class Router:
         self._make_tracker = make_tracker
         self.watch_interval_s = watch_interval_s
         self._watch: asyncio.Task[None] | None = None
-        self._ids = 0
+        self._last = -1
         self._closing = False
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -112,7 +112,7 @@ class Router:
         if r.tracker is not None:
             await r.tracker.close()
             r.history.append(f"down: {why}")
-            log.warning("replica %d down: %s", r.index, why)
+            (log.info if self._closing else log.warning)("replica %d down: %s", r.index, why)
         r.tracker = None
         if r.transport is not None:
             r.transport.close()
@@ -132,7 +132,10 @@ class Router:
     def pick(self) -> Replica:
         """The live replica with the most free slots (minus requests already waiting for one)."""
         best, best_free = None, None
-        for r in self.replicas:
+        n = len(self.replicas)
+        # Ties rotate (start after the last pick), so sequential requests spread too.
+        for k in range(n):
+            r = self.replicas[(self._last + 1 + k) % n]
             if not r.up:
                 continue
             s = r.tracker.stats()
@@ -143,6 +146,7 @@ class Router:
             raise DeviceDownError(
                 "no replica is serving: " + "; ".join(f"{r.index}: {r.down_reason}" for r in self.replicas)
             )
+        self._last = best.index
         return best
 
     async def submit(self, req: SubmitRequest) -> RequestHandle:
@@ -169,6 +173,15 @@ class Router:
             sum(p.queued for p in parts),
             sum(p.free_slots for p in parts),
         )
+
+    def device_counters(self) -> dict[str, int]:
+        """Device counters summed over the live replicas (they are all monotonic counts or gauges)."""
+        out: dict[str, int] = {}
+        for r in self.replicas:
+            if r.up:
+                for k, v in r.tracker.device_counters().items():
+                    out[k] = out.get(k, 0) + v
+        return out
 
     @property
     def max_context(self) -> int:

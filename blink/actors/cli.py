@@ -1,0 +1,153 @@
+"""`blink deploy | status | stop` (a running Ray cluster) and `blink serve --ray` (embedded local Ray).
+
+    blink deploy [--config FILE] [--address auto] [--replicas N] [--name NAME]
+    blink status [--config FILE] [--address auto] [--json]
+    blink stop   [--config FILE] [--address auto]
+
+`deploy` places detached, named actors in the deployment's namespace and returns once the
+HTTP endpoint answers; `status` and `stop` find them again by name. The config file is the one
+`blink serve` reads, plus an optional [deploy] section (blink/actors/config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from .config import ConfigError, DeployConfig, build
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    dep: dict[str, Any] = {}
+    if getattr(args, "replicas", None) is not None:
+        dep["replicas"] = args.replicas
+    if getattr(args, "name", None) is not None:
+        dep["name"] = args.name
+    if getattr(args, "namespace", None) is not None:
+        dep["namespace"] = args.namespace
+    return {"deploy": dep}
+
+
+def _connect(address: str, namespace: str) -> None:
+    import ray
+
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="WARNING")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="blink", description="Blink on a Ray cluster")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (
+        ("deploy", "place and start a deployment on a running Ray cluster"),
+        ("status", "show a deployment's actors and replicas"),
+        ("stop", "stop a deployment and release its resources"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--config", help="config file (JSON/TOML/YAML) with an optional [deploy] section")
+        p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+        p.add_argument("--name", help="deployment name (overrides deploy.name)")
+        p.add_argument("--namespace", help="Ray namespace (overrides deploy.namespace)")
+        if name == "deploy":
+            p.add_argument("--replicas", type=int, help="GPU actors; 0 = one per GPU (overrides deploy.replicas)")
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        cfg = build(args.config, _overrides(args))
+    except ConfigError as e:
+        print(f"blink {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    _connect(args.address, cfg.namespace)
+    from . import deploy
+
+    if args.cmd == "deploy":
+        try:
+            d = deploy.deploy(cfg, detached=True)
+        except (ConfigError, TimeoutError) as e:
+            print(f"blink deploy: {e}", file=sys.stderr)
+            return 1
+        from .frontend_actor import wait_http
+
+        wait_http(d.url, cfg.deploy.start_timeout_s)
+        print(f"deployed {cfg.name!r} ({d.plan.replicas} replica(s), namespace {cfg.namespace!r}): {d.url}")
+        return 0
+    if args.cmd == "status":
+        st = deploy.status(cfg)
+        if args.json:
+            print(json.dumps(st, indent=2, default=str))
+        else:
+            print(format_status(st))
+        return 0 if st["frontend"] is not None or st["replicas"] else 3
+    st = deploy.stop(cfg)
+    print(f"stopped {cfg.name!r}: frontend={st['frontend']} replicas={st['replicas']} pg={st['placement_group']}")
+    return 0
+
+
+def format_status(st: dict[str, Any]) -> str:
+    lines = [f"deployment {st['name']!r} (namespace {st['namespace']!r})"]
+    fe = st["frontend"]
+    if fe is None:
+        lines.append("  frontend: not running")
+    else:
+        lines.append(
+            f"  frontend: {fe.get('state')} {fe.get('url', '')} pid {fe.get('pid')} {fe.get('error', '')}".rstrip()
+        )
+        for r in fe.get("replicas", []):
+            state = "up" if r["up"] else f"DOWN ({r['down_reason']})"
+            lines.append(f"    route {r['replica']}: {state} requests={r['requests']} free={r.get('free_slots', '-')}")
+    if not st["replicas"]:
+        lines.append("  replicas: none")
+    for r in st["replicas"]:
+        lines.append(
+            f"  replica {r.get('replica')}: {r.get('state')} device={r.get('device', '?')} pid={r.get('pid', '?')} "
+            f"tokens={r.get('tokens_generated', '-')} running={r.get('running', '-')} {r.get('error', '')}".rstrip()
+        )
+    return "\n".join(lines)
+
+
+def local_ray_resources(cfg: DeployConfig) -> dict[str, Any]:
+    """ray.init arguments for an embedded single-node cluster that can hold `cfg`."""
+    need = cfg.deploy.frontend_cpus + max(cfg.deploy.replicas, 1) * cfg.deploy.gpu_actor_cpus
+    # Logical CPUs: the emulated device and the frontend share cores happily; Ray only counts.
+    return {"num_cpus": max(os.cpu_count() or 1, int(need + 0.999))}
+
+
+def serve_ray(cfg: DeployConfig) -> int:
+    """`blink serve --ray`: the deployment's actors on an embedded local Ray, until Ctrl-C."""
+    import ray
+
+    ray.init(
+        namespace=cfg.namespace,
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level="WARNING",
+        **local_ray_resources(cfg),
+    )
+    from . import deploy
+    from .frontend_actor import wait_http
+
+    try:
+        d = deploy.deploy(cfg, detached=False)
+        wait_http(d.url, cfg.deploy.start_timeout_s)
+        print(f"serving {cfg.serving.model.spec!r} on {d.url} ({d.plan.replicas} replica(s), Ray)", flush=True)
+        done = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: done.set())
+        done.wait()
+        deploy.stop(cfg)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

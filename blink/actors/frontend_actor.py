@@ -1,0 +1,168 @@
+"""Frontend actor: the "DPU" roles of a deployment in one process, serving every replica's ring.
+
+One process holds the HTTP/SSE server (blink.dpu.server), the tokenizer and detokenizer, and,
+per replica, a request tracker (slot tracker + token reader) over that replica's ring; the
+Router picks a replica per request. Each role stays its own module; they share one event loop
+because the hand-offs between them (tokenize -> claim a slot -> stream tokens) are per request
+and per token, and a process boundary there would cost a copy and a wake-up per token. A second
+frontend process would only pay off once one core saturates on HTTP + detokenization.
+
+The event loop runs on a thread of its own; Ray calls (start / status / stop) arrive on Ray's
+threads and never touch the token path. When Ray restarts a killed frontend, the constructor
+starts it again: it opens the existing rings by name (no GPU actor restarts) and the request
+trackers reclaim the slots the dead frontend left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from . import raycount
+from .config import DeployConfig
+from .lifecycle import reconstructed, start_in_background
+
+log = logging.getLogger(__name__)
+
+
+class FrontendActor:
+    def __init__(self, cfg_json: str, replicas: int):
+        raycount.install()
+        raycount.note_incoming("__init__")
+        self.cfg = DeployConfig.from_json(cfg_json)
+        self.replicas = replicas
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._stopped = threading.Event()
+        self._error = ""
+        self._info: dict[str, Any] = {}
+        self._router = None
+        self._server = None
+        self._restarted = reconstructed()
+        if self._restarted:
+            start_in_background(self.start, "frontend", self._set_error)
+
+    def _set_error(self, why: str) -> None:
+        self._error = why
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> dict[str, Any]:
+        """Load the tokenizer, attach the rings, bind HTTP; idempotent. Returns {url, ...}."""
+        raycount.note_incoming("start")
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run_loop, name="frontend-loop", daemon=True)
+                self._thread.start()
+        self._started.wait()
+        if self._error:
+            raise RuntimeError(f"frontend failed to start: {self._error}")
+        return dict(self._info)
+
+    def _run_loop(self) -> None:
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:  # uvloop is a dependency; the stdlib loop still works without it
+            loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve())
+        except Exception as e:
+            log.exception("frontend loop failed")
+            self._error = self._error or f"{type(e).__name__}: {e}"
+        finally:
+            self._started.set()
+            self._stopped.set()
+            loop.close()
+
+    async def _serve(self) -> None:
+        from blink.dpu.request_tracker import RequestTracker
+
+        from .http import start_http
+        from .router import Router
+
+        srv = self.cfg.serving.server
+        timeout = srv.heartbeat_timeout_s
+
+        def make_tracker(transport):
+            return RequestTracker(transport, max_queue=srv.max_queue, heartbeat_timeout_s=timeout)
+
+        self._router = Router([self.cfg.ring_name(i) for i in range(self.replicas)], make_tracker)
+        await self._router.start()
+        try:
+            self._server = await start_http(self.cfg.serving, self._router)
+            import ray
+
+            self._info = {
+                "url": self._server.url,
+                "node_ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(),
+                "restarted": self._restarted,
+            }
+            self._stop_event = asyncio.Event()
+            self._started.set()
+            await self._stop_event.wait()
+        finally:
+            if self._server is not None:
+                await self._server.close()
+            await self._router.close()
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        raycount.note_incoming("stop")
+        loop = self._loop
+        if loop is None or self._stopped.is_set():
+            return True
+        loop.call_soon_threadsafe(self._stop_event.set)
+        return self._stopped.wait(timeout_s)
+
+    # -- introspection (control plane) ------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        raycount.note_incoming("status")
+        out: dict[str, Any] = {"pid": os.getpid(), "error": self._error, **self._info}
+        out["state"] = "SERVING" if self._started.is_set() and not self._stopped.is_set() else "STOPPED"
+        if not self._started.is_set():
+            out["state"] = "STARTING"
+        router = self._router
+        loop = self._loop
+        if router is not None and loop is not None and not self._stopped.is_set():
+            fut = asyncio.run_coroutine_threadsafe(_snapshot(router), loop)
+            out["replicas"] = fut.result(timeout=5)
+        return out
+
+    def ray_counts(self) -> dict[str, int]:
+        return raycount.counts()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+async def _snapshot(router) -> list[dict[str, Any]]:
+    # On the loop thread: the router's state is only consistent there.
+    return router.replica_status()
+
+
+def wait_http(url: str, timeout_s: float) -> None:
+    """Block until GET {url}/health answers 200 (any replica serving)."""
+    import urllib.error
+    import urllib.request
+
+    t_end = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < t_end:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as e:
+            last = str(e)
+        time.sleep(0.05)
+    raise TimeoutError(f"{url}/health not 200 after {timeout_s:g}s ({last})")

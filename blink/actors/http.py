@@ -1,0 +1,31 @@
+"""The frontend actor's HTTP ingress: blink.dpu's OpenAI server over the data-parallel Router."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from blink.config import BlinkConfig
+
+from .router import Router
+
+
+@dataclass
+class HttpIngress:
+    url: str
+    runner: Any  # aiohttp AppRunner
+    server: Any  # blink.dpu.server.OpenAIServer
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_http(cfg: BlinkConfig, router: Router) -> HttpIngress:
+    """Load the tokenizer (no weights) and serve /v1 for every replica behind `router`."""
+    from blink.dpu import server as dpu_server
+    from blink.dpu.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(cfg.model.spec, cfg.model.name)
+    srv = dpu_server.OpenAIServer(router, tok, cfg.server)
+    runner, port = await dpu_server.start_http(srv, cfg.server.host, cfg.server.port)
+    return HttpIngress(f"http://{cfg.server.host}:{port}", runner, srv)
