@@ -1,0 +1,368 @@
+// Paged attention: decode (one query token per sequence, split-K flash-decoding) and prefill
+// (packed varlen queries that also attend to previously cached context; flash-style tiles on
+// tensor cores through WMMA bf16 x bf16 -> fp32).
+//
+// KV cache of one layer: k_cache, v_cache [num_blocks, block_size, nkv, HD] bf16; token p of
+// sequence s lives in block block_tables[s][p / block_size], row p % block_size. Causality: the
+// query at position p attends keys 0..p, and the queries of a chunk sit at the end of the
+// sequence (prefix = seq_len - q_len), so chunked prefill needs no extra metadata.
+//
+// Decode: grid (NS splits, nkv, S), 128 threads. A block takes the G = nq/nkv query heads of one
+// KV head (GQA: K/V are read once for the whole group) and one contiguous chunk of the context,
+// chunk = ceil(len/NS) rounded up to a 64-token tile, so short contexts leave trailing splits
+// empty. Scores: HD/8 lanes share a key (16-byte loads), a warp scores 32/(HD/8) keys at once.
+// The online softmax runs per 64-key tile in base 2 (q pre-scaled by log2(e)/sqrt(HD)). Each
+// split writes (m, l, o) to a workspace; attn_decode_combine merges splits.
+//
+// Prefill: grid (T/64 + S, nq), 128 threads = 4 warps, a 64-query tile of one sequence and one
+// head (tile -> sequence by a warp scan over cu_q_lens). Per 64-key tile: S = Q K^T (each warp
+// 16 rows x 64 keys on WMMA), masked online softmax per row, P (bf16) V accumulated into an fp32
+// O tile in shared memory. Shared memory (HD=128): Q,K,V 3 x 64 x 136 x 2 = 52 KiB, S 64 x 68 x 4
+// = 17 KiB, P 64 x 72 x 2 = 9 KiB, O 64 x 132 x 4 = 33 KiB, row stats 0.75 KiB: ~112 KiB.
+#include <mma.h>
+
+#include "common.cuh"
+
+using namespace nvcuda;
+
+constexpr int TILE = 64;
+
+template <int HD, int G>
+__device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                                 const bf16* __restrict__ v_cache, float* __restrict__ part_o,
+                                                 float* __restrict__ part_ml, const int* __restrict__ cu_q_lens,
+                                                 const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
+                                                 const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
+                                                 float scale_log2) {
+  constexpr int LPT = HD / 8;       // lanes per key
+  constexpr int TPW = 32 / LPT;     // keys per warp step
+  constexpr int NG = 128 / LPT;     // key groups in the V pass
+  __shared__ float sc[G][TILE];
+  __shared__ float m_s[G], l_s[G], alpha_s[G];
+  __shared__ float red[NG][G][HD];
+  const int s = blockIdx.z;
+  if (s >= (int)*num_seqs) return;
+  const int NS = gridDim.x, split = blockIdx.x, kvh = blockIdx.y, nq = nkv * G;
+  const int L = seq_lens[s];
+  int chunk = (L + NS - 1) / NS;
+  chunk = (chunk + TILE - 1) / TILE * TILE;
+  const int start = split * chunk, end = min(L, start + chunk);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, sub = lane % LPT;
+  const size_t pbase = ((size_t)s * nq + kvh * G) * NS + split;  // + g * NS
+  if (start >= end) {
+    if (tid < G) {
+      part_ml[(pbase + tid * NS) * 2] = -INFINITY;
+      part_ml[(pbase + tid * NS) * 2 + 1] = 0.f;
+    }
+    return;
+  }
+  const int tok = cu_q_lens[s + 1] - 1;
+  float qr[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    load8(q + ((size_t)tok * nq + kvh * G + g) * HD + sub * 8, qr[g]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qr[g][i] *= scale_log2;
+  }
+  if (tid < G) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+  }
+  float acc[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+  const int* bt = block_tables + (size_t)s * mbps;
+  const int tg = tid / LPT, d8 = tid % LPT;
+  for (int t0 = start; t0 < end; t0 += TILE) {
+    // scores of this tile
+#pragma unroll
+    for (int it = 0; it < 16 / TPW; ++it) {
+      const int local = warp * 16 + it * TPW + lane / LPT;
+      const int t = t0 + local;
+      float kf[8];
+      if (t < end) {
+        const int blk = bt[t / bs];
+        load8(k_cache + (((size_t)blk * bs + t % bs) * nkv + kvh) * HD + sub * 8, kf);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) kf[i] = 0.f;
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d += qr[g][i] * kf[i];
+#pragma unroll
+        for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(FULL_MASK, d, o);
+        if (sub == 0) sc[g][local] = t < end ? d : -INFINITY;
+      }
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += 4) {
+      const float v0 = sc[g][lane], v1 = sc[g][lane + 32];
+      const float m_old = m_s[g];
+      const float m_new = fmaxf(m_old, warp_max(fmaxf(v0, v1)));
+      const float p0 = exp2f(v0 - m_new), p1 = exp2f(v1 - m_new);
+      sc[g][lane] = p0;
+      sc[g][lane + 32] = p1;
+      const float sum = warp_sum(p0 + p1);
+      if (lane == 0) {
+        const float a = exp2f(m_old - m_new);
+        alpha_s[g] = a;
+        l_s[g] = l_s[g] * a + sum;
+        m_s[g] = m_new;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float a = alpha_s[g];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[g][i] *= a;
+    }
+    for (int tt = tg; tt < TILE; tt += NG) {
+      const int t = t0 + tt;
+      if (t >= end) break;
+      const int blk = bt[t / bs];
+      float vf[8];
+      load8(v_cache + (((size_t)blk * bs + t % bs) * nkv + kvh) * HD + d8 * 8, vf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = sc[g][tt];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] += p * vf[i];
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[tg][g][d8 * 8 + i] = acc[g][i];
+  __syncthreads();
+  for (int idx = tid; idx < G * HD; idx += blockDim.x) {
+    const int g = idx / HD, d = idx % HD;
+    float v = 0.f;
+#pragma unroll
+    for (int j = 0; j < NG; ++j) v += red[j][g][d];
+    part_o[(pbase + (size_t)g * NS) * HD + d] = v;
+  }
+  if (tid < G) {
+    part_ml[(pbase + tid * NS) * 2] = m_s[tid];
+    part_ml[(pbase + tid * NS) * 2 + 1] = l_s[tid];
+  }
+}
+
+// Merge the NS split partials of each (sequence, head): grid (nq, S), HD threads.
+template <int HD>
+__device__ __forceinline__ void attn_decode_combine_impl(const float* __restrict__ part_o,
+                                                         const float* __restrict__ part_ml, bf16* __restrict__ out,
+                                                         const int* __restrict__ cu_q_lens,
+                                                         const uint32_t* __restrict__ num_seqs, int NS) {
+  const int h = blockIdx.x, s = blockIdx.y, nq = gridDim.x, d = threadIdx.x;
+  if (s >= (int)*num_seqs) return;
+  const size_t base = ((size_t)s * nq + h) * NS;
+  float M = -INFINITY;
+  for (int i = 0; i < NS; ++i)
+    if (part_ml[(base + i) * 2 + 1] > 0.f) M = fmaxf(M, part_ml[(base + i) * 2]);
+  float num = 0.f, den = 0.f;
+  for (int i = 0; i < NS; ++i) {
+    const float l = part_ml[(base + i) * 2 + 1];
+    if (l > 0.f) {
+      const float w = exp2f(part_ml[(base + i) * 2] - M);
+      den += w * l;
+      num += w * part_o[(base + i) * HD + d];
+    }
+  }
+  const int tok = cu_q_lens[s + 1] - 1;
+  out[((size_t)tok * nq + h) * HD + d] = tobf(den > 0.f ? num / den : 0.f);
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                                  const bf16* __restrict__ v_cache, bf16* __restrict__ out,
+                                                  const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
+                                                  const int* __restrict__ block_tables,
+                                                  const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
+                                                  float scale_log2) {
+  constexpr int BM = 64, BN = 64, LDH = HD + 8, LDS = BN + 4, LDP = BN + 8, LDO = HD + 4;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem);
+  bf16* Ks = Qs + BM * LDH;
+  bf16* Vs = Ks + BN * LDH;
+  float* Ss = reinterpret_cast<float*>(Vs + BN * LDH);
+  bf16* Ps = reinterpret_cast<bf16*>(Ss + BM * LDS);
+  float* Os = reinterpret_cast<float*>(Ps + BM * LDP);
+  float* m_s = Os + BM * LDO;
+  float* l_s = m_s + BM;
+  float* a_s = l_s + BM;
+  __shared__ int sh_s, sh_tile;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
+  if (warp == 0) {
+    if (lane == 0) sh_s = -1;
+    __syncwarp();
+    const int ns = (int)*num_seqs;
+    int base = 0;
+    for (int s0 = 0; s0 < ns && base <= (int)blockIdx.x; s0 += 32) {
+      const int s = s0 + lane;
+      int nt = 0;
+      if (s < ns) nt = (cu_q_lens[s + 1] - cu_q_lens[s] + BM - 1) / BM;
+      int inc = nt;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(FULL_MASK, inc, o);
+        if (lane >= o) inc += y;
+      }
+      const int excl = base + inc - nt;
+      if (nt > 0 && (int)blockIdx.x >= excl && (int)blockIdx.x < excl + nt) {
+        sh_s = s;
+        sh_tile = blockIdx.x - excl;
+      }
+      base += __shfl_sync(FULL_MASK, inc, 31);
+    }
+  }
+  __syncthreads();
+  const int s = sh_s;
+  if (s < 0) return;
+  const int q0 = cu_q_lens[s], ql = cu_q_lens[s + 1] - q0;
+  const int pre = seq_lens[s] - ql;
+  const int r0 = sh_tile * BM, rows = min(BM, ql - r0);
+  const int kv_end = pre + r0 + rows;
+  const int* bt = block_tables + (size_t)s * mbps;
+  constexpr int V8 = HD / 8;
+  for (int idx = tid; idx < BM * V8; idx += blockDim.x) {
+    const int r = idx / V8, c = (idx % V8) * 8;
+    bf16x8 v;
+    if (r < rows) v = *reinterpret_cast<const bf16x8*>(q + ((size_t)(q0 + r0 + r) * nq + h) * HD + c);
+    else
+      for (int i = 0; i < 8; ++i) v.v[i] = tobf(0.f);
+    *reinterpret_cast<bf16x8*>(Qs + r * LDH + c) = v;
+  }
+  for (int idx = tid; idx < BM * LDO; idx += blockDim.x) Os[idx] = 0.f;
+  if (tid < BM) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+  }
+  const int wr = warp * 16;  // this warp's 16 query rows
+  for (int kt = 0; kt < kv_end; kt += BN) {
+    __syncthreads();
+    for (int idx = tid; idx < BN * V8; idx += blockDim.x) {
+      const int r = idx / V8, c = (idx % V8) * 8;
+      const int key = kt + r;
+      bf16x8 kv, vv;
+      if (key < kv_end) {
+        const size_t off = (((size_t)bt[key / bs] * bs + key % bs) * nkv + kvh) * HD + c;
+        kv = *reinterpret_cast<const bf16x8*>(k_cache + off);
+        vv = *reinterpret_cast<const bf16x8*>(v_cache + off);
+      } else {
+        for (int i = 0; i < 8; ++i) kv.v[i] = vv.v[i] = tobf(0.f);
+      }
+      *reinterpret_cast<bf16x8*>(Ks + r * LDH + c) = kv;
+      *reinterpret_cast<bf16x8*>(Vs + r * LDH + c) = vv;
+    }
+    __syncthreads();
+    {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[BN / 16];
+#pragma unroll
+      for (int n = 0; n < BN / 16; ++n) wmma::fill_fragment(sacc[n], 0.f);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+        wmma::load_matrix_sync(a, Qs + wr * LDH + kk * 16, LDH);
+#pragma unroll
+        for (int n = 0; n < BN / 16; ++n) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b;
+          wmma::load_matrix_sync(b, Ks + (n * 16) * LDH + kk * 16, LDH);
+          wmma::mma_sync(sacc[n], a, b, sacc[n]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < BN / 16; ++n)
+        wmma::store_matrix_sync(Ss + wr * LDS + n * 16, sacc[n], LDS, wmma::mem_row_major);
+    }
+    __syncwarp();
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r = wr + rr;
+      const int qpos = pre + r0 + r;
+      const bool live = r < rows;
+      const int k0 = kt + lane, k1 = kt + lane + 32;
+      const float s0 = (live && k0 <= qpos) ? Ss[r * LDS + lane] * scale_log2 : -INFINITY;
+      const float s1 = (live && k1 <= qpos) ? Ss[r * LDS + lane + 32] * scale_log2 : -INFINITY;
+      const float m_old = m_s[r];
+      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
+      float p0 = 0.f, p1 = 0.f, a = 1.f;
+      if (m_new != -INFINITY) {
+        p0 = exp2f(s0 - m_new);
+        p1 = exp2f(s1 - m_new);
+        a = exp2f(m_old - m_new);
+      }
+      Ps[r * LDP + lane] = tobf(p0);
+      Ps[r * LDP + lane + 32] = tobf(p1);
+      const float sum = warp_sum(p0 + p1);
+      __syncwarp();
+      if (lane == 0) {
+        l_s[r] = l_s[r] * a + sum;
+        m_s[r] = m_new;
+        a_s[r] = a;
+      }
+    }
+    __syncwarp();
+    for (int rr = 0; rr < 16; ++rr) {
+      const float a = a_s[wr + rr];
+      for (int d = lane; d < HD; d += 32) Os[(wr + rr) * LDO + d] *= a;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+      wmma::load_matrix_sync(o, Os + wr * LDO + n * 16, LDO, wmma::mem_row_major);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
+        wmma::load_matrix_sync(a, Ps + wr * LDP + kk * 16, LDP);
+        wmma::load_matrix_sync(b, Vs + (kk * 16) * LDH + n * 16, LDH);
+        wmma::mma_sync(o, a, b, o);
+      }
+      wmma::store_matrix_sync(Os + wr * LDO + n * 16, o, LDO, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+  for (int rr = 0; rr < 16; ++rr) {
+    const int r = wr + rr;
+    if (r >= rows) break;
+    const float inv = 1.f / l_s[r];
+    for (int d = lane; d < HD; d += 32) out[((size_t)(q0 + r0 + r) * nq + h) * HD + d] = tobf(Os[r * LDO + d] * inv);
+  }
+}
+
+#define DECODE(HD, G)                                                                                          \
+  extern "C" __global__ void __launch_bounds__(128) attn_decode_hd##HD##_g##G(                                \
+      const bf16* q, const bf16* kc, const bf16* vc, float* po, float* pml, const int* cu, const int* sl,       \
+      const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                 \
+    attn_decode_impl<HD, G>(q, kc, vc, po, pml, cu, sl, bt, ns, nkv, bs, mbps, sc);                            \
+  }
+#define PER_HD(HD)                                                                                             \
+  DECODE(HD, 1)                                                                                                \
+  DECODE(HD, 2)                                                                                                \
+  DECODE(HD, 3)                                                                                                \
+  DECODE(HD, 4)                                                                                                \
+  DECODE(HD, 5)                                                                                                \
+  DECODE(HD, 6)                                                                                                \
+  DECODE(HD, 8)                                                                                                \
+  extern "C" __global__ void attn_decode_combine_hd##HD(const float* po, const float* pml, bf16* out,          \
+                                                        const int* cu, const uint32_t* ns, int NS) {           \
+    attn_decode_combine_impl<HD>(po, pml, out, cu, ns, NS);                                                    \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(128) attn_prefill_hd##HD(                                      \
+      const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
+      const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
+    attn_prefill_impl<HD>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                                  \
+  }
+PER_HD(16)
+PER_HD(32)
+PER_HD(64)
+PER_HD(128)

@@ -1,0 +1,61 @@
+// Shared helpers for the Blink model kernels (bf16 storage, fp32 math).
+//
+// Every kernel reads its live sizes (*num_tokens, *num_seqs, cu_q_lens, seq_lens) from device
+// buffers at run time, so a captured graph never bakes in a length: the grid is sized for the
+// graph's bucket and blocks past the live count return at once.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float bf(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ bf16 tobf(float x) { return __float2bfloat16_rn(x); }
+// Round a float through bf16 (what a bf16 tensor op in PyTorch does to its result).
+__device__ __forceinline__ float rbf(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// 8 bf16 in one 16-byte vector.
+struct __align__(16) bf16x8 {
+  bf16 v[8];
+};
+
+__device__ __forceinline__ void load8(const bf16* p, float* out) {
+  bf16x8 t = *reinterpret_cast<const bf16x8*>(p);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = bf(t.v[i]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+  return v;
+}
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024); `scratch` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = lane < nw ? scratch[lane] : 0.f;
+  return warp_sum(r);
+}
+
+// Sequence that owns packed token t: the s with cu[s] <= t < cu[s+1] (binary search).
+__device__ __forceinline__ int seq_of_token(const int* cu, int num_seqs, int t) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (cu[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}

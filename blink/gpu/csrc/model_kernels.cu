@@ -1,0 +1,240 @@
+// Pointwise and row kernels of the Llama/Qwen3 forward pass, plus the small-batch GEMV.
+//
+// Rounding follows transformers' bf16 forward op by op (each torch op on bf16 tensors rounds
+// its result to bf16), so the engine matches a bf16 HF model to bf16 noise, not just "close":
+//   rmsnorm:  out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))      (x upcast to fp32)
+//   residual: r = bf16(r + delta)
+//   swiglu:   out = bf16(bf16(silu(g)) * u)
+//   rope:     q' = bf16(bf16(q*cos) + bf16(rot(q)*sin)) with cos/sin rounded to bf16
+// Layouts (row-major, T = packed tokens of the graph's bucket):
+//   hidden   [T, H]                       bf16
+//   qkv      [T, (nq + 2*nkv) * hd]       bf16 (fused projection output: q heads, k heads, v heads)
+//   q_out    [T, nq, hd]                  bf16
+//   k/v cache of one layer [num_blocks, block_size, nkv, hd] bf16
+//   rope tables [max_pos, hd/2] fp32
+#include "common.cuh"
+
+extern "C" __global__ void embed_tokens(const int* __restrict__ ids, const bf16* __restrict__ table,
+                                        bf16* __restrict__ out, const uint32_t* __restrict__ num_tokens, int H) {
+  const int t = blockIdx.x;
+  if (t >= (int)*num_tokens) return;
+  const bf16x8* src = reinterpret_cast<const bf16x8*>(table + (size_t)ids[t] * H);
+  bf16x8* dst = reinterpret_cast<bf16x8*>(out + (size_t)t * H);
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) dst[i] = src[i];
+}
+
+// residual (+)= delta; out = rmsnorm(residual) * w. delta == nullptr: no add (first layer).
+extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* __restrict__ delta,
+                                       const bf16* __restrict__ w, bf16* __restrict__ out,
+                                       const uint32_t* __restrict__ num_tokens, int H, float eps) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  if (t >= (int)*num_tokens) return;
+  bf16* r = residual + (size_t)t * H;
+  float ss = 0.f;
+  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+    float x[8];
+    load8(r + v * 8, x);
+    if (delta != nullptr) {
+      float d[8];
+      load8(delta + (size_t)t * H + v * 8, d);
+      bf16x8 o;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        x[i] = rbf(x[i] + d[i]);
+        o.v[i] = tobf(x[i]);
+      }
+      *reinterpret_cast<bf16x8*>(r + v * 8) = o;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += x[i] * x[i];
+  }
+  const float rs = rsqrtf(block_sum(ss, scratch) / H + eps);
+  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+    float x[8], g[8];
+    load8(r + v * 8, x);
+    load8(w + v * 8, g);
+    bf16x8 o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(x[i] * rs));
+    *reinterpret_cast<bf16x8*>(out + (size_t)t * H + v * 8) = o;
+  }
+}
+
+// Final norm of the last token of each sequence: out[s] = rmsnorm(residual[row] + delta[row]) * w,
+// row = cu_q_lens[s+1]-1. Only these rows feed the LM head.
+extern "C" __global__ void final_norm_gather(const bf16* __restrict__ residual, const bf16* __restrict__ delta,
+                                             const bf16* __restrict__ w, bf16* __restrict__ out,
+                                             const int* __restrict__ cu_q_lens, const uint32_t* __restrict__ num_seqs,
+                                             int H, float eps) {
+  __shared__ float scratch[32];
+  const int s = blockIdx.x;
+  if (s >= (int)*num_seqs) return;
+  const size_t row = (size_t)(cu_q_lens[s + 1] - 1) * H;
+  float ss = 0.f;
+  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+    float x[8], d[8];
+    load8(residual + row + v * 8, x);
+    load8(delta + row + v * 8, d);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[i] = rbf(x[i] + d[i]);
+      ss += x[i] * x[i];
+    }
+  }
+  const float rs = rsqrtf(block_sum(ss, scratch) / H + eps);
+  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+    float x[8], d[8], g[8];
+    load8(residual + row + v * 8, x);
+    load8(delta + row + v * 8, d);
+    load8(w + v * 8, g);
+    bf16x8 o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(rbf(x[i] + d[i]) * rs));
+    *reinterpret_cast<bf16x8*>(out + (size_t)s * H + v * 8) = o;
+  }
+}
+
+// One block (4 warps) per token; a warp per head. Q heads: [qk-norm], RoPE -> q_out. K heads:
+// [qk-norm], RoPE -> k cache slot. V heads -> v cache slot. The slot of token t of sequence s at
+// position p is block_tables[s][p / block_size] * block_size + p % block_size.
+extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
+                                         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                                         const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
+                                         const float* __restrict__ cos_tab, const float* __restrict__ sin_tab,
+                                         const int* __restrict__ positions, const int* __restrict__ cu_q_lens,
+                                         const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens,
+                                         const uint32_t* __restrict__ num_seqs, int nq, int nkv, int hd, int bs,
+                                         int mbps, float eps) {
+  const int t = blockIdx.x;
+  if (t >= (int)*num_tokens) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int pos = positions[t];
+  const int s = seq_of_token(cu_q_lens, (int)*num_seqs, t);
+  const int blk = block_tables[(size_t)s * mbps + pos / bs];
+  const size_t slot = (size_t)blk * bs + pos % bs;
+  const int nh = nq + 2 * nkv, half = hd / 2;
+  const bf16* row = qkv + (size_t)t * nh * hd;
+  const float* ct = cos_tab + (size_t)pos * half;
+  const float* st = sin_tab + (size_t)pos * half;
+  for (int h = warp; h < nh; h += nw) {
+    const bf16* src = row + (size_t)h * hd;
+    if (h >= nq + nkv) {  // V head: plain copy into the cache
+      bf16* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
+      for (int i = lane; i < hd; i += 32) dst[i] = src[i];
+      continue;
+    }
+    const bool is_q = h < nq;
+    const bf16* nwt = is_q ? q_norm_w : k_norm_w;
+    float rs = 0.f;
+    if (nwt != nullptr) {
+      float ss = 0.f;
+      for (int i = lane; i < hd; i += 32) {
+        const float v = bf(src[i]);
+        ss += v * v;
+      }
+      rs = rsqrtf(warp_sum(ss) / hd + eps);
+    }
+    bf16* dst = is_q ? q_out + ((size_t)t * nq + h) * hd : k_cache + (slot * nkv + (h - nq)) * hd;
+    for (int f = lane; f < half; f += 32) {
+      float a = bf(src[f]), b = bf(src[f + half]);
+      if (nwt != nullptr) {
+        a = rbf(bf(nwt[f]) * rbf(a * rs));
+        b = rbf(bf(nwt[f + half]) * rbf(b * rs));
+      }
+      const float c = rbf(ct[f]), sn = rbf(st[f]);
+      dst[f] = tobf(rbf(a * c) + rbf(-b * sn));
+      dst[f + half] = tobf(rbf(b * c) + rbf(a * sn));
+    }
+  }
+}
+
+// gu [T, 2I] = [gate | up] -> out [T, I].
+extern "C" __global__ void swiglu(const bf16* __restrict__ gu, bf16* __restrict__ out,
+                                  const uint32_t* __restrict__ num_tokens, int I) {
+  const int t = blockIdx.y;
+  const int v = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= (int)*num_tokens || v * 8 >= I) return;
+  float g[8], u[8];
+  load8(gu + (size_t)t * 2 * I + v * 8, g);
+  load8(gu + (size_t)t * 2 * I + I + v * 8, u);
+  bf16x8 o;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float sg = rbf(g[i] / (1.f + expf(-g[i])));
+    o.v[i] = tobf(sg * u[i]);
+  }
+  *reinterpret_cast<bf16x8*>(out + (size_t)t * I + v * 8) = o;
+}
+
+// The graph's last kernel: publish completion of step *step_seq. The release orders every
+// earlier write of the graph (out_tokens, KV) before the token that the scheduler acquires.
+extern "C" __global__ void signal_done(const uint64_t* __restrict__ step_seq, uint64_t* done_seq) {
+  const uint64_t v = *step_seq;
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(done_seq), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  uint64_t z = x + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Random bf16 weights on the GPU: bias + scale * U[-1, 1), counter-based (element i of stream seed).
+extern "C" __global__ void fill_random_bf16(bf16* __restrict__ out, uint64_t n, uint64_t seed, float scale,
+                                            float bias) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint64_t r = splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull));
+    const float u = (float)(r >> 40) * (1.f / 16777216.f);
+    out[i] = tobf(bias + scale * (2.f * u - 1.f));
+  }
+}
+
+// Small-batch GEMM Y[t, n] = sum_k X[t, k] W[n, k] for NT tokens (decode buckets <= 8): one warp
+// streams one weight row with 16-byte loads, so the weight matrix is read exactly once, coalesced.
+// cuBLAS's tensor-core kernels are tuned for larger N; at 1-8 tokens the step is a pure weight
+// stream and this reaches more of the copy bandwidth.
+template <int NT, typename OutT>
+__device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16* __restrict__ X, OutT* __restrict__ Y,
+                                          int N, int K) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (n >= N) return;
+  const bf16* wr = W + (size_t)n * K;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+#pragma unroll 4
+  for (int k = lane * 8; k < K; k += 256) {
+    float w[8];
+    load8(wr + k, w);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float x[8];
+      load8(X + (size_t)t * K + k, x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[t] += w[i] * x[i];
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const float v = warp_sum(acc[t]);
+    if (lane == 0) {
+      if constexpr (sizeof(OutT) == 4) Y[(size_t)t * N + n] = v;
+      else Y[(size_t)t * N + n] = tobf(v);
+    }
+  }
+}
+
+#define GEMV(NT)                                                                                             \
+  extern "C" __global__ void gemv_bf16_t##NT(const bf16* W, const bf16* X, bf16* Y, int N, int K) {          \
+    gemv_impl<NT, bf16>(W, X, Y, N, K);                                                                      \
+  }                                                                                                          \
+  extern "C" __global__ void gemv_f32_t##NT(const bf16* W, const bf16* X, float* Y, int N, int K) {          \
+    gemv_impl<NT, float>(W, X, Y, N, K);                                                                     \
+  }
+GEMV(1)
+GEMV(2)
+GEMV(4)
+GEMV(8)

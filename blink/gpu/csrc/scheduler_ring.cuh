@@ -1,0 +1,404 @@
+// Blink GPU scheduler, ring side: claims, validation, cancels, publishing, header statistics.
+// Included by scheduler.cu after the plan functions (one translation unit: the kernel is one graph).
+// The semantics are blink/device/ring_device.py's; the comments name the function mirrored.
+#pragma once
+
+// RingDevice._describe (thread 0, first instance).
+__device__ void describe(SchedCtl* c, Shared& sh) {
+  RingHeader* H = sh.H;
+  st_sys(&H->vocab_size, sh.vocab);
+  st_sys(&H->max_context, c->max_context);
+  st_sys(&H->max_batch, c->max_batch);
+  st_sys(&H->kv_block_size, sh.bs);
+  st_sys(&H->kv_blocks_total, sh.E->num_kv_blocks);
+  st_sys(&H->kv_blocks_free, (uint32_t)c->kv_free_top);
+  st_sys(&H->fault, 0);
+  beat(c, sh, gtime());
+  set_status(c, sh, DEV_READY);  // release: the description is visible before READY
+}
+
+// Statistics into the header: one field per thread, relaxed stores (single writer, monotonic).
+__device__ void mirror_stats(SchedCtl* c, Shared& sh) {
+  RingHeader* H = sh.H;
+  const uint32_t t = threadIdx.x;
+  const u64* src[] = {&c->steps, &c->prefill_steps, &c->tokens_generated, &c->prompt_tokens,
+                      &c->requests_admitted, &c->requests_completed, &c->launches, &c->relaunches,
+                      &c->launch_errors, &c->sched_ns_total, &c->step_ns_total, &c->scan_ns_total, &c->scans};
+  u64* dst[] = {&H->steps, &H->prefill_steps, &H->tokens_generated, &H->prompt_tokens,
+                &H->requests_admitted, &H->requests_completed, &H->launches, &H->relaunches,
+                &H->launch_errors, &H->sched_ns_total, &H->step_ns_total, &H->scan_ns_total, &H->scans};
+  constexpr uint32_t N = sizeof(src) / sizeof(src[0]);
+  if (t < N) st_sys64(dst[t], *src[t]);
+  if (t == N) st_sys(&H->running, c->n_run);
+  if (t == N + 1) st_sys(&H->waiting, c->n_wait + (c->waitq_tail - c->waitq_head));
+  if (t == N + 2) st_sys(&H->kv_blocks_free, (uint32_t)c->kv_free_top);
+}
+
+// Thread 0 at the top of an iteration: heartbeat, shutdown, window.
+__device__ void iteration_begin(SchedCtl* c, Shared& sh) {
+  const u64 now = gtime();
+  sh.t_iter = now;
+  sh.kind = KIND_NONE;
+  sh.nseq = sh.ntok = 0;
+  sh.n_preempted = 0;
+  sh.completed = sh.tokens = 0;
+  sh.launch_ok = 0;
+  sh.dirty = 0;
+  sh.action = ACT_RUN;
+  if (now - c->last_beat_ns >= c->beat_ns) beat(c, sh, now);
+  if (c->fault) {
+    sh.fault = c->fault;
+    sh.action = ACT_EXIT;
+    return;
+  }
+  if (sh.shutdown >= 2) {
+    sh.action = ACT_EXIT;
+    return;
+  }
+  if (sh.shutdown == 1) {
+    if (c->status != DEV_STOPPING) set_status(c, sh, DEV_STOPPING);
+    if (c->n_run == 0 && c->n_wait == 0 && c->waitq_head == c->waitq_tail) {
+      sh.action = ACT_EXIT;
+      return;
+    }
+  }
+  if (c->here >= c->window) sh.action = ACT_RELAUNCH;
+}
+
+// Scheduler.schedule: prefill when wanted (alternating with decode while both want), else decode.
+__device__ void plan(SchedCtl* c, Shared& sh) {
+  const uint32_t n_run = c->n_run;
+  bool any_prefilling = false, any_wait_ok = false;
+  uint32_t ready = 0;
+  for (uint32_t p = threadIdx.x; p < n_run; p += SCHED_THREADS) {
+    const Row& R = g_rows[g_run[p]];
+    if (prefilling(R)) any_prefilling = true;
+    else if (!output_full(R, sh.cap)) ready++;
+  }
+  for (uint32_t p = threadIdx.x; p < c->n_wait; p += SCHED_THREADS)
+    if (!output_full(g_rows[g_wait[p]], sh.cap)) any_wait_ok = true;
+  any_prefilling = __syncthreads_or(any_prefilling);
+  any_wait_ok = __syncthreads_or(any_wait_ok);
+  const uint32_t n_ready = __syncthreads_count(ready > 0);  // > 0 is all the policy needs
+  if (threadIdx.x == 0) {
+    const bool wants = any_prefilling ||
+                       (n_run < c->max_batch && (any_wait_ok || c->waitq_head != c->waitq_tail));
+    if (wants && (n_ready == 0 || c->last_kind == KIND_DECODE)) {
+      plan_prefill(c, sh);
+      if (sh.nseq) sh.kind = KIND_PREFILL;
+    }
+  }
+  __syncthreads();
+  if (sh.kind != KIND_PREFILL) {
+    plan_decode(c, sh);
+    if (threadIdx.x == 0) sh.kind = sh.nseq ? KIND_DECODE : KIND_NONE;
+    __syncthreads();
+  }
+  if (sh.kind == KIND_NONE) return;
+  fill_engine(c, sh);
+  if (threadIdx.x == 0) c->last_kind = sh.kind;
+  __syncthreads();
+}
+
+// RingDevice._scan + _admit + _validate: claim every PREFILL_PENDING slot, FCFS by t_submit_ns.
+__device__ void scan_claims(SchedCtl* c, Shared& sh) {
+  const u64 t0 = gtime();
+  uint32_t* claim = (uint32_t*)c->claim;
+  const uint32_t n_slots = sh.n_slots, per = (n_slots + SCHED_THREADS - 1) / SCHED_THREADS;
+  const uint32_t lo = min(n_slots, threadIdx.x * per), hi = min(n_slots, lo + per);
+  bool found = false;
+  for (uint32_t base = lo; base < hi; base += 8) {
+    uint32_t st[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) st[k] = base + k < hi ? ld_sys(&sh.slots[base + k].state) : SLOT_EMPTY;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      if (st[k] != SLOT_PREFILL_PENDING) continue;
+      const uint32_t s = base + k;
+      if (atomicCAS(&claim[s], 0u, 1u) != 0u) continue;
+      const uint32_t i = atomicAdd(&sh.nclaim, 1u);
+      if (i < MAX_CLAIMS) {
+        sh.claim_slot[i] = s;
+        found = true;
+      } else {
+        claim[s] = 0;
+        sh.overflow = 1;
+      }
+    }
+  }
+  if (found) __threadfence_system();  // acquire: the slot fields are read after the state
+  __syncthreads();
+  const uint32_t n = min(sh.nclaim, MAX_CLAIMS);
+  RingSlot* copy = (RingSlot*)c->slot_copy;
+  for (uint32_t i = threadIdx.x; i < n; i += SCHED_THREADS) {
+    const uint32_t s = sh.claim_slot[i];
+    const uint32_t* src = (const uint32_t*)&sh.slots[s];
+    uint32_t w[SLOT_BYTES / 4];
+#pragma unroll
+    for (int k = 0; k < (int)(SLOT_BYTES / 4); ++k) w[k] = ld_sys(src + k);
+#pragma unroll
+    for (int k = 0; k < (int)(SLOT_BYTES / 4); ++k) ((uint32_t*)&copy[s])[k] = w[k];
+    sh.claim_key[i] = copy[s].t_submit_ns;
+  }
+  __syncthreads();
+  for (uint32_t i = threadIdx.x; i < n; i += SCHED_THREADS) {  // rank sort: (t_submit_ns, slot)
+    const u64 ki = sh.claim_key[i];
+    const uint32_t si = sh.claim_slot[i];
+    uint32_t rank = 0;
+    for (uint32_t j = 0; j < n; ++j) {
+      const u64 kj = sh.claim_key[j];
+      rank += kj < ki || (kj == ki && sh.claim_slot[j] < si);
+    }
+    sh.claim_sorted[rank] = si;
+  }
+  __syncthreads();
+  // transition + first checks, in FCFS order; q is contiguous per thread for the scans below
+  const uint32_t per_q = (n + SCHED_THREADS - 1) / SCHED_THREADS;
+  const uint32_t qlo = min(n, threadIdx.x * per_q), qhi = min(n, qlo + per_q);
+  const u64 now = unix_ns(c);
+  uint32_t toks = 0;
+  for (uint32_t q = qlo; q < qhi; ++q) {
+    const uint32_t s = sh.claim_sorted[q];
+    const RingSlot& r = copy[s];
+    st_sys64(&sh.slots[s].t_admit_ns, now);
+    st_rel_sys(&sh.slots[s].state, SLOT_PREFILL_PROCESSING);
+    uint32_t e = 0;
+    if (r.cancel) e = 0xFF;
+    else if (r.prompt_len == 0 || (u64)r.prompt_offset + r.prompt_len > sh.arena_tokens) e = SLOTERR_BAD_PROMPT;
+    else if ((u64)r.prompt_len + 1 > c->max_context) e = SLOTERR_PROMPT_TOO_LONG;
+    sh.claim_err[q] = e;
+    toks += e ? 0 : r.prompt_len;
+  }
+  uint32_t total;
+  uint32_t o = block_scan(toks, &total, sh.warp_sums);
+  for (uint32_t q = qlo; q < qhi; ++q) {
+    sh.claim_cu[q] = o;
+    o += sh.claim_err[q] ? 0 : copy[sh.claim_sorted[q]].prompt_len;
+  }
+  if (threadIdx.x == 0) sh.claim_cu[n] = total;
+  __syncthreads();
+  for (uint32_t j0 = threadIdx.x; j0 < total; j0 += 4 * SCHED_THREADS) {  // token ids in [0, vocab)
+    int32_t v[4];
+    uint32_t qq[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const uint32_t j = j0 + u * SCHED_THREADS;
+      qq[u] = DEAD;
+      if (j >= total) continue;
+      uint32_t a = 0, b = n;
+      while (b - a > 1) { const uint32_t m = (a + b) / 2; if (sh.claim_cu[m] <= j) a = m; else b = m; }
+      while (a + 1 < n && sh.claim_cu[a + 1] <= j) ++a;  // skip zero-length (rejected) entries
+      qq[u] = a;
+      const RingSlot& r = copy[sh.claim_sorted[a]];
+      v[u] = (int32_t)ld_sys((const uint32_t*)&sh.arena[r.prompt_offset + (j - sh.claim_cu[a])]);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (qq[u] != DEAD && (v[u] < 0 || (uint32_t)v[u] >= sh.vocab)) atomicOr(&sh.claim_err[qq[u]], 0x100u);
+  }
+  __syncthreads();
+  uint32_t ok = 0;
+  for (uint32_t q = qlo; q < qhi; ++q) {
+    const uint32_t s = sh.claim_sorted[q];
+    const RingSlot& r = copy[s];
+    uint32_t e = sh.claim_err[q];
+    if (e == 0) {
+      const float t = r.temperature, p = r.top_p;
+      if (!(isfinite(t) && t >= 0.0f) || !(p > 0.0f && p <= 1.0f) || r.n_stop > MAX_STOP_IDS ||
+          r.max_new_tokens == 0)
+        e = SLOTERR_BAD_PARAMS;
+    } else if (e == 0x100) {
+      e = SLOTERR_BAD_PROMPT;
+    }
+    sh.claim_err[q] = e;
+    ok += e == 0;
+  }
+  uint32_t n_ok;
+  o = block_scan(ok, &n_ok, sh.warp_sums);
+  uint32_t* wq = (uint32_t*)c->waitq;
+  for (uint32_t q = qlo; q < qhi; ++q) {
+    const uint32_t s = sh.claim_sorted[q], e = sh.claim_err[q];
+    if (e == 0) {
+      wq[(c->waitq_tail + o++) % n_slots] = s;
+    } else {
+      claim[s] = 0;
+      if (e == 0xFF) finish_slot(sh, s, FINISH_CANCELLED, SLOTERR_NONE);
+      else finish_slot(sh, s, FINISH_ERROR, e & 0xFF);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    c->waitq_tail += n_ok;
+    c->requests_admitted += n;
+    c->scans++;
+    c->scan_ns_total += gtime() - t0;
+    if (n) sh.dirty = 1;
+  }
+}
+
+// While the step runs: doorbells, scan, cancel flags, `consumed` of full output rings.
+__device__ void overlap(SchedCtl* c, Shared& sh) {
+  RingHeader* H = sh.H;
+  if (threadIdx.x == 0) {
+    sh.shutdown = ld_acq_sys(&H->shutdown);
+    const u64 submit = ld_acq_sys64(&H->submit_seq), cancel = ld_acq_sys64(&H->cancel_seq);
+    const u64 now = gtime();
+    const bool rescan = now - c->last_scan_ns >= c->rescan_ns;
+    sh.do_scan = sh.shutdown == 0 &&
+                 (submit != c->last_submit_seq || rescan || sh.overflow || (c->flags & SCHED_FLAG_ALWAYS_SCAN));
+    sh.do_cancel = cancel != c->last_cancel_seq || rescan;
+    c->last_submit_seq = submit;
+    c->last_cancel_seq = cancel;
+    if (rescan) c->last_scan_ns = now;
+    sh.nclaim = 0;
+    sh.overflow = 0;
+  }
+  __syncthreads();
+  if (sh.do_scan) scan_claims(c, sh);
+  const uint32_t rows = c->rows_cap;
+  if (sh.do_cancel) {
+    for (uint32_t r = threadIdx.x; r < rows; r += SCHED_THREADS)
+      if (g_rows[r].used) g_rows[r].cancel = ld_sys(&sh.slots[g_rows[r].slot].cancel);
+    uint32_t* wq = (uint32_t*)c->waitq;
+    for (uint32_t i = c->waitq_head + threadIdx.x; i < c->waitq_tail; i += SCHED_THREADS) {
+      const uint32_t s = wq[i % sh.n_slots];
+      if (s == DEAD || !ld_sys(&sh.slots[s].cancel)) continue;
+      wq[i % sh.n_slots] = DEAD;
+      ((uint32_t*)c->claim)[s] = 0;
+      finish_slot(sh, s, FINISH_CANCELLED, SLOTERR_NONE);
+      sh.dirty = 1;
+    }
+  }
+  for (uint32_t r = threadIdx.x; r < rows; r += SCHED_THREADS) {
+    Row& R = g_rows[r];
+    if (R.used && output_full(R, sh.cap)) R.consumed = ld_sys(&sh.slots[R.slot].consumed);
+  }
+  __syncthreads();
+}
+
+// Thread 0: spin on the completion word, beating meanwhile.
+__device__ void wait_done(SchedCtl* c, Shared& sh) {
+  const u64* done = (const u64*)sh.E->done_seq;
+  while (ld_acq_gpu64(done) != sh.seq) {
+    const u64 now = gtime();
+    if (now - c->last_beat_ns >= c->beat_ns) beat(c, sh, now);
+    if (now - sh.t_launch > c->graph_timeout_ns) {
+      c->fault = FAULT_GRAPH_TIMEOUT;
+      sh.fault = FAULT_GRAPH_TIMEOUT;
+      st_sys(&sh.H->fault, FAULT_GRAPH_TIMEOUT);
+      break;
+    }
+  }
+  sh.t_done = gtime();
+}
+
+// Scheduler.update + RingDevice._step: token into the arena, then `generated` (release); finish.
+__device__ void publish(SchedCtl* c, Shared& sh) {
+  const uint32_t nseq = sh.nseq;
+  if (!sh.launch_ok) {
+    for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS)
+      if (g_rows[g_plan_row[i]].used) release_row(c, sh, g_plan_row[i], FINISH_ERROR, SLOTERR_DEVICE_FAULT);
+    __syncthreads();
+    return;
+  }
+  const int32_t* out_tokens = (const int32_t*)sh.E->out_tokens;
+  const u64 now = unix_ns(c);
+  uint32_t mine = 0;
+  for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS) {
+    const uint32_t r = g_plan_row[i];
+    Row& R = g_rows[r];
+    R.computed = g_plan_start[i] + g_plan_n[i];
+    if (!g_plan_sample[i]) continue;
+    const int32_t tok = out_tokens[i];
+    const uint32_t k = generated(R);
+    row_tokens(c, r)[R.len] = tok;
+    R.len++;
+    RingSlot* s = &sh.slots[R.slot];
+    st_sys((uint32_t*)&sh.out[(size_t)R.slot * sh.cap + k % sh.cap], (uint32_t)tok);
+    if (k == 0) st_sys64(&s->t_first_ns, now);
+    uint32_t fin = FINISH_NONE;
+    bool stop = false;
+    for (uint32_t j = 0; j < R.n_stop && j < MAX_STOP_IDS; ++j) stop |= R.stop_ids[j] == tok;
+    if (stop && k >= R.min_new) fin = FINISH_STOP;
+    else if (R.max_new != UNLIMITED && k + 1 >= R.max_new) fin = FINISH_LENGTH;
+    else if (R.len >= c->max_context) fin = FINISH_CONTEXT;
+    st_rel_sys(&s->generated, k + 1);
+    mine++;
+    if (fin != FINISH_NONE) release_row(c, sh, r, fin, SLOTERR_NONE);
+  }
+  if (mine) atomicAdd(&sh.tokens, mine);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (sh.kind == KIND_PREFILL) {
+      c->prefill_steps++;
+      c->prompt_tokens += sh.ntok;
+    } else {
+      c->steps++;
+      c->step_ns_total += sh.t_done - sh.t_launch;
+    }
+  }
+}
+
+// Cancels seen by the overlap phase, list upkeep, slot states (Scheduler.ring_state), statistics.
+__device__ void retire(SchedCtl* c, Shared& sh) {
+  const uint32_t rows = c->rows_cap;
+  for (uint32_t r = threadIdx.x; r < rows; r += SCHED_THREADS)
+    if (g_rows[r].used && g_rows[r].cancel) release_row(c, sh, r, FINISH_CANCELLED, SLOTERR_NONE);
+  __syncthreads();
+  if (sh.dirty) {
+    compact(g_run, &c->n_run, 1, sh);
+    compact(g_wait, &c->n_wait, 0, sh);
+  }
+  for (uint32_t r = threadIdx.x; r < rows; r += SCHED_THREADS) {
+    Row& R = g_rows[r];
+    if (!R.used) continue;
+    uint32_t st;
+    if (R.len == R.prompt_len) st = SLOT_PREFILL_PROCESSING;
+    else if (R.running && !prefilling(R) && !output_full(R, sh.cap)) st = SLOT_DECODE_PROCESSING;
+    else st = SLOT_DECODE_PAUSED;
+    if (st != R.ring_state) {
+      R.ring_state = st;
+      st_rel_sys(&sh.slots[R.slot].state, st);
+    }
+  }
+  __syncthreads();
+  const bool busy = sh.kind != KIND_NONE;
+  if (threadIdx.x == 0) {
+    c->tokens_generated += sh.tokens;
+    c->requests_completed += sh.completed;
+    if (busy) {
+      const u64 end = gtime();
+      const u64 wait = sh.t_done - sh.t_launched;
+      c->plan_ns_total += sh.t_launch - sh.t_iter;
+      c->launch_ns_total += sh.t_launched - sh.t_launch;
+      c->wait_ns_total += wait;
+      c->publish_ns_total += end - sh.t_done;
+      c->sched_ns_total += (end - sh.t_iter) - wait;
+      c->busy_iters++;
+    }
+  }
+  __syncthreads();
+  if (busy || sh.dirty || sh.completed) mirror_stats(c, sh);
+}
+
+// Shutdown 2 (stop now) or a fault: finish every live request. Unclaimed PENDING slots stay.
+__device__ void abort_all(SchedCtl* c, Shared& sh) {
+  const uint32_t reason = sh.fault ? FINISH_ERROR : FINISH_CANCELLED;
+  const uint32_t err = sh.fault ? SLOTERR_DEVICE_FAULT : SLOTERR_NONE;
+  for (uint32_t r = threadIdx.x; r < c->rows_cap; r += SCHED_THREADS)
+    if (g_rows[r].used) release_row(c, sh, r, reason, err);
+  uint32_t* wq = (uint32_t*)c->waitq;
+  for (uint32_t i = c->waitq_head + threadIdx.x; i < c->waitq_tail; i += SCHED_THREADS) {
+    const uint32_t s = wq[i % sh.n_slots];
+    if (s == DEAD) continue;
+    ((uint32_t*)c->claim)[s] = 0;
+    finish_slot(sh, s, reason, err);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    c->waitq_head = c->waitq_tail;
+    c->requests_completed += sh.completed;
+    c->n_run = c->n_wait = 0;
+  }
+  __syncthreads();
+}

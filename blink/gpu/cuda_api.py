@@ -1,0 +1,186 @@
+"""Thin ctypes bindings: the CUDA driver API (modules, launches, capture, graphs) and cuBLAS.
+
+Why ctypes and not CuPy's wrappers: CuPy refuses cuBLAS calls during stream capture, and its
+graph objects are instantiated without cudaGraphInstantiateFlagDeviceLaunch. The driver API
+handles are the runtime's (a CUgraph is a cudaGraph_t, a CUstream a cudaStream_t), so memory and
+streams still come from CuPy. cuBLAS is called on CuPy's own handle, from the libcublas CuPy
+loaded (found in /proc/self/maps), so both agree on one library instance.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+
+_vp = ctypes.c_void_p
+_u64 = ctypes.c_uint64
+
+CAPTURE_MODE_GLOBAL = 0
+GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH = 4
+FUNC_ATTR_MAX_DYNAMIC_SHARED = 8
+
+# cuBLAS enums (cublas_api.h / library_types.h)
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUDA_R_32F, CUDA_R_16BF = 0, 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+class Driver:
+    """The subset of libcuda that the engine uses. Every call checks its CUresult."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def check(self, res: int, what: str) -> None:
+        if res != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(ctypes.c_int(res), ctypes.byref(name))
+            raise CudaError(f"{what}: CUresult {res} ({name.value.decode() if name.value else '?'})")
+
+    def module_load(self, path: str) -> int:
+        mod = _vp()
+        self.check(self.lib.cuModuleLoad(ctypes.byref(mod), path.encode()), f"cuModuleLoad({path})")
+        return int(mod.value)
+
+    def get_function(self, module: int, name: str) -> int:
+        fn = _vp()
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), _vp(module), name.encode()), f"get {name}")
+        return int(fn.value)
+
+    def set_max_dynamic_smem(self, fn: int, nbytes: int) -> None:
+        self.check(
+            self.lib.cuFuncSetAttribute(_vp(fn), ctypes.c_int(FUNC_ATTR_MAX_DYNAMIC_SHARED), ctypes.c_int(nbytes)),
+            "cuFuncSetAttribute(max dynamic smem)",
+        )
+
+    def launch(
+        self,
+        fn: int,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[ctypes._SimpleCData],
+        stream: int,
+        smem: int = 0,
+        name: str = "kernel",
+    ) -> None:
+        ptrs = (_vp * len(args))(*[ctypes.cast(ctypes.pointer(a), _vp) for a in args])
+        self.check(
+            self.lib.cuLaunchKernel(
+                _vp(fn),
+                *[ctypes.c_uint(x) for x in grid],
+                *[ctypes.c_uint(x) for x in block],
+                ctypes.c_uint(smem),
+                _vp(stream),
+                ptrs,
+                None,
+            ),
+            f"cuLaunchKernel({name}, grid={grid})",
+        )
+
+    def begin_capture(self, stream: int) -> None:
+        self.check(self.lib.cuStreamBeginCapture_v2(_vp(stream), ctypes.c_int(CAPTURE_MODE_GLOBAL)), "begin capture")
+
+    def end_capture(self, stream: int) -> int:
+        g = _vp()
+        self.check(self.lib.cuStreamEndCapture(_vp(stream), ctypes.byref(g)), "end capture")
+        return int(g.value)
+
+    def graph_node_count(self, graph: int) -> int:
+        n = ctypes.c_size_t(0)
+        self.check(self.lib.cuGraphGetNodes(_vp(graph), None, ctypes.byref(n)), "cuGraphGetNodes")
+        return int(n.value)
+
+    def instantiate_device_launch(self, graph: int) -> int:
+        ex = _vp()
+        self.check(
+            self.lib.cuGraphInstantiateWithFlags(
+                ctypes.byref(ex), _vp(graph), ctypes.c_ulonglong(GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)
+            ),
+            "cuGraphInstantiateWithFlags(DeviceLaunch)",
+        )
+        return int(ex.value)
+
+    def graph_upload(self, exec_: int, stream: int) -> None:
+        self.check(self.lib.cuGraphUpload(_vp(exec_), _vp(stream)), "cuGraphUpload")
+
+    def graph_launch(self, exec_: int, stream: int) -> None:
+        self.check(self.lib.cuGraphLaunch(_vp(exec_), _vp(stream)), "cuGraphLaunch")
+
+    def graph_destroy(self, graph: int) -> None:
+        self.check(self.lib.cuGraphDestroy(_vp(graph)), "cuGraphDestroy")
+
+    def graph_exec_destroy(self, exec_: int) -> None:
+        self.check(self.lib.cuGraphExecDestroy(_vp(exec_)), "cuGraphExecDestroy")
+
+
+def _loaded_library_path(fragment: str, exclude: str) -> str:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1]
+            if fragment in path and exclude not in path:
+                return path
+    raise CudaError(f"{fragment} is not loaded in this process")
+
+
+class Cublas:
+    """cublasGemmEx on CuPy's handle, bound to one stream with a user workspace.
+
+    The workspace is set AFTER cublasSetStream (which resets it): without a user workspace cuBLAS
+    allocates during capture, the graph gets MemAlloc nodes and device-launch instantiation fails
+    (/work/shared/gpu-probe/REPORT.md, Q3)."""
+
+    def __init__(self, stream: int, workspace_ptr: int, workspace_bytes: int) -> None:
+        import cupy as cp
+
+        self.handle = int(cp.cuda.device.get_cublas_handle())
+        self.lib = ctypes.CDLL(_loaded_library_path("libcublas.so", "libcublasLt"))
+        vp, ci = _vp, ctypes.c_int
+        self.lib.cublasSetStream_v2.argtypes = [vp, vp]
+        self.lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        self.lib.cublasSetPointerMode_v2.argtypes = [vp, ci]
+        self.lib.cublasGemmEx.argtypes = [vp, ci, ci, ci, ci, ci, vp, vp, ci, ci, vp, ci, ci, vp, vp, ci, ci, ci, ci]
+        self._check(self.lib.cublasSetStream_v2(self.handle, stream), "cublasSetStream")
+        self._check(self.lib.cublasSetPointerMode_v2(self.handle, 0), "cublasSetPointerMode(host)")
+        self._check(self.lib.cublasSetWorkspace_v2(self.handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
+        self._one = np.array([1.0], np.float32)
+        self._zero = np.array([0.0], np.float32)
+
+    @staticmethod
+    def _check(st: int, what: str) -> None:
+        if st != 0:
+            raise CudaError(f"{what}: cublasStatus {st}")
+
+    def linear(self, x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False) -> None:
+        """Y[rows, n_out] = X[rows, k] @ W[n_out, k]^T, bf16 in, fp32 accumulate, bf16 or fp32 out.
+        Row-major Y^T = W X^T is column-major Y = op(W)^T..., i.e. gemm(T, N, n_out, rows, k)."""
+        self._check(
+            self.lib.cublasGemmEx(
+                self.handle,
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                n_out,
+                rows,
+                k,
+                self._one.ctypes.data,
+                w,
+                CUDA_R_16BF,
+                k,
+                x,
+                CUDA_R_16BF,
+                k,
+                self._zero.ctypes.data,
+                y,
+                CUDA_R_32F if out_f32 else CUDA_R_16BF,
+                n_out,
+                CUBLAS_COMPUTE_32F,
+                CUBLAS_GEMM_DEFAULT,
+            ),
+            f"cublasGemmEx({rows}x{k} @ {n_out}x{k}^T)",
+        )

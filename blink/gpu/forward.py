@@ -1,0 +1,369 @@
+"""One model step as a fixed sequence of kernel launches over preallocated device buffers.
+
+`Forward.record(stream, S, T, decode)` issues the launches of a step for a bucket of S sequences
+and T packed tokens; graph capture turns that into a graph. Every live size is read by the
+kernels from the step buffers (blink.gpu.abi), so the launches depend only on the bucket.
+
+Step (T tokens, S sequences; delta = the output of the last projection, added lazily):
+    embed -> resid
+    per layer:  add_rmsnorm(resid += delta) -> hid;  qkv = hid Wqkv^T;  rope/qk-norm/KV write -> q
+                attention(q, paged KV) -> attn;  delta = attn Wo^T;  add_rmsnorm(resid += delta) -> hid
+                gate_up = hid Wgu^T;  act = swiglu(gate_up);  delta = act Wdown^T
+    final_norm_gather(resid + delta at each sequence's last token) -> last [S, H]
+    logits = last Wlm^T (fp32);  sample -> out_tokens;  signal_done (st.release of *step_seq)
+Buffers are sized for the largest shape and shared by all graphs: one step runs at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.gpu.cuda_api import Cublas, Driver
+from blink.gpu.kernels import Kernels
+from blink.gpu.weights import GpuWeights
+from blink.models.config import ModelConfig, rope_inv_freq
+
+P = ctypes.c_uint64  # device pointer argument
+I32 = ctypes.c_int
+F32 = ctypes.c_float
+
+GEMV_BUCKETS = (1, 2, 4, 8)
+DECODE_HEAD_DIMS = (16, 32, 64, 128)
+DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
+PREFILL_TILE = 64
+
+# Step input fields in one device arena (one H2D copy per host-launched step). block_tables goes
+# last so a step copies only the prefix that holds its S rows.
+STEP_FIELDS = (
+    ("num_seqs", np.uint32, "one"),
+    ("num_tokens", np.uint32, "one"),
+    ("step_seq", np.uint64, "one"),
+    ("input_ids", np.int32, "tokens"),
+    ("positions", np.int32, "tokens"),
+    ("cu_q_lens", np.int32, "seqs+1"),
+    ("seq_lens", np.int32, "seqs"),
+    ("temperature", np.float32, "seqs"),
+    ("top_p", np.float32, "seqs"),
+    ("top_k", np.int32, "seqs"),
+    ("seeds", np.uint64, "seqs"),
+    ("sample_pos", np.uint32, "seqs"),
+    ("block_tables", np.int32, "table"),
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    max_seqs: int
+    max_tokens: int
+    max_blocks_per_seq: int
+    block_size: int
+    num_blocks: int
+    max_context: int
+
+
+class StepArena:
+    """Step inputs: a device arena and its pinned host mirror, field views on both."""
+
+    def __init__(self, d: Dims) -> None:
+        import cupy as cp
+
+        counts = {
+            "one": 1,
+            "tokens": d.max_tokens,
+            "seqs": d.max_seqs,
+            "seqs+1": d.max_seqs + 1,
+            "table": d.max_seqs * d.max_blocks_per_seq,
+        }
+        self.offsets: dict[str, int] = {}
+        off = 0
+        layout = []
+        for name, dt, kind in STEP_FIELDS:
+            off = (off + 15) // 16 * 16
+            n = counts[kind]
+            self.offsets[name] = off
+            layout.append((name, dt, n, off))
+            off += n * np.dtype(dt).itemsize
+        self.nbytes = off
+        self.dev = cp.zeros(off, dtype=cp.uint8)
+        self._pinned = cp.cuda.alloc_pinned_memory(off)
+        self.host_bytes = np.frombuffer(self._pinned, dtype=np.uint8, count=off)
+        self.host_bytes[:] = 0
+        self.host: dict[str, np.ndarray] = {}
+        self.ptr: dict[str, int] = {}
+        for name, dt, n, o in layout:
+            self.host[name] = self.host_bytes[o : o + n * np.dtype(dt).itemsize].view(dt)
+            self.ptr[name] = int(self.dev.data.ptr) + o
+        self.table_width = d.max_blocks_per_seq
+
+    def upload(self, stream: int, num_seqs: int) -> None:
+        import cupy as cp
+
+        end = self.offsets["block_tables"] + num_seqs * self.table_width * 4
+        cp.cuda.runtime.memcpyAsync(int(self.dev.data.ptr), self.host_bytes.ctypes.data, end, 1, stream)
+
+
+class Forward:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: GpuWeights,
+        dims: Dims,
+        driver: Driver,
+        kernels: Kernels,
+        cublas: Cublas,
+        num_sms: int,
+        max_splits: int = 32,
+    ) -> None:
+        import cupy as cp
+
+        c = config
+        if c.head_dim not in DECODE_HEAD_DIMS:
+            raise ValueError(f"head_dim {c.head_dim} not in the compiled set {DECODE_HEAD_DIMS}")
+        if c.num_heads // c.num_kv_heads not in DECODE_GROUPS:
+            raise ValueError(f"GQA group {c.num_heads // c.num_kv_heads} not in the compiled set {DECODE_GROUPS}")
+        if c.hidden_size % 8 or c.intermediate_size % 8:
+            raise ValueError("hidden and intermediate sizes must be multiples of 8 (16-byte vectors)")
+        if dims.max_tokens < dims.max_seqs:
+            raise ValueError("max_tokens must be >= max_seqs (a decode step has one token per sequence)")
+        self.c, self.w, self.d = c, weights, dims
+        self.drv, self.k, self.blas = driver, kernels, cublas
+        self.num_sms, self.max_splits = num_sms, max_splits
+        self.arena = StepArena(dims)
+        Tm, Sm, H, inter = dims.max_tokens, dims.max_seqs, c.hidden_size, c.intermediate_size
+        nqkv = c.q_size + 2 * c.kv_size
+        z = lambda *shape, dt=cp.uint16: cp.zeros(shape, dtype=dt)  # noqa: E731
+        self.resid, self.hid, self.delta = z(Tm, H), z(Tm, H), z(Tm, H)
+        self.qkv, self.q, self.attn = z(Tm, nqkv), z(Tm, c.q_size), z(Tm, c.q_size)
+        self.gu, self.act = z(Tm, 2 * inter), z(Tm, inter)
+        self.last = z(Sm, H)
+        self.logits = z(Sm, c.vocab_size, dt=cp.float32)
+        self.out_tokens = z(Sm, dt=cp.int32)
+        self.done_seq = z(1, dt=cp.uint64)
+        ws = max(s * self.splits(s) for s in range(1, Sm + 1))
+        self.part_o = z(ws * c.num_heads * c.head_dim, dt=cp.float32)
+        self.part_ml = z(ws * c.num_heads * 2, dt=cp.float32)
+        # RoPE tables as transformers computes them: fp32 inv_freq, fp32 position * inv_freq.
+        inv = rope_inv_freq(c).astype(np.float32)
+        ang = np.arange(dims.max_context, dtype=np.float32)[:, None] * inv[None, :]
+        self.cos = cp.asarray(np.cos(ang.astype(np.float64)).astype(np.float32))
+        self.sin = cp.asarray(np.sin(ang.astype(np.float64)).astype(np.float32))
+        # KV pool: [layers, 2, num_blocks, block_size, nkv, hd] bf16.
+        self.kv = z(c.num_layers, 2, dims.num_blocks, dims.block_size, c.num_kv_heads, c.head_dim)
+        self.kv_layer_stride = 2 * dims.num_blocks * dims.block_size * c.kv_size * 2  # bytes
+        self.kv_half = dims.num_blocks * dims.block_size * c.kv_size * 2
+        hd = c.head_dim
+        self.prefill_smem = 3 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
+        self.fn_prefill = kernels[f"attn_prefill_hd{hd}"]
+        driver.set_max_dynamic_smem(self.fn_prefill, self.prefill_smem)
+        self.fn_decode = kernels[f"attn_decode_hd{hd}_g{c.num_heads // c.num_kv_heads}"]
+        self.fn_combine = kernels[f"attn_decode_combine_hd{hd}"]
+        self.gemv_max_tokens = 8
+
+    def splits(self, s: int) -> int:
+        """Decode split count for a bucket of s sequences: enough blocks for ~2 waves."""
+        want = -(-2 * self.num_sms // (s * self.c.num_kv_heads))
+        cap = max(1, -(-self.d.max_context // PREFILL_TILE))
+        return max(1, min(self.max_splits, want, cap))
+
+    @staticmethod
+    def _p(a: object) -> P:
+        return P(a.data.ptr)  # type: ignore[attr-defined]
+
+    def _launch(
+        self,
+        name: str,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: list,
+        stream: int,
+        smem: int = 0,
+        fn: int | None = None,
+    ) -> None:
+        self.drv.launch(self.k[name] if fn is None else fn, grid, block, args, stream, smem, name)
+
+    def linear(
+        self, x: object, w: object, y: object, rows: int, stream: int, out_f32: bool = False, use_gemv: bool = True
+    ) -> None:
+        n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]
+        if use_gemv and rows in GEMV_BUCKETS and rows <= self.gemv_max_tokens:
+            name = f"gemv_{'f32' if out_f32 else 'bf16'}_t{rows}"
+            self._launch(
+                name,
+                (-(-n_out // 8), 1, 1),
+                (256, 1, 1),
+                [self._p(w), self._p(x), self._p(y), I32(n_out), I32(k)],
+                stream,
+            )
+        else:
+            self.blas.linear(int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k, out_f32)  # type: ignore[attr-defined]
+
+    def record(self, stream: int, S: int, T: int, decode: bool, use_gemv: bool = True) -> None:
+        """Issue every launch of one step for the bucket (S sequences, T tokens)."""
+        c, d, a = self.c, self.d, self.arena.ptr
+        H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
+        nt, ns = P(a["num_tokens"]), P(a["num_seqs"])
+        eps = F32(c.rms_eps)
+        scale_log2 = F32((1.0 / hd**0.5) * 1.4426950408889634)
+        self._launch(
+            "embed_tokens",
+            (T, 1, 1),
+            (128, 1, 1),
+            [P(a["input_ids"]), self._p(self.w.embed), self._p(self.resid), nt, I32(H)],
+            stream,
+        )
+        for li, lw in enumerate(self.w.layers):
+            delta = P(0) if li == 0 else self._p(self.delta)
+            self._launch(
+                "add_rmsnorm",
+                (T, 1, 1),
+                (256, 1, 1),
+                [self._p(self.resid), delta, self._p(lw.attn_norm), self._p(self.hid), nt, I32(H), eps],
+                stream,
+            )
+            self.linear(self.hid, lw.qkv, self.qkv, T, stream, use_gemv=use_gemv)
+            kc = int(self.kv.data.ptr) + li * self.kv_layer_stride
+            vc = kc + self.kv_half
+            self._launch(
+                "rope_kv_write",
+                (T, 1, 1),
+                (128, 1, 1),
+                [
+                    self._p(self.qkv),
+                    self._p(self.q),
+                    P(kc),
+                    P(vc),
+                    self._p(lw.q_norm) if lw.q_norm is not None else P(0),
+                    self._p(lw.k_norm) if lw.k_norm is not None else P(0),
+                    self._p(self.cos),
+                    self._p(self.sin),
+                    P(a["positions"]),
+                    P(a["cu_q_lens"]),
+                    P(a["block_tables"]),
+                    nt,
+                    ns,
+                    I32(c.num_heads),
+                    I32(c.num_kv_heads),
+                    I32(hd),
+                    I32(d.block_size),
+                    I32(d.max_blocks_per_seq),
+                    eps,
+                ],
+                stream,
+            )
+            if decode:
+                nsplit = self.splits(S)
+                self._launch(
+                    "attn_decode",
+                    (nsplit, c.num_kv_heads, S),
+                    (128, 1, 1),
+                    [
+                        self._p(self.q),
+                        P(kc),
+                        P(vc),
+                        self._p(self.part_o),
+                        self._p(self.part_ml),
+                        P(a["cu_q_lens"]),
+                        P(a["seq_lens"]),
+                        P(a["block_tables"]),
+                        ns,
+                        I32(c.num_kv_heads),
+                        I32(d.block_size),
+                        I32(d.max_blocks_per_seq),
+                        scale_log2,
+                    ],
+                    stream,
+                    fn=self.fn_decode,
+                )
+                self._launch(
+                    "attn_decode_combine",
+                    (c.num_heads, S, 1),
+                    (hd, 1, 1),
+                    [
+                        self._p(self.part_o),
+                        self._p(self.part_ml),
+                        self._p(self.attn),
+                        P(a["cu_q_lens"]),
+                        ns,
+                        I32(nsplit),
+                    ],
+                    stream,
+                    fn=self.fn_combine,
+                )
+            else:
+                self._launch(
+                    "attn_prefill",
+                    (T // PREFILL_TILE + S, c.num_heads, 1),
+                    (128, 1, 1),
+                    [
+                        self._p(self.q),
+                        P(kc),
+                        P(vc),
+                        self._p(self.attn),
+                        P(a["cu_q_lens"]),
+                        P(a["seq_lens"]),
+                        P(a["block_tables"]),
+                        ns,
+                        I32(c.num_kv_heads),
+                        I32(d.block_size),
+                        I32(d.max_blocks_per_seq),
+                        scale_log2,
+                    ],
+                    stream,
+                    smem=self.prefill_smem,
+                    fn=self.fn_prefill,
+                )
+            self.linear(self.attn, lw.o, self.delta, T, stream, use_gemv=use_gemv)
+            self._launch(
+                "add_rmsnorm",
+                (T, 1, 1),
+                (256, 1, 1),
+                [self._p(self.resid), self._p(self.delta), self._p(lw.mlp_norm), self._p(self.hid), nt, I32(H), eps],
+                stream,
+            )
+            self.linear(self.hid, lw.gate_up, self.gu, T, stream, use_gemv=use_gemv)
+            self._launch(
+                "swiglu",
+                (-(-inter // (8 * 256)), T, 1),
+                (256, 1, 1),
+                [self._p(self.gu), self._p(self.act), nt, I32(inter)],
+                stream,
+            )
+            self.linear(self.act, lw.down, self.delta, T, stream, use_gemv=use_gemv)
+        self._launch(
+            "final_norm_gather",
+            (S, 1, 1),
+            (256, 1, 1),
+            [
+                self._p(self.resid),
+                self._p(self.delta),
+                self._p(self.w.final_norm),
+                self._p(self.last),
+                P(a["cu_q_lens"]),
+                ns,
+                I32(H),
+                eps,
+            ],
+            stream,
+        )
+        self.linear(self.last, self.w.lm_head, self.logits, S, stream, out_f32=True, use_gemv=use_gemv)
+        self._launch(
+            "sample_tokens",
+            (S, 1, 1),
+            (1024, 1, 1),
+            [
+                self._p(self.logits),
+                I32(c.vocab_size),
+                P(a["temperature"]),
+                P(a["top_p"]),
+                P(a["top_k"]),
+                P(a["seeds"]),
+                P(a["sample_pos"]),
+                self._p(self.out_tokens),
+                ns,
+            ],
+            stream,
+        )
+        self._launch("signal_done", (1, 1, 1), (1, 1, 1), [P(a["step_seq"]), self._p(self.done_seq)], stream)

@@ -1,0 +1,41 @@
+"""Executor (blink.device.executor) over the CUDA engine, graphs launched from the host.
+
+Each step: copy the StepBatch into the step arena (one H2D copy from pinned memory), launch the
+captured graph that fits, wait, read out_tokens. With blink.device.ring_device this serves the
+ring with `--device cuda --scheduler host`: the ablation baseline of the GPU-resident scheduler,
+which launches the very same graphs from the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blink.device.executor import StepBatch
+from blink.gpu.engine import Engine, EngineConfig
+from blink.models.config import ModelConfig
+
+
+class HostExecutor:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        d = engine.dims
+        self.vocab_size = engine.config.vocab_size
+        self.max_context = d.max_context
+        self.block_size = d.block_size
+        self.num_blocks = d.num_blocks
+        self.max_batch = d.max_seqs
+        self.max_tokens = d.max_tokens
+
+    @classmethod
+    def create(
+        cls, config: ModelConfig, ecfg: EngineConfig, host_weights: dict[str, np.ndarray] | None = None
+    ) -> HostExecutor:
+        engine = Engine.create(config, ecfg, host_weights)
+        engine.capture()
+        return cls(engine)
+
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        return self.engine.step(batch)
+
+    def close(self) -> None:
+        self.engine.close()

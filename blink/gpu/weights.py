@@ -1,0 +1,191 @@
+"""Model weights on the GPU in bf16, with the QKV and gate/up projections fused.
+
+bf16 lives in CuPy uint16 arrays (CuPy has no bf16 dtype; the kernels and cuBLAS read the bits).
+Per layer (H hidden, I intermediate, hd head_dim, nq/nkv heads, shapes (out, in) as in HF):
+    attn_norm (H,)  qkv (nq*hd + 2*nkv*hd, H) = [q_proj; k_proj; v_proj]  q_norm, k_norm (hd,)
+    o (H, nq*hd)  mlp_norm (H,)  gate_up (2*I, H) = [gate_proj; up_proj]  down (H, I)
+Sources: HF-named float32 host dicts (blink.models.weights loaders: GGUF dequantised, HF
+safetensors) rounded to bf16, or random weights generated on the GPU by a counter-based kernel
+(an 8B model in seconds, no host copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.gpu.cuda_api import Driver
+from blink.gpu.kernels import Kernels
+from blink.models.config import ModelConfig
+
+
+def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bf16 bit patterns (uint16)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def bf16_bits_to_f32(a: np.ndarray) -> np.ndarray:
+    return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: object
+    qkv: object
+    q_norm: object | None
+    k_norm: object | None
+    o: object
+    mlp_norm: object
+    gate_up: object
+    down: object
+
+
+class GpuWeights:
+    def __init__(
+        self, config: ModelConfig, embed: object, final_norm: object, lm_head: object, layers: list[LayerWeights]
+    ) -> None:
+        self.config = config
+        self.embed = embed
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.layers = layers
+
+    @property
+    def nbytes(self) -> int:
+        arrays = {id(a): a for a in self._arrays()}
+        return sum(int(a.nbytes) for a in arrays.values())
+
+    def _arrays(self) -> Iterator[object]:
+        yield from (self.embed, self.final_norm, self.lm_head)
+        for lw in self.layers:
+            for a in vars(lw).values():
+                if a is not None:
+                    yield a
+
+    @staticmethod
+    def shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+        h, i = c.hidden_size, c.intermediate_size
+        return {
+            "attn_norm": (h,),
+            "qkv": (c.q_size + 2 * c.kv_size, h),
+            "q_norm": (c.head_dim,),
+            "k_norm": (c.head_dim,),
+            "o": (h, c.q_size),
+            "mlp_norm": (h,),
+            "gate_up": (2 * i, h),
+            "down": (h, i),
+        }
+
+    @classmethod
+    def from_host(cls, config: ModelConfig, w: dict[str, np.ndarray]) -> GpuWeights:
+        """From HF-named float32 (or any float) numpy arrays, rounded to bf16 on upload."""
+        import cupy as cp
+
+        def up(a: np.ndarray) -> object:
+            return cp.asarray(f32_to_bf16_bits(a))
+
+        layers = []
+        for li in range(config.num_layers):
+            p = f"model.layers.{li}."
+            layers.append(
+                LayerWeights(
+                    attn_norm=up(w[p + "input_layernorm.weight"]),
+                    qkv=up(np.concatenate([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], axis=0)),
+                    q_norm=up(w[p + "self_attn.q_norm.weight"]) if config.qk_norm else None,
+                    k_norm=up(w[p + "self_attn.k_norm.weight"]) if config.qk_norm else None,
+                    o=up(w[p + "self_attn.o_proj.weight"]),
+                    mlp_norm=up(w[p + "post_attention_layernorm.weight"]),
+                    gate_up=up(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)),
+                    down=up(w[p + "mlp.down_proj.weight"]),
+                )
+            )
+        embed = up(w["model.embed_tokens.weight"])
+        lm_head = embed if config.tie_word_embeddings or "lm_head.weight" not in w else up(w["lm_head.weight"])
+        return cls(config, embed, up(w["model.norm.weight"]), lm_head, layers)
+
+    @classmethod
+    def random(
+        cls, config: ModelConfig, driver: Driver, kernels: Kernels, stream: int, seed: int = 0, logit_scale: float = 4.0
+    ) -> GpuWeights:
+        """Random bf16 weights of the config's real shapes, generated on the GPU.
+
+        Uniform weights with std 1/sqrt(fan_in) keep activations O(1) through any depth; norm
+        weights are 1 +- 0.1; the LM head gives logits of std ~logit_scale, so greedy choices are
+        not coin flips between near-ties."""
+        import cupy as cp
+
+        fn = kernels["fill_random_bf16"]
+
+        def rnd(name: str, shape: tuple[int, ...], std: float, bias: float = 0.0) -> object:
+            a = cp.empty(shape, dtype=cp.uint16)
+            n = int(a.size)
+            s = zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1)
+            driver.launch(
+                fn,
+                (min(65535, (n + 255) // 256), 1, 1),
+                (256, 1, 1),
+                [
+                    ctypes.c_uint64(a.data.ptr),
+                    ctypes.c_uint64(n),
+                    ctypes.c_uint64(s),
+                    ctypes.c_float(std * 3.0**0.5),
+                    ctypes.c_float(bias),
+                ],
+                stream,
+                name="fill_random_bf16",
+            )
+            return a
+
+        c, sh = config, cls.shapes(config)
+        layers = []
+        for li in range(c.num_layers):
+            p = f"L{li}."
+            layers.append(
+                LayerWeights(
+                    attn_norm=rnd(p + "attn_norm", sh["attn_norm"], 0.1 / 3**0.5, 1.0),
+                    qkv=rnd(p + "qkv", sh["qkv"], c.hidden_size**-0.5),
+                    q_norm=rnd(p + "q_norm", sh["q_norm"], 0.1 / 3**0.5, 1.0) if c.qk_norm else None,
+                    k_norm=rnd(p + "k_norm", sh["k_norm"], 0.1 / 3**0.5, 1.0) if c.qk_norm else None,
+                    o=rnd(p + "o", sh["o"], c.q_size**-0.5),
+                    mlp_norm=rnd(p + "mlp_norm", sh["mlp_norm"], 0.1 / 3**0.5, 1.0),
+                    gate_up=rnd(p + "gate_up", sh["gate_up"], c.hidden_size**-0.5),
+                    down=rnd(p + "down", sh["down"], c.intermediate_size**-0.5),
+                )
+            )
+        embed = rnd("embed", (c.vocab_size, c.hidden_size), 1.0)
+        lm_head = (
+            embed
+            if c.tie_word_embeddings
+            else rnd("lm_head", (c.vocab_size, c.hidden_size), logit_scale * c.hidden_size**-0.5)
+        )
+        final_norm = rnd("final_norm", (c.hidden_size,), 0.1 / 3**0.5, 1.0)
+        return cls(config, embed, final_norm, lm_head, layers)
+
+    def hf_tensors(self) -> Iterator[tuple[str, object]]:
+        """(HF name, uint16 bf16 view) pairs; fused tensors are split back into HF's pieces."""
+        c = self.config
+        yield "model.embed_tokens.weight", self.embed
+        yield "model.norm.weight", self.final_norm
+        if not c.tie_word_embeddings:
+            yield "lm_head.weight", self.lm_head
+        for li, lw in enumerate(self.layers):
+            p = f"model.layers.{li}."
+            yield p + "input_layernorm.weight", lw.attn_norm
+            q, kv = c.q_size, c.kv_size
+            yield p + "self_attn.q_proj.weight", lw.qkv[:q]
+            yield p + "self_attn.k_proj.weight", lw.qkv[q : q + kv]
+            yield p + "self_attn.v_proj.weight", lw.qkv[q + kv :]
+            if c.qk_norm:
+                yield p + "self_attn.q_norm.weight", lw.q_norm
+                yield p + "self_attn.k_norm.weight", lw.k_norm
+            yield p + "self_attn.o_proj.weight", lw.o
+            yield p + "post_attention_layernorm.weight", lw.mlp_norm
+            i = c.intermediate_size
+            yield p + "mlp.gate_proj.weight", lw.gate_up[:i]
+            yield p + "mlp.up_proj.weight", lw.gate_up[i:]
+            yield p + "mlp.down_proj.weight", lw.down
