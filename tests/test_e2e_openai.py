@@ -1,0 +1,415 @@
+"""End to end: `blink serve` in a subprocess with the emulated device, driven by the official
+`openai` client and raw HTTP. Two servers per module: a tiny random model (fast: shapes, errors,
+concurrency) and the default SmolLM2 with a 2-slot ring (real text; slow enough that a full
+ring and a mid-stream disconnect can be observed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import openai
+import pytest
+
+API_KEY = "sk-test-blink"
+QUESTION = "What is the capital of France?"
+
+
+class Server:
+    def __init__(self, *args: str, timeout: float = 180.0):
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "blink.cli", "serve", "--port", "0", "--device", "emulated", *args],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
+        ready = threading.Event()
+        self.url = ""
+        self.ring = ""
+
+        def drain() -> None:
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if m := re.search(r"ring /dev/shm/(\S+):", line):
+                    self.ring = m.group(1)
+                if m := re.search(r"serving .* on (http://\S+)/v1", line):
+                    self.url = m.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(timeout) or not self.url:
+            self.proc.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.log))
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", API_KEY), max_retries=0, **kw)
+
+    def aclient(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        import urllib.request
+
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")}
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    s = Server(
+        "--model", "random:tiny-llama", "--num-kv-blocks", "512", "--max-batch", "16",
+        "--n-slots", "16", "--max-queue", "128", "--api-key", API_KEY, "--max-body-bytes", "65536",
+    )  # fmt: skip
+    yield s
+    rc = s.stop()
+    assert rc == 0, "".join(s.log)
+    assert s.ring and not os.path.exists(f"/dev/shm/{s.ring}"), "ring not unlinked on shutdown"
+    assert any("shutting down" in ln for ln in s.log)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    s = Server("--n-slots", "2", "--max-queue", "1", "--max-batch", "4", "--num-kv-blocks", "256")
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+
+
+def _post(url: str, body: bytes | str, headers: dict | None = None) -> tuple[int, dict]:
+    async def go():
+        async with aiohttp.ClientSession() as sess:
+            h = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}", **(headers or {})}
+            async with sess.post(url, data=body, headers=h) as r:
+                return r.status, await r.json(content_type=None)
+
+    return asyncio.run(go())
+
+
+def _sse(url: str, body: dict) -> list:
+    """Raw SSE events of a streaming request ('[DONE]' kept as a string)."""
+
+    async def go():
+        async with aiohttp.ClientSession() as sess:
+            h = {"Authorization": f"Bearer {API_KEY}"}
+            async with sess.post(url, json=body, headers=h) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                raw = (await r.read()).decode()
+        assert raw.endswith("\n\n")
+        events = [e for e in raw.split("\n\n") if e]
+        assert all(e.startswith("data: ") for e in events)
+        return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+    return asyncio.run(go())
+
+
+# -- tiny model: API shapes ------------------------------------------------------------------
+
+
+def test_models_health_metrics(tiny):
+    models = tiny.client().models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+    import urllib.request
+
+    assert json.loads(urllib.request.urlopen(tiny.url + "/health").read()) == {"status": "ok"}
+    m = tiny.metrics()
+    assert m["blink_device_up"] == 1 and m["blink_ring_slots"] == 16
+    assert m["blink_device_kv_blocks_total"] == 512
+
+
+def test_chat_non_streaming_usage(tiny):
+    r = tiny.client().chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 7 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+
+
+def test_chat_stream_exact_shapes(tiny):
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    ev = _sse(tiny.url + "/v1/chat/completions", body)
+    assert ev[-1] == "[DONE]"
+    chunks = ev[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    body_chunks = chunks[1:-1]
+    assert body_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in body_chunks[:-1])
+    assert all(c["usage"] is None for c in chunks[:-1])
+    # the same through the openai client: text joins to the non-streamed text (greedy)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in body_chunks)
+    r = tiny.client().chat.completions.create(
+        model="tiny-llama", messages=body["messages"], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].message.content == text
+
+
+def test_completions_stream_and_token_prompt(tiny):
+    c = tiny.client()
+    r = c.completions.create(
+        model="tiny-llama", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.object == "text_completion" and r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 4
+    stream = c.completions.create(
+        model="tiny-llama",
+        prompt=[5, 6, 7, 8],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
+    assert "".join(ch.choices[0].text for ch in chunks[:-1]) == r.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_seed_reproducible_at_temperature_1(tiny):
+    c = tiny.client()
+
+    def gen(seed: int) -> list[int]:
+        r = c.completions.create(
+            model="tiny-llama", prompt="abc", max_tokens=12, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
+        )
+        return r.choices[0].text
+
+    a, b, other = gen(1234), gen(1234), gen(99)
+    assert a == b
+    assert a != other
+
+
+BAD = [
+    ("malformed json", "/v1/chat/completions", "{not json", 400, None),
+    ("wrong type", "/v1/chat/completions", {"model": "tiny-llama", "messages": "hi"}, 400, "messages"),
+    ("wrong type max_tokens", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("empty messages", "/v1/chat/completions", {"model": "tiny-llama", "messages": []}, 400, "messages"),
+    ("max_tokens 0", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens"),
+    ("too long", "/v1/completions", {"model": "tiny-llama", "prompt": [5] * 2000, "max_tokens": 1}, 400, "prompt"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("n=2", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 2}, 400, "n"),
+    ("temperature", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("top_p", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("empty prompt", "/v1/completions", {"model": "tiny-llama", "prompt": ""}, 400, "prompt"),
+    ("bad token id", "/v1/completions", {"model": "tiny-llama", "prompt": [1, 100000]}, 400, "prompt"),
+    ("missing field", "/v1/completions", {"model": "tiny-llama"}, 400, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs_get_openai_errors(tiny, name, path, body, status, param):
+    raw = body if isinstance(body, str) else json.dumps(body)
+    code, js = _post(tiny.url + path, raw)
+    assert code == status, js
+    err = js["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_body_too_large_auth_and_still_serving(tiny):
+    code, js = _post(tiny.url + "/v1/completions", json.dumps({"model": "tiny-llama", "prompt": "x" * 100_000}))
+    assert code == 413 and js["error"]["type"] == "invalid_request_error"
+    code, js = _post(tiny.url + "/v1/completions", "{}", headers={"Authorization": "Bearer wrong"})
+    assert code == 401 and js["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        tiny.client(api_key="nope").models.list()
+    code, js = _post(tiny.url + "/v1/nothing", "{}")
+    assert code == 404 and "error" in js
+    # after all the bad requests the server still serves
+    r = tiny.client().completions.create(model="tiny-llama", prompt="ok", max_tokens=2, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+
+
+def test_64_concurrent_streams_all_complete(tiny):
+    async def one(c: openai.AsyncOpenAI, i: int) -> tuple[int, str]:
+        stream = await c.chat.completions.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": f"request {i}"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        finish, n = None, 0
+        async for ch in stream:
+            if ch.choices and ch.choices[0].finish_reason:
+                finish = ch.choices[0].finish_reason
+            if ch.usage:
+                n = ch.usage.completion_tokens
+        return n, finish
+
+    async def run():
+        c = tiny.aclient()
+        return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    t0 = time.perf_counter()
+    res = asyncio.run(run())
+    assert res == [(8, "length")] * 64, res
+    assert time.perf_counter() - t0 < 60
+    m = tiny.metrics()
+    assert m["blink_ring_busy_slots"] == 0 and m["blink_ring_queued"] == 0
+
+
+# -- SmolLM2: real text, full ring, disconnect ---------------------------------------------------
+
+
+def test_france_answers_paris(smol):
+    r = smol.client().chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=16
+    )
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"  # EOS, not the length limit
+    assert r.usage.prompt_tokens == 37
+
+
+def test_stop_string_truncates(smol):
+    c = smol.client()
+    r = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=16,
+        stop=["France"],
+    )
+    assert r.choices[0].message.content == "The capital of "
+    assert r.choices[0].finish_reason == "stop"
+    stream = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=16,
+        stop=[" is P"],
+        stream=True,
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == "The capital of France"
+
+
+def test_stop_token_ids_and_min_tokens(smol):
+    # greedy answer: "The capital of France is Paris." = [504, 3575, 282, 4649, 314, 7042, 30, 2]
+    def ask(**extra):
+        r = smol.client().chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": QUESTION}],
+            temperature=0,
+            max_tokens=16,
+            extra_body=extra,
+        )
+        return r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason
+
+    # a stop token id ends the request; its text is part of the output (it is not a special token)
+    assert ask(stop_token_ids=[4649]) == ("The capital of France", 4, "stop")
+    # ...unless it comes before min_tokens: then generation runs on to EOS
+    assert ask(stop_token_ids=[282]) == ("The capital of", 3, "stop")
+    assert ask(stop_token_ids=[282], min_tokens=4) == ("The capital of France is Paris.", 8, "stop")
+
+
+def _busy(s: Server) -> float:
+    return s.metrics()["blink_ring_busy_slots"]
+
+
+async def _idle(s: Server) -> None:
+    for _ in range(500):
+        if _busy(s) == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("ring did not become idle")
+
+
+def test_full_ring_queues_then_429_never_lost(smol):
+    async def long(c, n: int):
+        r = await c.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="Once upon a time",
+            max_tokens=n,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        return r.usage.completion_tokens
+
+    async def run():
+        c = smol.aclient()
+        await _idle(smol)  # slots cancelled by earlier tests (stop strings) are freed asynchronously
+        running = [asyncio.ensure_future(long(c, 24)) for _ in range(2)]  # both slots
+        for _ in range(200):
+            if _busy(smol) == 2:
+                break
+            await asyncio.sleep(0.02)
+        queued = asyncio.ensure_future(long(c, 4))  # waits in the queue (max_queue 1)
+        for _ in range(200):
+            if smol.metrics()["blink_ring_queued"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as ei:
+            await long(c, 4)
+        assert ei.value.status_code == 429
+        return await asyncio.gather(*running, queued)
+
+    assert asyncio.run(run()) == [24, 24, 4]
+
+
+def test_disconnect_mid_stream_frees_slot(smol):
+    before = smol.metrics()
+
+    async def run():
+        async with aiohttp.ClientSession() as sess:
+            body = {
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": "Count: 1, 2, 3,",
+                "max_tokens": 2000,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with sess.post(smol.url + "/v1/completions", json=body) as r:
+                n = 0
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        n += 1
+                    if n >= 3:
+                        break  # leaving the block closes the connection mid-stream
+        for _ in range(300):
+            m = smol.metrics()
+            if m["blink_ring_busy_slots"] == 0:
+                return m
+            await asyncio.sleep(0.02)
+        raise AssertionError("slot not freed after the client disconnected")
+
+    m = asyncio.run(run())
+    assert m["blink_cancelled_total"] >= before["blink_cancelled_total"] + 1
+    # the device stopped early: far fewer than the 2000 requested tokens were generated
+    assert m["blink_device_tokens_generated_total"] - before["blink_device_tokens_generated_total"] < 500
+    assert m["blink_device_requests_completed_total"] == m["blink_device_requests_admitted_total"]
