@@ -112,6 +112,7 @@ class RingClient:
         prompt_offset: int | None = None,
         prompt_len: int | None = None,
         slot: int | None = None,
+        cancel: bool = False,
     ) -> int:
         """Publish a request; returns its slot. prompt_offset / prompt_len / n_stop override the
         honest values (to build malformed requests)."""
@@ -125,6 +126,7 @@ class RingClient:
         stops = list(stop_ids)[:MAX_STOP_IDS]
         rec = np.zeros(1, SLOT_DTYPE)  # (1,): a transport reads/writes whole arrays
         rec["state"] = SlotState.EMPTY
+        rec["cancel"] = int(cancel)
         rec["request_id"] = self._next_id
         rec["prompt_offset"] = off if prompt_offset is None else prompt_offset
         rec["prompt_len"] = tokens.size if prompt_len is None else prompt_len

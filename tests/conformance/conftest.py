@@ -1,0 +1,48 @@
+"""Conformance suite fixtures; the device factory and the rig are in rig.py (see its docstring:
+`BLINK_DEVICE_FACTORY=module:function pytest tests/conformance` checks another device)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from conformance.rig import FACTORY_NAME, Rig, RigSpec, open_rig
+
+from blink.protocol.layout import DeviceStatus
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[Rig]:
+    """The shared device of a test module (tiny model). Every test must leave it clean."""
+    yield from open_rig(RigSpec())
+
+
+@pytest.fixture
+def clean(rig: Rig) -> Iterator[Rig]:
+    """The shared rig, checked clean after the test (all slots EMPTY, all KV blocks free)."""
+    yield rig
+    rig.assert_clean()
+
+
+@pytest.fixture
+def make_rig() -> Iterator[Callable[..., Rig]]:
+    """Start a device of a custom spec; it is checked clean and stopped after the test."""
+    rigs: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        r = Rig(RigSpec(**kw))
+        rigs.append(r)
+        return r
+
+    yield make
+    for r in rigs:
+        try:
+            if r.proc.poll() is None and r.client.h("device_status") == DeviceStatus.READY:
+                r.assert_clean()
+                assert r.stop() == 0
+        finally:
+            r._kill()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"conformance device factory: {FACTORY_NAME}"
