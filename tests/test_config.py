@@ -1,0 +1,103 @@
+"""Config: defaults, file formats, CLI precedence, and errors that name the offending key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from blink import cli
+from blink import config as C
+
+
+def test_defaults_are_safe_and_frozen():
+    c = C.BlinkConfig()
+    assert c.server.host == "127.0.0.1" and c.server.port == 8000 and c.server.api_key is None
+    assert c.device.kind == "auto" and c.device.scheduler == "gpu"
+    assert c.ring.prompt_tokens_per_slot == c.ring.prompt_arena_tokens // c.ring.n_slots
+    with pytest.raises(AttributeError):
+        c.server.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        ({"server": {"prot": 80}}, "server.prot"),
+        ({"servr": {}}, "servr"),
+        ({"server": {"port": "80"}}, "server.port"),
+        ({"server": {"port": 70000}}, "server.port"),
+        ({"server": {"port": True}}, "server.port"),
+        ({"ring": {"n_slots": 0}}, "ring.n_slots"),
+        ({"ring": {"n_slots": 64, "prompt_arena_tokens": 10}}, "ring.prompt_arena_tokens"),
+        ({"device": {"kind": "tpu"}}, "device.kind"),
+        ({"device": {"scheduler": "cpu"}}, "device.scheduler"),
+        ({"device": {"kv_cache_fraction": 1.5}}, "device.kv_cache_fraction"),
+        ({"device": {"num_kv_blocks": 0}}, "device.num_kv_blocks"),
+        ({"device": {"max_batch": None}}, "device.max_batch"),
+        ({"model": {"spec": ""}}, "model.spec"),
+        ({"server": {"api_key": ""}}, "server.api_key"),
+        ({"server": []}, "server"),
+        ([1], "mapping"),
+    ],
+)
+def test_errors_name_the_key(data, needle):
+    with pytest.raises(C.ConfigError, match=needle.replace(".", r"\.")):
+        C.from_mapping(data)
+
+
+def test_optional_fields_accept_null_and_ints_widen_to_float():
+    c = C.from_mapping({"device": {"num_kv_blocks": None, "kv_cache_fraction": 1 // 2 + 0.5, "max_context": 4096}})
+    assert c.device.num_kv_blocks is None and c.device.max_context == 4096
+    c = C.from_mapping({"server": {"heartbeat_timeout_s": 5}})
+    assert c.server.heartbeat_timeout_s == 5.0 and isinstance(c.server.heartbeat_timeout_s, float)
+
+
+def test_file_formats_and_cli_precedence(tmp_path):
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"server": {"port": 9001, "api_key": "k"}, "device": {"max_batch": 8}}))
+    t = tmp_path / "c.toml"
+    t.write_text('[server]\nport = 9002\n[model]\nspec = "random:tiny-llama"\n')
+    assert C.build(str(j)).server.port == 9001
+    c = C.build(str(t))
+    assert c.server.port == 9002 and c.model.spec == "random:tiny-llama"
+    # flags win over the file; flags not given leave the file's values
+    args = cli.build_parser().parse_args(["serve", "--config", str(j), "--port", "9100", "--device", "emulated"])
+    c = cli.config_from_args(args)
+    assert (c.server.port, c.server.api_key, c.device.max_batch, c.device.kind) == (9100, "k", 8, "emulated")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\n")
+    with pytest.raises(C.ConfigError, match="bad.toml"):
+        C.build(str(bad))
+    (tmp_path / "c.ini").write_text("")
+    with pytest.raises(C.ConfigError, match="unknown config format"):
+        C.build(str(tmp_path / "c.ini"))
+    with pytest.raises(C.ConfigError, match="cannot read"):
+        C.build(str(tmp_path / "missing.json"))
+
+
+def test_replace_checks_like_a_file():
+    c = C.BlinkConfig().replace(server={"port": 1234})
+    assert c.server.port == 1234
+    with pytest.raises(C.ConfigError, match="server.nope"):
+        C.BlinkConfig().replace(server={"nope": 1})
+
+
+def test_cli_reports_config_errors(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"server": {"max_queue": -1}}))
+    r = subprocess.run(
+        [sys.executable, "-m", "blink.cli", "serve", "--config", str(f)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "server.max_queue" in r.stderr
+
+
+def test_cli_generate_runs_the_stack_in_process():
+    r = subprocess.run(
+        [sys.executable, "-m", "blink.cli", "generate", "What is the capital of France?", "--chat", "--max-tokens", "12",
+         "--device", "emulated", "--num-kv-blocks", "64", "--max-batch", "2"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
