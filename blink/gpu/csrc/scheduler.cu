@@ -422,23 +422,23 @@ __device__ void set_status(SchedCtl* c, Shared& sh, uint32_t status) {
 #include "scheduler_ring.cuh"
 
 // ---- the kernel ---------------------------------------------------------------------------------
+// The tightest captured graph: decode_execs[b], else the smallest captured prefill shape
+// (b' >= b, t' >= t) as the engine's host path picks it (blink/gpu/engine.py, pick_exec).
 __device__ cudaGraphExec_t pick_exec(const SchedCtl* c, const Shared& sh) {
   const EngineABI* E = sh.E;
   const uint32_t eps = E->execs_per_shape, e = (uint32_t)(c->launches % eps);
-  const uint16_t b = ((const uint16_t*)E->batch_bucket_of)[sh.nseq];
+  const uint32_t b = ((const uint16_t*)E->batch_bucket_of)[sh.nseq];
+  const uint32_t t = ((const uint16_t*)E->token_bucket_of)[sh.ntok];
   const u64* dec = (const u64*)E->decode_execs;
   const u64* pre = (const u64*)E->prefill_execs;
   const uint32_t nb = E->n_batch_buckets, nt = E->n_token_buckets;
-  u64 g;
-  if (sh.kind == KIND_DECODE) {
-    g = dec[(size_t)b * eps + e];
-    if (!g) g = dec[(size_t)(nb - 1) * eps + e];
-  } else {
-    const uint16_t t = ((const uint16_t*)E->token_bucket_of)[sh.ntok];
-    g = pre[((size_t)b * nt + t) * eps + e];
-    if (!g) g = pre[((size_t)(nb - 1) * nt + (nt - 1)) * eps + e];
-  }
-  return (cudaGraphExec_t)g;
+  if (sh.kind == KIND_DECODE && b < nb && dec[(size_t)b * eps + e]) return (cudaGraphExec_t)dec[(size_t)b * eps + e];
+  for (uint32_t bb = b; bb < nb; ++bb)
+    for (uint32_t tt = t; tt < nt; ++tt) {
+      const u64 g = pre[((size_t)bb * nt + tt) * eps + e];
+      if (g) return (cudaGraphExec_t)g;
+    }
+  return (cudaGraphExec_t)0;
 }
 
 __device__ cudaError_t launch(SchedCtl* c, cudaGraphExec_t g) {
@@ -476,7 +476,10 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
     sh.shutdown = ld_acq_sys(&sh.H->shutdown);
     c->instances++;
     c->here = 0;
-    if (c->instances == 1) describe(c, sh);
+    if (c->instances == 1) {
+      c->seq = ld_acq_gpu64((const void*)sh.E->done_seq);  // an earlier driver's last step: start above it
+      describe(c, sh);
+    }
     else c->relaunches++;
   }
   __syncthreads();
@@ -528,6 +531,9 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
     retire(c, sh);  // cancels, list compaction, slot states, header statistics
   }
 }
+
+// Host-launched: the device clock, to calibrate SchedCtl.clock_offset_ns against the host's.
+extern "C" __global__ void blink_sched_clock(u64* out) { *out = gtime(); }
 
 // Host-launched once before the scheduler: resets every global and the free lists.
 extern "C" __global__ void blink_sched_init(SchedCtl* c, uint32_t n_slots, uint32_t num_kv_blocks) {

@@ -1,0 +1,408 @@
+"""The GPU-resident scheduler: control block layout, build, and the host-side launcher.
+
+The kernel (`blink/gpu/csrc/scheduler.cu`) is one block of 256 threads captured into a
+device-launchable graph. The host launches it once; from then on the kernel scans the ring,
+claims requests, builds each step in the engine's device buffers (`blink.gpu.abi`), launches the
+engine's graphs fire-and-forget, polls their completion word and publishes tokens to the ring.
+It relaunches itself (tail launch) before the 120 fire-and-forget launches a graph execution may
+issue, so it runs until `header.shutdown` is set. The host thread makes no CUDA call meanwhile.
+
+`SCHED_CTL_DTYPE` is the one record the host and the kernel share: configuration written by the
+host before the launch, state and diagnostics the kernel keeps across relaunches. The CUDA view
+`blink/gpu/csrc/scheduler_ctl.cuh` is generated from it (`python -m blink.gpu.scheduler`).
+Everything else the kernel keeps (rows, plan) lives in module globals no host code reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from blink.protocol.cgen import struct_lines
+from blink.protocol.layout import RingView
+
+CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
+INCLUDE = pathlib.Path(__file__).resolve().parent / "include"
+CTL_HEADER_PATH = CSRC / "scheduler_ctl.cuh"
+SOURCES = ("scheduler.cu", "scheduler.cuh", "scheduler_ring.cuh", "scheduler_ctl.cuh")
+KERNEL = "blink_sched"
+INIT_KERNEL = "blink_sched_init"
+THREADS = 256  # one block; the kernel's scan partition and row mapping assume exactly this
+MAX_ROWS = 1024  # decode batch capacity compiled into the kernel (rows per step <= this)
+LAUNCH_WINDOW = 120  # fire-and-forget launches one graph execution may issue
+
+# ctl.flags bits
+FLAG_ALWAYS_SCAN = 1  # scan every slot on every iteration (benchmarks the scan; no doorbell gating)
+
+# fmt: off
+SCHED_CTL_DTYPE = np.dtype([
+    # configuration: written by the host before the first launch
+    ("ring", "<u8"),                 # RingHeader*  (host-mapped: device pointer == host pointer)
+    ("engine", "<u8"),               # const EngineABI*  (device memory, filled by the engine)
+    ("claim", "<u8"),                # u32* [n_slots]  device-side claim word per slot (CAS 0 -> 1)
+    ("waitq", "<u8"),                # u32* [n_slots]  FIFO of claimed slots not yet admitted
+    ("kv_free", "<u8"),              # u32* [num_kv_blocks]  free-list stack of KV block ids
+    ("row_blocks", "<u8"),           # i32* [rows_cap, max_blocks_per_seq]  block table of each row
+    ("row_tokens", "<u8"),           # i32* [rows_cap, max_context]  prompt + generated of each row
+    ("slot_copy", "<u8"),            # RingSlot* [n_slots]  request fields copied at claim time
+    ("clock_offset_ns", "<i8"),      # unix ns = %globaltimer + clock_offset_ns
+    ("graph_timeout_ns", "<u8"),     # a graph not done after this long -> FAILED
+    ("rescan_ns", "<u8"),            # full slot scan (and cancel check) at least this often
+    ("beat_ns", "<u8"),              # heartbeat period (<= 1 ms)
+    ("rows_cap", "<u4"),             # rows (live sequences incl. preempted) the buffers hold, <= MAX_ROWS
+    ("max_batch", "<u4"),            # running sequences (<= engine max_seqs, max_tokens)
+    ("max_tokens", "<u4"),           # packed prompt tokens per prefill step (<= engine max_tokens)
+    ("max_context", "<u4"),          # prompt + generated per sequence (fits the KV pool)
+    ("window", "<u4"),               # fire-and-forget launches per scheduler instance (<= 120)
+    ("retry_max", "<u4"),            # retries of a launch that returns cudaErrorInvalidValue
+    ("flags", "<u4"),                # FLAG_* bits
+    ("_pad0", "<u4"),
+    ("self_exec", "<u8"),            # the scheduler's own exec, if cudaGetCurrentGraphExec() gives 0
+    # kernel state: zero before the first launch; kept across tail relaunches
+    ("seq", "<u8"),                  # last step_seq written
+    ("instances", "<u8"),            # scheduler graph executions so far
+    ("here", "<u4"),                 # fire-and-forget launches by the current instance
+    ("status", "<u4"),               # DeviceStatus as the kernel last wrote it
+    ("fault", "<u4"),                # fault code when FAILED
+    ("last_error", "<u4"),           # last cudaError_t of a failed launch
+    ("max_retries", "<u4"),          # most retries one launch needed
+    ("last_kind", "<u4"),            # 1 prefill, 2 decode: the alternation rule of the policy
+    ("waitq_head", "<u4"),           # FIFO indices (monotonic, modulo n_slots)
+    ("waitq_tail", "<u4"),
+    ("kv_free_top", "<i4"),          # free blocks on the stack
+    ("n_run", "<u4"),                # running rows (g_run, arrival order)
+    ("n_wait", "<u4"),               # preempted rows waiting for recompute (g_wait, arrival order)
+    ("n_free_rows", "<u4"),          # free row ids on the stack
+    ("retries", "<u8"),              # launches retried (cudaErrorInvalidValue) in total
+    ("last_submit_seq", "<u8"),      # doorbells as of the last scan
+    ("last_cancel_seq", "<u8"),
+    ("last_scan_ns", "<u8"),
+    ("last_beat_ns", "<u8"),
+    ("heartbeat", "<u8"),
+    ("preemptions", "<u8"),
+    # statistics, mirrored into the ring header
+    ("steps", "<u8"),
+    ("prefill_steps", "<u8"),
+    ("tokens_generated", "<u8"),
+    ("prompt_tokens", "<u8"),
+    ("requests_admitted", "<u8"),
+    ("requests_completed", "<u8"),
+    ("launches", "<u8"),
+    ("relaunches", "<u8"),
+    ("launch_errors", "<u8"),
+    ("sched_ns_total", "<u8"),
+    ("step_ns_total", "<u8"),
+    ("scan_ns_total", "<u8"),
+    ("scans", "<u8"),
+    # finer timing (not in the header): where the scheduler's own time goes
+    ("plan_ns_total", "<u8"),        # iteration start -> launch call
+    ("launch_ns_total", "<u8"),      # device cudaGraphLaunch calls, retries included
+    ("wait_ns_total", "<u8"),        # launch return -> completion seen (graph time + poll latency)
+    ("publish_ns_total", "<u8"),     # completion seen -> tokens and states published
+    ("busy_iters", "<u8"),           # iterations that launched a step
+], align=True)
+# fmt: on
+
+
+def render_ctl_header() -> str:
+    lines = [
+        "// GENERATED by `python -m blink.gpu.scheduler` from blink/gpu/scheduler.py. DO NOT EDIT.",
+        "// The scheduler's control block: host-written configuration, kernel state kept across relaunches.",
+        "#pragma once",
+        "#include <stddef.h>",
+        "#include <stdint.h>",
+        "",
+        "namespace blink {",
+        "",
+        f"constexpr int SCHED_THREADS = {THREADS};",
+        f"constexpr int SCHED_MAX_ROWS = {MAX_ROWS};",
+        f"constexpr uint32_t SCHED_LAUNCH_WINDOW = {LAUNCH_WINDOW};",
+        f"constexpr uint32_t SCHED_FLAG_ALWAYS_SCAN = {FLAG_ALWAYS_SCAN};",
+        "",
+    ]
+    lines += struct_lines("SchedCtl", SCHED_CTL_DTYPE)
+    lines += ["}  // namespace blink", ""]
+    return "\n".join(lines)
+
+
+# -- build -------------------------------------------------------------------------------------
+
+
+def find_nvcc() -> str | None:
+    for cand in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc"):
+        if cand and os.path.exists(cand):
+            return cand
+    return None
+
+
+def source_hash() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    for name in ("blink_ring.h", "blink_engine.h"):
+        h.update((INCLUDE / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def nvcc_command(nvcc: str, out: pathlib.Path, arch: str = "sm_90") -> list[str]:
+    # -rdc: device-runtime calls (cudaGraphLaunch, cudaGetCurrentGraphExec) need relocatable code;
+    # the driver resolves them when the cubin is loaded (probe REPORT.md, Q2).
+    return [nvcc, f"-arch={arch}", "-O3", "-rdc=true", "-cubin", "-std=c++17", "-lineinfo",
+            f"-I{INCLUDE}", "-o", str(out), str(CSRC / "scheduler.cu")]  # fmt: skip
+
+
+def build_cubin(cache_dir: str | os.PathLike | None = None, nvcc: str | None = None) -> pathlib.Path:
+    """Compile the scheduler module (cached by source hash). Raises if nvcc is missing or fails."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found: the scheduler kernel is compiled on first use")
+    cache = pathlib.Path(cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "blink"))
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / f"scheduler-{source_hash()}.cubin"
+    if not out.exists():
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        r = subprocess.run(nvcc_command(nvcc, tmp), capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
+        os.replace(tmp, out)
+    return out
+
+
+# -- launcher ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuSchedulerConfig:
+    max_batch: int = 0
+    """Running sequences; 0 = the engine's max_seqs (never more than it, its max_tokens or MAX_ROWS)."""
+    max_tokens: int = 0
+    """Packed prompt tokens per prefill step; 0 = the engine's max_tokens (never more)."""
+    window: int = LAUNCH_WINDOW
+    """Fire-and-forget launches per scheduler instance before the tail self-relaunch (1..120)."""
+    retry_max: int = 1000
+    """Retries of a launch answered cudaErrorInvalidValue (the exec still finishing)."""
+    graph_timeout_s: float = 30.0
+    """A step graph not complete after this long fails the device (status FAILED)."""
+    rescan_s: float = 5e-3
+    """Full slot scan and cancel check at least this often without a doorbell."""
+    beat_s: float = 100e-6
+    """Heartbeat period (the ring promises <= 1 ms)."""
+    always_scan: bool = False
+    """Scan every slot on every iteration (benchmarks the scan)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 0 or self.max_tokens < 0:
+            raise ValueError("max_batch and max_tokens must be >= 0")
+        if not 1 <= self.window <= LAUNCH_WINDOW:
+            raise ValueError(f"window must be in [1, {LAUNCH_WINDOW}], got {self.window}")
+        if self.retry_max < 0 or self.graph_timeout_s <= 0 or self.rescan_s <= 0:
+            raise ValueError("retry_max >= 0, graph_timeout_s > 0 and rescan_s > 0 required")
+        if not 0 < self.beat_s <= 1e-3:
+            raise ValueError("beat_s must be in (0, 1 ms]")
+
+
+class GpuScheduler:
+    """Starts the scheduler kernel on a ring for an engine whose graphs are captured.
+
+    `start()` maps the ring, builds the control block, captures the kernel into a device-launchable
+    graph and launches it once. From then until `join()` the calling thread makes no CUDA call:
+    `status()` and `wait()` read the ring header in host memory only.
+    """
+
+    def __init__(self, engine: Any, view: RingView, config: GpuSchedulerConfig | None = None):
+        from blink.gpu.cuda_api import Driver
+
+        self.engine = engine
+        self.config = config or GpuSchedulerConfig()
+        self.view = view
+        self.drv: Driver = engine.driver
+        self._ring_np = np.frombuffer(self.view.buf, np.uint8)
+        self._registered = 0
+        self._stream = None
+        self._bufs: dict[str, object] = {}
+        self.ctl = np.zeros((), SCHED_CTL_DTYPE)
+        self.exec = 0
+        self._graph = 0
+        self.started = False
+
+    # limits as the device advertises them (the same rules as blink.device.ring_device)
+    def _limits(self) -> tuple[int, int, int]:
+        d = self.engine.dims
+        cfg = self.config
+        max_batch = min(cfg.max_batch or d.max_seqs, d.max_seqs, d.max_tokens, MAX_ROWS)
+        max_tokens = min(cfg.max_tokens or d.max_tokens, d.max_tokens)
+        max_context = min(d.max_context, d.num_blocks * d.block_size + 1)
+        return max_batch, max_tokens, max_context
+
+    def _clock_offset(self, fn_clock: int) -> int:
+        """ns to add to %globaltimer to get time.time_ns(), never too small: the upper bound of
+        the offset over several bracketed reads, so device stamps never precede host stamps."""
+        import ctypes
+        import time
+
+        import cupy as cp
+
+        out = cp.zeros(1, cp.uint64)
+        best = None
+        for _ in range(20):
+            t0 = time.time_ns()
+            self.drv.launch(fn_clock, (1, 1, 1), (1, 1, 1), [ctypes.c_uint64(int(out.data.ptr))], self._stream.ptr)
+            self._stream.synchronize()
+            t1 = time.time_ns()
+            g = int(out.get()[0])
+            if t1 - t0 < 5_000_000:
+                best = t1 - g if best is None else min(best, t1 - g)
+        if best is None:
+            raise RuntimeError("could not calibrate the device clock")
+        return best
+
+    def start(self, cache_dir: str | None = None) -> None:
+        import ctypes
+
+        import cupy as cp
+
+        from blink.gpu import cudart
+
+        if self.started:
+            raise RuntimeError("scheduler already started")
+        eng, d, cfg = self.engine, self.engine.dims, self.config
+        geo = self.view.geo
+        max_batch, max_tokens, max_context = self._limits()
+        rows_cap = min(MAX_ROWS, 2 * max_batch + 8)  # running + preempted rows
+        cubin = build_cubin(cache_dir)
+        self.module = self.drv.module_load(str(cubin))
+        fn = self.drv.get_function(self.module, KERNEL)
+        fn_init = self.drv.get_function(self.module, INIT_KERNEL)
+        fn_clock = self.drv.get_function(self.module, "blink_sched_clock")
+        self._stream = cp.cuda.Stream(non_blocking=True)
+        host_ptr = int(self._ring_np.ctypes.data)
+        self._registered = cudart.host_register(self.drv, host_ptr, geo.total_bytes)
+        b = self._bufs
+        b["claim"] = cp.zeros(geo.n_slots, cp.uint32)
+        b["waitq"] = cp.zeros(geo.n_slots, cp.uint32)
+        b["kv_free"] = cp.zeros(d.num_blocks, cp.uint32)
+        b["row_blocks"] = cp.zeros(rows_cap * d.max_blocks_per_seq, cp.int32)
+        b["row_tokens"] = cp.zeros(rows_cap * max_context, cp.int32)
+        b["slot_copy"] = cp.zeros(geo.n_slots * 128, cp.uint8)
+        c = self.ctl
+        c["ring"] = self._registered
+        c["engine"] = eng.abi_ptr
+        for k in ("claim", "waitq", "kv_free", "row_blocks", "row_tokens", "slot_copy"):
+            c[k] = int(b[k].data.ptr)
+        c["clock_offset_ns"] = self._clock_offset(fn_clock)
+        c["graph_timeout_ns"] = int(cfg.graph_timeout_s * 1e9)
+        c["rescan_ns"] = int(cfg.rescan_s * 1e9)
+        c["beat_ns"] = int(cfg.beat_s * 1e9)
+        c["rows_cap"], c["max_batch"], c["max_tokens"], c["max_context"] = rows_cap, max_batch, max_tokens, max_context
+        c["window"], c["retry_max"] = cfg.window, cfg.retry_max
+        c["flags"] = FLAG_ALWAYS_SCAN if cfg.always_scan else 0
+        b["ctl"] = cp.asarray(np.frombuffer(c.tobytes(), np.uint8))
+        ctl_ptr = ctypes.c_uint64(int(b["ctl"].data.ptr))
+        s = self._stream.ptr
+        self.drv.launch(
+            fn_init, (4, 1, 1), (256, 1, 1), [ctl_ptr, ctypes.c_uint32(geo.n_slots), ctypes.c_uint32(d.num_blocks)], s
+        )
+        self._stream.synchronize()
+        # The kernel must run as a device graph: only then can it launch graphs fire-and-forget
+        # and tail-launch itself (a plain launch of it fails with CUDA_ERROR_NOT_SUPPORTED).
+        self.drv.begin_capture(s)
+        try:
+            self.drv.launch(fn, (1, 1, 1), (THREADS, 1, 1), [ctl_ptr], s, name=KERNEL)
+        finally:
+            self._graph = self.drv.end_capture(s)
+        self.exec = self.drv.instantiate_device_launch(self._graph)
+        self.drv.graph_upload(self.exec, s)
+        c["self_exec"] = self.exec
+        off = SCHED_CTL_DTYPE.fields["self_exec"][1]
+        b["ctl"][off : off + 8] = cp.asarray(np.frombuffer(np.uint64(self.exec).tobytes(), np.uint8))
+        self._stream.synchronize()
+        self.drv.graph_launch(self.exec, s)
+        self.started = True
+
+    # -- host side while serving: header reads only -----------------------------------------
+    def status(self) -> int:
+        return int(self.view.header["device_status"])
+
+    def wait(self, timeout: float | None = None, stale_s: float = 30.0) -> int:
+        """Block until the kernel reports STOPPED or FAILED (header reads and sleeps only).
+        Returns the status; raises TimeoutError, or RuntimeError when the heartbeat stalls."""
+        import time
+
+        from blink.protocol.layout import DeviceStatus
+
+        t_end = None if timeout is None else time.monotonic() + timeout
+        last_beat, t_beat = -1, time.monotonic()
+        while True:
+            st = self.status()
+            if st in (DeviceStatus.STOPPED, DeviceStatus.FAILED):
+                return st
+            hb = int(self.view.header["heartbeat"])
+            now = time.monotonic()
+            if hb != last_beat:
+                last_beat, t_beat = hb, now
+            elif now - t_beat > stale_s:
+                raise RuntimeError(f"scheduler heartbeat stalled for {stale_s:.0f} s (status {st})")
+            if t_end is not None and now > t_end:
+                raise TimeoutError("scheduler did not stop")
+            time.sleep(0.01)
+
+    def stop(self, mode: int = 1, timeout: float = 60.0) -> int:
+        """Ask the kernel to stop (1: drain, 2: cancel in-flight work), wait, join. Returns the status."""
+        self.view.header["shutdown"] = mode
+        st = self.wait(timeout)
+        self.join()
+        return st
+
+    def join(self) -> np.ndarray:
+        """After the kernel stopped: synchronize, release the ring mapping; returns the control block."""
+        if self._stream is not None:
+            self._stream.synchronize()
+            self.ctl = np.frombuffer(self._bufs["ctl"].get().tobytes(), SCHED_CTL_DTYPE)[0]  # type: ignore[attr-defined]
+        self.close()
+        return self.ctl
+
+    def close(self) -> None:
+        from blink.gpu import cudart
+
+        if self._registered:
+            cudart.host_unregister(self.drv, self._registered)
+            self._registered = 0
+        if self.exec:
+            self.drv.graph_exec_destroy(self.exec)
+            self.exec = 0
+        if self._graph:
+            self.drv.graph_destroy(self._graph)
+            self._graph = 0
+        self._bufs.clear()
+
+    def diagnostics(self) -> dict[str, int]:
+        """The control block's counters (after join())."""
+        return {k: int(self.ctl[k]) for k in SCHED_CTL_DTYPE.names if not k.startswith("_")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="generate blink/gpu/csrc/scheduler_ctl.cuh")
+    ap.add_argument("--check", action="store_true", help="fail if the header on disk is stale")
+    a = ap.parse_args(argv)
+    text = render_ctl_header()
+    if a.check:
+        if not CTL_HEADER_PATH.exists() or CTL_HEADER_PATH.read_text() != text:
+            print(f"{CTL_HEADER_PATH} is stale: run `python -m blink.gpu.scheduler`", file=sys.stderr)
+            return 1
+        return 0
+    CTL_HEADER_PATH.write_text(text)
+    print(f"wrote {CTL_HEADER_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
