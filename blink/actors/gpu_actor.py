@@ -134,6 +134,7 @@ class GpuActor:
             "ring": self.ring_name,
             "path": shm_path(self.ring_name),
             "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "device": self._device,
             "incarnation": self._incarnation,

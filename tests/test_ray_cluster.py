@@ -1,0 +1,182 @@
+"""`blink deploy | status | stop` against a two-node Ray cluster started on this machine.
+
+The head node reports 2 (logical) GPUs, so the placement plan gives each GPU actor a GPU
+bundle there, and `device.kind = auto` falls back to the emulated device inside the actor (no
+usable GPU on this machine). The second node carries the custom `dpu` resource, so the frontend
+must land on it. Both nodes share this machine's
+/dev/shm, which the shared-memory rings need. The nodes are started with `ray start` in new
+sessions and torn down by killing exactly those sessions' processes (never `ray stop`, which
+would stop every Ray cluster on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.timeout(240)
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _session_pids(sids: set[int]) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,sid="], capture_output=True, text=True, check=True).stdout
+    return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) in sids]
+
+
+def _kill_sessions(sids: set[int]) -> None:
+    for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+        for pid in _session_pids(sids):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass  # exited between ps and kill
+        t_end = time.monotonic() + grace
+        while time.monotonic() < t_end and _session_pids(sids):
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    tmp = tempfile.mkdtemp(prefix="rayc", dir="/tmp")
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+    head = subprocess.Popen(
+        [RAY, "start", "--head", f"--port={port}", "--num-cpus=4", "--num-gpus=2", f"--temp-dir={tmp}"]
+        + ["--include-dashboard=false"]
+        + common,
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    sids = {head.pid}
+    try:
+        out = head.communicate(timeout=60)[0].decode()
+        assert head.returncode == 0, out
+        dpu = subprocess.Popen(
+            [RAY, "start", f"--address={address}", "--num-cpus=2", '--resources={"dpu": 2}'] + common,
+            env=_env(),
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        sids.add(dpu.pid)
+        out = dpu.communicate(timeout=60)[0].decode()
+        assert dpu.returncode == 0, out
+        yield address
+    finally:
+        _kill_sessions(sids)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _blink(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "blink.actors.cli", *args],
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_deploy_status_stop_on_two_node_cluster(cluster: str, tmp_path: Path) -> None:
+    port = _free_port()
+    conf = tmp_path / "blink.toml"
+    conf.write_text(
+        f"""
+[deploy]
+name = "cl"
+namespace = "blink-cluster-test"
+replicas = 2
+[device]
+kind = "auto"
+num_kv_blocks = 256
+max_batch = 8
+[model]
+spec = "random:tiny-llama"
+[ring]
+n_slots = 8
+prompt_arena_tokens = 8192
+output_capacity = 64
+[server]
+port = {port}
+heartbeat_timeout_s = 2.0
+"""
+    )
+    r = _blink("deploy", "--config", str(conf), "--address", cluster)
+    assert r.returncode == 0, r.stdout + r.stderr
+    url = f"http://127.0.0.1:{port}"
+    assert url in r.stdout
+    body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["usage"]["completion_tokens"] == 12
+
+    r = _blink("status", "--config", str(conf), "--address", cluster, "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert [x["state"] for x in st["replicas"]] == ["READY", "READY"]
+    assert [x["device"] for x in st["replicas"]] == ["emulated", "emulated"]
+    assert st["frontend"]["state"] == "SERVING" and st["frontend"]["url"] == url
+
+    # Placement: the frontend sits on the `dpu` node, the GPU actors do not.
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address=cluster, namespace="blink-cluster-test", log_to_driver=False)
+    try:
+        dpu_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("dpu")}
+        assert len(dpu_nodes) == 1
+        assert st["frontend"]["node_id"] in dpu_nodes
+        gpu_nodes = {ray.get(ray.get_actor(f"cl-gpu-{i}").ring_info.remote())["node_id"] for i in range(2)}
+        assert not gpu_nodes & dpu_nodes
+    finally:
+        ray.shutdown()
+
+    # A second deploy finds the running deployment (same placement group, same actors).
+    r = _blink("deploy", "--config", str(conf), "--address", cluster)
+    assert r.returncode == 0, r.stderr
+    r2 = json.loads(_blink("status", "--config", str(conf), "--address", cluster, "--json").stdout)
+    assert [x["pid"] for x in r2["replicas"]] == [x["pid"] for x in st["replicas"]]
+
+    r = _blink("stop", "--config", str(conf), "--address", cluster)
+    assert r.returncode == 0, r.stderr
+    assert "replicas=2" in r.stdout and "pg=True" in r.stdout
+    r = _blink("status", "--config", str(conf), "--address", cluster)
+    assert r.returncode == 3 and "not running" in r.stdout
+
+
+def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
+    conf = tmp_path / "bad.toml"
+    conf.write_text("[deploy]\nreplicaz = 2\n")
+    r = _blink("deploy", "--config", str(conf), "--address", "127.0.0.1:1")
+    assert r.returncode == 2 and "unknown key deploy.replicaz" in r.stderr
