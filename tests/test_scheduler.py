@@ -159,7 +159,7 @@ def test_full_output_ring_pauses_until_consumed():
     plan, _ = step(s)  # decode: 2 tokens each -> both rings full
     assert plan.num_seqs == 2
     assert s.schedule() is None
-    assert s.ring_state(s.seqs[0]) is SlotState.DECODE_PAUSED
+    assert s.ring_state(s.seqs[0]) == SlotState.DECODE_PAUSED
     s.set_consumed(1, 2)
     plan, ev = step(s)
     assert [c.seq.seq_id for c in plan.chunks] == [1] and ev[0].index == 2

@@ -76,36 +76,44 @@ class RingDeviceConfig:
 
 
 def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepBatch:
-    """Pack a plan into the executor's step buffers."""
-    S, T = plan.num_seqs, plan.num_tokens
-    b = StepBatch(
-        input_ids=np.empty(T, np.int32),
-        positions=np.empty(T, np.int32),
-        cu_q_lens=np.zeros(S + 1, np.int32),
-        seq_lens=np.empty(S, np.int32),
-        block_tables=np.zeros((S, table_width), np.int32),
-        temperature=np.empty(S, np.float32),
-        top_p=np.empty(S, np.float32),
-        top_k=np.empty(S, np.int32),
-        seeds=np.empty(S, np.uint64),
-        sample_pos=np.empty(S, np.uint32),
-    )
-    o = 0
+    """Pack a plan into the executor's step buffers (Python lists first: one numpy conversion
+    per buffer is much cheaper than per-element stores at decode batch sizes)."""
+    S = plan.num_seqs
+    ids: list[int] = []
+    pos: list[int] = []
+    cu = [0]
+    seq_lens, temperature, top_p, top_k, seeds, sample_pos = [], [], [], [], [], []
+    tables = np.zeros((S, table_width), np.int32)
     for i, c in enumerate(plan.chunks):
         s = c.seq
-        b.input_ids[o : o + c.n] = s.tokens[c.start : c.start + c.n]
-        b.positions[o : o + c.n] = np.arange(c.start, c.start + c.n, dtype=np.int32)
-        o += c.n
-        b.cu_q_lens[i + 1] = o
-        b.seq_lens[i] = c.start + c.n
+        end = c.start + c.n
+        if c.n == 1:
+            ids.append(s.tokens[c.start])
+            pos.append(c.start)
+        else:
+            ids += s.tokens[c.start : end]
+            pos += range(c.start, end)
+        cu.append(cu[-1] + c.n)
+        seq_lens.append(end)
         table = blocks.table(s.seq_id)
-        b.block_tables[i, : len(table)] = table
-        b.temperature[i] = s.temperature
-        b.top_p[i] = s.top_p
-        b.top_k[i] = s.top_k
-        b.seeds[i] = s.seed
-        b.sample_pos[i] = s.num_generated
-    return b
+        tables[i, : len(table)] = table
+        temperature.append(s.temperature)
+        top_p.append(s.top_p)
+        top_k.append(s.top_k)
+        seeds.append(s.seed)
+        sample_pos.append(s.num_generated)
+    return StepBatch(
+        input_ids=np.array(ids, np.int32),
+        positions=np.array(pos, np.int32),
+        cu_q_lens=np.array(cu, np.int32),
+        seq_lens=np.array(seq_lens, np.int32),
+        block_tables=tables,
+        temperature=np.array(temperature, np.float32),
+        top_p=np.array(top_p, np.float32),
+        top_k=np.array(top_k, np.int32),
+        seeds=np.array(seeds, np.uint64),
+        sample_pos=np.array(sample_pos, np.uint32),
+    )
 
 
 class RingDevice:
@@ -139,6 +147,7 @@ class RingDevice:
         self._t_admit = slots["t_admit_ns"]
         self._t_first = slots["t_first_ns"]
         self.stats = dict.fromkeys(_STAT_FIELDS, 0)
+        self._shown: dict[int, int] = {}  # slot -> state last written by _sync_states
         self._beats = int(self.hdr["heartbeat"])
         self._last_submit = -1
         self._last_cancel = -1
@@ -173,6 +182,7 @@ class RingDevice:
 
     # -- slots ------------------------------------------------------------------
     def _finish(self, slot: int, reason: FinishReason, error: SlotError = SlotError.NONE) -> None:
+        self._shown.pop(slot, None)
         self._finish_reason[slot] = reason
         self._error[slot] = error
         self._state[slot] = SlotState.DECODE_COMPLETED
@@ -197,6 +207,7 @@ class RingDevice:
     def _admit(self, slot: int) -> None:
         """Claim a PREFILL_PENDING slot and hand its request to the scheduler (or finish it)."""
         self._state[slot] = SlotState.PREFILL_PROCESSING
+        self._shown[slot] = SlotState.PREFILL_PROCESSING
         self._t_admit[slot] = time.time_ns()
         self.stats["requests_admitted"] += 1
         rec = self.view.slots[slot].copy()  # the frontend wrote every field before the state
@@ -265,9 +276,11 @@ class RingDevice:
         return changed
 
     def _sync_states(self) -> None:
+        shown = self._shown
         for sid, s in self.sched.seqs.items():
             st = self.sched.ring_state(s)
-            if self._state[sid] != st:
+            if shown.get(sid) != st:
+                shown[sid] = st
                 self._state[sid] = st
 
     # -- steps ------------------------------------------------------------------

@@ -40,6 +40,11 @@ from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
 
 from .kv_blocks import BlockManager
 
+# Enum member lookups go through the enum metaclass; the per-step paths use plain ints.
+_PREFILL_PROCESSING = int(SlotState.PREFILL_PROCESSING)
+_DECODE_PROCESSING = int(SlotState.DECODE_PROCESSING)
+_DECODE_PAUSED = int(SlotState.DECODE_PAUSED)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -92,14 +97,12 @@ class Seq:
     preemptions: int = 0
     finish: FinishReason = FinishReason.NONE
 
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
+    num_generated: int = 0  # == len(tokens) - prompt_len (kept, not derived: read every step)
 
     @property
     def prefilling(self) -> bool:
         """More than the last token is missing from the cache (decode computes only the last)."""
-        return len(self.tokens) - self.num_computed > 1 or self.num_generated == 0
+        return self.num_generated == 0 or len(self.tokens) - self.num_computed > 1
 
 
 @dataclass
@@ -206,13 +209,13 @@ class Scheduler:
     def output_full(self, s: Seq) -> bool:
         return s.num_generated - s.consumed >= self.config.output_capacity
 
-    def ring_state(self, s: Seq) -> SlotState:
-        """The slot state a live sequence shows on the ring."""
+    def ring_state(self, s: Seq) -> int:
+        """The SlotState a live sequence shows on the ring (a plain int: this runs every step)."""
         if s.num_generated == 0:
-            return SlotState.PREFILL_PROCESSING
+            return _PREFILL_PROCESSING
         if s.status is SeqStatus.RUNNING and not s.prefilling and not self.output_full(s):
-            return SlotState.DECODE_PROCESSING
-        return SlotState.DECODE_PAUSED
+            return _DECODE_PROCESSING
+        return _DECODE_PAUSED
 
     @property
     def num_running(self) -> int:
@@ -228,8 +231,8 @@ class Scheduler:
     # -- policy -----------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step, or None when nothing can run now (idle, or every sequence blocked)."""
-        decode_ready = [s for s in self.running if not s.prefilling and not self.output_full(s)]
-        wants_prefill = any(s.prefilling for s in self.running) or (
+        decode_ready, partial = self._split_running()
+        wants_prefill = partial or (
             len(self.running) < self.config.max_batch and any(not self.output_full(s) for s in self.waiting)
         )
         if wants_prefill and (not decode_ready or self._last_kind is StepKind.DECODE):
@@ -237,11 +240,23 @@ class Scheduler:
             if plan.chunks:
                 self._last_kind = StepKind.PREFILL
                 return plan
-        decode_ready = [s for s in self.running if not s.prefilling and not self.output_full(s)]
+            decode_ready, _ = self._split_running()  # the attempt may have preempted some
         if not decode_ready:
             return None
         self._last_kind = StepKind.DECODE
         return self._schedule_decode(decode_ready)
+
+    def _split_running(self) -> tuple[list[Seq], bool]:
+        """(running sequences ready to decode, whether any running one is still prefilling)."""
+        ready: list[Seq] = []
+        partial = False
+        cap = self.config.output_capacity
+        for s in self.running:
+            if s.num_generated == 0 or len(s.tokens) - s.num_computed > 1:
+                partial = True
+            elif s.num_generated - s.consumed < cap:
+                ready.append(s)
+        return ready, partial
 
     def _preempt_newest(self, plan: StepPlan) -> Seq:
         victim = max(self.running, key=lambda s: s.arrival)
@@ -320,6 +335,7 @@ class Scheduler:
             tok = int(tok)
             k = s.num_generated
             s.tokens.append(tok)
+            s.num_generated = k + 1
             finish = self._finish_reason(s, k, tok)
             events.append(TokenEvent(s.seq_id, k, tok, finish))
             if finish is not FinishReason.NONE:
