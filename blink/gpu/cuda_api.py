@@ -93,6 +93,8 @@ class Driver:
         return int(g.value)
 
     def graph_node_count(self, graph: int) -> int:
+        if not hasattr(self.lib, "cuGraphGetNodes"):
+            return -1
         n = ctypes.c_size_t(0)
         self.check(self.lib.cuGraphGetNodes(_vp(graph), None, ctypes.byref(n)), "cuGraphGetNodes")
         return int(n.value)

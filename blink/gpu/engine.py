@@ -131,6 +131,8 @@ class Engine:
         self.report = CaptureReport()
         self._abi_dev = None
         self._tables: dict[str, object] = {}
+        # Buffers were zeroed on CuPy's (legacy) stream; ours is non-blocking: order them once.
+        cp.cuda.Device().synchronize()
 
     # ------------------------------------------------------------------ construction
 

@@ -15,6 +15,7 @@ from blink.gpu.cuda_api import Driver
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 SOURCES = ("model_kernels.cu", "attention.cu", "sampling.cu")
+HEADERS = ("common.cuh",)
 NVCC_FLAGS = ("-arch=sm_90", "-O3", "-std=c++17", "-cubin", "--expt-relaxed-constexpr")
 DEFAULT_CACHE = pathlib.Path(__file__).resolve().parents[2] / "build" / "kernels"
 
@@ -27,7 +28,7 @@ def nvcc_path() -> str | None:
 
 def cubin_key(source: str) -> str:
     h = hashlib.sha256()
-    for name in sorted(p.name for p in CSRC.glob("*.cuh")):
+    for name in HEADERS:
         h.update((CSRC / name).read_bytes())
     h.update((CSRC / source).read_bytes())
     h.update(" ".join(NVCC_FLAGS).encode())

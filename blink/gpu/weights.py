@@ -67,6 +67,12 @@ class GpuWeights:
                 if a is not None:
                     yield a
 
+    @property
+    def bytes_per_step(self) -> int:
+        """Bytes a decode step reads: every weight once, except the embedding table (only its
+        gathered rows are read) unless it doubles as the LM head."""
+        return self.nbytes - (0 if self.lm_head is self.embed else int(self.embed.nbytes))  # type: ignore[attr-defined]
+
     @staticmethod
     def shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         h, i = c.hidden_size, c.intermediate_size

@@ -225,6 +225,7 @@ extern "C" __global__ void __launch_bounds__(SB)
     const double y = __shfl_up_sync(FULL_MASK, inc, o);
     if (lane >= o) inc += y;
   }
+  __syncthreads();  // dscratch may still be read by an earlier reduction
   if (lane == 31) sh.dscratch[warp] = inc;
   if (tid == 0) sh.winner = 0x7fffffff;
   __syncthreads();

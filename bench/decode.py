@@ -1,0 +1,123 @@
+"""Decode step time of the CUDA engine at context 1024 (Llama-3-8B shape, all 32 layers, random
+bf16 weights) for batch 1..256, against this GPU's device-to-device copy bandwidth.
+
+Bytes per step = every weight once + the K/V of every sequence's context. Graphs are launched
+from the host back to back and timed with CUDA events (so host launch overhead overlaps).
+
+    python bench/decode.py --out bench/results/decode_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from blink.gpu.benchutil import copy_bandwidth, metadata, time_ms, write_json
+from blink.gpu.engine import Engine, EngineConfig
+from blink.models.config import preset
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=0, help="0 = the preset's")
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--compare-cublas", default="1,8", help="batches also timed with cuBLAS instead of the GEMV")
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--out", default="bench/results/decode.json")
+    a = ap.parse_args(argv)
+    cfg = preset(a.model)
+    if a.layers:
+        cfg = cfg.replace(num_layers=a.layers)
+    batches = [int(x) for x in a.batches.split(",")]
+    bmax, ctx, bs = max(batches), a.context, 16
+    per_seq = -(-ctx // bs) + 1
+    ecfg = EngineConfig(
+        max_seqs=bmax,
+        max_tokens=bmax,
+        max_context=ctx + bs * 2,
+        block_size=bs,
+        num_kv_blocks=bmax * per_seq,
+        batch_buckets=tuple(batches),
+        token_buckets=(bmax,),
+    )
+    eng = Engine.create(cfg, ecfg)
+    rep = eng.capture(decode=True, prefill=False)
+    bw = copy_bandwidth()
+    weight_bytes = eng.weights.bytes_per_step
+    kv_per_token = cfg.num_layers * 2 * cfg.kv_size * 2
+    rows = []
+    rng = np.random.default_rng(0)
+    h = eng.arena.host
+    width = eng.dims.max_blocks_per_seq
+    for b in batches:
+        h["num_seqs"][0], h["num_tokens"][0] = b, b
+        h["input_ids"][:b] = rng.integers(0, cfg.vocab_size, b)
+        h["positions"][:b] = ctx - 1
+        h["cu_q_lens"][: b + 1] = np.arange(b + 1)
+        h["seq_lens"][:b] = ctx
+        h["temperature"][:b], h["top_p"][:b], h["top_k"][:b] = 0.0, 1.0, 0
+        bt = h["block_tables"].reshape(eng.dims.max_seqs, width)
+        for i in range(b):
+            bt[i, :per_seq] = np.arange(i * per_seq, (i + 1) * per_seq)
+        eng.arena.upload(eng.s, b)
+        variants = {"engine": lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s)}
+        if str(b) in a.compare_cublas.split(",") and b <= ecfg.gemv_max_tokens:
+            execs = eng.capture_variant(b, b, True, use_gemv=False)
+            it = iter(range(10**9))
+            variants["cublas_only"] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+        for name, fn in variants.items():
+            ms = time_ms(fn, eng.stream, iters=a.iters)
+            moved = weight_bytes + b * ctx * kv_per_token
+            rows.append(
+                {
+                    "batch": b,
+                    "variant": name,
+                    "ms_per_step": ms,
+                    "tokens_per_s": b / ms * 1e3,
+                    "bytes_per_step": moved,
+                    "GBps": moved / ms / 1e6,
+                    "frac_of_copy_bw": moved / ms / 1e6 / bw["read_plus_write_GBps"],
+                }
+            )
+    # sampling cost at the largest batch: temperature 1, top-p 0.9, top-k 50
+    b = bmax
+    h["temperature"][:b], h["top_p"][:b], h["top_k"][:b] = 1.0, 0.9, 50
+    h["seeds"][:b] = np.arange(b)
+    eng.arena.upload(eng.s, b)
+    ms = time_ms(lambda: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s), eng.stream, iters=a.iters)
+    rows.append({"batch": b, "variant": "engine_sampled_t1_p0.9_k50", "ms_per_step": ms, "tokens_per_s": b / ms * 1e3})
+    res = {
+        **metadata(a.commit, argv if argv is not None else sys.argv),
+        "model": cfg.name,
+        "layers": cfg.num_layers,
+        "context": ctx,
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth": bw,
+        "capture": {
+            "graphs": rep.graphs,
+            "execs": rep.execs,
+            "seconds": rep.seconds,
+            "device_bytes": rep.device_bytes,
+            "decode_graph_nodes_max": rep.nodes_decode_max,
+        },
+        "rows": rows,
+    }
+    write_json(a.out, res)
+    print(f"\ncopy bandwidth (read+write) {bw['read_plus_write_GBps']:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
+    print(f"{'batch':>5} {'variant':>28} {'ms/step':>8} {'tok/s':>9} {'GB/s':>7} {'of copy':>7}")
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['variant']:>28} {r['ms_per_step']:8.3f} {r['tokens_per_s']:9.0f} "
+            f"{r.get('GBps', 0):7.0f} {r.get('frac_of_copy_bw', 0):7.1%}"
+        )
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

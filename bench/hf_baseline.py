@@ -1,0 +1,137 @@
+"""transformers on the same GPU and shapes as bench/decode.py and bench/prefill.py: Llama-3-8B
+shape, random bf16 weights. Static-cache greedy decode at batch 1 after a 1024-token prompt
+(ms/token from the difference of two generate() lengths), prefill of 1k and 4k prompts, and
+optionally generate_batch (continuous batching) over N requests x (256 -> 128).
+
+    python bench/hf_baseline.py --out bench/results/hf_h200.json [--batch-requests 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from blink.gpu.benchutil import metadata, write_json
+from blink.models.config import preset
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import transformers
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prefill", default="1024,4096")
+    ap.add_argument("--batch-requests", type=int, default=0, help="generate_batch requests (0 = skip)")
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--out", default="bench/results/hf.json")
+    a = ap.parse_args(argv)
+    c = preset(a.model)
+    if a.layers:
+        c = c.replace(num_layers=a.layers)
+    rs = c.rope_scaling
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_eps,
+        max_position_embeddings=8192,
+        rope_theta=c.rope_theta,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    res: dict = {
+        **metadata(a.commit, argv if argv is not None else sys.argv),
+        "model": c.name,
+        "layers": c.num_layers,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
+
+    def gen(ids: torch.Tensor, n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static")
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    ids = torch.randint(0, c.vocab_size, (1, a.context), device="cuda", generator=g)
+    with torch.no_grad():
+        gen(ids, 4)  # warm-up
+        t1 = gen(ids, 1)
+        t2 = gen(ids, 1 + a.new_tokens)
+    res["static_cache_batch1"] = {
+        "context": a.context,
+        "new_tokens": a.new_tokens,
+        "ms_per_token": (t2 - t1) / a.new_tokens * 1e3,
+        "prefill_plus_first_s": t1,
+    }
+    pre = []
+    for n in [int(x) for x in a.prefill.split(",")]:
+        x = torch.randint(0, c.vocab_size, (1, n), device="cuda", generator=g)
+        with torch.no_grad():
+            model(x, logits_to_keep=1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                model(x, logits_to_keep=1)
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / 3 * 1e3
+        pre.append({"prompt_tokens": n, "ms": ms, "tokens_per_s": n / ms * 1e3})
+    res["prefill"] = pre
+    if a.batch_requests:
+        inputs = torch.randint(0, c.vocab_size, (a.batch_requests, 256), generator=torch.Generator().manual_seed(1))
+        gcfg = transformers.GenerationConfig(max_new_tokens=128, do_sample=False, eos_token_id=None, pad_token_id=0)
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate_batch(inputs=inputs.tolist(), generation_config=gcfg)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            ntok = sum(len(o.generated_tokens) for o in out.values())
+            res["generate_batch"] = {
+                "requests": a.batch_requests,
+                "prompt": 256,
+                "max_new": 128,
+                "seconds": dt,
+                "output_tokens": ntok,
+                "output_tok_per_s": ntok / dt,
+            }
+        except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as e:
+            res["generate_batch"] = {"requests": a.batch_requests, "error": f"{type(e).__name__}: {e}"[:2000]}
+    write_json(a.out, res)
+    print(
+        f"\ntransformers {transformers.__version__}: static cache batch 1 "
+        f"{res['static_cache_batch1']['ms_per_token']:.2f} ms/token"
+    )
+    for p in pre:
+        print(f"  prefill {p['prompt_tokens']}: {p['ms']:.1f} ms ({p['tokens_per_s']:.0f} tok/s)")
+    if "generate_batch" in res:
+        print(f"  generate_batch: {res['generate_batch']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# All GPU tests and benchmarks of Blink, in one command for one H200 call:
+#   BLINK_COMMIT=$(git rev-parse --short HEAD) PARTS="engine-tests decode prefill hf" bash bench/run_gpu.sh
+# Each part logs to $OUT/<part>.log (and JSON to $OUT/<part>.json); a summary table prints last.
+# Parts run in separate processes so a CUDA fault in one cannot take down the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/blink_gpu_out}
+mkdir -p "$OUT"
+COMMIT=${BLINK_COMMIT:-unknown}
+PARTS=${PARTS:-"engine-tests decode prefill hf"}
+PY=${PY:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+summary=()
+
+part() {  # part NAME TIMEOUT_S CMD...
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  echo "=== $name: $*" | tee -a "$OUT/$name.log"
+  timeout "$limit" "$@" >>"$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+  tail -n 30 "$OUT/$name.log"
+}
+
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv >"$OUT/env.log" 2>&1
+$PY -c "import cupy, torch, transformers; print('cupy', cupy.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >>"$OUT/env.log" 2>&1
+$PY -m blink.gpu.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | tee -a "$OUT/env.log"
+
+if has engine-tests; then
+  PT=($PY -m pytest -q -p no:cacheprovider --timeout 400 -rA)
+  part engine-tests 520 bash -c "${PT[*]} tests/gpu/test_engine_sampling.py; \
+    ${PT[*]} tests/gpu/test_engine.py -k 'numpy_executor or graph_table'; \
+    ${PT[*]} -s tests/gpu/test_engine.py -k 'transformers or shuffled'"
+fi
+if has decode; then
+  part decode 300 $PY bench/decode.py --commit "$COMMIT" --out "$OUT/decode.json"
+fi
+if has prefill; then
+  part prefill 200 $PY bench/prefill.py --commit "$COMMIT" --out "$OUT/prefill.json"
+fi
+if has hf; then
+  part hf 400 $PY bench/hf_baseline.py --commit "$COMMIT" --batch-requests "${HF_BATCH_REQUESTS:-0}" --out "$OUT/hf.json"
+fi
+
+echo
+echo "=== summary (commit $COMMIT)"
+grep -h -E "passed|failed|error" "$OUT/engine-tests.log" 2>/dev/null | grep -E "^[=]* ?[0-9]+ (passed|failed)|^FAILED|^ERROR" | tail -n 20
+for s in "${summary[@]}"; do echo "$s"; done
