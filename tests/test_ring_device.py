@@ -162,3 +162,16 @@ def test_build_batch_packs_chunks_and_block_tables():
     assert b.block_tables[0, :3].tolist() == bm.table(0) and b.block_tables[1, :1].tolist() == bm.table(1)
     assert b.temperature.tolist() == [0.5, 0.0] and b.top_k.tolist() == [7, 0] and b.seeds.tolist() == [11, 0]
     assert b.sample_pos.tolist() == [0, 0]
+
+
+def test_emulated_config_round_trips_through_its_command_line():
+    from blink.device.emulated import EmulatedDeviceConfig, parse_args
+
+    cfg = EmulatedDeviceConfig(ring="r1", model="random:tiny-qwen3", kv_blocks=9, max_batch=3, max_context=100)
+    assert parse_args(cfg.argv()) == cfg
+    with pytest.raises(SystemExit):
+        parse_args(["--ring", "r", "--no-such-flag", "1"])
+    with pytest.raises(ValueError):
+        EmulatedDeviceConfig(ring="r", kv_blocks=0)
+    with pytest.raises(ValueError):
+        EmulatedDeviceConfig(ring="r", executor="not-a-factory")

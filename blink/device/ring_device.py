@@ -317,7 +317,8 @@ class RingDevice:
 
     # -- loop -------------------------------------------------------------------
     def run(self) -> DeviceStatus:
-        """Serve until header.shutdown (1: drain in-flight requests, 2: cancel them). Returns the final status."""
+        """Serve until header.shutdown (1: finish in-flight requests, 2: cancel them); requests still
+        PREFILL_PENDING then stay unclaimed. Returns the final status (STOPPED; a fault raises)."""
         self._describe()
         last_active = time.monotonic()
         sleep_s = 10e-6
