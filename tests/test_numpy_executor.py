@@ -82,6 +82,10 @@ def test_limits_are_enforced(bundle):
     step.cu_q_lens[-1] = 1
     with pytest.raises(ValueError, match="cu_q_lens"):
         ex.execute(step)
+    step = PagedDriver(8, 2, 4).step([(0, [3, 4])])
+    step.seq_lens[0] = 3
+    with pytest.raises(ValueError, match="seq_len - 1"):
+        ex.execute(step)
     assert ex.execute(PagedDriver(8, 2, 4).step([])).shape == (0,)
 
 

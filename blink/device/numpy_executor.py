@@ -72,6 +72,10 @@ class NumpyExecutor:
             raise ValueError(f"step of {S} seqs / {T} tokens exceeds max_batch {self.max_batch} / {self.max_tokens}")
         if batch.cu_q_lens.shape != (S + 1,) or int(batch.cu_q_lens[-1]) != T or int(batch.cu_q_lens[0]) != 0:
             raise ValueError("cu_q_lens must be (S+1,) prefix sums from 0 to num_tokens")
+        if S and int(np.diff(batch.cu_q_lens).min()) < 1:
+            raise ValueError("every sequence of a step needs at least one token")
+        if S and not np.array_equal(batch.positions[batch.cu_q_lens[1:] - 1], batch.seq_lens - 1):
+            raise ValueError("the last token of each sequence must sit at position seq_len - 1")
         if S and int(batch.seq_lens.max()) > self.max_context:
             raise ValueError(f"sequence longer than max_context {self.max_context}")
         if T and (int(batch.input_ids.min()) < 0 or int(batch.input_ids.max()) >= self.vocab_size):
