@@ -119,6 +119,14 @@ def _get(url: str, path: str) -> dict[str, Any]:
         return json.loads(r.read())
 
 
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _fe_replicas(d: deploy.Deployment) -> list[dict[str, Any]]:
     return ray.get(d.frontend.status.remote(), timeout=10)["replicas"]
 
@@ -226,7 +234,9 @@ def test_killed_gpu_actor_marks_replica_down_and_restarts(cluster) -> None:
     try:
         wait_http(d.url, 30)
         victim = 1
-        old_pid = ray.get(d.gpu_actors[victim].pid.remote())
+        info = ray.get(d.gpu_actors[victim].ring_info.remote())
+        old_pid, engine_pid = info["pid"], info["engine_pid"]
+        assert engine_pid and engine_pid != old_pid  # the engine is a child process of the actor
         old_inode = os.stat(shm_path(cfg.ring_name(victim))).st_ino
         with cf.ThreadPoolExecutor(12) as pool:
             futs = [pool.submit(_stream, d.url, 1000, f"s{i}") for i in range(12)]
@@ -258,6 +268,7 @@ def test_killed_gpu_actor_marks_replica_down_and_restarts(cluster) -> None:
         st = ray.get(d.gpu_actors[victim].status.remote(), timeout=10)
         assert st["pid"] != old_pid and st["state"] == "READY"
         assert os.stat(shm_path(cfg.ring_name(victim))).st_ino != old_inode  # a fresh ring
+        assert not _running(engine_pid)  # the old engine died with its actor (PR_SET_PDEATHSIG)
         before = reps[victim]["requests"]
         with cf.ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda i: _complete(d.url, 4, f"after{i}"), range(4)))

@@ -1,53 +1,23 @@
 """Engine launchers used by the GPU actor: the CUDA engine or the emulated device, on a named ring.
 
-Both serve an existing ring until header.shutdown says stop. The emulated device runs the ring
-interpreter (blink.device.ring_device) with the numpy executor on a thread of the GPU actor's
-process; the CUDA engine (blink.gpu.serve) is imported only when a GPU is used.
+Both run as a child process of the GPU actor (blink.gpu.serve / blink.device.emulated) and serve
+the ring until header.shutdown says stop; one process model for both, so the CPU tests exercise
+the lifecycle the GPU runs. blink.gpu is imported only when a GPU is used.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import threading
+from collections.abc import Callable
 
-from blink.protocol.layout import DeviceStatus
 from blink.protocol.transport import ShmTransport
 
 from .config import DeployConfig
 
 log = logging.getLogger(__name__)
-
-
-class ThreadEngine:
-    """A ring-serving loop on a daemon thread; `stop` relies on header.shutdown, set by the caller."""
-
-    def __init__(self, name: str, target, transport: ShmTransport):
-        self._transport = transport
-        self.error = ""
-        self.result: DeviceStatus | None = None
-
-        def run() -> None:
-            try:
-                self.result = target()
-            except BaseException as e:  # the device already marked the ring FAILED; keep the reason
-                log.exception("engine %s failed", name)
-                self.error = f"{type(e).__name__}: {e}"
-
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self, timeout_s: float) -> None:
-        hdr = self._transport.view().header
-        if int(hdr["shutdown"]) == 0:
-            hdr["shutdown"] = 1
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            hdr["shutdown"] = 2  # drain took too long: cancel what is left
-            self._thread.join(5.0)
 
 
 def emulated_config(cfg: DeployConfig, ring_name: str):
@@ -67,39 +37,78 @@ def emulated_config(cfg: DeployConfig, ring_name: str):
     return EmulatedDeviceConfig(kv_blocks=emulated_kv_blocks(cfg.serving), **kw)
 
 
-def start_emulated(cfg: DeployConfig, ring_name: str) -> ThreadEngine:
-    """The emulated device on a thread of this process: it dies with the GPU actor, as a GPU
-    context would (a child process would outlive a killed actor and keep beating)."""
-    from blink.device.emulated import run_emulated
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the thread that forked it dies (Linux prctl)."""
+    import ctypes
 
-    ecfg = emulated_config(cfg, ring_name)
-    transport = ShmTransport.open(ring_name)
-    return ThreadEngine(f"emulated-{ring_name}", lambda: run_emulated(ecfg), transport)
+    PR_SET_PDEATHSIG = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 class ProcessEngine:
-    """An engine behind a process handle (poll / wait / kill), as blink.gpu.serve.start returns."""
+    """An engine in a child process (blink.gpu.serve.start and blink.device.emulated both spawn one).
 
-    def __init__(self, handle, transport: ShmTransport):
-        self._h = handle
+    A killed GPU actor must take its engine with it: a surviving engine would keep beating on
+    the old ring and hold the GPU the restarted actor needs. So the child gets
+    PR_SET_PDEATHSIG(SIGKILL), and it is forked from a thread that lives exactly as long as
+    the child (the death signal fires when the forking *thread* exits, not just the process).
+    Ray's raylet also kills a dead worker's children by default; the death signal keeps the
+    guarantee where that is switched off and for engines started outside Ray.
+    """
+
+    def __init__(self, spawn: Callable[..., subprocess.Popen], transport: ShmTransport):
         self._transport = transport
+        self._proc: subprocess.Popen | None = None
+        self.error = ""
+        forked = threading.Event()
+
+        def own() -> None:
+            try:
+                self._proc = spawn(preexec_fn=_die_with_parent)
+            except Exception as e:  # surfaced by alive() == False and `error`
+                self.error = f"{type(e).__name__}: {e}"
+                return
+            finally:
+                forked.set()
+            self._proc.wait()
+
+        self._owner = threading.Thread(target=own, name="engine-owner", daemon=True)
+        self._owner.start()
+        forked.wait()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
     def alive(self) -> bool:
-        return self._h.poll() is None
+        return self._proc is not None and self._proc.poll() is None
 
     def stop(self, timeout_s: float) -> None:
+        if self._proc is None:
+            return
         hdr = self._transport.view().header
         if int(hdr["shutdown"]) == 0:
             hdr["shutdown"] = 1
         try:
-            self._h.wait(timeout_s)
-        except (TimeoutError, subprocess.TimeoutExpired):
-            self._h.kill()
-            self._h.wait(5.0)
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5.0)
 
 
 def start_cuda(cfg: DeployConfig, ring_name: str) -> ProcessEngine:
-    """The CUDA engine on this actor's GPU (Ray set CUDA_VISIBLE_DEVICES for the actor)."""
+    """The CUDA engine process on this actor's GPU (Ray set CUDA_VISIBLE_DEVICES for the actor)."""
     from blink.gpu import serve as gpu_serve  # lazy: CuPy and the CUDA engine only on GPU nodes
 
-    return ProcessEngine(gpu_serve.start(ring_name=ring_name, config=cfg.serving), ShmTransport.open(ring_name))
+    return ProcessEngine(
+        lambda **kw: gpu_serve.start(ring_name=ring_name, config=cfg.serving, **kw), ShmTransport.open(ring_name)
+    )
+
+
+def start_emulated(cfg: DeployConfig, ring_name: str) -> ProcessEngine:
+    """The emulated device as a child process (the CUDA engine's process model, without a GPU)."""
+    from blink.device.emulated import start_emulated_device
+
+    ecfg = emulated_config(cfg, ring_name)
+    return ProcessEngine(lambda **kw: start_emulated_device(ecfg, **kw), ShmTransport.open(ring_name))

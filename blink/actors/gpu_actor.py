@@ -137,6 +137,7 @@ class GpuActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "device": self._device,
+            "engine_pid": getattr(self._engine, "pid", None),
             "incarnation": self._incarnation,
         }
 
