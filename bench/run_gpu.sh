@@ -45,6 +45,9 @@ fi
 if has hf; then
   part hf 400 $PY bench/hf_baseline.py --commit "$COMMIT" --batch-requests "${HF_BATCH_REQUESTS:-0}" --out "$OUT/hf.json"
 fi
+if has sched; then  # the GPU-resident scheduler: tests, conformance, overhead, sigstop, benchmarks
+  part sched 1500 env OUT="$OUT/sched" bash bench/sched_run.sh all
+fi
 
 echo
 echo "=== summary (commit $COMMIT)"

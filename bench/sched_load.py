@@ -49,6 +49,7 @@ class LoadGen:
         self.slots = view.slots
         self.hdr = view.header
         self.req_of = np.full(g.n_slots, -1, np.int64)  # request index held by each slot
+        self.read = np.zeros(g.n_slots, np.int64)  # tokens read of each slot's request
         self._stamp = 0
 
     def _submit(self, slot: int, idx: int, r: Request) -> None:
@@ -76,8 +77,10 @@ class LoadGen:
         keep_tokens: bool = False,
         timeout_s: float = 600.0,
         sample_every_s: float = 0.0,
+        deadline_s: float = 0.0,
     ) -> LoadResult:
-        """Submit every request (at most `concurrency` in flight), read all tokens; returns counts."""
+        """Submit every request (at most `concurrency` in flight), read all tokens; returns counts.
+        With deadline_s, stop after that long instead (in-flight requests are left running)."""
         res = LoadResult()
         st, gen = self.slots["state"], self.slots["generated"]
         cap = self.v.geo.output_capacity
@@ -85,14 +88,13 @@ class LoadGen:
         nxt = 0
         t0 = time.perf_counter()
         t_sample = t0
-        read = np.zeros(self.v.geo.n_slots, np.int64)
         while res.completed < len(requests):
             busy = self.req_of >= 0
             free = np.flatnonzero(~busy & (st == SlotState.EMPTY))
             n_new = min(len(free), limit - int(busy.sum()), len(requests) - nxt)
             for slot in free[: max(n_new, 0)]:
                 self._submit(int(slot), nxt, requests[nxt])
-                read[slot] = 0
+                self.read[slot] = 0
                 nxt += 1
                 res.submitted += 1
             if n_new > 0:
@@ -103,17 +105,17 @@ class LoadGen:
                 g = gen[act].astype(np.int64)
                 if keep_tokens:
                     for j, slot in enumerate(act):
-                        k0, k1 = int(read[slot]), int(g[j])
+                        k0, k1 = int(self.read[slot]), int(g[j])
                         if k1 > k0:
                             out = res.outputs.setdefault(int(self.req_of[slot]), [])
                             row = self.v.output_arena[slot]
                             out += [int(row[k % cap]) for k in range(k0, k1)]
-                res.tokens += int((g - read[act]).sum())
-                read[act] = g
+                res.tokens += int((g - self.read[act]).sum())
+                self.read[act] = g
                 self.slots["consumed"][act] = g.astype(np.uint32)
                 done = act[states == SlotState.DECODE_COMPLETED]
                 for slot in done:
-                    if int(gen[slot]) != read[slot]:
+                    if int(gen[slot]) != self.read[slot]:
                         continue  # its last tokens arrive with the next poll
                     rec = self.slots[slot]
                     f = int(rec["finish_reason"])
@@ -127,6 +129,8 @@ class LoadGen:
             if sample_every_s and now - t_sample >= sample_every_s:
                 res.timeline.append((now - t0, res.tokens))
                 t_sample = now
+            if deadline_s and now - t0 >= deadline_s:
+                break
             if now - t0 > timeout_s:
                 raise TimeoutError(f"{res.completed}/{len(requests)} requests done after {timeout_s} s")
         res.makespan_s = time.perf_counter() - t0
@@ -136,3 +140,82 @@ class LoadGen:
 def random_requests(n: int, prompt_len: int, max_new: int, vocab: int, seed: int = 0) -> list[Request]:
     rng = np.random.default_rng(seed)
     return [Request(rng.integers(3, vocab, prompt_len, dtype=np.int32), max_new) for _ in range(n)]
+
+
+def steady(
+    gen: LoadGen, prompt_len: int, max_new: int, concurrency: int, seconds: float, vocab: int, seed: int = 0
+) -> LoadResult:
+    """Closed loop: keep `concurrency` requests in flight for `seconds` (tokens counted as read).
+    Requests still in flight at the deadline stay on the ring; the next phase reads them on."""
+    reqs = random_requests(1 << 14, prompt_len, max_new, vocab, seed)  # more than can finish
+    return gen.run(reqs, concurrency=concurrency, deadline_s=seconds, sample_every_s=0.25)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python bench/sched_load.py --ring NAME ...: one workload against a running device; prints JSON."""
+    import argparse
+    import json
+    import os
+    import signal
+
+    from blink.protocol.transport import ShmTransport
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ring", required=True)
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shutdown", type=int, default=0, help="store header.shutdown=N when done")
+    ap.add_argument("--sigstop-pid", type=int, default=0, help="SIGSTOP this pid for --phase seconds")
+    ap.add_argument("--phase", type=float, default=10.0, help="seconds per phase (sigstop mode)")
+    a = ap.parse_args(argv)
+    t = ShmTransport.open(a.ring)
+    view = t.view()
+    vocab = int(view.header["vocab_size"])
+    out: dict = {}
+    if a.sigstop_pid:
+        conc = a.concurrency or a.n
+        gen = LoadGen(view)
+        warm = steady(gen, a.prompt, a.new, conc, 2.0, vocab, a.seed)
+        base = steady(gen, a.prompt, a.new, conc, a.phase, vocab, a.seed + 1)
+        os.kill(a.sigstop_pid, signal.SIGSTOP)
+        try:
+            stopped = steady(gen, a.prompt, a.new, conc, a.phase, vocab, a.seed + 2)
+        finally:
+            os.kill(a.sigstop_pid, signal.SIGCONT)
+        out = {
+            "phase_s": a.phase,
+            "warmup_tokens": warm.tokens,
+            "running_tok_per_s": base.tokens / a.phase,
+            "stopped_tok_per_s": stopped.tokens / a.phase,
+            "running_timeline": base.timeline,
+            "stopped_timeline": stopped.timeline,
+        }
+        out["ratio"] = out["stopped_tok_per_s"] / max(out["running_tok_per_s"], 1e-9)
+    else:
+        reqs = random_requests(a.n, a.prompt, a.new, vocab, a.seed)
+        res = LoadGen(view).run(reqs, concurrency=a.concurrency or None)
+        tf = sorted(res.t_first)
+        out = {
+            "n": a.n,
+            "prompt": a.prompt,
+            "new": a.new,
+            "concurrency": a.concurrency or min(a.n, view.geo.n_slots),
+            "makespan_s": res.makespan_s,
+            "tokens": res.tokens,
+            "tok_per_s": res.tok_per_s,
+            "ttft_p50_ms": 1e3 * tf[len(tf) // 2] if tf else None,
+            "finish": res.finish,
+        }
+    if a.shutdown:
+        view.header["shutdown"] = a.shutdown
+    print(json.dumps(out))
+    del view
+    t.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

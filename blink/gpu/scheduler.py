@@ -308,6 +308,7 @@ class GpuScheduler:
         b["ctl"] = cp.asarray(np.frombuffer(c.tobytes(), np.uint8))
         ctl_ptr = ctypes.c_uint64(int(b["ctl"].data.ptr))
         s = self._stream.ptr
+        cp.cuda.Device().synchronize()  # the buffers were filled on CuPy's stream; ours does not wait for it
         self.drv.launch(
             fn_init, (4, 1, 1), (256, 1, 1), [ctl_ptr, ctypes.c_uint32(geo.n_slots), ctypes.c_uint32(d.num_blocks)], s
         )
@@ -324,7 +325,7 @@ class GpuScheduler:
         c["self_exec"] = self.exec
         off = SCHED_CTL_DTYPE.fields["self_exec"][1]
         b["ctl"][off : off + 8] = cp.asarray(np.frombuffer(np.uint64(self.exec).tobytes(), np.uint8))
-        self._stream.synchronize()
+        cp.cuda.Device().synchronize()
         self.drv.graph_launch(self.exec, s)
         self.started = True
 

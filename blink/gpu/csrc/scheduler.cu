@@ -46,6 +46,7 @@ __device__ uint32_t g_copy_cu[SCHED_MAX_ROWS + 1];
 // which row's block table sits in the engine's block_tables row i, and how many entries of it
 __device__ uint32_t g_eng_owner[SCHED_MAX_ROWS];
 __device__ uint32_t g_eng_nb[SCHED_MAX_ROWS];
+__device__ uint32_t g_eng_gen[SCHED_MAX_ROWS];  // the owner's kv_gen when copied
 
 struct Shared {
   uint32_t warp_sums[33];
@@ -57,7 +58,7 @@ struct Shared {
   uint32_t n_slots, cap, arena_tokens, vocab, mbps, bs;
   cudaGraphExec_t self;
   uint32_t action, shutdown, kind, nseq, ntok, do_scan, do_cancel, launch_ok, fault, dirty;
-  uint32_t wants_prefill, n_ready, tokens, completed, copy_total;
+  uint32_t beat, tokens, completed;
   u64 t_iter, t_launch, t_launched, t_done, seq;
   uint32_t nclaim, overflow, n_ok, tok_total;
   uint32_t claim_slot[MAX_CLAIMS];
@@ -98,6 +99,7 @@ __device__ void release_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t reason
   const int top = atomicAdd(&c->kv_free_top, (int)R.n_blocks);
   for (uint32_t i = 0; i < R.n_blocks; ++i) kv[top + i] = (uint32_t)b[R.n_blocks - 1 - i];
   R.n_blocks = 0;
+  R.kv_gen++;
   R.used = 0;
   R.running = 0;
   ((uint32_t*)c->claim)[R.slot] = 0;
@@ -143,6 +145,7 @@ __device__ void kv_free_row(SchedCtl* c, Shared& sh, uint32_t r) {
   const int32_t* b = row_blocks(c, sh, r);
   for (uint32_t i = R.n_blocks; i-- > 0;) kv[c->kv_free_top++] = (uint32_t)b[i];
   R.n_blocks = 0;
+  R.kv_gen++;
 }
 
 // Preempt the newest running sequence (recompute later). Returns its row.
@@ -254,7 +257,7 @@ __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
     add_chunk(sh, r, 0, n, n == R.len);
     budget -= n;
   }
-  if (stop || c->n_wait > 0) return;  // FCFS: queued requests never overtake a waiting row
+  if (stop) return;  // FCFS: queued requests never overtake a waiting row that could not go
   uint32_t* wq = (uint32_t*)c->waitq;
   const RingSlot* copy = (const RingSlot*)c->slot_copy;
   while (c->waitq_head != c->waitq_tail) {
@@ -382,9 +385,10 @@ __device__ void fill_engine(SchedCtl* c, Shared& sh) {
     ((uint32_t*)E->sample_pos)[i] = generated(R);
     const int32_t* b = row_blocks(c, sh, r);
     int32_t* t = tables + (size_t)i * sh.mbps;
-    const uint32_t from = g_eng_owner[i] == r ? min(g_eng_nb[i], R.n_blocks) : 0;
-    for (uint32_t k = from; k < R.n_blocks; ++k) t[k] = b[k];
+    const bool same = g_eng_owner[i] == r && g_eng_gen[i] == R.kv_gen;  // blocks since freed: recopy
+    for (uint32_t k = same ? min(g_eng_nb[i], R.n_blocks) : 0; k < R.n_blocks; ++k) t[k] = b[k];
     g_eng_owner[i] = r;
+    g_eng_gen[i] = R.kv_gen;
     g_eng_nb[i] = R.n_blocks;
     if (sh.kind == KIND_DECODE) {
       input_ids[i] = row_tokens(c, r)[start];
@@ -542,6 +546,7 @@ extern "C" __global__ void blink_sched_init(SchedCtl* c, uint32_t n_slots, uint3
     g_rows[i].used = 0;
     g_rows[i].running = 0;
     g_rows[i].n_blocks = 0;
+    g_rows[i].kv_gen = 0;
     g_eng_owner[i] = DEAD;
     g_eng_nb[i] = 0;
     if (i < c->rows_cap) g_free_rows[c->rows_cap - 1 - i] = i;

@@ -85,6 +85,7 @@ struct Row {
   uint32_t ring_state;   // last SlotState stored to the slot
   uint32_t need_copy;    // prompt still to be copied from the arena into row_tokens
   uint32_t cancel;       // cancel flag seen
+  uint32_t kv_gen;       // bumped whenever the row's blocks are freed (engine table copies go stale)
   u64 seed;
   u64 arrival;           // FCFS order (claim order)
   int32_t stop_ids[MAX_STOP_IDS];

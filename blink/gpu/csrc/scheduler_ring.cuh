@@ -45,7 +45,8 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
   sh.launch_ok = 0;
   sh.dirty = 0;
   sh.action = ACT_RUN;
-  if (now - c->last_beat_ns >= c->beat_ns) beat(c, sh, now);
+  sh.beat = now - c->last_beat_ns >= c->beat_ns;
+  if (sh.beat) beat(c, sh, now);
   if (c->fault) {
     sh.fault = c->fault;
     sh.action = ACT_EXIT;
@@ -378,7 +379,7 @@ __device__ void retire(SchedCtl* c, Shared& sh) {
     }
   }
   __syncthreads();
-  if (busy || sh.dirty || sh.completed) mirror_stats(c, sh);
+  if (busy || sh.dirty || sh.completed || sh.beat) mirror_stats(c, sh);
 }
 
 // Shutdown 2 (stop now) or a fault: finish every live request. Unclaimed PENDING slots stay.

@@ -1,0 +1,114 @@
+"""Shared by the scheduler benchmarks: build an engine once, serve one workload on a fresh ring.
+
+The device (GPU-resident scheduler or the host-driven loop, over the same engine and graphs) runs
+in this process; the load generator (bench/sched_load.py) runs in a child process, so the two
+never share an interpreter lock. The child stores header.shutdown when its workload is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from blink.protocol.layout import RingGeometry
+from blink.protocol.transport import ShmTransport
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def make_engine(preset_name: str, max_seqs: int, max_tokens: int, max_context: int, kv_blocks: int = 0):
+    from blink.gpu.engine import Engine, EngineConfig
+    from blink.models.config import preset
+
+    batch = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_seqs)
+    tokens = tuple(t for t in (64, 256, 1024, 4096, 8192) if t <= max_tokens)
+    ecfg = EngineConfig(
+        max_seqs=max_seqs,
+        max_tokens=max_tokens,
+        max_context=max_context,
+        num_kv_blocks=kv_blocks,
+        batch_buckets=batch,
+        token_buckets=tokens,
+        progress=False,
+    )
+    t0 = time.perf_counter()
+    eng = Engine.create(preset(preset_name), ecfg)
+    rep = eng.capture()
+    print(
+        f"engine {preset_name}: {rep.graphs} graphs / {rep.execs} execs, {eng.dims.num_blocks} KV blocks, "
+        f"built in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return eng
+
+
+def device_name() -> str:
+    import cupy as cp
+
+    return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+
+
+def serve_workload(
+    eng,
+    scheduler: str,
+    load_args: list[str],
+    n_slots: int,
+    prompt_per_slot: int,
+    output_capacity: int,
+    max_batch: int = 0,
+    timeout_s: float = 300.0,
+) -> dict:
+    """Serve one workload; returns the load generator's JSON plus the device's counters."""
+    from blink.protocol.layout import DeviceStatus
+
+    name = f"blink-bench-{os.getpid()}-{time.monotonic_ns()}"
+    t = ShmTransport.create(name, RingGeometry(n_slots, n_slots * prompt_per_slot, output_capacity))
+    view = t.view()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.join(HERE, "sched_load.py"), "--ring", name, "--shutdown", "1", *load_args]
+    proc = None
+    diag: dict = {}
+    try:
+        if scheduler == "gpu":
+            from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+
+            s = GpuScheduler(eng, view, GpuSchedulerConfig(max_batch=max_batch))
+            s.start()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+            try:
+                status = s.wait(timeout_s)
+            except (TimeoutError, RuntimeError):
+                view.header["shutdown"] = 2  # never leave the kernel running on a shared engine
+                s.wait(30)
+                raise
+            finally:
+                s.join()
+            diag = s.diagnostics()
+        else:
+            from blink.device.ring_device import RingDevice, RingDeviceConfig
+            from blink.gpu.host_executor import HostExecutor
+
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+            status = RingDevice(view, HostExecutor(eng), RingDeviceConfig(max_batch=max_batch)).run()
+        out, _ = proc.communicate(timeout=60)
+        if proc.returncode != 0 or status != DeviceStatus.STOPPED:
+            raise RuntimeError(f"workload failed: loadgen rc {proc.returncode}, device status {status}")
+        res = json.loads(out.strip().splitlines()[-1])
+        h = view.header
+        res["device"] = {k: int(h[k]) for k in ("steps", "prefill_steps", "launches", "relaunches", "launch_errors")}
+        res["device"]["sched_us_per_launch"] = int(h["sched_ns_total"]) / max(int(h["launches"]), 1) / 1e3
+        if diag:
+            res["device"]["retries"] = diag["retries"]
+            res["device"]["max_retries"] = diag["max_retries"]
+        return res
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        del view
+        t.close()
+        t.unlink()

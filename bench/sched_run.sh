@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU-resident scheduler on the H200, one device call: build, tests, conformance, benchmarks.
+#   bash bench/sched_run.sh [tests|bench|all]      (results and logs under $OUT, default /tmp/sched_out)
+# bench/run_gpu.sh calls this. Needs nothing beyond the H200 image (no msgspec on the GPU path).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/sched_out}
+MODE=${1:-all}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+$PY -m blink.gpu.scheduler --check || exit 1
+$PY -c "from blink.gpu import scheduler as s; print('scheduler cubin', s.build_cubin())" || exit 1
+rc=0
+if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
+  timeout 240 $PY -m pytest -x -q -p no:cacheprovider tests/gpu/test_scheduler.py 2>&1 | tail -25 | tee "$OUT/sched_tests.log"
+  rc=$((rc | PIPESTATUS[0]))
+  BLINK_DEVICE_FACTORY=blink.gpu.serve:conformance_factory timeout 300 $PY -m pytest -q -p no:cacheprovider \
+    tests/conformance 2>&1 | tail -25 | tee "$OUT/sched_conformance.log"
+  rc=$((rc | PIPESTATUS[0]))
+  timeout 120 $PY bench/sched_overhead.py --out "$OUT/sched_overhead.json" 2>&1 | tail -8 | tee "$OUT/sched_overhead.log"
+  rc=$((rc | PIPESTATUS[0]))
+fi
+if [ "$MODE" = sigstop ] || [ "$MODE" = all ]; then
+  timeout 120 $PY -m pytest -x -q -p no:cacheprovider tests/gpu/test_sigstop.py 2>&1 | tail -8 | tee "$OUT/sched_sigstop_test.log"
+  rc=$((rc | PIPESTATUS[0]))
+fi
+if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
+  timeout 560 $PY bench/sched_bench.py --preset llama3-8b --out "$OUT/sched_bench" 2>&1 | tee "$OUT/sched_bench.log" | tail -30
+  rc=$((rc | PIPESTATUS[0]))
+fi
+exit $rc
