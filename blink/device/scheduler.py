@@ -21,7 +21,7 @@ scheduler's placement):
   within one decode step and a decoding sequence waits at most one prefill step.
 - Decode step: every running sequence that has finished its prefill and has room in its output
   ring. A sequence whose output ring is full (generated - consumed >= output_capacity) sits out
-  until the reader catches up.
+  until the reader catches up; it keeps its KV blocks and its batch place meanwhile.
 - When the pool runs dry, the newest running sequence is preempted: its blocks are freed and it
   is recomputed later (prompt + generated re-prefilled). Admission never preempts; a running
   sequence never fails for lack of KV, because max_context fits the pool (the caller's duty).
