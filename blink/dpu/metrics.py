@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 
+_STAGE_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0)
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -42,6 +43,25 @@ class Metrics:
         self.ttft = Histogram("blink_time_to_first_token_seconds", "HTTP request received to first token read")
         self.itl = Histogram("blink_inter_token_latency_seconds", "time between tokens of a stream")
         self.e2e = Histogram("blink_request_latency_seconds", "HTTP request received to last token")
+        # The first token's path, stage by stage (frontend and device stamp one wall clock).
+        self.stages = {
+            name: Histogram(f"blink_first_token_{name}_seconds", help_, _STAGE_BUCKETS)
+            for name, help_ in (
+                ("submit", "HTTP request received to slot published (parse, tokenize, claim)"),
+                ("admit", "slot published to device admission"),
+                ("device", "device admission to first token in the ring (prefill)"),
+                ("read", "first token in the ring to token reader"),
+                ("write", "token reader to first response byte written"),
+            )
+        }
+
+    def first_token(self, t_http_ns: int, timing: Sequence[int], t_write_ns: int) -> None:
+        """Record the stages of one request's first token; timing = [submit, admit, first, read] ns."""
+        if len(timing) != 4 or not timing[1] or not timing[2]:
+            return
+        t = (t_http_ns, *timing, t_write_ns)
+        for h, a, b in zip(self.stages.values(), t, t[1:], strict=False):
+            h.observe(max(0, b - a) * 1e-9)
 
     def request(self, endpoint: str, outcome: str) -> None:
         k = (endpoint, outcome)
@@ -60,7 +80,7 @@ class Metrics:
             ("blink_cancelled_total", self.cancelled, "requests cancelled (client gone or stop string)"),
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {v}"]
-        for h in (self.ttft, self.itl, self.e2e):
+        for h in (self.ttft, self.itl, self.e2e, *self.stages.values()):
             lines += h.render()
         lines += ["# HELP blink_device_up 1 when the device is serving", "# TYPE blink_device_up gauge"]
         lines.append(f"blink_device_up {int(up)}")

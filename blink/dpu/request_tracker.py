@@ -48,6 +48,9 @@ class RequestHandle:
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.finished = False
         self.t_submit = time.perf_counter()
+        # Wall-clock ns (the device stamps the ring with the same clock on one machine):
+        # [slot published, device admitted, first token in the ring, first token read].
+        self.timing: list[int] = []
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._events()
@@ -180,7 +183,7 @@ class RequestTracker:
             slot = self.slots.claim(req)
             front = True
         h = RequestHandle(self, req.request_id, slot, len(req.prompt_ids))
-        self.reader.register(slot, req.request_id, h.queue.put_nowait)
+        self.reader.register(slot, req.request_id, h.queue.put_nowait, timing=h.timing)
         return h
 
     def _on_release(self, slot: int) -> None:

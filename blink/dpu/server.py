@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
@@ -61,11 +61,17 @@ class GenerationError(Exception):
 
 
 async def stream_text(
-    backend: Backend, tok: FrontendTokenizer, req: SubmitRequest, stop: list[str]
+    backend: Backend,
+    tok: FrontendTokenizer,
+    req: SubmitRequest,
+    stop: list[str],
+    on_handle: Callable[[RequestHandle], None] | None = None,
 ) -> AsyncIterator[TextEvent]:
     """Submit `req` and yield text as tokens arrive. The slot is cancelled if the consumer stops early."""
     try:
         handle = await backend.submit(req)
+        if on_handle is not None:
+            on_handle(handle)
     except QueueFullError as e:
         raise api.APIError(429, f"server busy: {e}", code="rate_limit_exceeded") from e
     except DeviceDownError as e:
@@ -160,6 +166,7 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.perf_counter()
+        t_http_ns = time.time_ns()
         endpoint = "chat" if chat else "completions"
         try:
             body = await request.read()
@@ -183,13 +190,20 @@ class OpenAIServer:
             self.metrics.request(endpoint, "rejected")
             raise
         self.metrics.prompt_tokens += len(ids)
-        gen = stream_text(self.backend, self.tok, sub, stop)
+        handles: list[RequestHandle] = []
+        gen = stream_text(self.backend, self.tok, sub, stop, handles.append)
+        # After the first response byte for this request: where did its first token's time go?
+
+        def trace() -> None:
+            self.metrics.first_token(t_http_ns, handles[0].timing if handles else (), time.time_ns())
+
         include_usage = bool(r.stream_options and r.stream_options.include_usage)
         try:
             if r.stream:
-                resp = await self._stream(request, gen, chat, len(ids), include_usage, t0)
+                resp = await self._stream(request, gen, chat, len(ids), include_usage, t0, trace)
             else:
                 resp = await self._complete(gen, chat, len(ids), t0)
+                trace()
         except (api.APIError, GenerationError) as e:
             self.metrics.request(endpoint, "busy" if getattr(e, "status", 0) == 429 else "error")
             raise
@@ -235,6 +249,7 @@ class OpenAIServer:
         n_prompt: int,
         include_usage: bool,
         t0: float,
+        trace: Callable[[], None],
     ) -> web.StreamResponse:
         chunks = api.ChunkMaker(chat, self.tok.name, include_usage)
         # Wait for the first event before sending headers, so that a busy ring (429) or a
@@ -250,6 +265,7 @@ class OpenAIServer:
         try:
             if chat:
                 await send(chunks.role())
+            trace()  # headers (and the role chunk) are out: the response's first bytes
             ev = first
             while ev is not None:
                 if ev.n_tokens:

@@ -36,6 +36,7 @@ class _Active:
     request_id: int
     sink: Callable[[TokenEvent], None] | None  # None: an orphan slot, drained and released silently
     delivered: int = 0  # tokens read from the output ring
+    timing: list[int] | None = None  # filled at the first token: t_submit, t_admit, t_first (ring), t_read (ns)
 
 
 class TokenReader:
@@ -70,9 +71,14 @@ class TokenReader:
 
     # -- registration (called by the request tracker) ---------------------------------------
     def register(
-        self, slot: int, request_id: int, sink: Callable[[TokenEvent], None] | None, delivered: int = 0
+        self,
+        slot: int,
+        request_id: int,
+        sink: Callable[[TokenEvent], None] | None,
+        delivered: int = 0,
+        timing: list[int] | None = None,
     ) -> None:
-        self.active[slot] = _Active(request_id, sink, delivered)
+        self.active[slot] = _Active(request_id, sink, delivered, timing)
         self._urgent.append(slot)
         self._wake.set()
 
@@ -135,6 +141,13 @@ class TokenReader:
                 # generated is stored before the state; re-read it after seeing COMPLETED.
                 gen = self.tracker.load_generated(slot)
             if gen > a.delivered:
+                if a.delivered == 0 and a.timing is not None:
+                    a.timing[:] = (
+                        int(rec["t_submit_ns"]),
+                        int(rec["t_admit_ns"]),
+                        int(rec["t_first_ns"]),
+                        time.time_ns(),
+                    )
                 ids = self._read_tokens(slot, a.delivered, gen)
                 a.delivered = gen
                 self.tracker.store_consumed(slot, gen)
