@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", dest="server.api_key")
     s.add_argument("--max-body-bytes", dest="server.max_body_bytes", type=int)
     s.add_argument("--max-queue", dest="server.max_queue", type=int)
+    # --- Ray path (blink.actors): same actors as `blink deploy`, on an embedded local Ray ---
+    s.add_argument("--ray", action="store_true", help="run the GPU and frontend actors on an embedded local Ray")
+    s.add_argument(
+        "--replicas", dest="deploy.replicas", type=int, help="with --ray: data-parallel replicas (0 = one per GPU)"
+    )
 
     g = sub.add_parser("generate", help="print one completion (same stack, no HTTP)")
     _add_stack_flags(g)
@@ -79,6 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _RAY_COMMANDS:
         return _ray_command(argv)
     args = build_parser().parse_args(argv)
+    if args.command == "serve" and args.ray:  # the config may carry a [deploy] section: parsed there
+        return _ray_serve(args)
+    if getattr(args, "deploy.replicas", None) is not None:
+        print("blink serve: --replicas needs --ray", file=sys.stderr)
+        return 2
     try:
         if args.command == "pull":
             return _pull(args)
@@ -98,6 +108,17 @@ def _ray_command(argv: list[str]) -> int:
         print(f"blink {argv[0]}: Ray deployment is not available ({e})", file=sys.stderr)
         return 2
     return int(actors_cli.main(argv) or 0)
+
+
+def _ray_serve(args: argparse.Namespace) -> int:
+    from blink.actors import cli as actors_cli
+
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if "." in key and value is not None:
+            section, field = key.split(".", 1)
+            overrides.setdefault(section, {})[field] = value
+    return actors_cli.serve_command(args.config, overrides)
 
 
 def _pull(args: argparse.Namespace) -> int:

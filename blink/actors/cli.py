@@ -121,11 +121,22 @@ def local_ray_resources(cfg: DeployConfig) -> dict[str, Any]:
     return {"num_cpus": max(os.cpu_count() or 1, int(need + 0.999))}
 
 
+def serve_command(config_file: str | None, overrides: dict[str, dict[str, Any]]) -> int:
+    """`blink serve --ray [flags]`: parse the config (with its optional [deploy] section) and serve."""
+    try:
+        cfg = build(config_file, overrides)
+    except ConfigError as e:
+        print(f"blink serve: config error: {e}", file=sys.stderr)
+        return 2
+    return serve_ray(cfg)
+
+
 def serve_ray(cfg: DeployConfig) -> int:
     """`blink serve --ray`: the deployment's actors on an embedded local Ray, until Ctrl-C."""
     import ray
 
     ray.init(
+        address="local",  # always a new embedded cluster, never one found via a temp-dir file
         namespace=cfg.namespace,
         include_dashboard=False,
         log_to_driver=True,
@@ -138,7 +149,11 @@ def serve_ray(cfg: DeployConfig) -> int:
     try:
         d = deploy.deploy(cfg, detached=False)
         wait_http(d.url, cfg.deploy.start_timeout_s)
-        print(f"serving {cfg.serving.model.spec!r} on {d.url} ({d.plan.replicas} replica(s), Ray)", flush=True)
+        print(
+            f"blink: serving {cfg.serving.model.spec} on {d.url}/v1 ({d.plan.replicas} replica(s) on Ray)",
+            file=sys.stderr,
+            flush=True,
+        )
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())
