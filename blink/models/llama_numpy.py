@@ -31,13 +31,13 @@ _Q_CHUNK = 256  # query rows per attention block in prefill (bounds the score ma
 @dataclass
 class _Layer:
     ln1: np.ndarray  # (hidden,)
-    w_qkv: np.ndarray  # (hidden, q_size + 2*kv_size)   input-major so x @ w is one GEMM
+    w_qkv: np.ndarray  # (q_size + 2*kv_size, hidden)   HF (out, in); applied as x @ w.T
     q_norm: np.ndarray | None  # (head_dim,)  qwen3
     k_norm: np.ndarray | None  # (head_dim,)
-    w_o: np.ndarray  # (q_size, hidden)
+    w_o: np.ndarray  # (hidden, q_size)
     ln2: np.ndarray  # (hidden,)
-    w_gate_up: np.ndarray  # (hidden, 2*intermediate)
-    w_down: np.ndarray  # (intermediate, hidden)
+    w_gate_up: np.ndarray  # (2*intermediate, hidden)
+    w_down: np.ndarray  # (hidden, intermediate)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -83,13 +83,13 @@ class LlamaNumpy:
             self.layers.append(
                 _Layer(
                     ln1=f32(weights[p + "input_layernorm.weight"]),
-                    w_qkv=f32(qkv.T),
+                    w_qkv=f32(qkv),
                     q_norm=f32(weights[a + "q_norm.weight"]) if c.qk_norm else None,
                     k_norm=f32(weights[a + "k_norm.weight"]) if c.qk_norm else None,
-                    w_o=f32(weights[a + "o_proj.weight"].T),
+                    w_o=f32(weights[a + "o_proj.weight"]),
                     ln2=f32(weights[p + "post_attention_layernorm.weight"]),
-                    w_gate_up=f32(gu.T),
-                    w_down=f32(weights[p + "mlp.down_proj.weight"].T),
+                    w_gate_up=f32(gu),
+                    w_down=f32(weights[p + "mlp.down_proj.weight"]),
                 )
             )
         self.inv_freq = rope_inv_freq(c)  # (head_dim/2,) float64
@@ -135,7 +135,7 @@ class LlamaNumpy:
         scale = np.float32(1.0 / np.sqrt(D))
         x = self.embed[ids]  # (T, hidden)
         for li, L in enumerate(self.layers):
-            h = rmsnorm(x, L.ln1, c.rms_eps) @ L.w_qkv
+            h = rmsnorm(x, L.ln1, c.rms_eps) @ L.w_qkv.T
             q = h[:, : c.q_size].reshape(T, H, D)
             k = h[:, c.q_size : c.q_size + c.kv_size].reshape(T, KVH, D)
             v = h[:, c.q_size + c.kv_size :].reshape(T, KVH, D)
@@ -154,13 +154,13 @@ class LlamaNumpy:
             for s in long_seqs:
                 a, b = int(cu[s]), int(cu[s + 1])
                 attn[a:b] = self._attend_seq(q[a:b], pos[a:b], bt[s], kc, vc)
-            x = x + attn.reshape(T, c.q_size) @ L.w_o
+            x = x + attn.reshape(T, c.q_size) @ L.w_o.T
 
-            gu = rmsnorm(x, L.ln2, c.rms_eps) @ L.w_gate_up
+            gu = rmsnorm(x, L.ln2, c.rms_eps) @ L.w_gate_up.T
             g, u = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
             with np.errstate(over="ignore"):
                 act = g / (1.0 + np.exp(-g)) * u
-            x = x + act @ L.w_down
+            x = x + act @ L.w_down.T
 
         rows = cu[1:] - 1 if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
         return rmsnorm(x[rows], self.norm, c.rms_eps) @ self.lm_head.T
