@@ -414,3 +414,40 @@ def test_disconnect_mid_stream_frees_slot(smol):
     assert m["blink_cancelled_total"] >= before["blink_cancelled_total"] + 1
     # the device stopped early: far fewer than the 2000 requested tokens were generated
     assert m["blink_device_tokens_generated_total"] - before["blink_device_tokens_generated_total"] < 500
+
+
+# -- device failure ---------------------------------------------------------------------------
+
+
+def test_device_death_ends_streams_with_error_and_health_503(tmp_path):
+    cfg = tmp_path / "blink.json"
+    cfg.write_text(json.dumps({"server": {"heartbeat_timeout_s": 1.0}, "model": {"spec": "random:tiny-llama"}}))
+    s = Server("--config", str(cfg), "--num-kv-blocks", "128", "--n-slots", "4")
+    try:
+        children = open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split()
+        assert len(children) == 1, children  # the emulated device process
+        import urllib.error
+        import urllib.request
+
+        assert urllib.request.urlopen(s.url + "/health").status == 200
+
+        async def run():
+            async with aiohttp.ClientSession() as sess:
+                body = {"model": "tiny-llama", "prompt": [5], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+                # the device dies while this stream waits for tokens: stop it before submitting
+                os.kill(int(children[0]), signal.SIGSTOP)
+                async with sess.post(s.url + "/v1/completions", json=body, headers={"Authorization": "x"}) as r:
+                    return r.status, (await r.read()).decode()
+
+        status, text = asyncio.run(run())
+        # the request was submitted, then failed with the heartbeat: an error (503), not a hang
+        assert status == 503 and "heartbeat" in text, (status, text)
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(s.url + "/health")
+        assert ei.value.code == 503
+        code, js = _post(s.url + "/v1/completions", json.dumps({"model": "tiny-llama", "prompt": "x"}))
+        assert code == 503 and js["error"]["type"] == "server_error"
+        os.kill(int(children[0]), signal.SIGKILL)
+    finally:
+        s.stop()
+    assert not os.path.exists(f"/dev/shm/{s.ring}")
