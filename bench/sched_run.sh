@@ -14,16 +14,16 @@ $PY -m blink.gpu.scheduler --check || exit 1
 $PY -c "from blink.gpu import scheduler as s; print('scheduler cubin', s.build_cubin())" || exit 1
 rc=0
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
-  timeout 240 $PY -m pytest -x -q -p no:cacheprovider tests/gpu/test_scheduler.py 2>&1 | tail -25 | tee "$OUT/sched_tests.log"
+  timeout 150 $PY -m pytest -x -q -p no:cacheprovider --timeout 60 tests/gpu/test_scheduler.py 2>&1 | tail -25 | tee "$OUT/sched_tests.log"
   rc=$((rc | PIPESTATUS[0]))
-  BLINK_DEVICE_FACTORY=blink.gpu.serve:conformance_factory timeout 300 $PY -m pytest -q -p no:cacheprovider \
-    tests/conformance 2>&1 | tail -25 | tee "$OUT/sched_conformance.log"
+  BLINK_DEVICE_FACTORY=blink.gpu.serve:conformance_factory timeout 200 $PY -m pytest -q -p no:cacheprovider \
+    --timeout 60 -m "not slow" tests/conformance 2>&1 | tail -25 | tee "$OUT/sched_conformance.log"
   rc=$((rc | PIPESTATUS[0]))
-  timeout 120 $PY bench/sched_overhead.py --out "$OUT/sched_overhead.json" 2>&1 | tail -8 | tee "$OUT/sched_overhead.log"
+  timeout 90 $PY bench/sched_overhead.py --out "$OUT/sched_overhead.json" 2>&1 | tail -8 | tee "$OUT/sched_overhead.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
-if [ "$MODE" = sigstop ] || [ "$MODE" = all ]; then
-  timeout 120 $PY -m pytest -x -q -p no:cacheprovider tests/gpu/test_sigstop.py 2>&1 | tail -8 | tee "$OUT/sched_sigstop_test.log"
+if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
+  timeout 90 $PY -m pytest -x -q -p no:cacheprovider -s tests/gpu/test_sigstop.py 2>&1 | tail -8 | tee "$OUT/sched_sigstop_test.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then

@@ -39,6 +39,7 @@ INIT_KERNEL = "blink_sched_init"
 THREADS = 256  # one block; the kernel's scan partition and row mapping assume exactly this
 MAX_ROWS = 1024  # decode batch capacity compiled into the kernel (rows per step <= this)
 LAUNCH_WINDOW = 120  # fire-and-forget launches one graph execution may issue
+DEFAULT_CACHE = pathlib.Path(__file__).resolve().parents[2] / "build" / "kernels"  # beside the engine's cubins
 
 # ctl.flags bits
 FLAG_ALWAYS_SCAN = 1  # scan every slot on every iteration (benchmarks the scan; no doorbell gating)
@@ -165,7 +166,7 @@ def build_cubin(cache_dir: str | os.PathLike | None = None, nvcc: str | None = N
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found: the scheduler kernel is compiled on first use")
-    cache = pathlib.Path(cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "blink"))
+    cache = pathlib.Path(cache_dir) if cache_dir else DEFAULT_CACHE
     cache.mkdir(parents=True, exist_ok=True)
     out = cache / f"scheduler-{source_hash()}.cubin"
     if not out.exists():

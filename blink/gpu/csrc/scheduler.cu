@@ -518,6 +518,7 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
       sh.t_launch = gtime();
       const cudaError_t e = g ? launch(c, g) : cudaErrorInvalidValue;
       sh.t_launched = gtime();
+      sh.t_done = sh.t_launched;  // until wait_done sees the completion
       c->here++;
       c->launches++;
       sh.launch_ok = e == cudaSuccess;
