@@ -146,14 +146,18 @@ def test_urgent_slot_first_and_error_finish(dev):
     rd = TokenReader(st)
     a = st.claim(_req(1))
     rd.register(a, 1, lambda e: order.append(e.request_id))
+    dev.admit(a)
+    dev.publish(a, [6])
     rd.poll_once()
+    assert order == [1]
     b = st.claim(_req(2))
     rd.register(b, 2, lambda e: order.append(e.request_id))
+    rd.poll_once()  # b has no token yet: it stays urgent
+    dev.admit(b)
     for s in (a, b):
-        dev.admit(s)
         dev.publish(s, [7])
     rd.poll_once()
-    assert order == [2, 1]  # the newly admitted slot is scanned first
+    assert order == [1, 2, 1]  # the slot waiting for its first token is served before slot 0
     got: list[TokenEvent] = []
     c = st.claim(_req(3))
     rd.register(c, 3, got.append)

@@ -58,7 +58,10 @@ class TokenReader:
         self.health_interval_s = health_interval_s
         self.on_release = on_release  # called with the slot after it became EMPTY (wakes queued submits)
         self.active: dict[int, _Active] = {}
-        self._urgent: list[int] = []
+        self._active_mask = np.zeros(self.geo.n_slots, bool)  # slots in self.active
+        self._delivered = np.zeros(self.geo.n_slots, np.int64)  # tokens read per slot (mirror of _Active)
+        self._urgent: list[int] = []  # registered slots that have not delivered a token yet
+        self._registered = False  # a slot was registered since the last cycle
         self._wake = asyncio.Event()
         self._stop = False
         self.header = read_header(self.t)
@@ -79,7 +82,10 @@ class TokenReader:
         timing: list[int] | None = None,
     ) -> None:
         self.active[slot] = _Active(request_id, sink, delivered, timing)
+        self._active_mask[slot] = True
+        self._delivered[slot] = delivered
         self._urgent.append(slot)
+        self._registered = True
         self._wake.set()
 
     def detach(self, slot: int) -> None:
@@ -116,6 +122,7 @@ class TokenReader:
                 a.sink(TokenEvent(a.request_id, [], FinishReason.ERROR, SlotError.DEVICE_FAULT, why))
                 a.sink = None
             del self.active[slot]  # the slots stay held: a dead device cannot hand them back
+            self._active_mask[slot] = False
         self._urgent.clear()
 
     # -- one cycle ------------------------------------------------------------------------
@@ -127,8 +134,19 @@ class TokenReader:
         self._check_device(time.monotonic())
         if not self.active:
             return 0
-        urgent, self._urgent = self._urgent, []
-        order = urgent + [s for s in self.active if s not in urgent]
+        # Vectorized change detection over all slots; the Python loop only visits slots with
+        # news (new tokens or completion), urgent (newly registered) ones first.
+        news = (recs["generated"] > self._delivered) | (recs["state"] == SlotState.DECODE_COMPLETED)
+        news &= self._active_mask
+        self._registered = False
+        order = np.flatnonzero(news).tolist()
+        if self._urgent:
+            # slots still waiting for their first token, in registration order, go first
+            first = [s for s in self._urgent if news[s]]
+            if first:
+                fs = set(first)
+                order = first + [s for s in order if s not in fs]
+                self._urgent = [s for s in self._urgent if s not in fs and s in self.active]
         n = 0
         for slot in order:
             a = self.active.get(slot)
@@ -150,6 +168,7 @@ class TokenReader:
                     )
                 ids = self._read_tokens(slot, a.delivered, gen)
                 a.delivered = gen
+                self._delivered[slot] = gen
                 self.tracker.store_consumed(slot, gen)
                 n += len(ids)
                 if a.sink is not None and state != SlotState.DECODE_COMPLETED:
@@ -163,6 +182,7 @@ class TokenReader:
                     msg = f"request rejected by the device: {SlotError(err).name}" if err else ""
                     a.sink(TokenEvent(a.request_id, ids or [], reason or FinishReason.STOP, err, msg))
                 del self.active[slot]
+                self._active_mask[slot] = False
                 self.tracker.release(slot)
                 if self.on_release is not None:
                     self.on_release(slot)
@@ -189,7 +209,7 @@ class TokenReader:
         sleep_s = 0.0
         while not self._stop:
             n = self.poll_once()
-            if n or self._urgent:
+            if n or self._registered:
                 idle, sleep_s = 0, 0.0
                 await asyncio.sleep(0)
                 continue
