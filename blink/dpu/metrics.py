@@ -77,7 +77,7 @@ class Metrics:
         for name, v, help_ in (
             ("blink_prompt_tokens_total", self.prompt_tokens, "prompt tokens submitted"),
             ("blink_generation_tokens_total", self.generation_tokens, "tokens delivered to clients"),
-            ("blink_cancelled_total", self.cancelled, "requests cancelled (client gone or stop string)"),
+            ("blink_cancelled_total", self.cancelled, "requests cancelled because the client went away"),
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {v}"]
         for h in (self.ttft, self.itl, self.e2e, *self.stages.values()):

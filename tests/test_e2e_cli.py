@@ -1,0 +1,45 @@
+"""The `blink` command end to end: generate (the serving stack in-process, no HTTP) and pull."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_cli_generate_runs_the_stack_in_process():
+    r = subprocess.run(
+        [sys.executable, "-m", "blink.cli", "generate", "What is the capital of France?", "--chat", "--max-tokens", "12",
+         "--device", "emulated", "--num-kv-blocks", "64", "--max-batch", "2"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_cli_generate_completion_mode_tiny_model():
+    r = subprocess.run(
+        [sys.executable, "-m", "blink.cli", "generate", "abc", "--model", "random:tiny-llama", "--max-tokens", "5",
+         "--temperature", "1.0", "--seed", "3", "--device", "emulated", "--num-kv-blocks", "32", "--max-batch", "2"],
+        capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith(b"\n")
+
+
+def test_cli_pull_finds_the_installed_default_model():
+    r = subprocess.run([sys.executable, "-m", "blink.cli", "pull"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    path = r.stdout.strip().splitlines()[-1]
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.getsize(path) == 98_362_432
+
+
+def test_cli_rejects_unknown_pull_target_and_bad_flags():
+    r = subprocess.run(
+        [sys.executable, "-m", "blink.cli", "pull", "llama-70b"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "only the default model" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "blink.cli", "serve", "--device", "tpu"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "--device" in r.stderr
