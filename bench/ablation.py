@@ -24,11 +24,14 @@ WORKLOADS = {  # name: (prompt tokens, output tokens)
 }
 
 
-def run(eng, batches=(16, 64), requests_per_batch: int = 2, out_cap: int = 512) -> list[dict]:
+SMALL = {k: (p // 8, o // 4) for k, (p, o) in WORKLOADS.items()}  # a quick check of the bench itself
+
+
+def run(eng, batches=(16, 64), requests_per_batch: int = 2, out_cap: int = 512, workloads=None) -> list[dict]:
     rows = []
     for batch in batches:
         n = requests_per_batch * batch  # more requests than places: continuous batching admits as others finish
-        for wl, (p, o) in WORKLOADS.items():
+        for wl, (p, o) in (workloads or WORKLOADS).items():
             row = {"batch": batch, "workload": wl, "prompt": p, "output": o, "requests": n}
             for sched in ("gpu", "host"):
                 args = ["--n", str(n), "--prompt", str(p), "--new", str(o), "--concurrency", str(n)]

@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--phase", type=float, default=30.0)
     ap.add_argument("--skip", default="")
+    ap.add_argument("--small", action="store_true", help="small sizes: checks the benchmarks themselves")
     a = ap.parse_args()
     skip = set(a.skip.split(",")) - {""}
     os.makedirs(a.out, exist_ok=True)
@@ -47,6 +48,7 @@ def main() -> int:
         "command": " ".join(sys.argv),
     }
     eng = make_engine(a.preset, 256, 4096, 2048)
+    tput = (lambda: throughput.run(eng, 64, 64, 32)) if a.small else (lambda: throughput.run(eng))
     meta["device"] = device_name()
     meta["engine"] = {"kv_blocks": eng.dims.num_blocks, "graphs": eng.report.graphs, "capture_s": eng.report.seconds}
     summary = []
@@ -56,9 +58,9 @@ def main() -> int:
             json.dump({"bench": name, **meta, **body}, f, indent=1)
 
     if "throughput" not in skip:
-        t = throughput.run(eng)
+        t = tput()
         cores = os.cpu_count() or 1
-        t["stress"] = {"procs": cores, **stressed(lambda: throughput.run(eng), cores)}
+        t["stress"] = {"procs": cores, **stressed(tput, cores)}
         save("throughput", t)
         summary.append(f"throughput gpu {t['gpu']['tok_per_s']:.0f} tok/s, host {t['host']['tok_per_s']:.0f} tok/s")
         s = t["stress"]
@@ -66,7 +68,7 @@ def main() -> int:
             f"under {cores} stress procs: gpu {s['gpu']['tok_per_s']:.0f} tok/s, host {s['host']['tok_per_s']:.0f} tok/s"
         )
     if "ablation" not in skip:
-        rows = ablation.run(eng)
+        rows = ablation.run(eng, (16,), workloads=ablation.SMALL) if a.small else ablation.run(eng)
         save("ablation", {"rows": rows})
         for r in rows:
             summary.append(

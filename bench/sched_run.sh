@@ -29,6 +29,11 @@ if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
   timeout 90 $PY -m pytest -x -q -p no:cacheprovider -s tests/gpu/test_sigstop.py 2>&1 | tail -8 | tee "$OUT/sched_sigstop_test.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
+if [ "$MODE" = tests ]; then  # the benchmarks themselves, at small sizes (tiny model)
+  timeout 120 $PY bench/sched_bench.py --preset tiny-llama --small --phase 3 --out "$OUT/small" >"$OUT/sched_bench_small.log" 2>&1
+  rc=$((rc | $?))
+  tail -20 "$OUT/sched_bench_small.log"
+fi
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   timeout 560 $PY bench/sched_bench.py --preset llama3-8b --out "$OUT/sched_bench" 2>&1 | tee "$OUT/sched_bench.log" | tail -30
   rc=$((rc | PIPESTATUS[0]))

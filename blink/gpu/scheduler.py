@@ -151,13 +151,16 @@ def source_hash() -> str:
         h.update((CSRC / name).read_bytes())
     for name in ("blink_ring.h", "blink_engine.h"):
         h.update((INCLUDE / name).read_bytes())
+    h.update(" ".join(nvcc_command("nvcc", pathlib.Path("out"))).encode())  # flags are part of the key
     return h.hexdigest()[:16]
 
 
 def nvcc_command(nvcc: str, out: pathlib.Path, arch: str = "sm_90") -> list[str]:
-    # -rdc: device-runtime calls (cudaGraphLaunch, cudaGetCurrentGraphExec) need relocatable code;
-    # the driver resolves them when the cubin is loaded (probe REPORT.md, Q2).
-    return [nvcc, f"-arch={arch}", "-O3", "-rdc=true", "-cubin", "-std=c++17", "-lineinfo",
+    # No -rdc: every device function stays in this module, and the only external symbol left is
+    # cudaGraphLaunch, which the driver resolves at load time (probe REPORT.md, Q2). A relocatable
+    # cubin (-rdc without a device link) fails cuModuleGetFunction with CUDA_ERROR_INVALID_IMAGE:
+    # its unified function tables (__UFT/__UDT) stay unresolved.
+    return [nvcc, f"-arch={arch}", "-O3", "-cubin", "-std=c++17", "-lineinfo",
             f"-I{INCLUDE}", "-o", str(out), str(CSRC / "scheduler.cu")]  # fmt: skip
 
 
