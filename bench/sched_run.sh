@@ -14,23 +14,23 @@ $PY -m blink.gpu.scheduler --check || exit 1
 $PY -c "from blink.gpu import scheduler as s; print('scheduler cubin', s.build_cubin())" || exit 1
 rc=0
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
-  timeout 150 $PY -m pytest -x -q -p no:cacheprovider --timeout 60 tests/gpu/test_scheduler.py >"$OUT/sched_tests.log" 2>&1
+  timeout 120 $PY -m pytest -x -q -p no:cacheprovider --timeout 60 tests/gpu/test_scheduler.py >"$OUT/sched_tests.log" 2>&1
   rc=$?
   tail -40 "$OUT/sched_tests.log"
   [ $rc -eq 0 ] || exit $rc  # the mechanics are broken: the rest would only time out
-  BLINK_DEVICE_FACTORY=blink.gpu.serve:conformance_factory timeout 200 $PY -m pytest -q -p no:cacheprovider \
+  BLINK_DEVICE_FACTORY=blink.gpu.serve:conformance_factory timeout 150 $PY -m pytest -q -p no:cacheprovider \
     --timeout 60 -m "not slow" tests/conformance >"$OUT/sched_conformance.log" 2>&1
   rc=$((rc | $?))
   grep -E "passed|failed|^FAILED|^ERROR" "$OUT/sched_conformance.log" | tail -30
-  timeout 90 $PY bench/sched_overhead.py --out "$OUT/sched_overhead.json" 2>&1 | tail -8 | tee "$OUT/sched_overhead.log"
+  timeout 60 $PY bench/sched_overhead.py --out "$OUT/sched_overhead.json" 2>&1 | tail -8
   rc=$((rc | PIPESTATUS[0]))
 fi
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
-  timeout 90 $PY -m pytest -x -q -p no:cacheprovider -s tests/gpu/test_sigstop.py 2>&1 | tail -8 | tee "$OUT/sched_sigstop_test.log"
+  timeout 60 $PY -m pytest -x -q -p no:cacheprovider -s tests/gpu/test_sigstop.py 2>&1 | tail -8 | tee "$OUT/sched_sigstop_test.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
 if [ "$MODE" = tests ]; then  # the benchmarks themselves, at small sizes (tiny model)
-  timeout 120 $PY bench/sched_bench.py --preset tiny-llama --small --phase 3 --out "$OUT/small" >"$OUT/sched_bench_small.log" 2>&1
+  timeout 100 $PY bench/sched_bench.py --preset tiny-llama --small --phase 3 --out "$OUT/small" >"$OUT/sched_bench_small.log" 2>&1
   rc=$((rc | $?))
   tail -20 "$OUT/sched_bench_small.log"
 fi
