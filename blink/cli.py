@@ -96,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except C.ConfigError as e:
         print(f"blink: config error: {e}", file=sys.stderr)
         return 2
+    cfg = resolve_device(cfg)
     if args.command == "serve":
         return _serve(cfg)
     return _generate(cfg, args)
@@ -130,6 +131,23 @@ def _pull(args: argparse.Namespace) -> int:
     path = registry.pull(args.cache_dir, progress=True)
     print(path)
     return 0
+
+
+def gpu_usable() -> bool:
+    """True when CUDA can see a device. Probed here, at the edge: the frontend roles never import cupy."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver, no device: all mean "no usable GPU"
+        return False
+
+
+def resolve_device(cfg: C.BlinkConfig) -> C.BlinkConfig:
+    """`--device auto` -> cuda when a GPU is usable, else emulated."""
+    if cfg.device.kind != "auto":
+        return cfg
+    return cfg.replace(device={"kind": "cuda" if gpu_usable() else "emulated"})
 
 
 def _run(coro: Any) -> Any:

@@ -37,21 +37,6 @@ class DeviceHandle(Protocol):
     def kill(self) -> None: ...
 
 
-def gpu_usable() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver, no device: all mean "no usable GPU"
-        return False
-
-
-def resolve_kind(kind: str) -> str:
-    if kind == "auto":
-        return "cuda" if gpu_usable() else "emulated"
-    return kind
-
-
 def new_ring_name() -> str:
     return f"blink-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -124,7 +109,9 @@ class Stack:
     def __init__(self, cfg: BlinkConfig, progress: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.progress = progress
-        self.kind = resolve_kind(cfg.device.kind)
+        if cfg.device.kind not in ("emulated", "cuda"):
+            raise ValueError(f"device kind must be resolved to emulated|cuda first, got {cfg.device.kind!r}")
+        self.kind = cfg.device.kind
         self.ring_name = new_ring_name()
         self.transport: ShmTransport | None = None
         self.device: DeviceHandle | None = None

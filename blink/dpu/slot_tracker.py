@@ -84,10 +84,13 @@ class SlotTracker:
         return int(self.held.sum())
 
     def find_free(self) -> int | None:
-        """Circular scan from the hint over the cache; no ring access."""
+        """Circular scan from the hint over the cache; no ring access. O(1) when the slot at the hint
+        is free, which is the steady state (slots are released roughly in the order claimed)."""
         free = self._free
         h = self._hint
-        # Vectorized scan of [h, n) then [0, h): one numpy call each instead of a Python loop.
+        if free[h]:  # the common case: claims sweep the ring, the slot after the last one is free
+            return h
+        # Otherwise scan [h, n) then [0, h) in C (a numpy call each) rather than slot by slot.
         idx = np.flatnonzero(free[h:])
         if idx.size:
             return h + int(idx[0])
