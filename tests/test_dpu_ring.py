@@ -254,3 +254,24 @@ def test_dpu_never_imports_cupy():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ}, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_slow_consumer_leaves_tokens_in_the_ring(dev):
+    fe = ShmTransport.open(dev.name)
+    st = SlotTracker(fe, RingGeometry.from_header(dev.v.header))
+    got: list[TokenEvent] = []
+    backlog = [0]
+    rd = TokenReader(st, max_backlog=2)
+    s = st.claim(_req(1))
+    rd.register(s, 1, got.append, backlog=lambda: backlog[0])
+    dev.admit(s)
+    dev.publish(s, [1, 2, 3])
+    backlog[0] = 2  # the consumer has not taken its events: nothing is read, consumed stays put
+    assert rd.poll_once() == 0 and got == [] and dev.v.slots[s]["consumed"] == 0
+    dev.complete(s, FinishReason.LENGTH)
+    rd.poll_once()
+    assert dev.v.slots[s]["state"] == SlotState.DECODE_COMPLETED  # not released while unread
+    backlog[0] = 0
+    assert rd.poll_once() == 3
+    assert got[-1].token_ids == [1, 2, 3] and got[-1].finish_reason == FinishReason.LENGTH
+    assert dev.v.slots[s]["state"] == SlotState.EMPTY

@@ -183,7 +183,7 @@ class RequestTracker:
             slot = self.slots.claim(req)
             front = True
         h = RequestHandle(self, req.request_id, slot, len(req.prompt_ids))
-        self.reader.register(slot, req.request_id, h.queue.put_nowait, timing=h.timing)
+        self.reader.register(slot, req.request_id, h.queue.put_nowait, timing=h.timing, backlog=h.queue.qsize)
         return h
 
     def _on_release(self, slot: int) -> None:

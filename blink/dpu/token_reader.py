@@ -6,7 +6,10 @@ device's `generated` with the tokens already delivered. Slots admitted since the
 "urgent" and served first, so a first token waits at most one poll interval. New tokens are read
 from the slot's output ring (at most two contiguous reads, since it wraps), `consumed` is stored
 back (the device's flow control), and a TokenEvent goes to the request's asyncio queue. A slot
-that reached DECODE_COMPLETED is released (state EMPTY) once all its tokens were read.
+that reached DECODE_COMPLETED is released (state EMPTY) once all its tokens were read. A request
+whose consumer has `max_backlog` undelivered events is skipped: its tokens stay in the ring and the
+device's output-ring flow control pauses it, so a slow client never makes the frontend buffer
+an unbounded generation.
 
 Polling adapts: while tokens flow the loop only yields to the event loop between cycles; after
 `spin_cycles` empty cycles it sleeps with a doubling interval capped at `max_idle_s` (<= 1 ms),
@@ -37,6 +40,7 @@ class _Active:
     sink: Callable[[TokenEvent], None] | None  # None: an orphan slot, drained and released silently
     delivered: int = 0  # tokens read from the output ring
     timing: list[int] | None = None  # filled at the first token: t_submit, t_admit, t_first (ring), t_read (ns)
+    backlog: Callable[[], int] | None = None  # events delivered but not yet taken by the consumer
 
 
 class TokenReader:
@@ -47,6 +51,7 @@ class TokenReader:
         spin_cycles: int = 64,
         max_idle_s: float = 0.001,
         health_interval_s: float = 0.25,
+        max_backlog: int = 64,
         on_release: Callable[[int], None] | None = None,
     ):
         self.tracker = tracker
@@ -56,6 +61,7 @@ class TokenReader:
         self.spin_cycles = spin_cycles
         self.max_idle_s = max_idle_s
         self.health_interval_s = health_interval_s
+        self.max_backlog = max_backlog  # undelivered events per request before its slot is left unread
         self.on_release = on_release  # called with the slot after it became EMPTY (wakes queued submits)
         self.active: dict[int, _Active] = {}
         self._active_mask = np.zeros(self.geo.n_slots, bool)  # slots in self.active
@@ -80,8 +86,9 @@ class TokenReader:
         sink: Callable[[TokenEvent], None] | None,
         delivered: int = 0,
         timing: list[int] | None = None,
+        backlog: Callable[[], int] | None = None,
     ) -> None:
-        self.active[slot] = _Active(request_id, sink, delivered, timing)
+        self.active[slot] = _Active(request_id, sink, delivered, timing, backlog)
         self._active_mask[slot] = True
         self._delivered[slot] = delivered
         self._urgent.append(slot)
@@ -151,6 +158,10 @@ class TokenReader:
         for slot in order:
             a = self.active.get(slot)
             if a is None:
+                continue
+            if a.backlog is not None and a.sink is not None and a.backlog() >= self.max_backlog:
+                # A slow consumer: leave its tokens in the ring. `consumed` stops advancing, so the
+                # device pauses this slot once its output ring is full (end-to-end backpressure).
                 continue
             rec = recs[slot]
             state = int(rec["state"])
