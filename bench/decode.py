@@ -16,6 +16,7 @@ import numpy as np
 
 from blink.gpu.benchutil import copy_bandwidth, metadata, time_ms, write_json
 from blink.gpu.engine import Engine, EngineConfig
+from blink.gpu.forward import CATEGORIES
 from blink.models.config import preset
 
 
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compare-cublas", default="1,8", help="batches also timed with cuBLAS instead of the GEMV")
+    ap.add_argument("--breakdown", default="1,256", help="batches whose kernel categories are timed one by one")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = eng.weights.bytes_per_step
     kv_per_token = cfg.num_layers * 2 * cfg.kv_size * 2
     rows = []
+    breakdown: dict[str, dict[str, float]] = {}
     rng = np.random.default_rng(0)
     h = eng.arena.host
     width = eng.dims.max_blocks_per_seq
@@ -84,6 +87,18 @@ def main(argv: list[str] | None = None) -> int:
                     "frac_of_copy_bw": moved / ms / 1e6 / bw["read_plus_write_GBps"],
                 }
             )
+        if str(b) in a.breakdown.split(","):
+            # each kernel category as a graph of its own (same launch order and gaps as the step)
+            parts = {}
+            for cat in CATEGORIES:
+                execs = eng.capture_variant(b, b, True, only={cat})
+                it = iter(range(10**9))
+                parts[cat] = time_ms(
+                    lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s),
+                    eng.stream,
+                    iters=a.iters,
+                )
+            breakdown[str(b)] = parts
     # sampling cost at the largest batch: temperature 1, top-p 0.9, top-k 50
     b = bmax
     h["temperature"][:b], h["top_p"][:b], h["top_k"][:b] = 1.0, 0.9, 50
@@ -114,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['batch']:>5} {r['variant']:>28} {r['ms_per_step']:8.3f} {r['tokens_per_s']:9.0f} "
             f"{r.get('GBps', 0):7.0f} {r.get('frac_of_copy_bw', 0):7.1%}"
+        )
+    for b, parts in breakdown.items():
+        print(
+            f"batch {b} by kernel category (ms): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+            + f"; sum {sum(parts.values()):.3f}"
         )
     eng.close()
     return 0

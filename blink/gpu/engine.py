@@ -176,11 +176,13 @@ class Engine:
 
     # ------------------------------------------------------------------ graph cache
 
-    def _capture_one(self, S: int, T: int, decode: bool, execs: int, use_gemv: bool = True) -> list[int]:
+    def _capture_one(
+        self, S: int, T: int, decode: bool, execs: int, use_gemv: bool = True, only: set[str] | None = None
+    ) -> list[int]:
         d = self.driver
         d.begin_capture(self.s)
         try:
-            self.fwd.record(self.s, S, T, decode, use_gemv=use_gemv)
+            self.fwd.record(self.s, S, T, decode, use_gemv=use_gemv, only=only)
         finally:
             graph = d.end_capture(self.s)
         self._graphs.append(graph)
@@ -252,9 +254,12 @@ class Engine:
             )
         return self.report
 
-    def capture_variant(self, S: int, T: int, decode: bool, use_gemv: bool) -> list[int]:
-        """Extra execs of one shape outside the table (benchmarks compare GEMM back ends)."""
-        return self._capture_one(S, T, decode, self.ecfg.execs_per_shape, use_gemv=use_gemv)
+    def capture_variant(
+        self, S: int, T: int, decode: bool, use_gemv: bool = True, only: set[str] | None = None
+    ) -> list[int]:
+        """Extra execs of one shape outside the table: benchmarks compare GEMM back ends and time
+        kernel categories on their own (`only`, see Forward.record)."""
+        return self._capture_one(S, T, decode, self.ecfg.execs_per_shape, use_gemv=use_gemv, only=only)
 
     def _write_abi(self) -> None:
         import cupy as cp

@@ -31,6 +31,7 @@ I32 = ctypes.c_int
 F32 = ctypes.c_float
 
 GEMV_BUCKETS = (1, 2, 4, 8)
+GEMV_ROWS_PER_WARP = {1: 2, 2: 4, 4: 4, 8: 4}  # must match GEMV(NT, R) in model_kernels.cu
 DECODE_HEAD_DIMS = (16, 32, 64, 128)
 DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
 PREFILL_TILE = 64
@@ -52,6 +53,27 @@ STEP_FIELDS = (
     ("sample_pos", np.uint32, "seqs"),
     ("block_tables", np.int32, "table"),
 )
+
+
+CATEGORIES = ("embed", "norm", "gemm", "rope", "attn", "swiglu", "head", "sample", "done")
+
+
+def kernel_category(name: str) -> str:
+    """Benchmark category of a kernel launch (see Forward.record's `only`)."""
+    for prefix, cat in (
+        ("embed", "embed"),
+        ("add_rmsnorm", "norm"),
+        ("gemv", "gemm"),
+        ("rope", "rope"),
+        ("attn", "attn"),
+        ("swiglu", "swiglu"),
+        ("final_norm", "head"),
+        ("sample", "sample"),
+        ("signal", "done"),
+    ):
+        if name.startswith(prefix):
+            return cat
+    raise KeyError(name)
 
 
 @dataclass(frozen=True)
@@ -155,12 +177,13 @@ class Forward:
         self.kv_layer_stride = 2 * dims.num_blocks * dims.block_size * c.kv_size * 2  # bytes
         self.kv_half = dims.num_blocks * dims.block_size * c.kv_size * 2
         hd = c.head_dim
-        self.prefill_smem = 3 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
+        self.prefill_smem = 2 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
         self.fn_prefill = kernels[f"attn_prefill_hd{hd}"]
         driver.set_max_dynamic_smem(self.fn_prefill, self.prefill_smem)
         self.fn_decode = kernels[f"attn_decode_hd{hd}_g{c.num_heads // c.num_kv_heads}"]
         self.fn_combine = kernels[f"attn_decode_combine_hd{hd}"]
         self.gemv_max_tokens = 8
+        self._only: set[str] | None = None
 
     def splits(self, s: int) -> int:
         """Decode split count for a bucket of s sequences: enough blocks for ~2 waves."""
@@ -182,17 +205,21 @@ class Forward:
         smem: int = 0,
         fn: int | None = None,
     ) -> None:
+        if self._only is not None and kernel_category(name) not in self._only:
+            return
         self.drv.launch(self.k[name] if fn is None else fn, grid, block, args, stream, smem, name)
 
     def linear(
         self, x: object, w: object, y: object, rows: int, stream: int, out_f32: bool = False, use_gemv: bool = True
     ) -> None:
         n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]
+        if self._only is not None and "gemm" not in self._only:
+            return
         if use_gemv and rows in GEMV_BUCKETS and rows <= self.gemv_max_tokens:
             name = f"gemv_{'f32' if out_f32 else 'bf16'}_t{rows}"
             self._launch(
                 name,
-                (-(-n_out // 8), 1, 1),
+                (-(-n_out // (8 * GEMV_ROWS_PER_WARP[rows])), 1, 1),
                 (256, 1, 1),
                 [self._p(w), self._p(x), self._p(y), I32(n_out), I32(k)],
                 stream,
@@ -200,8 +227,18 @@ class Forward:
         else:
             self.blas.linear(int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k, out_f32)  # type: ignore[attr-defined]
 
-    def record(self, stream: int, S: int, T: int, decode: bool, use_gemv: bool = True) -> None:
-        """Issue every launch of one step for the bucket (S sequences, T tokens)."""
+    def record(
+        self, stream: int, S: int, T: int, decode: bool, use_gemv: bool = True, only: set[str] | None = None
+    ) -> None:
+        """Issue every launch of one step for the bucket (S sequences, T tokens). `only`: issue just
+        the launches of these kernel categories (benchmarks time each category on its own)."""
+        self._only = only
+        try:
+            self._record(stream, S, T, decode, use_gemv)
+        finally:
+            self._only = None
+
+    def _record(self, stream: int, S: int, T: int, decode: bool, use_gemv: bool) -> None:
         c, d, a = self.c, self.d, self.arena.ptr
         H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
         nt, ns = P(a["num_tokens"]), P(a["num_seqs"])

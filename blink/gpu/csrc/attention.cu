@@ -17,8 +17,10 @@
 // Prefill: grid (T/64 + S, nq), 128 threads = 4 warps, a 64-query tile of one sequence and one
 // head (tile -> sequence by a warp scan over cu_q_lens). Per 64-key tile: S = Q K^T (each warp
 // 16 rows x 64 keys on WMMA), masked online softmax per row, P (bf16) V accumulated into an fp32
-// O tile in shared memory. Shared memory (HD=128): Q,K,V 3 x 64 x 136 x 2 = 52 KiB, S 64 x 68 x 4
-// = 17 KiB, P 64 x 72 x 2 = 9 KiB, O 64 x 132 x 4 = 33 KiB, row stats 0.75 KiB: ~112 KiB.
+// O tile in shared memory. Q stays in registers as WMMA A fragments; the next K/V tile is loaded
+// into registers while the current one is computed. Shared memory (HD=128): K,V 2 x 64 x 136 x 2
+// = 34 KiB, S 64 x 68 x 4 = 17 KiB, P 64 x 72 x 2 = 9 KiB, O 64 x 132 x 4 = 33 KiB, row stats
+// 0.75 KiB: ~94 KiB, so two blocks fit on an SM.
 #include <mma.h>
 
 #include "common.cuh"
@@ -75,28 +77,37 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
   const int* bt = block_tables + (size_t)s * mbps;
   const int tg = tid / LPT, d8 = tid % LPT;
+  constexpr int KI = 16 / TPW;    // keys a thread loads for the scores
+  constexpr int VI = TILE / NG;   // keys a thread loads for the V pass (KI == VI == HD/16)
+  const bf16x8 zero8 = {};
   for (int t0 = start; t0 < end; t0 += TILE) {
-    // scores of this tile
+    // Issue every K and V load of the tile before using any: one memory latency per tile.
+    bf16x8 kraw[KI], vraw[VI];
 #pragma unroll
-    for (int it = 0; it < 16 / TPW; ++it) {
+    for (int it = 0; it < KI; ++it) {
+      const int t = t0 + warp * 16 + it * TPW + lane / LPT;
+      kraw[it] = t < end ? *reinterpret_cast<const bf16x8*>(
+                               k_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + sub * 8)
+                         : zero8;
+    }
+#pragma unroll
+    for (int j = 0; j < VI; ++j) {
+      const int t = t0 + tg + NG * j;
+      vraw[j] = t < end ? *reinterpret_cast<const bf16x8*>(
+                              v_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + d8 * 8)
+                        : zero8;
+    }
+#pragma unroll
+    for (int it = 0; it < KI; ++it) {
       const int local = warp * 16 + it * TPW + lane / LPT;
-      const int t = t0 + local;
-      float kf[8];
-      if (t < end) {
-        const int blk = bt[t / bs];
-        load8(k_cache + (((size_t)blk * bs + t % bs) * nkv + kvh) * HD + sub * 8, kf);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) kf[i] = 0.f;
-      }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float d = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) d += qr[g][i] * kf[i];
+        for (int i = 0; i < 8; ++i) d += qr[g][i] * bf(kraw[it].v[i]);
 #pragma unroll
         for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(FULL_MASK, d, o);
-        if (sub == 0) sc[g][local] = t < end ? d : -INFINITY;
+        if (sub == 0) sc[g][local] = t0 + local < end ? d : -INFINITY;
       }
     }
     __syncthreads();
@@ -122,17 +133,14 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[g][i] *= a;
     }
-    for (int tt = tg; tt < TILE; tt += NG) {
-      const int t = t0 + tt;
-      if (t >= end) break;
-      const int blk = bt[t / bs];
-      float vf[8];
-      load8(v_cache + (((size_t)blk * bs + t % bs) * nkv + kvh) * HD + d8 * 8, vf);
+#pragma unroll
+    for (int j = 0; j < VI; ++j) {
+      const int tt = tg + NG * j;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float p = sc[g][tt];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] += p * vf[i];
+        for (int i = 0; i < 8; ++i) acc[g][i] += p * bf(vraw[j].v[i]);
       }
     }
     __syncthreads();
@@ -188,9 +196,10 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
                                                   const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
                                                   float scale_log2) {
   constexpr int BM = 64, BN = 64, LDH = HD + 8, LDS = BN + 4, LDP = BN + 8, LDO = HD + 4;
+  constexpr int V8 = HD / 8;                 // 16-byte vectors per row
+  constexpr int PER = BN * V8 / 128;         // vectors of a K (or V) tile per thread
   extern __shared__ __align__(128) unsigned char smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(smem);
-  bf16* Ks = Qs + BM * LDH;
+  bf16* Ks = reinterpret_cast<bf16*>(smem);  // also stages the Q tile before the loop
   bf16* Vs = Ks + BN * LDH;
   float* Ss = reinterpret_cast<float*>(Vs + BN * LDH);
   bf16* Ps = reinterpret_cast<bf16*>(Ss + BM * LDS);
@@ -232,51 +241,63 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
   const int r0 = sh_tile * BM, rows = min(BM, ql - r0);
   const int kv_end = pre + r0 + rows;
   const int* bt = block_tables + (size_t)s * mbps;
-  constexpr int V8 = HD / 8;
+  const bf16x8 zero8 = {};
+  // Q tile -> smem (staged in the K buffer) -> this warp's A fragments, kept in registers.
   for (int idx = tid; idx < BM * V8; idx += blockDim.x) {
     const int r = idx / V8, c = (idx % V8) * 8;
-    bf16x8 v;
-    if (r < rows) v = *reinterpret_cast<const bf16x8*>(q + ((size_t)(q0 + r0 + r) * nq + h) * HD + c);
-    else
-      for (int i = 0; i < 8; ++i) v.v[i] = tobf(0.f);
-    *reinterpret_cast<bf16x8*>(Qs + r * LDH + c) = v;
+    *reinterpret_cast<bf16x8*>(Ks + r * LDH + c) =
+        r < rows ? *reinterpret_cast<const bf16x8*>(q + ((size_t)(q0 + r0 + r) * nq + h) * HD + c) : zero8;
   }
   for (int idx = tid; idx < BM * LDO; idx += blockDim.x) Os[idx] = 0.f;
   if (tid < BM) {
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.f;
   }
+  __syncthreads();
   const int wr = warp * 16;  // this warp's 16 query rows
-  for (int kt = 0; kt < kv_end; kt += BN) {
-    __syncthreads();
-    for (int idx = tid; idx < BN * V8; idx += blockDim.x) {
-      const int r = idx / V8, c = (idx % V8) * 8;
-      const int key = kt + r;
-      bf16x8 kv, vv;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> qa[HD / 16];
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) wmma::load_matrix_sync(qa[kk], Ks + wr * LDH + kk * 16, LDH);
+  // K/V tiles are loaded into registers one tile ahead, so the loads overlap the tile's math.
+  bf16x8 kreg[PER], vreg[PER];
+  auto fetch = [&](int kt) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int idx = tid + i * 128;
+      const int key = kt + idx / V8, c = (idx % V8) * 8;
       if (key < kv_end) {
         const size_t off = (((size_t)bt[key / bs] * bs + key % bs) * nkv + kvh) * HD + c;
-        kv = *reinterpret_cast<const bf16x8*>(k_cache + off);
-        vv = *reinterpret_cast<const bf16x8*>(v_cache + off);
+        kreg[i] = *reinterpret_cast<const bf16x8*>(k_cache + off);
+        vreg[i] = *reinterpret_cast<const bf16x8*>(v_cache + off);
       } else {
-        for (int i = 0; i < 8; ++i) kv.v[i] = vv.v[i] = tobf(0.f);
+        kreg[i] = zero8;
+        vreg[i] = zero8;
       }
-      *reinterpret_cast<bf16x8*>(Ks + r * LDH + c) = kv;
-      *reinterpret_cast<bf16x8*>(Vs + r * LDH + c) = vv;
+    }
+  };
+  fetch(0);
+  for (int kt = 0; kt < kv_end; kt += BN) {
+    __syncthreads();  // every warp is done with the previous tile (and with the staged Q)
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int idx = tid + i * 128;
+      const int r = idx / V8, c = (idx % V8) * 8;
+      *reinterpret_cast<bf16x8*>(Ks + r * LDH + c) = kreg[i];
+      *reinterpret_cast<bf16x8*>(Vs + r * LDH + c) = vreg[i];
     }
     __syncthreads();
+    if (kt + BN < kv_end) fetch(kt + BN);
     {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[BN / 16];
 #pragma unroll
       for (int n = 0; n < BN / 16; ++n) wmma::fill_fragment(sacc[n], 0.f);
 #pragma unroll
       for (int kk = 0; kk < HD / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
-        wmma::load_matrix_sync(a, Qs + wr * LDH + kk * 16, LDH);
 #pragma unroll
         for (int n = 0; n < BN / 16; ++n) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b;
           wmma::load_matrix_sync(b, Ks + (n * 16) * LDH + kk * 16, LDH);
-          wmma::mma_sync(sacc[n], a, b, sacc[n]);
+          wmma::mma_sync(sacc[n], qa[kk], b, sacc[n]);
         }
       }
 #pragma unroll

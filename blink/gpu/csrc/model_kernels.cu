@@ -191,50 +191,59 @@ extern "C" __global__ void fill_random_bf16(bf16* __restrict__ out, uint64_t n, 
   }
 }
 
-// Small-batch GEMM Y[t, n] = sum_k X[t, k] W[n, k] for NT tokens (decode buckets <= 8): one warp
-// streams one weight row with 16-byte loads, so the weight matrix is read exactly once, coalesced.
-// cuBLAS's tensor-core kernels are tuned for larger N; at 1-8 tokens the step is a pure weight
-// stream and this reaches more of the copy bandwidth.
-template <int NT, typename OutT>
+// Small-batch GEMM Y[t, n] = sum_k X[t, k] W[n, k] for NT tokens (decode buckets <= 8): a warp
+// streams R weight rows with 16-byte loads, so the weight matrix is read exactly once, coalesced.
+// The R rows share each load of x (from L1): with one row per warp, 8 tokens made the x reads
+// (8 x the weight bytes) L1-bound. cuBLAS's tensor-core kernels are tuned for larger N; at 1-8
+// tokens the step is a pure weight stream and this reaches more of the copy bandwidth.
+template <int NT, int R, typename OutT>
 __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16* __restrict__ X, OutT* __restrict__ Y,
                                           int N, int K) {
   const int lane = threadIdx.x & 31;
-  const int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (n >= N) return;
-  const bf16* wr = W + (size_t)n * K;
-  float acc[NT];
+  const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+  if (n0 >= N) return;
+  float acc[NT][R];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
-#pragma unroll 4
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
+#pragma unroll 2
   for (int k = lane * 8; k < K; k += 256) {
-    float w[8];
-    load8(wr + k, w);
+    bf16x8 wv[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (n0 + r < N) wv[r] = *reinterpret_cast<const bf16x8*>(W + (size_t)(n0 + r) * K + k);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       float x[8];
       load8(X + (size_t)t * K + k, x);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[t] += w[i] * x[i];
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[t][r] += bf(wv[r].v[i]) * x[i];
     }
   }
 #pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    const float v = warp_sum(acc[t]);
-    if (lane == 0) {
-      if constexpr (sizeof(OutT) == 4) Y[(size_t)t * N + n] = v;
-      else Y[(size_t)t * N + n] = tobf(v);
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float v = warp_sum(acc[t][r]);
+      if (lane == 0 && n0 + r < N) {
+        if constexpr (sizeof(OutT) == 4) Y[(size_t)t * N + n0 + r] = v;
+        else Y[(size_t)t * N + n0 + r] = tobf(v);
+      }
     }
-  }
 }
 
-#define GEMV(NT)                                                                                             \
+// Rows per warp: 2 for one token (more warps in flight), 4 above (x reuse).
+#define GEMV(NT, R)                                                                                          \
   extern "C" __global__ void gemv_bf16_t##NT(const bf16* W, const bf16* X, bf16* Y, int N, int K) {          \
-    gemv_impl<NT, bf16>(W, X, Y, N, K);                                                                      \
+    gemv_impl<NT, R, bf16>(W, X, Y, N, K);                                                                   \
   }                                                                                                          \
   extern "C" __global__ void gemv_f32_t##NT(const bf16* W, const bf16* X, float* Y, int N, int K) {          \
-    gemv_impl<NT, float>(W, X, Y, N, K);                                                                     \
+    gemv_impl<NT, R, float>(W, X, Y, N, K);                                                                  \
   }
-GEMV(1)
-GEMV(2)
-GEMV(4)
-GEMV(8)
+GEMV(1, 2)
+GEMV(2, 4)
+GEMV(4, 4)
+GEMV(8, 4)
