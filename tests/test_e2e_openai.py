@@ -419,7 +419,7 @@ def test_disconnect_mid_stream_frees_slot(smol):
 # -- device failure ---------------------------------------------------------------------------
 
 
-def test_device_death_ends_streams_with_error_and_health_503(tmp_path):
+def test_device_hang_ends_stream_with_error_and_health_503(tmp_path):
     cfg = tmp_path / "blink.json"
     cfg.write_text(json.dumps({"server": {"heartbeat_timeout_s": 1.0}, "model": {"spec": "random:tiny-llama"}}))
     s = Server("--config", str(cfg), "--num-kv-blocks", "128", "--n-slots", "4")
@@ -434,14 +434,22 @@ def test_device_death_ends_streams_with_error_and_health_503(tmp_path):
         async def run():
             async with aiohttp.ClientSession() as sess:
                 body = {"model": "tiny-llama", "prompt": [5], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-                # the device dies while this stream waits for tokens: stop it before submitting
-                os.kill(int(children[0]), signal.SIGSTOP)
-                async with sess.post(s.url + "/v1/completions", json=body, headers={"Authorization": "x"}) as r:
-                    return r.status, (await r.read()).decode()
+                async with sess.post(s.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    events = []
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            events.append(line[6:].strip())
+                            if len(events) == 1:
+                                os.kill(int(children[0]), signal.SIGSTOP)  # the device hangs mid-stream
+                    return events
 
-        status, text = asyncio.run(run())
-        # the request was submitted, then failed with the heartbeat: an error (503), not a hang
-        assert status == 503 and "heartbeat" in text, (status, text)
+        events = asyncio.run(run())
+        # the stream ends (no hang) with an OpenAI error object and [DONE]
+        assert events[-1] == b"[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert "heartbeat" in err["message"] and err["type"] == "server_error"
+        assert len(events) < 1000
         with pytest.raises(urllib.error.HTTPError) as ei:
             urllib.request.urlopen(s.url + "/health")
         assert ei.value.code == 503
