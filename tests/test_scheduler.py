@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from blink.device.kv_blocks import BlockManager
@@ -184,3 +185,65 @@ def test_abort_frees_blocks_at_once():
 def test_pool_smaller_than_context_is_rejected():
     with pytest.raises(ValueError):
         Scheduler(SchedulerConfig(4, 64, 100, 16), BlockManager(4, 4))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_keeps_every_invariant(seed):
+    """Random arrivals, cancels and slow readers over a small pool: every step respects the limits,
+    blocks are never shared, tokens come out in order without gaps, and everything finishes."""
+    rng = np.random.default_rng(seed)
+    cfg = dict(
+        max_batch=int(rng.integers(1, 6)), max_tokens=int(rng.integers(4, 40)), output_capacity=int(rng.integers(1, 6))
+    )
+    s = make(num_blocks=12, block_size=4, max_context=40, **cfg)
+    published: dict[int, list[int]] = {}
+    seqs = {}
+    finished: dict[int, FinishReason] = {}
+    next_id = 0
+    for _ in range(3000):
+        if next_id < 40 and rng.random() < 0.15:
+            n = int(rng.integers(1, 30))
+            seqs[next_id] = s.add(
+                next_id,
+                rng.integers(0, 50, n).tolist(),
+                max_new_tokens=int(rng.integers(1, 20)),
+                stop_ids=[7],
+                min_new_tokens=int(rng.integers(0, 3)),
+            )
+            published[next_id] = []
+            next_id += 1
+        if s.seqs and rng.random() < 0.02:
+            victim = int(rng.choice(list(s.seqs)))
+            s.abort(victim)
+            finished[victim] = FinishReason.CANCELLED
+        for seq in list(s.seqs.values()):  # readers catch up at random
+            if rng.random() < 0.5:
+                s.set_consumed(seq.seq_id, len(published[seq.seq_id]))
+        plan = s.schedule()
+        owned = [b for sid in s.blocks.owners() for b in s.blocks.table(sid)]
+        assert len(owned) == len(set(owned)) and len(owned) + s.blocks.num_free == 12
+        if plan is None:
+            if next_id >= 40 and not s.seqs:
+                break
+            continue
+        assert plan.num_seqs <= cfg["max_batch"] and s.num_running <= cfg["max_batch"]
+        assert plan.num_tokens <= (cfg["max_tokens"] if plan.kind is StepKind.PREFILL else cfg["max_batch"])
+        for c in plan.chunks:
+            assert len(s.blocks.table(c.seq.seq_id)) * 4 >= c.start + c.n  # KV room for the chunk
+            assert c.start == c.seq.num_computed
+        toks = [int(rng.integers(0, 10)) for _ in plan.chunks]
+        for e in s.update(plan, toks):
+            assert e.index == len(published[e.seq_id])
+            published[e.seq_id].append(e.token)
+            assert len(published[e.seq_id]) - seqs[e.seq_id].consumed <= cfg["output_capacity"]
+            if e.finish is not FinishReason.NONE:
+                finished[e.seq_id] = e.finish
+    assert next_id == 40 and not s.seqs and s.blocks.num_free == 12
+    assert set(finished) == set(published)
+    assert sum(map(len, published.values())) > 100
+    for sid, reason in finished.items():
+        out = published[sid]
+        if reason is FinishReason.STOP:
+            assert out[-1] == 7
+        if reason is not FinishReason.CANCELLED:
+            assert reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTEXT)
