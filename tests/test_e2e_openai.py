@@ -459,3 +459,20 @@ def test_device_hang_ends_stream_with_error_and_health_503(tmp_path):
     finally:
         s.stop()
     assert not os.path.exists(f"/dev/shm/{s.ring}")
+
+
+def test_device_crash_is_seen_at_once():
+    # default heartbeat timeout (30 s): the exited device process is noticed well before it
+    s = Server("--model", "random:tiny-llama", "--num-kv-blocks", "128", "--n-slots", "4")
+    try:
+        (child,) = open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split()
+        os.kill(int(child), signal.SIGKILL)
+        t0 = time.monotonic()
+        code, js = _post(s.url + "/v1/completions", json.dumps({"model": "tiny-llama", "prompt": "x", "max_tokens": 5}))
+        while code != 503 and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+            code, js = _post(s.url + "/v1/completions", json.dumps({"model": "tiny-llama", "prompt": "x"}))
+        assert code == 503 and "exited" in js["error"]["message"], js
+        assert time.monotonic() - t0 < 5
+    finally:
+        s.stop()

@@ -132,7 +132,13 @@ class Stack:
     async def start_frontend(self) -> RequestTracker:
         assert self.transport is not None
         s = self.cfg.server
-        self.tracker = RequestTracker(self.transport, s.max_queue, s.heartbeat_timeout_s)
+        device = self.device
+
+        def liveness() -> str | None:
+            rc = device.poll() if device is not None else None
+            return None if rc is None else f"device process exited with code {rc}"
+
+        self.tracker = RequestTracker(self.transport, s.max_queue, s.heartbeat_timeout_s, {"liveness": liveness})
         await self.tracker.start()
         return self.tracker
 

@@ -52,6 +52,7 @@ class TokenReader:
         max_idle_s: float = 0.001,
         health_interval_s: float = 0.25,
         max_backlog: int = 64,
+        liveness: Callable[[], str | None] | None = None,
         on_release: Callable[[int], None] | None = None,
     ):
         self.tracker = tracker
@@ -61,6 +62,10 @@ class TokenReader:
         self.spin_cycles = spin_cycles
         self.max_idle_s = max_idle_s
         self.health_interval_s = health_interval_s
+        # Optional local check of the device (e.g. its process exited): a reason string when dead.
+        # It catches a crash at once instead of after heartbeat_timeout_s; polled every 0.1 s.
+        self.liveness = liveness
+        self._liveness_at = 0.0
         self.max_backlog = max_backlog  # undelivered events per request before its slot is left unread
         self.on_release = on_release  # called with the slot after it became EMPTY (wakes queued submits)
         self.active: dict[int, _Active] = {}
@@ -116,6 +121,12 @@ class TokenReader:
             self._hb, self._hb_changed_at = hb, now
         if self.failed:
             return
+        if self.liveness is not None and now - self._liveness_at >= 0.1:
+            self._liveness_at = now
+            why = self.liveness()
+            if why:
+                self._fail(why)
+                return
         status = int(self.header["device_status"])
         if status in (DeviceStatus.FAILED, DeviceStatus.STOPPED):
             self._fail(f"device {DeviceStatus(status).name.lower()} (fault {int(self.header['fault'])})")
