@@ -175,3 +175,32 @@ def test_emulated_config_round_trips_through_its_command_line():
         EmulatedDeviceConfig(ring="r", kv_blocks=0)
     with pytest.raises(ValueError):
         EmulatedDeviceConfig(ring="r", executor="not-a-factory")
+
+
+def test_emulated_process_with_a_plugged_executor_serves_the_ring():
+    from blink.device.emulated import EmulatedDeviceConfig, start_emulated_device
+
+    name = f"blink-test-emu-{os.getpid()}"
+    t = ShmTransport.create(name, RingGeometry(8, 8 * 512, 64))
+    proc = start_emulated_device(
+        EmulatedDeviceConfig(
+            ring=name, model="hash:300", executor="tests.conformance.hash_executor:make", kv_blocks=32
+        ),
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    try:
+        c = RingClient(t)
+        c.wait_status(DeviceStatus.READY, timeout=30)
+        assert int(c.header()["vocab_size"]) == 300
+        prompts = [[1, 2, 3], list(range(40))]
+        results = c.wait([c.submit(p, max_new_tokens=12) for p in prompts], timeout=30)
+        assert [r.tokens for r in results] == [reference_greedy(p, 12, 300) for p in prompts]
+        c.shutdown(1)
+        assert proc.wait(30) == 0
+        assert c.h("device_status") == DeviceStatus.STOPPED
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        t.close()
+        t.unlink()
