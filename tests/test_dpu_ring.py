@@ -275,3 +275,22 @@ def test_slow_consumer_leaves_tokens_in_the_ring(dev):
     assert rd.poll_once() == 3
     assert got[-1].token_ids == [1, 2, 3] and got[-1].finish_reason == FinishReason.LENGTH
     assert dev.v.slots[s]["state"] == SlotState.EMPTY
+
+
+def test_wire_types_round_trip_as_msgpack_arrays():
+    from blink.protocol import wire
+
+    msgs = [
+        SubmitRequest(
+            7, [1, 2, 3], 16, min_new_tokens=2, temperature=0.7, top_p=0.9, top_k=5, seed=2**63, stop_ids=[2]
+        ),
+        TokenEvent(7, [4, 5], FinishReason.ERROR, SlotError.BAD_PARAMS, "bad"),
+        wire.CancelRequest(7),
+        wire.DeviceHealth(False, DeviceStatus.FAILED, 12, "fault"),
+        wire.RingStats(8, 3, 1, 5),
+    ]
+    for m in msgs:
+        b = wire.encode(m)
+        assert b[0] & 0xF0 == 0x90  # a msgpack array (array_like), not a map with field names
+        assert wire.decoder(type(m)).decode(b) == m
+    assert len(wire.encode(TokenEvent(1, [9]))) < 8  # defaults are omitted
