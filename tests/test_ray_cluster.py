@@ -99,7 +99,7 @@ def cluster() -> Iterator[str]:
 
 def _blink(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "blink.actors.cli", *args],
+        [sys.executable, "-m", "blink.cli", *args],
         env=_env(),
         cwd=ROOT,
         capture_output=True,
