@@ -62,6 +62,12 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, found[0]
 
 
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of one process (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def scrape(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")}
@@ -166,8 +172,10 @@ def main() -> int:
         model = json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"][0]["id"]
         asyncio.run(run_load(url, model, 100, 4))  # warm-up
         for c in levels:
-            before = scrape(url)
+            before, cpu0 = scrape(url), cpu_seconds(proc.pid)
             row = asyncio.run(run_load(url, model, args.requests, c))
+            # CPU the frontend process (HTTP, tokenizer, slot tracker, token reader) spent per request
+            row["frontend_cpu_us_per_req"] = 1e6 * (cpu_seconds(proc.pid) - cpu0) / args.requests
             row["stages_ms"] = {k: 1e3 * v for k, v in stage_means(before, scrape(url)).items()}
             rows.append(row)
     finally:
@@ -176,10 +184,12 @@ def main() -> int:
 
     print(f"slot tracker alone: claim+release {micro['claim_release_us']:.1f} us, "
           f"bulk read of 256 slot records {micro['bulk_refresh_256_slots_us']:.1f} us")  # fmt: skip
-    print(f"{'conc':>5} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} | first-token stages, mean ms: " + " ".join(STAGES))
+    head = f"{'conc':>5} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'fe cpu us':>9}"
+    print(head + " | first-token stages, mean ms: " + " ".join(STAGES))
     for r in rows:
         st = " ".join(f"{r['stages_ms'][s]:.3f}" for s in STAGES)
-        print(f"{r['concurrency']:>5} {r['req_per_s']:>8.0f} {r['ttfb_p50_ms']:>8.2f} {r['ttfb_p99_ms']:>8.2f} | {st}"
+        print(f"{r['concurrency']:>5} {r['req_per_s']:>8.0f} {r['ttfb_p50_ms']:>8.2f} {r['ttfb_p99_ms']:>8.2f} "
+              f"{r['frontend_cpu_us_per_req']:>9.0f} | {st}"
               f"{'  ERRORS ' + str(r['errors']) if r['errors'] else ''}")  # fmt: skip
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
