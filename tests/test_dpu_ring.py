@@ -201,6 +201,7 @@ async def test_request_tracker_queue_full_cancel_and_heartbeat(dev):
         with pytest.raises(ValueError, match="at most 32"):
             await rt.submit(_req(100, n=40))
         # heartbeat: while beating, healthy; when it stops, in-flight requests end with an error
+        waiting = asyncio.ensure_future(rt.submit(_req(102)))  # all 4 slots are held: it queues
         for _ in range(10):
             dev.beat()
             await asyncio.sleep(0.03)
@@ -208,6 +209,8 @@ async def test_request_tracker_queue_full_cancel_and_heartbeat(dev):
         evs = await asyncio.wait_for(_drain(hs[2]), 3)
         assert evs[-1].finish_reason == FinishReason.ERROR and "heartbeat" in evs[-1].message
         assert not rt.health().ok
+        with pytest.raises(DeviceDownError):  # the queued request is not left waiting forever
+            await asyncio.wait_for(waiting, 1)
         with pytest.raises(DeviceDownError):
             await rt.submit(_req(101))
     finally:

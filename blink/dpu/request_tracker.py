@@ -81,7 +81,11 @@ class RequestTracker:
         self.geo = attach_geometry(transport)
         self.slots = SlotTracker(transport, self.geo)
         self.reader = TokenReader(
-            self.slots, heartbeat_timeout_s=heartbeat_timeout_s, on_release=self._on_release, **(reader_kwargs or {})
+            self.slots,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            on_release=self._on_release,
+            on_fail=self._on_fail,
+            **(reader_kwargs or {}),
         )
         self.max_queue = max_queue
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -97,12 +101,9 @@ class RequestTracker:
     async def close(self) -> None:
         self.reader.stop()
         if self._task is not None:
-            await self._task
-            self._task = None
-        for w in self._waiters:
-            if not w.done():
-                w.set_exception(DeviceDownError("frontend shutting down"))
-        self._waiters.clear()
+            task, self._task = self._task, None
+            await task
+        self._on_fail("frontend shutting down")
 
     def reclaim_orphans(self) -> int:
         """Take over slots a previous frontend left behind (attach to an existing ring)."""
@@ -175,7 +176,7 @@ class RequestTracker:
             except asyncio.CancelledError:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
-                elif fut.done() and not fut.cancelled():
+                elif fut.done() and not fut.cancelled() and fut.exception() is None:
                     self._wake_one()  # we were handed a slot we will not use: pass it on
                 raise
             if self.reader.failed:
@@ -185,6 +186,13 @@ class RequestTracker:
         h = RequestHandle(self, req.request_id, slot, len(req.prompt_ids))
         self.reader.register(slot, req.request_id, h.queue.put_nowait, timing=h.timing, backlog=h.queue.qsize)
         return h
+
+    def _on_fail(self, why: str) -> None:
+        """The device is down: requests waiting for a slot will never get one."""
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_exception(DeviceDownError(why))
 
     def _on_release(self, slot: int) -> None:
         self._wake_one()

@@ -22,6 +22,7 @@ advanced for `heartbeat_timeout_s`; every in-flight request then ends with an er
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from blink.protocol.layout import TOKEN_DTYPE, DeviceStatus, FinishReason, SlotE
 from blink.protocol.wire import DeviceHealth, TokenEvent
 
 from .slot_tracker import SlotTracker, read_header
+
+log = logging.getLogger("blink.token_reader")
 
 
 @dataclass
@@ -53,6 +56,7 @@ class TokenReader:
         health_interval_s: float = 0.25,
         max_backlog: int = 64,
         liveness: Callable[[], str | None] | None = None,
+        on_fail: Callable[[str], None] | None = None,
         on_release: Callable[[int], None] | None = None,
     ):
         self.tracker = tracker
@@ -65,6 +69,7 @@ class TokenReader:
         # Optional local check of the device (e.g. its process exited): a reason string when dead.
         # It catches a crash at once instead of after heartbeat_timeout_s; polled every 0.1 s.
         self.liveness = liveness
+        self.on_fail = on_fail  # called once when the device is declared down (fails queued submits)
         self._liveness_at = 0.0
         self.max_backlog = max_backlog  # undelivered events per request before its slot is left unread
         self.on_release = on_release  # called with the slot after it became EMPTY (wakes queued submits)
@@ -142,6 +147,8 @@ class TokenReader:
             del self.active[slot]  # the slots stay held: a dead device cannot hand them back
             self._active_mask[slot] = False
         self._urgent.clear()
+        if self.on_fail is not None:
+            self.on_fail(why)
 
     # -- one cycle ------------------------------------------------------------------------
     def poll_once(self) -> int:
@@ -227,6 +234,15 @@ class TokenReader:
 
     # -- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
+        try:
+            await self._run()
+        except Exception as e:
+            # A bug here must not leave every request waiting forever: fail them, then report it.
+            log.exception("token reader crashed")
+            self._fail(f"token reader crashed: {e!r}")
+            raise
+
+    async def _run(self) -> None:
         idle = 0
         sleep_s = 0.0
         while not self._stop:
