@@ -28,7 +28,6 @@ PROMPTS = [
     "Write a short story about a robot.",
     "List three colors.",
     "Explain photosynthesis in one sentence.",
-    "What is 17 times 23?",
     "Translate 'good morning' into Spanish.",
 ]
 NEW_TOKENS = 32
