@@ -297,3 +297,23 @@ def test_wire_types_round_trip_as_msgpack_arrays():
         assert b[0] & 0xF0 == 0x90  # a msgpack array (array_like), not a map with field names
         assert wire.decoder(type(m)).decode(b) == m
     assert len(wire.encode(TokenEvent(1, [9]))) < 8  # defaults are omitted
+
+
+@pytest.mark.asyncio
+async def test_a_crashing_reader_fails_requests_instead_of_hanging(dev):
+    st = SlotTracker(ShmTransport.open(dev.name), RingGeometry.from_header(dev.v.header))
+    rd = TokenReader(st, health_interval_s=0.02)
+    got: list[TokenEvent] = []
+
+    def bad_sink(ev: TokenEvent) -> None:
+        raise RuntimeError("boom")
+
+    a, b = st.claim(_req(1)), st.claim(_req(2))
+    rd.register(a, 1, bad_sink)
+    rd.register(b, 2, got.append)
+    task = asyncio.ensure_future(rd.run())
+    dev.admit(a)
+    dev.publish(a, [3])
+    await asyncio.wait_for(task, 2)  # the loop ends instead of spinning on a broken state
+    assert rd.failed and "boom" in rd.failed and not rd.health().ok
+    assert got[-1].finish_reason == FinishReason.ERROR and "crashed" in got[-1].message

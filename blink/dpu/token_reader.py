@@ -142,7 +142,10 @@ class TokenReader:
         self.failed = why
         for slot, a in list(self.active.items()):
             if a.sink is not None:
-                a.sink(TokenEvent(a.request_id, [], FinishReason.ERROR, SlotError.DEVICE_FAULT, why))
+                try:
+                    a.sink(TokenEvent(a.request_id, [], FinishReason.ERROR, SlotError.DEVICE_FAULT, why))
+                except Exception:  # one broken consumer must not keep the others from hearing
+                    log.exception("request %d: delivering the failure event", a.request_id)
                 a.sink = None
             del self.active[slot]  # the slots stay held: a dead device cannot hand them back
             self._active_mask[slot] = False
@@ -237,10 +240,11 @@ class TokenReader:
         try:
             await self._run()
         except Exception as e:
-            # A bug here must not leave every request waiting forever: fail them, then report it.
+            # A bug here must not leave every request waiting forever: fail them all.
+            # Logged with its traceback and recorded in self.failed (/health shows it); not re-raised,
+            # since nothing awaits this background task until shutdown.
             log.exception("token reader crashed")
             self._fail(f"token reader crashed: {e!r}")
-            raise
 
     async def _run(self) -> None:
         idle = 0
