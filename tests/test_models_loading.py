@@ -255,3 +255,34 @@ def test_gguf_file_reader_matches_gguf_package(smollm):
         assert (a.name, a.tensor_type, a.n_bytes, a.data.shape) == (b.name, b.tensor_type, b.n_bytes, b.data.shape)
     for i in (0, 1, 5, 271):
         assert np.array_equal(ours.tensors[i].data, theirs.tensors[i].data)
+
+
+@pytest.mark.parametrize(
+    ("pre", "words"),
+    [
+        ("smollm", ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "ĠhÃ©llo", "ĊĊĠ", "Ġworld", "!!"]),
+        ("llama-bpe", ["I", "'m", "Ġ", "123", "45", "ĠhÃ©llo", "ĊĊ", "Ġ", "Ġworld", "!!"]),
+        ("qwen2", ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "ĠhÃ©llo", "ĊĊ", "Ġ", "Ġworld", "!!"]),
+        ("gpt2", ["I", "'m", "Ġ12345", "ĠhÃ©llo", "ĊĊĠ", "Ġworld", "!!"]),
+    ],
+)
+def test_gguf_pre_tokenizer_types(pre, words):
+    from blink.models.tokenizer import _pre_tokenizer
+
+    assert [w for w, _ in _pre_tokenizer(pre).pre_tokenize_str("I'm 12345 héllo\n\n  world!!")] == words
+
+
+def test_unknown_gguf_tokenizer_is_a_clear_error():
+    from blink.models.tokenizer import from_gguf_metadata
+
+    with pytest.raises(UnsupportedModelError, match="pre-tokenizer 'falcon'"):
+        from_gguf_metadata(
+            {
+                "tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.pre": "falcon",
+                "tokenizer.ggml.tokens": ["a"],
+                "tokenizer.ggml.merges": [],
+            }
+        )
+    with pytest.raises(UnsupportedModelError, match="'llama'"):
+        from_gguf_metadata({"tokenizer.ggml.model": "llama"})

@@ -92,9 +92,37 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
 
 
+# llama.cpp pre-tokenizer types -> the split regex HF's tokenizer.json uses for those models.
+_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+
+
+def _pre_tokenizer(pre: str) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt2"):
+        return byte_level
+    if pre == "smollm":  # llama.cpp: each digit alone, then the GPT-2 regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise UnsupportedModelError(
+        f"GGUF pre-tokenizer {pre!r} is not supported ({', '.join(['gpt2', 'smollm', *_SPLITS])})"
+    )
+
+
 def from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
     """Build from decoded GGUF metadata (`blink.models.weights.gguf_metadata`)."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as HFTokenizer
 
     kind = meta.get("tokenizer.ggml.model")
@@ -104,10 +132,7 @@ def from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if meta.get("tokenizer.ggml.pre", "default") == "smollm":
-        split.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(split)
+    tok.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL]
