@@ -47,7 +47,7 @@ def main() -> int:
         "preset": a.preset,
         "command": " ".join(sys.argv),
     }
-    eng = make_engine(a.preset, 256, 4096, 2048)
+    eng = make_engine(a.preset, 256, 4096, 2048, kv_blocks=8192 if a.small else 0)
     tput = (lambda: throughput.run(eng, 64, 64, 32)) if a.small else (lambda: throughput.run(eng))
     meta["device"] = device_name()
     meta["engine"] = {"kv_blocks": eng.dims.num_blocks, "graphs": eng.report.graphs, "capture_s": eng.report.seconds}

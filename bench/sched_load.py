@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blink.protocol.layout import RingView, SlotState
+from blink.protocol.layout import DeviceStatus, RingView, SlotState
 
 
 @dataclass
@@ -80,7 +80,8 @@ class LoadGen:
         deadline_s: float = 0.0,
     ) -> LoadResult:
         """Submit every request (at most `concurrency` in flight), read all tokens; returns counts.
-        With deadline_s, stop after that long instead (in-flight requests are left running)."""
+        With deadline_s, cycle through `requests` for that long instead (in-flight requests are
+        left running: a later run on the same LoadGen reads them on)."""
         res = LoadResult()
         st, gen = self.slots["state"], self.slots["generated"]
         cap = self.v.geo.output_capacity
@@ -88,12 +89,13 @@ class LoadGen:
         nxt = 0
         t0 = time.perf_counter()
         t_sample = t0
-        while res.completed < len(requests):
+        while deadline_s or res.completed < len(requests):
             busy = self.req_of >= 0
             free = np.flatnonzero(~busy & (st == SlotState.EMPTY))
-            n_new = min(len(free), limit - int(busy.sum()), len(requests) - nxt)
+            left = len(free) if deadline_s else len(requests) - nxt
+            n_new = min(len(free), limit - int(busy.sum()), left)
             for slot in free[: max(n_new, 0)]:
-                self._submit(int(slot), nxt, requests[nxt])
+                self._submit(int(slot), nxt, requests[nxt % len(requests)])
                 self.read[slot] = 0
                 nxt += 1
                 res.submitted += 1
@@ -147,7 +149,7 @@ def steady(
 ) -> LoadResult:
     """Closed loop: keep `concurrency` requests in flight for `seconds` (tokens counted as read).
     Requests still in flight at the deadline stay on the ring; the next phase reads them on."""
-    reqs = random_requests(1 << 14, prompt_len, max_new, vocab, seed)  # more than can finish
+    reqs = random_requests(256, prompt_len, max_new, vocab, seed)  # cycled until the deadline
     return gen.run(reqs, concurrency=concurrency, deadline_s=seconds, sample_every_s=0.25)
 
 
@@ -173,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t = ShmTransport.open(a.ring)
     view = t.view()
+    t_end = time.monotonic() + 120
+    while int(view.header["device_status"]) != DeviceStatus.READY:  # the description comes with READY
+        if time.monotonic() > t_end:
+            raise TimeoutError("device not READY")
+        time.sleep(0.001)
     vocab = int(view.header["vocab_size"])
     out: dict = {}
     if a.sigstop_pid:

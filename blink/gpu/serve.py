@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+SMALL_RANDOM_PARAMS = 1_000_000_000
+
 
 @dataclass(frozen=True)
 class GpuServeConfig:
@@ -78,12 +80,14 @@ def build_engine(cfg: GpuServeConfig) -> Any:
     from blink.gpu.engine import Engine, EngineConfig
     from blink.models.config import preset
 
-    if cfg.model.startswith("random:"):
-        mcfg, weights = preset(cfg.model.removeprefix("random:")), None
+    mcfg = preset(cfg.model.removeprefix("random:")) if cfg.model.startswith("random:") else None
+    if mcfg is not None and mcfg.num_params() > SMALL_RANDOM_PARAMS:
+        weights = None  # generated on the GPU: a host copy of billions of float32 would take minutes
     else:
+        # the registry's weights: a small random preset is then the very model the emulated device runs
         from blink.models.registry import resolve_model
 
-        bundle = resolve_model(cfg.model, allow_pull=False)
+        bundle = resolve_model(cfg.model, allow_pull=False, seed=cfg.seed)
         mcfg, weights = bundle.config, bundle.weights
     ctx = cfg.max_context or min(mcfg.max_position, 8192)
     ctx -= ctx % cfg.block_size

@@ -78,7 +78,7 @@ def prompts(n, lengths, vocab, seed=0):
     return [rng.integers(3, vocab, lengths[i % len(lengths)]).tolist() for i in range(n)]
 
 
-def host_loop_tokens(engine, ps, max_new):
+def host_loop_tokens(engine, ps, max_new, **params):
     """The same requests through the host-driven loop (the reference for the same graphs)."""
     from blink.device.ring_device import RingDevice
     from blink.gpu.host_executor import HostExecutor
@@ -89,7 +89,8 @@ def host_loop_tokens(engine, ps, max_new):
         th = threading.Thread(target=dev.run, daemon=True)
         th.start()
         r.client.wait_status(DeviceStatus.READY, 10)
-        out = [x.tokens for x in r.client.wait([r.client.submit(p, max_new_tokens=max_new) for p in ps], 60)]
+        slots = [r.client.submit(p, max_new_tokens=max_new, seed=i, **params) for i, p in enumerate(ps)]
+        out = [x.tokens for x in r.client.wait(slots, 60)]
         r.client.shutdown(1)
         th.join(30)
         return out
@@ -102,7 +103,7 @@ def test_greedy_tokens_equal_the_host_loop_and_stats_add_up(engine, ring):
     ps = prompts(12, [1, 5, 17, 40, 130, 33], engine.config.vocab_size)
     ref = host_loop_tokens(engine, ps, 20)
     s = start_gpu(engine, ring)
-    got = c.wait([c.submit(p, max_new_tokens=20) for p in ps], timeout=60)
+    got = c.wait([c.submit(p, max_new_tokens=20, seed=i) for i, p in enumerate(ps)], timeout=60)
     assert [r.tokens for r in got] == ref
     assert all(r.finish is FinishReason.LENGTH for r in got)
     assert all(r.t_submit_ns <= r.t_admit_ns <= r.t_first_ns for r in got)
@@ -115,6 +116,19 @@ def test_greedy_tokens_equal_the_host_loop_and_stats_add_up(engine, ring):
     assert s.stop() == DeviceStatus.STOPPED
     d = s.diagnostics()
     assert d["launch_errors"] == 0 and d["fault"] == 0
+
+
+def test_sampled_tokens_equal_the_host_loop(engine, ring):
+    """Seeds, temperature, top-k and top-p reach the graphs as the host loop passes them."""
+    c = ring.client
+    ps = prompts(6, [3, 20, 64], engine.config.vocab_size, seed=5)
+    params = dict(temperature=1.0, top_p=0.9, top_k=40)
+    ref = host_loop_tokens(engine, ps, 12, **params)
+    s = start_gpu(engine, ring)
+    got = c.wait([c.submit(p, max_new_tokens=12, seed=i, **params) for i, p in enumerate(ps)], timeout=60)
+    assert [r.tokens for r in got] == ref
+    assert len({tuple(t) for t in ref}) > 1
+    assert s.stop() == DeviceStatus.STOPPED
 
 
 def test_unbounded_generation_crosses_many_launch_windows(engine, ring):
