@@ -275,3 +275,22 @@ def test_killed_gpu_actor_marks_replica_down_and_restarts(cluster) -> None:
         assert _fe_replicas(d)[victim]["requests"] > before  # routed to again
     finally:
         deploy.stop(cfg)
+
+
+def test_start_failure_and_start_timeout_are_reported_and_cleaned_up(cluster) -> None:
+    from ray.util import placement_group_table
+
+    bad = from_mapping({**json.loads(_cfg("bad", 0).to_json()), "model": {"spec": "random:no-such-preset"}})
+    with pytest.raises(deploy.StartError, match="no-such-preset"):
+        deploy.deploy(bad, detached=False)
+    assert deploy.find(bad) == ([], None)  # killed, not left restarting forever
+    deploy.stop(bad)
+    slow = from_mapping({**json.loads(_cfg("slow", 0).to_json()), "deploy": {"name": "slow", "start_timeout_s": 0.01}})
+    with pytest.raises(TimeoutError, match="did not finish"):
+        deploy.deploy(slow, detached=False)
+    assert deploy.find(slow) == ([], None)
+    assert deploy.stop(slow)["placement_group"] is True
+    live = [
+        p for p in placement_group_table().values() if p["name"] in ("bad-pg", "slow-pg") and p["state"] != "REMOVED"
+    ]
+    assert live == []

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "deploy":
         try:
             d = deploy.deploy(cfg, detached=True)
-        except (ConfigError, TimeoutError) as e:
+        except (ConfigError, TimeoutError, deploy.StartError) as e:
             print(f"blink deploy: {e}", file=sys.stderr)
             return 1
         from .frontend_actor import wait_http

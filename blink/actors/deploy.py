@@ -90,6 +90,15 @@ def _get_all(refs: list[Any], timeout: float, what: str, actors: list[Any]) -> l
         for a in actors:
             ray.kill(a, no_restart=True)
         raise TimeoutError(f"{what} did not finish in {timeout:g}s; actors killed") from None
+    except ray.exceptions.RayTaskError as e:
+        # A start that failed (bad model, engine crash) would fail again on every restart.
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        raise StartError(f"{what} failed: {e.cause if e.cause is not None else e}; actors killed") from None
+
+
+class StartError(RuntimeError):
+    """An actor's start() raised; the message carries the actor's own error."""
 
 
 def find(cfg: DeployConfig) -> tuple[list[Any], Any | None]:

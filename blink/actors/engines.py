@@ -8,8 +8,10 @@ the lifecycle the GPU runs. blink.gpu is imported only when a GPU is used.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable
 
@@ -57,25 +59,38 @@ class ProcessEngine:
     guarantee where that is switched off and for engines started outside Ray.
     """
 
-    def __init__(self, spawn: Callable[..., subprocess.Popen], transport: ShmTransport):
+    def __init__(self, spawn: Callable[..., subprocess.Popen], transport: ShmTransport, name: str):
         self._transport = transport
         self._proc: subprocess.Popen | None = None
-        self.error = ""
+        self._error = ""
+        # The engine's stdout/stderr go to a file: nobody has to drain a pipe, and the tail
+        # explains an engine that died during start-up (status() reports the path).
+        fd, self.log_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
         forked = threading.Event()
 
         def own() -> None:
             try:
-                self._proc = spawn(preexec_fn=_die_with_parent)
+                self._proc = spawn(preexec_fn=_die_with_parent, stdout=fd, stderr=subprocess.STDOUT)
             except Exception as e:  # surfaced by alive() == False and `error`
-                self.error = f"{type(e).__name__}: {e}"
+                self._error = f"{type(e).__name__}: {e}"
                 return
             finally:
+                os.close(fd)
                 forked.set()
             self._proc.wait()
 
         self._owner = threading.Thread(target=own, name="engine-owner", daemon=True)
         self._owner.start()
         forked.wait()
+
+    @property
+    def error(self) -> str:
+        """Why the engine is not running: a spawn failure, or the last lines it wrote before exiting."""
+        if self._error or self._proc is None or self._proc.poll() is None:
+            return self._error
+        with open(self.log_path, errors="replace") as f:
+            tail = [line.rstrip() for line in f.readlines()[-5:] if line.strip()]
+        return f"exit code {self._proc.returncode}: " + " | ".join(tail)
 
     @property
     def pid(self) -> int | None:
@@ -95,6 +110,8 @@ class ProcessEngine:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait(5.0)
+        if self._proc.returncode == 0:  # clean stop: nothing to look at later
+            os.unlink(self.log_path)
 
 
 def start_cuda(cfg: DeployConfig, ring_name: str) -> ProcessEngine:
@@ -102,7 +119,9 @@ def start_cuda(cfg: DeployConfig, ring_name: str) -> ProcessEngine:
     from blink.gpu import serve as gpu_serve  # lazy: CuPy and the CUDA engine only on GPU nodes
 
     return ProcessEngine(
-        lambda **kw: gpu_serve.start(ring_name=ring_name, config=cfg.serving, **kw), ShmTransport.open(ring_name)
+        lambda **kw: gpu_serve.start(ring_name=ring_name, config=cfg.serving, **kw),
+        ShmTransport.open(ring_name),
+        f"blink-cuda-{ring_name}",
     )
 
 
@@ -111,4 +130,6 @@ def start_emulated(cfg: DeployConfig, ring_name: str) -> ProcessEngine:
     from blink.device.emulated import start_emulated_device
 
     ecfg = emulated_config(cfg, ring_name)
-    return ProcessEngine(lambda **kw: start_emulated_device(ecfg, **kw), ShmTransport.open(ring_name))
+    return ProcessEngine(
+        lambda **kw: start_emulated_device(ecfg, **kw), ShmTransport.open(ring_name), f"blink-emulated-{ring_name}"
+    )

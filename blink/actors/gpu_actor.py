@@ -138,6 +138,7 @@ class GpuActor:
             "pid": os.getpid(),
             "device": self._device,
             "engine_pid": getattr(self._engine, "pid", None),
+            "engine_log": getattr(self._engine, "log_path", ""),
             "incarnation": self._incarnation,
         }
 
