@@ -197,15 +197,13 @@ def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: set[str], name: st
     if vocab is None:
         vocab = len(meta["tokenizer.ggml.tokens"])
     scaling = RopeScaling()
-    if meta.get(f"{ga}.rope.scaling.type", "none") not in ("none", "linear") or "rope_freqs.weight" in tensor_names:
-        # llama.cpp stores Llama-3 scaling as a rope_freqs tensor; the loader checks it against these.
-        scaling = RopeScaling(
-            type="llama3",
-            factor=float(meta.get(f"{ga}.rope.scaling.factor", 8.0)),
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position=int(meta.get(f"{ga}.rope.scaling.original_context_length", 8192)),
-        )
+    stype = meta.get(f"{ga}.rope.scaling.type", "none")
+    if stype != "none":
+        raise UnsupportedModelError(f"GGUF rope scaling {stype!r} is not supported")
+    if "rope_freqs.weight" in tensor_names:
+        # llama.cpp stores Llama-3 scaling only as a rope_freqs tensor (per-frequency divisors):
+        # Llama 3.1's parameters here; `weights.load_gguf` derives the exact ones from the tensor.
+        scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
     eos_ids = _eos_tuple(eos) + tuple(x for x in _eos_tuple(eot) if x not in _eos_tuple(eos))

@@ -129,7 +129,7 @@ def from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
     if kind != "gpt2":
         raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (gpt2 byte-level BPE)")
     tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))

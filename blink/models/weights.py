@@ -31,7 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from blink.models.config import ModelConfig, UnsupportedModelError, from_gguf_metadata, from_hf_config, rope_inv_freq
+from blink.models.config import (
+    ModelConfig,
+    RopeScaling,
+    UnsupportedModelError,
+    from_gguf_metadata,
+    from_hf_config,
+    rope_inv_freq,
+)
 from blink.models.gguf_file import GGUFFile
 from blink.models.progress import ProgressFn, make_progress
 
@@ -174,12 +181,37 @@ def load_gguf_weights(
     return out
 
 
-def _check_rope_freqs(config: ModelConfig, factors: np.ndarray) -> None:
+def _base_inv_freq(config: ModelConfig) -> np.ndarray:
     d = config.head_dim
-    base = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    ours = base / rope_inv_freq(config)
+    return 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+
+
+def _check_rope_freqs(config: ModelConfig, factors: np.ndarray) -> None:
+    ours = _base_inv_freq(config) / rope_inv_freq(config)
     if factors.shape != ours.shape or not np.allclose(factors, ours, rtol=1e-4):
-        raise UnsupportedModelError("GGUF rope_freqs do not match Llama-3 scaling (factor 8, low 1, high 4)")
+        raise UnsupportedModelError(f"GGUF rope_freqs do not follow Llama-3 scaling ({config.rope_scaling})")
+
+
+def llama3_scaling_from_factors(config: ModelConfig, factors: np.ndarray) -> RopeScaling:
+    """Llama-3 scaling parameters that reproduce llama.cpp's rope_freqs divisors (low/high freq
+    factors 1 and 4 as in every Llama 3.x; `factor` is the largest divisor; the original
+    context comes from a divisor in the smoothed band, or the band edge when there is none)."""
+    factors = np.asarray(factors, dtype=np.float64)
+    factor = float(factors.max())
+    if factor <= 1.0:
+        return RopeScaling()
+    low, high = 1.0, 4.0
+    wavelen = 2 * np.pi / _base_inv_freq(config)
+    medium = np.flatnonzero((factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4)))
+    if medium.size:
+        i = int(medium[0])
+        smooth = (1 / factors[i] - 1 / factor) / (1 - 1 / factor)
+        orig = wavelen[i] * (smooth * (high - low) + low)
+    else:  # no smoothed band: any context between the two edges reproduces the divisors
+        orig = high * wavelen[int(np.flatnonzero(factors <= 1 + 1e-4).max())]
+    scaling = RopeScaling("llama3", factor, low, high, int(round(orig)))
+    _check_rope_freqs(config.replace(rope_scaling=scaling), factors)
+    return scaling
 
 
 def load_gguf(
@@ -189,6 +221,9 @@ def load_gguf(
     reader = GGUFFile(path)
     meta = reader.metadata
     config = from_gguf_metadata(meta, {t.name for t in reader.tensors}, name=pathlib.Path(path).stem)
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        config = config.replace(rope_scaling=llama3_scaling_from_factors(config, _dequant(rope_freqs)))
     return config, load_gguf_weights(reader, config, progress), meta
 
 

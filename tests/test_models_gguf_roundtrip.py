@@ -1,0 +1,157 @@
+"""GGUF files written the way llama.cpp's converter writes them load back into the canonical weights.
+
+Covers what the SmolLM2 file does not: an untied output.weight, Qwen3 (q/k norms, no rope
+permutation, key_length != hidden/heads), Llama-3 rope_freqs, and quantised + F16 + F32 tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from blink.models.config import UnsupportedModelError, preset
+from blink.models.registry import resolve_model
+from blink.models.weights import load_gguf, random_weights, rope_inv_freq
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if name in fixed:
+        return fixed[name]
+    if name == "lm_head.weight":
+        return "output.weight"
+    _, _, i, rest = name.split(".", 3)
+    return f"blk.{i}.{_TO_GGUF[rest.removesuffix('.weight')]}.weight"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, config, weights, rope_factors: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Write a GGUF (2-D weights Q8_0, embeddings F16, norms F32); return the weights as stored
+    values, i.e. what a loader must give back after dequantisation."""
+    arch = config.arch
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config.num_layers)
+    w.add_context_length(config.max_position)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_heads)
+    w.add_head_count_kv(config.num_kv_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.rms_eps)
+    w.add_vocab_size(config.vocab_size)
+    tokens = [f"<t{i}>" for i in range(config.vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen3" else "llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_merges([])
+    w.add_token_types([3 if i < 3 else 1 for i in range(config.vocab_size)])
+    w.add_bos_token_id(config.bos_token_id)
+    w.add_eos_token_id(config.eos_token_id)
+    stored = {}
+    if config.rope_scaling.type == "llama3":
+        d = config.head_dim
+        base = 1.0 / (config.rope_theta ** (np.arange(0, d, 2) / d))
+        factors = base / rope_inv_freq(config) if rope_factors is None else rope_factors
+        w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
+    for name, t in weights.items():
+        if t.ndim == 1:
+            stored[name] = t
+            w.add_tensor(gguf_name(name), t)
+            continue
+        if name == "model.embed_tokens.weight":
+            h = t.astype(np.float16)
+            stored[name] = h.astype(np.float32)
+            w.add_tensor(gguf_name(name), h)
+            continue
+        q = gguf.quants.quantize(t, Q.Q8_0)
+        stored[name] = gguf.quants.dequantize(q, Q.Q8_0)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = config.num_heads if "q_proj" in name else config.num_kv_heads
+            q = gguf.quants.quantize(llama_cpp_permute(t, n), Q.Q8_0)
+            stored[name] = llama_cpp_permute_inverse_ref(gguf.quants.dequantize(q, Q.Q8_0), n)
+        w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def llama_cpp_permute_inverse_ref(w: np.ndarray, n_head: int) -> np.ndarray:
+    # Independent inverse: index map of the forward permutation, inverted with argsort.
+    rows = np.arange(w.shape[0])
+    fwd = llama_cpp_permute(rows[:, None], n_head)[:, 0]
+    return w[np.argsort(fwd)]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_roundtrip(tmp_path, name, tied):
+    config = preset(name).replace(tie_word_embeddings=tied)
+    weights = random_weights(config, seed=5)
+    path = tmp_path / f"{name}.gguf"
+    stored = write_gguf(path, config, weights)
+    got_config, got, meta = load_gguf(path)
+    for f in ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+        assert getattr(got_config, f) == getattr(config, f), f
+    assert (got_config.num_kv_heads, got_config.head_dim, got_config.qk_norm) == (
+        config.num_kv_heads,
+        config.head_dim,
+        config.qk_norm,
+    )
+    assert got_config.tie_word_embeddings == tied and got_config.rope_scaling == config.rope_scaling
+    assert got_config.eos_token_ids == config.eos_token_ids and got_config.rope_theta == pytest.approx(
+        config.rope_theta
+    )
+    assert set(got) == set(stored)
+    for k, v in stored.items():
+        assert np.array_equal(got[k], v), k
+    # And the permutation really was exercised: stored q differs from the raw GGUF rows for llama.
+    if config.arch == "llama":
+        q = weights["model.layers.0.self_attn.q_proj.weight"]
+        assert np.abs(got["model.layers.0.self_attn.q_proj.weight"] - q).max() < 0.02 * np.abs(q).max()
+    bundle = resolve_model(path)
+    assert bundle.tokenizer.special_tokens == {"<t0>": 0, "<t1>": 1, "<t2>": 2}
+
+
+def test_gguf_rope_freqs_mismatch_is_rejected(tmp_path):
+    config = preset("tiny-llama")
+    path = tmp_path / "bad.gguf"
+    # Divisors that no Llama-3 parameter set produces (non-monotonic).
+    write_gguf(path, config, random_weights(config), rope_factors=np.array([1, 2, 1, 8, 8, 3, 8, 8]))
+    with pytest.raises(UnsupportedModelError, match="rope_freqs do not follow"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("orig", [8192, 32, 100])
+def test_llama3_scaling_recovered_from_rope_freqs(orig):
+    from blink.models.weights import llama3_scaling_from_factors
+
+    c = preset("llama3-8b")
+    c = c.replace(rope_scaling=c.rope_scaling.__class__("llama3", 8.0, 1.0, 4.0, orig))
+    base = 1.0 / (c.rope_theta ** (np.arange(0, 128, 2) / 128))
+    got = llama3_scaling_from_factors(c, (base / rope_inv_freq(c)).astype(np.float32))
+    np.testing.assert_allclose(rope_inv_freq(c.replace(rope_scaling=got)), rope_inv_freq(c), rtol=1e-5)
