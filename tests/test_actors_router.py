@@ -165,3 +165,38 @@ def test_router_balances_fails_over_and_reattaches() -> None:
         for d in devs:
             if d.thread.is_alive():
                 d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_router_switches_at_once_to_a_replaced_ring() -> None:
+    """The old device keeps beating on the unlinked ring (as a not-yet-reaped engine could), and the
+    heartbeat timeout is a minute: only the new inode under the ring's name can tell the router."""
+    name = f"blink-test-replace-{os.getpid()}"
+    old = Device(name, _ex(step_delay_s=0.01))
+    _wait_ready(old.transport)
+
+    async def main() -> None:
+        router = Router([name], lambda t: RequestTracker(t, heartbeat_timeout_s=60.0), watch_interval_s=0.05)
+        await router.start()
+        new = None
+        try:
+            h = await router.submit(SubmitRequest(router.new_request_id(), [5, 6], 1000, greedy=True))
+            os.unlink(old.transport.path)  # the old mapping (and device) live on; only the name moves
+            new = Device(name, _ex())
+            t0 = time.monotonic()
+            toks, evs = await asyncio.wait_for(_collect(h), 10)
+            assert evs[-1].finish_reason == FinishReason.ERROR and "replaced" in evs[-1].message
+            while router.replicas[0].attaches < 2 or not router.replicas[0].up:
+                assert time.monotonic() - t0 < 10
+                await asyncio.sleep(0.02)
+            got = await _collect(await router.submit(SubmitRequest(router.new_request_id(), [7, 7], 5, greedy=True)))
+            assert got[0] == reference_greedy([7, 7], 5, VOCAB)
+            assert int(new.transport.view().header["requests_completed"]) == 1  # served by the new ring
+        finally:
+            await router.close()
+            old.transport.view().header["shutdown"] = 2
+            old.thread.join(5)
+            if new is not None:
+                new.stop()
+
+    asyncio.run(main())

@@ -228,6 +228,25 @@ def test_killed_frontend_restarts_and_reattaches(dp: deploy.Deployment) -> None:
         time.sleep(0.05)
 
 
+def test_crashed_engine_takes_its_actor_down_and_comes_back(dp: deploy.Deployment) -> None:
+    info = ray.get(dp.gpu_actors[0].ring_info.remote())
+    os.kill(info["engine_pid"], 9)  # the engine process dies on its own (not the actor)
+    t_end = time.monotonic() + 60
+    while True:
+        try:
+            new = ray.get(dp.gpu_actors[0].ring_info.remote(), timeout=5)
+            if new["pid"] != info["pid"] and _fe_replicas(dp)[0]["up"] and new["engine_pid"]:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # the actor is restarting
+        assert time.monotonic() < t_end, "replica 0 did not come back"
+        time.sleep(0.1)
+    assert new["incarnation"] != info["incarnation"]
+    with cf.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda i: _complete(dp.url, 6, f"c{i}"), range(4)))
+    assert all(o["usage"]["completion_tokens"] == 6 for o in outs)
+
+
 def test_killed_gpu_actor_marks_replica_down_and_restarts(cluster) -> None:
     cfg = _cfg("kill", _free_port(), max_batch=1)
     d = deploy.deploy(cfg, detached=False)

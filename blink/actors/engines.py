@@ -59,7 +59,13 @@ class ProcessEngine:
     guarantee where that is switched off and for engines started outside Ray.
     """
 
-    def __init__(self, spawn: Callable[..., subprocess.Popen], transport: ShmTransport, name: str):
+    def __init__(
+        self,
+        spawn: Callable[..., subprocess.Popen],
+        transport: ShmTransport,
+        name: str,
+        on_exit: Callable[[int], None] | None = None,
+    ):
         self._transport = transport
         self._proc: subprocess.Popen | None = None
         self._error = ""
@@ -77,7 +83,9 @@ class ProcessEngine:
             finally:
                 os.close(fd)
                 forked.set()
-            self._proc.wait()
+            rc = self._proc.wait()
+            if on_exit is not None:
+                on_exit(rc)
 
         self._owner = threading.Thread(target=own, name="engine-owner", daemon=True)
         self._owner.start()
@@ -114,7 +122,7 @@ class ProcessEngine:
             os.unlink(self.log_path)
 
 
-def start_cuda(cfg: DeployConfig, ring_name: str) -> ProcessEngine:
+def start_cuda(cfg: DeployConfig, ring_name: str, on_exit: Callable[[int], None]) -> ProcessEngine:
     """The CUDA engine process on this actor's GPU (Ray set CUDA_VISIBLE_DEVICES for the actor)."""
     from blink.gpu import serve as gpu_serve  # lazy: CuPy and the CUDA engine only on GPU nodes
 
@@ -122,14 +130,18 @@ def start_cuda(cfg: DeployConfig, ring_name: str) -> ProcessEngine:
         lambda **kw: gpu_serve.start(ring_name=ring_name, config=cfg.serving, **kw),
         ShmTransport.open(ring_name),
         f"blink-cuda-{ring_name}",
+        on_exit,
     )
 
 
-def start_emulated(cfg: DeployConfig, ring_name: str) -> ProcessEngine:
+def start_emulated(cfg: DeployConfig, ring_name: str, on_exit: Callable[[int], None]) -> ProcessEngine:
     """The emulated device as a child process (the CUDA engine's process model, without a GPU)."""
     from blink.device.emulated import start_emulated_device
 
     ecfg = emulated_config(cfg, ring_name)
     return ProcessEngine(
-        lambda **kw: start_emulated_device(ecfg, **kw), ShmTransport.open(ring_name), f"blink-emulated-{ring_name}"
+        lambda **kw: start_emulated_device(ecfg, **kw),
+        ShmTransport.open(ring_name),
+        f"blink-emulated-{ring_name}",
+        on_exit,
     )

@@ -44,6 +44,7 @@ class FrontendActor:
         self._info: dict[str, Any] = {}
         self._router = None
         self._server = None
+        self._stop_event: asyncio.Event | None = None
         self._restarted = reconstructed()
         if self._restarted:
             start_in_background(self.start, "frontend", self._set_error)
@@ -84,6 +85,8 @@ class FrontendActor:
             loop.close()
 
     async def _serve(self) -> None:
+        import ray
+
         from blink.dpu.request_tracker import RequestTracker
 
         from .http import start_http
@@ -95,12 +98,11 @@ class FrontendActor:
         def make_tracker(transport):
             return RequestTracker(transport, max_queue=srv.max_queue, heartbeat_timeout_s=timeout)
 
+        self._stop_event = asyncio.Event()
         self._router = Router([self.cfg.ring_name(i) for i in range(self.replicas)], make_tracker)
         await self._router.start()
         try:
             self._server = await start_http(self.cfg.serving, self._router)
-            import ray
-
             self._info = {
                 "url": self._server.url,
                 "node_ip": ray.util.get_node_ip_address(),
@@ -108,7 +110,6 @@ class FrontendActor:
                 "pid": os.getpid(),
                 "restarted": self._restarted,
             }
-            self._stop_event = asyncio.Event()
             self._started.set()
             await self._stop_event.wait()
         finally:
@@ -118,10 +119,11 @@ class FrontendActor:
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         raycount.note_incoming("stop")
-        loop = self._loop
-        if loop is None or self._stopped.is_set():
+        if self._thread is None or self._stopped.is_set():
             return True
-        loop.call_soon_threadsafe(self._stop_event.set)
+        self._started.wait(timeout_s)  # stopping mid-start: let the loop reach its wait first
+        if self._loop is not None and self._stop_event is not None and not self._stopped.is_set():
+            self._loop.call_soon_threadsafe(self._stop_event.set)
         return self._stopped.wait(timeout_s)
 
     # -- introspection (control plane) ------------------------------------------------------
@@ -133,7 +135,7 @@ class FrontendActor:
             out["state"] = "STARTING"
         router = self._router
         loop = self._loop
-        if router is not None and loop is not None and not self._stopped.is_set():
+        if router is not None and loop is not None and self._started.is_set() and not self._stopped.is_set():
             fut = asyncio.run_coroutine_threadsafe(_snapshot(router), loop)
             out["replicas"] = fut.result(timeout=5)
         return out

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from blink.protocol.layout import DeviceStatus, RingGeometry
@@ -68,13 +69,14 @@ def resolve_device(device: str) -> str:
         return "emulated"
 
 
-def start_engine(device: str, cfg: DeployConfig, ring_name: str) -> Engine:
-    """Load the model and start the engine on an existing ring (lazy imports: CUDA only when asked)."""
+def start_engine(device: str, cfg: DeployConfig, ring_name: str, on_exit: Callable[[int], None]) -> Engine:
+    """Load the model and start the engine on an existing ring (lazy imports: CUDA only when asked).
+    `on_exit(returncode)` runs when the engine process ends."""
     from . import engines
 
     if device == "cuda":
-        return engines.start_cuda(cfg, ring_name)
-    return engines.start_emulated(cfg, ring_name)
+        return engines.start_cuda(cfg, ring_name, on_exit)
+    return engines.start_emulated(cfg, ring_name, on_exit)
 
 
 class GpuActor:
@@ -90,6 +92,8 @@ class GpuActor:
         self._device = ""
         self._start_error: str = ""
         self._incarnation = 0
+        self._serving = False  # the engine reached READY (an exit after that is a crash)
+        self._stopping = False
         if reconstructed():
             start_in_background(self.start, f"gpu-actor-{replica}", self._set_start_error)
 
@@ -101,7 +105,8 @@ class GpuActor:
         raycount.note_incoming("start")
         with self._lock:
             if self._engine is None:
-                self._incarnation = time.time_ns()
+                self._incarnation = gen = time.time_ns()
+                self._serving = self._stopping = False
                 rc = self.cfg.serving.ring
                 geo = RingGeometry(rc.n_slots, rc.prompt_arena_tokens, rc.output_capacity)
                 path = shm_path(self.ring_name)
@@ -111,9 +116,23 @@ class GpuActor:
                     os.unlink(path)
                 self._transport = ShmTransport.create(self.ring_name, geo)
                 self._device = resolve_device(self.cfg.serving.device.kind)
-                self._engine = start_engine(self._device, self.cfg, self.ring_name)
-                self._wait_ready(self._engine, self._transport)
+                self._engine = start_engine(
+                    self._device, self.cfg, self.ring_name, lambda rc: self._engine_exited(rc, gen)
+                )
+                try:
+                    self._wait_ready(self._engine, self._transport)
+                except BaseException:
+                    self._teardown(drain=False, timeout_s=5.0)  # a retried start() begins afresh
+                    raise
+                self._serving = True
         return self.ring_info()
+
+    def _engine_exited(self, returncode: int, incarnation: int) -> None:
+        # An engine that dies while serving takes its actor down with it, so Ray restarts the
+        # actor and the replica comes back exactly as after a killed actor (fresh ring, new engine).
+        if incarnation == self._incarnation and self._serving and not self._stopping:
+            log.error("engine of replica %d exited with %d while serving; exiting the actor", self.replica, returncode)
+            os._exit(1)
 
     @staticmethod
     def _wait_ready(engine: Engine, transport: ShmTransport) -> None:
@@ -162,16 +181,21 @@ class GpuActor:
         """Ask the engine to stop (drain: finish in-flight work), wait, unlink the ring."""
         raycount.note_incoming("stop")
         with self._lock:
-            if self._transport is not None:
-                self._transport.view().header["shutdown"] = 1 if drain else 2
-            if self._engine is not None:
-                self._engine.stop(timeout_s)
-            st = self.status()
-            if self._transport is not None:
-                self._transport.unlink()
-                self._transport.close()
-            self._transport = None
-            self._engine = None
+            return self._teardown(drain, timeout_s)
+
+    def _teardown(self, drain: bool, timeout_s: float) -> dict[str, Any]:
+        self._stopping = True
+        if self._transport is not None:
+            self._transport.view().header["shutdown"] = 1 if drain else 2
+        if self._engine is not None:
+            self._engine.stop(timeout_s)
+        st = self.status()
+        if self._transport is not None:
+            self._transport.unlink()
+            self._transport.close()
+        self._transport = None
+        self._engine = None
+        self._serving = False  # _stopping stays set: a late exit callback must not kill the actor
         return st
 
     def ray_counts(self) -> dict[str, int]:

@@ -9,7 +9,8 @@ Replica liveness comes from the ring alone. A replica whose token reader declare
 down (status FAILED/STOPPED or a heartbeat silent for server.heartbeat_timeout_s) is dropped
 from routing; its in-flight requests have already ended with an error event. A watcher checks
 each ring file every `watch_interval_s`: when the GPU actor is restarted it creates a fresh ring
-under the same name (a new inode), and once that ring says READY the replica is attached again.
+under the same name (a new inode); the old ring is then failed at once (without waiting for the
+heartbeat timeout), and once the new ring says READY the replica is attached again.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ class Replica:
     @property
     def up(self) -> bool:
         return self.tracker is not None and not self.tracker.reader.failed
+
+
+def _inode(path: str) -> int:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return 0
 
 
 def _ring_ready(path: str) -> tuple[int, bool]:
@@ -122,6 +130,14 @@ class Router:
     async def _watcher(self) -> None:
         while not self._closing:
             for r in self.replicas:
+                if r.tracker is not None and not r.tracker.reader.failed and _inode(shm_path(r.ring)) != r.inode:
+                    # The GPU actor restarted and replaced the ring: the old one is dead even if
+                    # its heartbeat has not timed out yet. Fail its requests now (error events),
+                    # rather than after server.heartbeat_timeout_s. (_fail is the token reader's
+                    # own failure path; RequestTracker has no public one.)
+                    r.tracker.reader._fail(
+                        f"ring {r.ring} was replaced or removed (its GPU actor restarted or stopped)"
+                    )
                 if r.tracker is not None and r.tracker.reader.failed:
                     await self._detach(r, r.tracker.reader.failed)
                 if r.tracker is None:
