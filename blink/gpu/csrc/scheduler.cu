@@ -12,7 +12,10 @@
 //            CAS on a device-side claim word, validate, queue FCFS by t_submit_ns), read cancel flags
 //            and the `consumed` counters of sequences whose output ring is full;
 //   poll     thread 0 spins on *done_seq (ld.acquire.gpu), beating the heartbeat meanwhile;
-//   publish  tokens into the output arena, then `generated` (st.release.sys); finishes, cancels,
+//   account  device side of the results: tokens into the rows, finish decisions, KV blocks and rows
+//            freed, cancels applied; the ring writes are queued;
+//   flush    (next iteration, right after the next launch, so off the critical path) tokens into
+//            the output arena, then `generated` (st.release.sys), then finish word and COMPLETED;
 //            slot states; statistics mirrored into the header.
 // After `window` (<= 120) fire-and-forget launches the instance tail-launches its own exec
 // (cudaGetCurrentGraphExec) and returns: a graph execution may have at most 120 such launches
@@ -47,6 +50,18 @@ __device__ uint32_t g_copy_cu[SCHED_MAX_ROWS + 1];
 __device__ uint32_t g_eng_owner[SCHED_MAX_ROWS];
 __device__ uint32_t g_eng_nb[SCHED_MAX_ROWS];
 __device__ uint32_t g_eng_gen[SCHED_MAX_ROWS];  // the owner's kv_gen when copied
+// ring writes deferred to flush(), which runs while the next step's graph executes:
+// token events of the last step (index = its plan index; k == DEAD: no token) and finishes
+__device__ uint32_t g_ev_slot[SCHED_MAX_ROWS];
+__device__ uint32_t g_ev_k[SCHED_MAX_ROWS];
+__device__ int32_t g_ev_tok[SCHED_MAX_ROWS];
+__device__ uint32_t g_ev_fin[SCHED_MAX_ROWS];
+__device__ uint32_t g_n_ev;
+__device__ u64 g_ev_ns;
+__device__ uint32_t g_fin_slot[SCHED_MAX_ROWS];
+__device__ uint32_t g_fin_word[SCHED_MAX_ROWS];
+__device__ uint32_t g_n_fin;
+__device__ uint32_t g_mirror;  // statistics changed since the last mirror into the header
 
 struct Shared {
   uint32_t warp_sums[33];
@@ -58,7 +73,7 @@ struct Shared {
   uint32_t n_slots, cap, arena_tokens, vocab, mbps, bs;
   cudaGraphExec_t self;
   uint32_t action, shutdown, kind, nseq, ntok, do_scan, do_cancel, launch_ok, fault, dirty;
-  uint32_t beat, tokens, completed;
+  uint32_t beat, tokens, completed, flags;
   u64 t_iter, t_launch, t_launched, t_done, seq;
   uint32_t nclaim, overflow, n_ok, tok_total;
   uint32_t claim_slot[MAX_CLAIMS];
@@ -89,10 +104,11 @@ __device__ void finish_slot(Shared& sh, uint32_t slot, uint32_t reason, uint32_t
   atomicAdd(&sh.completed, 1u);
 }
 
-// Returns a row's blocks and the row itself; the slot's claim word is cleared before the state
-// store so a recycled slot can be claimed by the very next scan. Pushes only (no pops) may run
+// Returns a row's blocks and the row itself (device state only). The slot's claim word is
+// cleared here; the slot's COMPLETED store follows in flush(), before the next scan, and the
+// frontend recycles a slot only after it sees COMPLETED. Pushes only (no pops) may run
 // concurrently with this: pops happen in the plan phase, behind a barrier.
-__device__ void release_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t reason, uint32_t err) {
+__device__ void free_row(SchedCtl* c, Shared& sh, uint32_t r) {
   Row& R = g_rows[r];
   uint32_t* kv = (uint32_t*)c->kv_free;
   const int32_t* b = row_blocks(c, sh, r);
@@ -103,10 +119,25 @@ __device__ void release_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t reason
   R.used = 0;
   R.running = 0;
   ((uint32_t*)c->claim)[R.slot] = 0;
-  __threadfence_block();
-  finish_slot(sh, R.slot, reason, err);
   g_free_rows[atomicAdd(&c->n_free_rows, 1u)] = r;
   sh.dirty = 1;
+}
+
+// Finish a row now, ring included (shutdown and fault paths).
+__device__ void release_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t reason, uint32_t err) {
+  const uint32_t slot = g_rows[r].slot;
+  free_row(c, sh, r);
+  finish_slot(sh, slot, reason, err);
+}
+
+// Finish a row whose COMPLETED store is deferred to the next flush() (no token with it).
+__device__ void retire_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t reason, uint32_t err) {
+  const uint32_t slot = g_rows[r].slot;
+  free_row(c, sh, r);
+  const uint32_t i = atomicAdd(&g_n_fin, 1u);
+  g_fin_slot[i] = slot;
+  g_fin_word[i] = reason | (err << 16);
+  atomicAdd(&sh.completed, 1u);
 }
 
 // Keep the entries of `list` whose row is live with running == want, in order (all threads).
@@ -334,6 +365,32 @@ __device__ void plan_decode(SchedCtl* c, Shared& sh) {
   __syncthreads();
 }
 
+// Engine row i of the step: chunk [start, start + n) of row r, packed at token offset cu.
+// A decode chunk (n == 1) also writes its input token here; prefill tokens are packed separately.
+__device__ void fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, uint32_t start, uint32_t n, uint32_t cu,
+                         bool decode) {
+  const EngineABI* E = sh.E;
+  const Row& R = g_rows[r];
+  ((int32_t*)E->seq_lens)[i] = (int32_t)(start + n);
+  ((int32_t*)E->cu_q_lens)[i + 1] = (int32_t)(cu + n);
+  ((float*)E->temperature)[i] = R.temperature;
+  ((float*)E->top_p)[i] = R.top_p;
+  ((int32_t*)E->top_k)[i] = R.top_k;
+  ((u64*)E->seeds)[i] = R.seed;
+  ((uint32_t*)E->sample_pos)[i] = generated(R);
+  const int32_t* b = row_blocks(c, sh, r);
+  int32_t* t = (int32_t*)E->block_tables + (size_t)i * sh.mbps;
+  const bool same = g_eng_owner[i] == r && g_eng_gen[i] == R.kv_gen;  // blocks freed since: recopy
+  for (uint32_t k = same ? min(g_eng_nb[i], R.n_blocks) : 0; k < R.n_blocks; ++k) t[k] = b[k];
+  g_eng_owner[i] = r;
+  g_eng_gen[i] = R.kv_gen;
+  g_eng_nb[i] = R.n_blocks;
+  if (decode) {
+    ((int32_t*)E->input_ids)[i] = row_tokens(c, r)[start];
+    ((int32_t*)E->positions)[i] = (int32_t)start;
+  }
+}
+
 // Copy the prompts of newly admitted rows from the ring's arena, then write the plan into the
 // engine's step buffers (all threads).
 __device__ void fill_engine(SchedCtl* c, Shared& sh) {
@@ -370,31 +427,8 @@ __device__ void fill_engine(SchedCtl* c, Shared& sh) {
   int32_t* input_ids = (int32_t*)E->input_ids;
   int32_t* positions = (int32_t*)E->positions;
   int32_t* cu_q = (int32_t*)E->cu_q_lens;
-  int32_t* seq_lens = (int32_t*)E->seq_lens;
-  int32_t* tables = (int32_t*)E->block_tables;
-  for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS) {
-    const uint32_t r = g_plan_row[i];
-    const Row& R = g_rows[r];
-    const uint32_t start = g_plan_start[i], n = g_plan_n[i];
-    seq_lens[i] = (int32_t)(start + n);
-    cu_q[i + 1] = (int32_t)(g_plan_cu[i] + n);
-    ((float*)E->temperature)[i] = R.temperature;
-    ((float*)E->top_p)[i] = R.top_p;
-    ((int32_t*)E->top_k)[i] = R.top_k;
-    ((u64*)E->seeds)[i] = R.seed;
-    ((uint32_t*)E->sample_pos)[i] = generated(R);
-    const int32_t* b = row_blocks(c, sh, r);
-    int32_t* t = tables + (size_t)i * sh.mbps;
-    const bool same = g_eng_owner[i] == r && g_eng_gen[i] == R.kv_gen;  // blocks since freed: recopy
-    for (uint32_t k = same ? min(g_eng_nb[i], R.n_blocks) : 0; k < R.n_blocks; ++k) t[k] = b[k];
-    g_eng_owner[i] = r;
-    g_eng_gen[i] = R.kv_gen;
-    g_eng_nb[i] = R.n_blocks;
-    if (sh.kind == KIND_DECODE) {
-      input_ids[i] = row_tokens(c, r)[start];
-      positions[i] = (int32_t)start;
-    }
-  }
+  for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS)
+    fill_seq(c, sh, i, g_plan_row[i], g_plan_start[i], g_plan_n[i], g_plan_cu[i], sh.kind == KIND_DECODE);
   if (sh.kind == KIND_PREFILL) {
     for (uint32_t j = threadIdx.x; j < ntok; j += SCHED_THREADS) {
       uint32_t a = 0, b = nseq;
@@ -490,6 +524,7 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
   for (;;) {
     if (tid == 0) iteration_begin(c, sh);
     __syncthreads();
+    if (sh.action != ACT_RUN) flush(c, sh);  // the last step's tokens reach the ring first
     if (sh.action == ACT_EXIT) {
       if (sh.shutdown >= 2 || sh.fault) abort_all(c, sh);
       mirror_stats(c, sh);
@@ -528,12 +563,13 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
       }
     }
     __syncthreads();
-    overlap(c, sh);  // ring scan, cancels, consumed counters (the graph runs meanwhile)
+    flush(c, sh);    // the previous step's tokens and states to the ring (the graph runs meanwhile)
+    overlap(c, sh);  // ring scan, cancels, consumed counters
     if (tid == 0 && sh.kind != KIND_NONE && sh.launch_ok) wait_done(c, sh);
     __syncthreads();
     if (sh.fault) continue;  // iteration_begin turns it into ACT_EXIT
-    if (sh.kind != KIND_NONE) publish(c, sh);
-    retire(c, sh);  // cancels, list compaction, slot states, header statistics
+    if (sh.kind != KIND_NONE) account(c, sh);
+    retire(c, sh);  // cancels, list compaction, statistics
   }
 }
 
@@ -556,6 +592,7 @@ extern "C" __global__ void blink_sched_init(SchedCtl* c, uint32_t n_slots, uint3
   // pop() yields block 0 first, as blink/device/kv_blocks.py does
   for (uint32_t i = tid; i < num_kv_blocks; i += nth) ((uint32_t*)c->kv_free)[i] = num_kv_blocks - 1 - i;
   if (tid == 0) {
+    g_n_ev = g_n_fin = g_mirror = 0;
     c->kv_free_top = (int)num_kv_blocks;
     c->n_free_rows = c->rows_cap;
     c->n_run = c->n_wait = 0;

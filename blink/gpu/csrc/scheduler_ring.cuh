@@ -39,6 +39,7 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
   const u64 now = gtime();
   sh.t_iter = now;
   sh.kind = KIND_NONE;
+  sh.flags = 0;
   sh.nseq = sh.ntok = 0;
   sh.n_preempted = 0;
   sh.completed = sh.tokens = 0;
@@ -67,36 +68,78 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
 }
 
 // Scheduler.schedule: prefill when wanted (alternating with decode while both want), else decode.
+// One pass over the running rows and one block scan decide; the common decode step (every block
+// it needs is free) is written into the engine's buffers in the same pass (all threads).
 __device__ void plan(SchedCtl* c, Shared& sh) {
-  const uint32_t n_run = c->n_run;
-  bool any_prefilling = false, any_wait_ok = false;
-  uint32_t ready = 0;
-  for (uint32_t p = threadIdx.x; p < n_run; p += SCHED_THREADS) {
-    const Row& R = g_rows[g_run[p]];
-    if (prefilling(R)) any_prefilling = true;
-    else if (!output_full(R, sh.cap)) ready++;
+  const uint32_t cnt = c->n_run, per = (cnt + SCHED_THREADS - 1) / SCHED_THREADS;
+  const uint32_t lo = min(cnt, threadIdx.x * per), hi = min(cnt, lo + per);
+  uint32_t ready = 0, need = 0, flags = 0;
+  for (uint32_t i = lo; i < hi; ++i) {
+    const Row& R = g_rows[g_run[i]];
+    if (prefilling(R)) {
+      flags |= 1;
+    } else if (!output_full(R, sh.cap)) {
+      ready++;
+      need += ceil_div(R.len, sh.bs) - min(R.n_blocks, ceil_div(R.len, sh.bs));
+    }
   }
   for (uint32_t p = threadIdx.x; p < c->n_wait; p += SCHED_THREADS)
-    if (!output_full(g_rows[g_wait[p]], sh.cap)) any_wait_ok = true;
-  any_prefilling = __syncthreads_or(any_prefilling);
-  any_wait_ok = __syncthreads_or(any_wait_ok);
-  const uint32_t n_ready = __syncthreads_count(ready > 0);  // > 0 is all the policy needs
-  if (threadIdx.x == 0) {
-    const bool wants = any_prefilling ||
-                       (n_run < c->max_batch && (any_wait_ok || c->waitq_head != c->waitq_tail));
-    if (wants && (n_ready == 0 || c->last_kind == KIND_DECODE)) {
+    if (!output_full(g_rows[g_wait[p]], sh.cap)) flags |= 2;
+  if (flags) atomicOr(&sh.flags, flags);
+  uint32_t total;
+  const uint32_t off = block_scan(ready | (need << 16), &total, sh.warp_sums);  // barriers: sh.flags visible
+  const uint32_t n_ready = total & 0xFFFFu, n_need = total >> 16;
+  const bool wants = (sh.flags & 1) || (cnt < c->max_batch && ((sh.flags & 2) || c->waitq_head != c->waitq_tail));
+  const int top = c->kv_free_top;
+  if (wants && (n_ready == 0 || c->last_kind == KIND_DECODE)) {
+    if (threadIdx.x == 0) {
       plan_prefill(c, sh);
       if (sh.nseq) sh.kind = KIND_PREFILL;
     }
-  }
-  __syncthreads();
-  if (sh.kind != KIND_PREFILL) {
-    plan_decode(c, sh);
-    if (threadIdx.x == 0) sh.kind = sh.nseq ? KIND_DECODE : KIND_NONE;
     __syncthreads();
+    if (sh.kind != KIND_PREFILL) {
+      plan_decode(c, sh);  // prefill planning may have preempted rows: plan from scratch
+      if (threadIdx.x == 0) sh.kind = sh.nseq ? KIND_DECODE : KIND_NONE;
+      __syncthreads();
+    }
+    if (sh.kind == KIND_NONE) return;
+    fill_engine(c, sh);
+  } else if (n_ready == 0) {
+    return;  // sh.kind stays KIND_NONE
+  } else if (n_need > (uint32_t)top) {
+    if (threadIdx.x == 0) {
+      plan_decode_seq(c, sh);  // preemption needed: Scheduler._schedule_decode step by step
+      sh.kind = sh.nseq ? KIND_DECODE : KIND_NONE;
+    }
+    __syncthreads();
+    if (sh.kind == KIND_NONE) return;
+    fill_engine(c, sh);
+  } else {
+    if (threadIdx.x == 0) sh.kind = KIND_DECODE;
+    const uint32_t* kv = (const uint32_t*)c->kv_free;
+    uint32_t o = off & 0xFFFFu, ob = off >> 16;
+    for (uint32_t i = lo; i < hi; ++i) {
+      const uint32_t r = g_run[i];
+      Row& R = g_rows[r];
+      if (prefilling(R) || output_full(R, sh.cap)) continue;
+      int32_t* b = row_blocks(c, sh, r);
+      while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = (int32_t)kv[top - 1 - (int)ob++];
+      g_plan_row[o] = r;
+      g_plan_start[o] = R.len - 1;
+      g_plan_n[o] = 1;
+      g_plan_sample[o] = 1;
+      g_plan_cu[o] = o;
+      fill_seq(c, sh, o, r, R.len - 1, 1, o, true);
+      ++o;
+    }
+    if (threadIdx.x == 0) {
+      c->kv_free_top = top - (int)n_need;
+      sh.nseq = sh.ntok = n_ready;
+      ((int32_t*)sh.E->cu_q_lens)[0] = 0;
+      *(uint32_t*)sh.E->num_seqs = n_ready;
+      *(uint32_t*)sh.E->num_tokens = n_ready;
+    }
   }
-  if (sh.kind == KIND_NONE) return;
-  fill_engine(c, sh);
   if (threadIdx.x == 0) c->last_kind = sh.kind;
   __syncthreads();
 }
@@ -108,12 +151,13 @@ __device__ void scan_claims(SchedCtl* c, Shared& sh) {
   const uint32_t n_slots = sh.n_slots, per = (n_slots + SCHED_THREADS - 1) / SCHED_THREADS;
   const uint32_t lo = min(n_slots, threadIdx.x * per), hi = min(n_slots, lo + per);
   bool found = false;
-  for (uint32_t base = lo; base < hi; base += 8) {
-    uint32_t st[8];
+  // All of a thread's loads are issued before the first use: one PCIe round trip per 16 slots.
+  for (uint32_t base = lo; base < hi; base += 16) {
+    uint32_t st[16];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) st[k] = base + k < hi ? ld_sys(&sh.slots[base + k].state) : SLOT_EMPTY;
+    for (int k = 0; k < 16; ++k) st[k] = base + k < hi ? ld_sys(&sh.slots[base + k].state) : SLOT_EMPTY;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < 16; ++k) {
       if (st[k] != SLOT_PREFILL_PENDING) continue;
       const uint32_t s = base + k;
       if (atomicCAS(&claim[s], 0u, 1u) != 0u) continue;
@@ -130,6 +174,13 @@ __device__ void scan_claims(SchedCtl* c, Shared& sh) {
   if (found) __threadfence_system();  // acquire: the slot fields are read after the state
   __syncthreads();
   const uint32_t n = min(sh.nclaim, MAX_CLAIMS);
+  if (n == 0) {  // the common case: nothing new (uniform across the block: no barrier skipped unevenly)
+    if (threadIdx.x == 0) {
+      c->scans++;
+      c->scan_ns_total += gtime() - t0;
+    }
+    return;
+  }
   RingSlot* copy = (RingSlot*)c->slot_copy;
   for (uint32_t i = threadIdx.x; i < n; i += SCHED_THREADS) {
     const uint32_t s = sh.claim_slot[i];
@@ -293,43 +344,51 @@ __device__ void wait_done(SchedCtl* c, Shared& sh) {
   sh.t_done = gtime();
 }
 
-// Scheduler.update + RingDevice._step: token into the arena, then `generated` (release); finish.
-__device__ void publish(SchedCtl* c, Shared& sh) {
+// Scheduler.update, device side: each sampled token into its row, finish decisions, rows freed.
+// The ring sees these in flush(), after the next step is launched (off the critical path).
+__device__ void account(SchedCtl* c, Shared& sh) {
   const uint32_t nseq = sh.nseq;
   if (!sh.launch_ok) {
-    for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS)
-      if (g_rows[g_plan_row[i]].used) release_row(c, sh, g_plan_row[i], FINISH_ERROR, SLOTERR_DEVICE_FAULT);
-    __syncthreads();
-    return;
+    for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS) {
+      g_ev_k[i] = DEAD;
+      if (g_rows[g_plan_row[i]].used) retire_row(c, sh, g_plan_row[i], FINISH_ERROR, SLOTERR_DEVICE_FAULT);
+    }
+  } else {
+    const int32_t* out_tokens = (const int32_t*)sh.E->out_tokens;
+    uint32_t mine = 0;
+    for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS) {
+      const uint32_t r = g_plan_row[i];
+      Row& R = g_rows[r];
+      R.computed = g_plan_start[i] + g_plan_n[i];
+      if (!g_plan_sample[i]) {
+        g_ev_k[i] = DEAD;
+        continue;
+      }
+      const int32_t tok = out_tokens[i];
+      const uint32_t k = generated(R);
+      row_tokens(c, r)[R.len] = tok;
+      R.len++;
+      uint32_t fin = FINISH_NONE;
+      bool stop = false;
+      for (uint32_t j = 0; j < R.n_stop && j < MAX_STOP_IDS; ++j) stop |= R.stop_ids[j] == tok;
+      if (stop && k >= R.min_new) fin = FINISH_STOP;
+      else if (R.max_new != UNLIMITED && k + 1 >= R.max_new) fin = FINISH_LENGTH;
+      else if (R.len >= c->max_context) fin = FINISH_CONTEXT;
+      g_ev_slot[i] = R.slot;
+      g_ev_k[i] = k;
+      g_ev_tok[i] = tok;
+      g_ev_fin[i] = fin;
+      mine++;
+      if (fin != FINISH_NONE) {
+        free_row(c, sh, r);
+        atomicAdd(&sh.completed, 1u);
+      }
+    }
+    if (mine) atomicAdd(&sh.tokens, mine);
   }
-  const int32_t* out_tokens = (const int32_t*)sh.E->out_tokens;
-  const u64 now = unix_ns(c);
-  uint32_t mine = 0;
-  for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS) {
-    const uint32_t r = g_plan_row[i];
-    Row& R = g_rows[r];
-    R.computed = g_plan_start[i] + g_plan_n[i];
-    if (!g_plan_sample[i]) continue;
-    const int32_t tok = out_tokens[i];
-    const uint32_t k = generated(R);
-    row_tokens(c, r)[R.len] = tok;
-    R.len++;
-    RingSlot* s = &sh.slots[R.slot];
-    st_sys((uint32_t*)&sh.out[(size_t)R.slot * sh.cap + k % sh.cap], (uint32_t)tok);
-    if (k == 0) st_sys64(&s->t_first_ns, now);
-    uint32_t fin = FINISH_NONE;
-    bool stop = false;
-    for (uint32_t j = 0; j < R.n_stop && j < MAX_STOP_IDS; ++j) stop |= R.stop_ids[j] == tok;
-    if (stop && k >= R.min_new) fin = FINISH_STOP;
-    else if (R.max_new != UNLIMITED && k + 1 >= R.max_new) fin = FINISH_LENGTH;
-    else if (R.len >= c->max_context) fin = FINISH_CONTEXT;
-    st_rel_sys(&s->generated, k + 1);
-    mine++;
-    if (fin != FINISH_NONE) release_row(c, sh, r, fin, SLOTERR_NONE);
-  }
-  if (mine) atomicAdd(&sh.tokens, mine);
-  __syncthreads();
   if (threadIdx.x == 0) {
+    g_n_ev = nseq;
+    g_ev_ns = unix_ns(c);
     if (sh.kind == KIND_PREFILL) {
       c->prefill_steps++;
       c->prompt_tokens += sh.ntok;
@@ -340,16 +399,63 @@ __device__ void publish(SchedCtl* c, Shared& sh) {
   }
 }
 
-// Cancels seen by the overlap phase, list upkeep, slot states (Scheduler.ring_state), statistics.
+// Cancels seen by the overlap phase, list upkeep, statistics (all threads; ends with a barrier).
 __device__ void retire(SchedCtl* c, Shared& sh) {
   const uint32_t rows = c->rows_cap;
   for (uint32_t r = threadIdx.x; r < rows; r += SCHED_THREADS)
-    if (g_rows[r].used && g_rows[r].cancel) release_row(c, sh, r, FINISH_CANCELLED, SLOTERR_NONE);
+    if (g_rows[r].used && g_rows[r].cancel) retire_row(c, sh, r, FINISH_CANCELLED, SLOTERR_NONE);
   __syncthreads();
   if (sh.dirty) {
     compact(g_run, &c->n_run, 1, sh);
     compact(g_wait, &c->n_wait, 0, sh);
   }
+  const bool busy = sh.kind != KIND_NONE;
+  if (threadIdx.x == 0) {
+    c->tokens_generated += sh.tokens;
+    c->requests_completed += sh.completed;
+    if (busy || sh.dirty || sh.completed) g_mirror = 1;
+    if (busy) {
+      const u64 end = gtime();
+      const u64 wait = sh.t_done - sh.t_launched;
+      c->plan_ns_total += sh.t_launch - sh.t_iter;
+      c->launch_ns_total += sh.t_launched - sh.t_launch;
+      c->wait_ns_total += wait;
+      c->publish_ns_total += end - sh.t_done;
+      c->sched_ns_total += (end - sh.t_iter) - wait;
+      c->busy_iters++;
+    }
+  }
+  __syncthreads();
+}
+
+// The ring side of the last step (all threads): tokens into the output arena, then `generated`
+// (st.release.sys), then the finish word and COMPLETED; then slot states (Scheduler.ring_state)
+// and the header statistics.
+__device__ void flush(SchedCtl* c, Shared& sh) {
+  const uint32_t n_ev = g_n_ev, n_fin = g_n_fin;
+  const u64 ev_ns = g_ev_ns;
+  for (uint32_t i = threadIdx.x; i < n_ev; i += SCHED_THREADS) {
+    const uint32_t k = g_ev_k[i];
+    if (k == DEAD) continue;
+    const uint32_t slot = g_ev_slot[i];
+    RingSlot* s = &sh.slots[slot];
+    st_sys((uint32_t*)&sh.out[(size_t)slot * sh.cap + k % sh.cap], (uint32_t)g_ev_tok[i]);
+    if (k == 0) st_sys64(&s->t_first_ns, ev_ns);
+    st_rel_sys(&s->generated, k + 1);
+    const uint32_t fin = g_ev_fin[i];
+    if (fin != FINISH_NONE) {
+      st_sys((uint32_t*)&s->finish_reason, fin);
+      st_rel_sys(&s->state, SLOT_DECODE_COMPLETED);
+    }
+  }
+  __syncthreads();  // a slot's last token before its COMPLETED (a cancel can finish a row that sampled)
+  for (uint32_t i = threadIdx.x; i < n_fin; i += SCHED_THREADS) {
+    RingSlot* s = &sh.slots[g_fin_slot[i]];
+    st_sys((uint32_t*)&s->finish_reason, g_fin_word[i]);
+    st_rel_sys(&s->state, SLOT_DECODE_COMPLETED);
+  }
+  __syncthreads();  // a slot's first token before its DECODE_PROCESSING state
+  const uint32_t rows = c->rows_cap;
   for (uint32_t r = threadIdx.x; r < rows; r += SCHED_THREADS) {
     Row& R = g_rows[r];
     if (!R.used) continue;
@@ -363,23 +469,13 @@ __device__ void retire(SchedCtl* c, Shared& sh) {
     }
   }
   __syncthreads();
-  const bool busy = sh.kind != KIND_NONE;
-  if (threadIdx.x == 0) {
-    c->tokens_generated += sh.tokens;
-    c->requests_completed += sh.completed;
-    if (busy) {
-      const u64 end = gtime();
-      const u64 wait = sh.t_done - sh.t_launched;
-      c->plan_ns_total += sh.t_launch - sh.t_iter;
-      c->launch_ns_total += sh.t_launched - sh.t_launch;
-      c->wait_ns_total += wait;
-      c->publish_ns_total += end - sh.t_done;
-      c->sched_ns_total += (end - sh.t_iter) - wait;
-      c->busy_iters++;
-    }
-  }
+  if (g_mirror || sh.beat) mirror_stats(c, sh);
   __syncthreads();
-  if (busy || sh.dirty || sh.completed || sh.beat) mirror_stats(c, sh);
+  if (threadIdx.x == 0) {
+    g_n_ev = 0;
+    g_n_fin = 0;
+    g_mirror = 0;
+  }
 }
 
 // Shutdown 2 (stop now) or a fault: finish every live request. Unclaimed PENDING slots stay.
