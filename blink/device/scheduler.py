@@ -33,6 +33,7 @@ import bisect
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -105,7 +106,7 @@ class Seq:
         return self.num_generated == 0 or len(self.tokens) - self.num_computed > 1
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     seq: Seq
     start: int  # first position computed
@@ -128,8 +129,7 @@ class StepPlan:
         return len(self.chunks)
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):  # a tuple: built for every token, so it must be cheap
     """A token to publish: token `index` of sequence `seq_id`; finish != NONE on its last."""
 
     seq_id: int
@@ -325,14 +325,14 @@ class Scheduler:
         if len(sampled) != len(plan.chunks):
             raise ValueError(f"{len(sampled)} samples for {len(plan.chunks)} chunks")
         events: list[TokenEvent] = []
-        for c, tok in zip(plan.chunks, sampled, strict=True):
+        toks = sampled.tolist() if isinstance(sampled, np.ndarray) else [int(t) for t in sampled]
+        for c, tok in zip(plan.chunks, toks, strict=True):
             s = c.seq
             if s.status is not SeqStatus.RUNNING:
                 continue  # aborted between schedule and update: its result is dropped
             s.num_computed = c.start + c.n
             if not c.sample:
                 continue
-            tok = int(tok)
             k = s.num_generated
             s.tokens.append(tok)
             s.num_generated = k + 1
