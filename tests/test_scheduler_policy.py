@@ -1,4 +1,6 @@
-"""Scheduler policy, driven without a model: schedule() -> StepPlan, update(plan, fabricated tokens)."""
+"""Scheduler policy (blink.device.scheduler), driven without a model: schedule() -> StepPlan, update(plan, fabricated tokens).
+
+Named apart from tests/gpu/test_scheduler.py: pytest needs unique basenames in folders without __init__.py."""
 
 from __future__ import annotations
 
