@@ -69,10 +69,13 @@ def main(argv: list[str] | None = None) -> int:
             bt[i, :per_seq] = np.arange(i * per_seq, (i + 1) * per_seq)
         eng.arena.upload(eng.s, b)
         variants = {"engine": lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s)}
-        if str(b) in a.compare_cublas.split(",") and b <= ecfg.gemv_max_tokens:
-            execs = eng.capture_variant(b, b, True, use_gemv=False)
+        if str(b) in a.compare_cublas.split(","):  # the other GEMM back end at this batch
+            eng.fwd.gemv_max_tokens = 8
+            execs = eng.capture_variant(b, b, True, use_gemv=b > ecfg.gemv_max_tokens)
+            eng.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
             it = iter(range(10**9))
-            variants["cublas_only"] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+            other = "gemv" if b > ecfg.gemv_max_tokens else "cublas_only"
+            variants[other] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
         for name, fn in variants.items():
             ms = time_ms(fn, eng.stream, iters=a.iters)
             moved = weight_bytes + b * ctx * kv_per_token

@@ -34,7 +34,7 @@ def test_compiles_for_sm90(src: pathlib.Path, tmp_path: pathlib.Path):
     names = subprocess.run(["strings", str(out)], capture_output=True, text=True).stdout
     if src.name == "attention.cu":
         for hd in (16, 32, 64, 128):
-            assert f"attn_prefill_hd{hd}" in names and f"attn_decode_combine_hd{hd}" in names
+            assert f"attn_prefill_hd{hd}" in names and f"attn_decode_hd{hd}_g4" in names
     if src.name == "model_kernels.cu":
         for k in ("embed_tokens", "add_rmsnorm", "rope_kv_write", "swiglu", "signal_done", "gemv_bf16_t8"):
             assert k in names

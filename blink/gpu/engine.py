@@ -59,8 +59,10 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS
     execs_per_shape: int = 2
-    gemv_max_tokens: int = 8
-    """Decode buckets up to this size use the weight-streaming GEMV instead of cuBLAS."""
+    gemv_max_tokens: int = 1
+    """Decode buckets up to this size (1, 2, 4, 8) use the weight-streaming GEMV instead of cuBLAS.
+    Measured on the H200 (bench/decode.py): the GEMV wins at 1 token; at 8 it is issue-bound
+    (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
     workspace_mib: int = 64
     graph_reserve_mib: int = 2048
     """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""

@@ -167,6 +167,7 @@ class Forward:
         ws = max(s * self.splits(s) for s in range(1, Sm + 1))
         self.part_o = z(ws * c.num_heads * c.head_dim, dt=cp.float32)
         self.part_ml = z(ws * c.num_heads * 2, dt=cp.float32)
+        self.split_counters = z(Sm * c.num_kv_heads, dt=cp.int32)  # zero between steps (the kernel resets them)
         # RoPE tables as transformers computes them: fp32 inv_freq, fp32 position * inv_freq.
         inv = rope_inv_freq(c).astype(np.float32)
         ang = np.arange(dims.max_context, dtype=np.float32)[:, None] * inv[None, :]
@@ -181,13 +182,12 @@ class Forward:
         self.fn_prefill = kernels[f"attn_prefill_hd{hd}"]
         driver.set_max_dynamic_smem(self.fn_prefill, self.prefill_smem)
         self.fn_decode = kernels[f"attn_decode_hd{hd}_g{c.num_heads // c.num_kv_heads}"]
-        self.fn_combine = kernels[f"attn_decode_combine_hd{hd}"]
-        self.gemv_max_tokens = 8
+        self.gemv_max_tokens = 1
         self._only: set[str] | None = None
 
     def splits(self, s: int) -> int:
-        """Decode split count for a bucket of s sequences: enough blocks for ~2 waves."""
-        want = -(-2 * self.num_sms // (s * self.c.num_kv_heads))
+        """Decode split count for a bucket of s sequences: about one wave of blocks (4 per SM)."""
+        want = -(-4 * self.num_sms // (s * self.c.num_kv_heads))
         cap = max(1, -(-self.d.max_context // PREFILL_TILE))
         return max(1, min(self.max_splits, want, cap))
 
@@ -265,8 +265,8 @@ class Forward:
             vc = kc + self.kv_half
             self._launch(
                 "rope_kv_write",
-                (T, 1, 1),
-                (128, 1, 1),
+                (T, -(-(c.num_heads + 2 * c.num_kv_heads) // 8), 1),
+                (256, 1, 1),
                 [
                     self._p(self.qkv),
                     self._p(self.q),
@@ -302,6 +302,8 @@ class Forward:
                         P(vc),
                         self._p(self.part_o),
                         self._p(self.part_ml),
+                        self._p(self.split_counters),
+                        self._p(self.attn),
                         P(a["cu_q_lens"]),
                         P(a["seq_lens"]),
                         P(a["block_tables"]),
@@ -313,21 +315,6 @@ class Forward:
                     ],
                     stream,
                     fn=self.fn_decode,
-                )
-                self._launch(
-                    "attn_decode_combine",
-                    (c.num_heads, S, 1),
-                    (hd, 1, 1),
-                    [
-                        self._p(self.part_o),
-                        self._p(self.part_ml),
-                        self._p(self.attn),
-                        P(a["cu_q_lens"]),
-                        ns,
-                        I32(nsplit),
-                    ],
-                    stream,
-                    fn=self.fn_combine,
                 )
             else:
                 self._launch(

@@ -12,7 +12,8 @@
 // chunk = ceil(len/NS) rounded up to a 64-token tile, so short contexts leave trailing splits
 // empty. Scores: HD/8 lanes share a key (16-byte loads), a warp scores 32/(HD/8) keys at once.
 // The online softmax runs per 64-key tile in base 2 (q pre-scaled by log2(e)/sqrt(HD)). Each
-// split writes (m, l, o) to a workspace; attn_decode_combine merges splits.
+// split writes (m, l, o) to a workspace; the last split to finish (a per-(sequence, KV head)
+// counter, reset by that block) merges them, so decode attention is one kernel.
 //
 // Prefill: grid (T/64 + S, nq), 128 threads = 4 warps, a 64-query tile of one sequence and one
 // head (tile -> sequence by a warp scan over cu_q_lens). Per 64-key tile: S = Q K^T (each warp
@@ -27,165 +28,175 @@
 
 using namespace nvcuda;
 
-constexpr int TILE = 64;
 
 template <int HD, int G>
 __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                  const bf16* __restrict__ v_cache, float* __restrict__ part_o,
-                                                 float* __restrict__ part_ml, const int* __restrict__ cu_q_lens,
+                                                 float* __restrict__ part_ml, int* __restrict__ counters,
+                                                 bf16* __restrict__ out, const int* __restrict__ cu_q_lens,
                                                  const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
                                                  const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
                                                  float scale_log2) {
-  constexpr int LPT = HD / 8;       // lanes per key
-  constexpr int TPW = 32 / LPT;     // keys per warp step
-  constexpr int NG = 128 / LPT;     // key groups in the V pass
-  __shared__ float sc[G][TILE];
+  constexpr int LPT = HD / 8;                 // lanes per key (16-byte loads)
+  constexpr int TPW = 32 / LPT;               // keys per warp step
+  constexpr int NG = 128 / LPT;               // key groups in the V pass
+  constexpr int DT = HD >= 64 ? 32 : 64;      // keys per tile
+  constexpr int KI = DT / 4 / TPW;            // K vectors a thread loads per tile
+  constexpr int VI = DT / NG;                 // V vectors a thread loads per tile
+  static_assert(KI >= 1 && VI >= 1, "tile too small for this head dim");
+  __shared__ float sc[G][DT];
   __shared__ float m_s[G], l_s[G], alpha_s[G];
   __shared__ float red[NG][G][HD];
+  __shared__ __align__(16) float q_s[G][HD];
+  __shared__ int last;
   const int s = blockIdx.z;
   if (s >= (int)*num_seqs) return;
   const int NS = gridDim.x, split = blockIdx.x, kvh = blockIdx.y, nq = nkv * G;
   const int L = seq_lens[s];
   int chunk = (L + NS - 1) / NS;
-  chunk = (chunk + TILE - 1) / TILE * TILE;
+  chunk = (chunk + 63) / 64 * 64;
   const int start = split * chunk, end = min(L, start + chunk);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, sub = lane % LPT;
   const size_t pbase = ((size_t)s * nq + kvh * G) * NS + split;  // + g * NS
+  const int tok = cu_q_lens[s + 1] - 1;
   if (start >= end) {
     if (tid < G) {
       part_ml[(pbase + tid * NS) * 2] = -INFINITY;
       part_ml[(pbase + tid * NS) * 2 + 1] = 0.f;
     }
-    return;
-  }
-  const int tok = cu_q_lens[s + 1] - 1;
-  float qr[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    load8(q + ((size_t)tok * nq + kvh * G + g) * HD + sub * 8, qr[g]);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qr[g][i] *= scale_log2;
-  }
-  if (tid < G) {
-    m_s[tid] = -INFINITY;
-    l_s[tid] = 0.f;
-  }
-  float acc[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
-  const int* bt = block_tables + (size_t)s * mbps;
-  const int tg = tid / LPT, d8 = tid % LPT;
-  constexpr int KI = 16 / TPW;    // keys a thread loads for the scores
-  constexpr int VI = TILE / NG;   // keys a thread loads for the V pass (KI == VI == HD/16)
-  const bf16x8 zero8 = {};
-  for (int t0 = start; t0 < end; t0 += TILE) {
-    // Issue every K and V load of the tile before using any: one memory latency per tile.
-    bf16x8 kraw[KI], vraw[VI];
-#pragma unroll
-    for (int it = 0; it < KI; ++it) {
-      const int t = t0 + warp * 16 + it * TPW + lane / LPT;
-      kraw[it] = t < end ? *reinterpret_cast<const bf16x8*>(
-                               k_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + sub * 8)
-                         : zero8;
+  } else {
+    // q lives in shared memory: the tile's K/V vectors take the registers, and occupancy, not
+    // load width, limits this kernel at large batch.
+    for (int idx = tid; idx < G * HD; idx += blockDim.x)
+      q_s[idx / HD][idx % HD] = bf(q[((size_t)tok * nq + kvh * G) * HD + idx]) * scale_log2;
+    if (tid < G) {
+      m_s[tid] = -INFINITY;
+      l_s[tid] = 0.f;
     }
+    __syncthreads();
+    float acc[G][8];
 #pragma unroll
-    for (int j = 0; j < VI; ++j) {
-      const int t = t0 + tg + NG * j;
-      vraw[j] = t < end ? *reinterpret_cast<const bf16x8*>(
-                              v_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + d8 * 8)
-                        : zero8;
-    }
+    for (int g = 0; g < G; ++g)
 #pragma unroll
-    for (int it = 0; it < KI; ++it) {
-      const int local = warp * 16 + it * TPW + lane / LPT;
+      for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    const int* bt = block_tables + (size_t)s * mbps;
+    const int tg = tid / LPT, d8 = tid % LPT;
+    const bf16x8 zero8 = {};
+    for (int t0 = start; t0 < end; t0 += DT) {
+      // Every K and V load of the tile is issued before any is used: one memory latency a tile.
+      bf16x8 kraw[KI], vraw[VI];
+#pragma unroll
+      for (int it = 0; it < KI; ++it) {
+        const int t = t0 + warp * (DT / 4) + it * TPW + lane / LPT;
+        kraw[it] = t < end ? *reinterpret_cast<const bf16x8*>(
+                                 k_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + sub * 8)
+                           : zero8;
+      }
+#pragma unroll
+      for (int j = 0; j < VI; ++j) {
+        const int t = t0 + tg + NG * j;
+        vraw[j] = t < end ? *reinterpret_cast<const bf16x8*>(
+                                v_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + d8 * 8)
+                          : zero8;
+      }
+#pragma unroll
+      for (int it = 0; it < KI; ++it) {
+        const int local = warp * (DT / 4) + it * TPW + lane / LPT;
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float4 qa = *reinterpret_cast<const float4*>(&q_s[g][sub * 8]);
+          const float4 qb = *reinterpret_cast<const float4*>(&q_s[g][sub * 8 + 4]);
+          const bf16x8 kv = kraw[it];
+          float d = qa.x * bf(kv.v[0]) + qa.y * bf(kv.v[1]) + qa.z * bf(kv.v[2]) + qa.w * bf(kv.v[3]);
+          d += qb.x * bf(kv.v[4]) + qb.y * bf(kv.v[5]) + qb.z * bf(kv.v[6]) + qb.w * bf(kv.v[7]);
+#pragma unroll
+          for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(FULL_MASK, d, o);
+          if (sub == 0) sc[g][local] = t0 + local < end ? d : -INFINITY;
+        }
+      }
+      __syncthreads();
+      for (int g = warp; g < G; g += 4) {
+        float v[DT / 32], mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < DT / 32; ++j) mx = fmaxf(mx, v[j] = sc[g][lane + 32 * j]);
+        const float m_old = m_s[g];
+        const float m_new = fmaxf(m_old, warp_max(mx));
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < DT / 32; ++j) {
+          const float p = exp2f(v[j] - m_new);
+          sc[g][lane + 32 * j] = p;
+          sum += p;
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) {
+          const float a = exp2f(m_old - m_new);
+          alpha_s[g] = a;
+          l_s[g] = l_s[g] * a + sum;
+          m_s[g] = m_new;
+        }
+      }
+      __syncthreads();
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float d = 0.f;
+        const float a = alpha_s[g];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) d += qr[g][i] * bf(kraw[it].v[i]);
-#pragma unroll
-        for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(FULL_MASK, d, o);
-        if (sub == 0) sc[g][local] = t0 + local < end ? d : -INFINITY;
+        for (int i = 0; i < 8; ++i) acc[g][i] *= a;
       }
-    }
-    __syncthreads();
-    for (int g = warp; g < G; g += 4) {
-      const float v0 = sc[g][lane], v1 = sc[g][lane + 32];
-      const float m_old = m_s[g];
-      const float m_new = fmaxf(m_old, warp_max(fmaxf(v0, v1)));
-      const float p0 = exp2f(v0 - m_new), p1 = exp2f(v1 - m_new);
-      sc[g][lane] = p0;
-      sc[g][lane + 32] = p1;
-      const float sum = warp_sum(p0 + p1);
-      if (lane == 0) {
-        const float a = exp2f(m_old - m_new);
-        alpha_s[g] = a;
-        l_s[g] = l_s[g] * a + sum;
-        m_s[g] = m_new;
+#pragma unroll
+      for (int j = 0; j < VI; ++j) {
+        const int tt = tg + NG * j;
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float p = sc[g][tt];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[g][i] += p * bf(vraw[j].v[i]);
+        }
       }
+      __syncthreads();
     }
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) red[tg][g][d8 * 8 + i] = acc[g][i];
     __syncthreads();
+    for (int idx = tid; idx < G * HD; idx += blockDim.x) {
+      const int g = idx / HD, d = idx % HD;
+      float v = 0.f;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float a = alpha_s[g];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[g][i] *= a;
+      for (int j = 0; j < NG; ++j) v += red[j][g][d];
+      part_o[(pbase + (size_t)g * NS) * HD + d] = v;
     }
-#pragma unroll
-    for (int j = 0; j < VI; ++j) {
-      const int tt = tg + NG * j;
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float p = sc[g][tt];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] += p * bf(vraw[j].v[i]);
-      }
+    if (tid < G) {
+      part_ml[(pbase + tid * NS) * 2] = m_s[tid];
+      part_ml[(pbase + tid * NS) * 2 + 1] = l_s[tid];
     }
-    __syncthreads();
   }
-#pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) red[tg][g][d8 * 8 + i] = acc[g][i];
+  // The last split of this (sequence, KV head) to finish merges all splits (no combine kernel).
+  __threadfence();
   __syncthreads();
+  if (tid == 0) last = atomicAdd(&counters[s * nkv + kvh], 1) == NS - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
   for (int idx = tid; idx < G * HD; idx += blockDim.x) {
     const int g = idx / HD, d = idx % HD;
-    float v = 0.f;
-#pragma unroll
-    for (int j = 0; j < NG; ++j) v += red[j][g][d];
-    part_o[(pbase + (size_t)g * NS) * HD + d] = v;
-  }
-  if (tid < G) {
-    part_ml[(pbase + tid * NS) * 2] = m_s[tid];
-    part_ml[(pbase + tid * NS) * 2 + 1] = l_s[tid];
-  }
-}
-
-// Merge the NS split partials of each (sequence, head): grid (nq, S), HD threads.
-template <int HD>
-__device__ __forceinline__ void attn_decode_combine_impl(const float* __restrict__ part_o,
-                                                         const float* __restrict__ part_ml, bf16* __restrict__ out,
-                                                         const int* __restrict__ cu_q_lens,
-                                                         const uint32_t* __restrict__ num_seqs, int NS) {
-  const int h = blockIdx.x, s = blockIdx.y, nq = gridDim.x, d = threadIdx.x;
-  if (s >= (int)*num_seqs) return;
-  const size_t base = ((size_t)s * nq + h) * NS;
-  float M = -INFINITY;
-  for (int i = 0; i < NS; ++i)
-    if (part_ml[(base + i) * 2 + 1] > 0.f) M = fmaxf(M, part_ml[(base + i) * 2]);
-  float num = 0.f, den = 0.f;
-  for (int i = 0; i < NS; ++i) {
-    const float l = part_ml[(base + i) * 2 + 1];
-    if (l > 0.f) {
-      const float w = exp2f(part_ml[(base + i) * 2] - M);
-      den += w * l;
-      num += w * part_o[(base + i) * HD + d];
+    const size_t base = pbase + (size_t)g * NS - split;
+    float M = -INFINITY;
+    for (int i = 0; i < NS; ++i)
+      if (__ldcg(&part_ml[(base + i) * 2 + 1]) > 0.f) M = fmaxf(M, __ldcg(&part_ml[(base + i) * 2]));
+    float num = 0.f, den = 0.f;
+    for (int i = 0; i < NS; ++i) {
+      const float l = __ldcg(&part_ml[(base + i) * 2 + 1]);
+      if (l > 0.f) {
+        const float w = exp2f(__ldcg(&part_ml[(base + i) * 2]) - M);
+        den += w * l;
+        num += w * __ldcg(&part_o[(base + i) * HD + d]);
+      }
     }
+    out[((size_t)tok * nq + kvh * G + g) * HD + d] = tobf(den > 0.f ? num / den : 0.f);
   }
-  const int tok = cu_q_lens[s + 1] - 1;
-  out[((size_t)tok * nq + h) * HD + d] = tobf(den > 0.f ? num / den : 0.f);
+  if (tid == 0) counters[s * nkv + kvh] = 0;
 }
 
 template <int HD>
@@ -206,7 +217,6 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
   float* Os = reinterpret_cast<float*>(Ps + BM * LDP);
   float* m_s = Os + BM * LDO;
   float* l_s = m_s + BM;
-  float* a_s = l_s + BM;
   __shared__ int sh_s, sh_tile;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
@@ -305,35 +315,53 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
         wmma::store_matrix_sync(Ss + wr * LDS + n * 16, sacc[n], LDS, wmma::mem_row_major);
     }
     __syncwarp();
-    for (int rr = 0; rr < 16; ++rr) {
-      const int r = wr + rr;
+    {
+      // Online softmax, all 16 rows of the warp at once: lane pair (2i, 2i+1) owns row wr + i,
+      // one half of its 64 scores each (the odd lane walks its half rotated by 16 columns, so
+      // the pair reads different banks). Then each lane rescales its half of the O row.
+      const int r = wr + (lane >> 1), half = lane & 1;
       const int qpos = pre + r0 + r;
       const bool live = r < rows;
-      const int k0 = kt + lane, k1 = kt + lane + 32;
-      const float s0 = (live && k0 <= qpos) ? Ss[r * LDS + lane] * scale_log2 : -INFINITY;
-      const float s1 = (live && k1 <= qpos) ? Ss[r * LDS + lane + 32] * scale_log2 : -INFINITY;
+      const float* srow = Ss + r * LDS;
+      float mx = -INFINITY;
+#pragma unroll 8
+      for (int j = 0; j < 32; ++j) {
+        const int col = half * 32 + ((j + 16 * half) & 31);
+        if (live && kt + col <= qpos) mx = fmaxf(mx, srow[col] * scale_log2);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
       const float m_old = m_s[r];
-      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
-      float p0 = 0.f, p1 = 0.f, a = 1.f;
-      if (m_new != -INFINITY) {
-        p0 = exp2f(s0 - m_new);
-        p1 = exp2f(s1 - m_new);
+      const float m_new = fmaxf(m_old, mx);
+      bf16* prow = Ps + r * LDP;
+      float sum = 0.f, a = 1.f;
+      if (m_new == -INFINITY) {
+        for (int j = 0; j < 32; ++j) prow[half * 32 + j] = tobf(0.f);
+      } else {
+#pragma unroll 8
+        for (int j = 0; j < 32; ++j) {
+          const int col = half * 32 + ((j + 16 * half) & 31);
+          const float p = (live && kt + col <= qpos) ? exp2f(srow[col] * scale_log2 - m_new) : 0.f;
+          prow[col] = tobf(p);
+          sum += p;
+        }
         a = exp2f(m_old - m_new);
       }
-      Ps[r * LDP + lane] = tobf(p0);
-      Ps[r * LDP + lane + 32] = tobf(p1);
-      const float sum = warp_sum(p0 + p1);
-      __syncwarp();
-      if (lane == 0) {
+      sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+      __syncwarp();  // both lanes of the pair have read m_s[r]
+      if (half == 0) {
         l_s[r] = l_s[r] * a + sum;
         m_s[r] = m_new;
-        a_s[r] = a;
       }
-    }
-    __syncwarp();
-    for (int rr = 0; rr < 16; ++rr) {
-      const float a = a_s[wr + rr];
-      for (int d = lane; d < HD; d += 32) Os[(wr + rr) * LDO + d] *= a;
+      float4* orow = reinterpret_cast<float4*>(Os + r * LDO + half * (HD / 2));
+#pragma unroll 4
+      for (int d = 0; d < HD / 8; ++d) {
+        float4 o = orow[d];
+        o.x *= a;
+        o.y *= a;
+        o.z *= a;
+        o.w *= a;
+        orow[d] = o;
+      }
     }
     __syncwarp();
 #pragma unroll
@@ -361,10 +389,10 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
 }
 
 #define DECODE(HD, G)                                                                                          \
-  extern "C" __global__ void __launch_bounds__(128) attn_decode_hd##HD##_g##G(                                \
-      const bf16* q, const bf16* kc, const bf16* vc, float* po, float* pml, const int* cu, const int* sl,       \
-      const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                 \
-    attn_decode_impl<HD, G>(q, kc, vc, po, pml, cu, sl, bt, ns, nkv, bs, mbps, sc);                            \
+  extern "C" __global__ void __launch_bounds__(128, (G <= 4 ? 4 : 2)) attn_decode_hd##HD##_g##G(            \
+      const bf16* q, const bf16* kc, const bf16* vc, float* po, float* pml, int* cnt, bf16* out, const int* cu, \
+      const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                  \
+    attn_decode_impl<HD, G>(q, kc, vc, po, pml, cnt, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                  \
   }
 #define PER_HD(HD)                                                                                             \
   DECODE(HD, 1)                                                                                                \
@@ -374,10 +402,6 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
   DECODE(HD, 5)                                                                                                \
   DECODE(HD, 6)                                                                                                \
   DECODE(HD, 8)                                                                                                \
-  extern "C" __global__ void attn_decode_combine_hd##HD(const float* po, const float* pml, bf16* out,          \
-                                                        const int* cu, const uint32_t* ns, int NS) {           \
-    attn_decode_combine_impl<HD>(po, pml, out, cu, ns, NS);                                                    \
-  }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(128) attn_prefill_hd##HD(                                      \
       const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
       const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \

@@ -95,7 +95,7 @@ extern "C" __global__ void final_norm_gather(const bf16* __restrict__ residual, 
   }
 }
 
-// One block (4 warps) per token; a warp per head. Q heads: [qk-norm], RoPE -> q_out. K heads:
+// Grid (token, head group): a warp per head. Q heads: [qk-norm], RoPE -> q_out. K heads:
 // [qk-norm], RoPE -> k cache slot. V heads -> v cache slot. The slot of token t of sequence s at
 // position p is block_tables[s][p / block_size] * block_size + p % block_size.
 extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
@@ -117,7 +117,7 @@ extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __r
   const bf16* row = qkv + (size_t)t * nh * hd;
   const float* ct = cos_tab + (size_t)pos * half;
   const float* st = sin_tab + (size_t)pos * half;
-  for (int h = warp; h < nh; h += nw) {
+  for (int h = blockIdx.y * nw + warp; h < nh; h += nw * gridDim.y) {
     const bf16* src = row + (size_t)h * hd;
     if (h >= nq + nkv) {  // V head: plain copy into the cache
       bf16* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
