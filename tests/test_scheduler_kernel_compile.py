@@ -58,3 +58,37 @@ def test_kernel_keeps_within_one_block_budget(tmp_path):
     regs = int(line.split("Used")[1].split("registers")[0])
     assert smem <= 48 * 1024  # static shared memory of one block
     assert regs * S.THREADS <= 65536
+
+
+# -- the device process's configuration (blink.gpu.serve), no GPU needed ---------------------------
+
+
+def test_serve_config_round_trips_through_its_command_line():
+    from blink.gpu.serve import GpuServeConfig, parse_args
+
+    cfg = GpuServeConfig(ring="r1", model="random:tiny-llama", scheduler="host", kv_blocks=64, max_context=512)
+    assert parse_args(cfg.argv()) == cfg
+    with pytest.raises(ValueError):
+        GpuServeConfig(ring="r", scheduler="cpu")
+    with pytest.raises(SystemExit):
+        parse_args(["--ring", "r", "--unknown-key", "1"])
+
+
+def test_blink_serve_device_section_maps_onto_the_gpu_process():
+    from blink.config import build
+    from blink.gpu.serve import config_for_blink
+
+    cfg = build(None, {"device": {"scheduler": "host", "max_batch": 64, "max_tokens": 32, "num_kv_blocks": 900}})
+    g = config_for_blink("ring-x", cfg)
+    assert (g.ring, g.scheduler, g.max_batch, g.kv_blocks) == ("ring-x", "host", 64, 900)
+    assert g.max_tokens == 64  # a step holds at least one token per sequence
+    assert g.model == cfg.model.spec and g.block_size == cfg.device.kv_block_size
+
+
+def test_conformance_spec_maps_onto_the_gpu_process():
+    from blink.gpu.serve import config_for_conformance
+
+    spec = dict(model="random:tiny-llama", kv_blocks=16, block_size=16, max_batch=6, max_tokens=128, max_context=256)
+    g = config_for_conformance("ring-y", **spec)
+    assert (g.kv_blocks, g.block_size, g.max_batch, g.max_tokens, g.max_context) == (16, 16, 6, 128, 256)
+    assert g.scheduler == "gpu" and config_for_conformance("r", scheduler="host", **spec).scheduler == "host"

@@ -144,10 +144,10 @@ def _popen(cfg: GpuServeConfig, **popen_kwargs: Any) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "blink.gpu.serve", *cfg.argv()], env=env, **popen_kwargs)
 
 
-def start(ring_name: str, config: Any, **popen_kwargs: Any) -> subprocess.Popen:
-    """`blink serve --device cuda`: the device process for a BlinkConfig (blink.config)."""
+def config_for_blink(ring_name: str, config: Any) -> GpuServeConfig:
+    """The device process's configuration for a BlinkConfig (blink.config) serving `ring_name`."""
     d = config.device
-    cfg = GpuServeConfig(
+    return GpuServeConfig(
         ring=ring_name,
         model=config.model.spec,
         scheduler=d.scheduler,
@@ -158,40 +158,44 @@ def start(ring_name: str, config: Any, **popen_kwargs: Any) -> subprocess.Popen:
         max_tokens=max(d.max_tokens, d.max_batch),
         max_context=d.max_context or 0,
     )
-    return _popen(cfg, **popen_kwargs)
 
 
-def conformance_factory(
-    ring: str, *, model: str, kv_blocks: int, block_size: int, max_batch: int, max_tokens: int, max_context: int
-) -> subprocess.Popen:
+def start(ring_name: str, config: Any, **popen_kwargs: Any) -> subprocess.Popen:
+    """`blink serve --device cuda`: the device process for a BlinkConfig (blink.config)."""
+    return _popen(config_for_blink(ring_name, config), **popen_kwargs)
+
+
+def config_for_conformance(
+    ring: str,
+    *,
+    model: str,
+    kv_blocks: int,
+    block_size: int,
+    max_batch: int,
+    max_tokens: int,
+    max_context: int,
+    scheduler: str = "gpu",
+) -> GpuServeConfig:
+    return GpuServeConfig(
+        ring=ring,
+        model=model,
+        scheduler=scheduler,
+        kv_blocks=kv_blocks,
+        block_size=block_size,
+        max_batch=max_batch,
+        max_tokens=max(max_tokens, max_batch),  # the engine packs at least one token per sequence
+        max_context=max_context,
+    )
+
+
+def conformance_factory(ring: str, **spec: Any) -> subprocess.Popen:
     """The "cuda" device of tests/conformance: this scheduler on the engine, in a child process."""
-    cfg = GpuServeConfig(
-        ring=ring,
-        model=model,
-        kv_blocks=kv_blocks,
-        block_size=block_size,
-        max_batch=max_batch,
-        max_tokens=max(max_tokens, max_batch),
-        max_context=max_context,
-    )
-    return _popen(cfg)
+    return _popen(config_for_conformance(ring, **spec))
 
 
-def host_conformance_factory(
-    ring: str, *, model: str, kv_blocks: int, block_size: int, max_batch: int, max_tokens: int, max_context: int
-) -> subprocess.Popen:
+def host_conformance_factory(ring: str, **spec: Any) -> subprocess.Popen:
     """The host-driven loop over the same engine (the ablation baseline) as a conformance device."""
-    cfg = GpuServeConfig(
-        ring=ring,
-        model=model,
-        scheduler="host",
-        kv_blocks=kv_blocks,
-        block_size=block_size,
-        max_batch=max_batch,
-        max_tokens=max(max_tokens, max_batch),
-        max_context=max_context,
-    )
-    return _popen(cfg)
+    return _popen(config_for_conformance(ring, scheduler="host", **spec))
 
 
 def main(argv: list[str] | None = None) -> int:
