@@ -165,6 +165,10 @@ class LlamaNumpy:
         rows = cu[1:] - 1 if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
         return rmsnorm(x[rows], self.norm, c.rms_eps) @ self.lm_head.T
 
+    # Attention loops over kv heads and hands numpy strided 2-D views (row stride KVH*D): each
+    # product is then one BLAS call with no transposed copy of the gathered keys/values, which
+    # measured 3-6x faster than transposing into (KVH, ...) layouts for numpy's batched matmul.
+
     def _attend_decode(
         self, q: np.ndarray, pos: np.ndarray, bt: np.ndarray, kc: np.ndarray, vc: np.ndarray
     ) -> np.ndarray:
@@ -174,14 +178,19 @@ class LlamaNumpy:
         G = c.num_heads // KVH
         bs = kc.shape[1]
         nb = int(pos.max()) // bs + 1
+        L = nb * bs
         # Rows shorter than the longest may carry padding ids past their blocks; clip, then mask.
         bt = np.clip(bt[:, :nb], 0, kc.shape[0] - 1)
-        keys = kc[bt].reshape(S, nb * bs, KVH, D).transpose(0, 2, 3, 1)  # (S, KVH, D, L)
-        vals = vc[bt].reshape(S, nb * bs, KVH, D).transpose(0, 2, 1, 3)  # (S, KVH, L, D)
-        s = q.reshape(S, KVH, G, D) @ keys  # batch (S, KVH): (G, D) @ (D, L)
-        mask = np.arange(nb * bs)[None, :] > pos[:, None]  # (S, L)
-        s[np.broadcast_to(mask[:, None, None, :], s.shape)] = -np.inf
-        return (_softmax_rows(s) @ vals).reshape(S, c.num_heads, D)
+        keys = kc[bt].reshape(S, L, KVH, D)
+        vals = vc[bt].reshape(S, L, KVH, D)
+        bias = np.where(np.arange(L)[None, :] > pos[:, None], -np.inf, 0.0).astype(np.float32)[:, None, :]  # (S, 1, L)
+        out = np.empty((S, KVH, G, D), dtype=np.float32)
+        qg = q.reshape(S, KVH, G, D)
+        for k in range(KVH):
+            sc = qg[:, k] @ keys[:, :, k, :].transpose(0, 2, 1)  # (S, G, L)
+            sc += bias
+            out[:, k] = _softmax_rows(sc) @ vals[:, :, k, :]  # (S, G, D)
+        return out.reshape(S, c.num_heads, D)
 
     def _attend_seq(self, q: np.ndarray, pos: np.ndarray, bt: np.ndarray, kc: np.ndarray, vc: np.ndarray) -> np.ndarray:
         # q (n, H, D) of one sequence, scaled; key j visible to query i iff j <= pos[i].
@@ -191,15 +200,19 @@ class LlamaNumpy:
         bs = kc.shape[1]
         ctx = int(pos.max()) + 1
         nb = (ctx + bs - 1) // bs
-        keys = kc[bt[:nb]].reshape(nb * bs, KVH, D)[:ctx].transpose(1, 2, 0)[:, None]  # (KVH, 1, D, ctx)
-        vals = vc[bt[:nb]].reshape(nb * bs, KVH, D)[:ctx].transpose(1, 0, 2)[:, None]  # (KVH, 1, ctx, D)
-        out = np.empty((n, c.num_heads, D), dtype=np.float32)
-        qg = q.reshape(n, KVH, G, D).transpose(1, 2, 0, 3)  # (KVH, G, n, D)
+        keys = kc[bt[:nb]].reshape(nb * bs, KVH, D)
+        vals = vc[bt[:nb]].reshape(nb * bs, KVH, D)
+        out = np.empty((n, KVH, G, D), dtype=np.float32)
+        qg = q.reshape(n, KVH, G, D)
         for a in range(0, n, _Q_CHUNK):
             b = min(n, a + _Q_CHUNK)
-            s = qg[:, :, a:b] @ keys  # (KVH, G, m, ctx)
-            mask = np.arange(ctx)[None, :] > pos[a:b, None]  # (m, ctx)
-            s[np.broadcast_to(mask, s.shape)] = -np.inf
-            o = _softmax_rows(s) @ vals  # (KVH, G, m, D)
-            out[a:b] = o.transpose(2, 0, 1, 3).reshape(b - a, c.num_heads, D)
-        return out
+            m = b - a
+            kv_len = int(pos[a:b].max()) + 1  # causal: this chunk sees no key past its last query
+            bias = np.where(np.arange(kv_len)[None, :] > pos[a:b, None], -np.inf, 0.0).astype(np.float32)
+            for k in range(KVH):
+                # Rows are (query, group head) pairs of this kv head.
+                sc = qg[a:b, k].reshape(m * G, D) @ keys[:kv_len, k, :].T  # (m*G, kv_len)
+                sc = sc.reshape(m, G, kv_len)
+                sc += bias[:, None, :]
+                out[a:b, k] = (_softmax_rows(sc).reshape(m * G, kv_len) @ vals[:kv_len, k, :]).reshape(m, G, D)
+        return out.reshape(n, c.num_heads, D)
