@@ -33,7 +33,7 @@ from blink.protocol.layout import RingView
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 INCLUDE = pathlib.Path(__file__).resolve().parent / "include"
 CTL_HEADER_PATH = CSRC / "scheduler_ctl.cuh"
-SOURCES = ("scheduler.cu", "scheduler.cuh", "scheduler_ring.cuh", "scheduler_ctl.cuh")
+SOURCES = ("scheduler.cu", "scheduler.cuh", "scheduler_plan.cuh", "scheduler_ring.cuh", "scheduler_ctl.cuh")
 KERNEL = "blink_sched"
 INIT_KERNEL = "blink_sched_init"
 THREADS = 256  # one block; the kernel's scan partition and row mapping assume exactly this

@@ -1,0 +1,290 @@
+// Blink GPU scheduler, plan side: KV blocks, rows, the policy of blink/device/scheduler.py, and
+// the engine's step buffers. Included by scheduler.cu (one translation unit: the kernel is one graph).
+#pragma once
+
+// ---- KV blocks (thread 0 only, plan phase) ---------------------------------------------------------
+__device__ bool kv_grow(SchedCtl* c, Shared& sh, uint32_t r, uint32_t ntok) {
+  Row& R = g_rows[r];
+  const uint32_t need = ceil_div(ntok, sh.bs);
+  if (need <= R.n_blocks) return true;
+  if ((int)(need - R.n_blocks) > c->kv_free_top) return false;
+  int32_t* b = row_blocks(c, sh, r);
+  const uint32_t* kv = (const uint32_t*)c->kv_free;
+  while (R.n_blocks < need) b[R.n_blocks++] = (int32_t)kv[--c->kv_free_top];
+  return true;
+}
+
+__device__ void kv_free_row(SchedCtl* c, Shared& sh, uint32_t r) {
+  Row& R = g_rows[r];
+  uint32_t* kv = (uint32_t*)c->kv_free;
+  const int32_t* b = row_blocks(c, sh, r);
+  for (uint32_t i = R.n_blocks; i-- > 0;) kv[c->kv_free_top++] = (uint32_t)b[i];
+  R.n_blocks = 0;
+  R.kv_gen++;
+}
+
+// Preempt the newest running sequence (recompute later). Returns its row.
+__device__ uint32_t preempt_newest(SchedCtl* c, Shared& sh) {
+  const uint32_t v = g_run[--c->n_run];
+  Row& V = g_rows[v];
+  kv_free_row(c, sh, v);
+  V.computed = 0;
+  V.running = 0;
+  uint32_t i = c->n_wait++;
+  while (i > 0 && g_rows[g_wait[i - 1]].arrival > V.arrival) { g_wait[i] = g_wait[i - 1]; --i; }
+  g_wait[i] = v;
+  if (sh.n_preempted < 64) sh.preempted[sh.n_preempted] = v;
+  sh.n_preempted++;
+  c->preemptions++;
+  return v;
+}
+
+__device__ bool reserve(SchedCtl* c, Shared& sh, uint32_t r, uint32_t ntok) {
+  while (!kv_grow(c, sh, r, ntok))
+    if (preempt_newest(c, sh) == r) return false;
+  return true;
+}
+
+__device__ bool preempted_now(const Shared& sh, uint32_t r) {
+  if (sh.n_preempted > 64) return true;  // lost track: be conservative (stop admitting this step)
+  for (uint32_t i = 0; i < sh.n_preempted; ++i)
+    if (sh.preempted[i] == r) return true;
+  return false;
+}
+
+__device__ void add_chunk(Shared& sh, uint32_t r, uint32_t start, uint32_t n, uint32_t sample) {
+  const uint32_t i = sh.nseq++;
+  g_plan_row[i] = r;
+  g_plan_start[i] = start;
+  g_plan_n[i] = n;
+  g_plan_sample[i] = sample;
+  g_plan_cu[i] = sh.ntok;
+  sh.ntok += n;
+}
+
+__device__ void insert_running(SchedCtl* c, uint32_t r) {
+  uint32_t i = c->n_run++;
+  while (i > 0 && g_rows[g_run[i - 1]].arrival > g_rows[r].arrival) { g_run[i] = g_run[i - 1]; --i; }
+  g_run[i] = r;
+}
+
+// A new row from a claimed slot (fields copied at claim time).
+__device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
+  const uint32_t r = g_free_rows[--c->n_free_rows];
+  const RingSlot& q = ((const RingSlot*)c->slot_copy)[slot];
+  Row& R = g_rows[r];
+  R.used = 1;
+  R.running = 0;
+  R.slot = slot;
+  R.prompt_len = q.prompt_len;
+  R.prompt_offset = q.prompt_offset;
+  R.len = q.prompt_len;
+  R.computed = 0;
+  R.consumed = 0;
+  R.n_blocks = 0;
+  R.max_new = q.max_new_tokens;
+  R.min_new = q.min_new_tokens;
+  R.n_stop = q.n_stop;
+  R.top_k = (int32_t)q.top_k;
+  R.temperature = (q.flags & SLOTFLAG_GREEDY) ? 0.0f : q.temperature;
+  R.top_p = q.top_p;
+  R.ring_state = SLOT_PREFILL_PROCESSING;
+  R.need_copy = 1;
+  R.cancel = 0;
+  R.seed = q.seed;
+  R.arrival = arrival;
+  for (uint32_t i = 0; i < MAX_STOP_IDS; ++i) R.stop_ids[i] = q.stop_ids[i];
+  return r;
+}
+
+// blink/device/scheduler.py: Scheduler._schedule_prefill (thread 0).
+__device__ void plan_prefill(SchedCtl* c, Shared& sh) {
+  uint32_t budget = c->max_tokens;
+  for (uint32_t p = 0; p < c->n_run && budget > 0; ++p) {
+    const uint32_t r = g_run[p];
+    Row& R = g_rows[r];
+    if (!R.running || !prefilling(R)) continue;
+    const uint32_t n = min(R.len - R.computed, budget);
+    const uint32_t sample = R.computed + n == R.len;
+    if (sample && output_full(R, sh.cap)) continue;
+    const uint32_t start = R.computed;
+    if (reserve(c, sh, r, start + n)) {
+      add_chunk(sh, r, start, n, sample);
+      budget -= n;
+    }
+    // a preemption removed rows from g_run's tail; p still indexes this row's successors
+  }
+  bool stop = false;
+  uint32_t w = 0;
+  while (w < c->n_wait) {  // preempted rows first: they arrived before every queued request
+    if (budget == 0 || c->n_run >= c->max_batch) { stop = true; break; }
+    const uint32_t r = g_wait[w];
+    Row& R = g_rows[r];
+    if (preempted_now(sh, r)) { stop = true; break; }
+    if (output_full(R, sh.cap)) { ++w; continue; }
+    const uint32_t n = min(R.len, budget);
+    if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) { stop = true; break; }
+    kv_grow(c, sh, r, n);
+    for (uint32_t i = w + 1; i < c->n_wait; ++i) g_wait[i - 1] = g_wait[i];
+    c->n_wait--;
+    R.running = 1;
+    insert_running(c, r);
+    add_chunk(sh, r, 0, n, n == R.len);
+    budget -= n;
+  }
+  if (stop) return;  // FCFS: queued requests never overtake a waiting row that could not go
+  uint32_t* wq = (uint32_t*)c->waitq;
+  const RingSlot* copy = (const RingSlot*)c->slot_copy;
+  while (c->waitq_head != c->waitq_tail) {
+    const uint32_t slot = wq[c->waitq_head % sh.n_slots];
+    if (slot == DEAD) { c->waitq_head++; continue; }
+    if (budget == 0 || c->n_run >= c->max_batch || c->n_free_rows == 0) break;
+    const uint32_t plen = copy[slot].prompt_len;
+    const uint32_t n = min(plen, budget);
+    if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) break;
+    const uint32_t r = new_row(c, slot, c->waitq_head);  // the FIFO index is the arrival order
+    kv_grow(c, sh, r, n);
+    g_rows[r].running = 1;
+    g_run[c->n_run++] = r;  // newest arrival
+    c->waitq_head++;
+    add_chunk(sh, r, 0, n, n == plen);
+    budget -= n;
+  }
+}
+
+// Scheduler._schedule_decode, sequential form with preemption (thread 0; the pool ran short).
+__device__ void plan_decode_seq(SchedCtl* c, Shared& sh) {
+  for (uint32_t p = 0; p < c->n_run; ++p) g_tmp[p] = g_run[p];
+  const uint32_t n = c->n_run;
+  for (uint32_t p = 0; p < n; ++p) {
+    const uint32_t r = g_tmp[p];
+    Row& R = g_rows[r];
+    if (!R.running || prefilling(R) || output_full(R, sh.cap)) continue;
+    if (reserve(c, sh, r, R.len)) add_chunk(sh, r, R.len - 1, 1, 1);
+  }
+}
+
+// Decode plan in parallel: every ready running row, arrival order, one block each at most.
+// Falls back to the sequential form when the pool cannot cover every row (preemption needed).
+__device__ void plan_decode(SchedCtl* c, Shared& sh) {
+  const uint32_t cnt = c->n_run, per = (cnt + SCHED_THREADS - 1) / SCHED_THREADS;
+  const uint32_t lo = min(cnt, threadIdx.x * per), hi = min(cnt, lo + per);
+  uint32_t ready = 0, need = 0;
+  for (uint32_t i = lo; i < hi; ++i) {
+    const Row& R = g_rows[g_run[i]];
+    if (R.running && !prefilling(R) && !output_full(R, sh.cap)) {
+      ready++;
+      need += ceil_div(R.len, sh.bs) - min(R.n_blocks, ceil_div(R.len, sh.bs));
+    }
+  }
+  uint32_t n_ready, n_need;
+  uint32_t o = block_scan(ready, &n_ready, sh.warp_sums);
+  uint32_t ob = block_scan(need, &n_need, sh.warp_sums);
+  if (n_need > (uint32_t)c->kv_free_top) {
+    if (threadIdx.x == 0) plan_decode_seq(c, sh);
+    __syncthreads();
+    return;
+  }
+  const uint32_t* kv = (const uint32_t*)c->kv_free;
+  const int top = c->kv_free_top;
+  for (uint32_t i = lo; i < hi; ++i) {
+    const uint32_t r = g_run[i];
+    Row& R = g_rows[r];
+    if (!(R.running && !prefilling(R) && !output_full(R, sh.cap))) continue;
+    int32_t* b = row_blocks(c, sh, r);
+    while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = (int32_t)kv[top - 1 - (int)ob++];
+    g_plan_row[o] = r;
+    g_plan_start[o] = R.len - 1;
+    g_plan_n[o] = 1;
+    g_plan_sample[o] = 1;
+    g_plan_cu[o] = o;
+    ++o;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    c->kv_free_top -= (int)n_need;
+    sh.nseq = n_ready;
+    sh.ntok = n_ready;
+  }
+  __syncthreads();
+}
+
+// Engine row i of the step: chunk [start, start + n) of row r, packed at token offset cu.
+// A decode chunk (n == 1) also writes its input token here; prefill tokens are packed separately.
+__device__ void fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, uint32_t start, uint32_t n, uint32_t cu,
+                         bool decode) {
+  const EngineABI* E = sh.E;
+  const Row& R = g_rows[r];
+  ((int32_t*)E->seq_lens)[i] = (int32_t)(start + n);
+  ((int32_t*)E->cu_q_lens)[i + 1] = (int32_t)(cu + n);
+  ((float*)E->temperature)[i] = R.temperature;
+  ((float*)E->top_p)[i] = R.top_p;
+  ((int32_t*)E->top_k)[i] = R.top_k;
+  ((u64*)E->seeds)[i] = R.seed;
+  ((uint32_t*)E->sample_pos)[i] = generated(R);
+  const int32_t* b = row_blocks(c, sh, r);
+  int32_t* t = (int32_t*)E->block_tables + (size_t)i * sh.mbps;
+  const bool same = g_eng_owner[i] == r && g_eng_gen[i] == R.kv_gen;  // blocks freed since: recopy
+  for (uint32_t k = same ? min(g_eng_nb[i], R.n_blocks) : 0; k < R.n_blocks; ++k) t[k] = b[k];
+  g_eng_owner[i] = r;
+  g_eng_gen[i] = R.kv_gen;
+  g_eng_nb[i] = R.n_blocks;
+  if (decode) {
+    ((int32_t*)E->input_ids)[i] = row_tokens(c, r)[start];
+    ((int32_t*)E->positions)[i] = (int32_t)start;
+  }
+}
+
+// Copy the prompts of newly admitted rows from the ring's arena, then write the plan into the
+// engine's step buffers (all threads).
+__device__ void fill_engine(SchedCtl* c, Shared& sh) {
+  const EngineABI* E = sh.E;
+  const uint32_t nseq = sh.nseq, ntok = sh.ntok;
+  if (sh.kind == KIND_PREFILL) {
+    // flattened copy: row i needs prompt_len tokens if need_copy
+    const uint32_t per = (nseq + SCHED_THREADS - 1) / SCHED_THREADS;
+    const uint32_t lo = min(nseq, threadIdx.x * per), hi = min(nseq, lo + per);
+    uint32_t mine = 0;
+    for (uint32_t i = lo; i < hi; ++i) {
+      const Row& R = g_rows[g_plan_row[i]];
+      mine += R.need_copy ? R.prompt_len : 0;
+    }
+    uint32_t total;
+    uint32_t o = block_scan(mine, &total, sh.warp_sums);
+    for (uint32_t i = lo; i < hi; ++i) {
+      g_copy_cu[i] = o;
+      const Row& R = g_rows[g_plan_row[i]];
+      o += R.need_copy ? R.prompt_len : 0;
+    }
+    if (threadIdx.x == 0) g_copy_cu[nseq] = total;
+    __syncthreads();
+    for (uint32_t j = threadIdx.x; j < total; j += SCHED_THREADS) {
+      uint32_t a = 0, b = nseq;  // last i with g_copy_cu[i] <= j
+      while (b - a > 1) { const uint32_t m = (a + b) / 2; if (g_copy_cu[m] <= j) a = m; else b = m; }
+      const uint32_t r = g_plan_row[a];
+      const uint32_t k = j - g_copy_cu[a];
+      row_tokens(c, r)[k] = (int32_t)ld_sys((const uint32_t*)&sh.arena[g_rows[r].prompt_offset + k]);
+    }
+    __syncthreads();
+    for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS) g_rows[g_plan_row[i]].need_copy = 0;
+  }
+  int32_t* input_ids = (int32_t*)E->input_ids;
+  int32_t* positions = (int32_t*)E->positions;
+  int32_t* cu_q = (int32_t*)E->cu_q_lens;
+  for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS)
+    fill_seq(c, sh, i, g_plan_row[i], g_plan_start[i], g_plan_n[i], g_plan_cu[i], sh.kind == KIND_DECODE);
+  if (sh.kind == KIND_PREFILL) {
+    for (uint32_t j = threadIdx.x; j < ntok; j += SCHED_THREADS) {
+      uint32_t a = 0, b = nseq;
+      while (b - a > 1) { const uint32_t m = (a + b) / 2; if (g_plan_cu[m] <= j) a = m; else b = m; }
+      const uint32_t pos = g_plan_start[a] + (j - g_plan_cu[a]);
+      input_ids[j] = row_tokens(c, g_plan_row[a])[pos];
+      positions[j] = (int32_t)pos;
+    }
+  }
+  if (threadIdx.x == 0) {
+    cu_q[0] = 0;
+    *(uint32_t*)E->num_seqs = nseq;
+    *(uint32_t*)E->num_tokens = ntok;
+  }
+}
