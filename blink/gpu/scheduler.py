@@ -165,14 +165,15 @@ def nvcc_command(nvcc: str, out: pathlib.Path, arch: str = "sm_90") -> list[str]
 
 
 def build_cubin(cache_dir: str | os.PathLike | None = None, nvcc: str | None = None) -> pathlib.Path:
-    """Compile the scheduler module (cached by source hash). Raises if nvcc is missing or fails."""
-    nvcc = nvcc or find_nvcc()
-    if nvcc is None:
-        raise FileNotFoundError("nvcc not found: the scheduler kernel is compiled on first use")
+    """The scheduler module's cubin, compiled unless the cache holds this version (by source hash).
+    Raises if it must be compiled and nvcc is missing or fails."""
     cache = pathlib.Path(cache_dir) if cache_dir else DEFAULT_CACHE
-    cache.mkdir(parents=True, exist_ok=True)
     out = cache / f"scheduler-{source_hash()}.cubin"
     if not out.exists():
+        nvcc = nvcc or find_nvcc()
+        if nvcc is None:
+            raise FileNotFoundError(f"no cached {out.name} and no nvcc to build it")
+        cache.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".tmp{os.getpid()}")
         r = subprocess.run(nvcc_command(nvcc, tmp), capture_output=True, text=True)
         if r.returncode != 0:
