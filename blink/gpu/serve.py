@@ -139,7 +139,7 @@ def run(cfg: GpuServeConfig) -> int:
 
 def _popen(cfg: GpuServeConfig, **popen_kwargs: Any) -> subprocess.Popen:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
+    env = dict(popen_kwargs.pop("env", None) or os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return subprocess.Popen([sys.executable, "-m", "blink.gpu.serve", *cfg.argv()], env=env, **popen_kwargs)
 
