@@ -108,7 +108,7 @@ SCHED_CTL_DTYPE = np.dtype([
     ("plan_ns_total", "<u8"),        # iteration start -> launch call
     ("launch_ns_total", "<u8"),      # device cudaGraphLaunch calls, retries included
     ("wait_ns_total", "<u8"),        # launch return -> completion seen (graph time + poll latency)
-    ("publish_ns_total", "<u8"),     # completion seen -> tokens and states published
+    ("publish_ns_total", "<u8"),     # completion seen -> results accounted (ring writes overlap the next step)
     ("busy_iters", "<u8"),           # iterations that launched a step
 ], align=True)
 # fmt: on
