@@ -3,10 +3,13 @@
 Each point is a fresh deployment (blink.actors.deploy: GPU actors one per GPU, one frontend
 actor with the HTTP ingress), driven by a closed-loop streaming client, then stopped.
 
-    # here (no GPU): 2 emulated replicas on CPU, tiny random model, lengths scaled down
-    python bench/scaleout.py --device emulated --model random:tiny-llama --scale 0.25
+    # here (no GPU): 2 emulated replicas on CPU (one BLAS thread each), lengths scaled down
+    python bench/scaleout.py --device emulated --model default --scale 0.25 --requests 32 \
+        --concurrency 8 --max-batch 8 --num-kv-blocks 256
     # 2x H200: the same load on real GPUs
     python bench/scaleout.py --device cuda --model default --requests 1000 --concurrency 256
+    # ... on a host without Ray (the lent GPU machines have none): same rings, router and ingress
+    python bench/scaleout.py --launcher procs --device cuda --model default --requests 1000 --concurrency 256
 
 ShareGPT-like: prompt and output lengths are drawn from log-normal fits of ShareGPT
 conversations (prompt median ~180 tokens, output median ~200, long tails; no dataset download),
@@ -36,6 +39,7 @@ from blink.actors import deploy  # noqa: E402
 from blink.actors.config import DeployConfig, from_mapping  # noqa: E402
 from blink.actors.frontend_actor import wait_http  # noqa: E402
 
+BLAS_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # log-normal (mu, sigma) of token counts, fitted to ShareGPT-V3 first turns (approximate).
 PROMPT_LN = (5.2, 1.0)
 OUTPUT_LN = (5.3, 0.8)
@@ -129,6 +133,102 @@ def config(a: argparse.Namespace, replicas: int) -> DeployConfig:
     )
 
 
+class RayLauncher:
+    """The deployment as `blink deploy` places it: GPU actors one per GPU, one frontend actor."""
+
+    def __init__(self, a: argparse.Namespace, max_replicas: int):
+        import ray
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # edge of a benchmark script
+        init = {"address": a.address, "namespace": "blink-bench", "include_dashboard": False, "log_to_driver": False}
+        threads = str(a.blas_threads)
+        init["runtime_env"] = {"env_vars": {k: threads for k in BLAS_VARS}}
+        if a.address == "local":
+            init["num_cpus"] = max(os.cpu_count() or 1, 1 + max_replicas)
+        ray.init(**init)
+        self._cfg: DeployConfig | None = None
+
+    def up(self, cfg: DeployConfig) -> str:
+        self._cfg = cfg
+        d = deploy.deploy(cfg, detached=False)
+        return d.url
+
+    def status(self) -> tuple[list, list]:
+        st = deploy.status(self._cfg)
+        return [r.get("device") for r in st["replicas"]], [r["requests"] for r in st["frontend"]["replicas"]]
+
+    def down(self) -> None:
+        deploy.stop(self._cfg)
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+class ProcLauncher:
+    """The same pieces without Ray (for machines without it, e.g. the lent GPU hosts): one engine
+    process per replica pinned with CUDA_VISIBLE_DEVICES, the frontend roles in one process
+    (python -m blink.actors.frontend_actor), the same rings, router and HTTP ingress."""
+
+    def __init__(self, a: argparse.Namespace, max_replicas: int):
+        for k in BLAS_VARS:
+            os.environ[k] = str(a.blas_threads)  # inherited by the engine processes
+        self._engines: list = []
+        self._rings: list = []
+        self._frontend: subprocess.Popen | None = None
+        self._device = ""
+
+    def up(self, cfg: DeployConfig) -> str:
+        from blink.actors import engines
+        from blink.actors.gpu_actor import GpuActor, resolve_device
+        from blink.protocol.layout import RingGeometry
+        from blink.protocol.transport import ShmTransport
+
+        self._device = resolve_device(cfg.serving.device.kind)
+        rc = cfg.serving.ring
+        for i in range(cfg.deploy.replicas):
+            name = cfg.ring_name(i)
+            t = ShmTransport.create(name, RingGeometry(rc.n_slots, rc.prompt_arena_tokens, rc.output_capacity))
+            self._rings.append(t)
+            start = engines.start_cuda if self._device == "cuda" else engines.start_emulated
+            old = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(i)  # read when the engine process is spawned
+            try:
+                self._engines.append(start(cfg, name, lambda rc: None))
+            finally:
+                if old is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES")
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = old
+        for e, t in zip(self._engines, self._rings, strict=True):
+            GpuActor._wait_ready(e, t)
+        cmd = [sys.executable, "-m", "blink.actors.frontend_actor", "--config-json", cfg.to_json()]
+        cmd += ["--replicas", str(cfg.deploy.replicas)]
+        self._frontend = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        for line in self._frontend.stderr:
+            if "serving on " in line:
+                return line.rsplit("serving on ", 1)[1].strip()
+        raise RuntimeError(f"frontend exited with {self._frontend.wait()}")
+
+    def status(self) -> tuple[list, list]:
+        return [self._device] * len(self._engines), []
+
+    def down(self) -> None:
+        if self._frontend is not None:
+            self._frontend.terminate()
+            self._frontend.wait(30)
+        for e in self._engines:
+            e.stop(30.0)
+        for t in self._rings:
+            t.unlink()
+            t.close()
+        self._engines, self._rings, self._frontend = [], [], None
+
+    def close(self) -> None:
+        pass
+
+
 def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
@@ -155,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-slots", type=int, default=64)
     ap.add_argument("--num-kv-blocks", type=int, default=0)
     ap.add_argument("--address", default="local", help="Ray address: local (embedded) or a running cluster")
+    ap.add_argument(
+        "--launcher",
+        default="ray",
+        choices=("ray", "procs"),
+        help="ray: GPU/frontend actors; procs: same pieces, no Ray",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--blas-threads",
@@ -166,42 +272,26 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     counts = [int(x) for x in a.replicas.split(",")]
 
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # edge of a benchmark script
-    init = {"address": a.address, "namespace": "blink-bench", "include_dashboard": False, "log_to_driver": False}
-    threads = str(a.blas_threads)
-    init["runtime_env"] = {
-        "env_vars": {k: threads for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    }
-    if a.address == "local":
-        init["num_cpus"] = max(os.cpu_count() or 1, 1 + max(counts))
-    ray.init(**init)
+    launcher = (RayLauncher if a.launcher == "ray" else ProcLauncher)(a, max(counts))
     runs = []
     try:
         for n in counts:
             cfg = config(a, n)
             load0 = os.getloadavg()[0]
             t0 = time.perf_counter()
-            d = deploy.deploy(cfg, detached=False)
-            wait_http(d.url, cfg.deploy.start_timeout_s)
-            start_s = time.perf_counter() - t0
+            url = launcher.up(cfg)
             try:
-                with urllib.request.urlopen(d.url + "/v1/models", timeout=10) as r:
+                wait_http(url, cfg.deploy.start_timeout_s)
+                start_s = time.perf_counter() - t0
+                with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
                     card = json.loads(r.read())["data"][0]
                 reqs = sharegpt_like(a.requests, _vocab(a.model), card["max_model_len"], a.scale, a.seed)
-                asyncio.run(drive(d.url, card["id"], reqs[: max(4, a.concurrency)], a.concurrency))  # warm-up
-                res = asyncio.run(drive(d.url, card["id"], reqs, a.concurrency))
-                st = deploy.status(cfg)
-                res.update(
-                    replicas=n,
-                    deploy_s=start_s,
-                    loadavg_1m_start=load0,
-                    devices=[r.get("device") for r in st["replicas"]],
-                    routed=[r["requests"] for r in st["frontend"]["replicas"]],
-                )
+                asyncio.run(drive(url, card["id"], reqs[: max(4, a.concurrency)], a.concurrency))  # warm-up
+                res = asyncio.run(drive(url, card["id"], reqs, a.concurrency))
+                devices, routed = launcher.status()
+                res.update(replicas=n, deploy_s=start_s, loadavg_1m_start=load0, devices=devices, routed=routed)
             finally:
-                deploy.stop(cfg)
+                launcher.down()
             runs.append(res)
             print(
                 f"replicas={n}: {res['output_tok_per_s']:8.1f} out tok/s  {res['requests_per_s']:6.2f} req/s  "
@@ -210,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     finally:
-        ray.shutdown()
+        launcher.close()
     base = runs[0]["output_tok_per_s"]
     for r in runs:
         r["speedup_vs_first"] = r["output_tok_per_s"] / base if base else float("nan")

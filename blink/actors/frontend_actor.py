@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -85,8 +86,6 @@ class FrontendActor:
             loop.close()
 
     async def _serve(self) -> None:
-        import ray
-
         from blink.dpu.request_tracker import RequestTracker
 
         from .http import start_http
@@ -103,13 +102,12 @@ class FrontendActor:
         await self._router.start()
         try:
             self._server = await start_http(self.cfg.serving, self._router)
-            self._info = {
-                "url": self._server.url,
-                "node_ip": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(),
-                "restarted": self._restarted,
-            }
+            self._info = {"url": self._server.url, "pid": os.getpid(), "restarted": self._restarted}
+            ray = sys.modules.get("ray")  # None when running without Ray
+            if ray is not None and ray.is_initialized():
+                self._info.update(
+                    node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id()
+                )
             self._started.set()
             await self._stop_event.wait()
         finally:
@@ -168,3 +166,27 @@ def wait_http(url: str, timeout_s: float) -> None:
             last = str(e)
         time.sleep(0.05)
     raise TimeoutError(f"{url}/health not 200 after {timeout_s:g}s ({last})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The frontend roles without Ray, over rings that already exist (benchmarks, debugging):
+    python -m blink.actors.frontend_actor --config-json '...' --replicas N"""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(prog="python -m blink.actors.frontend_actor", description=main.__doc__)
+    ap.add_argument("--config-json", required=True, help="DeployConfig.to_json() text")
+    ap.add_argument("--replicas", type=int, required=True)
+    a = ap.parse_args(argv)
+    fe = FrontendActor(a.config_json, a.replicas)
+    info = fe.start()
+    print(f"blink frontend: serving on {info['url']}", file=sys.stderr, flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    return 0 if fe.stop() else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

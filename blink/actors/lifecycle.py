@@ -12,8 +12,12 @@ log = logging.getLogger(__name__)
 
 def reconstructed() -> bool:
     """True inside an actor that Ray restarted after it died (max_restarts)."""
-    import ray
-
+    try:
+        import ray
+    except ImportError:  # no Ray installed: nothing restarted us
+        return False
+    if not ray.is_initialized():  # a frontend run without Ray (python -m blink.actors.frontend_actor)
+        return False
     ctx = ray.get_runtime_context()
     if ctx.get_actor_id() is None:  # not inside an actor (plain-object use in tests)
         return False

@@ -37,9 +37,12 @@ def install() -> None:
         if _installed:
             return
         _installed = True
-    import ray
-    import ray.actor
-    import ray.remote_function
+    try:
+        import ray
+        import ray.actor
+        import ray.remote_function
+    except ImportError:  # no Ray installed: this process cannot make Ray calls at all
+        return
 
     _wrap(ray.actor.ActorHandle, "_actor_method_call", "actor_method_call")
     _wrap(ray.actor.ActorClass, "_remote", "actor_create")

@@ -1,0 +1,30 @@
+"""bench/scaleout.py end to end without Ray (--launcher procs): engines as processes, the frontend
+actor's module as a standalone process, 1 then 2 replicas, results JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(180)
+def test_scaleout_procs_launcher(tmp_path: Path) -> None:
+    out = tmp_path / "scaleout.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "scaleout.py"), "--launcher", "procs", "--device", "emulated"]
+    cmd += ["--model", "random:tiny-llama", "--scale", "0.1", "--requests", "8", "--concurrency", "4"]
+    cmd += ["--n-slots", "8", "--num-kv-blocks", "128", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["bench"] == "scaleout" and res["commit"] and "scaleout.py" in res["command"]
+    assert [x["replicas"] for x in res["runs"]] == [1, 2]
+    for run in res["runs"]:
+        assert run["errors"] == 0 and run["requests"] == 8
+        assert run["output_tokens"] > 0 and run["devices"] == ["emulated"] * run["replicas"]
+    assert res["runs"][0]["output_tokens"] == res["runs"][1]["output_tokens"]  # the same load both times
