@@ -120,6 +120,12 @@ class RequestTracker:
         self.reclaimed += n
         return n
 
+    def fail(self, why: str) -> None:
+        """Declare the device down from outside (e.g. its ring was replaced): every in-flight
+        request ends with an error event, queued ones with DeviceDownError; /health turns 503."""
+        if not self.reader.failed:
+            self.reader._fail(why)
+
     # -- state ---------------------------------------------------------------------------
     def health(self) -> DeviceHealth:
         return self.reader.health()

@@ -126,6 +126,15 @@ class OpenAIServer:
             code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(e.status)
             msg = e.text if e.status != 413 else f"request body exceeds {self.config.max_body_bytes} bytes"
             return _error_response(api.APIError(e.status, msg or e.reason, code=code))
+        except DeviceDownError as e:  # raised by the backend outside a submit (e.g. no replica up)
+            return _error_response(api.APIError(503, f"device unavailable: {e}"))
+        except QueueFullError as e:
+            return _error_response(api.APIError(429, f"server busy: {e}", code="rate_limit_exceeded"))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # a bug: answer in the API's shape, keep serving, keep the traceback
+            log.exception("%s %s failed", request.method, request.path)
+            return _error_response(api.APIError(500, f"internal error: {e!r}"))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -287,6 +296,11 @@ class OpenAIServer:
         except (api.APIError, GenerationError) as e:
             err = e if isinstance(e, api.APIError) else api.APIError(e.status, str(e))
             await send(err.body())
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # headers are out: end the stream with an error event, not a dropped socket
+            log.exception("stream failed")
+            await send(api.APIError(500, f"internal error: {e!r}").body())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
