@@ -102,21 +102,15 @@ class StartError(RuntimeError):
 
 
 def find(cfg: DeployConfig) -> tuple[list[Any], Any | None]:
-    """Handles of a running deployment's actors (named, in cfg.namespace): (gpu actors, frontend)."""
+    """Handles of a running deployment's actors (named, in cfg.namespace): (gpu actors by replica, frontend)."""
     import ray
+    from ray.util import list_named_actors
 
-    gpus = []
-    i = 0
-    while True:
-        try:
-            gpus.append(ray.get_actor(cfg.gpu_actor_name(i), namespace=cfg.namespace))
-        except ValueError:
-            break
-        i += 1
-    try:
-        frontend = ray.get_actor(cfg.frontend_name, namespace=cfg.namespace)
-    except ValueError:
-        frontend = None
+    prefix = cfg.gpu_actor_name(0)[:-1]  # "<name>-gpu-"
+    named = {a["name"] for a in list_named_actors(all_namespaces=True) if a["namespace"] == cfg.namespace}
+    replicas = sorted(int(n[len(prefix) :]) for n in named if n.startswith(prefix) and n[len(prefix) :].isdigit())
+    gpus = [ray.get_actor(cfg.gpu_actor_name(i), namespace=cfg.namespace) for i in replicas]
+    frontend = ray.get_actor(cfg.frontend_name, namespace=cfg.namespace) if cfg.frontend_name in named else None
     return gpus, frontend
 
 
