@@ -25,16 +25,13 @@ Decode = Callable[[Sequence[int]], str]
 class IncrementalDetokenizer:
     """Per-request state. `decode(ids) -> str` must skip special tokens (EOS is not text)."""
 
-    def __init__(self, decode: Decode, stop: Sequence[str] = (), prompt_tail: Sequence[int] = ()):
+    def __init__(self, decode: Decode, stop: Sequence[str] = ()):
         self._decode = decode
         self.stop = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self.stop), default=0)
-        # Seeding the window with the prompt's last tokens lets the decoder see the context the
-        # first generated token continues (matters for tokenizers that strip a leading space).
-        self._ids: list[int] = list(prompt_tail)
+        self._ids: list[int] = []
         self._prefix = 0
-        self._read = len(self._ids)
-        self._n_prompt = len(self._ids)
+        self._read = 0
         self.text = ""  # all decoded text so far (emitted or held back by the stop-string rule)
         self._emitted = 0  # chars of self.text already returned
         self.stopped = False  # a stop string matched; no more text will be returned
@@ -42,7 +39,7 @@ class IncrementalDetokenizer:
     @property
     def token_ids(self) -> list[int]:
         """The generated token ids seen so far."""
-        return self._ids[self._n_prompt :]
+        return list(self._ids)
 
     def _decode_new(self) -> str:
         prefix_text = self._decode(self._ids[self._prefix : self._read])
