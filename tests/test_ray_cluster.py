@@ -149,6 +149,9 @@ heartbeat_timeout_s = 2.0
     assert [x["state"] for x in st["replicas"]] == ["READY", "READY"]
     assert [x["device"] for x in st["replicas"]] == ["emulated", "emulated"]
     assert st["frontend"]["state"] == "SERVING" and st["frontend"]["url"] == url
+    r = _blink("status", "--config", str(conf), "--address", cluster)
+    assert r.returncode == 0 and f"frontend: SERVING {url}" in r.stdout, r.stdout
+    assert "replica 0: READY device=emulated" in r.stdout and "route 1: up" in r.stdout, r.stdout
 
     # Placement: the frontend sits on the `dpu` node, the GPU actors do not.
     os.environ["RAY_AUTH_MODE"] = "disabled"
