@@ -151,7 +151,14 @@ def machine() -> dict[str, str | int]:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count() or 0, "python": platform.python_version()}
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count() or 0,
+        "python": platform.python_version(),
+        # other work on the machine skews every number here; recorded so a reader can judge
+        "loadavg_1m_at_start": os.getloadavg()[0],
+    }
 
 
 def main() -> int:
@@ -163,6 +170,7 @@ def main() -> int:
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
 
+    mach = machine()
     micro = slot_tracker_micro()
     server_flags = ["--model", args.model, "--n-slots", "256", "--max-batch", "64", "--num-kv-blocks", "2048"]
     server_flags += ["--max-queue", "4096"]
@@ -196,7 +204,7 @@ def main() -> int:
     today = datetime.datetime.now(datetime.UTC)
     out = {
         "date": today.isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": mach,
         "git_commit": commit,
         "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
         "setup": {
