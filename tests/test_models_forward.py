@@ -129,3 +129,12 @@ def test_qk_norm_and_rope_scaling_matter(model):
         c2 = config.replace(rope_scaling=type(config.rope_scaling)())
         other = make_exec((c2, weights)).forward_logits(PagedDriver(NB, BS, WIDTH).step([(0, ids)]), all_tokens=True)
     assert rel_err(other, base) > 1e-3
+
+
+def test_random_weights_keep_logits_in_a_sane_range(model):
+    """Random presets must give O(1) logits so greedy/sampling tests are not decided by noise."""
+    config, weights = model
+    (ids,) = prompts(config.vocab_size, [32], seed=9)
+    logits = reference_logits(config, weights, ids)
+    assert 0.3 < float(logits.std()) < 5.0
+    assert len(set(logits.argmax(-1).tolist())) > 8  # not collapsed onto one token

