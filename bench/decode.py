@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compare-cublas", default="1,8", help="batches also timed with cuBLAS instead of the GEMV")
+    ap.add_argument(
+        "--compare-attention", default="1,32,256", help="batches also timed with the other decode attention"
+    )
     ap.add_argument("--breakdown", default="1,256", help="batches whose kernel categories are timed one by one")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
@@ -76,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
             it = iter(range(10**9))
             other = "gemv" if b > ecfg.gemv_max_tokens else "cublas_only"
             variants[other] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+        if str(b) in a.compare_attention.split(","):  # the other decode attention kernel
+            other = "basic" if ecfg.decode_attention == "pipe" else "pipe"
+            eng.fwd.set_decode_attention(other)
+            execs = eng.capture_variant(b, b, True)
+            eng.fwd.set_decode_attention(ecfg.decode_attention)
+            it2 = iter(range(10**9))
+            variants[f"attn_{other}"] = lambda execs=execs, it=it2: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
         for name, fn in variants.items():
             ms = time_ms(fn, eng.stream, iters=a.iters)
             moved = weight_bytes + b * ctx * kv_per_token

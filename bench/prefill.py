@@ -53,11 +53,26 @@ def main(argv: list[str] | None = None) -> int:
         h["temperature"][0] = 0.0
         h["block_tables"][: tmax // bs] = np.arange(tmax // bs)
         eng.arena.upload(eng.s, 1)
-        ms = time_ms(
-            lambda n=n: eng.driver.graph_launch(eng.pick_exec(1, n, False), eng.s), eng.stream, iters=a.iters, warmup=2
-        )
-        flops = 2 * n * (eng.weights.bytes_per_step / 2) + 4 * n * n / 2 * cfg.q_size * cfg.num_layers
-        rows.append({"prompt_tokens": n, "ms": ms, "tokens_per_s": n / ms * 1e3, "TFLOPs": flops / ms / 1e9})
+        variants = {ecfg.prefill_attention: lambda n=n: eng.driver.graph_launch(eng.pick_exec(1, n, False), eng.s)}
+        for other in ("smem", "rego"):
+            if other != ecfg.prefill_attention:
+                eng.fwd.set_prefill_attention(other)
+                execs = eng.capture_variant(1, n, False)
+                eng.fwd.set_prefill_attention(ecfg.prefill_attention)
+                it = iter(range(10**9))
+                variants[other] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+        for name, fn in variants.items():
+            ms = time_ms(fn, eng.stream, iters=a.iters, warmup=2)
+            flops = 2 * n * (eng.weights.bytes_per_step / 2) + 4 * n * n / 2 * cfg.q_size * cfg.num_layers
+            rows.append(
+                {
+                    "prompt_tokens": n,
+                    "attention": name,
+                    "ms": ms,
+                    "tokens_per_s": n / ms * 1e3,
+                    "TFLOPs": flops / ms / 1e9,
+                }
+            )
     res = {
         **metadata(a.commit, argv if argv is not None else sys.argv),
         "model": cfg.name,
@@ -66,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     write_json(a.out, res)
-    print(f"\n{'prompt':>7} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8}")
+    print(f"\n{'prompt':>7} {'attention':>9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8}")
     for r in rows:
-        print(f"{r['prompt_tokens']:>7} {r['ms']:9.2f} {r['tokens_per_s']:9.0f} {r['TFLOPs']:8.1f}")
+        print(f"{r['prompt_tokens']:>7} {r['attention']:>9} {r['ms']:9.2f} {r['tokens_per_s']:9.0f} {r['TFLOPs']:8.1f}")
     eng.close()
     return 0
 

@@ -63,6 +63,10 @@ class EngineConfig:
     """Decode buckets up to this size (1, 2, 4, 8) use the weight-streaming GEMV instead of cuBLAS.
     Measured on the H200 (bench/decode.py): the GEMV wins at 1 token; at 8 it is issue-bound
     (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
+    decode_attention: str = "pipe"
+    """Decode attention kernel: "pipe" (next K/V tile prefetched) or "basic" (bench/decode.py compares)."""
+    prefill_attention: str = "smem"
+    """Prefill attention kernel: "smem" (O tile in shared memory) or "rego" (O in registers)."""
     workspace_mib: int = 64
     graph_reserve_mib: int = 2048
     """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""
@@ -124,6 +128,8 @@ class Engine:
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.fwd = Forward(config, weights, self.dims, driver, kernels, self.cublas, sms)
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
+        self.fwd.set_decode_attention(ecfg.decode_attention)
+        self.fwd.set_prefill_attention(ecfg.prefill_attention)
         self.arena = self.fwd.arena
         nb, nt, E = len(self.batch_buckets), len(self.token_buckets), ecfg.execs_per_shape
         self.decode_execs = np.zeros((nb, E), np.uint64)

@@ -31,7 +31,7 @@ I32 = ctypes.c_int
 F32 = ctypes.c_float
 
 GEMV_BUCKETS = (1, 2, 4, 8)
-GEMV_ROWS_PER_WARP = {1: 2, 2: 4, 4: 4, 8: 4}  # must match GEMV(NT, R) in model_kernels.cu
+GEMV_ROWS_PER_WARP = {1: 1, 2: 4, 4: 4, 8: 4}  # must match GEMV(NT, R) in model_kernels.cu
 DECODE_HEAD_DIMS = (16, 32, 64, 128)
 DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
 PREFILL_TILE = 64
@@ -179,11 +179,32 @@ class Forward:
         self.kv_half = dims.num_blocks * dims.block_size * c.kv_size * 2
         hd = c.head_dim
         self.prefill_smem = 2 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
-        self.fn_prefill = kernels[f"attn_prefill_hd{hd}"]
-        driver.set_max_dynamic_smem(self.fn_prefill, self.prefill_smem)
-        self.fn_decode = kernels[f"attn_decode_hd{hd}_g{c.num_heads // c.num_kv_heads}"]
+        # "smem": O accumulated in shared memory, next K/V tile prefetched into registers;
+        # "rego": O accumulators kept in registers across tiles, no prefetch.
+        self.prefill_kernels = {"smem": kernels[f"attn_prefill_hd{hd}"], "rego": kernels[f"attn_prefill_rego_hd{hd}"]}
+        for fn in self.prefill_kernels.values():
+            driver.set_max_dynamic_smem(fn, self.prefill_smem)
+        self.fn_prefill = self.prefill_kernels["smem"]
+        group = c.num_heads // c.num_kv_heads
+        # "basic": one tile of K/V in registers, 4 blocks/SM; "pipe": the next tile's loads in
+        # flight during the current tile's math, 3 blocks/SM.
+        self.decode_kernels = {
+            "basic": kernels[f"attn_decode_hd{hd}_g{group}"],
+            "pipe": kernels[f"attn_decode_pipe_hd{hd}_g{group}"],
+        }
+        self.fn_decode = self.decode_kernels["pipe"]
         self.gemv_max_tokens = 1
         self._only: set[str] | None = None
+
+    def set_prefill_attention(self, variant: str) -> None:
+        if variant not in self.prefill_kernels:
+            raise ValueError(f"prefill_attention {variant!r} not in {sorted(self.prefill_kernels)}")
+        self.fn_prefill = self.prefill_kernels[variant]
+
+    def set_decode_attention(self, variant: str) -> None:
+        if variant not in self.decode_kernels:
+            raise ValueError(f"decode_attention {variant!r} not in {sorted(self.decode_kernels)}")
+        self.fn_decode = self.decode_kernels[variant]
 
     def splits(self, s: int) -> int:
         """Decode split count for a bucket of s sequences: about one wave of blocks (4 per SM)."""

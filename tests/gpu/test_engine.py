@@ -124,12 +124,14 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
     return [rng.integers(0, cfg.vocab_size, 100).tolist(), rng.integers(0, cfg.vocab_size, 57).tolist()]
 
 
-@pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b"])
-def test_engine_matches_transformers(name):
+@pytest.mark.parametrize(
+    "name,attn", [("llama3-8b", ("pipe", "smem")), ("qwen3-8b", ("pipe", "smem")), ("llama3-8b", ("basic", "rego"))]
+)
+def test_engine_matches_transformers(name, attn):
     import torch
 
     cfg = preset(name).replace(num_layers=2)
-    eng = small_engine(cfg)
+    eng = small_engine(cfg, decode_attention=attn[0], prefill_attention=attn[1])
     model = hf_model(cfg, eng)
     prompts = prompts_for(cfg)
     rows, gen = run_script(eng, PagedDriver(256, 16, 64, shuffle_seed=3), prompts, split=21)
@@ -165,8 +167,9 @@ def test_shuffled_block_tables_match_contiguous():
     eng.close()
 
 
+@pytest.mark.parametrize("attn", [("pipe", "smem"), ("basic", "rego")], ids=lambda a: "-".join(a))
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "smollm2-135m"])
-def test_engine_matches_numpy_executor(name):
+def test_engine_matches_numpy_executor(name, attn):
     """Small head dims (16, 32, 64), GQA groups 2/3, tied and untied heads, against the float64
     reference engine on the same (bf16-rounded) weights; chunked prefill and decode, teacher-forced."""
     from blink.device.numpy_executor import NumpyExecutor
@@ -187,6 +190,8 @@ def test_engine_matches_numpy_executor(name):
         batch_buckets=(1, 2, 4),
         token_buckets=(16, 128),
         progress=False,
+        decode_attention=attn[0],
+        prefill_attention=attn[1],
     )
     eng = Engine.create(cfg, ecfg, host_weights=w)
     eng.capture()

@@ -28,8 +28,10 @@
 
 using namespace nvcuda;
 
+constexpr int MAX_SPLITS = 32;  // decode splits per sequence (Forward.max_splits)
 
-template <int HD, int G>
+
+template <int HD, int G, bool PIPE>
 __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                  const bf16* __restrict__ v_cache, float* __restrict__ part_o,
                                                  float* __restrict__ part_ml, int* __restrict__ counters,
@@ -49,6 +51,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
   __shared__ float red[NG][G][HD];
   __shared__ __align__(16) float q_s[G][HD];
   __shared__ int last;
+  __shared__ float mw[G][MAX_SPLITS], lw[G][MAX_SPLITS], inv_den[G];
   const int s = blockIdx.z;
   if (s >= (int)*num_seqs) return;
   const int NS = gridDim.x, split = blockIdx.x, kvh = blockIdx.y, nq = nkv * G;
@@ -82,23 +85,35 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     const int* bt = block_tables + (size_t)s * mbps;
     const int tg = tid / LPT, d8 = tid % LPT;
     const bf16x8 zero8 = {};
-    for (int t0 = start; t0 < end; t0 += DT) {
-      // Every K and V load of the tile is issued before any is used: one memory latency a tile.
-      bf16x8 kraw[KI], vraw[VI];
+    // Every K and V load of a tile is issued before any is used: one memory latency a tile.
+    // PIPE: the next tile's loads are issued before the current tile's math (two tiles of
+    // registers, fewer blocks per SM, loads always in flight).
+    bf16x8 knext[KI], vnext[VI];
+    auto issue = [&](int t0) {
 #pragma unroll
       for (int it = 0; it < KI; ++it) {
         const int t = t0 + warp * (DT / 4) + it * TPW + lane / LPT;
-        kraw[it] = t < end ? *reinterpret_cast<const bf16x8*>(
-                                 k_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + sub * 8)
-                           : zero8;
+        knext[it] = t < end ? *reinterpret_cast<const bf16x8*>(
+                                  k_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + sub * 8)
+                            : zero8;
       }
 #pragma unroll
       for (int j = 0; j < VI; ++j) {
         const int t = t0 + tg + NG * j;
-        vraw[j] = t < end ? *reinterpret_cast<const bf16x8*>(
-                                v_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + d8 * 8)
-                          : zero8;
+        vnext[j] = t < end ? *reinterpret_cast<const bf16x8*>(
+                                 v_cache + (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + d8 * 8)
+                           : zero8;
       }
+    };
+    if (PIPE) issue(start);
+    for (int t0 = start; t0 < end; t0 += DT) {
+      if (!PIPE) issue(t0);
+      bf16x8 kraw[KI], vraw[VI];
+#pragma unroll
+      for (int it = 0; it < KI; ++it) kraw[it] = knext[it];
+#pragma unroll
+      for (int j = 0; j < VI; ++j) vraw[j] = vnext[j];
+      if (PIPE && t0 + DT < end) issue(t0 + DT);
 #pragma unroll
       for (int it = 0; it < KI; ++it) {
         const int local = warp * (DT / 4) + it * TPW + lane / LPT;
@@ -179,27 +194,37 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
   __syncthreads();
   if (!last) return;
   __threadfence();
+  const size_t base0 = pbase - split;  // split 0 of head g: base0 + g * NS
+  for (int idx = tid; idx < G * NS; idx += blockDim.x) {
+    const int g = idx / NS, i = idx % NS;
+    mw[g][i] = __ldcg(&part_ml[(base0 + (size_t)g * NS + i) * 2]);
+    lw[g][i] = __ldcg(&part_ml[(base0 + (size_t)g * NS + i) * 2 + 1]);
+  }
+  __syncthreads();
+  if (tid < G) {
+    float M = -INFINITY, den = 0.f;
+    for (int i = 0; i < NS; ++i)
+      if (lw[tid][i] > 0.f) M = fmaxf(M, mw[tid][i]);
+    for (int i = 0; i < NS; ++i) {
+      const float w = lw[tid][i] > 0.f ? exp2f(mw[tid][i] - M) : 0.f;
+      mw[tid][i] = w;
+      den += w * lw[tid][i];
+    }
+    inv_den[tid] = den > 0.f ? 1.f / den : 0.f;
+  }
+  __syncthreads();
   for (int idx = tid; idx < G * HD; idx += blockDim.x) {
     const int g = idx / HD, d = idx % HD;
-    const size_t base = pbase + (size_t)g * NS - split;
-    float M = -INFINITY;
+    float num = 0.f;
+#pragma unroll 4
     for (int i = 0; i < NS; ++i)
-      if (__ldcg(&part_ml[(base + i) * 2 + 1]) > 0.f) M = fmaxf(M, __ldcg(&part_ml[(base + i) * 2]));
-    float num = 0.f, den = 0.f;
-    for (int i = 0; i < NS; ++i) {
-      const float l = __ldcg(&part_ml[(base + i) * 2 + 1]);
-      if (l > 0.f) {
-        const float w = exp2f(__ldcg(&part_ml[(base + i) * 2]) - M);
-        den += w * l;
-        num += w * __ldcg(&part_o[(base + i) * HD + d]);
-      }
-    }
-    out[((size_t)tok * nq + kvh * G + g) * HD + d] = tobf(den > 0.f ? num / den : 0.f);
+      if (mw[g][i] > 0.f) num += mw[g][i] * __ldcg(&part_o[(base0 + (size_t)g * NS + i) * HD + d]);
+    out[((size_t)tok * nq + kvh * G + g) * HD + d] = tobf(num * inv_den[g]);
   }
   if (tid == 0) counters[s * nkv + kvh] = 0;
 }
 
-template <int HD>
+template <int HD, bool REGO>
 __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                   const bf16* __restrict__ v_cache, bf16* __restrict__ out,
                                                   const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
@@ -217,6 +242,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
   float* Os = reinterpret_cast<float*>(Ps + BM * LDP);
   float* m_s = Os + BM * LDO;
   float* l_s = m_s + BM;
+  float* a_s = l_s + BM;
   __shared__ int sh_s, sh_tile;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
@@ -285,9 +311,15 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
       }
     }
   };
-  fetch(0);
+  // REGO: the O accumulators stay in registers across tiles (WMMA fragments, rescaled in place
+  // through the sm_80+ accumulator layout), so there is no prefetch: the registers go to O.
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> oacc[HD / 16];
+#pragma unroll
+  for (int n = 0; n < HD / 16; ++n) wmma::fill_fragment(oacc[n], 0.f);
+  if (!REGO) fetch(0);
   for (int kt = 0; kt < kv_end; kt += BN) {
     __syncthreads();  // every warp is done with the previous tile (and with the staged Q)
+    if (REGO) fetch(kt);
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int idx = tid + i * 128;
@@ -296,7 +328,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
       *reinterpret_cast<bf16x8*>(Vs + r * LDH + c) = vreg[i];
     }
     __syncthreads();
-    if (kt + BN < kv_end) fetch(kt + BN);
+    if (!REGO && kt + BN < kv_end) fetch(kt + BN);
     {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[BN / 16];
 #pragma unroll
@@ -351,19 +383,39 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
       if (half == 0) {
         l_s[r] = l_s[r] * a + sum;
         m_s[r] = m_new;
+        a_s[r] = a;
       }
-      float4* orow = reinterpret_cast<float4*>(Os + r * LDO + half * (HD / 2));
+      if (!REGO) {
+        float4* orow = reinterpret_cast<float4*>(Os + r * LDO + half * (HD / 2));
 #pragma unroll 4
-      for (int d = 0; d < HD / 8; ++d) {
-        float4 o = orow[d];
-        o.x *= a;
-        o.y *= a;
-        o.z *= a;
-        o.w *= a;
-        orow[d] = o;
+        for (int d = 0; d < HD / 8; ++d) {
+          float4 o = orow[d];
+          o.x *= a;
+          o.y *= a;
+          o.z *= a;
+          o.w *= a;
+          orow[d] = o;
+        }
       }
     }
     __syncwarp();
+    if (REGO) {
+      // accumulator element i of a 16x16 fragment: row lane/4 + 8*((i>>1)&1), col (lane%4)*2 + (i&1) + 8*(i>>2)
+      const float a_lo = a_s[wr + (lane >> 2)], a_hi = a_s[wr + (lane >> 2) + 8];
+#pragma unroll
+      for (int n = 0; n < HD / 16; ++n) {
+#pragma unroll
+        for (int i = 0; i < oacc[n].num_elements; ++i) oacc[n].x[i] *= ((i >> 1) & 1) ? a_hi : a_lo;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
+          wmma::load_matrix_sync(a, Ps + wr * LDP + kk * 16, LDP);
+          wmma::load_matrix_sync(b, Vs + (kk * 16) * LDH + n * 16, LDH);
+          wmma::mma_sync(oacc[n], a, b, oacc[n]);
+        }
+      }
+    } else {
 #pragma unroll
     for (int n = 0; n < HD / 16; ++n) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
@@ -378,6 +430,12 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
       }
       wmma::store_matrix_sync(Os + wr * LDO + n * 16, o, LDO, wmma::mem_row_major);
     }
+    }
+    __syncwarp();
+  }
+  if (REGO) {
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) wmma::store_matrix_sync(Os + wr * LDO + n * 16, oacc[n], LDO, wmma::mem_row_major);
     __syncwarp();
   }
   for (int rr = 0; rr < 16; ++rr) {
@@ -392,7 +450,12 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
   extern "C" __global__ void __launch_bounds__(128, (G <= 4 ? 4 : 2)) attn_decode_hd##HD##_g##G(            \
       const bf16* q, const bf16* kc, const bf16* vc, float* po, float* pml, int* cnt, bf16* out, const int* cu, \
       const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                  \
-    attn_decode_impl<HD, G>(q, kc, vc, po, pml, cnt, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                  \
+    attn_decode_impl<HD, G, false>(q, kc, vc, po, pml, cnt, out, cu, sl, bt, ns, nkv, bs, mbps, sc);           \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(128, (G <= 4 ? 3 : 2)) attn_decode_pipe_hd##HD##_g##G(       \
+      const bf16* q, const bf16* kc, const bf16* vc, float* po, float* pml, int* cnt, bf16* out, const int* cu, \
+      const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                  \
+    attn_decode_impl<HD, G, true>(q, kc, vc, po, pml, cnt, out, cu, sl, bt, ns, nkv, bs, mbps, sc);            \
   }
 #define PER_HD(HD)                                                                                             \
   DECODE(HD, 1)                                                                                                \
@@ -405,7 +468,12 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
   extern "C" __global__ void __launch_bounds__(128) attn_prefill_hd##HD(                                      \
       const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
       const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
-    attn_prefill_impl<HD>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                                  \
+    attn_prefill_impl<HD, false>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                           \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(128) attn_prefill_rego_hd##HD(                                 \
+      const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
+      const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
+    attn_prefill_impl<HD, true>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                            \
   }
 PER_HD(16)
 PER_HD(32)
