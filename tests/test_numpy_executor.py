@@ -105,3 +105,11 @@ def test_generation_is_deterministic_across_batch_composition(bundle):
         return toks
 
     assert run([]) == run([[7, 7, 7], [100, 200, 300, 400, 5, 6, 7, 8, 9]])
+
+
+def test_models_cli_generates(capsys):
+    from blink.models.__main__ import main
+
+    assert main(["--model", "random:tiny-llama", "--max-tokens", "5", "hi", "a longer prompt"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("> ") == 2 and "tiny-llama: llama, 2 layers" in err and "tok/s" in err
