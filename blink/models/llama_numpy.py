@@ -131,6 +131,7 @@ class LlamaNumpy:
         dec_tok = cu[dec_seqs]
         bt = np.asarray(block_tables, dtype=np.int64)
 
+        rows = cu[1:] - 1 if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         scale = np.float32(1.0 / np.sqrt(D))
         x = self.embed[ids]  # (T, hidden)
@@ -154,7 +155,10 @@ class LlamaNumpy:
             for s in long_seqs:
                 a, b = int(cu[s]), int(cu[s + 1])
                 attn[a:b] = self._attend_seq(q[a:b], pos[a:b], bt[s], kc, vc)
-            x = x + attn.reshape(T, c.q_size) @ L.w_o.T
+            attn = attn.reshape(T, c.q_size)
+            if li == len(self.layers) - 1:  # only the logits rows matter past the last attention
+                x, attn = x[rows], attn[rows]
+            x = x + attn @ L.w_o.T
 
             gu = rmsnorm(x, L.ln2, c.rms_eps) @ L.w_gate_up.T
             g, u = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
@@ -162,8 +166,7 @@ class LlamaNumpy:
                 act = g / (1.0 + np.exp(-g)) * u
             x = x + act @ L.w_down.T
 
-        rows = cu[1:] - 1 if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
-        return rmsnorm(x[rows], self.norm, c.rms_eps) @ self.lm_head.T
+        return rmsnorm(x, self.norm, c.rms_eps) @ self.lm_head.T
 
     # Attention loops over kv heads and hands numpy strided 2-D views (row stride KVH*D): each
     # product is then one BLAS call with no transposed copy of the gathered keys/values, which
