@@ -213,6 +213,21 @@ async def test_request_tracker_queue_full_cancel_and_heartbeat(dev):
             await asyncio.wait_for(waiting, 1)
         with pytest.raises(DeviceDownError):
             await rt.submit(_req(101))
+        # a stall is not final: the failed request's slot was cancelled; when the heartbeat
+        # resumes the frontend serves again and the device's CANCELLED completion frees the slot
+        s2 = hs[2].slot
+        assert dev.v.slots[s2]["cancel"] == 1
+        dev.beat()
+        await asyncio.sleep(0.1)
+        assert rt.health().ok
+        dev.complete(s2, FinishReason.CANCELLED)
+        for _ in range(100):
+            if dev.v.slots[s2]["state"] == SlotState.EMPTY:
+                break
+            await asyncio.sleep(0.01)
+        assert dev.v.slots[s2]["state"] == SlotState.EMPTY
+        h7 = await asyncio.wait_for(rt.submit(_req(103)), 1)
+        assert h7.slot == s2
     finally:
         await rt.close()
 

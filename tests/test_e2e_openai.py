@@ -419,7 +419,7 @@ def test_disconnect_mid_stream_frees_slot(smol):
 # -- device failure ---------------------------------------------------------------------------
 
 
-def test_device_hang_ends_stream_with_error_and_health_503(tmp_path):
+def test_device_hang_ends_stream_with_error_health_503_then_recovers(tmp_path):
     cfg = tmp_path / "blink.json"
     cfg.write_text(json.dumps({"server": {"heartbeat_timeout_s": 1.0}, "model": {"spec": "random:tiny-llama"}}))
     s = Server("--config", str(cfg), "--num-kv-blocks", "128", "--n-slots", "4")
@@ -455,7 +455,23 @@ def test_device_hang_ends_stream_with_error_and_health_503(tmp_path):
         assert ei.value.code == 503
         code, js = _post(s.url + "/v1/completions", json.dumps({"model": "tiny-llama", "prompt": "x"}))
         assert code == 503 and js["error"]["type"] == "server_error"
-        os.kill(int(children[0]), signal.SIGKILL)
+        # the device wakes up: the server serves again, and the failed request's slot is freed
+        os.kill(int(children[0]), signal.SIGCONT)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            try:
+                if urllib.request.urlopen(s.url + "/health").status == 200:
+                    break
+            except urllib.error.HTTPError:
+                time.sleep(0.05)
+        body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 3, "ignore_eos": True}
+        code, js = _post(s.url + "/v1/completions", json.dumps(body))
+        assert code == 200 and js["usage"]["completion_tokens"] == 3
+        for _ in range(200):
+            if s.metrics()["blink_ring_busy_slots"] == 0:
+                break
+            time.sleep(0.02)
+        assert s.metrics()["blink_ring_busy_slots"] == 0
     finally:
         s.stop()
     assert not os.path.exists(f"/dev/shm/{s.ring}")

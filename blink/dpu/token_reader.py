@@ -16,7 +16,9 @@ Polling adapts: while tokens flow the loop only yields to the event loop between
 and with no request in flight it parks on an event (waking every `health_interval_s` to watch
 the device). Device failure: header.device_status FAILED/STOPPED, or a heartbeat that has not
 advanced for `heartbeat_timeout_s`; every in-flight request then ends with an error event and
-`health()` reports not ok (the server answers /health with 503).
+`health()` reports not ok (the server answers /health with 503). A stall is not final: when the
+heartbeat advances again the frontend serves again (the requests it failed were cancelled on the
+ring and are drained and released when the device gets to them).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class TokenReader:
         self._hb = int(self.header["heartbeat"])
         self._hb_changed_at = time.monotonic()
         self.failed: str | None = None  # why the device is considered down
+        self._stalled = False  # failed only because the heartbeat stopped (recoverable)
         self.cycles = 0
         self.tokens_read = 0
         self._cap = self.geo.output_capacity
@@ -122,9 +125,15 @@ class TokenReader:
 
     def _check_device(self, now: float) -> None:
         hb = int(self.header["heartbeat"])
-        if hb != self._hb:
+        beat = hb != self._hb
+        if beat:
             self._hb, self._hb_changed_at = hb, now
         if self.failed:
+            if self._stalled and beat and int(self.header["device_status"]) == DeviceStatus.READY:
+                # The device was only stalled (paused, swapped out, a very long step): it beats
+                # again, so serve again. Requests failed meanwhile were cancelled and are drained.
+                log.warning("device heartbeat resumed; serving again")
+                self.failed, self._stalled = None, False
             return
         if self.liveness is not None and now - self._liveness_at >= 0.1:
             self._liveness_at = now
@@ -136,10 +145,14 @@ class TokenReader:
         if status in (DeviceStatus.FAILED, DeviceStatus.STOPPED):
             self._fail(f"device {DeviceStatus(status).name.lower()} (fault {int(self.header['fault'])})")
         elif status == DeviceStatus.READY and now - self._hb_changed_at > self.heartbeat_timeout_s:
-            self._fail(f"device heartbeat stalled for {now - self._hb_changed_at:.1f} s")
+            self._fail(f"device heartbeat stalled for {now - self._hb_changed_at:.1f} s", stalled=True)
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, stalled: bool = False) -> None:
+        """Declare the device down. Every in-flight request ends with an error event. A stall may
+        end (see _check_device), so then the slots are cancelled and kept to be drained and
+        released if the device comes back; otherwise they stay held (nobody will free them)."""
         self.failed = why
+        self._stalled = stalled
         for slot, a in list(self.active.items()):
             if a.sink is not None:
                 try:
@@ -147,8 +160,11 @@ class TokenReader:
                 except Exception:  # one broken consumer must not keep the others from hearing
                     log.exception("request %d: delivering the failure event", a.request_id)
                 a.sink = None
-            del self.active[slot]  # the slots stay held: a dead device cannot hand them back
-            self._active_mask[slot] = False
+            if stalled:
+                self.tracker.cancel(slot)
+            else:
+                del self.active[slot]
+                self._active_mask[slot] = False
         self._urgent.clear()
         if self.on_fail is not None:
             self.on_fail(why)
