@@ -210,6 +210,33 @@ def test_seed_reproducible_at_temperature_1(tiny):
     assert a != other
 
 
+def test_defaults_content_parts_and_max_completion_tokens(tiny):
+    c = tiny.client()
+    msgs = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]},
+    ]
+    r = c.chat.completions.create(
+        model="tiny-llama", messages=msgs, max_completion_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    # no seed: each request draws its own (default temperature 1), so repeated requests differ
+    texts = {
+        c.completions.create(model="tiny-llama", prompt="x", max_tokens=12, extra_body={"ignore_eos": True})
+        .choices[0]
+        .text
+        for _ in range(3)
+    }
+    assert len(texts) > 1
+    # without stream_options there is no usage chunk, and chunks carry no usage field
+    ev = _sse(
+        tiny.url + "/v1/completions",
+        {"model": "tiny-llama", "prompt": "x", "max_tokens": 2, "ignore_eos": True, "stream": True},
+    )
+    assert ev[-1] == "[DONE]" and all("usage" not in e and e["choices"] for e in ev[:-1])
+    assert ev[-2]["choices"][0]["finish_reason"] == "length"
+
+
 BAD = [
     ("malformed json", "/v1/chat/completions", "{not json", 400, None),
     ("wrong type", "/v1/chat/completions", {"model": "tiny-llama", "messages": "hi"}, 400, "messages"),
