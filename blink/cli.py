@@ -163,7 +163,7 @@ def _serve(cfg: C.BlinkConfig) -> int:
     try:
         stack.start_device()
         _run(_serve_async(stack))
-    except (RuntimeError, TimeoutError, FileNotFoundError) as e:
+    except (RuntimeError, TimeoutError, OSError) as e:  # OSError: e.g. the port is in use
         print(f"blink serve: {e}", file=sys.stderr)
         return 1
     finally:
