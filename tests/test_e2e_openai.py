@@ -252,6 +252,11 @@ BAD = [
     ("empty prompt", "/v1/completions", {"model": "tiny-llama", "prompt": ""}, 400, "prompt"),
     ("bad token id", "/v1/completions", {"model": "tiny-llama", "prompt": [1, 100000]}, 400, "prompt"),
     ("missing field", "/v1/completions", {"model": "tiny-llama"}, 400, None),
+    ("stop id", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
+    ("top_k huge", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "top_k": 2**40}, 400, "top_k"),
+    ("min_tokens huge", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "min_tokens": 2**40}, 400, "min_tokens"),
+    ("not an object", "/v1/completions", "[1, 2]", 400, None),
+    ("logprobs", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
 ]  # fmt: skip
 
 
@@ -276,6 +281,9 @@ def test_body_too_large_auth_and_still_serving(tiny):
         tiny.client(api_key="nope").models.list()
     code, js = _post(tiny.url + "/v1/nothing", "{}")
     assert code == 404 and "error" in js
+    # a huge max_tokens is clamped (the device stops at the context), not an overflow
+    r = tiny.client().completions.create(model="tiny-llama", prompt="ok", max_tokens=2**40, stop=["\n"], seed=1)
+    assert r.choices[0].finish_reason in ("stop", "length")
     # after all the bad requests the server still serves
     r = tiny.client().completions.create(model="tiny-llama", prompt="ok", max_tokens=2, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2

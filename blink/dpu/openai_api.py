@@ -109,6 +109,8 @@ def sampling_params(
         raise APIError(400, "logit_bias is not supported", "logit_bias")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens is not None:
+        max_tokens = min(max_tokens, UNLIMITED - 1)  # the device also stops at its context limit
     t = 1.0 if r.temperature is None else r.temperature
     if not (math.isfinite(t) and 0.0 <= t <= 2.0):
         raise APIError(400, f"temperature must be in [0, 2], got {t}", "temperature")
@@ -116,9 +118,9 @@ def sampling_params(
     if not (math.isfinite(p) and 0.0 < p <= 1.0):
         raise APIError(400, f"top_p must be in (0, 1], got {p}", "top_p")
     k = 0 if r.top_k in (None, -1) else r.top_k
-    if k < 0:
+    if not 0 <= k < 1 << 31:
         raise APIError(400, f"top_k must be >= 0 (or -1 for off), got {k}", "top_k")
-    if r.min_tokens < 0 or (max_tokens is not None and r.min_tokens > max_tokens):
+    if not 0 <= r.min_tokens < 1 << 31 or (max_tokens is not None and r.min_tokens > max_tokens):
         raise APIError(400, "min_tokens must be in [0, max_tokens]", "min_tokens")
     if len(stop_ids) > MAX_STOP_IDS:
         raise APIError(400, f"at most {MAX_STOP_IDS} stop token ids (EOS included)", "stop_token_ids")

@@ -192,7 +192,10 @@ class OpenAIServer:
             if why:
                 raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
             max_tokens = r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens
-            stop_ids = self.tok.stop_ids(r.stop_token_ids or [], r.ignore_eos)
+            try:
+                stop_ids = self.tok.stop_ids(r.stop_token_ids or [], r.ignore_eos)
+            except PromptError as e:
+                raise api.APIError(400, str(e), e.param) from e
             sub = api.sampling_params(r, self.backend.new_request_id(), ids, stop_ids, max_tokens)
             stop = api.stop_strings(r)
         except (api.APIError, web.HTTPException):

@@ -94,6 +94,9 @@ class FrontendTokenizer:
 
     def stop_ids(self, extra: Sequence[int], ignore_eos: bool) -> list[int]:
         """Token ids that end generation: EOS (unless ignore_eos) plus the request's stop_token_ids."""
+        bad = next((t for t in extra if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"stop token id {bad} is outside the vocabulary", "stop_token_ids")
         ids = ([] if ignore_eos else list(self.eos_ids)) + [int(t) for t in extra]
         return list(dict.fromkeys(ids))
 
