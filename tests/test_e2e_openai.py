@@ -527,3 +527,34 @@ def test_device_crash_is_seen_at_once():
         assert time.monotonic() - t0 < 5
     finally:
         s.stop()
+
+
+def test_random_bodies_never_500(tiny):
+    import random
+
+    rng = random.Random(7)
+    values = [None, True, -1, 0, 1, 2**70, 0.5, -0.5, 1e308, "", "x", [], [1], ["a"], [[1]], {}, {"a": 1}]
+    fields = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+              "stop_token_ids", "n", "stream", "stream_options", "min_tokens", "ignore_eos", "max_completion_tokens"]  # fmt: skip
+
+    async def run():
+        codes = []
+        async with aiohttp.ClientSession() as sess:
+            for i in range(150):
+                body = {"model": "tiny-llama", "max_tokens": 2}
+                if i % 2:
+                    body["messages"] = [{"role": "user", "content": "hi"}]
+                else:
+                    body["prompt"] = "hi"
+                for f in rng.sample(fields, 3):
+                    body[f] = rng.choice(values)
+                path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+                async with sess.post(tiny.url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+                    await r.read()
+                    codes.append((r.status, body))
+        return codes
+
+    codes = asyncio.run(run())
+    bad = [(c, b) for c, b in codes if c >= 500]
+    assert not bad, bad[:3]
+    assert {c for c, _ in codes} <= {200, 400, 404}
