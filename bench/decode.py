@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_graph_nodes_max": rep.nodes_decode_max,
         },
         "rows": rows,
+        "breakdown_ms": breakdown,
     }
     write_json(a.out, res)
     print(f"\ncopy bandwidth (read+write) {bw['read_plus_write_GBps']:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from blink.gpu import kernels
+from blink.gpu.engine import EngineConfig, _buckets, bucket_of
 from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
 
 CU_FILES = sorted(kernels.CSRC.glob("*.cu"))
@@ -58,3 +59,22 @@ def test_bf16_rounding_is_nearest_even():
     y = rng.standard_normal(10000).astype(np.float32)
     r = bf16_bits_to_f32(f32_to_bf16_bits(y))
     assert np.all(np.abs(r - y) <= np.abs(y) * 2.0**-8)
+
+
+def test_bucket_lookup_tables():
+    bb = _buckets((1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 512), 200)
+    assert bb == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 200)  # capped, cap added
+    tab = bucket_of(bb, 200)
+    for n in range(1, 201):
+        assert bb[tab[n]] >= n and (tab[n] == 0 or bb[tab[n] - 1] < n)
+    with pytest.raises(ValueError):
+        bucket_of((1, 4, 2), 4)
+
+
+def test_engine_config_rejects_bad_values():
+    with pytest.raises(ValueError):
+        EngineConfig(execs_per_shape=1)
+    with pytest.raises(ValueError):
+        EngineConfig(max_seqs=64, max_tokens=32)
+    with pytest.raises(ValueError):
+        EngineConfig(max_context=1000, block_size=16)

@@ -63,10 +63,13 @@ class EngineConfig:
     """Decode buckets up to this size (1, 2, 4, 8) use the weight-streaming GEMV instead of cuBLAS.
     Measured on the H200 (bench/decode.py): the GEMV wins at 1 token; at 8 it is issue-bound
     (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
-    decode_attention: str = "pipe"
-    """Decode attention kernel: "pipe" (next K/V tile prefetched) or "basic" (bench/decode.py compares)."""
-    prefill_attention: str = "smem"
-    """Prefill attention kernel: "smem" (O tile in shared memory) or "rego" (O in registers)."""
+    decode_attention: str = "basic"
+    """Decode attention kernel: "basic" or "pipe" (next K/V tile prefetched). H200, Llama-3-8B shape,
+    context 1024 (bench/results/decode_h200_run4.json): equal at batch 1, basic 39.8 vs pipe
+    53.2 ms/step at batch 256."""
+    prefill_attention: str = "rego"
+    """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
+    memory, K/V prefetched). H200 (bench/results/prefill_h200_run4.json): 4k prompt 160.7 vs 181.5 ms."""
     workspace_mib: int = 64
     graph_reserve_mib: int = 2048
     """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""
@@ -86,8 +89,16 @@ class EngineConfig:
 
 
 def _buckets(values: tuple[int, ...], cap: int) -> tuple[int, ...]:
+    """The configured bucket sizes up to `cap`, plus `cap` itself (the largest shape)."""
     out = sorted({v for v in values if v <= cap} | {cap})
     return tuple(out)
+
+
+def bucket_of(buckets: tuple[int, ...], n_max: int) -> np.ndarray:
+    """(n_max+1,) u16: index of the smallest bucket >= n, the O(1) lookup table of the ABI."""
+    if list(buckets) != sorted(buckets) or buckets[-1] < n_max:
+        raise ValueError(f"buckets {buckets} must ascend and reach {n_max}")
+    return np.searchsorted(np.asarray(buckets), np.arange(n_max + 1), side="left").astype(np.uint16)
 
 
 @dataclass
@@ -274,8 +285,8 @@ class Engine:
 
         bb = np.array(self.batch_buckets, np.uint32)
         tb = np.array(self.token_buckets, np.uint32)
-        bof = np.searchsorted(bb, np.arange(self.dims.max_seqs + 1), side="left").astype(np.uint16)
-        tof = np.searchsorted(tb, np.arange(self.dims.max_tokens + 1), side="left").astype(np.uint16)
+        bof = bucket_of(self.batch_buckets, self.dims.max_seqs)
+        tof = bucket_of(self.token_buckets, self.dims.max_tokens)
         self._tables = {
             k: cp.asarray(v)
             for k, v in dict(

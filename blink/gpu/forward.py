@@ -184,7 +184,7 @@ class Forward:
         self.prefill_kernels = {"smem": kernels[f"attn_prefill_hd{hd}"], "rego": kernels[f"attn_prefill_rego_hd{hd}"]}
         for fn in self.prefill_kernels.values():
             driver.set_max_dynamic_smem(fn, self.prefill_smem)
-        self.fn_prefill = self.prefill_kernels["smem"]
+        self.fn_prefill = self.prefill_kernels["rego"]
         group = c.num_heads // c.num_kv_heads
         # "basic": one tile of K/V in registers, 4 blocks/SM; "pipe": the next tile's loads in
         # flight during the current tile's math, 3 blocks/SM.
@@ -192,7 +192,7 @@ class Forward:
             "basic": kernels[f"attn_decode_hd{hd}_g{group}"],
             "pipe": kernels[f"attn_decode_pipe_hd{hd}_g{group}"],
         }
-        self.fn_decode = self.decode_kernels["pipe"]
+        self.fn_decode = self.decode_kernels["basic"]
         self.gemv_max_tokens = 1
         self._only: set[str] | None = None
 

@@ -9,19 +9,24 @@
 //
 // Decode: grid (NS splits, nkv, S), 128 threads. A block takes the G = nq/nkv query heads of one
 // KV head (GQA: K/V are read once for the whole group) and one contiguous chunk of the context,
-// chunk = ceil(len/NS) rounded up to a 64-token tile, so short contexts leave trailing splits
-// empty. Scores: HD/8 lanes share a key (16-byte loads), a warp scores 32/(HD/8) keys at once.
-// The online softmax runs per 64-key tile in base 2 (q pre-scaled by log2(e)/sqrt(HD)). Each
-// split writes (m, l, o) to a workspace; the last split to finish (a per-(sequence, KV head)
-// counter, reset by that block) merges them, so decode attention is one kernel.
+// chunk = ceil(len/NS) rounded up to 64 keys, so short contexts leave trailing splits empty.
+// Scores: HD/8 lanes share a key (16-byte loads), a warp scores 32/(HD/8) keys at once; q sits
+// in shared memory, pre-scaled by log2(e)/sqrt(HD), and the online softmax runs in base 2 per
+// tile of 32 keys (64 for HD < 64). All K and V loads of a tile are issued before any is used.
+// Variants: "basic" (4 blocks/SM) and "pipe" (the next tile's loads issued before the current
+// tile's math; 3 blocks/SM). Each split writes (m, l, o) to a workspace; the last split to
+// finish (a per-(sequence, KV head) counter, reset by that block) merges them, so decode
+// attention is one kernel.
 //
 // Prefill: grid (T/64 + S, nq), 128 threads = 4 warps, a 64-query tile of one sequence and one
 // head (tile -> sequence by a warp scan over cu_q_lens). Per 64-key tile: S = Q K^T (each warp
-// 16 rows x 64 keys on WMMA), masked online softmax per row, P (bf16) V accumulated into an fp32
-// O tile in shared memory. Q stays in registers as WMMA A fragments; the next K/V tile is loaded
-// into registers while the current one is computed. Shared memory (HD=128): K,V 2 x 64 x 136 x 2
-// = 34 KiB, S 64 x 68 x 4 = 17 KiB, P 64 x 72 x 2 = 9 KiB, O 64 x 132 x 4 = 33 KiB, row stats
-// 0.75 KiB: ~94 KiB, so two blocks fit on an SM.
+// 16 rows x 64 keys on WMMA, Q kept in registers as A fragments), masked online softmax with a
+// lane pair per row, P (bf16) V on WMMA. Variants: "smem" accumulates O in shared memory and
+// prefetches the next K/V tile into registers; "rego" keeps the O accumulators in registers
+// across tiles (rescaled in place through the sm_80+ accumulator layout) and loads K/V per tile.
+// Shared memory (HD=128): K,V 2 x 64 x 136 x 2 = 34 KiB, S 64 x 68 x 4 = 17 KiB, P 64 x 72 x 2
+// = 9 KiB, O 64 x 132 x 4 = 33 KiB (rego: only for the final write), row stats 0.75 KiB:
+// ~94 KiB, so two blocks fit on an SM.
 #include <mma.h>
 
 #include "common.cuh"
