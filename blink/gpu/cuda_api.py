@@ -161,7 +161,8 @@ class Cublas:
 
     def linear(self, x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False) -> None:
         """Y[rows, n_out] = X[rows, k] @ W[n_out, k]^T, bf16 in, fp32 accumulate, bf16 or fp32 out.
-        Row-major Y^T = W X^T is column-major Y = op(W)^T..., i.e. gemm(T, N, n_out, rows, k)."""
+        cuBLAS is column-major: row-major Y [rows, n_out] is column-major Y^T [n_out, rows] = W X^T,
+        with W [n_out, k] row-major read as op = T and X [rows, k] read as op = N: gemm(T, N, n_out, rows, k)."""
         self._check(
             self.lib.cublasGemmEx(
                 self.handle,
