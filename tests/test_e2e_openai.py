@@ -255,6 +255,7 @@ BAD = [
     ("stop id", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
     ("top_k huge", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "top_k": 2**40}, 400, "top_k"),
     ("min_tokens huge", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "min_tokens": 2**40}, 400, "min_tokens"),
+    ("long text (encoded off the loop)", "/v1/completions", {"model": "tiny-llama", "prompt": "ab" * 10000}, 400, "prompt"),
     ("not an object", "/v1/completions", "[1, 2]", 400, None),
     ("logprobs", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
 ]  # fmt: skip

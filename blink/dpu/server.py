@@ -12,6 +12,7 @@ and the `finally` of the generation cancels its ring slot, so the slot is freed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,7 @@ from .tokenizer import FrontendTokenizer, PromptError
 
 log = logging.getLogger("blink.server")
 _json = msgspec.json.Encoder()
+_INLINE_ENCODE_BYTES = 16 << 10  # bodies up to this size are tokenized on the event loop
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -183,7 +185,13 @@ class OpenAIServer:
             if r.model != self.tok.name:
                 raise api.APIError(404, f"The model `{r.model}` does not exist.", "model", "model_not_found")
             try:
-                ids = self.tok.chat_prompt(r.messages) if chat else self.tok.completion_prompt(api.completion_prompt(r))
+                if chat:
+                    encode = functools.partial(self.tok.chat_prompt, r.messages)
+                else:
+                    encode = functools.partial(self.tok.completion_prompt, api.completion_prompt(r))
+                # A long prompt would stall every stream on this event loop while it is encoded;
+                # the Rust tokenizer releases the GIL, so a worker thread takes it off the loop.
+                ids = await asyncio.to_thread(encode) if len(body) > _INLINE_ENCODE_BYTES else encode()
             except PromptError as e:
                 raise api.APIError(400, str(e), e.param) from e
             if not chat and (r.echo or r.suffix or (r.best_of or 1) > 1):
