@@ -22,7 +22,7 @@ def test_config_file_with_deploy_section(tmp_path: Path) -> None:
     cfg = build(str(f))
     assert cfg.name == "dp" and cfg.deploy.replicas == 2 and cfg.serving.device.kind == "emulated"
     assert cfg.serving.ring.n_slots == 8 and cfg.serving.server.port == 0
-    assert cfg.gpu_actor_name(1) == "dp-gpu-1" and cfg.ring_name(0) == "dp-ring-0"
+    assert cfg.gpu_actor_name(1) == "dp-gpu-1" and cfg.ring_name(0) == "blink-dp-ring-0"
     assert DeployConfig.from_json(cfg.to_json()) == cfg
     with pytest.raises(AttributeError):
         cfg.deploy.replicas = 3  # type: ignore[misc]  # frozen
@@ -36,6 +36,7 @@ def test_config_file_with_deploy_section(tmp_path: Path) -> None:
         ({"deploy": {"replicas": "2"}}, "wrong type"),
         ({"deploy": {"dpu": "maybe"}}, "deploy.dpu"),
         ({"deploy": {"name": "a b"}}, "deploy.name"),
+        ({"deploy": {"namespace": "a/b"}}, "deploy.namespace"),
         ({"deploy": 3}, "must be a mapping"),
         ({"deployment": {}}, "unknown config section"),
         ({"ring": {"n_slot": 2}}, "unknown key ring.n_slot"),

@@ -48,10 +48,10 @@ def test_blink_serve_ray_two_replicas(tmp_path: Path) -> None:
         )
         with urllib.request.urlopen(req, timeout=30) as r:
             assert json.loads(r.read())["usage"]["completion_tokens"] == 5
-        assert all(os.path.exists(f"/dev/shm/{name}-ring-{i}") for i in range(2))
+        assert all(os.path.exists(f"/dev/shm/{name}-{name}-ring-{i}") for i in range(2))
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
-        assert not any(os.path.exists(f"/dev/shm/{name}-ring-{i}") for i in range(2))  # stop unlinked the rings
+        assert not any(os.path.exists(f"/dev/shm/{name}-{name}-ring-{i}") for i in range(2))  # stop unlinked the rings
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -5,7 +5,7 @@
       |  has one), bundle 1+i GPU actor i (+ GPU)
       v
     GpuActor i (gpu_actor.py)            FrontendActor (frontend_actor.py)
-      creates ring <name>-ring-i           HTTP/SSE ingress (http.py -> blink.dpu.server)
+      creates ring <ns>-<name>-ring-i      HTTP/SSE ingress (http.py -> blink.dpu.server)
       engine child process (engines.py):   Router (router.py): one request tracker per ring,
         CUDA (blink.gpu.serve) or            most free slots wins, dead rings skipped,
         emulated (blink.device.emulated)     replaced rings re-attached

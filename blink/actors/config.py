@@ -57,8 +57,8 @@ class DeploySection:
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").isalnum():
             raise ConfigError(f"deploy.name = {self.name!r}: use letters, digits and '-'")
-        if not self.namespace:
-            raise ConfigError("deploy.namespace must not be empty")
+        if not self.namespace or not self.namespace.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"deploy.namespace = {self.namespace!r}: use letters, digits, '-' and '_'")
         if self.replicas < 0:
             raise ConfigError("deploy.replicas must be >= 0 (0 = one per GPU)")
         if self.dpu not in DPU_MODES:
@@ -97,7 +97,9 @@ class DeployConfig:
         return f"{self.deploy.name}-gpu-{replica}"
 
     def ring_name(self, replica: int) -> str:
-        return f"{self.deploy.name}-ring-{replica}"
+        # The namespace is part of the name: /dev/shm is per host, not per Ray namespace, and a
+        # GPU actor replaces whatever ring sits under its name.
+        return f"{self.deploy.namespace}-{self.deploy.name}-ring-{replica}"
 
     def to_json(self) -> str:
         return json.dumps({"deploy": dataclasses.asdict(self.deploy), **dataclasses.asdict(self.serving)})
