@@ -147,11 +147,13 @@ class RayLauncher:
             init["num_cpus"] = max(os.cpu_count() or 1, 1 + max_replicas)
         ray.init(**init)
         self._cfg: DeployConfig | None = None
+        self._deployment: deploy.Deployment | None = None
 
     def up(self, cfg: DeployConfig) -> str:
         self._cfg = cfg
-        d = deploy.deploy(cfg, detached=False)
-        return d.url
+        # Keep the handles: Ray reclaims non-detached actors once their handles are gone.
+        self._deployment = deploy.deploy(cfg, detached=False)
+        return self._deployment.url
 
     def status(self) -> tuple[list, list]:
         st = deploy.status(self._cfg)
@@ -159,6 +161,7 @@ class RayLauncher:
 
     def down(self) -> None:
         deploy.stop(self._cfg)
+        self._deployment = None
 
     def close(self) -> None:
         import ray
@@ -189,6 +192,8 @@ class ProcLauncher:
         rc = cfg.serving.ring
         for i in range(cfg.deploy.replicas):
             name = cfg.ring_name(i)
+            if os.path.exists(f"/dev/shm/{name}"):  # left by a crashed run: replace, as a GPU actor does
+                os.unlink(f"/dev/shm/{name}")
             t = ShmTransport.create(name, RingGeometry(rc.n_slots, rc.prompt_arena_tokens, rc.output_capacity))
             self._rings.append(t)
             start = engines.start_cuda if self._device == "cuda" else engines.start_emulated

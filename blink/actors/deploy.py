@@ -53,7 +53,10 @@ def _actor_options(cfg: DeployConfig, name: str, pg: Any, bundle: int, detached:
 
 
 def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
-    """Reserve the placement group, start every GPU actor, then the frontend; all under timeouts."""
+    """Reserve the placement group, start every GPU actor, then the frontend; all under timeouts.
+
+    detached=False: the actors belong to this driver and live only while the returned
+    Deployment (its actor handles) is referenced; Ray reclaims them once the handles are gone."""
     import ray
 
     from .frontend_actor import FrontendActor
