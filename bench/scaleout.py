@@ -39,6 +39,7 @@ from blink.actors import deploy  # noqa: E402
 from blink.actors.config import DeployConfig, from_mapping  # noqa: E402
 from blink.actors.frontend_actor import wait_http  # noqa: E402
 
+NAMESPACE = f"blink-bench-{os.getpid()}"  # ring names include it: concurrent runs stay apart
 BLAS_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # log-normal (mu, sigma) of token counts, fitted to ShareGPT-V3 first turns (approximate).
 PROMPT_LN = (5.2, 1.0)
@@ -124,7 +125,7 @@ def config(a: argparse.Namespace, replicas: int) -> DeployConfig:
         dev["num_kv_blocks"] = a.num_kv_blocks
     return from_mapping(
         {
-            "deploy": {"name": f"scaleout{replicas}", "namespace": "blink-bench", "replicas": replicas},
+            "deploy": {"name": f"scaleout{replicas}", "namespace": NAMESPACE, "replicas": replicas},
             "device": dev,
             "model": {"spec": a.model},
             "ring": {"n_slots": a.n_slots},
@@ -140,7 +141,7 @@ class RayLauncher:
         import ray
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # edge of a benchmark script
-        init = {"address": a.address, "namespace": "blink-bench", "include_dashboard": False, "log_to_driver": False}
+        init = {"address": a.address, "namespace": NAMESPACE, "include_dashboard": False, "log_to_driver": False}
         threads = str(a.blas_threads)
         init["runtime_env"] = {"env_vars": {k: threads for k in BLAS_VARS}}
         if a.address == "local":

@@ -31,6 +31,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
+NS = f"blink-cluster-test-{os.getpid()}"  # ring names include it: concurrent runs on one host stay apart
 
 
 def _free_port() -> int:
@@ -115,7 +116,7 @@ def test_deploy_status_stop_on_two_node_cluster(cluster: str, tmp_path: Path) ->
         f"""
 [deploy]
 name = "cl"
-namespace = "blink-cluster-test"
+namespace = "{NS}"
 replicas = 2
 [device]
 kind = "auto"
@@ -155,7 +156,7 @@ heartbeat_timeout_s = 2.0
 
     # Placement: the frontend sits on the `dpu` node, the GPU actors do not.
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address=cluster, namespace="blink-cluster-test", log_to_driver=False)
+    ray.init(address=cluster, namespace=NS, log_to_driver=False)
     try:
         dpu_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("dpu")}
         assert len(dpu_nodes) == 1

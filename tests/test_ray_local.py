@@ -31,6 +31,7 @@ from blink.protocol.transport import shm_path  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "tiny-llama"
+NS = f"blink-test-{os.getpid()}"  # ring names include it: concurrent runs on one host stay apart
 
 
 def _free_port() -> int:
@@ -42,7 +43,7 @@ def _free_port() -> int:
 def _cfg(name: str, port: int, max_batch: int = 8) -> DeployConfig:
     return from_mapping(
         {
-            "deploy": {"name": name, "namespace": "blink-test", "replicas": 2, "gpu_actor_cpus": 1.0},
+            "deploy": {"name": name, "namespace": NS, "replicas": 2, "gpu_actor_cpus": 1.0},
             "device": {"kind": "emulated", "num_kv_blocks": 512, "max_batch": max_batch, "max_tokens": 128},
             "model": {"spec": f"random:{MODEL}"},
             "ring": {"n_slots": 8, "prompt_arena_tokens": 8192, "output_capacity": 64},
@@ -56,7 +57,7 @@ def cluster() -> Iterator[None]:
     old = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=tmp, namespace="blink-test", log_to_driver=False)
+    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=tmp, namespace=NS, log_to_driver=False)
     raycount.install()  # count this driver's Ray calls too
     try:
         yield
