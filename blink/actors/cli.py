@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"blink {args.cmd}: {e}", file=sys.stderr)
         return 2
-    _connect(args.address, cfg.namespace)
+    try:
+        _connect(args.address, cfg.namespace)
+    except ConnectionError as e:
+        print(f"blink {args.cmd}: no Ray cluster at {args.address!r}: {e}", file=sys.stderr)
+        return 1
     from . import deploy
 
     if args.cmd == "deploy":

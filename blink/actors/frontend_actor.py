@@ -105,9 +105,10 @@ class FrontendActor:
             self._info = {"url": self._server.url, "pid": os.getpid(), "restarted": self._restarted}
             ray = sys.modules.get("ray")  # None when running without Ray
             if ray is not None and ray.is_initialized():
-                self._info.update(
-                    node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id()
-                )
+                ip = ray.util.get_node_ip_address()
+                self._info.update(node_ip=ip, node_id=ray.get_runtime_context().get_node_id())
+                if srv.host in ("0.0.0.0", "::", ""):  # bound to every interface: name one that routes
+                    self._info["url"] = self._server.url.replace(f"//{srv.host}:", f"//{ip}:", 1)
             self._started.set()
             await self._stop_event.wait()
         finally:
