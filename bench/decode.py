@@ -3,8 +3,11 @@ bf16 weights) for batch 1..256, against this GPU's device-to-device copy bandwid
 
 Bytes per step = every weight once + the K/V of every sequence's context. Graphs are launched
 from the host back to back and timed with CUDA events (so host launch overhead overlaps).
+Every decode attention variant (--variants) is timed at every batch, as a whole step and as a
+graph of its attention launches alone; the best per batch is printed as a table for
+EngineConfig.decode_attention_table (`--decode-attention` of the benchmarks).
 
-    python bench/decode.py --out bench/results/decode_h200.json
+    python bench/decode.py --out bench/results/decode_h200.json [--decode-attention basic] [--variants basic,pipe]
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import sys
 import numpy as np
 
 from blink.gpu.benchutil import copy_bandwidth, metadata, time_ms, write_json
-from blink.gpu.engine import Engine, EngineConfig
-from blink.gpu.forward import CATEGORIES
+from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
+from blink.gpu.forward import CATEGORIES, DECODE_VARIANTS
 from blink.models.config import preset
 
 
@@ -28,9 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compare-cublas", default="1,8", help="batches also timed with cuBLAS instead of the GEMV")
-    ap.add_argument(
-        "--compare-attention", default="1,32,256", help="batches also timed with the other decode attention"
-    )
+    ap.add_argument("--decode-attention", default="", help='the engine\'s decode attention table ("": its default)')
+    ap.add_argument("--variants", default=",".join(DECODE_VARIANTS), help="decode attention variants timed")
     ap.add_argument("--breakdown", default="1,256", help="batches whose kernel categories are timed one by one")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
@@ -49,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         num_kv_blocks=bmax * per_seq,
         batch_buckets=tuple(batches),
         token_buckets=(bmax,),
+        decode_attention_table=parse_decode_attention(a.decode_attention)
+        if a.decode_attention
+        else DEFAULT_DECODE_ATTENTION,
     )
+    timed_variants = [v for v in a.variants.split(",") if v]
+    for v in timed_variants:
+        if v not in DECODE_VARIANTS:
+            raise SystemExit(f"unknown decode attention variant {v!r} (known: {DECODE_VARIANTS})")
     eng = Engine.create(cfg, ecfg)
     rep = eng.capture(decode=True, prefill=False)
     bw = copy_bandwidth()
@@ -57,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = cfg.num_layers * 2 * cfg.kv_size * 2
     rows = []
     breakdown: dict[str, dict[str, float]] = {}
+    attn_only: dict[str, dict[str, float]] = {}
     rng = np.random.default_rng(0)
     h = eng.arena.host
     width = eng.dims.max_blocks_per_seq
@@ -79,13 +89,27 @@ def main(argv: list[str] | None = None) -> int:
             it = iter(range(10**9))
             other = "gemv" if b > ecfg.gemv_max_tokens else "cublas_only"
             variants[other] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
-        if str(b) in a.compare_attention.split(","):  # the other decode attention kernel
-            other = "basic" if ecfg.decode_attention == "pipe" else "pipe"
-            eng.fwd.set_decode_attention(other)
+        default_variant = eng.fwd.decode_variant(b)
+        variant_of = {"engine": default_variant}
+        for v in timed_variants:  # the other decode attention kernels
+            if v == default_variant:
+                continue
+            eng.fwd.set_decode_attention(v)
             execs = eng.capture_variant(b, b, True)
-            eng.fwd.set_decode_attention(ecfg.decode_attention)
+            eng.fwd.set_decode_attention(None)
             it2 = iter(range(10**9))
-            variants[f"attn_{other}"] = lambda execs=execs, it=it2: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+            variants[f"attn_{v}"] = lambda execs=execs, it=it2: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+            variant_of[f"attn_{v}"] = v
+        for v in dict.fromkeys([default_variant, *timed_variants]):  # attention launches alone
+            eng.fwd.set_decode_attention(v)
+            execs = eng.capture_variant(b, b, True, only={"attn"})
+            eng.fwd.set_decode_attention(None)
+            it3 = iter(range(10**9))
+            attn_only.setdefault(str(b), {})[v] = time_ms(
+                lambda execs=execs, it=it3: eng.driver.graph_launch(execs[next(it) % 2], eng.s),
+                eng.stream,
+                iters=a.iters,
+            )
         for name, fn in variants.items():
             ms = time_ms(fn, eng.stream, iters=a.iters)
             moved = weight_bytes + b * ctx * kv_per_token
@@ -93,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "batch": b,
                     "variant": name,
+                    "decode_attention": variant_of.get(name, default_variant),
                     "ms_per_step": ms,
                     "tokens_per_s": b / ms * 1e3,
                     "bytes_per_step": moved,
@@ -135,7 +160,21 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
         "breakdown_ms": breakdown,
+        "attention_only_ms": attn_only,
     }
+    # the fastest decode attention per batch (whole step, GEMM back end as the engine's)
+    best: dict[int, tuple[str, float]] = {}
+    for r in rows:
+        if r["variant"] == "engine" or r["variant"].startswith("attn_"):
+            b, ms = r["batch"], r["ms_per_step"]
+            if b not in best or ms < best[b][1]:
+                best[b] = (r["decode_attention"], ms)
+    table: list[str] = []
+    for b in sorted(best):
+        if not table or table[-1].split(":")[1] != best[b][0]:
+            table.append(f"{1 if not table else b}:{best[b][0]}")
+    res["best_decode_attention"] = {str(b): {"variant": v, "ms_per_step": ms} for b, (v, ms) in best.items()}
+    res["best_decode_attention_table"] = ",".join(table)
     write_json(a.out, res)
     print(f"\ncopy bandwidth (read+write) {bw['read_plus_write_GBps']:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
     print(f"{'batch':>5} {'variant':>28} {'ms/step':>8} {'tok/s':>9} {'GB/s':>7} {'of copy':>7}")
@@ -150,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
             + f"; sum {sum(parts.values()):.3f}"
         )
+    for b, parts in attn_only.items():
+        print(
+            f"batch {b} attention launches alone (ms, 32 layers): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+        )
+    for b, (v, ms) in sorted(best.items()):
+        print(f"best at batch {b}: {v} {ms:.3f} ms/step ({b / ms * 1e3:.0f} tok/s)")
+    print(f"best table: --decode-attention {res['best_decode_attention_table']}")
     eng.close()
     return 0
 

@@ -3,6 +3,10 @@
 #   BLINK_COMMIT=$(git rev-parse --short HEAD) PARTS="engine-tests decode prefill hf" bash bench/run_gpu.sh
 # Each part logs to $OUT/<part>.log (and JSON to $OUT/<part>.json); a summary table prints last.
 # Parts run in separate processes so a CUDA fault in one cannot take down the others.
+# Decode attention: the engine's default table (flash kernels) unless DECODE_ATTENTION is set
+# ("basic", "1:flash,64:basic", ...). When engine-tests runs and any test of the flash variants
+# (or of the default table) fails, decode and sched run with DECODE_ATTENTION=basic, the previous
+# default, and decode.py times only basic and pipe (a faulting kernel would lose its whole part).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/blink_gpu_out}
@@ -10,6 +14,8 @@ mkdir -p "$OUT"
 COMMIT=${BLINK_COMMIT:-unknown}
 PARTS=${PARTS:-"engine-tests decode prefill hf"}
 PY=${PY:-python3}
+DECODE_ATTENTION=${DECODE_ATTENTION:-}
+VARIANTS=${VARIANTS:-basic,pipe,flash,flash8}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 summary=()
 
@@ -34,10 +40,22 @@ if has engine-tests; then
   PT=($PY -m pytest -q -p no:cacheprovider --timeout 400 -rA)
   part engine-tests 520 bash -c "${PT[*]} tests/gpu/test_engine_sampling.py; \
     ${PT[*]} tests/gpu/test_engine.py -k 'numpy_executor or graph_table'; \
-    ${PT[*]} -s tests/gpu/test_engine.py -k 'transformers or shuffled'"
+    ${PT[*]} -s tests/gpu/test_engine.py -k 'transformers or shuffled or flash_decode'"
+  # Test ids name their decode variant ([...-basic-rego...]); tests without one use the default.
+  bad=$(grep -E "^(FAILED|ERROR) tests/gpu/test_engine.py" "$OUT/engine-tests.log" | grep -vE -- "-(basic|pipe)-")
+  n_flash=$(grep -cE "^PASSED tests/gpu/test_engine.py::.*flash" "$OUT/engine-tests.log")
+  if [ -n "$bad" ] || [ "$n_flash" -lt 10 ]; then
+    echo "=== flash decode attention: $n_flash tests passed (10 expected), failures: ${bad:-none}" | tee -a "$OUT/engine-tests.log"
+    echo "=== decode and sched run with DECODE_ATTENTION=basic" | tee -a "$OUT/engine-tests.log"
+    DECODE_ATTENTION=basic
+    VARIANTS=basic,pipe
+  fi
 fi
+DA_ARGS=()
+[ -n "$DECODE_ATTENTION" ] && DA_ARGS=(--decode-attention "$DECODE_ATTENTION")
 if has decode; then
-  part decode 300 $PY bench/decode.py --commit "$COMMIT" --out "$OUT/decode.json"
+  part decode 300 $PY bench/decode.py --commit "$COMMIT" --out "$OUT/decode.json" --variants "$VARIANTS" \
+    ${DA_ARGS[@]+"${DA_ARGS[@]}"}
 fi
 if has prefill; then
   part prefill 200 $PY bench/prefill.py --commit "$COMMIT" --out "$OUT/prefill.json"
@@ -46,10 +64,12 @@ if has hf; then
   part hf 400 $PY bench/hf_baseline.py --commit "$COMMIT" --batch-requests "${HF_BATCH_REQUESTS:-0}" --out "$OUT/hf.json"
 fi
 if has sched; then  # the GPU-resident scheduler: tests, conformance, overhead, sigstop, benchmarks
-  part sched 1500 env OUT="$OUT/sched" bash bench/sched_run.sh all
+  part sched 1500 env OUT="$OUT/sched" DECODE_ATTENTION="$DECODE_ATTENTION" bash bench/sched_run.sh all
 fi
 
 echo
-echo "=== summary (commit $COMMIT)"
-grep -h -E "passed|failed|error" "$OUT/engine-tests.log" 2>/dev/null | grep -E "^[=]* ?[0-9]+ (passed|failed)|^FAILED|^ERROR" | tail -n 20
+echo "=== summary (commit $COMMIT, decode attention: ${DECODE_ATTENTION:-engine default})"
+grep -h -E "passed|failed|error|^=== (flash|decode and)" "$OUT/engine-tests.log" 2>/dev/null |
+  grep -E "^[=]* ?[0-9]+ (passed|failed)|^FAILED|^ERROR|^=== (flash|decode and)" | tail -n 20
+grep -h -E "^best|^batch [0-9]+ attention" "$OUT/decode.log" 2>/dev/null
 for s in "${summary[@]}"; do echo "$s"; done

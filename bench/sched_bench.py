@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--skip", default="")
     ap.add_argument("--small", action="store_true", help="small sizes: checks the benchmarks themselves")
     ap.add_argument("--kv-blocks", type=int, default=0, help="KV pool in blocks (0: from free memory)")
+    ap.add_argument("--decode-attention", default="", help='decode attention table, e.g. "basic" ("": the default)')
     a = ap.parse_args()
     skip = set(a.skip.split(",")) - {""}
     os.makedirs(a.out, exist_ok=True)
@@ -48,7 +49,14 @@ def main() -> int:
         "preset": a.preset,
         "command": " ".join(sys.argv),
     }
-    eng = make_engine(a.preset, 256, 4096, 2048, kv_blocks=a.kv_blocks or (8192 if a.small else 0))
+    eng = make_engine(
+        a.preset,
+        256,
+        4096,
+        2048,
+        kv_blocks=a.kv_blocks or (8192 if a.small else 0),
+        decode_attention=a.decode_attention,
+    )
     tput = (lambda: throughput.run(eng, 64, 64, 32)) if a.small else (lambda: throughput.run(eng))
     meta["device"] = device_name()
     meta["engine"] = {"kv_blocks": eng.dims.num_blocks, "graphs": eng.report.graphs, "capture_s": eng.report.seconds}

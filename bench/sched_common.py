@@ -20,8 +20,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def make_engine(preset_name: str, max_seqs: int, max_tokens: int, max_context: int, kv_blocks: int = 0):
-    from blink.gpu.engine import Engine, EngineConfig
+def make_engine(
+    preset_name: str, max_seqs: int, max_tokens: int, max_context: int, kv_blocks: int = 0, decode_attention: str = ""
+):
+    from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
     from blink.models.config import preset
 
     batch = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_seqs)
@@ -34,6 +36,9 @@ def make_engine(preset_name: str, max_seqs: int, max_tokens: int, max_context: i
         batch_buckets=batch,
         token_buckets=tokens,
         progress=False,
+        decode_attention_table=parse_decode_attention(decode_attention)
+        if decode_attention
+        else DEFAULT_DECODE_ATTENTION,
     )
     t0 = time.perf_counter()
     eng = Engine.create(preset(preset_name), ecfg)

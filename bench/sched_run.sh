@@ -4,6 +4,8 @@
 # Writes at most 6 files: sched_log.txt (every log), sched_overhead.json, sched_bench/*.json,
 # sched_bench_135m/ablation.json. bench/run_gpu.sh calls this (part "sched"). SCHED_SKIP=sigstop,...
 # skips parts of the 8B benchmark. Needs nothing beyond the H200 image (no msgspec on the GPU path).
+# DECODE_ATTENTION=basic: engines use that decode attention (bench/run_gpu.sh's fallback when the
+# default one fails the engine tests); conformance then uses serve.conformance_factory_basic.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sched_out}
@@ -12,6 +14,13 @@ mkdir -p "$OUT"
 LOG="$OUT/sched_log.txt"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
+DA=${DECODE_ATTENTION:-}
+DA_ARGS=()
+FACTORY=blink.gpu.serve:conformance_factory
+if [ -n "$DA" ]; then
+  DA_ARGS=(--decode-attention "$DA")
+  [ "$DA" = basic ] && FACTORY=blink.gpu.serve:conformance_factory_basic
+fi
 step() {  # step NAME TIMEOUT CMD... : full output into $LOG, its summary lines to stdout
   local name=$1 limit=$2
   shift 2
@@ -40,23 +49,23 @@ if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
     rc=$?
   fi
   [ $rc -eq 0 ] || exit $rc  # the mechanics are broken: the rest would only time out
-  BLINK_DEVICE_FACTORY=blink.gpu.serve:conformance_factory step conformance 150 "${PT[@]}" -m "not slow" tests/conformance
+  BLINK_DEVICE_FACTORY=$FACTORY step conformance 150 "${PT[@]}" -m "not slow" tests/conformance
   rc=$((rc | $?))
-  step overhead 60 $PY bench/sched_overhead.py --out "$OUT/sched_overhead.json"
+  step overhead 60 $PY bench/sched_overhead.py --out "$OUT/sched_overhead.json" ${DA_ARGS[@]+"${DA_ARGS[@]}"}
   rc=$((rc | $?))
   step sigstop-test 60 "${PT[@]}" -x -s tests/gpu/test_sigstop.py
   rc=$((rc | $?))
 fi
 if [ "$MODE" = tests ]; then  # the benchmarks themselves, at small sizes (tiny model)
-  step bench-small 100 $PY bench/sched_bench.py --preset tiny-llama --small --phase 3 --out "$OUT/small"
+  step bench-small 100 $PY bench/sched_bench.py --preset tiny-llama --small --phase 3 --out "$OUT/small" ${DA_ARGS[@]+"${DA_ARGS[@]}"}
   rc=$((rc | $?))
 fi
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
-  step bench-8b 400 $PY bench/sched_bench.py --preset llama3-8b --out "$OUT/sched_bench" --skip "${SCHED_SKIP:-}"
+  step bench-8b 400 $PY bench/sched_bench.py --preset llama3-8b --out "$OUT/sched_bench" --skip "${SCHED_SKIP:-}" ${DA_ARGS[@]+"${DA_ARGS[@]}"}
   rc=$((rc | $?))
   # the same ablation where the scheduler's share of a step is large (135M model: ~0.1 ms steps)
   step ablation-135m 150 $PY bench/sched_bench.py --preset smollm2-135m --kv-blocks 16384 --skip throughput,sigstop \
-    --out "$OUT/sched_bench_135m"
+    --out "$OUT/sched_bench_135m" ${DA_ARGS[@]+"${DA_ARGS[@]}"}
   rc=$((rc | $?))
 fi
 exit $rc

@@ -33,13 +33,40 @@ import numpy as np
 from blink.device.executor import StepBatch
 from blink.gpu.abi import ENGINE_DTYPE
 from blink.gpu.cuda_api import Cublas, Driver
-from blink.gpu.forward import Dims, Forward
+from blink.gpu.forward import DECODE_VARIANTS, Dims, Forward
 from blink.gpu.kernels import DEFAULT_CACHE, Kernels
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flash"),)
+
+
+def parse_decode_attention(spec: str) -> tuple[tuple[int, str], ...]:
+    """A decode attention table from the command line: "flash" (every batch) or
+    "1:flash,64:basic" (batch buckets 1..63 flash, 64 and up basic)."""
+    out: list[tuple[int, str]] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if ":" in part:
+            lo, v = part.split(":", 1)
+            out.append((int(lo), v.strip()))
+        elif part:
+            out.append((1, part))
+    table = tuple(out)
+    check_decode_table(table)
+    return table
+
+
+def check_decode_table(table: tuple[tuple[int, str], ...]) -> None:
+    if not table or table[0][0] != 1:
+        raise ValueError(f"decode attention table {table!r} must start at batch 1")
+    if any(b[0] <= a[0] for a, b in zip(table, table[1:], strict=False)):
+        raise ValueError(f"decode attention table {table!r}: min batches must ascend")
+    for _, v in table:
+        if v not in DECODE_VARIANTS:
+            raise ValueError(f"decode attention {v!r} not in {DECODE_VARIANTS}")
 
 
 @dataclass(frozen=True)
@@ -63,10 +90,14 @@ class EngineConfig:
     """Decode buckets up to this size (1, 2, 4, 8) use the weight-streaming GEMV instead of cuBLAS.
     Measured on the H200 (bench/decode.py): the GEMV wins at 1 token; at 8 it is issue-bound
     (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
-    decode_attention: str = "basic"
-    """Decode attention kernel: "basic" or "pipe" (next K/V tile prefetched). H200, Llama-3-8B shape,
-    context 1024 (bench/results/decode_h200_run4.json): equal at batch 1, basic 39.8 vs pipe
-    53.2 ms/step at batch 256."""
+    decode_attention_table: tuple[tuple[int, str], ...] = DEFAULT_DECODE_ATTENTION
+    """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
+    from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "basic",
+    "pipe" (attention.cu), "flash", "flash8" (flash_decode.cu). H200, Llama-3-8B shape, context 1024
+    (bench/results/decode_h200_run4.json): basic 4.90 ms/step at batch 1, 39.8 at batch 256; pipe
+    53.2 at 256. flash is the default untimed (see bench/results/engine_h200.md)."""
+    decode_attention: str = ""
+    """One decode attention variant for every bucket, overriding decode_attention_table ("" = the table)."""
     prefill_attention: str = "rego"
     """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
     memory, K/V prefetched). H200 (bench/results/prefill_h200_run4.json): 4k prompt 160.7 vs 181.5 ms."""
@@ -86,6 +117,14 @@ class EngineConfig:
             raise ValueError("max_tokens must be >= max_seqs")
         if self.max_context % self.block_size:
             raise ValueError("max_context must be a multiple of block_size")
+        check_decode_table(self.decode_attention_table)
+        if self.decode_attention and self.decode_attention not in DECODE_VARIANTS:
+            raise ValueError(f"decode_attention {self.decode_attention!r} not in {DECODE_VARIANTS}")
+
+    @property
+    def decode_table(self) -> tuple[tuple[int, str], ...]:
+        """The effective table (decode_attention, when set, for every batch)."""
+        return ((1, self.decode_attention),) if self.decode_attention else self.decode_attention_table
 
 
 def _buckets(values: tuple[int, ...], cap: int) -> tuple[int, ...]:
@@ -139,7 +178,7 @@ class Engine:
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.fwd = Forward(config, weights, self.dims, driver, kernels, self.cublas, sms)
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
-        self.fwd.set_decode_attention(ecfg.decode_attention)
+        self.fwd.set_decode_table(ecfg.decode_table)
         self.fwd.set_prefill_attention(ecfg.prefill_attention)
         self.arena = self.fwd.arena
         nb, nt, E = len(self.batch_buckets), len(self.token_buckets), ecfg.execs_per_shape

@@ -35,6 +35,35 @@ GEMV_ROWS_PER_WARP = {1: 1, 2: 4, 4: 4, 8: 4}  # must match GEMV(NT, R) in model
 DECODE_HEAD_DIMS = (16, 32, 64, 128)
 DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
 PREFILL_TILE = 64
+# Decode attention kernels. basic/pipe: attention.cu, a fixed split count per bucket, merged by the
+# last split. flash/flash8: flash_decode.cu, keys per split chosen at run time, separate combine;
+# (K/V vectors per lane per tile, CTAs per SM at the compiled register count, G <= 4).
+DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8")
+FLASH_VARIANTS = {"flash": (4, 3), "flash8": (8, 2)}
+FLASH_WARPS = 4
+
+
+def flash_quantum(head_dim: int, n: int) -> int:
+    """Keys per split are a multiple of this (flash_quantum in flash_decode.cu)."""
+    return max(32, n * (256 // head_dim))
+
+
+def flash_grid_splits(s: int, nkv: int, head_dim: int, max_context: int, target: int, n: int, max_splits: int) -> int:
+    """Grid splits of a flash kernel for a bucket of s sequences: about `target` CTAs when the
+    bucket is full (fewer live sequences get more keys per split, see flash_chunk)."""
+    want = -(-target // (s * nkv))
+    cap = max(1, -(-max_context // flash_quantum(head_dim, n)))
+    return max(1, min(max_splits, want, cap))
+
+
+def decode_variant_for(table: tuple[tuple[int, str], ...], batch: int) -> str:
+    """The variant of the last (min_batch, variant) entry with min_batch <= batch."""
+    out = table[0][1]
+    for lo, v in table:
+        if lo <= batch:
+            out = v
+    return out
+
 
 # Step input fields in one device arena (one H2D copy per host-launched step). block_tables goes
 # last so a step copies only the prefix that holds its S rows.
@@ -164,7 +193,8 @@ class Forward:
         self.logits = z(Sm, c.vocab_size, dt=cp.float32)
         self.out_tokens = z(Sm, dt=cp.int32)
         self.done_seq = z(1, dt=cp.uint64)
-        ws = max(s * self.splits(s) for s in range(1, Sm + 1))
+        group = c.num_heads // c.num_kv_heads
+        ws = max(s * max(self.splits(s), *(self.flash_splits(s, v) for v in FLASH_VARIANTS)) for s in range(1, Sm + 1))
         self.part_o = z(ws * c.num_heads * c.head_dim, dt=cp.float32)
         self.part_ml = z(ws * c.num_heads * 2, dt=cp.float32)
         self.split_counters = z(Sm * c.num_kv_heads, dt=cp.int32)  # zero between steps (the kernel resets them)
@@ -185,14 +215,18 @@ class Forward:
         for fn in self.prefill_kernels.values():
             driver.set_max_dynamic_smem(fn, self.prefill_smem)
         self.fn_prefill = self.prefill_kernels["rego"]
-        group = c.num_heads // c.num_kv_heads
         # "basic": one tile of K/V in registers, 4 blocks/SM; "pipe": the next tile's loads in
         # flight during the current tile's math, 3 blocks/SM.
         self.decode_kernels = {
             "basic": kernels[f"attn_decode_hd{hd}_g{group}"],
             "pipe": kernels[f"attn_decode_pipe_hd{hd}_g{group}"],
         }
-        self.fn_decode = self.decode_kernels["basic"]
+        self.flash_combine: dict[str, int] = {}
+        for v in FLASH_VARIANTS:
+            self.decode_kernels[v] = kernels[f"attn_{v}_hd{hd}_g{group}"]
+            self.flash_combine[v] = kernels[f"attn_{v}_combine_hd{hd}"]
+        self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
+        self._decode_override: str | None = None
         self.gemv_max_tokens = 1
         self._only: set[str] | None = None
 
@@ -201,16 +235,36 @@ class Forward:
             raise ValueError(f"prefill_attention {variant!r} not in {sorted(self.prefill_kernels)}")
         self.fn_prefill = self.prefill_kernels[variant]
 
-    def set_decode_attention(self, variant: str) -> None:
-        if variant not in self.decode_kernels:
+    def set_decode_attention(self, variant: str | None) -> None:
+        """Use `variant` for every decode bucket recorded from now on; None: back to decode_table."""
+        if variant is not None and variant not in self.decode_kernels:
             raise ValueError(f"decode_attention {variant!r} not in {sorted(self.decode_kernels)}")
-        self.fn_decode = self.decode_kernels[variant]
+        self._decode_override = variant
+
+    def set_decode_table(self, table: tuple[tuple[int, str], ...]) -> None:
+        for _, v in table:
+            if v not in self.decode_kernels:
+                raise ValueError(f"decode_attention {v!r} not in {sorted(self.decode_kernels)}")
+        self.decode_table = table
+
+    def decode_variant(self, S: int) -> str:
+        """The decode attention recorded for a bucket of S sequences."""
+        return self._decode_override or decode_variant_for(self.decode_table, S)
 
     def splits(self, s: int) -> int:
         """Decode split count for a bucket of s sequences: about one wave of blocks (4 per SM)."""
         want = -(-4 * self.num_sms // (s * self.c.num_kv_heads))
         cap = max(1, -(-self.d.max_context // PREFILL_TILE))
         return max(1, min(self.max_splits, want, cap))
+
+    def flash_target(self, variant: str) -> int:
+        """CTAs the flash kernels aim for: one full wave at their occupancy."""
+        return self.num_sms * FLASH_VARIANTS[variant][1]
+
+    def flash_splits(self, s: int, variant: str) -> int:
+        c, n = self.c, FLASH_VARIANTS[variant][0]
+        target = self.flash_target(variant)
+        return flash_grid_splits(s, c.num_kv_heads, c.head_dim, self.d.max_context, target, n, self.max_splits)
 
     @staticmethod
     def _p(a: object) -> P:
@@ -258,6 +312,54 @@ class Forward:
             self._record(stream, S, T, decode, use_gemv)
         finally:
             self._only = None
+
+    def _record_flash(self, stream: int, S: int, variant: str, kc: int, vc: int, scale_log2: F32) -> None:
+        c, d, a = self.c, self.d, self.arena.ptr
+        nsplit, target = self.flash_splits(S, variant), I32(self.flash_target(variant))
+        self._launch(
+            "attn_flash",
+            (nsplit, c.num_kv_heads, S),
+            (32 * FLASH_WARPS, 1, 1),
+            [
+                self._p(self.q),
+                P(kc),
+                P(vc),
+                self._p(self.part_o),
+                self._p(self.part_ml),
+                self._p(self.attn),
+                P(a["cu_q_lens"]),
+                P(a["seq_lens"]),
+                P(a["block_tables"]),
+                P(a["num_seqs"]),
+                I32(c.num_kv_heads),
+                I32(d.block_size),
+                I32(d.max_blocks_per_seq),
+                scale_log2,
+                target,
+            ],
+            stream,
+            fn=self.decode_kernels[variant],
+        )
+        if nsplit > 1:  # one split per sequence: the attention kernel wrote the output itself
+            self._launch(
+                "attn_flash_combine",
+                (-(-c.num_heads // FLASH_WARPS), S, 1),
+                (32 * FLASH_WARPS, 1, 1),
+                [
+                    self._p(self.part_o),
+                    self._p(self.part_ml),
+                    self._p(self.attn),
+                    P(a["cu_q_lens"]),
+                    P(a["seq_lens"]),
+                    P(a["num_seqs"]),
+                    I32(c.num_kv_heads),
+                    I32(c.num_heads),
+                    I32(nsplit),
+                    target,
+                ],
+                stream,
+                fn=self.flash_combine[variant],
+            )
 
     def _record(self, stream: int, S: int, T: int, decode: bool, use_gemv: bool) -> None:
         c, d, a = self.c, self.d, self.arena.ptr
@@ -311,7 +413,10 @@ class Forward:
                 ],
                 stream,
             )
-            if decode:
+            variant = self.decode_variant(S) if decode else ""
+            if variant in FLASH_VARIANTS:
+                self._record_flash(stream, S, variant, kc, vc, scale_log2)
+            elif decode:
                 nsplit = self.splits(S)
                 self._launch(
                     "attn_decode",
@@ -335,7 +440,7 @@ class Forward:
                         scale_log2,
                     ],
                     stream,
-                    fn=self.fn_decode,
+                    fn=self.decode_kernels[variant],
                 )
             else:
                 self._launch(

@@ -45,6 +45,9 @@ class GpuServeConfig:
     """Tokens per sequence; 0 = the model's limit (capped at 8192)."""
     seed: int = 0
     """Seed of random weights."""
+    decode_attention: str = ""
+    """Decode attention table (blink.gpu.engine.parse_decode_attention: "basic", "1:flash,64:basic");
+    "" = the engine's default."""
 
     def __post_init__(self) -> None:
         if self.scheduler not in ("gpu", "host"):
@@ -77,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> GpuServeConfig:
 
 def build_engine(cfg: GpuServeConfig) -> Any:
     """Engine with the model's weights (random presets are generated on the GPU) and its graphs."""
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine import Engine, EngineConfig, parse_decode_attention
     from blink.models.config import preset
 
     mcfg = preset(cfg.model.removeprefix("random:")) if cfg.model.startswith("random:") else None
@@ -102,6 +105,8 @@ def build_engine(cfg: GpuServeConfig) -> Any:
         seed=cfg.seed,
         progress=False,
     )
+    if cfg.decode_attention:
+        ecfg = dataclasses.replace(ecfg, decode_attention_table=parse_decode_attention(cfg.decode_attention))
     engine = Engine.create(mcfg, ecfg, weights)
     engine.capture()
     return engine
@@ -191,6 +196,12 @@ def config_for_conformance(
 def conformance_factory(ring: str, **spec: Any) -> subprocess.Popen:
     """The "cuda" device of tests/conformance: this scheduler on the engine, in a child process."""
     return _popen(config_for_conformance(ring, **spec))
+
+
+def conformance_factory_basic(ring: str, **spec: Any) -> subprocess.Popen:
+    """conformance_factory with the "basic" decode attention (bench/run_gpu.sh's fallback when the
+    default decode attention fails the engine tests)."""
+    return _popen(dataclasses.replace(config_for_conformance(ring, **spec), decode_attention="basic"))
 
 
 def host_conformance_factory(ring: str, **spec: Any) -> subprocess.Popen:

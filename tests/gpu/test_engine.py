@@ -20,6 +20,13 @@ pytestmark = pytest.mark.gpu
 DECODE_STEPS = 32
 
 
+def _attention_pairs() -> list[tuple[str, str]]:
+    """Every decode attention variant, each with one of the prefill variants (alternating)."""
+    from blink.gpu.forward import DECODE_VARIANTS
+
+    return [(v, ("rego", "smem")[i % 2]) for i, v in enumerate(DECODE_VARIANTS)]
+
+
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
@@ -125,7 +132,15 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "name,attn", [("llama3-8b", ("basic", "rego")), ("qwen3-8b", ("basic", "rego")), ("llama3-8b", ("pipe", "smem"))]
+    "name,attn",
+    [
+        ("llama3-8b", ("basic", "rego")),
+        ("qwen3-8b", ("basic", "rego")),
+        ("llama3-8b", ("pipe", "smem")),
+        ("llama3-8b", ("flash", "rego")),
+        ("qwen3-8b", ("flash8", "rego")),
+    ],
+    ids=lambda x: "-".join(x) if isinstance(x, tuple) else x,
 )
 def test_engine_matches_transformers(name, attn):
     import torch
@@ -167,7 +182,7 @@ def test_shuffled_block_tables_match_contiguous():
     eng.close()
 
 
-@pytest.mark.parametrize("attn", [("pipe", "smem"), ("basic", "rego")], ids=lambda a: "-".join(a))
+@pytest.mark.parametrize("attn", _attention_pairs(), ids=lambda a: "-".join(a))
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "smollm2-135m"])
 def test_engine_matches_numpy_executor(name, attn):
     """Small head dims (16, 32, 64), GQA groups 2/3, tied and untied heads, against the float64
@@ -255,4 +270,36 @@ def test_graph_table_and_done_seq():
     eng.driver.graph_launch(eng.pick_exec(1, 10, False), eng.s)
     eng.stream.synchronize()
     assert int(eng.fwd.done_seq.get()[0]) == 42
+    eng.close()
+
+
+@pytest.mark.parametrize("variant", ["flash", "flash8"])
+def test_flash_decode_matches_basic_long_contexts(variant):
+    """Decode attention of the flash variants against "basic" on one engine and one KV cache:
+    contexts 1..1000 (one split, many splits), fewer live sequences than the bucket."""
+    cfg = preset("llama3-8b").replace(num_layers=2)
+    eng = small_engine(cfg, decode_attention="basic")
+    rng = np.random.default_rng(4)
+    lens = [1000, 300, 17, 1]
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
+    drv = PagedDriver(256, 16, eng.dims.max_blocks_per_seq, shuffle_seed=5)
+    for s, p in enumerate(prompts[:3]):
+        for i in range(0, len(p), 256):
+            eng.step(drv.step([(s, p[i : i + 256])]))
+    # decode: three sequences in the bucket of 4, then all four (the last one's first token)
+    for chunks in ([(0, [7]), (1, [8]), (2, [9])], [(0, [1]), (1, [2]), (2, [3]), (3, prompts[3])]):
+        b = drv.step(chunks)
+        bucket = eng.batch_buckets[int(np.searchsorted(eng.batch_buckets, b.num_seqs))]
+        out = {}
+        for v in ("basic", variant):
+            eng.fwd.set_decode_attention(v)
+            execs = eng.capture_variant(bucket, bucket, True)
+            eng.fwd.set_decode_attention(None)
+            assert eng.load_step(b)
+            eng.arena.upload(eng.s, b.num_seqs)
+            eng.driver.graph_launch(execs[0], eng.s)
+            out[v] = eng.logits(b.num_seqs)
+        err = rel_err(out[variant], out["basic"])
+        print(f"{variant} vs basic, lens {b.seq_lens.tolist()}: rel err {err:.2e}")
+        assert err < 1e-2, err
     eng.close()
