@@ -14,15 +14,19 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from blink.protocol.transport import ShmTransport
 
 from .config import DeployConfig
 
+if TYPE_CHECKING:
+    from blink.device.emulated import EmulatedDeviceConfig
+
 log = logging.getLogger(__name__)
 
 
-def emulated_config(cfg: DeployConfig, ring_name: str):
+def emulated_config(cfg: DeployConfig, ring_name: str) -> EmulatedDeviceConfig:
     """The emulated device's settings from the serving config's [device] and [model] sections."""
     from blink.device.emulated import EmulatedDeviceConfig
     from blink.dpu.launch import emulated_kv_blocks

@@ -87,6 +87,7 @@ class FrontendActor:
 
     async def _serve(self) -> None:
         from blink.dpu.request_tracker import RequestTracker
+        from blink.protocol.transport import Transport
 
         from .http import start_http
         from .router import Router
@@ -94,7 +95,7 @@ class FrontendActor:
         srv = self.cfg.serving.server
         timeout = srv.heartbeat_timeout_s
 
-        def make_tracker(transport):
+        def make_tracker(transport: Transport) -> RequestTracker:
             return RequestTracker(transport, max_queue=srv.max_queue, heartbeat_timeout_s=timeout)
 
         self._stop_event = asyncio.Event()
