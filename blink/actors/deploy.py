@@ -9,6 +9,7 @@ requests and tokens flow HTTP -> frontend -> ring -> engine without Ray.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +82,25 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
         opts["resources"] = {"dpu": fe_bundle["dpu"]}
     frontend = fe_cls.options(**opts).remote(cfg.to_json(), plan.replicas)
     (fe_info,) = _get_all([frontend.start.remote()], timeout, "frontend start()", [frontend])
+    _wait_routes(frontend, plan.replicas, timeout)
     return Deployment(cfg, plan, gpus, frontend, rings, fe_info)
+
+
+def _wait_routes(frontend: Any, replicas: int, timeout: float) -> None:
+    """Until the frontend has attached every replica's ring. A frontend that cannot see a ring
+    (placed on another host than its GPU actor: the shared-memory ring is per host) fails here,
+    at deploy time, with the reason, instead of serving a fraction of the replicas."""
+    import ray
+
+    t_end = time.monotonic() + timeout
+    while True:
+        routes = ray.get(frontend.status.remote(), timeout=timeout).get("replicas", [])
+        if len(routes) == replicas and all(r["up"] for r in routes):
+            return
+        if time.monotonic() > t_end:
+            down = "; ".join(f"replica {r['replica']}: {r['down_reason']}" for r in routes if not r["up"])
+            raise StartError(f"the frontend did not attach every ring within {timeout:g}s ({down})")
+        time.sleep(0.05)
 
 
 def _get_all(refs: list[Any], timeout: float, what: str, actors: list[Any]) -> list[Any]:
