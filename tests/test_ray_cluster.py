@@ -1,12 +1,12 @@
 """`blink deploy | status | stop` against a two-node Ray cluster started on this machine.
 
-The head node reports 2 (logical) GPUs, so the placement plan gives each GPU actor a GPU
-bundle there, and `device.kind = auto` falls back to the emulated device inside the actor (no
-usable GPU on this machine). The second node carries the custom `dpu` resource, so the frontend
-must land on it. Both nodes share this machine's
-/dev/shm, which the shared-memory rings need. The nodes are started with `ray start` in new
-sessions and torn down by killing exactly those sessions' processes (never `ray stop`, which
-would stop every Ray cluster on the machine).
+The head node reports 2 (logical) GPUs and the config asks for one replica per GPU, so the plan
+makes 2 GPU actors, each in a GPU bundle on the head; `device.kind = auto` then falls back to the
+emulated device inside the actor (no usable GPU here). The second node carries the custom `dpu`
+resource, so the frontend must land on it. Both nodes share this machine's /dev/shm, which the
+shared-memory rings need. The nodes are started with `ray start` in new sessions and torn down
+by killing exactly those sessions' processes (never `ray stop`, which would stop every Ray
+cluster on the machine).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_deploy_status_stop_on_two_node_cluster(cluster: str, tmp_path: Path) ->
 [deploy]
 name = "cl"
 namespace = "{NS}"
-replicas = 2
+replicas = 0  # one per GPU: the head reports 2
 [device]
 kind = "auto"
 num_kv_blocks = 256
