@@ -144,7 +144,16 @@ def test_chat_template_is_sandboxed_and_can_raise(smollm, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     t2 = from_hf_dir(tmp_path, eos_token_ids=[0])
     assert t2.encode("What is the capital of France?") == [1780, 314, 260, 3575, 282, 4649, 47]
-    assert t2.bos_token_id == 1 and t2.eos_token_ids == (2, 0)
+    assert t2.bos_token_id == 1 and t2.eos_token_ids == (2, 0) and not t2.add_bos
+    # A post-processor that prepends BOS (as Llama 3's tokenizer.json does) turns add_bos on.
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    copy = HFTokenizer.from_str(tok._tok.to_str())
+    copy.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    copy.save(str(tmp_path / "tokenizer.json"))
+    t3 = from_hf_dir(tmp_path)
+    assert t3.add_bos and t3.encode("What")[:1] == [1] and t3.encode("What", add_bos=False) == [1780]
     with pytest.raises(ValueError, match="no messages"):
         t2.apply_chat_template([])
     from jinja2.exceptions import SecurityError

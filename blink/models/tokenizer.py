@@ -176,6 +176,8 @@ def from_hf_dir(path: str | os.PathLike[str], eos_token_ids: Sequence[int] = ())
         g = json.loads(gen_path.read_text()).get("eos_token_id")
         eos += g if isinstance(g, list) else ([g] if g is not None else [])
     eos += list(eos_token_ids)
+    # Without an explicit add_bos_token, follow tokenizer.json's post-processor (Llama 3 adds BOS there).
+    post_bos = bos is not None and tok.encode("", add_special_tokens=True).ids[:1] == [bos]
     return Tokenizer(
-        tok, template, bos, list(dict.fromkeys(int(e) for e in eos)), add_bos=bool(cfg.get("add_bos_token", False))
+        tok, template, bos, list(dict.fromkeys(int(e) for e in eos)), add_bos=bool(cfg.get("add_bos_token", post_bos))
     )
