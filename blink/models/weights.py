@@ -208,7 +208,10 @@ def llama3_scaling_from_factors(config: ModelConfig, factors: np.ndarray) -> Rop
         smooth = (1 / factors[i] - 1 / factor) / (1 - 1 / factor)
         orig = wavelen[i] * (smooth * (high - low) + low)
     else:  # no smoothed band: any context between the two edges reproduces the divisors
-        orig = high * wavelen[int(np.flatnonzero(factors <= 1 + 1e-4).max())]
+        unscaled = np.flatnonzero(factors <= 1 + 1e-4)
+        if not unscaled.size:
+            raise UnsupportedModelError("GGUF rope_freqs scale every frequency: not Llama-3 scaling")
+        orig = high * wavelen[int(unscaled.max())]
     scaling = RopeScaling("llama3", factor, low, high, int(round(orig)))
     _check_rope_freqs(config.replace(rope_scaling=scaling), factors)
     return scaling
