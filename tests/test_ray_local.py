@@ -40,10 +40,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cfg(name: str, port: int, max_batch: int = 8) -> DeployConfig:
+def _cfg(name: str, port: int, max_batch: int = 8, replicas: int = 2) -> DeployConfig:
     return from_mapping(
         {
-            "deploy": {"name": name, "namespace": NS, "replicas": 2, "gpu_actor_cpus": 1.0},
+            "deploy": {"name": name, "namespace": NS, "replicas": replicas, "gpu_actor_cpus": 1.0},
             "device": {"kind": "emulated", "num_kv_blocks": 512, "max_batch": max_batch, "max_tokens": 128},
             "model": {"spec": f"random:{MODEL}"},
             "ring": {"n_slots": 8, "prompt_arena_tokens": 8192, "output_capacity": 64},
@@ -146,6 +146,20 @@ def test_two_replicas_one_ingress(dp: deploy.Deployment) -> None:
     assert [s["state"] for s in st] == ["READY", "READY"]
     assert all(s["tokens_generated"] > 0 for s in st)
     assert dp.rings[0]["ring"] != dp.rings[1]["ring"] and all(os.path.exists(r["path"]) for r in dp.rings)
+
+
+def test_three_replicas(cluster) -> None:
+    cfg = _cfg("tri", 0, replicas=3)
+    d = deploy.deploy(cfg, detached=False)
+    try:
+        assert len(d.gpu_actors) == 3 and len(d.plan.bundles) == 4
+        assert [m["id"] for m in _get(d.url, "/v1/models")["data"]] == [MODEL]
+        with cf.ThreadPoolExecutor(9) as pool:
+            outs = list(pool.map(lambda i: _complete(d.url, 8, f"t{i}"), range(9)))
+        assert all(o["usage"]["completion_tokens"] == 8 for o in outs)
+        assert all(r["requests"] >= 1 for r in _fe_replicas(d)), _fe_replicas(d)
+    finally:
+        deploy.stop(cfg)
 
 
 def test_deploy_again_reuses_placement_group_and_actors(dp: deploy.Deployment) -> None:
