@@ -27,6 +27,7 @@ import os
 import pathlib
 import re
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -235,29 +236,34 @@ def load_gguf(
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}
 
 
-def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as float32 (bf16 widened by a 16-bit shift)."""
-    from safetensors import safe_open
-
+def _safetensors_header(path: pathlib.Path) -> tuple[dict[str, Any], int]:
+    """(tensor table, byte offset of the data section) of a .safetensors file."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
-    data_start = 8 + n
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _read_safetensors(path: pathlib.Path, wanted: Any) -> Iterator[tuple[str, np.ndarray | None, int]]:
+    """(name, float32 tensor or None when not wanted, bytes) for each tensor of one file; bf16 is
+    widened by a 16-bit shift (numpy has no bf16, so safetensors.numpy cannot read it)."""
+    from safetensors import safe_open
+
+    header, data_start = _safetensors_header(path)
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    out: dict[str, np.ndarray] = {}
     with safe_open(os.fspath(path), "np") as sf:
         for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] == "BF16":
-                a, b = info["data_offsets"]
+            a, b = info["data_offsets"]
+            if name not in wanted:
+                yield name, None, b - a
+            elif info["dtype"] == "BF16":
                 bits = raw[data_start + a : data_start + b].view(np.uint16).reshape(info["shape"])
-                out[name] = (bits.astype(np.uint32) << 16).view(np.float32)
+                yield name, (bits.astype(np.uint32) << 16).view(np.float32), b - a
             elif info["dtype"] in _ST_DTYPES:
-                out[name] = sf.get_tensor(name).astype(np.float32, copy=False)
+                yield name, sf.get_tensor(name).astype(np.float32, copy=False), b - a
             else:
                 raise UnsupportedModelError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
-    return out
 
 
 def load_hf_dir(path: str | os.PathLike[str], progress: bool | ProgressFn | None = None) -> tuple[ModelConfig, Weights]:
@@ -268,17 +274,17 @@ def load_hf_dir(path: str | os.PathLike[str], progress: bool | ProgressFn | None
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {root}")
     report = make_progress(progress, "loading weights", "B")
-    total = sum(f.stat().st_size for f in files)
+    total = sum(b - a for f in files for a, b in (t["data_offsets"] for t in _safetensors_header(f)[0].values()))
     done = 0
+    # Anything else (rotary inv_freq buffers, a duplicate tied lm_head) is skipped unread.
     expected = weight_shapes(config)
     out: Weights = {}
     for f in files:
-        for name, w in _read_safetensors(f).items():
-            # Skip buffers some checkpoints carry (rotary inv_freq) and a duplicate tied head.
-            if name in expected:
+        for name, w, nbytes in _read_safetensors(f, expected):
+            if w is not None:
                 out[name] = w
-        done += f.stat().st_size
-        if report:
-            report(done, total)
+            done += nbytes
+            if report:
+                report(done, total)
     check_weights(config, out)
     return config, out
