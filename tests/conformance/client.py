@@ -113,9 +113,10 @@ class RingClient:
         prompt_len: int | None = None,
         slot: int | None = None,
         cancel: bool = False,
+        doorbell: bool = True,
     ) -> int:
         """Publish a request; returns its slot. prompt_offset / prompt_len / n_stop override the
-        honest values (to build malformed requests)."""
+        honest values (to build malformed requests); doorbell=False skips the submit_seq bump."""
         i = self._free_slot() if slot is None else slot
         tokens = np.asarray(list(prompt), np.int32)
         if tokens.size > self.region:
@@ -145,7 +146,8 @@ class RingClient:
         base = self.geo.slot_offset(i)
         self.t.write(base, rec)
         self.t.store_u32(base + _soff("state"), SlotState.PREFILL_PENDING)  # release: after every field
-        self.t.store_u64(_hoff("submit_seq"), self.t.load_u64(_hoff("submit_seq")) + 1)
+        if doorbell:
+            self.t.store_u64(_hoff("submit_seq"), self.t.load_u64(_hoff("submit_seq")) + 1)
         self.active[i] = Result(i, self._next_id, t_submit_ns=stamp)
         self._next_id += 1
         return i

@@ -48,6 +48,11 @@ def test_cancel_set_before_submission_never_runs(clean: Rig):
     assert c.slot(slot)["cancel"] == 0  # the client clears it on free, as the protocol says
 
 
+def test_request_without_doorbell_is_found_by_the_periodic_scan(clean: Rig):
+    r = clean.client.wait([clean.client.submit([3, 4, 5], max_new_tokens=3, doorbell=False)], timeout=10)[0]
+    assert r.finish is FinishReason.LENGTH and len(r.tokens) == 3
+
+
 def test_full_output_ring_pauses_only_that_slot_and_loses_nothing(make_rig):
     cap = 8
     rig = make_rig(output_capacity=cap)
