@@ -204,3 +204,29 @@ def test_emulated_process_with_a_plugged_executor_serves_the_ring():
             proc.wait(10)
         t.close()
         t.unlink()
+
+
+def test_restart_on_the_same_ring_reaps_orphans_and_keeps_counters(rig_factory):
+    rig = rig_factory()
+    r = rig.c.generate([1, 2, 3], max_new_tokens=5)
+    assert r.finish is FinishReason.LENGTH
+    rig.c.shutdown(1)
+    rig.thread.join(5)
+    before = rig.c.header()
+    orphan = rig.c.submit([4, 5], max_new_tokens=5, doorbell=False)
+    slots = rig.t.view().slots
+    slots[orphan]["state"] = 3  # as if a crashed device had it in DECODE_PROCESSING
+    rig.c.shutdown(0)
+    dev = RingDevice(rig.t.view(), HashExecutor(VOCAB, num_blocks=64, block_size=16, max_batch=8, max_tokens=64))
+    th = threading.Thread(target=dev.run, daemon=True)
+    th.start()
+    rig.c.wait_status(DeviceStatus.READY, timeout=5)
+    (r,) = rig.c.wait([orphan], timeout=5)
+    assert (r.finish, r.error) == (FinishReason.ERROR, SlotError.DEVICE_FAULT)
+    after = rig.c.header()
+    for k in ("tokens_generated", "requests_completed", "steps", "heartbeat"):
+        assert int(after[k]) >= int(before[k]), k
+    assert int(after["requests_completed"]) == int(before["requests_completed"]) + 1
+    rig.c.shutdown(1)
+    th.join(5)
+    rig.thread = th  # the fixture's stop() joins this one

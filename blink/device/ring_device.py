@@ -152,7 +152,8 @@ class RingDevice:
         self._t_submit = slots["t_submit_ns"]
         self._t_admit = slots["t_admit_ns"]
         self._t_first = slots["t_first_ns"]
-        self.stats = dict.fromkeys(_STAT_FIELDS, 0)
+        # Counters continue from the header: a device restarted on the same ring keeps them monotonic.
+        self.stats = {k: int(self.hdr[k]) for k in _STAT_FIELDS}
         self._shown: dict[int, int] = {}  # slot -> state last written by _sync_states
         self._beats = int(self.hdr["heartbeat"])
         self._last_submit = -1
@@ -182,11 +183,19 @@ class RingDevice:
         h["kv_blocks_total"] = self.blocks.num_blocks
         h["kv_blocks_free"] = self.blocks.num_free
         h["fault"] = 0
+        self._reap_orphans()
         self._flush_stats()
         self._beat()
         h["device_status"] = DeviceStatus.READY  # last: the description is complete before READY
 
     # -- slots ------------------------------------------------------------------
+    def _reap_orphans(self) -> None:
+        """Slots a previous device on this ring claimed and never finished: nobody owns them now,
+        so they end with DEVICE_FAULT (the frontend then frees them as usual)."""
+        live = (SlotState.PREFILL_PROCESSING, SlotState.DECODE_PROCESSING, SlotState.DECODE_PAUSED)
+        for slot in np.flatnonzero(np.isin(self._state, live)):
+            self._finish(int(slot), FinishReason.ERROR, SlotError.DEVICE_FAULT)
+
     def _finish(self, slot: int, reason: FinishReason, error: SlotError = SlotError.NONE) -> None:
         self._shown.pop(slot, None)
         self._finish_reason[slot] = reason
