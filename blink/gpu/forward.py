@@ -36,10 +36,11 @@ DECODE_HEAD_DIMS = (16, 32, 64, 128)
 DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
 PREFILL_TILE = 64
 # Decode attention kernels. basic/pipe: attention.cu, a fixed split count per bucket, merged by the
-# last split. flash/flash8: flash_decode.cu, keys per split chosen at run time, separate combine;
-# (K/V vectors per lane per tile, CTAs per SM at the compiled register count, G <= 4).
-DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8")
-FLASH_VARIANTS = {"flash": (4, 3), "flash8": (8, 2)}
+# last split. flash/flash8/flashq: flash_decode.cu, keys per split chosen at run time, separate
+# combine; FLASH_VARIANTS: (K/V vectors per lane per tile, CTAs per SM at the compiled register
+# count for G <= 4, cp.async ring stages (0: loads into registers)).
+DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq")
+FLASH_VARIANTS = {"flash": (4, 3, 0), "flash8": (8, 2, 0), "flashq": (4, 3, 4)}
 FLASH_WARPS = 4
 
 
@@ -222,9 +223,13 @@ class Forward:
             "pipe": kernels[f"attn_decode_pipe_hd{hd}_g{group}"],
         }
         self.flash_combine: dict[str, int] = {}
-        for v in FLASH_VARIANTS:
+        self.flash_smem: dict[str, int] = {}
+        for v, (n, _, stages) in FLASH_VARIANTS.items():
             self.decode_kernels[v] = kernels[f"attn_{v}_hd{hd}_g{group}"]
             self.flash_combine[v] = kernels[f"attn_{v}_combine_hd{hd}"]
+            self.flash_smem[v] = FLASH_WARPS * stages * 2 * n * 32 * 16  # the cp.async ring
+            if self.flash_smem[v]:
+                driver.set_max_dynamic_smem(self.decode_kernels[v], self.flash_smem[v])
         self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
         self._decode_override: str | None = None
         self.gemv_max_tokens = 1
@@ -338,6 +343,7 @@ class Forward:
                 target,
             ],
             stream,
+            smem=self.flash_smem[variant],
             fn=self.decode_kernels[variant],
         )
         if nsplit > 1:  # one split per sequence: the attention kernel wrote the output itself

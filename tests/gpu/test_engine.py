@@ -139,6 +139,7 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
         ("llama3-8b", ("pipe", "smem")),
         ("llama3-8b", ("flash", "rego")),
         ("qwen3-8b", ("flash8", "rego")),
+        ("llama3-8b", ("flashq", "smem")),
     ],
     ids=lambda x: "-".join(x) if isinstance(x, tuple) else x,
 )
@@ -273,7 +274,7 @@ def test_graph_table_and_done_seq():
     eng.close()
 
 
-@pytest.mark.parametrize("variant", ["flash", "flash8"])
+@pytest.mark.parametrize("variant", ["flash", "flash8", "flashq"], ids=lambda v: f"{v}-long")
 def test_flash_decode_matches_basic_long_contexts(variant):
     """Decode attention of the flash variants against "basic" on one engine and one KV cache:
     contexts 1..1000 (one split, many splits), fewer live sequences than the bucket."""

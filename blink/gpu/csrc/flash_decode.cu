@@ -16,6 +16,10 @@
 // partial dot products; a reduce-scatter over the HD/8 lanes of a key leaves every lane with
 // R = N >> STEPS whole scores (log2(N) + few shuffles per head instead of log2(HD/8) per key).
 // The probabilities go through a per-warp shared array to the lanes that hold the V rows.
+// "flashq": the same, but the K/V vectors go through a per-warp ring of STAGES tiles in dynamic
+// shared memory filled by cp.async (zero-filled past the end), so STAGES - 1 tiles stay in flight
+// while one is computed without holding registers. Each lane reads back only the 16-byte
+// vectors it copied itself, so cp.async.wait_group alone orders a lane's reads (no barrier).
 #include "common.cuh"
 
 constexpr int FLASH_WARPS = 4;
@@ -34,7 +38,17 @@ __device__ __forceinline__ int flash_chunk(int L, int num_seqs, int grid_splits,
   return max(quantum, (c + quantum - 1) / quantum * quantum);
 }
 
-template <int HD, int G, int N>
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+template <int HD, int G, int N, int STAGES>
 __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                 const bf16* __restrict__ v_cache, float* __restrict__ part_o,
                                                 float* __restrict__ part_lse, bf16* __restrict__ out,
@@ -81,18 +95,52 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
   const bf16x8 zero8 = {};
   const int ib = (c >> DUP) * R;                 // tile index of this lane's first whole score
   const bool owner = (c & ((1 << DUP) - 1)) == 0;  // one lane per score counts and stores it
-  for (int t0 = start + warp * KT; t0 < end; t0 += NW * KT) {
-    bf16x8 kr[N], vr[N];
+  // STAGES > 0: this warp's ring, slot (stage, k|v, i) at ring[((stage * 2 + kv) * N + i) * 32 + lane].
+  extern __shared__ __align__(16) unsigned char flash_smem[];
+  bf16x8* ring = reinterpret_cast<bf16x8*>(flash_smem) + (size_t)warp * (STAGES > 0 ? STAGES : 1) * 2 * N * 32;
+  auto issue = [&](int tt0, int stage) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      const int t = t0 + KPI * i + h;
-      if (t < end) {
-        const size_t off = (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + c * 8;
-        kr[i] = *reinterpret_cast<const bf16x8*>(k_cache + off);
-        vr[i] = *reinterpret_cast<const bf16x8*>(v_cache + off);
-      } else {
-        kr[i] = zero8;
-        vr[i] = zero8;
+      const int t = tt0 + KPI * i + h;
+      const bool ok = t < end;
+      const size_t off = ok ? (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + c * 8 : 0;
+      cp_async16(ring + ((stage * 2) * N + i) * 32 + lane, k_cache + off, ok);
+      cp_async16(ring + ((stage * 2 + 1) * N + i) * 32 + lane, v_cache + off, ok);
+    }
+  };
+  if constexpr (STAGES > 0) {
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+      issue(start + warp * KT + st * NW * KT, st);
+      cp_async_commit();
+    }
+  }
+  int stage = 0;
+  for (int t0 = start + warp * KT; t0 < end; t0 += NW * KT) {
+    bf16x8 kr[N], vr[N];
+    if constexpr (STAGES > 0) {
+      // Tile j + STAGES - 1 goes into the slot tile j - 1 used; then tile j's group is complete.
+      issue(t0 + (STAGES - 1) * NW * KT, stage == 0 ? STAGES - 1 : stage - 1);
+      cp_async_commit();
+      cp_async_wait<STAGES - 1>();
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        kr[i] = ring[((stage * 2) * N + i) * 32 + lane];
+        vr[i] = ring[((stage * 2 + 1) * N + i) * 32 + lane];
+      }
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int t = t0 + KPI * i + h;
+        if (t < end) {
+          const size_t off = (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + c * 8;
+          kr[i] = *reinterpret_cast<const bf16x8*>(k_cache + off);
+          vr[i] = *reinterpret_cast<const bf16x8*>(v_cache + off);
+        } else {
+          kr[i] = zero8;
+          vr[i] = zero8;
+        }
       }
     }
     float sc[G][N];
@@ -167,6 +215,7 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
     }
     __syncwarp();  // ps is rewritten by the next tile
   }
+  if constexpr (STAGES > 0) cp_async_wait<0>();  // copies of tiles past the end (zero-filled)
   // Lanes of the same dims (different keys) hold parts of one sum: same m within a warp.
 #pragma unroll
   for (int mask = LPT; mask < 32; mask <<= 1)
@@ -250,11 +299,11 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   }
 }
 
-#define FLASH(NAME, HD, G, N, MINB)                                                                             \
+#define FLASH(NAME, HD, G, N, STAGES, MINB)                                                                     \
   extern "C" __global__ void __launch_bounds__(128, MINB) attn_##NAME##_hd##HD##_g##G(                         \
       const bf16* q, const bf16* kc, const bf16* vc, float* po, float* plse, bf16* out, const int* cu,          \
       const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc, int target) {      \
-    attn_flash_impl<HD, G, N>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target);            \
+    attn_flash_impl<HD, G, N, STAGES>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target);    \
   }
 #define FLASH_COMBINE(NAME, HD, N)                                                                              \
   extern "C" __global__ void __launch_bounds__(128) attn_##NAME##_combine_hd##HD(                              \
@@ -262,10 +311,12 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
       int nq, int grid_splits, int target) {                                                                    \
     attn_flash_combine_impl<HD, N>(po, plse, out, cu, sl, ns, nkv, nq, grid_splits, target);                   \
   }
-// "flash": 4 K + 4 V vectors per lane per tile; "flash8": 8 + 8 (more bytes in flight, more registers).
-#define FLASH_VARIANTS(HD, G)    \
-  FLASH(flash, HD, G, 4, (G <= 4 ? 3 : 2)) \
-  FLASH(flash8, HD, G, 8, (G == 1 ? 3 : 2))
+// "flash": 4 K + 4 V vectors per lane per tile; "flash8": 8 + 8 (more bytes in flight, more
+// registers); "flashq": 4 + 4 through a 4-tile cp.async ring (64 KiB of dynamic shared memory).
+#define FLASH_VARIANTS(HD, G)                 \
+  FLASH(flash, HD, G, 4, 0, (G <= 4 ? 3 : 2)) \
+  FLASH(flash8, HD, G, 8, 0, (G == 1 ? 3 : 2)) \
+  FLASH(flashq, HD, G, 4, 4, (G <= 4 ? 3 : 2))
 #define FLASH_PER_HD(HD)       \
   FLASH_VARIANTS(HD, 1)        \
   FLASH_VARIANTS(HD, 2)        \
@@ -275,7 +326,8 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   FLASH_VARIANTS(HD, 6)        \
   FLASH_VARIANTS(HD, 8)        \
   FLASH_COMBINE(flash, HD, 4)  \
-  FLASH_COMBINE(flash8, HD, 8)
+  FLASH_COMBINE(flash8, HD, 8) \
+  FLASH_COMBINE(flashq, HD, 4)
 FLASH_PER_HD(16)
 FLASH_PER_HD(32)
 FLASH_PER_HD(64)
