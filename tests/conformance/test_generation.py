@@ -56,6 +56,20 @@ def test_fcfs_admission_and_first_tokens_follow_submit_order(clean: Rig):
     assert firsts == sorted(firsts)
 
 
+def test_batch_never_exceeds_max_batch(clean: Rig):
+    c = clean.client
+    max_batch = int(c.header()["max_batch"])
+    slots = [c.submit(p, max_new_tokens=40) for p in prompts_of(clean, [5] * (3 * max_batch), seed=7)]
+    seen_running, seen_waiting = [], []
+    while any(not c.poll(s).done for s in slots):
+        h = c.header()
+        seen_running.append(int(h["running"]))
+        seen_waiting.append(int(h["waiting"]))
+    c.wait(slots)
+    assert max(seen_running) <= max_batch
+    assert max(seen_running) > 1 and max(seen_waiting) > 0  # it did batch, and it did queue
+
+
 def test_stop_ids_and_min_new_tokens(clean: Rig):
     c = clean.client
     (prompt,) = prompts_of(clean, [12], seed=2)
