@@ -7,6 +7,7 @@ the lifecycle the GPU runs. blink.gpu is imported only when a GPU is used.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -123,7 +124,9 @@ class ProcessEngine:
             self._proc.kill()
             self._proc.wait(5.0)
         if self._proc.returncode == 0:  # clean stop: nothing to look at later
-            os.unlink(self.log_path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.log_path)
+        self._transport.close()
 
 
 def start_cuda(cfg: DeployConfig, ring_name: str, on_exit: Callable[[int], None]) -> ProcessEngine:
