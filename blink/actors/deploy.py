@@ -57,7 +57,9 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
     """Reserve the placement group, start every GPU actor, then the frontend; all under timeouts.
 
     detached=False: the actors belong to this driver and live only while the returned
-    Deployment (its actor handles) is referenced; Ray reclaims them once the handles are gone."""
+    Deployment (its actor handles) is referenced; Ray reclaims them once the handles are gone.
+    Deploying a name that is already running reuses its placement group and actors as they are
+    (a different replica count is refused); to change the config, `blink stop` first."""
     import ray
 
     from .frontend_actor import FrontendActor
