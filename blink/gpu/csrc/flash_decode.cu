@@ -68,17 +68,16 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
   __shared__ float ps[NW][KT][G];
   __shared__ float wm[NW][G], wl[NW][G];
   __shared__ float wo[NW][G][HD];
-  const int ns = (int)*num_seqs;
+  // grid.z is the bucket (<= max_seqs), so these three loads stay in bounds and go out together.
   const int s = blockIdx.z;
+  const int ns = (int)*num_seqs, L = seq_lens[s], tok = cu_q_lens[s + 1] - 1;
   if (s >= ns) return;
   const int split = blockIdx.x, kvh = blockIdx.y, nq = nkv * G, NS = gridDim.x;
-  const int L = seq_lens[s];
   const int chunk = flash_chunk(L, ns, NS, nkv, target, flash_quantum(HD, N));
   const int start = split * chunk;
   if (start >= L) return;
   const int end = min(L, start + chunk), nused = (L + chunk - 1) / chunk;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, c = lane % LPT, h = lane / LPT;
-  const int tok = cu_q_lens[s + 1] - 1;
   float qr[G][8], m[G], l[G], acc[G][8];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -271,31 +270,54 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
                                                         const int* __restrict__ seq_lens,
                                                         const uint32_t* __restrict__ num_seqs, int nkv, int nq,
                                                         int grid_splits, int target) {
-  const int ns = (int)*num_seqs;
   const int s = blockIdx.y;
-  if (s >= ns) return;
   const int lane = threadIdx.x & 31, hq = blockIdx.x * FLASH_WARPS + (threadIdx.x >> 5);
-  if (hq >= nq) return;
-  const int L = seq_lens[s];
+  const int ns = (int)*num_seqs, L = seq_lens[s], tok = cu_q_lens[s + 1] - 1;  // s < bucket <= max_seqs
+  if (s >= ns || hq >= nq) return;
   const int chunk = flash_chunk(L, ns, grid_splits, nkv, target, flash_quantum(HD, N));
   const int nused = (L + chunk - 1) / chunk;  // <= grid_splits <= 32
   if (nused <= 1) return;
+  // The merge is L2-latency-bound (at batch 1: 32 splits of 32 heads), so every load (the lane's
+  // DPL dims of all splits, and the split's LSE) is issued before any is used.
+  constexpr int DPL = HD >= 32 ? HD / 32 : 1;
+  const bool active = lane * DPL < HD;
   const size_t row0 = ((size_t)s * nq + hq) * grid_splits;
   const float lse = lane < nused ? part_lse[row0 + lane] : -INFINITY;
+  float v[32][DPL];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const float* src = part_o + (row0 + k) * HD + lane * DPL;
+    if (k < nused && active) {
+      if constexpr (DPL == 4) {
+        const float4 t = *reinterpret_cast<const float4*>(src);
+        v[k][0] = t.x, v[k][1] = t.y, v[k][2] = t.z, v[k][3] = t.w;
+      } else if constexpr (DPL == 2) {
+        const float2 t = *reinterpret_cast<const float2*>(src);
+        v[k][0] = t.x, v[k][1] = t.y;
+      } else {
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) v[k][e] = src[e];
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) v[k][e] = 0.f;
+    }
+  }
   const float M = warp_max(lse);
   const float w = lane < nused ? exp2f(lse - M) : 0.f;
   const float inv = 1.f / warp_sum(w);
-  const int tok = cu_q_lens[s + 1] - 1;
+  float acc[DPL];
 #pragma unroll
-  for (int d0 = 0; d0 < HD; d0 += 32) {
-    const int d = d0 + lane;
-    float num = 0.f;
-#pragma unroll 4
-    for (int i = 0; i < nused; ++i) {
-      const float wi = __shfl_sync(FULL_MASK, w, i);
-      if (d < HD) num += wi * part_o[(row0 + i) * HD + d];
-    }
-    if (d < HD) out[((size_t)tok * nq + hq) * HD + d] = tobf(num * inv);
+  for (int e = 0; e < DPL; ++e) acc[e] = 0.f;
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const float wi = __shfl_sync(FULL_MASK, w, k);  // 0 past nused
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) acc[e] = fmaf(wi, v[k][e], acc[e]);
+  }
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) out[((size_t)tok * nq + hq) * HD + lane * DPL + e] = tobf(acc[e] * inv);
   }
 }
 
