@@ -95,7 +95,9 @@ class PagedDriver:
         top_k: int = 0,
         seed: int = 0,
     ) -> StepBatch:
-        """Batch of (seq id, next tokens of that sequence) chunks, appended after its cached tokens."""
+        """Batch of (seq id, next tokens of that sequence) chunks, appended after its cached tokens.
+        sample_pos counts the steps a sequence has been in, so it is the generated-token index only
+        when each prompt is prefilled in one step (as the tests and benchmarks here do)."""
         ids: list[int] = []
         positions: list[int] = []
         cu = [0]
