@@ -236,3 +236,32 @@ def test_flash_decode_index_math(variant: str, hd: int, G: int):
             want = (p / p.sum(axis=1, keepdims=True)) @ V
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
     assert multi  # the split + combine path was exercised
+
+
+def test_flash_launches_per_bucket():
+    """Forward's flash launches (no GPU: a recording _launch): one wave of CTAs at batch 1 with a
+    combine, one split and no combine at batch 256; argument counts match the kernels'."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from blink.gpu.forward import Dims, Forward, decode_variant_for
+    from blink.models.config import preset
+
+    fake = SimpleNamespace(data=SimpleNamespace(ptr=4096))
+    f = object.__new__(Forward)
+    f.c, f.num_sms, f.max_splits = preset("llama3-8b"), 132, 32
+    f.d = Dims(256, 256, 66, 16, 20000, 1056)
+    f.arena = SimpleNamespace(ptr=dict.fromkeys(("cu_q_lens", "seq_lens", "block_tables", "num_seqs"), 8192))
+    f.q = f.part_o = f.part_ml = f.attn = fake
+    f.decode_kernels = dict.fromkeys(FLASH_VARIANTS, 1)
+    f.flash_combine = dict.fromkeys(FLASH_VARIANTS, 2)
+    f.flash_smem = {v: 4 * s * 2 * n * 32 * 16 for v, (n, _, s) in FLASH_VARIANTS.items()}
+    calls: list = []
+    f._launch = lambda name, grid, block, args, stream, smem=0, fn=None: calls.append((name, grid, len(args), smem))
+    f._record_flash(0, 1, "flash", 1 << 20, 2 << 20, ctypes.c_float(0.1))
+    assert calls == [("attn_flash", (32, 8, 1), 15, 0), ("attn_flash_combine", (8, 1, 1), 10, 0)]
+    calls.clear()
+    f._record_flash(0, 256, "flashq", 1 << 20, 2 << 20, ctypes.c_float(0.1))
+    assert calls == [("attn_flash", (1, 8, 256), 15, 65536)]
+    table = (1, "flash"), (64, "basic")
+    assert [decode_variant_for(table, b) for b in (1, 63, 64, 256)] == ["flash", "flash", "basic", "basic"]
