@@ -8,6 +8,8 @@ ours runs all prompts as one packed prefill and then batched decode steps.
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 
 import numpy as np
@@ -15,8 +17,9 @@ import pytest
 
 from blink.device.numpy_executor import NumpyExecutor
 from blink.models import registry
-from blink.models.config import from_hf_config, rope_inv_freq
+from blink.models.config import rope_inv_freq
 from blink.models.reference import PagedDriver
+from blink.models.weights import load_hf_dir
 
 pytestmark = pytest.mark.slow
 
@@ -154,9 +157,12 @@ def test_rope_llama3_scaling_matches_transformers():
     np.testing.assert_allclose(rope_inv_freq(c), theirs.double().numpy(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_tiny_random_hf_model_matches(arch):
-    """transformers' own Llama (llama3 rope scaling, GQA, untied) and Qwen3 (qk-norm, head_dim != hidden/heads)."""
+@pytest.mark.parametrize(
+    ("arch", "tied", "dtype"), [("llama3", False, "float32"), ("qwen3", False, "bfloat16"), ("qwen3", True, "float32")]
+)
+def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
+    """transformers' own Llama (llama3 rope scaling, GQA) and Qwen3 (qk-norm, head_dim != hidden/heads),
+    saved with save_pretrained and read back by our HF-directory loader (bf16 checkpoints too)."""
     common = dict(
         vocab_size=300,
         hidden_size=64,
@@ -166,7 +172,7 @@ def test_tiny_random_hf_model_matches(arch):
         num_key_value_heads=2,
         rms_norm_eps=1e-6,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     if arch == "llama3":
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
@@ -182,10 +188,17 @@ def test_tiny_random_hf_model_matches(arch):
         for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.2 * torch.randn_like(p))
-    d = hf_config.to_dict()
-    d["architectures"] = [cls.__name__]
-    config = from_hf_config(d)
-    weights = {k: v.numpy() for k, v in model.state_dict().items()}
+        for p in model.parameters():
+            p.copy_(p.to(getattr(torch, dtype)).float())  # the values a bf16 checkpoint holds
+    # Save a converted copy: converting `model` itself would also round its rotary inv_freq buffer.
+    copy.deepcopy(model).to(getattr(torch, dtype)).save_pretrained(tmp_path)
+    config, weights = load_hf_dir(tmp_path)
+    (shard,) = tmp_path.glob("*.safetensors")
+    header = json.loads(shard.read_bytes()[8 : 8 + int.from_bytes(shard.read_bytes()[:8], "little")])
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16" if dtype == "bfloat16" else "F32"}
+    assert config.tie_word_embeddings == tied and config.qk_norm == (arch == "qwen3")
+    for k, v in weights.items():
+        assert np.array_equal(v, model.state_dict()[k].numpy()), k
     ids = np.random.default_rng(0).integers(0, 300, 60).tolist()
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0].numpy()
