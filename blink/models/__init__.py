@@ -1,11 +1,12 @@
 """Models: configuration, weights, tokenizer and the numpy reference forward.
 
-    config.py       ModelConfig (HF config.json / GGUF metadata / named shape presets), RoPE frequencies
-    weights.py      weights as {HF name: ndarray}; GGUF and HF-directory loaders; random weights
-    gguf_file.py    fast GGUF header parser (metadata + mapped tensor data)
-    tokenizer.py    tokenizers.Tokenizer from GGUF metadata or tokenizer.json; jinja2 chat template
-    registry.py     model spec -> ModelBundle; the default model (SmolLM2-135M-Instruct) and `pull`
-    llama_numpy.py  float32 forward over a paged KV cache (the emulated device's engine)
-    reference.py    float64 naive forward and a test-side paged batch driver
-    progress.py     text progress bar
+config.py       ModelConfig (HF config.json / GGUF metadata / named shape presets), RoPE frequencies
+weights.py      weights as {HF name: ndarray}; GGUF and HF-directory loaders; random weights
+gguf_file.py    fast GGUF header parser (metadata + mapped tensor data)
+tokenizer.py    tokenizers.Tokenizer from GGUF metadata or tokenizer.json; jinja2 chat template
+registry.py     model spec -> ModelBundle; the default model (SmolLM2-135M-Instruct) and `pull`
+llama_numpy.py  float32 forward over a paged KV cache (the emulated device's engine)
+reference.py    float64 naive forward and a test-side paged batch driver
+progress.py     text progress bar
+__main__.py     `python -m blink.models`: inspect a model, generate greedily
 """
