@@ -144,13 +144,12 @@ def load_tokenizer(spec: str | None, served_name: str | None = None) -> Frontend
 
 
 def _from_gguf(path: pathlib.Path, name: str | None) -> tuple[Tokenizer, ModelInfo]:
-    import gguf
-
     from blink.models.config import from_gguf_metadata as config_from_meta
+    from blink.models.gguf_file import GGUFFile
     from blink.models.tokenizer import from_gguf_metadata
     from blink.models.weights import gguf_metadata
 
-    reader = gguf.GGUFReader(os.fspath(path))
+    reader = GGUFFile(path)  # header-only parse: ~0.1 s, vs ~2 s for gguf.GGUFReader's per-string views
     meta = gguf_metadata(reader)
     config = config_from_meta(meta, {t.name for t in reader.tensors}, name=pathlib.Path(path).stem)
     return from_gguf_metadata(meta), ModelInfo(name or config.name, config.vocab_size)
