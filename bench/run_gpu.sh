@@ -16,7 +16,7 @@ COMMIT=${BLINK_COMMIT:-unknown}
 PARTS=${PARTS:-"engine-tests decode prefill hf"}
 PY=${PY:-python3}
 DECODE_ATTENTION=${DECODE_ATTENTION:-}
-ALL_VARIANTS=basic,pipe,flash,flash8,flashq
+ALL_VARIANTS=basic,pipe,flash,flash8,flashq,flashq8
 VARIANTS=${VARIANTS:-$ALL_VARIANTS}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 summary=()

@@ -93,10 +93,10 @@ class EngineConfig:
     decode_attention_table: tuple[tuple[int, str], ...] = DEFAULT_DECODE_ATTENTION
     """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
     from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "basic",
-    "pipe" (attention.cu), "flash", "flash8", "flashq" (flash_decode.cu). H200, Llama-3-8B shape,
-    context 1024 (bench/results/decode_h200_run4.json): basic 4.90 ms/step at batch 1, 39.8 at
-    batch 256; pipe 53.2 at 256. The flash kernels are the default before their first timing:
-    bench/decode.py prints the best table per batch (its `best table` line)."""
+    "pipe" (attention.cu), "flash", "flash8", "flashq", "flashq8" (flash_decode.cu). H200,
+    Llama-3-8B shape, context 1024 (bench/results/decode_h200_run4.json): basic 4.90 ms/step at
+    batch 1, 39.8 at batch 256; pipe 53.2 at 256. The flash kernels are the default before their
+    first timing: bench/decode.py prints the best table per batch (its `best table` line)."""
     decode_attention: str = ""
     """One decode attention variant for every bucket, overriding decode_attention_table ("" = the table)."""
     prefill_attention: str = "rego"

@@ -36,11 +36,11 @@ DECODE_HEAD_DIMS = (16, 32, 64, 128)
 DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
 PREFILL_TILE = 64
 # Decode attention kernels. basic/pipe: attention.cu, a fixed split count per bucket, merged by the
-# last split. flash/flash8/flashq: flash_decode.cu, keys per split chosen at run time, separate
+# last split. flash*: flash_decode.cu, keys per split chosen at run time, separate
 # combine; FLASH_VARIANTS: (K/V vectors per lane per tile, CTAs per SM at the compiled register
 # count for G <= 4, cp.async ring stages (0: loads into registers)).
-DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq")
-FLASH_VARIANTS = {"flash": (4, 3, 0), "flash8": (8, 2, 0), "flashq": (4, 3, 4)}
+DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8")
+FLASH_VARIANTS = {"flash": (4, 3, 0), "flash8": (8, 2, 0), "flashq": (4, 3, 4), "flashq8": (8, 2, 3)}
 FLASH_WARPS = 4
 
 

@@ -140,6 +140,7 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
         ("llama3-8b", ("flash", "rego")),
         ("qwen3-8b", ("flash8", "rego")),
         ("llama3-8b", ("flashq", "smem")),
+        ("qwen3-8b", ("flashq8", "smem")),
     ],
     ids=lambda x: "-".join(x) if isinstance(x, tuple) else x,
 )
@@ -274,7 +275,7 @@ def test_graph_table_and_done_seq():
     eng.close()
 
 
-@pytest.mark.parametrize("variant", ["flash", "flash8", "flashq"], ids=lambda v: f"{v}-long")
+@pytest.mark.parametrize("variant", ["flash", "flash8", "flashq", "flashq8"], ids=lambda v: f"{v}-long")
 def test_flash_decode_matches_basic_long_contexts(variant):
     """Decode attention of the flash variants against "basic" on one engine and one KV cache:
     contexts 1..1000 (one split, many splits), fewer live sequences than the bucket."""

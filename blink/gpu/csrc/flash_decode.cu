@@ -334,11 +334,13 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
     attn_flash_combine_impl<HD, N>(po, plse, out, cu, sl, ns, nkv, nq, grid_splits, target);                   \
   }
 // "flash": 4 K + 4 V vectors per lane per tile; "flash8": 8 + 8 (more bytes in flight, more
-// registers); "flashq": 4 + 4 through a 4-tile cp.async ring (64 KiB of dynamic shared memory).
-#define FLASH_VARIANTS(HD, G)                 \
-  FLASH(flash, HD, G, 4, 0, (G <= 4 ? 3 : 2)) \
+// registers); "flashq": 4 + 4 through a 4-tile cp.async ring (64 KiB of dynamic shared memory);
+// "flashq8": 8 + 8 through a 3-tile ring (96 KiB).
+#define FLASH_VARIANTS(HD, G)                  \
+  FLASH(flash, HD, G, 4, 0, (G <= 4 ? 3 : 2))  \
   FLASH(flash8, HD, G, 8, 0, (G == 1 ? 3 : 2)) \
-  FLASH(flashq, HD, G, 4, 4, (G <= 4 ? 3 : 2))
+  FLASH(flashq, HD, G, 4, 4, (G <= 4 ? 3 : 2)) \
+  FLASH(flashq8, HD, G, 8, 3, 2)
 #define FLASH_PER_HD(HD)       \
   FLASH_VARIANTS(HD, 1)        \
   FLASH_VARIANTS(HD, 2)        \
@@ -349,7 +351,8 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   FLASH_VARIANTS(HD, 8)        \
   FLASH_COMBINE(flash, HD, 4)  \
   FLASH_COMBINE(flash8, HD, 8) \
-  FLASH_COMBINE(flashq, HD, 4)
+  FLASH_COMBINE(flashq, HD, 4) \
+  FLASH_COMBINE(flashq8, HD, 8)
 FLASH_PER_HD(16)
 FLASH_PER_HD(32)
 FLASH_PER_HD(64)
