@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for b, parts in attn_only.items():
         print(
-            f"batch {b} attention launches alone (ms, 32 layers): "
+            f"batch {b} attention launches alone (ms, {cfg.num_layers} layers): "
             + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
         )
     for b, (v, ms) in sorted(best.items()):
