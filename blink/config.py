@@ -142,7 +142,7 @@ class BlinkConfig:
 SECTIONS: dict[str, type] = {"server": ServerConfig, "ring": RingConfig, "device": DeviceConfig, "model": ModelConfig}
 
 
-def _coerce(where: str, value: Any, annotation: Any) -> Any:
+def coerce(where: str, value: Any, annotation: Any) -> Any:
     """Check a parsed value against a field's type (no silent str->int conversion)."""
     options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     if value is None:
@@ -172,7 +172,7 @@ def _section(cls: type, name: str, values: Mapping[str, Any], base: Any) -> Any:
     for key in values:
         if key not in known:
             raise ConfigError(f"unknown key {name}.{key} (known: {', '.join(sorted(known))})")
-    changes = {k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
+    changes = {k: coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
     try:
         return dataclasses.replace(base, **changes)
     except TypeError as e:  # pragma: no cover - keys are checked above

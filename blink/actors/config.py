@@ -118,7 +118,7 @@ def _deploy_section(values: Any, base: DeploySection) -> DeploySection:
     for key, value in values.items():
         if key not in known:
             raise ConfigError(f"unknown key deploy.{key} (known: {', '.join(sorted(known))})")
-        changes[key] = serving._coerce(f"deploy.{key}", value, hints[key])
+        changes[key] = serving.coerce(f"deploy.{key}", value, hints[key])
     return dataclasses.replace(base, **changes)
 
 

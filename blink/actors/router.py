@@ -133,11 +133,8 @@ class Router:
                 if r.tracker is not None and not r.tracker.reader.failed and _inode(shm_path(r.ring)) != r.inode:
                     # The GPU actor restarted and replaced the ring: the old one is dead even if
                     # its heartbeat has not timed out yet. Fail its requests now (error events),
-                    # rather than after server.heartbeat_timeout_s. (_fail is the token reader's
-                    # own failure path; RequestTracker has no public one.)
-                    r.tracker.reader._fail(
-                        f"ring {r.ring} was replaced or removed (its GPU actor restarted or stopped)"
-                    )
+                    # rather than after server.heartbeat_timeout_s.
+                    r.tracker.fail(f"ring {r.ring} was replaced or removed (its GPU actor restarted or stopped)")
                 if r.tracker is not None and r.tracker.reader.failed:
                     await self._detach(r, r.tracker.reader.failed)
                 if r.tracker is None:
