@@ -117,9 +117,15 @@ def test_engine_config_rejects_bad_values():
 
 def _flash_chunk(L: int, ns: int, grid_splits: int, nkv: int, target: int, quantum: int) -> int:
     per = max(1, ns * nkv)
-    n = max(1, min(grid_splits, -(-target // per)))
-    c = -(-L // n)
-    return max(quantum, -(-c // quantum) * quantum)
+    units = max(1, -(-L // quantum))
+    best_q, best_cost = units, -(-per // target) * (units + 1)
+    for n in range(2, min(grid_splits, units) + 1):
+        q = -(-units // n)
+        used = -(-units // q)
+        cost = -(-(per * used) // target) * (q + 1)
+        if cost < best_cost:
+            best_q, best_cost = q, cost
+    return best_q * quantum
 
 
 def _flash_cta(q, kc, vc, bt, kvh, start, end, HD, G, N):

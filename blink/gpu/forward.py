@@ -50,9 +50,10 @@ def flash_quantum(head_dim: int, n: int) -> int:
 
 
 def flash_grid_splits(s: int, nkv: int, head_dim: int, max_context: int, target: int, n: int, max_splits: int) -> int:
-    """Grid splits of a flash kernel for a bucket of s sequences: about `target` CTAs when the
-    bucket is full (fewer live sequences get more keys per split, see flash_chunk)."""
-    want = -(-target // (s * nkv))
+    """Grid splits of a flash kernel for a bucket of s sequences: room for about 2 waves of
+    `target` CTAs when the bucket is full; flash_chunk (flash_decode.cu) picks how many are used
+    (CTAs past that exit at once, but each still costs a launch slot)."""
+    want = -(-2 * target // (s * nkv))
     cap = max(1, -(-max_context // flash_quantum(head_dim, n)))
     return max(1, min(max_splits, want, cap))
 

@@ -3,10 +3,10 @@
 // once, so every K/V byte is read from HBM once. KV layout as in attention.cu: k_cache, v_cache
 // [num_blocks, block_size, nkv, HD] bf16, token p of sequence s in block block_tables[s][p / bs].
 //
-// Splits: the grid is (NS, nkv, S) with NS fixed per captured batch bucket (Forward.splits); the
-// keys per split ("chunk") are chosen at run time from the live num_seqs and seq_lens by
-// flash_chunk, which the combine kernel repeats, and CTAs whose split starts past the sequence
-// exit at once. A sequence covered by one split is written to `out` directly; otherwise each
+// Splits: the grid is (NS, nkv, S) with NS fixed per captured batch bucket (flash_grid_splits in
+// forward.py: up to about 4 waves of CTAs); the keys per split ("chunk") are chosen at run time
+// from the live num_seqs and seq_lens by flash_chunk, which the combine kernel repeats, and CTAs
+// whose split starts past the sequence exit at once. A sequence covered by one split is written to `out` directly; otherwise each
 // split writes its normalised output and log2-sum-exp and attn_flash_combine merges them.
 //
 // Inside a CTA the warps take interleaved tiles of KT = N * KPI keys with no block barrier in
@@ -29,13 +29,23 @@ __host__ __device__ constexpr int ilog2c(int x) { return x <= 1 ? 0 : 1 + ilog2c
 // Chunks are multiples of this many keys: at least one warp tile, at least 32 keys.
 __host__ __device__ constexpr int flash_quantum(int hd, int n) { return n * (256 / hd) > 32 ? n * (256 / hd) : 32; }
 
-// Keys per split of a sequence of length L: about `target` CTAs over the live batch, at most
-// `grid_splits` splits. Shared by the attention and combine kernels so both agree on the count.
+// Keys per split of a sequence of length L. Splits run in waves of `target` CTAs (one CTA per
+// split x KV head x live sequence), so the cost of n splits is waves(n) x (keys per split + one
+// quantum of fixed per-CTA latency); the cheapest n <= grid_splits (<= 32) wins, ties to fewer
+// splits (each costs the combine a read). Every sequence is costed as if all had its length.
+// Lane n-1 costs n splits and a warp min picks (so call it with the whole warp). Shared by the
+// attention and combine kernels, so both agree on the split count.
 __device__ __forceinline__ int flash_chunk(int L, int num_seqs, int grid_splits, int nkv, int target, int quantum) {
+  const int lane = threadIdx.x & 31, n = lane + 1;
   const int per = max(1, num_seqs * nkv);
-  const int n = max(1, min(grid_splits, (target + per - 1) / per));
-  const int c = (L + n - 1) / n;
-  return max(quantum, (c + quantum - 1) / quantum * quantum);
+  const int units = max(1, (L + quantum - 1) / quantum);
+  unsigned key = 0xffffffffu;
+  if (n == 1 || (n <= grid_splits && n <= units)) {
+    const int q = (units + n - 1) / n, used = (units + q - 1) / q;
+    key = (unsigned)(((per * used + target - 1) / target) * (q + 1)) * 32u + (unsigned)lane;
+  }
+  const int best_n = (int)(__reduce_min_sync(FULL_MASK, key) & 31u) + 1;
+  return (units + best_n - 1) / best_n * quantum;
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
