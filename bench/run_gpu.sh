@@ -7,7 +7,8 @@
 # ("basic", "1:flash,64:basic", ...). engine-tests tests each variant in its own process;
 # decode.py then times only the variants that passed (a faulting kernel would lose the whole
 # part), and when flash (the default) or the default-table tests fail, decode and sched run
-# with DECODE_ATTENTION=basic, the previous default.
+# with DECODE_ATTENTION=basic, the previous default. After decode, sched uses decode.py's best
+# table (its "best table" line) unless DECODE_ATTENTION was given.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/blink_gpu_out}
@@ -16,6 +17,7 @@ COMMIT=${BLINK_COMMIT:-unknown}
 PARTS=${PARTS:-"engine-tests decode prefill hf"}
 PY=${PY:-python3}
 DECODE_ATTENTION=${DECODE_ATTENTION:-}
+USER_DECODE_ATTENTION=$DECODE_ATTENTION
 ALL_VARIANTS=basic,pipe,flash,flash8,flashq,flashq8
 VARIANTS=${VARIANTS:-$ALL_VARIANTS}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -66,6 +68,12 @@ DA_ARGS=()
 if has decode; then
   part decode 300 $PY bench/decode.py --commit "$COMMIT" --out "$OUT/decode.json" --variants "$VARIANTS" \
     ${DA_ARGS[@]+"${DA_ARGS[@]}"}
+  # later parts (sched) use the measured best table unless DECODE_ATTENTION was given
+  best=$(grep -h "^best table: --decode-attention " "$OUT/decode.log" | tail -n 1 | sed 's/^best table: --decode-attention //')
+  if [ -z "$USER_DECODE_ATTENTION" ] && [ -n "$best" ]; then
+    DECODE_ATTENTION=$best
+    echo "=== decode attention from here on (decode.py's best per batch): $DECODE_ATTENTION" | tee -a "$OUT/decode.log"
+  fi
 fi
 if has prefill; then
   part prefill 200 $PY bench/prefill.py --commit "$COMMIT" --out "$OUT/prefill.json"
@@ -81,5 +89,5 @@ echo
 echo "=== summary (commit $COMMIT, decode attention: ${DECODE_ATTENTION:-engine default})"
 grep -h -E "^[=]* ?[0-9]+ (passed|failed)|^FAILED|^ERROR|^=== (variant|the default|decode attention)" \
   "$OUT/engine-tests.log" 2>/dev/null | tail -n 30
-grep -h -E "^best|^batch [0-9]+ attention" "$OUT/decode.log" 2>/dev/null
+grep -h -E "^best|^batch [0-9]+ |^=== decode attention from" "$OUT/decode.log" 2>/dev/null
 for s in "${summary[@]}"; do echo "$s"; done
