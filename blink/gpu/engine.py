@@ -17,6 +17,11 @@ token bucket >= batch bucket. Shapes not captured are 0 in the table; a driver f
 largest shape. One step may be in flight at a time: all graphs share the activation buffers and
 the cuBLAS workspace.
 
+Decode attention is chosen per batch bucket at capture time from
+EngineConfig.decode_attention_table (e.g. parse_decode_attention("1:flash,64:flashq"); the
+benchmarks' --decode-attention); a graph never bakes in lengths, the flash kernels size their
+splits from the live num_seqs and seq_lens (blink/gpu/csrc/flash_decode.cu).
+
 Why two execs per shape: relaunching an exec right after its completion token is seen fails with
 cudaErrorInvalidValue about half the time (the exec still counts as running), so the scheduler
 alternates between them (/work/shared/gpu-probe/REPORT.md, Q4).
