@@ -271,3 +271,37 @@ def test_flash_launches_per_bucket():
     assert calls == [("attn_flash", (1, 8, 256), 15, 65536)]
     table = (1, "flash"), (64, "basic")
     assert [decode_variant_for(table, b) for b in (1, 63, 64, 256)] == ["flash", "flash", "basic", "basic"]
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("ntiles", [0, 1, 2, 5, 11])
+def test_flash_cp_async_ring_order(stages: int, ntiles: int):
+    """The cp.async ring of flashq/flashq8 as flash_decode.cu drives it: copies land only when a
+    wait_group retires their group; each tile is read from the slot it was copied to, after its
+    group retired, and no slot is refilled before its tile was read."""
+    slots: list = [None] * stages
+    pending: list[list[tuple[int, int]]] = []  # committed groups of (slot, tile), oldest first
+
+    def issue(tile: int, slot: int) -> None:
+        pending.append([(slot, tile)])  # one commit per issue, as in the kernel
+
+    def wait(allowed: int) -> None:
+        while len(pending) > allowed:
+            for slot, tile in pending.pop(0):
+                slots[slot] = tile
+
+    unread: set[int] = set()
+    for st in range(stages - 1):
+        issue(st, st)
+        unread.add(st)
+    stage = 0
+    for j in range(ntiles):
+        refill = stages - 1 if stage == 0 else stage - 1
+        assert refill not in unread  # the slot's previous tile (j - 1) was read already
+        issue(j + stages - 1, refill)
+        unread.add(refill)
+        wait(stages - 1)
+        assert slots[stage] == j
+        unread.discard(stage)
+        stage = stage + 1 if stage + 1 < stages else 0
+    wait(0)
