@@ -18,7 +18,7 @@ PARTS=${PARTS:-"engine-tests decode prefill hf"}
 PY=${PY:-python3}
 DECODE_ATTENTION=${DECODE_ATTENTION:-}
 USER_DECODE_ATTENTION=$DECODE_ATTENTION
-ALL_VARIANTS=basic,pipe,flash,flash8,flashq,flashq8
+ALL_VARIANTS=${TEST_VARIANTS:-basic,pipe,flash,flash8,flashq,flashq8}  # engine-tests: variants to test
 VARIANTS=${VARIANTS:-$ALL_VARIANTS}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 summary=()
@@ -83,6 +83,19 @@ if has hf; then
 fi
 if has sched; then  # the GPU-resident scheduler: tests, conformance, overhead, sigstop, benchmarks
   part sched 1500 env OUT="$OUT/sched" DECODE_ATTENTION="$DECODE_ATTENTION" bash bench/sched_run.sh all
+fi
+# The scheduler benchmarks one by one (each is also part of `sched` above), for a call short on time:
+if has tput8b; then  # 256 x (256 -> 128) on Llama-3-8B: GPU scheduler vs host loop, idle and under CPU load
+  part tput8b 200 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/sched_bench.py --preset llama3-8b --out "$OUT/tput8b" \
+    --skip ablation,sigstop ${DA_ARGS[@]+"${DA_ARGS[@]}"}
+fi
+if has ablation135m; then  # Fig. 3 ablation where the scheduler's share of a step is large (~0.1 ms steps)
+  part ablation135m 150 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/sched_bench.py --preset smollm2-135m \
+    --kv-blocks 16384 --skip throughput,sigstop --out "$OUT/ablation135m"
+fi
+if has sigstop135m; then  # the process owning the CUDA context SIGSTOPped for 30 s while a client streams
+  part sigstop135m 200 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/sched_bench.py --preset smollm2-135m \
+    --kv-blocks 16384 --skip throughput,ablation --phase 30 --out "$OUT/sigstop135m"
 fi
 
 echo
