@@ -45,7 +45,8 @@ from blink.models.config import ModelConfig
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flash"),)
+# flashq was the fastest at every batch 1..256 on the H200 (bench/results/decode_h200_run5.json)
+DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"),)
 
 
 def parse_decode_attention(spec: str) -> tuple[tuple[int, str], ...]:
