@@ -57,7 +57,9 @@ async def _one(session, url: str, model: str, prompt: list[int], n_out: int) -> 
     import aiohttp
 
     body = {"model": model, "prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True}
-    body.update(stream=True, stream_options={"include_usage": True})
+    # continuous_usage_stats: every token batch comes as a chunk with the count so far, so tokens are
+    # timed even when they decode to no text (random-weight models emit many such tokens).
+    body.update(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     t0 = time.perf_counter()
     t_first = None
     n_tok = 0
@@ -72,8 +74,8 @@ async def _one(session, url: str, model: str, prompt: list[int], n_out: int) -> 
                 return {"error": ev["error"]["message"]}
             if ev.get("usage"):
                 n_tok = ev["usage"]["completion_tokens"]
-            elif t_first is None and ev["choices"] and ev["choices"][0].get("text") is not None:
-                t_first = time.perf_counter()
+                if t_first is None and n_tok > 0:
+                    t_first = time.perf_counter()
     t1 = time.perf_counter()
     ttft = (t_first or t1) - t0
     return {"ttft": ttft, "e2e": t1 - t0, "tokens": n_tok, "tpot": (t1 - t0 - ttft) / max(n_tok - 1, 1)}
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         help="ray: GPU/frontend actors; procs: same pieces, no Ray",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default="", help="git commit of the tree (machines without .git)")
     ap.add_argument(
         "--blas-threads",
         type=int,
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": gpu_names() or ["none: emulated replicas on CPU"],
         "cpus": os.cpu_count(),
         "loadavg_1m_end": os.getloadavg()[0],  # other work on the machine skews CPU-replica numbers
-        "commit": _git("rev-parse", "HEAD")
+        "commit": a.commit or _git("rev-parse", "HEAD")
         + ("-dirty" if _git("status", "--porcelain", "--", "blink", "bench") else ""),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": vars(a),

@@ -175,6 +175,27 @@ def test_chat_stream_exact_shapes(tiny):
     assert r.choices[0].message.content == text
 
 
+def test_continuous_usage_stats_counts_every_token(tiny):
+    """vLLM's stream_options.continuous_usage_stats: usage on every chunk, counts never go back,
+    and token batches that decode to no text still produce a chunk (clients time tokens)."""
+    body = {
+        "model": "tiny-llama",
+        "prompt": [5, 6, 7, 8],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    ev = _sse(tiny.url + "/v1/completions", body)
+    assert ev[-1] == "[DONE]"
+    chunks = ev[:-1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == 4 for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] >= 1
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
 def test_completions_stream_and_token_prompt(tiny):
     c = tiny.client()
     r = c.completions.create(

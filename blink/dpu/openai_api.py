@@ -40,6 +40,9 @@ class APIError(Exception):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far, and a chunk goes out for every
+    # token batch even when it decodes to no text yet (clients can time tokens, not text).
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -203,12 +206,14 @@ def completion_response(rid: str, model: str, text: str, finish: str, n_prompt: 
 class ChunkMaker:
     """Streaming chunks of one response (chat.completion.chunk or text_completion)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool):
+    def __init__(self, chat: bool, model: str, include_usage: bool, continuous_usage: int | None = None):
+        """continuous_usage: the prompt's token count when every chunk carries usage so far."""
         self.chat = chat
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         c = {
@@ -227,11 +232,15 @@ class ChunkMaker:
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         )
 
-    def text(self, text: str, finish: str | None = None) -> dict[str, Any]:
+    def text(self, text: str, finish: str | None = None, n_gen: int = 0) -> dict[str, Any]:
         if self.chat:
             delta = {"content": text} if text else {}
-            return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
-        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+            c = self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
+        else:
+            c = self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        if self.continuous_usage is not None:
+            c["usage"] = usage(self.continuous_usage, n_gen)
+        return c
 
     def usage(self, n_prompt: int, n_gen: int) -> dict[str, Any]:
         c = self._chunk({})

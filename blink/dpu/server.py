@@ -218,9 +218,10 @@ class OpenAIServer:
             self.metrics.first_token(t_http_ns, handles[0].timing if handles else (), time.time_ns())
 
         include_usage = bool(r.stream_options and r.stream_options.include_usage)
+        continuous = bool(r.stream_options and r.stream_options.continuous_usage_stats)
         try:
             if r.stream:
-                resp = await self._stream(request, gen, chat, len(ids), include_usage, t0, trace)
+                resp = await self._stream(request, gen, chat, len(ids), include_usage, continuous, t0, trace)
             else:
                 resp = await self._complete(gen, chat, len(ids), t0)
                 trace()
@@ -268,10 +269,11 @@ class OpenAIServer:
         chat: bool,
         n_prompt: int,
         include_usage: bool,
+        continuous: bool,
         t0: float,
         trace: Callable[[], None],
     ) -> web.StreamResponse:
-        chunks = api.ChunkMaker(chat, self.tok.name, include_usage)
+        chunks = api.ChunkMaker(chat, self.tok.name, include_usage, n_prompt if continuous else None)
         # Wait for the first event before sending headers, so that a busy ring (429) or a
         # rejected request still gets a proper HTTP error status.
         first = await anext(gen, None)
@@ -293,13 +295,13 @@ class OpenAIServer:
                 n_gen += ev.n_tokens
                 if ev.finish is not None:
                     if ev.text and chat:
-                        await send(chunks.text(ev.text))
-                        await send(chunks.text("", ev.finish))
+                        await send(chunks.text(ev.text, None, n_gen))
+                        await send(chunks.text("", ev.finish, n_gen))
                     else:
-                        await send(chunks.text(ev.text, ev.finish))
+                        await send(chunks.text(ev.text, ev.finish, n_gen))
                     break
-                if ev.text:
-                    await send(chunks.text(ev.text))
+                if ev.text or (continuous and ev.n_tokens):
+                    await send(chunks.text(ev.text, None, n_gen))
                 ev = await anext(gen, None)
             self.metrics.e2e.observe(time.perf_counter() - t0)
             if include_usage:
