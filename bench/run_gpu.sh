@@ -87,15 +87,15 @@ fi
 # The scheduler benchmarks one by one (each is also part of `sched` above), for a call short on time:
 if has tput8b; then  # 256 x (256 -> 128) on Llama-3-8B: GPU scheduler vs host loop, idle and under CPU load
   part tput8b 200 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/sched_bench.py --preset llama3-8b --out "$OUT/tput8b" \
-    --skip ablation,sigstop ${DA_ARGS[@]+"${DA_ARGS[@]}"}
+    --skip ablation,sigstop --commit "$COMMIT" ${DA_ARGS[@]+"${DA_ARGS[@]}"}
 fi
 if has ablation135m; then  # Fig. 3 ablation where the scheduler's share of a step is large (~0.1 ms steps)
   part ablation135m 150 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/sched_bench.py --preset smollm2-135m \
-    --kv-blocks 16384 --skip throughput,sigstop --out "$OUT/ablation135m"
+    --kv-blocks 16384 --skip throughput,sigstop --out "$OUT/ablation135m" --commit "$COMMIT"
 fi
 if has sigstop135m; then  # the process owning the CUDA context SIGSTOPped for 30 s while a client streams
   part sigstop135m 200 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/sched_bench.py --preset smollm2-135m \
-    --kv-blocks 16384 --skip throughput,ablation --phase 30 --out "$OUT/sigstop135m"
+    --kv-blocks 16384 --skip throughput,ablation --phase 30 --out "$OUT/sigstop135m" --commit "$COMMIT"
 fi
 
 echo

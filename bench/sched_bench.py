@@ -41,12 +41,14 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="small sizes: checks the benchmarks themselves")
     ap.add_argument("--kv-blocks", type=int, default=0, help="KV pool in blocks (0: from free memory)")
     ap.add_argument("--decode-attention", default="", help='decode attention table, e.g. "basic" ("": the default)')
+    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
     a = ap.parse_args()
     skip = set(a.skip.split(",")) - {""}
     os.makedirs(a.out, exist_ok=True)
     meta = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "preset": a.preset,
+        "commit": a.commit,
         "command": " ".join(sys.argv),
     }
     eng = make_engine(
