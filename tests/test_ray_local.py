@@ -328,3 +328,5 @@ def test_start_failure_and_start_timeout_are_reported_and_cleaned_up(cluster) ->
         p for p in placement_group_table().values() if p["name"] in ("bad-pg", "slow-pg") and p["state"] != "REMOVED"
     ]
     assert live == []
+    for c in (bad, slow):  # rings of actors killed mid-start are removed too
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(c.ring_name(0)[:-1])]

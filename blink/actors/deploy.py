@@ -8,10 +8,15 @@ requests and tokens flow HTTP -> frontend -> ring -> engine without Ray.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from blink.protocol.transport import SHM_DIR
 
 from .config import DeployConfig
 from .placement import PlacementPlan, alive_node_resources, ensure_placement_group, plan_placement
@@ -76,7 +81,11 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
         opts = _actor_options(cfg, cfg.gpu_actor_name(i), pg, plan.gpu_bundle(i), detached)
         opts.update(num_cpus=gpu_bundle.get("CPU", 0.0), num_gpus=gpu_bundle.get("GPU", 0.0))
         gpus.append(gpu_cls.options(**opts).remote(cfg.to_json(), i))
-    rings = _get_all([a.start.remote() for a in gpus], timeout, "GPU actor start()", gpus)
+    try:
+        rings = _get_all([a.start.remote() for a in gpus], timeout, "GPU actor start()", gpus)
+    except (StartError, TimeoutError):
+        unlink_local_rings(cfg)  # actors killed mid-start cannot remove their rings themselves
+        raise
     fe_bundle = plan.bundles[plan.frontend_bundle]
     opts = _actor_options(cfg, cfg.frontend_name, pg, plan.frontend_bundle, detached)
     opts.update(num_cpus=fe_bundle.get("CPU", 0.0))
@@ -180,4 +189,19 @@ def stop(cfg: DeployConfig, timeout_s: float = 30.0) -> dict[str, Any]:
         ray.kill(a, no_restart=True)
         stopped["replicas"] += 1
     stopped["placement_group"] = remove_placement_group_by_name(cfg.placement_group_name)
+    stopped["rings_removed"] = unlink_local_rings(cfg)
     return stopped
+
+
+def unlink_local_rings(cfg: DeployConfig) -> int:
+    """Remove this deployment's ring files left on this host by killed GPU actors (a live actor
+    unlinks its own ring when it stops). Ring names carry the namespace and deployment name, so
+    only this deployment's files match. Returns how many were removed."""
+    prefix = cfg.ring_name(0)[: -len("0")]
+    n = 0
+    for f in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "[0-9]*")):
+        if f[len(SHM_DIR) + 1 + len(prefix) :].isdigit():
+            with contextlib.suppress(FileNotFoundError):  # raced with its actor's own unlink
+                os.unlink(f)
+                n += 1
+    return n
