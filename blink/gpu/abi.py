@@ -29,13 +29,11 @@ cudaGraphInstantiateFlagDeviceLaunch and uploaded.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
-import sys
 
 import numpy as np
 
-from blink.protocol.cgen import struct_lines
+from blink.protocol.cgen import header_main, struct_lines
 
 HEADER_PATH = pathlib.Path(__file__).resolve().parent / "include" / "blink_engine.h"
 
@@ -93,18 +91,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="generate blink_engine.h")
-    ap.add_argument("--check", action="store_true")
-    a = ap.parse_args(argv)
-    text = render()
-    if a.check:
-        if not HEADER_PATH.exists() or HEADER_PATH.read_text() != text:
-            print(f"{HEADER_PATH} is stale: run `python -m blink.gpu.abi`", file=sys.stderr)
-            return 1
-        return 0
-    HEADER_PATH.write_text(text)
-    print(f"wrote {HEADER_PATH}")
-    return 0
+    return header_main(HEADER_PATH, render, "blink.gpu.abi", argv)
 
 
 if __name__ == "__main__":

@@ -15,19 +15,17 @@ Everything else the kernel keeps (rows, plan) lives in module globals no host co
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import pathlib
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from blink.protocol.cgen import struct_lines
+from blink.protocol.cgen import header_main, struct_lines
 from blink.protocol.layout import RingView
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
@@ -396,18 +394,7 @@ class GpuScheduler:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="generate blink/gpu/csrc/scheduler_ctl.cuh")
-    ap.add_argument("--check", action="store_true", help="fail if the header on disk is stale")
-    a = ap.parse_args(argv)
-    text = render_ctl_header()
-    if a.check:
-        if not CTL_HEADER_PATH.exists() or CTL_HEADER_PATH.read_text() != text:
-            print(f"{CTL_HEADER_PATH} is stale: run `python -m blink.gpu.scheduler`", file=sys.stderr)
-            return 1
-        return 0
-    CTL_HEADER_PATH.write_text(text)
-    print(f"wrote {CTL_HEADER_PATH}")
-    return 0
+    return header_main(CTL_HEADER_PATH, render_ctl_header, "blink.gpu.scheduler", argv)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def struct_lines(name: str, dtype: np.dtype, pad_to: int | None = None) -> list[
     asserts = []
     for fname in dtype.names:
         ftype, off = dtype.fields[fname][:2]
-        base, shape = (ftype.subdtype if ftype.subdtype else (ftype, ()))
+        base, shape = ftype.subdtype if ftype.subdtype else (ftype, ())
         if base.byteorder == ">":
             raise ValueError(f"{name}.{fname}: big-endian field")
         ctype = _CTYPES[(base.kind, base.itemsize)]
@@ -95,22 +95,27 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def header_main(path: pathlib.Path, render_fn, module: str, argv: list[str] | None = None) -> int:
+    """The command line of a header generator: write `path`, or with --check fail when it is stale."""
+    ap = argparse.ArgumentParser(description=f"generate {path.name}")
     ap.add_argument("--check", action="store_true", help="fail if the header on disk is stale")
-    ap.add_argument("--out", type=pathlib.Path, default=HEADER_PATH)
+    ap.add_argument("--out", type=pathlib.Path, default=path, help="header path (default: the checked-in one)")
     a = ap.parse_args(argv)
-    text = render()
+    path = a.out
+    text = render_fn()
     if a.check:
-        current = a.out.read_text() if a.out.exists() else ""
-        if current != text:
-            print(f"{a.out} is stale: run `python -m blink.protocol.cgen`", file=sys.stderr)
+        if not path.exists() or path.read_text() != text:
+            print(f"{path} is stale: run `python -m {module}`", file=sys.stderr)
             return 1
         return 0
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(text)
-    print(f"wrote {a.out}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return header_main(HEADER_PATH, render, "blink.protocol.cgen", argv)
 
 
 if __name__ == "__main__":
