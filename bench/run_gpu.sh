@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# All GPU tests and benchmarks of Blink, in one command for one H200 call:
-#   BLINK_COMMIT=$(git rev-parse --short HEAD) PARTS="engine-tests decode prefill hf" bash bench/run_gpu.sh
+# All GPU tests and benchmarks of Blink, in one command (the default PARTS run everything, ~25 min):
+#   BLINK_COMMIT=$(git rev-parse --short HEAD) bash bench/run_gpu.sh
+# A shorter call picks parts, e.g. PARTS="engine-tests decode tput8b ablation135m sigstop135m" (~3 min).
 # Each part logs to $OUT/<part>.log (and JSON to $OUT/<part>.json); a summary table prints last.
 # Parts run in separate processes so a CUDA fault in one cannot take down the others.
 # Decode attention: the engine's default table (flash kernels) unless DECODE_ATTENTION is set
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/blink_gpu_out}
 mkdir -p "$OUT"
 COMMIT=${BLINK_COMMIT:-unknown}
-PARTS=${PARTS:-"engine-tests decode prefill hf"}
+PARTS=${PARTS:-"engine-tests decode prefill hf sched"}  # sched: scheduler tests, conformance, benchmarks
 PY=${PY:-python3}
 DECODE_ATTENTION=${DECODE_ATTENTION:-}
 USER_DECODE_ATTENTION=$DECODE_ATTENTION
