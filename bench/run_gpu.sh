@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All GPU tests and benchmarks of Blink, in one command (the default PARTS run everything, ~25 min):
+# All GPU tests and benchmarks of Blink, in one command (the default PARTS run everything, roughly 10-15 min on an H200):
 #   BLINK_COMMIT=$(git rev-parse --short HEAD) bash bench/run_gpu.sh
 # A shorter call picks parts, e.g. PARTS="engine-tests decode tput8b ablation135m sigstop135m" (~3 min).
 # Each part logs to $OUT/<part>.log (and JSON to $OUT/<part>.json); a summary table prints last.
