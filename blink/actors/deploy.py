@@ -84,7 +84,10 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
     try:
         rings = _get_all([a.start.remote() for a in gpus], timeout, "GPU actor start()", gpus)
     except (StartError, TimeoutError):
-        unlink_local_rings(cfg)  # actors killed mid-start cannot remove their rings themselves
+        # Actors killed mid-start cannot remove their rings themselves. ray.kill is asynchronous:
+        # wait for them to be gone first, or one still in start() could create its ring after this.
+        _wait_dead(gpus, 10.0)
+        unlink_local_rings(cfg)
         raise
     fe_bundle = plan.bundles[plan.frontend_bundle]
     opts = _actor_options(cfg, cfg.frontend_name, pg, plan.frontend_bundle, detached)
@@ -191,6 +194,22 @@ def stop(cfg: DeployConfig, timeout_s: float = 30.0) -> dict[str, Any]:
     stopped["placement_group"] = remove_placement_group_by_name(cfg.placement_group_name)
     stopped["rings_removed"] = unlink_local_rings(cfg)
     return stopped
+
+
+def _wait_dead(actors: list[Any], timeout_s: float) -> None:
+    """Until every (killed) actor answers calls with RayActorError, or the timeout."""
+    import ray
+
+    t_end = time.monotonic() + timeout_s
+    for a in actors:
+        while time.monotonic() < t_end:
+            try:
+                ray.get(a.pid.remote(), timeout=max(0.1, t_end - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                break  # dead
+            except ray.exceptions.GetTimeoutError:
+                break  # out of time: the caller goes on without the guarantee
+            time.sleep(0.05)  # still answering: the kill has not landed yet
 
 
 def unlink_local_rings(cfg: DeployConfig) -> int:
