@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from blink.protocol.layout import DeviceStatus, RingGeometry
+from blink.protocol.layout import DEVICE_COUNTERS, DEVICE_GAUGES, DeviceStatus, RingGeometry
 from blink.protocol.transport import ShmTransport, shm_path
 
 from . import raycount
@@ -29,24 +29,7 @@ from .lifecycle import reconstructed, start_in_background
 log = logging.getLogger(__name__)
 
 # Header fields `status()` reports (device-written counters and gauges).
-STATUS_FIELDS = (
-    "device_status",
-    "fault",
-    "heartbeat",
-    "heartbeat_ns",
-    "steps",
-    "prefill_steps",
-    "tokens_generated",
-    "prompt_tokens",
-    "requests_admitted",
-    "requests_completed",
-    "running",
-    "waiting",
-    "kv_blocks_total",
-    "kv_blocks_free",
-    "max_batch",
-    "n_slots",
-)
+STATUS_FIELDS = DEVICE_GAUGES + DEVICE_COUNTERS + ("fault", "heartbeat_ns", "max_batch", "n_slots")
 
 
 class Engine(Protocol):

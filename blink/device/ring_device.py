@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blink.protocol.layout import (
+    DEVICE_COUNTERS,
     MAX_STOP_IDS,
     DeviceStatus,
     FinishReason,
@@ -38,20 +39,6 @@ from blink.protocol.layout import (
 from .executor import Executor, StepBatch
 from .kv_blocks import BlockManager
 from .scheduler import Scheduler, SchedulerConfig, StepKind, StepPlan
-
-_STAT_FIELDS = (
-    "steps",
-    "prefill_steps",
-    "tokens_generated",
-    "prompt_tokens",
-    "requests_admitted",
-    "requests_completed",
-    "launches",
-    "sched_ns_total",
-    "step_ns_total",
-    "scan_ns_total",
-    "scans",
-)
 
 
 @dataclass(frozen=True)
@@ -153,7 +140,7 @@ class RingDevice:
         self._t_admit = slots["t_admit_ns"]
         self._t_first = slots["t_first_ns"]
         # Counters continue from the header: a device restarted on the same ring keeps them monotonic.
-        self.stats = {k: int(self.hdr[k]) for k in _STAT_FIELDS}
+        self.stats = {k: int(self.hdr[k]) for k in DEVICE_COUNTERS}
         self._shown: dict[int, int] = {}  # slot -> state last written by _sync_states
         self._beats = int(self.hdr["heartbeat"])
         self._last_submit = -1

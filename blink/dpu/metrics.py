@@ -6,6 +6,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 
+from blink.protocol.layout import DEVICE_COUNTERS, DEVICE_GAUGES
+
 _STAGE_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0)
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -87,29 +89,10 @@ class Metrics:
         for k, v in ring.items():
             lines += [f"# TYPE blink_ring_{k} gauge", f"blink_ring_{k} {v}"]
         for k, v in device.items():
-            kind = "gauge" if k in _DEVICE_GAUGES else "counter"
+            kind = "gauge" if k in DEVICE_GAUGES else "counter"
             suffix = "" if kind == "gauge" or k.endswith("_total") else "_total"
             lines += [f"# TYPE blink_device_{k}{suffix} {kind}", f"blink_device_{k}{suffix} {v}"]
         return "\n".join(lines) + "\n"
 
 
-_DEVICE_GAUGES = {"device_status", "running", "waiting", "kv_blocks_free", "kv_blocks_total", "heartbeat"}
-DEVICE_FIELDS = (
-    "device_status",
-    "heartbeat",
-    "steps",
-    "prefill_steps",
-    "tokens_generated",
-    "prompt_tokens",
-    "requests_admitted",
-    "requests_completed",
-    "launches",
-    "relaunches",
-    "launch_errors",
-    "running",
-    "waiting",
-    "kv_blocks_free",
-    "kv_blocks_total",
-    "sched_ns_total",
-    "step_ns_total",
-)
+DEVICE_FIELDS = DEVICE_GAUGES + DEVICE_COUNTERS  # exported from the ring header

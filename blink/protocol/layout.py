@@ -160,7 +160,28 @@ SLOT_DTYPE = np.dtype([
 # fmt: on
 
 assert HEADER_DTYPE.itemsize <= HEADER_BYTES, HEADER_DTYPE.itemsize
+
+# Header fields the device keeps up to date while serving: monotonic counters (a restarted
+# device continues them; frontends export them as counters) and gauges (current values).
+DEVICE_COUNTERS = (
+    "steps",
+    "prefill_steps",
+    "tokens_generated",
+    "prompt_tokens",
+    "requests_admitted",
+    "requests_completed",
+    "launches",
+    "relaunches",
+    "launch_errors",
+    "sched_ns_total",
+    "step_ns_total",
+    "scan_ns_total",
+    "scans",
+)
+DEVICE_GAUGES = ("device_status", "heartbeat", "running", "waiting", "kv_blocks_free", "kv_blocks_total")
+
 assert SLOT_DTYPE.itemsize == SLOT_BYTES, SLOT_DTYPE.itemsize
+assert set(DEVICE_COUNTERS + DEVICE_GAUGES) <= set(HEADER_DTYPE.names)
 
 TOKEN_DTYPE = np.dtype("<i4")
 
