@@ -60,7 +60,7 @@ async def _one(session, url: str, model: str, prompt: list[int], n_out: int) -> 
     # continuous_usage_stats: every token batch comes as a chunk with the count so far, so tokens are
     # timed even when they decode to no text (random-weight models emit many such tokens).
     body.update(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
-    t0 = time.perf_counter()
+    t0 = time.monotonic()  # CLOCK_MONOTONIC: one clock for every client process of the machine
     t_first = None
     n_tok = 0
     async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=3600)) as r:
@@ -75,49 +75,156 @@ async def _one(session, url: str, model: str, prompt: list[int], n_out: int) -> 
             if ev.get("usage"):
                 n_tok = ev["usage"]["completion_tokens"]
                 if t_first is None and n_tok > 0:
-                    t_first = time.perf_counter()
-    t1 = time.perf_counter()
+                    t_first = time.monotonic()
+    t1 = time.monotonic()
     ttft = (t_first or t1) - t0
-    return {"ttft": ttft, "e2e": t1 - t0, "tokens": n_tok, "tpot": (t1 - t0 - ttft) / max(n_tok - 1, 1)}
+    tpot = (t1 - t0 - ttft) / max(n_tok - 1, 1)
+    return {"t_start": t0, "t_end": t1, "ttft": ttft, "e2e": t1 - t0, "tokens": n_tok, "tpot": tpot}
 
 
-async def drive(url: str, model: str, reqs: list[tuple[list[int], int]], concurrency: int) -> dict:
+async def _drive_part(url: str, model: str, part: list[tuple[int, list[int], int, float]], streams: int) -> list:
+    """One client process's share. streams > 0: closed loop, that many streams pulling from `part`
+    in order; streams == 0: open loop, each request sent at its arrival time (monotonic seconds)."""
     import aiohttp
 
-    queue = list(reversed(reqs))
     results: list[dict] = []
 
-    async def worker(session) -> None:
-        while queue:
-            prompt, n_out = queue.pop()
-            results.append(await _one(session, url, model, prompt, n_out))
+    async def send(session, i: int, prompt: list[int], n_out: int, first_wave: bool) -> None:
+        r = await _one(session, url, model, prompt, n_out)
+        results.append({**r, "i": i, "first_wave": first_wave})
 
-    conn = aiohttp.TCPConnector(limit=concurrency)
+    conn = aiohttp.TCPConnector(limit=streams)  # 0 = no limit (open loop)
     async with aiohttp.ClientSession(connector=conn) as session:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    ok = [r for r in results if "error" not in r]
-    errors = [r["error"] for r in results if "error" in r]
-    tok = sum(r["tokens"] for r in ok)
+        if streams:
+            queue = list(reversed(part))
 
-    def pct(key: str, q: float) -> float:
-        return float(np.percentile([r[key] for r in ok], q)) if ok else float("nan")
+            async def worker() -> None:
+                first = True
+                while queue:
+                    i, prompt, n_out, _ = queue.pop()
+                    await send(session, i, prompt, n_out, first)
+                    first = False
+
+            await asyncio.gather(*(worker() for _ in range(streams)))
+        else:
+            tasks = []
+            for i, prompt, n_out, at in part:
+                delay = at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(send(session, i, prompt, n_out, False)))
+            await asyncio.gather(*tasks)
+    return results
+
+
+def _client_main(conn, url: str, model: str, part: list, streams: int) -> None:
+    """Entry point of a client process: drive its share, send back the per-request records."""
+    import resource
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    res = asyncio.run(_drive_part(url, model, part, streams))
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    conn.send_bytes(json.dumps({"results": res, "cpu_s": ru.ru_utime + ru.ru_stime}).encode())
+    conn.close()
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of a live process (Linux /proc), seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def drive(
+    url: str,
+    model: str,
+    reqs: list[tuple[list[int], int]],
+    concurrency: int,
+    procs: int,
+    rate: float = 0.0,
+    seed: int = 0,
+    watch: dict[str, list[int]] | None = None,
+) -> dict:
+    """Send `reqs` from `procs` client processes. rate == 0: closed loop with `concurrency` streams
+    in all; rate > 0: open loop, Poisson arrivals at `rate` requests/s (concurrency unbounded).
+    `watch` maps a role to pids whose CPU use over the phase is reported (frontend, engines)."""
+    import multiprocessing as mp
+
+    procs = max(1, min(procs, len(reqs), concurrency if not rate else len(reqs)))
+    ctx = mp.get_context("spawn")  # no forked event loops or Ray state in the clients
+    if rate:
+        gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, len(reqs))
+        offsets = np.cumsum(gaps) - gaps[0]
+    else:
+        offsets = np.zeros(len(reqs))
+    streams = [0] * procs if rate else [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
+    t0 = time.monotonic() + 1.0 + 0.1 * procs  # the clients start together, after they have spawned
+    tagged = [(i, p, n, float(t0 + off)) for i, ((p, n), off) in enumerate(zip(reqs, offsets, strict=True))]
+    parts = [tagged[k::procs] for k in range(procs)]
+    pipes, children = [], []
+    for k in range(procs):
+        rx, tx = ctx.Pipe(duplex=False)
+        c = ctx.Process(target=_client_main, args=(tx, url, model, parts[k], streams[k]), daemon=True)
+        c.start()
+        tx.close()
+        pipes.append(rx)
+        children.append(c)
+    watch = watch or {}
+    cpu0 = {role: [_proc_cpu_s(p) for p in pids] for role, pids in watch.items()}
+    w0 = time.monotonic()
+    records, client_cpu = [], 0.0
+    for rx, c in zip(pipes, children, strict=True):
+        got = json.loads(rx.recv_bytes())
+        records += got["results"]
+        client_cpu += got["cpu_s"]
+        c.join(30)
+    w1 = time.monotonic()
+    cpu_use = {}
+    for role, pids in watch.items():
+        used = [
+            None if a is None or b is None else round((b - a) / (w1 - w0), 3)
+            for a, b in zip(cpu0[role], [_proc_cpu_s(p) for p in pids], strict=True)
+        ]
+        cpu_use[role] = used
+    ok = [r for r in records if "error" not in r]
+    errors = [r["error"] for r in records if "error" in r]
+    tok = sum(r["tokens"] for r in ok)
+    t_first = min((r["t_start"] for r in ok), default=t0)
+    wall = max((r["t_end"] for r in ok), default=t0) - (t0 if rate else t_first)
+    steady = [r for r in ok if not r["first_wave"]]
+
+    def pct(rs: list[dict], key: str, q: float) -> float:
+        return float(np.percentile([r[key] for r in rs], q)) if rs else float("nan")
 
     return {
-        "requests": len(results),
+        "mode": f"poisson {rate:g} req/s" if rate else f"closed loop, {concurrency} streams",
+        "client_procs": procs,
+        "requests": len(records),
         "errors": len(errors),
         "first_errors": errors[:3],
         "output_tokens": tok,
         "prompt_tokens": sum(len(p) for p, _ in reqs),
         "wall_s": wall,
-        "output_tok_per_s": tok / wall,
-        "requests_per_s": len(ok) / wall,
-        "ttft_p50_s": pct("ttft", 50),
-        "ttft_p99_s": pct("ttft", 99),
-        "tpot_p50_s": pct("tpot", 50),
-        "tpot_p99_s": pct("tpot", 99),
-        "e2e_p50_s": pct("e2e", 50),
+        "output_tok_per_s": tok / wall if wall > 0 else float("nan"),
+        "requests_per_s": len(ok) / wall if wall > 0 else float("nan"),
+        "ttft_p50_s": pct(ok, "ttft", 50),
+        "ttft_p90_s": pct(ok, "ttft", 90),
+        "ttft_p99_s": pct(ok, "ttft", 99),
+        # closed loop: every stream's first request is sent at t=0, all at once; the p99 over all
+        # requests is then the time to prefill that burst. "steady" leaves the first wave out.
+        "ttft_p99_steady_s": pct(steady, "ttft", 99) if not rate else pct(ok, "ttft", 99),
+        "tpot_p50_s": pct(ok, "tpot", 50),
+        "tpot_p99_s": pct(ok, "tpot", 99),
+        "e2e_p50_s": pct(ok, "e2e", 50),
+        "cpu_cores_used": {**cpu_use, "clients_total": round(client_cpu / (w1 - w0), 3)},
     }
 
 
@@ -161,6 +268,10 @@ class RayLauncher:
     def status(self) -> tuple[list, list]:
         st = deploy.status(self._cfg)
         return [r.get("device") for r in st["replicas"]], [r["requests"] for r in st["frontend"]["replicas"]]
+
+    def pids(self) -> dict[str, list[int]]:
+        d = self._deployment
+        return {"frontend": [d.frontend_info["pid"]], "engines": [r["engine_pid"] for r in d.rings]}
 
     def down(self) -> None:
         deploy.stop(self._cfg)
@@ -222,6 +333,9 @@ class ProcLauncher:
     def status(self) -> tuple[list, list]:
         return [self._device] * len(self._engines), []
 
+    def pids(self) -> dict[str, list[int]]:
+        return {"frontend": [self._frontend.pid], "engines": [e.pid for e in self._engines]}
+
     def down(self) -> None:
         if self._frontend is not None:
             self._frontend.terminate()
@@ -256,8 +370,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=("auto", "emulated", "cuda"))
     ap.add_argument("--model", default="default")
     ap.add_argument("--replicas", default="1,2", help="comma-separated replica counts, one deployment each")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=16, help="client streams in flight")
+    ap.add_argument("--requests", type=int, default=64, help="closed-loop requests (per replica with --per-replica)")
+    ap.add_argument(
+        "--concurrency", type=int, default=16, help="closed-loop client streams (per replica with --per-replica)"
+    )
+    ap.add_argument(
+        "--per-replica",
+        action="store_true",
+        help="--requests, --concurrency and --rate are per replica: N replicas get N times the load",
+    )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="also run an open-loop phase: Poisson arrivals at this many requests/s (0: closed loop only)",
+    )
+    ap.add_argument("--open-requests", type=int, default=0, help="open-loop requests (per replica with --per-replica)")
+    ap.add_argument(
+        "--client-procs", type=int, default=0, help="load-generator processes (0: one per 32 streams, at most 8)"
+    )
     ap.add_argument("--scale", type=float, default=1.0, help="multiply ShareGPT lengths (CPU runs: < 1)")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--n-slots", type=int, default=64)
@@ -285,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         for n in counts:
+            k = n if a.per_replica else 1
+            n_req, streams, rate, n_open = a.requests * k, a.concurrency * k, a.rate * k, a.open_requests * k
+            procs = a.client_procs or max(1, min(8, -(-streams // 32)))
             cfg = config(a, n)
             load0 = os.getloadavg()[0]
             t0 = time.perf_counter()
@@ -294,25 +428,38 @@ def main(argv: list[str] | None = None) -> int:
                 start_s = time.perf_counter() - t0
                 with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
                     card = json.loads(r.read())["data"][0]
-                reqs = sharegpt_like(a.requests, _vocab(a.model), card["max_model_len"], a.scale, a.seed)
-                asyncio.run(drive(url, card["id"], reqs[: max(4, a.concurrency)], a.concurrency))  # warm-up
-                res = asyncio.run(drive(url, card["id"], reqs, a.concurrency))
+                vocab, ctx = _vocab(a.model), card["max_model_len"]
+                reqs = sharegpt_like(n_req, vocab, ctx, a.scale, a.seed)
+                watch = launcher.pids()
+                drive(url, card["id"], reqs[: max(4, streams)], streams, procs)  # warm-up
+                res = drive(url, card["id"], reqs, streams, procs, watch=watch)
+                if rate:
+                    open_reqs = sharegpt_like(n_open or n_req, vocab, ctx, a.scale, a.seed + 1000)
+                    res["poisson"] = drive(url, card["id"], open_reqs, streams, procs, rate, a.seed, watch)
                 devices, routed = launcher.status()
                 res.update(replicas=n, deploy_s=start_s, loadavg_1m_start=load0, devices=devices, routed=routed)
             finally:
                 launcher.down()
             runs.append(res)
-            print(
-                f"replicas={n}: {res['output_tok_per_s']:8.1f} out tok/s  {res['requests_per_s']:6.2f} req/s  "
-                f"TTFT p50 {res['ttft_p50_s'] * 1e3:7.1f} ms p99 {res['ttft_p99_s'] * 1e3:7.1f} ms  "
-                f"TPOT p50 {res['tpot_p50_s'] * 1e3:6.2f} ms  errors {res['errors']}  routed {res['routed']}",
-                flush=True,
-            )
+            for r in (res, res.get("poisson")):
+                if r:
+                    print(
+                        f"replicas={n} [{r['mode']}]: {r['output_tok_per_s']:8.1f} out tok/s  "
+                        f"{r['requests_per_s']:6.2f} req/s  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms "
+                        f"p99 {r['ttft_p99_s'] * 1e3:7.1f} ms (steady {r['ttft_p99_steady_s'] * 1e3:7.1f})  "
+                        f"TPOT p50 {r['tpot_p50_s'] * 1e3:6.2f} ms  errors {r['errors']}  "
+                        f"cpu {r['cpu_cores_used']}  routed {res['routed']}",
+                        flush=True,
+                    )
     finally:
         launcher.close()
     base = runs[0]["output_tok_per_s"]
     for r in runs:
         r["speedup_vs_first"] = r["output_tok_per_s"] / base if base else float("nan")
+        if r.get("poisson") and runs[0].get("poisson"):
+            p, p0 = r["poisson"], runs[0]["poisson"]
+            p["speedup_vs_first"] = p["output_tok_per_s"] / p0["output_tok_per_s"]
+            p["ttft_p99_vs_first"] = p["ttft_p99_s"] / p0["ttft_p99_s"]
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = {
         "bench": "scaleout",
@@ -320,18 +467,21 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": gpu_names() or ["none: emulated replicas on CPU"],
         "cpus": os.cpu_count(),
         "loadavg_1m_end": os.getloadavg()[0],  # other work on the machine skews CPU-replica numbers
-        "commit": a.commit or _git("rev-parse", "HEAD")
-        + ("-dirty" if _git("status", "--porcelain", "--", "blink", "bench") else ""),
+        "commit": a.commit
+        or _git("rev-parse", "HEAD") + ("-dirty" if _git("status", "--porcelain", "--", "blink", "bench") else ""),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": vars(a),
         "load": {"kind": "sharegpt-like lognormal", "prompt_ln": PROMPT_LN, "output_ln": OUTPUT_LN},
         "runs": runs,
     }
+    if a.per_replica:
+        out["per_replica_load"] = {"requests": a.requests, "concurrency": a.concurrency, "rate": a.rate}
     path = Path(a.out or ROOT / "bench" / "results" / f"scaleout-{a.device}-{date[:10]}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
-    return 0 if all(r["errors"] == 0 for r in runs) else 1
+    phases = runs + [r["poisson"] for r in runs if r.get("poisson")]
+    return 0 if all(r["errors"] == 0 for r in phases) else 1
 
 
 def _vocab(spec: str) -> int:
