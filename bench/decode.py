@@ -8,6 +8,10 @@ graph of its attention launches alone; the best per batch is printed as a table 
 EngineConfig.decode_attention_table (`--decode-attention` of the benchmarks).
 
     python bench/decode.py --out bench/results/decode_h200.json [--decode-attention basic] [--variants basic,pipe]
+
+GEMV fusions (EngineConfig.gemv_fusion): --gemv-fusion sets the engine's, --compare-fusion times
+other settings as extra rows ("fusion_<spec>") in the same process, --gemv-max-tokens moves batches
+2-8 onto the GEMV path (the only steps that fuse).
 """
 
 from __future__ import annotations
@@ -18,7 +22,13 @@ import sys
 import numpy as np
 
 from blink.gpu.benchutil import copy_bandwidth, metadata, time_ms, write_json
-from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
+from blink.gpu.engine import (
+    DEFAULT_DECODE_ATTENTION,
+    Engine,
+    EngineConfig,
+    parse_decode_attention,
+    parse_gemv_fusion,
+)
 from blink.gpu.forward import CATEGORIES, DECODE_VARIANTS
 from blink.models.config import preset
 
@@ -34,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-attention", default="", help='the engine\'s decode attention table ("": its default)')
     ap.add_argument("--variants", default=",".join(DECODE_VARIANTS), help="decode attention variants timed")
     ap.add_argument("--breakdown", default="1,256", help="batches whose kernel categories are timed one by one")
+    ap.add_argument(
+        "--gemv-fusion", default="", help='EngineConfig.gemv_fusion ("": its default; none, all, norm, ...)'
+    )
+    ap.add_argument("--compare-fusion", default="", help='other gemv fusions timed as rows, ";"-separated ("none;all")')
+    ap.add_argument("--gemv-max-tokens", type=int, default=0, help="EngineConfig.gemv_max_tokens (0: its default)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
@@ -54,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         decode_attention_table=parse_decode_attention(a.decode_attention)
         if a.decode_attention
         else DEFAULT_DECODE_ATTENTION,
+        gemv_fusion=a.gemv_fusion,
+        **({"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}),
     )
+    compare_fusion = [f.strip() for f in a.compare_fusion.split(";") if f.strip()]
+    for f in compare_fusion:
+        parse_gemv_fusion(f)
     timed_variants = [v for v in a.variants.split(",") if v]
     for v in timed_variants:
         if v not in DECODE_VARIANTS:
@@ -89,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             it = iter(range(10**9))
             other = "gemv" if b > ecfg.gemv_max_tokens else "cublas_only"
             variants[other] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+        engine_fusion = eng.fwd.gemv_fusion
+        for f in compare_fusion:  # the same step with other GEMV fusions
+            eng.fwd.set_gemv_fusion(parse_gemv_fusion(f))
+            execs = eng.capture_variant(b, b, True)
+            eng.fwd.set_gemv_fusion(engine_fusion)
+            it4 = iter(range(10**9))
+            variants[f"fusion_{f}"] = lambda execs=execs, it=it4: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
         default_variant = eng.fwd.decode_variant(b)
         variant_of = {"engine": default_variant}
         for v in timed_variants:  # the other decode attention kernels
@@ -149,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": cfg.name,
         "layers": cfg.num_layers,
         "context": ctx,
+        "gemv_fusion": ",".join(sorted(eng.fwd.gemv_fusion)) or "none",
+        "gemv_max_tokens": ecfg.gemv_max_tokens,
         "weight_bytes": weight_bytes,
         "copy_bandwidth": bw,
         "capture": {
@@ -177,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     res["best_decode_attention_table"] = ",".join(table)
     write_json(a.out, res)
     print(f"\ncopy bandwidth (read+write) {bw['read_plus_write_GBps']:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
+    print(f"engine gemv fusion: {res['gemv_fusion']}, gemv_max_tokens {ecfg.gemv_max_tokens}")
     print(f"{'batch':>5} {'variant':>28} {'ms/step':>8} {'tok/s':>9} {'GB/s':>7} {'of copy':>7}")
     for r in rows:
         print(

@@ -38,7 +38,7 @@ import numpy as np
 from blink.device.executor import StepBatch
 from blink.gpu.abi import ENGINE_DTYPE
 from blink.gpu.cuda_api import Cublas, Driver
-from blink.gpu.forward import DECODE_VARIANTS, Dims, Forward
+from blink.gpu.forward import DECODE_VARIANTS, GEMV_FUSIONS, Dims, Forward
 from blink.gpu.kernels import DEFAULT_CACHE, Kernels
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig
@@ -47,6 +47,9 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224,
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # flashq was the fastest at every batch 1..256 on the H200 (bench/results/decode_h200_run5.json)
 DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"),)
+# GEMV fusions of decode steps on the GEMV path (forward.py docstring) when EngineConfig.gemv_fusion
+# is "": "none" until the H200 confirms the fused kernels (bench/fused_gpu.sh), then "all".
+DEFAULT_GEMV_FUSION = "none"
 
 
 def parse_decode_attention(spec: str) -> tuple[tuple[int, str], ...]:
@@ -63,6 +66,20 @@ def parse_decode_attention(spec: str) -> tuple[tuple[int, str], ...]:
     table = tuple(out)
     check_decode_table(table)
     return table
+
+
+def parse_gemv_fusion(spec: str) -> frozenset[str]:
+    """ "none" / "" -> no fusion; "all" -> every fusion; else a comma list of GEMV_FUSIONS."""
+    spec = spec.strip()
+    if spec in ("", "none"):
+        return frozenset()
+    if spec == "all":
+        return frozenset(GEMV_FUSIONS)
+    out = frozenset(p.strip() for p in spec.split(",") if p.strip())
+    bad = out - set(GEMV_FUSIONS)
+    if bad:
+        raise ValueError(f"gemv fusion {sorted(bad)} not in {GEMV_FUSIONS} (or 'none', 'all')")
+    return out
 
 
 def check_decode_table(table: tuple[tuple[int, str], ...]) -> None:
@@ -105,6 +122,10 @@ class EngineConfig:
     first timing: bench/decode.py prints the best table per batch (its `best table` line)."""
     decode_attention: str = ""
     """One decode attention variant for every bucket, overriding decode_attention_table ("" = the table)."""
+    gemv_fusion: str = ""
+    """Kernels folded into the decode GEMVs (buckets <= gemv_max_tokens): "none", "norm" (residual add
+    and RMSNorm into the projections), "swiglu" (SwiGLU into gate_up), "all" or "norm,swiglu";
+    "" = DEFAULT_GEMV_FUSION. Prefill and cuBLAS steps never fuse."""
     prefill_attention: str = "rego"
     """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
     memory, K/V prefetched). H200 (bench/results/prefill_h200_run4.json): 4k prompt 160.7 vs 181.5 ms."""
@@ -127,6 +148,12 @@ class EngineConfig:
         check_decode_table(self.decode_attention_table)
         if self.decode_attention and self.decode_attention not in DECODE_VARIANTS:
             raise ValueError(f"decode_attention {self.decode_attention!r} not in {DECODE_VARIANTS}")
+        parse_gemv_fusion(self.gemv_fusion)
+
+    @property
+    def gemv_fusions(self) -> frozenset[str]:
+        """The effective fusions (gemv_fusion, or DEFAULT_GEMV_FUSION when it is "")."""
+        return parse_gemv_fusion(self.gemv_fusion or DEFAULT_GEMV_FUSION)
 
     @property
     def decode_table(self) -> tuple[tuple[int, str], ...]:
@@ -186,6 +213,7 @@ class Engine:
         self.fwd = Forward(config, weights, self.dims, driver, kernels, self.cublas, sms)
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
         self.fwd.set_decode_table(ecfg.decode_table)
+        self.fwd.set_gemv_fusion(ecfg.gemv_fusions)
         self.fwd.set_prefill_attention(ecfg.prefill_attention)
         self.arena = self.fwd.arena
         nb, nt, E = len(self.batch_buckets), len(self.token_buckets), ecfg.execs_per_shape

@@ -12,6 +12,15 @@ Step (T tokens, S sequences; delta = the output of the last projection, added la
     final_norm_gather(resid + delta at each sequence's last token) -> last [S, H]
     logits = last Wlm^T (fp32);  sample -> out_tokens;  signal_done (st.release of *step_seq)
 Buffers are sized for the largest shape and shared by all graphs: one step runs at a time.
+
+GEMV fusions (set_gemv_fusion; only in steps whose projections use the GEMV, i.e. decode buckets
+<= gemv_max_tokens; prefill and cuBLAS steps are unchanged):
+    "norm":   the residual add happens in the o / down GEMV's epilogue (resid += x W^T, no delta)
+              and the RMSNorm in the qkv / gate_up GEMV's prologue (each CTA normalises resid into
+              shared memory): no add_rmsnorm launches.
+    "swiglu": the gate_up GEMV pairs gate and up rows in one CTA and writes act = swiglu(gate, up):
+              no swiglu launch, no gate_up round trip.
+Both give the unfused path's bf16 values (same rounding points and summation orders).
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ PREFILL_TILE = 64
 DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8")
 FLASH_VARIANTS = {"flash": (4, 3, 0), "flash8": (8, 2, 0), "flashq": (4, 3, 4), "flashq8": (8, 2, 3)}
 FLASH_WARPS = 4
+GEMV_FUSIONS = ("norm", "swiglu")
+GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
 
 
 def flash_quantum(head_dim: int, n: int) -> int:
@@ -231,6 +242,12 @@ class Forward:
             self.flash_smem[v] = FLASH_WARPS * stages * 2 * n * 32 * 16  # the cp.async ring
             if self.flash_smem[v]:
                 driver.set_max_dynamic_smem(self.decode_kernels[v], self.flash_smem[v])
+        for nt in GEMV_BUCKETS:
+            smem = nt * c.hidden_size * 2
+            if smem <= GEMV_NORM_SMEM_MAX:
+                for kind in ("norm", "norm_swiglu"):
+                    driver.set_max_dynamic_smem(kernels[f"gemv_{kind}_t{nt}"], smem)
+        self.gemv_fusion: frozenset[str] = frozenset()
         self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
         self._decode_override: str | None = None
         self.gemv_max_tokens = 1
@@ -246,6 +263,25 @@ class Forward:
         if variant is not None and variant not in self.decode_kernels:
             raise ValueError(f"decode_attention {variant!r} not in {sorted(self.decode_kernels)}")
         self._decode_override = variant
+
+    def set_gemv_fusion(self, fusion: frozenset[str]) -> None:
+        """GEMV fusions (GEMV_FUSIONS) for the steps recorded from now on."""
+        bad = set(fusion) - set(GEMV_FUSIONS)
+        if bad:
+            raise ValueError(f"gemv fusion {sorted(bad)} not in {GEMV_FUSIONS}")
+        self.gemv_fusion = frozenset(fusion)
+
+    def uses_gemv(self, rows: int, use_gemv: bool = True) -> bool:
+        return use_gemv and rows in GEMV_BUCKETS and rows <= self.gemv_max_tokens
+
+    def fusions_for(self, T: int, use_gemv: bool = True) -> frozenset[str]:
+        """The fusions a step of T tokens gets: none unless its projections run on the GEMV."""
+        if not self.uses_gemv(T, use_gemv):
+            return frozenset()
+        out = set(self.gemv_fusion)
+        if T * self.c.hidden_size * 2 > GEMV_NORM_SMEM_MAX:
+            out.discard("norm")
+        return frozenset(out)
 
     def set_decode_table(self, table: tuple[tuple[int, str], ...]) -> None:
         for _, v in table:
@@ -296,7 +332,7 @@ class Forward:
         n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]
         if self._only is not None and "gemm" not in self._only:
             return
-        if use_gemv and rows in GEMV_BUCKETS and rows <= self.gemv_max_tokens:
+        if self.uses_gemv(rows, use_gemv):
             name = f"gemv_{'f32' if out_f32 else 'bf16'}_t{rows}"
             self._launch(
                 name,
@@ -307,6 +343,24 @@ class Forward:
             )
         else:
             self.blas.linear(int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k, out_f32)  # type: ignore[attr-defined]
+
+    def fused_linear(self, kind: str, x: object, w: object, y: object, T: int, stream: int, nw: object = None) -> None:
+        """One fused GEMV (model_kernels.cu gemv_<kind>_t<T>): kind "norm" (x = resid, normed
+        with nw), "norm_swiglu", "swiglu" (y = act) or "resid" (y = resid, added into)."""
+        n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]
+        r = GEMV_ROWS_PER_WARP[T]
+        swiglu = kind.endswith("swiglu")
+        grid = -(-(n_out // 2) // (4 * r)) if swiglu else -(-n_out // (8 * r))
+        smem = T * k * 2 if kind.startswith("norm") else 0
+        self._launch(
+            f"gemv_{kind}_t{T}",
+            (grid, 1, 1),
+            (256, 1, 1),
+            [self._p(w), self._p(x), self._p(nw) if nw is not None else P(0), self._p(y), I32(n_out), I32(k)]
+            + [F32(self.c.rms_eps)],
+            stream,
+            smem=smem,
+        )
 
     def record(
         self, stream: int, S: int, T: int, decode: bool, use_gemv: bool = True, only: set[str] | None = None
@@ -381,16 +435,21 @@ class Forward:
             [P(a["input_ids"]), self._p(self.w.embed), self._p(self.resid), nt, I32(H)],
             stream,
         )
+        fuse = self.fusions_for(T, use_gemv)
+        fuse_norm, fuse_swiglu = "norm" in fuse, "swiglu" in fuse
         for li, lw in enumerate(self.w.layers):
-            delta = P(0) if li == 0 else self._p(self.delta)
-            self._launch(
-                "add_rmsnorm",
-                (T, 1, 1),
-                (256, 1, 1),
-                [self._p(self.resid), delta, self._p(lw.attn_norm), self._p(self.hid), nt, I32(H), eps],
-                stream,
-            )
-            self.linear(self.hid, lw.qkv, self.qkv, T, stream, use_gemv=use_gemv)
+            if fuse_norm:
+                self.fused_linear("norm", self.resid, lw.qkv, self.qkv, T, stream, nw=lw.attn_norm)
+            else:
+                delta = P(0) if li == 0 else self._p(self.delta)
+                self._launch(
+                    "add_rmsnorm",
+                    (T, 1, 1),
+                    (256, 1, 1),
+                    [self._p(self.resid), delta, self._p(lw.attn_norm), self._p(self.hid), nt, I32(H), eps],
+                    stream,
+                )
+                self.linear(self.hid, lw.qkv, self.qkv, T, stream, use_gemv=use_gemv)
             kc = int(self.kv.data.ptr) + li * self.kv_layer_stride
             vc = kc + self.kv_half
             self._launch(
@@ -472,30 +531,51 @@ class Forward:
                     smem=self.prefill_smem,
                     fn=self.fn_prefill,
                 )
-            self.linear(self.attn, lw.o, self.delta, T, stream, use_gemv=use_gemv)
-            self._launch(
-                "add_rmsnorm",
-                (T, 1, 1),
-                (256, 1, 1),
-                [self._p(self.resid), self._p(self.delta), self._p(lw.mlp_norm), self._p(self.hid), nt, I32(H), eps],
-                stream,
-            )
-            self.linear(self.hid, lw.gate_up, self.gu, T, stream, use_gemv=use_gemv)
-            self._launch(
-                "swiglu",
-                (-(-inter // (8 * 256)), T, 1),
-                (256, 1, 1),
-                [self._p(self.gu), self._p(self.act), nt, I32(inter)],
-                stream,
-            )
-            self.linear(self.act, lw.down, self.delta, T, stream, use_gemv=use_gemv)
+            if fuse_norm:
+                self.fused_linear("resid", self.attn, lw.o, self.resid, T, stream)
+                kind = "norm_swiglu" if fuse_swiglu else "norm"
+                out = self.act if fuse_swiglu else self.gu
+                self.fused_linear(kind, self.resid, lw.gate_up, out, T, stream, nw=lw.mlp_norm)
+            else:
+                self.linear(self.attn, lw.o, self.delta, T, stream, use_gemv=use_gemv)
+                self._launch(
+                    "add_rmsnorm",
+                    (T, 1, 1),
+                    (256, 1, 1),
+                    [
+                        self._p(self.resid),
+                        self._p(self.delta),
+                        self._p(lw.mlp_norm),
+                        self._p(self.hid),
+                        nt,
+                        I32(H),
+                        eps,
+                    ],
+                    stream,
+                )
+                if fuse_swiglu:
+                    self.fused_linear("swiglu", self.hid, lw.gate_up, self.act, T, stream)
+                else:
+                    self.linear(self.hid, lw.gate_up, self.gu, T, stream, use_gemv=use_gemv)
+            if not fuse_swiglu:
+                self._launch(
+                    "swiglu",
+                    (-(-inter // (8 * 256)), T, 1),
+                    (256, 1, 1),
+                    [self._p(self.gu), self._p(self.act), nt, I32(inter)],
+                    stream,
+                )
+            if fuse_norm:
+                self.fused_linear("resid", self.act, lw.down, self.resid, T, stream)
+            else:
+                self.linear(self.act, lw.down, self.delta, T, stream, use_gemv=use_gemv)
         self._launch(
             "final_norm_gather",
             (S, 1, 1),
             (256, 1, 1),
             [
                 self._p(self.resid),
-                self._p(self.delta),
+                P(0) if fuse_norm else self._p(self.delta),
                 self._p(self.w.final_norm),
                 self._p(self.last),
                 P(a["cu_q_lens"]),

@@ -189,6 +189,10 @@ def test_shuffled_block_tables_match_contiguous():
 def test_engine_matches_numpy_executor(name, attn):
     """Small head dims (16, 32, 64), GQA groups 2/3, tied and untied heads, against the float64
     reference engine on the same (bf16-rounded) weights; chunked prefill and decode, teacher-forced."""
+    _check_numpy_executor(name, decode_attention=attn[0], prefill_attention=attn[1])
+
+
+def _check_numpy_executor(name: str, **ecfg_kw) -> None:
     from blink.device.numpy_executor import NumpyExecutor
     from blink.gpu.engine import Engine, EngineConfig
     from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
@@ -207,8 +211,7 @@ def test_engine_matches_numpy_executor(name, attn):
         batch_buckets=(1, 2, 4),
         token_buckets=(16, 128),
         progress=False,
-        decode_attention=attn[0],
-        prefill_attention=attn[1],
+        **ecfg_kw,
     )
     eng = Engine.create(cfg, ecfg, host_weights=w)
     eng.capture()
@@ -226,7 +229,7 @@ def test_engine_matches_numpy_executor(name, attn):
         mine = eng.logits(b1.num_seqs)
         theirs = ref.forward_logits(b2)
         errs.append(rel_err(mine, theirs))
-    print(f"{name}: rel err max {max(errs):.2e}")
+    print(f"{name} {ecfg_kw}: rel err max {max(errs):.2e}")
     assert max(errs) < 2e-2, errs
     eng.close()
 
@@ -305,3 +308,113 @@ def test_flash_decode_matches_basic_long_contexts(variant):
         print(f"{variant} vs basic, lens {b.seq_lens.tolist()}: rel err {err:.2e}")
         assert err < 1e-2, err
     eng.close()
+
+
+# ---- GEMV fusions (EngineConfig.gemv_fusion). Test ids name "fusion_on" / "fusion_off" so that
+# bench/fused_gpu.sh runs each setting in its own process (a kernel fault poisons the CUDA context).
+FUSION_BATCHES = (1, 2, 3, 8)  # 3: a dead row in the bucket of 4
+
+
+def fusion_script(eng, n: int, cfg: ModelConfig):
+    """n sequences on the GEMV path: packed prefill, 6 greedy decode steps, a prefill+decode mix
+    (the last sequence gets a 5-token chunk on its cached context), 6 more decode steps.
+    Returns per-sequence fed tokens, (position, logits) rows and the decode steps' (tokens, logits)."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, cfg.vocab_size, 20 + 7 * i).tolist() for i in range(n)]
+    drv = PagedDriver(256, 16, eng.dims.max_blocks_per_seq, shuffle_seed=9)
+    fed = {s: list(p) for s, p in enumerate(prompts)}
+    rows: dict[int, list[tuple[int, np.ndarray]]] = {s: [] for s in range(n)}
+    decode_out = []
+
+    def run(chunks):
+        b = drv.step(chunks)
+        tok = eng.step(b)
+        lg = eng.logits(b.num_seqs)
+        np.testing.assert_array_equal(tok, np.argmax(lg, axis=1))  # greedy sampling on the GPU = argmax
+        for r, (s, _) in enumerate(chunks):  # the caller has appended the chunk to fed[s]
+            rows[s].append((len(fed[s]) - 1, lg[r]))
+        return tok, lg
+
+    tok, _ = run([(s, prompts[s]) for s in range(n)])
+    for phase in range(2):
+        for _ in range(6):
+            chunks = [(s, [int(tok[s])]) for s in range(n)]
+            for s, t in chunks:
+                fed[s] += t
+            tok, lg = run(chunks)
+            decode_out.append((tok.copy(), lg))
+        if phase == 0:  # the mix: a 5-token chunk for the last sequence, one token for the others
+            extra = rng.integers(0, cfg.vocab_size, 5).tolist()
+            chunks = [(s, [int(tok[s])]) for s in range(n - 1)] + [(n - 1, extra)]
+            for s, t in chunks:
+                fed[s] += t
+            tok, _ = run(chunks)
+    return fed, rows, decode_out
+
+
+def fusion_engine(cfg: ModelConfig, fusion: str):
+    return small_engine(cfg, gemv_max_tokens=8, gemv_fusion=fusion)
+
+
+@pytest.mark.parametrize("n", FUSION_BATCHES, ids=lambda n: f"b{n}")
+@pytest.mark.parametrize("fusion", ["all", "none"], ids=lambda f: "fusion_on" if f == "all" else "fusion_off")
+def test_gemv_fusion_matches_transformers(fusion, n):
+    """Decode on the GEMV path (batch 1, 2, 3, 8), fused or not, against transformers' bf16 model."""
+    import torch
+
+    cfg = preset("llama3-8b").replace(num_layers=2)
+    eng = fusion_engine(cfg, fusion)
+    assert eng.fwd.fusions_for(n if n != 3 else 4) == eng.ecfg.gemv_fusions
+    model = hf_model(cfg, eng)
+    fed, rows, _ = fusion_script(eng, n, cfg)
+    errs, agree, total = [], 0, 0
+    for s in range(n):
+        with torch.no_grad():
+            hid = model.model(torch.tensor([fed[s]], device="cuda")).last_hidden_state[0].float()
+            ref = (hid @ model.lm_head.weight.float().T).cpu().numpy()
+        for pos, lg in rows[s]:
+            errs.append(rel_err(lg, ref[pos]))
+            agree += int(np.argmax(lg) == np.argmax(ref[pos]))
+            total += 1
+    print(f"gemv fusion {fusion}, batch {n}: max rel err {max(errs):.2e}, greedy agreement {agree}/{total}")
+    assert max(errs) <= 2e-2, errs
+    assert agree >= 0.95 * total
+    eng.close()
+
+
+@pytest.mark.parametrize("n", FUSION_BATCHES, ids=lambda n: f"fusion_on-b{n}")
+def test_gemv_fusion_matches_unfused(n):
+    """Fused and unfused decode graphs of one engine on the same KV cache: the fused kernels keep
+    every bf16 rounding point, so logits agree to fp32 reduction-order noise at most."""
+    from blink.gpu.engine import parse_gemv_fusion
+
+    cfg = preset("llama3-8b").replace(num_layers=2)
+    eng = fusion_engine(cfg, "all")
+    rng = np.random.default_rng(8)
+    drv = PagedDriver(256, 16, eng.dims.max_blocks_per_seq, shuffle_seed=2)
+    eng.step(drv.step([(s, rng.integers(0, cfg.vocab_size, 40 + 9 * s).tolist()) for s in range(n)]))
+    bucket = eng.batch_buckets[int(np.searchsorted(eng.batch_buckets, n))]
+    b = drv.step([(s, [int(rng.integers(0, cfg.vocab_size))]) for s in range(n)])
+    out = {}
+    for f in ("all", "none", "norm", "swiglu"):
+        eng.fwd.set_gemv_fusion(parse_gemv_fusion(f))
+        execs = eng.capture_variant(bucket, bucket, True)
+        assert eng.load_step(b)
+        eng.arena.upload(eng.s, b.num_seqs)
+        eng.driver.graph_launch(execs[0], eng.s)
+        out[f] = eng.logits(b.num_seqs)
+    for f in ("all", "norm", "swiglu"):
+        err = rel_err(out[f], out["none"])
+        same = bool(np.array_equal(out[f], out["none"]))
+        print(f"batch {n}: fusion {f} vs none: rel err {err:.2e}, bitwise equal {same}")
+        assert err < 1e-3, (f, err)
+        np.testing.assert_array_equal(np.argmax(out[f], axis=1), np.argmax(out["none"], axis=1))
+    eng.close()
+
+
+@pytest.mark.parametrize("fusion", ["all", "none"], ids=lambda f: "fusion_on" if f == "all" else "fusion_off")
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "smollm2-135m"])
+def test_gemv_fusion_matches_numpy_executor(name, fusion):
+    """Small hidden sizes (64, 96, 576: fewer 8-vectors than threads), odd intermediate sizes and
+    qk-norm on the fused path (GEMV for batches 1-4) against the float64 reference."""
+    _check_numpy_executor(name, gemv_max_tokens=4, gemv_fusion=fusion)

@@ -62,7 +62,8 @@ extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* 
 }
 
 // Final norm of the last token of each sequence: out[s] = rmsnorm(residual[row] + delta[row]) * w,
-// row = cu_q_lens[s+1]-1. Only these rows feed the LM head.
+// row = cu_q_lens[s+1]-1. Only these rows feed the LM head. delta == nullptr: residual is complete
+// (the fused decode path adds each projection into it in the GEMV).
 extern "C" __global__ void final_norm_gather(const bf16* __restrict__ residual, const bf16* __restrict__ delta,
                                              const bf16* __restrict__ w, bf16* __restrict__ out,
                                              const int* __restrict__ cu_q_lens, const uint32_t* __restrict__ num_seqs,
@@ -73,9 +74,9 @@ extern "C" __global__ void final_norm_gather(const bf16* __restrict__ residual, 
   const size_t row = (size_t)(cu_q_lens[s + 1] - 1) * H;
   float ss = 0.f;
   for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
-    float x[8], d[8];
+    float x[8], d[8] = {};
     load8(residual + row + v * 8, x);
-    load8(delta + row + v * 8, d);
+    if (delta != nullptr) load8(delta + row + v * 8, d);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       x[i] = rbf(x[i] + d[i]);
@@ -84,9 +85,9 @@ extern "C" __global__ void final_norm_gather(const bf16* __restrict__ residual, 
   }
   const float rs = rsqrtf(block_sum(ss, scratch) / H + eps);
   for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
-    float x[8], d[8], g[8];
+    float x[8], d[8] = {}, g[8];
     load8(residual + row + v * 8, x);
-    load8(delta + row + v * 8, d);
+    if (delta != nullptr) load8(delta + row + v * 8, d);
     load8(w + v * 8, g);
     bf16x8 o;
 #pragma unroll
@@ -247,3 +248,179 @@ GEMV(1, 1)
 GEMV(2, 4)
 GEMV(4, 4)
 GEMV(8, 4)
+
+// ---- Fused decode GEMVs (Forward's gemv_fusion; GEMV buckets only) ----
+// The same weight stream as gemv_impl (one warp per R rows, 16-byte loads, the same per-row
+// summation order), with the small kernels around the projections folded in:
+//   F_NORM_IN:    X is the residual stream [NT, K] and nw the RMSNorm weight: each CTA first writes
+//                 rmsnorm(X[t]) * nw to shared memory with add_rmsnorm's loop order and reduction
+//                 (the same bf16 values), then streams W against it. The first weight vectors of its rows
+//                 are loaded before that prologue, so the weight stream starts at once.
+//   F_RESID_OUT:  Y is the residual stream: Y[t, n] = bf16(Y[t, n] + bf16(acc)), add_rmsnorm's add.
+//                 Each element is read and written by one warp only: no race with other CTAs.
+//   F_SWIGLU_OUT: W is [gate; up] (N = 2I rows). Warps 0-3 of a CTA take gate rows, warps 4-7 the
+//                 matching up rows, and Y[t, j] = bf16(bf16(silu(bf16 g)) * bf16 u) ([NT, I], as swiglu).
+// Bucket rows past the live token count are computed on stale data and never read (as gemv_impl).
+enum { F_NORM_IN = 1, F_RESID_OUT = 2, F_SWIGLU_OUT = 4 };
+// Weight vectors per lane and row loaded before the norm prologue: 1 keeps the one-token kernels at
+// 32 registers (8 CTAs/SM, as gemv_impl); 2 or more spill there.
+constexpr int GEMV_PREFETCH = 1;
+
+template <int NT, int R, int F>
+__device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
+                                                const bf16* __restrict__ nw, bf16* __restrict__ Y, int N, int K,
+                                                float eps) {
+  constexpr bool NORM = F & F_NORM_IN, SWIGLU = F & F_SWIGLU_OUT;
+  constexpr int PF = NORM ? GEMV_PREFETCH : 0;
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  __shared__ float red[NT][32];
+  __shared__ float up_s[NT][4 * R];
+  bf16* sx = reinterpret_cast<bf16*>(gemv_smem);  // F_NORM_IN: normalised x [NT, K]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int n0, row_end;
+  if constexpr (SWIGLU) {
+    const int I = N / 2;
+    n0 = (warp >> 2) * I + (blockIdx.x * 4 + (warp & 3)) * R;
+    row_end = (warp >> 2) * I + I;
+  } else {
+    n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
+    row_end = N;
+  }
+  const bool live = n0 < row_end;
+  bf16x8 wpre[PF > 0 ? PF : 1][R];
+  if constexpr (NORM) {
+#pragma unroll
+    for (int p = 0; p < PF; ++p)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int k = lane * 8 + p * 256;
+        if (live && k < K && n0 + r < row_end)
+          wpre[p][r] = *reinterpret_cast<const bf16x8*>(W + (size_t)(n0 + r) * K + k);
+      }
+    float ss[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) ss[t] = 0.f;
+    for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float x[8];
+        load8(X + (size_t)t * K + v * 8, x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss[t] += x[i] * x[i];
+      }
+    // block_sum for NT values at once (same order: warp_sum, then over warps)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float s = warp_sum(ss[t]);
+      if (lane == 0) red[t][warp] = s;
+    }
+    __syncthreads();
+    float rs[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) rs[t] = rsqrtf(warp_sum(lane < (int)(blockDim.x >> 5) ? red[t][lane] : 0.f) / K + eps);
+    for (int v = threadIdx.x; v < K / 8; v += blockDim.x) {
+      float g[8];
+      load8(nw + v * 8, g);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float x[8];
+        load8(X + (size_t)t * K + v * 8, x);
+        bf16x8 o;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(x[i] * rs[t]));
+        *reinterpret_cast<bf16x8*>(sx + t * K + v * 8) = o;
+      }
+    }
+    __syncthreads();
+  }
+  float acc[NT][R];
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
+  auto step = [&](const bf16x8 (&wv)[R], int k) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float x[8];
+      if constexpr (NORM) load8(sx + t * K + k, x);
+      else load8(X + (size_t)t * K + k, x);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[t][r] += bf(wv[r].v[i]) * x[i];
+    }
+  };
+  if (live) {
+    int k = lane * 8;
+    if constexpr (NORM) {
+#pragma unroll
+      for (int p = 0; p < PF; ++p, k += 256)
+        if (k < K) step(wpre[p], k);
+    }
+#pragma unroll 4
+    for (; k < K; k += 256) {
+      bf16x8 wv[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (n0 + r < row_end) wv[r] = *reinterpret_cast<const bf16x8*>(W + (size_t)(n0 + r) * K + k);
+      step(wv, k);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] = warp_sum(acc[t][r]);
+  if constexpr (SWIGLU) {
+    const int I = N / 2;
+    if (warp >= 4 && lane == 0)
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int r = 0; r < R; ++r) up_s[t][(warp & 3) * R + r] = acc[t][r];
+    __syncthreads();
+    if (warp < 4 && lane == 0 && live)
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (n0 + r < I) {
+            const float g = rbf(acc[t][r]), u = rbf(up_s[t][(warp & 3) * R + r]);
+            const float sg = rbf(g / (1.f + expf(-g)));
+            Y[(size_t)t * I + n0 + r] = tobf(sg * u);
+          }
+  } else if (lane == 0 && live) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (n0 + r < N) {
+          bf16* y = Y + (size_t)t * N + n0 + r;
+          if constexpr (F & F_RESID_OUT) *y = tobf(bf(*y) + rbf(acc[t][r]));
+          else *y = tobf(acc[t][r]);
+        }
+  }
+}
+
+// Grids: ceil(N / (8 R)) CTAs of 256 threads; the swiglu kernels ceil(I / (4 R)). The norm kernels
+// take NT * K * 2 bytes of dynamic shared memory.
+#define GEMV_FUSED(NT, R)                                                                                      \
+  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
+      gemv_norm_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {       \
+    gemv_fused_impl<NT, R, F_NORM_IN>(W, X, nw, Y, N, K, eps);                                                 \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
+      gemv_norm_swiglu_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) { \
+    gemv_fused_impl<NT, R, F_NORM_IN | F_SWIGLU_OUT>(W, X, nw, Y, N, K, eps);                                  \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
+      gemv_swiglu_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {     \
+    gemv_fused_impl<NT, R, F_SWIGLU_OUT>(W, X, nw, Y, N, K, eps);                                              \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
+      gemv_resid_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {      \
+    gemv_fused_impl<NT, R, F_RESID_OUT>(W, X, nw, Y, N, K, eps);                                               \
+  }
+GEMV_FUSED(1, 1)
+GEMV_FUSED(2, 4)
+GEMV_FUSED(4, 4)
+GEMV_FUSED(8, 4)
