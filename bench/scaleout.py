@@ -1,15 +1,25 @@
 """Data-parallel scale-out through the HTTP endpoint: the same ShareGPT-like load on 1 replica, then 2.
 
-Each point is a fresh deployment (blink.actors.deploy: GPU actors one per GPU, one frontend
-actor with the HTTP ingress), driven by a closed-loop streaming client, then stopped.
+Each point is a fresh deployment (blink.actors.deploy: GPU actors one per GPU, deploy.frontends
+frontend actors on one HTTP port; --frontends 0 = one per replica), driven through HTTP by a
+load generator of several processes (one per 32 streams, so the client is never the bottleneck),
+then stopped. Each point runs two phases:
+  closed loop: --concurrency streams, each sending its next request when the last one ends: the
+      capacity (output tok/s). Every stream's first request leaves at t=0, so the p99 TTFT over all
+      requests is the time to prefill that burst; "ttft_p99_steady_s" leaves the first wave out.
+  open loop (--rate > 0): Poisson arrivals at --rate requests/s: TTFT under a fixed offered load.
+With --per-replica, --requests, --concurrency, --rate and --open-requests are per replica, so
+every point carries the same load per replica. CPU use of the frontends, engines and clients over
+each phase is recorded (cores).
 
     # here (no GPU): 2 emulated replicas on CPU (one BLAS thread each), lengths scaled down
-    python bench/scaleout.py --device emulated --model default --scale 0.25 --requests 32 \
-        --concurrency 8 --max-batch 8 --num-kv-blocks 256
-    # 2x H200: the same load on real GPUs
-    python bench/scaleout.py --device cuda --model default --requests 1000 --concurrency 256
-    # ... on a host without Ray (the lent GPU machines have none): same rings, router and ingress
-    python bench/scaleout.py --launcher procs --device cuda --model default --requests 1000 --concurrency 256
+    python bench/scaleout.py --device emulated --model default --scale 0.25 --requests 16 \
+        --concurrency 4 --per-replica --max-batch 8 --num-kv-blocks 256
+    # 2x H200 (bench/scaleout_gpu.sh carries Ray there and runs this with both launchers)
+    python bench/scaleout.py --device cuda --model random:llama3-8b --max-batch 256 --n-slots 512 \
+        --per-replica --requests 384 --concurrency 128 --rate 16 --open-requests 480
+    # ... without Ray: the same rings, router and ingress as processes
+    python bench/scaleout.py --launcher procs ...
 
 ShareGPT-like: prompt and output lengths are drawn from log-normal fits of ShareGPT
 conversations (prompt median ~180 tokens, output median ~200, long tails; no dataset download),
@@ -26,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -234,7 +245,12 @@ def config(a: argparse.Namespace, replicas: int) -> DeployConfig:
         dev["num_kv_blocks"] = a.num_kv_blocks
     return from_mapping(
         {
-            "deploy": {"name": f"scaleout{replicas}", "namespace": NAMESPACE, "replicas": replicas},
+            "deploy": {
+                "name": f"scaleout{replicas}",
+                "namespace": NAMESPACE,
+                "replicas": replicas,
+                "frontends": a.frontends,
+            },
             "device": dev,
             "model": {"spec": a.model},
             "ring": {"n_slots": a.n_slots},
@@ -244,7 +260,7 @@ def config(a: argparse.Namespace, replicas: int) -> DeployConfig:
 
 
 class RayLauncher:
-    """The deployment as `blink deploy` places it: GPU actors one per GPU, one frontend actor."""
+    """The deployment as `blink deploy` places it: GPU actors one per GPU, the frontend actor(s)."""
 
     def __init__(self, a: argparse.Namespace, max_replicas: int):
         import ray
@@ -254,7 +270,9 @@ class RayLauncher:
         threads = str(a.blas_threads)
         init["runtime_env"] = {"env_vars": {k: threads for k in BLAS_VARS}}
         if a.address == "local":
-            init["num_cpus"] = max(os.cpu_count() or 1, 1 + max_replicas)
+            init["num_cpus"] = max(
+                os.cpu_count() or 1, 2 * max_replicas + 1
+            )  # logical: one frontend per replica at most
         ray.init(**init)
         self._cfg: DeployConfig | None = None
         self._deployment: deploy.Deployment | None = None
@@ -267,11 +285,12 @@ class RayLauncher:
 
     def status(self) -> tuple[list, list]:
         st = deploy.status(self._cfg)
-        return [r.get("device") for r in st["replicas"]], [r["requests"] for r in st["frontend"]["replicas"]]
+        routed = [sum(fe["replicas"][i]["requests"] for fe in st["frontends"]) for i in range(len(st["replicas"]))]
+        return [r.get("device") for r in st["replicas"]], routed
 
     def pids(self) -> dict[str, list[int]]:
         d = self._deployment
-        return {"frontend": [d.frontend_info["pid"]], "engines": [r["engine_pid"] for r in d.rings]}
+        return {"frontends": [i["pid"] for i in d.frontends_info], "engines": [r["engine_pid"] for r in d.rings]}
 
     def down(self) -> None:
         deploy.stop(self._cfg)
@@ -285,15 +304,15 @@ class RayLauncher:
 
 class ProcLauncher:
     """The same pieces without Ray (for machines without it, e.g. the lent GPU hosts): one engine
-    process per replica pinned with CUDA_VISIBLE_DEVICES, the frontend roles in one process
-    (python -m blink.actors.frontend_actor), the same rings, router and HTTP ingress."""
+    process per replica pinned with CUDA_VISIBLE_DEVICES, the frontend roles in deploy.frontends
+    processes (python -m blink.actors.frontend_actor) on one port, the same rings, router and ingress."""
 
     def __init__(self, a: argparse.Namespace, max_replicas: int):
         for k in BLAS_VARS:
             os.environ[k] = str(a.blas_threads)  # inherited by the engine processes
         self._engines: list = []
         self._rings: list = []
-        self._frontend: subprocess.Popen | None = None
+        self._frontends: list[subprocess.Popen] = []
         self._device = ""
 
     def up(self, cfg: DeployConfig) -> str:
@@ -322,30 +341,42 @@ class ProcLauncher:
                     os.environ["CUDA_VISIBLE_DEVICES"] = old
         for e, t in zip(self._engines, self._rings, strict=True):
             GpuActor._wait_ready(e, t)
-        cmd = [sys.executable, "-m", "blink.actors.frontend_actor", "--config-json", cfg.to_json()]
-        cmd += ["--replicas", str(cfg.deploy.replicas)]
-        self._frontend = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-        for line in self._frontend.stderr:
-            if "serving on " in line:
-                return line.rsplit("serving on ", 1)[1].strip()
-        raise RuntimeError(f"frontend exited with {self._frontend.wait()}")
+        n_fe = cfg.frontend_count(cfg.deploy.replicas)
+        port = None
+        for k in range(n_fe):  # frontend 0 binds the configured port, the others share the port it bound
+            cmd = [sys.executable, "-m", "blink.actors.frontend_actor", "--config-json", cfg.to_json()]
+            cmd += ["--replicas", str(cfg.deploy.replicas), "--index", str(k), "--count", str(n_fe)]
+            cmd += ["--port", str(port)] if port is not None else []
+            fe = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+            self._frontends.append(fe)
+            for line in fe.stderr:
+                if "serving on " in line:
+                    url = line.rsplit("serving on ", 1)[1].strip()
+                    port = int(url.rsplit(":", 1)[1])
+                    break
+            else:
+                raise RuntimeError(f"frontend {k} exited with {fe.wait()}")
+            # keep reading its stderr, or a full pipe would block the frontend's logging
+            threading.Thread(target=fe.stderr.read, daemon=True).start()
+        return url
 
     def status(self) -> tuple[list, list]:
         return [self._device] * len(self._engines), []
 
     def pids(self) -> dict[str, list[int]]:
-        return {"frontend": [self._frontend.pid], "engines": [e.pid for e in self._engines]}
+        return {"frontends": [f.pid for f in self._frontends], "engines": [e.pid for e in self._engines]}
 
     def down(self) -> None:
-        if self._frontend is not None:
-            self._frontend.terminate()
-            self._frontend.wait(30)
+        for fe in self._frontends:
+            fe.terminate()
+        for fe in self._frontends:
+            fe.wait(30)
         for e in self._engines:
             e.stop(30.0)
         for t in self._rings:
             t.unlink()
             t.close()
-        self._engines, self._rings, self._frontend = [], [], None
+        self._engines, self._rings, self._frontends = [], [], []
 
     def close(self) -> None:
         pass
@@ -386,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also run an open-loop phase: Poisson arrivals at this many requests/s (0: closed loop only)",
     )
     ap.add_argument("--open-requests", type=int, default=0, help="open-loop requests (per replica with --per-replica)")
+    ap.add_argument(
+        "--frontends",
+        type=int,
+        default=0,
+        help="frontend processes per deployment (deploy.frontends; 0: one per replica)",
+    )
     ap.add_argument(
         "--client-procs", type=int, default=0, help="load-generator processes (0: one per 32 streams, at most 8)"
     )

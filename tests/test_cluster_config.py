@@ -74,6 +74,18 @@ def test_plan_frontend_on_dpu_node() -> None:
     assert not off.use_dpu and off.strategy == "STRICT_PACK"
 
 
+def test_plan_frontends_share_the_frontend_bundle() -> None:
+    plan = plan_placement(_cfg(replicas=2, frontends=3, frontend_cpus=2.0), [{"CPU": 16, "GPU": 2}])
+    assert plan.bundles[0] == {"CPU": 6.0}
+    per_replica = _cfg(replicas=0, frontends=0)  # 0 frontends: one per replica
+    assert plan_placement(per_replica, [{"CPU": 16, "GPU": 4}]).bundles[0] == {"CPU": 4.0}
+    on_dpu = plan_placement(_cfg(replicas=2, frontends=2), [{"CPU": 16, "GPU": 2}, {"CPU": 4, "dpu": 1}])
+    assert on_dpu.bundles[0] == {"CPU": 2.0, "dpu": 1.0}  # the actors split the one dpu unit
+    with pytest.raises(ConfigError, match="frontends"):
+        _cfg(frontends=-1)
+    assert _cfg(frontends=0).frontend_count(3) == 3 and _cfg(frontends=2).frontend_count(3) == 2
+
+
 def test_plan_replicas_zero_means_one_per_gpu() -> None:
     assert plan_placement(_cfg(replicas=0), [{"CPU": 64, "GPU": 8}]).replicas == 8
     with pytest.raises(ConfigError, match="no GPU"):

@@ -25,6 +25,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from blink.actors import deploy, raycount  # noqa: E402
+from blink.actors.cli import format_status  # noqa: E402
 from blink.actors.config import DeployConfig, from_mapping  # noqa: E402
 from blink.actors.frontend_actor import wait_http  # noqa: E402
 from blink.protocol.transport import shm_path  # noqa: E402
@@ -40,10 +41,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cfg(name: str, port: int, max_batch: int = 8, replicas: int = 2) -> DeployConfig:
+def _cfg(name: str, port: int, max_batch: int = 8, replicas: int = 2, frontends: int = 1) -> DeployConfig:
     return from_mapping(
         {
-            "deploy": {"name": name, "namespace": NS, "replicas": replicas, "gpu_actor_cpus": 1.0},
+            "deploy": {
+                "name": name,
+                "namespace": NS,
+                "replicas": replicas,
+                "gpu_actor_cpus": 1.0,
+                "frontends": frontends,
+            },
             "device": {"kind": "emulated", "num_kv_blocks": 512, "max_batch": max_batch, "max_tokens": 128},
             "model": {"spec": f"random:{MODEL}"},
             "ring": {"n_slots": 8, "prompt_arena_tokens": 8192, "output_capacity": 64},
@@ -160,6 +167,36 @@ def test_three_replicas(cluster) -> None:
         assert all(r["requests"] >= 1 for r in _fe_replicas(d)), _fe_replicas(d)
     finally:
         deploy.stop(cfg)
+
+
+def test_two_frontends_share_one_port(cluster) -> None:
+    """deploy.frontends = 2: two frontend actors listen on one port (SO_REUSEPORT) and each serves
+    both replicas from its own share of every ring's slots."""
+    cfg = _cfg("fe2", 0, frontends=2)
+    d = deploy.deploy(cfg, detached=False)
+    try:
+        assert len(d.frontends) == 2 and d.frontends[0] == d.frontend
+        ports = {i["port"] for i in d.frontends_info}
+        assert len(ports) == 1 and d.url.endswith(f":{ports.pop()}")
+        assert len({i["pid"] for i in d.frontends_info}) == 2
+        # one connection per request (urllib): the kernel spreads them over both listeners
+        with cf.ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda i: _complete(d.url, 6, f"f{i}"), range(32)))
+        assert all(o["usage"]["completion_tokens"] == 6 for o in outs)
+        st = deploy.status(cfg)
+        per_fe = [sum(r["requests"] for r in fe["replicas"]) for fe in st["frontends"]]
+        assert sum(per_fe) == 32 and min(per_fe) > 0, per_fe  # both frontends took requests
+        for fe in st["frontends"]:
+            assert [r["up"] for r in fe["replicas"]] == [True, True]
+            assert all(r["free_slots"] == 4 for r in fe["replicas"])  # 8 slots per ring, half each
+        assert "frontend 1:" in format_status(st)
+    finally:
+        stopped = deploy.stop(cfg)
+    assert stopped["frontends"] == 2 and stopped["replicas"] == 2
+    t_end = time.monotonic() + 10  # ray.kill is asynchronous: the names go once the actors are dead
+    while deploy.find_all(cfg) != ([], []):
+        assert time.monotonic() < t_end, deploy.find_all(cfg)
+        time.sleep(0.05)
 
 
 def test_deploy_again_reuses_placement_group_and_actors(dp: deploy.Deployment) -> None:

@@ -230,3 +230,79 @@ def test_restart_on_the_same_ring_reaps_orphans_and_keeps_counters(rig_factory):
     rig.c.shutdown(1)
     th.join(5)
     rig.thread = th  # the fixture's stop() joins this one
+
+
+def test_two_frontends_share_one_ring(rig_factory):
+    """deploy.frontends = 2: two request trackers (owners 0 and 1 of 2) on one ring, submitting and
+    cancelling at once. Each claims only its own slots (s % 2), both ring the shared doorbells with
+    values of their own, and the device serves every request of both exactly as for one frontend."""
+    import asyncio
+
+    from blink.dpu.request_tracker import RequestTracker
+    from blink.protocol.wire import SubmitRequest
+
+    rig = rig_factory(n_slots=8)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(1, 120, 24)]
+
+    async def main() -> None:
+        fes = [ShmTransport.open(rig.name) for _ in range(2)]
+        rts = [RequestTracker(t, owner=k, owners=2) for k, t in enumerate(fes)]
+        for rt in rts:
+            await rt.start()
+        assert [rt.stats().n_slots for rt in rts] == [4, 4]
+        seen: list[tuple[int, int]] = []  # (frontend, slot)
+
+        async def one(k: int, i: int) -> list[int]:
+            h = await rts[k].submit(SubmitRequest(rts[k].new_request_id(), prompts[i], 16, temperature=0.0))
+            seen.append((k, h.slot))
+            return [t async for e in h for t in e.token_ids]
+
+        # a request cancelled on frontend 1 must not disturb frontend 0's
+        h_cancel = await rts[1].submit(SubmitRequest(rts[1].new_request_id(), prompts[0], 10_000))
+        outs = asyncio.gather(*(one(i % 2, i) for i in range(len(prompts))))
+        await asyncio.sleep(0.05)
+        h_cancel.cancel()
+        got = await asyncio.wait_for(outs, 60)
+        for i, toks in enumerate(got):
+            assert toks == reference_greedy(prompts[i], 16, VOCAB), i
+        assert all(slot % 2 == k for k, slot in seen), seen
+        assert {k for k, _ in seen} == {0, 1}
+        # the doorbells hold values only these frontends wrote: seq * 2 + owner
+        h = rig.c.header()
+        assert int(h["cancel_seq"]) % 2 == 1  # the last cancel came from frontend 1
+        for rt in rts:
+            await rt.close()
+        for t in fes:
+            t.close()
+
+    asyncio.run(main())
+    rig.c.wait_idle()
+    h = rig.c.header()
+    assert int(h["requests_completed"]) == len(prompts) + 1
+
+
+def test_slot_tracker_owner_checks():
+    from blink.dpu.slot_tracker import SlotTracker
+
+    t = ShmTransport.create(f"blink-test-own-{os.getpid()}", RingGeometry(4, 4 * 16, 8))
+    try:
+        geo = RingGeometry.from_header(t.view().header)
+        with pytest.raises(ValueError):
+            SlotTracker(t, geo, owner=2, owners=2)
+        with pytest.raises(ValueError):
+            SlotTracker(t, geo, owner=0, owners=5)
+        a, b = SlotTracker(t, geo, 0, 3), SlotTracker(t, geo, 2, 3)
+        assert a.n_owned == 2 and b.n_owned == 1 and a.n_free == 2 and b.n_free == 1
+        assert b.find_free() == 2
+        from blink.protocol.wire import SubmitRequest
+
+        assert b.claim(SubmitRequest(1, [1, 2], 1)) == 2 and b.claim(SubmitRequest(2, [1], 1)) is None
+        assert int(t.view().header["submit_seq"]) == 1 * 3 + 2  # seq 1 of owner 2 of 3
+        assert a.claim(SubmitRequest(3, [1], 1)) == 0 and int(t.view().header["submit_seq"]) == 3 + 0
+        # a frontend attaching later continues above every value rung so far
+        c = SlotTracker(t, geo, 1, 3)
+        assert c.claim(SubmitRequest(4, [1], 1)) == 1 and int(t.view().header["submit_seq"]) == 2 * 3 + 1
+    finally:
+        t.close()
+        t.unlink()

@@ -92,18 +92,21 @@ def main(argv: list[str] | None = None) -> int:
             print(format_status(st))
         return 0 if st["frontend"] is not None or st["replicas"] else 3
     st = deploy.stop(cfg)
-    print(f"stopped {cfg.name!r}: frontend={st['frontend']} replicas={st['replicas']} pg={st['placement_group']}")
+    print(
+        f"stopped {cfg.name!r}: frontends={st['frontends']} replicas={st['replicas']} pg={st['placement_group']}"
+    )
     return 0
 
 
 def format_status(st: dict[str, Any]) -> str:
     lines = [f"deployment {st['name']!r} (namespace {st['namespace']!r})"]
-    fe = st["frontend"]
-    if fe is None:
+    fes = st.get("frontends") or ([st["frontend"]] if st["frontend"] is not None else [])
+    if not fes:
         lines.append("  frontend: not running")
-    else:
+    for k, fe in enumerate(fes):
+        name = "frontend" if len(fes) == 1 else f"frontend {k}"
         lines.append(
-            f"  frontend: {fe.get('state')} {fe.get('url', '')} pid {fe.get('pid')} {fe.get('error', '')}".rstrip()
+            f"  {name}: {fe.get('state')} {fe.get('url', '')} pid {fe.get('pid')} {fe.get('error', '')}".rstrip()
         )
         for r in fe.get("replicas", []):
             state = "up" if r["up"] else f"DOWN ({r['down_reason']})"
@@ -120,7 +123,8 @@ def format_status(st: dict[str, Any]) -> str:
 
 def local_ray_resources(cfg: DeployConfig) -> dict[str, Any]:
     """ray.init arguments for an embedded single-node cluster that can hold `cfg`."""
-    need = cfg.deploy.frontend_cpus + max(cfg.deploy.replicas, 1) * cfg.deploy.gpu_actor_cpus
+    replicas = max(cfg.deploy.replicas, 1)
+    need = cfg.deploy.frontend_cpus * cfg.frontend_count(replicas) + replicas * cfg.deploy.gpu_actor_cpus
     # Logical CPUs: the emulated device and the frontend share cores happily; Ray only counts.
     return {"num_cpus": max(os.cpu_count() or 1, int(need + 0.999))}
 

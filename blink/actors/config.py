@@ -10,7 +10,8 @@ section, `deploy`, defined here. Every key is checked; unknown keys are errors::
     replicas = 1             # GPU actors, each with its own ring and engine; 0 = one per GPU
     dpu = "auto"             # frontend on a node with the `dpu` resource: auto | require | off
     gpu_actor_cpus = 1.0
-    frontend_cpus = 1.0
+    frontend_cpus = 1.0      # per frontend process
+    frontends = 1            # frontend processes sharing one port (SO_REUSEPORT); 0 = one per replica
     start_timeout_s = 900.0  # bound on each actor's start() (model load + engine start)
     max_restarts = -1        # Ray restarts of a killed actor; -1 = unbounded
 
@@ -48,7 +49,11 @@ class DeploySection:
     gpu_actor_cpus: float = 1.0
     """CPUs reserved per GPU actor (the emulated device computes on them)."""
     frontend_cpus: float = 1.0
-    """CPUs reserved for the frontend actor (HTTP, tokenizer, slot tracker, token reader)."""
+    """CPUs reserved per frontend actor (HTTP, tokenizer, slot tracker, token reader)."""
+    frontends: int = 1
+    """Frontend actors serving one port (the kernel spreads connections over them, SO_REUSEPORT),
+    each owning a share of every ring's slots: more cores for HTTP and detokenization, like vLLM's
+    api-server-count. 0 = one per replica."""
     start_timeout_s: float = 900.0
     """Bound on each actor's start(): model load, engine start, HTTP bind."""
     max_restarts: int = -1
@@ -61,6 +66,8 @@ class DeploySection:
             raise ConfigError(f"deploy.namespace = {self.namespace!r}: use letters, digits, '-' and '_'")
         if self.replicas < 0:
             raise ConfigError("deploy.replicas must be >= 0 (0 = one per GPU)")
+        if not 0 <= self.frontends <= 64:
+            raise ConfigError("deploy.frontends must be in [0, 64] (0 = one per replica)")
         if self.dpu not in DPU_MODES:
             raise ConfigError(f"deploy.dpu = {self.dpu!r}; expected one of {', '.join(DPU_MODES)}")
         if self.gpu_actor_cpus < 0 or self.frontend_cpus < 0:
@@ -87,7 +94,14 @@ class DeployConfig:
 
     @property
     def frontend_name(self) -> str:
-        return f"{self.deploy.name}-frontend"
+        return self.frontend_actor_name(0)
+
+    def frontend_actor_name(self, index: int) -> str:
+        return f"{self.deploy.name}-frontend" + (f"-{index}" if index else "")
+
+    def frontend_count(self, replicas: int) -> int:
+        """Frontend processes for a deployment of `replicas` GPU actors."""
+        return self.deploy.frontends or max(replicas, 1)
 
     @property
     def placement_group_name(self) -> str:

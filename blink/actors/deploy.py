@@ -13,7 +13,7 @@ import glob
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blink.protocol.transport import SHM_DIR
@@ -29,9 +29,11 @@ class Deployment:
     cfg: DeployConfig
     plan: PlacementPlan
     gpu_actors: list[Any]  # ray ActorHandle per replica
-    frontend: Any  # ray ActorHandle
+    frontend: Any  # ray ActorHandle of frontend 0
     rings: list[dict[str, Any]]  # GpuActor.ring_info() per replica
-    frontend_info: dict[str, Any]  # FrontendActor.start() result (url, ...)
+    frontend_info: dict[str, Any]  # FrontendActor.start() result of frontend 0 (url, ...)
+    frontends: list[Any] = field(default_factory=list)  # every frontend actor, frontend 0 first
+    frontends_info: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -90,14 +92,23 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
         unlink_local_rings(cfg)
         raise
     fe_bundle = plan.bundles[plan.frontend_bundle]
-    opts = _actor_options(cfg, cfg.frontend_name, pg, plan.frontend_bundle, detached)
-    opts.update(num_cpus=fe_bundle.get("CPU", 0.0))
-    if "dpu" in fe_bundle:
-        opts["resources"] = {"dpu": fe_bundle["dpu"]}
-    frontend = fe_cls.options(**opts).remote(cfg.to_json(), plan.replicas)
-    (fe_info,) = _get_all([frontend.start.remote()], timeout, "frontend start()", [frontend])
-    _wait_routes(frontend, plan.replicas, timeout)
-    return Deployment(cfg, plan, gpus, frontend, rings, fe_info)
+    n_fe = cfg.frontend_count(plan.replicas)
+    frontends: list[Any] = []
+    infos: list[dict[str, Any]] = []
+    for k in range(n_fe):
+        # Frontend 0 binds the configured port; the others share the port it bound (SO_REUSEPORT).
+        opts = _actor_options(cfg, cfg.frontend_actor_name(k), pg, plan.frontend_bundle, detached)
+        opts.update(num_cpus=fe_bundle.get("CPU", 0.0) / n_fe)
+        if "dpu" in fe_bundle:
+            opts["resources"] = {"dpu": fe_bundle["dpu"] / n_fe}
+        port = None if k == 0 else infos[0]["port"]
+        frontends.append(fe_cls.options(**opts).remote(cfg.to_json(), plan.replicas, k, n_fe, port))
+        (info,) = _get_all([frontends[k].start.remote()], timeout, f"frontend {k} start()", frontends)
+        infos.append(info)
+    for fe in frontends:
+        _wait_routes(fe, plan.replicas, timeout)
+    frontend, fe_info = frontends[0], infos[0]
+    return Deployment(cfg, plan, gpus, frontend, rings, fe_info, frontends, infos)
 
 
 def _wait_routes(frontend: Any, replicas: int, timeout: float) -> None:
@@ -138,34 +149,46 @@ class StartError(RuntimeError):
 
 
 def find(cfg: DeployConfig) -> tuple[list[Any], Any | None]:
-    """Handles of a running deployment's actors (named, in cfg.namespace): (gpu actors by replica, frontend)."""
+    """Handles of a running deployment's actors (named, in cfg.namespace): (gpu actors by replica, frontend 0)."""
+    gpus, frontends = find_all(cfg)
+    return gpus, (frontends[0] if frontends else None)
+
+
+def find_all(cfg: DeployConfig) -> tuple[list[Any], list[Any]]:
+    """(GPU actors by replica, every frontend actor by index)."""
     import ray
     from ray.util import list_named_actors
 
-    prefix = cfg.gpu_actor_name(0)[:-1]  # "<name>-gpu-"
     named = {a["name"] for a in list_named_actors(all_namespaces=True) if a["namespace"] == cfg.namespace}
-    replicas = sorted(int(n[len(prefix) :]) for n in named if n.startswith(prefix) and n[len(prefix) :].isdigit())
-    gpus = [ray.get_actor(cfg.gpu_actor_name(i), namespace=cfg.namespace) for i in replicas]
-    frontend = ray.get_actor(cfg.frontend_name, namespace=cfg.namespace) if cfg.frontend_name in named else None
-    return gpus, frontend
+
+    def numbered(prefix: str) -> list[int]:
+        return sorted(int(n[len(prefix) :]) for n in named if n.startswith(prefix) and n[len(prefix) :].isdigit())
+
+    gpus = [ray.get_actor(cfg.gpu_actor_name(i), namespace=cfg.namespace) for i in numbered(cfg.gpu_actor_name(0)[:-1])]
+    fe_ids = ([0] if cfg.frontend_actor_name(0) in named else []) + numbered(cfg.frontend_actor_name(0) + "-")
+    frontends = [ray.get_actor(cfg.frontend_actor_name(k), namespace=cfg.namespace) for k in fe_ids]
+    return gpus, frontends
 
 
 def status(cfg: DeployConfig, timeout_s: float = 10.0) -> dict[str, Any]:
-    """Status of every actor of the deployment; an actor that does not answer is reported as such."""
+    """Status of every actor of the deployment; an actor that does not answer is reported as such.
+    "frontend" is frontend 0's; "frontends" lists every frontend's."""
     import ray
 
-    gpus, frontend = find(cfg)
+    gpus, frontends = find_all(cfg)
     out: dict[str, Any] = {"name": cfg.name, "namespace": cfg.namespace, "replicas": [], "frontend": None}
     for i, a in enumerate(gpus):
         try:
             out["replicas"].append(ray.get(a.status.remote(), timeout=timeout_s))
         except (ray.exceptions.RayError, TimeoutError) as e:
             out["replicas"].append({"replica": i, "state": "UNREACHABLE", "error": f"{type(e).__name__}: {e}"})
-    if frontend is not None:
+    out["frontends"] = []
+    for fe in frontends:
         try:
-            out["frontend"] = ray.get(frontend.status.remote(), timeout=timeout_s)
+            out["frontends"].append(ray.get(fe.status.remote(), timeout=timeout_s))
         except (ray.exceptions.RayError, TimeoutError) as e:
-            out["frontend"] = {"state": "UNREACHABLE", "error": f"{type(e).__name__}: {e}"}
+            out["frontends"].append({"state": "UNREACHABLE", "error": f"{type(e).__name__}: {e}"})
+    out["frontend"] = out["frontends"][0] if out["frontends"] else None
     return out
 
 
@@ -175,15 +198,16 @@ def stop(cfg: DeployConfig, timeout_s: float = 30.0) -> dict[str, Any]:
 
     from .placement import remove_placement_group_by_name
 
-    gpus, frontend = find(cfg)
-    stopped: dict[str, Any] = {"frontend": False, "replicas": 0, "placement_group": False}
-    if frontend is not None:
+    gpus, frontends = find_all(cfg)
+    stopped: dict[str, Any] = {"frontend": False, "frontends": 0, "replicas": 0, "placement_group": False}
+    for fe in frontends:
         try:
-            ray.get(frontend.stop.remote(), timeout=timeout_s)
+            ray.get(fe.stop.remote(), timeout=timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as e:
             log.warning("frontend stop: %s", e)
-        ray.kill(frontend, no_restart=True)
+        ray.kill(fe, no_restart=True)
         stopped["frontend"] = True
+        stopped["frontends"] += 1
     for a in gpus:
         try:
             ray.get(a.stop.remote(drain=True, timeout_s=timeout_s), timeout=timeout_s + 5)

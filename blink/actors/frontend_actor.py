@@ -4,8 +4,13 @@ One process holds the HTTP/SSE server (blink.dpu.server), the tokenizer and deto
 per replica, a request tracker (slot tracker + token reader) over that replica's ring; the
 Router picks a replica per request. Each role stays its own module; they share one event loop
 because the hand-offs between them (tokenize -> claim a slot -> stream tokens) are per request
-and per token, and a process boundary there would cost a copy and a wake-up per token. A second
-frontend process would only pay off once one core saturates on HTTP + detokenization.
+and per token, and a process boundary there would cost a copy and a wake-up per token.
+
+When one core is not enough for HTTP + detokenization (deploy.frontends > 1, like vLLM's
+api-server-count), F such processes serve one port: each listens with SO_REUSEPORT, so the kernel
+spreads connections over them, and each attaches every replica's ring but owns only the slots
+s % F == its index (blink.dpu.slot_tracker), so every ring word keeps a single host writer.
+Frontend 0 binds the configured port; the others get the port it bound.
 
 The event loop runs on a thread of its own; Ray calls (start / status / stop) arrive on Ray's
 threads and never touch the token path. When Ray restarts a killed frontend, the constructor
@@ -31,11 +36,16 @@ log = logging.getLogger(__name__)
 
 
 class FrontendActor:
-    def __init__(self, cfg_json: str, replicas: int):
+    def __init__(self, cfg_json: str, replicas: int, index: int = 0, count: int = 1, port: int | None = None):
+        """index / count: this frontend among `count` sharing the replicas; port: the port to bind
+        (frontends 1.. take the one frontend 0 bound; None: the configured server.port)."""
         raycount.install()
         raycount.note_incoming("__init__")
         self.cfg = DeployConfig.from_json(cfg_json)
         self.replicas = replicas
+        if not 0 <= index < count:
+            raise ValueError(f"frontend index {index} out of range for {count} frontends")
+        self.index, self.count, self.port = index, count, port
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -96,14 +106,17 @@ class FrontendActor:
         timeout = srv.heartbeat_timeout_s
 
         def make_tracker(transport: Transport) -> RequestTracker:
-            return RequestTracker(transport, max_queue=srv.max_queue, heartbeat_timeout_s=timeout)
+            return RequestTracker(
+                transport, max_queue=srv.max_queue, heartbeat_timeout_s=timeout, owner=self.index, owners=self.count
+            )
 
         self._stop_event = asyncio.Event()
         self._router = Router([self.cfg.ring_name(i) for i in range(self.replicas)], make_tracker)
         await self._router.start()
         try:
-            self._server = await start_http(self.cfg.serving, self._router)
+            self._server = await start_http(self.cfg.serving, self._router, self.port, shared=self.count > 1)
             self._info = {"url": self._server.url, "pid": os.getpid(), "restarted": self._restarted}
+            self._info.update(index=self.index, count=self.count, port=int(self._server.url.rsplit(":", 1)[1]))
             ray = sys.modules.get("ray")  # None when running without Ray
             if ray is not None and ray.is_initialized():
                 ip = ray.util.get_node_ip_address()
@@ -179,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blink.actors.frontend_actor", description=main.__doc__)
     ap.add_argument("--config-json", required=True, help="DeployConfig.to_json() text")
     ap.add_argument("--replicas", type=int, required=True)
+    ap.add_argument("--index", type=int, default=0, help="this frontend's index among --count")
+    ap.add_argument("--count", type=int, default=1, help="frontend processes sharing the rings and the port")
+    ap.add_argument("--port", type=int, default=None, help="port to bind (default: the config's server.port)")
     a = ap.parse_args(argv)
-    fe = FrontendActor(a.config_json, a.replicas)
+    fe = FrontendActor(a.config_json, a.replicas, a.index, a.count, a.port)
     info = fe.start()
     print(f"blink frontend: serving on {info['url']}", file=sys.stderr, flush=True)
     done = threading.Event()

@@ -20,12 +20,14 @@ class HttpIngress:
         await self.runner.cleanup()
 
 
-async def start_http(cfg: BlinkConfig, router: Router) -> HttpIngress:
-    """Load the tokenizer (no weights) and serve /v1 for every replica behind `router`."""
+async def start_http(cfg: BlinkConfig, router: Router, port: int | None = None, shared: bool = False) -> HttpIngress:
+    """Load the tokenizer (no weights) and serve /v1 for every replica behind `router`.
+    port: instead of cfg.server.port; shared: other frontend processes listen on the same port."""
     from blink.dpu import server as dpu_server
     from blink.dpu.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.model.spec, cfg.model.name)
     srv = dpu_server.OpenAIServer(router, tok, cfg.server)
-    runner, port = await dpu_server.start_http(srv, cfg.server.host, cfg.server.port)
+    want = cfg.server.port if port is None else port
+    runner, port = await dpu_server.start_http(srv, cfg.server.host, want, reuse_port=shared)
     return HttpIngress(f"http://{cfg.server.host}:{port}", runner, srv)

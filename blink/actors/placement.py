@@ -1,8 +1,8 @@
 """Placement: which bundles a deployment needs, derived from its config and the cluster.
 
 One placement group per deployment, found again by name (a second `blink deploy` or a restarted
-driver reuses it instead of reserving the resources twice). Bundle 0 is the frontend; bundle
-1 + i is the GPU actor of replica i.
+driver reuses it instead of reserving the resources twice). Bundle 0 holds the frontend actors
+(deploy.frontends of them, sharing one port); bundle 1 + i is the GPU actor of replica i.
 
 Where the frontend goes: on a node with the custom `dpu` resource when the cluster has one
 (the SmartNIC in the design), else beside the GPU actors. The rings are /dev/shm files today,
@@ -79,9 +79,9 @@ def plan_placement(cfg: DeployConfig, nodes: list[dict[str, float]]) -> Placemen
     if mode == "require" and not dpu_nodes:
         raise ConfigError(f"deploy.dpu = require, but no node has the `{DPU_RESOURCE}` resource")
 
-    frontend: dict[str, float] = {}
+    frontend: dict[str, float] = {}  # every frontend actor in one bundle: they share a port
     if cfg.deploy.frontend_cpus > 0:
-        frontend["CPU"] = cfg.deploy.frontend_cpus
+        frontend["CPU"] = cfg.deploy.frontend_cpus * cfg.frontend_count(replicas)
     if use_dpu:
         frontend[DPU_RESOURCE] = 1.0
     gpu: dict[str, float] = {}

@@ -76,10 +76,14 @@ class RequestTracker:
         max_queue: int = 1024,
         heartbeat_timeout_s: float = 30.0,
         reader_kwargs: dict | None = None,
+        owner: int = 0,
+        owners: int = 1,
     ):
+        """owner / owners: this frontend's index and the number of frontend processes sharing the
+        ring; it serves only its share of the slots (blink.dpu.slot_tracker)."""
         self.t = transport
         self.geo = attach_geometry(transport)
-        self.slots = SlotTracker(transport, self.geo)
+        self.slots = SlotTracker(transport, self.geo, owner, owners)
         self.reader = TokenReader(
             self.slots,
             heartbeat_timeout_s=heartbeat_timeout_s,
@@ -131,7 +135,7 @@ class RequestTracker:
         return self.reader.health()
 
     def stats(self) -> RingStats:
-        return RingStats(self.geo.n_slots, self.slots.n_held, len(self._waiters), self.slots.n_free)
+        return RingStats(self.slots.n_owned, self.slots.n_held, len(self._waiters), self.slots.n_free)
 
     def device_counters(self) -> dict[str, int]:
         """Device statistics from the ring header (as of the token reader's last cycle)."""
@@ -174,7 +178,7 @@ class RequestTracker:
         front = False  # a woken waiter that lost its slot to a newcomer keeps its place
         while slot is None:
             if not front and len(self._waiters) >= self.max_queue:
-                raise QueueFullError(f"all {self.geo.n_slots} slots busy and {len(self._waiters)} requests queued")
+                raise QueueFullError(f"all {self.slots.n_owned} slots busy and {len(self._waiters)} requests queued")
             fut = asyncio.get_running_loop().create_future()
             (self._waiters.appendleft if front else self._waiters.append)(fut)
             try:

@@ -327,11 +327,13 @@ def _error_response(e: api.APIError) -> web.Response:
     return _json_response(e.body(), status=e.status)
 
 
-async def start_http(server: OpenAIServer, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve the app; returns the runner (await runner.cleanup() to stop) and the bound port."""
+async def start_http(server: OpenAIServer, host: str, port: int, reuse_port: bool = False) -> tuple[web.AppRunner, int]:
+    """Serve the app; returns the runner (await runner.cleanup() to stop) and the bound port.
+    reuse_port: SO_REUSEPORT, so several frontend processes listen on one port and the kernel
+    spreads the incoming connections over them."""
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
     return runner, bound

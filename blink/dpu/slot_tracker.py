@@ -10,7 +10,13 @@ the slots right after the hint are the ones released longest ago.
 Publishing a request follows the ring's single-writer rules (blink/protocol/layout.py): while
 the slot is EMPTY the frontend owns the whole record, so it writes the prompt into the slot's
 region of the prompt arena and the record fields (state still EMPTY), then stores state =
-PREFILL_PENDING (the release store that hands the slot to the device), then bumps submit_seq.
+PREFILL_PENDING (the release store that hands the slot to the device), then rings submit_seq.
+
+Several frontend processes can share one ring (deploy.frontends > 1: more cores for HTTP and
+detokenization): frontend `owner` of `owners` only ever claims, reads and releases the slots s
+with s % owners == owner, so every slot word still has one host writer. The doorbells are the
+words they share; each rings them with values unique to it (seq * owners + owner, see
+blink/protocol/layout.py).
 """
 
 from __future__ import annotations
@@ -53,26 +59,34 @@ def attach_geometry(transport: Transport) -> RingGeometry:
 class SlotTracker:
     """Local cache of slot availability plus the frontend's writes into slots."""
 
-    def __init__(self, transport: Transport, geometry: RingGeometry):
+    def __init__(self, transport: Transport, geometry: RingGeometry, owner: int = 0, owners: int = 1):
+        if not 0 <= owner < owners:
+            raise ValueError(f"frontend index {owner} out of range for {owners} frontends")
+        if owners > geometry.n_slots:
+            raise ValueError(f"{owners} frontends cannot share {geometry.n_slots} slots")
         self.t = transport
         self.geo = geometry
+        self.owner, self.owners = owner, owners
         n = geometry.n_slots
+        self.owned = np.arange(n) % owners == owner  # the slots this frontend may claim
+        self.n_owned = int(self.owned.sum())
         self.prompt_capacity = geometry.prompt_arena_tokens // n  # tokens of prompt arena per slot
         self.records = np.zeros(n, SLOT_DTYPE)  # last bulk read of the slot records
         self.held = np.zeros(n, bool)  # slots this frontend claimed and has not released
         self._free = np.zeros(n, bool)  # cache: ring state EMPTY and not held
         self._hint = 0
         hdr = read_header(transport)
-        # The frontend is the only writer of both doorbells, so a local copy is authoritative.
-        self._submit_seq = int(hdr["submit_seq"])
-        self._cancel_seq = int(hdr["cancel_seq"])
+        # Doorbell sequence numbers continue above whatever any frontend rang last (a restarted
+        # frontend must not repeat a value the device may hold as its last seen).
+        self._submit_seq = int(hdr["submit_seq"]) // owners + 1
+        self._cancel_seq = int(hdr["cancel_seq"]) // owners + 1
         self.refresh()
 
     # -- cache ------------------------------------------------------------------------
     def refresh(self) -> np.ndarray:
         """One bulk read of every slot record; updates the availability cache. Returns the records."""
         self.t.read_into(self.geo.slots_offset, self.records)
-        self._free = (self.records["state"] == SlotState.EMPTY) & ~self.held
+        self._free = (self.records["state"] == SlotState.EMPTY) & ~self.held & self.owned
         return self.records
 
     @property
@@ -130,8 +144,8 @@ class SlotTracker:
         base = self.geo.slot_offset(slot)
         self.t.write(base, rec.reshape(1).view(np.uint8))
         self.t.store_u32(base + _STATE, SlotState.PREFILL_PENDING)
+        self._ring(_SUBMIT_SEQ, self._submit_seq)
         self._submit_seq += 1
-        self.t.store_u64(_SUBMIT_SEQ, self._submit_seq)
         self.held[slot] = True
         self._free[slot] = False
         self._hint = (slot + 1) % self.geo.n_slots
@@ -143,11 +157,15 @@ class SlotTracker:
     def cancel(self, slot: int) -> None:
         """Set the slot's cancel flag and ring the cancel doorbell; the device finishes it CANCELLED."""
         self.t.store_u32(self.geo.slot_offset(slot) + _CANCEL, 1)
+        self._ring(_CANCEL_SEQ, self._cancel_seq)
         self._cancel_seq += 1
-        self.t.store_u64(_CANCEL_SEQ, self._cancel_seq)
+
+    def _ring(self, offset: int, seq: int) -> None:
+        self.t.store_u64(offset, seq * self.owners + self.owner)
 
     def release(self, slot: int) -> None:
         """DECODE_COMPLETED -> EMPTY, after every token was read. The slot is free again at once."""
+        assert self.owned[slot], f"slot {slot} belongs to another frontend"
         self.t.store_u32(self.geo.slot_offset(slot) + _STATE, SlotState.EMPTY)
         self.held[slot] = False
         self._free[slot] = True
@@ -161,7 +179,8 @@ class SlotTracker:
     def orphans(self) -> list[int]:
         """Slots left non-EMPTY by a previous frontend (on (re)attach): not held by us, not EMPTY."""
         self.refresh()
-        return [int(s) for s in np.flatnonzero((self.records["state"] != SlotState.EMPTY) & ~self.held)]
+        left = (self.records["state"] != SlotState.EMPTY) & ~self.held & self.owned
+        return [int(s) for s in np.flatnonzero(left)]
 
     def adopt(self, slot: int) -> None:
         """Take over an orphan slot so that the token reader drains and releases it."""

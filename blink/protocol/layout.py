@@ -22,7 +22,12 @@ host-mapped memory are not atomic with respect to the host):
     slot.cancel       frontend sets 1; cleared by frontend only while the slot is EMPTY
     slot.generated    device, release-store after the token is in the output arena
     slot.consumed     frontend, after reading tokens (flow control for the output ring)
-    header.submit_seq / cancel_seq   frontend doorbells, incremented after the slot writes
+    header.submit_seq / cancel_seq   frontend doorbells, stored after the slot writes. The one
+                 exception to single-writer words: F frontend processes may share a ring, each
+                 owning the slots s with s % F == its index. Each stores seq * F + index with its
+                 own seq increasing, a plain aligned 8-byte store (no read-modify-write), so every
+                 store writes a value no store wrote before and the device, which only compares
+                 the doorbell with the last value it saw, never misses a change.
     header device fields (status, heartbeat, stats, kv counters)   device
 
 Output ring: token k of slot s is at output[s, k % output_capacity]. The device never
