@@ -20,6 +20,9 @@ GEMV fusions (set_gemv_fusion; only in steps whose projections use the GEMV, i.e
               shared memory): no add_rmsnorm launches.
     "swiglu": the gate_up GEMV pairs gate and up rows in one CTA and writes act = swiglu(gate, up):
               no swiglu launch, no gate_up round trip.
+    "async":  (with "norm") the norm prologue's loads are cp.async into shared memory (gemv_norma_*).
+    "prefetch": rope_kv_write asks L2 for the first l2_prefetch_bytes of the o projection's weights
+              (DRAM is all but idle during attention at small batch); values are unchanged.
 Both give the unfused path's bf16 values (same rounding points and summation orders).
 """
 
@@ -51,7 +54,9 @@ PREFILL_TILE = 64
 DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8")
 FLASH_VARIANTS = {"flash": (4, 3, 0), "flash8": (8, 2, 0), "flashq": (4, 3, 4), "flashq8": (8, 2, 3)}
 FLASH_WARPS = 4
-GEMV_FUSIONS = ("norm", "swiglu")
+GEMV_FUSIONS = ("norm", "swiglu", "prefetch", "async")
+GEMV_ASYNC_PF = {1: 2, 2: 1, 4: 1, 8: 1}  # gemv_async_pf<R> in model_kernels.cu, by bucket
+PREFETCH_CTAS = 8  # CTAs of rope_kv_write that issue the o projection's L2 prefetch
 GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
 
 
@@ -243,11 +248,12 @@ class Forward:
             if self.flash_smem[v]:
                 driver.set_max_dynamic_smem(self.decode_kernels[v], self.flash_smem[v])
         for nt in GEMV_BUCKETS:
-            smem = nt * c.hidden_size * 2
-            if smem <= GEMV_NORM_SMEM_MAX:
-                for kind in ("norm", "norm_swiglu"):
+            for kind in ("norm", "norm_swiglu", "norma", "norma_swiglu"):
+                smem = self.gemv_smem(kind, nt, c.hidden_size)
+                if smem <= GEMV_NORM_SMEM_MAX:
                     driver.set_max_dynamic_smem(kernels[f"gemv_{kind}_t{nt}"], smem)
         self.gemv_fusion: frozenset[str] = frozenset()
+        self.l2_prefetch_bytes = 24 << 20
         self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
         self._decode_override: str | None = None
         self.gemv_max_tokens = 1
@@ -279,7 +285,7 @@ class Forward:
         if not self.uses_gemv(T, use_gemv):
             return frozenset()
         out = set(self.gemv_fusion)
-        if T * self.c.hidden_size * 2 > GEMV_NORM_SMEM_MAX:
+        if self.gemv_smem("norma" if "async" in out else "norm", T, self.c.hidden_size) > GEMV_NORM_SMEM_MAX:
             out.discard("norm")
         return frozenset(out)
 
@@ -344,6 +350,13 @@ class Forward:
         else:
             self.blas.linear(int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k, out_f32)  # type: ignore[attr-defined]
 
+    @staticmethod
+    def gemv_smem(kind: str, T: int, k: int) -> int:
+        """Dynamic shared memory of gemv_<kind>_t<T> over k inputs (model_kernels.cu)."""
+        if kind.startswith("norma"):  # x, the norm weight, staged weight vectors of 8 warps
+            return T * k * 2 + k * 2 + 8 * GEMV_ASYNC_PF[T] * GEMV_ROWS_PER_WARP[T] * 32 * 16
+        return T * k * 2 if kind.startswith("norm") else 0
+
     def fused_linear(self, kind: str, x: object, w: object, y: object, T: int, stream: int, nw: object = None) -> None:
         """One fused GEMV (model_kernels.cu gemv_<kind>_t<T>): kind "norm" (x = resid, normed
         with nw), "norm_swiglu", "swiglu" (y = act) or "resid" (y = resid, added into)."""
@@ -351,7 +364,9 @@ class Forward:
         r = GEMV_ROWS_PER_WARP[T]
         swiglu = kind.endswith("swiglu")
         grid = -(-(n_out // 2) // (4 * r)) if swiglu else -(-n_out // (8 * r))
-        smem = T * k * 2 if kind.startswith("norm") else 0
+        if kind.startswith("norm") and "async" in self.gemv_fusion:
+            kind = "norma" + kind[4:]
+        smem = self.gemv_smem(kind, T, k)
         self._launch(
             f"gemv_{kind}_t{T}",
             (grid, 1, 1),
@@ -452,9 +467,11 @@ class Forward:
                 self.linear(self.hid, lw.qkv, self.qkv, T, stream, use_gemv=use_gemv)
             kc = int(self.kv.data.ptr) + li * self.kv_layer_stride
             vc = kc + self.kv_half
+            pf_ctas = PREFETCH_CTAS if "prefetch" in fuse else 0
+            pf_bytes = min(self.l2_prefetch_bytes, int(lw.o.nbytes)) if pf_ctas else 0
             self._launch(
                 "rope_kv_write",
-                (T, -(-(c.num_heads + 2 * c.num_kv_heads) // 8), 1),
+                (T, -(-(c.num_heads + 2 * c.num_kv_heads) // 8) + pf_ctas, 1),
                 (256, 1, 1),
                 [
                     self._p(self.qkv),
@@ -476,6 +493,9 @@ class Forward:
                     I32(d.block_size),
                     I32(d.max_blocks_per_seq),
                     eps,
+                    self._p(lw.o),
+                    ctypes.c_longlong(pf_bytes),
+                    I32(pf_ctas),
                 ],
                 stream,
             )

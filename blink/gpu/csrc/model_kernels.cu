@@ -96,9 +96,12 @@ extern "C" __global__ void final_norm_gather(const bf16* __restrict__ residual, 
   }
 }
 
-// Grid (token, head group): a warp per head. Q heads: [qk-norm], RoPE -> q_out. K heads:
+// Grid (token, head group [+ pf_ctas]): a warp per head. Q heads: [qk-norm], RoPE -> q_out. K heads:
 // [qk-norm], RoPE -> k cache slot. V heads -> v cache slot. The slot of token t of sequence s at
 // position p is block_tables[s][p / block_size] * block_size + p % block_size.
+// The last pf_ctas CTAs of token row 0 instead ask L2 for the first pf_bytes of pf (the o projection's
+// weights): DRAM is all but idle during attention at small batch, and the next GEMV then finds part
+// of its stream in L2 (Forward's "prefetch" fusion).
 extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
                                          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                          const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
@@ -106,7 +109,16 @@ extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __r
                                          const int* __restrict__ positions, const int* __restrict__ cu_q_lens,
                                          const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens,
                                          const uint32_t* __restrict__ num_seqs, int nq, int nkv, int hd, int bs,
-                                         int mbps, float eps) {
+                                         int mbps, float eps, const char* __restrict__ pf, long long pf_bytes,
+                                         int pf_ctas) {
+  if ((int)blockIdx.y >= (int)gridDim.y - pf_ctas) {
+    if (blockIdx.x != 0) return;
+    const long long n = (long long)pf_ctas * blockDim.x;
+    for (long long off = ((blockIdx.y - (gridDim.y - pf_ctas)) * (long long)blockDim.x + threadIdx.x) * 128;
+         off < pf_bytes; off += n * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(pf + off));
+    return;
+  }
   const int t = blockIdx.x;
   if (t >= (int)*num_tokens) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -118,7 +130,7 @@ extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __r
   const bf16* row = qkv + (size_t)t * nh * hd;
   const float* ct = cos_tab + (size_t)pos * half;
   const float* st = sin_tab + (size_t)pos * half;
-  for (int h = blockIdx.y * nw + warp; h < nh; h += nw * gridDim.y) {
+  for (int h = blockIdx.y * nw + warp; h < nh; h += nw * (gridDim.y - pf_ctas)) {
     const bf16* src = row + (size_t)h * hd;
     if (h >= nq + nkv) {  // V head: plain copy into the cache
       bf16* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
@@ -261,17 +273,36 @@ GEMV(8, 4)
 //   F_SWIGLU_OUT: W is [gate; up] (N = 2I rows). Warps 0-3 of a CTA take gate rows, warps 4-7 the
 //                 matching up rows, and Y[t, j] = bf16(bf16(silu(bf16 g)) * bf16 u) ([NT, I], as swiglu).
 // Bucket rows past the live token count are computed on stale data and never read (as gemv_impl).
-enum { F_NORM_IN = 1, F_RESID_OUT = 2, F_SWIGLU_OUT = 4 };
+//   F_ASYNC:      (with F_NORM_IN) the prologue's loads are cp.async into shared memory: x, the norm
+//                 weight and the first GEMV_ASYNC_PF weight vectors of each row in one round trip, no
+//                 registers held; x is normalised in place.
+enum { F_NORM_IN = 1, F_RESID_OUT = 2, F_SWIGLU_OUT = 4, F_ASYNC = 8 };
 // Weight vectors per lane and row loaded before the norm prologue: 1 keeps the one-token kernels at
 // 32 registers (8 CTAs/SM, as gemv_impl); 2 or more spill there.
 constexpr int GEMV_PREFETCH = 1;
+// F_ASYNC: weight vectors per lane and row staged in shared memory (Forward.gemv_smem must match).
+template <int R>
+constexpr int gemv_async_pf() {
+  return R == 1 ? 2 : 1;
+}
+
+__device__ __forceinline__ void gemv_cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void gemv_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void gemv_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
 
 template <int NT, int R, int F>
 __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
                                                 const bf16* __restrict__ nw, bf16* __restrict__ Y, int N, int K,
                                                 float eps) {
-  constexpr bool NORM = F & F_NORM_IN, SWIGLU = F & F_SWIGLU_OUT;
-  constexpr int PF = NORM ? GEMV_PREFETCH : 0;
+  constexpr bool NORM = F & F_NORM_IN, SWIGLU = F & F_SWIGLU_OUT, ASYNC = (F & F_ASYNC) && NORM;
+  constexpr int PF = NORM && !ASYNC ? GEMV_PREFETCH : 0;
+  constexpr int APF = ASYNC ? gemv_async_pf<R>() : 0;
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   __shared__ float red[NT][32];
   __shared__ float up_s[NT][4 * R];
@@ -288,7 +319,60 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, cons
   }
   const bool live = n0 < row_end;
   bf16x8 wpre[PF > 0 ? PF : 1][R];
-  if constexpr (NORM) {
+  // F_ASYNC layout: x [NT, K], nw [K], staged weights [warp][APF][R][lane]
+  bf16* snw = sx + NT * K;
+  bf16x8* swp = reinterpret_cast<bf16x8*>(snw + K) + warp * (APF * R * 32);
+  if constexpr (ASYNC) {
+    for (int v = threadIdx.x; v < NT * K / 8; v += blockDim.x) gemv_cp_async16(sx + v * 8, X + v * 8);
+    for (int v = threadIdx.x; v < K / 8; v += blockDim.x) gemv_cp_async16(snw + v * 8, nw + v * 8);
+    gemv_cp_async_commit();
+#pragma unroll
+    for (int p = 0; p < APF; ++p)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int k = lane * 8 + p * 256;
+        if (live && k < K && n0 + r < row_end)
+          gemv_cp_async16(swp + (p * R + r) * 32 + lane, W + (size_t)(n0 + r) * K + k);
+      }
+    gemv_cp_async_commit();
+    gemv_cp_async_wait<1>();  // x and nw (this thread's copies); the weights may still be in flight
+    __syncthreads();
+    float ss[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) ss[t] = 0.f;
+    for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float x[8];
+        load8(sx + t * K + v * 8, x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss[t] += x[i] * x[i];
+      }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float s = warp_sum(ss[t]);
+      if (lane == 0) red[t][warp] = s;
+    }
+    __syncthreads();
+    float rs[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) rs[t] = rsqrtf(warp_sum(lane < (int)(blockDim.x >> 5) ? red[t][lane] : 0.f) / K + eps);
+    for (int v = threadIdx.x; v < K / 8; v += blockDim.x) {  // in place: a thread rewrites only its own vectors
+      float g[8];
+      load8(snw + v * 8, g);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float x[8];
+        load8(sx + t * K + v * 8, x);
+        bf16x8 o;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(x[i] * rs[t]));
+        *reinterpret_cast<bf16x8*>(sx + t * K + v * 8) = o;
+      }
+    }
+    gemv_cp_async_wait<0>();
+    __syncthreads();
+  } else if constexpr (NORM) {
 #pragma unroll
     for (int p = 0; p < PF; ++p)
 #pragma unroll
@@ -352,10 +436,20 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, cons
   };
   if (live) {
     int k = lane * 8;
-    if constexpr (NORM) {
+    if constexpr (PF > 0) {
 #pragma unroll
       for (int p = 0; p < PF; ++p, k += 256)
         if (k < K) step(wpre[p], k);
+    }
+    if constexpr (APF > 0) {
+#pragma unroll
+      for (int p = 0; p < APF; ++p, k += 256)
+        if (k < K) {
+          bf16x8 wv[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) wv[r] = swp[(p * R + r) * 32 + lane];
+          step(wv, k);
+        }
     }
 #pragma unroll 4
     for (; k < K; k += 256) {
@@ -415,6 +509,15 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, cons
   extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
       gemv_swiglu_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {     \
     gemv_fused_impl<NT, R, F_SWIGLU_OUT>(W, X, nw, Y, N, K, eps);                                              \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
+      gemv_norma_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {      \
+    gemv_fused_impl<NT, R, F_NORM_IN | F_ASYNC>(W, X, nw, Y, N, K, eps);                                       \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
+      gemv_norma_swiglu_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K,          \
+                              float eps) {                                                                     \
+    gemv_fused_impl<NT, R, F_NORM_IN | F_ASYNC | F_SWIGLU_OUT>(W, X, nw, Y, N, K, eps);                        \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
       gemv_resid_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {      \
