@@ -8,8 +8,10 @@ then stopped. Each point runs two phases:
       capacity (output tok/s). Every stream's first request leaves at t=0, so the p99 TTFT over all
       requests is the time to prefill that burst; "ttft_p99_steady_s" leaves the first wave out.
   open loop (--rate > 0): Poisson arrivals at --rate requests/s: TTFT under a fixed offered load.
-With --per-replica, --requests, --concurrency, --rate and --open-requests are per replica, so
-every point carries the same load per replica. CPU use of the frontends, engines and clients over
+With --per-replica, --requests, --concurrency, --rate and --open-requests are per replica: N
+replicas get N copies of one replica's requests (the same lengths, fresh prompt ids), interleaved,
+and N independent Poisson streams (the first one exactly the 1-replica arrivals), so every point
+carries the same work per replica; independent draws would differ in their heavy tails. CPU use of the frontends, engines and clients over
 each phase is recorded (cores).
 
     # here (no GPU): 2 emulated replicas on CPU (one BLAS thread each), lengths scaled down
@@ -57,11 +59,30 @@ PROMPT_LN = (5.2, 1.0)
 OUTPUT_LN = (5.3, 0.8)
 
 
-def sharegpt_like(n: int, vocab: int, max_context: int, scale: float, seed: int) -> list[tuple[list[int], int]]:
+def sharegpt_like(
+    n: int, vocab: int, max_context: int, scale: float, seed: int, copies: int = 1
+) -> list[tuple[list[int], int]]:
+    """n requests (prompt ids, output length), then `copies` - 1 more sets with the same lengths
+    and fresh prompt ids, interleaved: with one copy per replica, every point of a scale-out run
+    carries exactly the same work per replica (independent draws would differ in their tails)."""
     rng = np.random.default_rng(seed)
     p_len = np.clip((rng.lognormal(*PROMPT_LN, n) * scale).astype(int), 4, max_context // 2)
     o_len = np.clip((rng.lognormal(*OUTPUT_LN, n) * scale).astype(int), 4, max_context // 2 - 1)
-    return [(rng.integers(3, vocab, int(p)).tolist(), int(o)) for p, o in zip(p_len, o_len, strict=True)]
+    sets = [[(rng.integers(3, vocab, int(p)).tolist(), int(o)) for p, o in zip(p_len, o_len, strict=True)]]
+    for j in range(1, copies):
+        ids = np.random.default_rng([seed, j])
+        sets.append([(ids.integers(3, vocab, len(pr)).tolist(), o) for pr, o in sets[0]])
+    return [sets[j][i] for i in range(n) for j in range(copies)]
+
+
+def poisson_offsets(n: int, rate: float, seed: int, copies: int = 1) -> np.ndarray:
+    """Arrival times (s from the start) of the interleaved requests of sharegpt_like(n, copies=...):
+    copy j arrives as its own Poisson stream at `rate`, copy 0 exactly as a single replica's."""
+    out = np.empty(n * copies)
+    for j in range(copies):
+        gaps = np.random.default_rng(seed + 1 if j == 0 else [seed + 1, j]).exponential(1.0 / rate, n)
+        out[j::copies] = np.cumsum(gaps) - gaps[0]
+    return out
 
 
 async def _one(session, url: str, model: str, prompt: list[int], n_out: int) -> dict:
@@ -160,23 +181,23 @@ def drive(
     reqs: list[tuple[list[int], int]],
     concurrency: int,
     procs: int,
-    rate: float = 0.0,
-    seed: int = 0,
+    arrivals: np.ndarray | None = None,
     watch: dict[str, list[int]] | None = None,
+    rate: float = 0.0,
 ) -> dict:
-    """Send `reqs` from `procs` client processes. rate == 0: closed loop with `concurrency` streams
-    in all; rate > 0: open loop, Poisson arrivals at `rate` requests/s (concurrency unbounded).
+    """Send `reqs` from `procs` client processes. arrivals None: closed loop with `concurrency`
+    streams in all; else open loop, request i sent at arrivals[i] s (concurrency unbounded).
     `watch` maps a role to pids whose CPU use over the phase is reported (frontend, engines)."""
     import multiprocessing as mp
 
-    procs = max(1, min(procs, len(reqs), concurrency if not rate else len(reqs)))
+    procs = max(1, min(procs, len(reqs), concurrency if arrivals is None else len(reqs)))
     ctx = mp.get_context("spawn")  # no forked event loops or Ray state in the clients
-    if rate:
-        gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, len(reqs))
-        offsets = np.cumsum(gaps) - gaps[0]
-    else:
-        offsets = np.zeros(len(reqs))
-    streams = [0] * procs if rate else [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
+    offsets = arrivals if arrivals is not None else np.zeros(len(reqs))
+    streams = (
+        [0] * procs
+        if arrivals is not None
+        else [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
+    )
     t0 = time.monotonic() + 1.0 + 0.1 * procs  # the clients start together, after they have spawned
     tagged = [(i, p, n, float(t0 + off)) for i, ((p, n), off) in enumerate(zip(reqs, offsets, strict=True))]
     parts = [tagged[k::procs] for k in range(procs)]
@@ -209,14 +230,15 @@ def drive(
     errors = [r["error"] for r in records if "error" in r]
     tok = sum(r["tokens"] for r in ok)
     t_first = min((r["t_start"] for r in ok), default=t0)
-    wall = max((r["t_end"] for r in ok), default=t0) - (t0 if rate else t_first)
+    wall = max((r["t_end"] for r in ok), default=t0) - (t_first if arrivals is None else t0)
     steady = [r for r in ok if not r["first_wave"]]
 
     def pct(rs: list[dict], key: str, q: float) -> float:
         return float(np.percentile([r[key] for r in rs], q)) if rs else float("nan")
 
+    by_i = sorted(ok, key=lambda r: r["i"])
     return {
-        "mode": f"poisson {rate:g} req/s" if rate else f"closed loop, {concurrency} streams",
+        "mode": f"closed loop, {concurrency} streams" if arrivals is None else f"poisson {rate:g} req/s",
         "client_procs": procs,
         "requests": len(records),
         "errors": len(errors),
@@ -231,11 +253,15 @@ def drive(
         "ttft_p99_s": pct(ok, "ttft", 99),
         # closed loop: every stream's first request is sent at t=0, all at once; the p99 over all
         # requests is then the time to prefill that burst. "steady" leaves the first wave out.
-        "ttft_p99_steady_s": pct(steady, "ttft", 99) if not rate else pct(ok, "ttft", 99),
+        "ttft_p99_steady_s": pct(steady, "ttft", 99) if arrivals is None else pct(ok, "ttft", 99),
         "tpot_p50_s": pct(ok, "tpot", 50),
         "tpot_p99_s": pct(ok, "tpot", 99),
         "e2e_p50_s": pct(ok, "e2e", 50),
         "cpu_cores_used": {**cpu_use, "clients_total": round(client_cpu / (w1 - w0), 3)},
+        # per request, in request order: [prompt tokens, output tokens, TTFT ms, end-to-end s]
+        "per_request": [
+            [len(reqs[r["i"]][0]), r["tokens"], round(r["ttft"] * 1e3, 2), round(r["e2e"], 3)] for r in by_i
+        ],
     }
 
 
@@ -454,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in counts:
             k = n if a.per_replica else 1
-            n_req, streams, rate, n_open = a.requests * k, a.concurrency * k, a.rate * k, a.open_requests * k
+            streams = a.concurrency * k
             procs = a.client_procs or max(1, min(8, -(-streams // 32)))
             cfg = config(a, n)
             load0 = os.getloadavg()[0]
@@ -466,13 +492,16 @@ def main(argv: list[str] | None = None) -> int:
                 with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
                     card = json.loads(r.read())["data"][0]
                 vocab, ctx = _vocab(a.model), card["max_model_len"]
-                reqs = sharegpt_like(n_req, vocab, ctx, a.scale, a.seed)
+                # --per-replica: k copies of one replica's load (same lengths, fresh prompt ids)
+                reqs = sharegpt_like(a.requests, vocab, ctx, a.scale, a.seed, copies=k)
                 watch = launcher.pids()
                 drive(url, card["id"], reqs[: max(4, streams)], streams, procs)  # warm-up
                 res = drive(url, card["id"], reqs, streams, procs, watch=watch)
-                if rate:
-                    open_reqs = sharegpt_like(n_open or n_req, vocab, ctx, a.scale, a.seed + 1000)
-                    res["poisson"] = drive(url, card["id"], open_reqs, streams, procs, rate, a.seed, watch)
+                if a.rate:
+                    n_open = a.open_requests or a.requests
+                    open_reqs = sharegpt_like(n_open, vocab, ctx, a.scale, a.seed + 1000, copies=k)
+                    arrivals = poisson_offsets(n_open, a.rate, a.seed, copies=k)
+                    res["poisson"] = drive(url, card["id"], open_reqs, streams, procs, arrivals, watch, a.rate * k)
                 devices, routed = launcher.status()
                 res.update(replicas=n, deploy_s=start_s, loadavg_1m_start=load0, devices=devices, routed=routed)
             finally:
