@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--replicas", dest="deploy.replicas", type=int, help="with --ray: data-parallel replicas (0 = one per GPU)"
     )
+    s.add_argument(
+        "--frontends",
+        dest="deploy.frontends",
+        type=int,
+        help="with --ray: frontend processes on the one port (like vLLM's --api-server-count; 0 = one per replica)",
+    )
 
     g = sub.add_parser("generate", help="print one completion (same stack, no HTTP)")
     _add_stack_flags(g)
@@ -86,9 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve" and args.ray:  # the config may carry a [deploy] section: parsed there
         return _ray_serve(args)
-    if getattr(args, "deploy.replicas", None) is not None:
-        print("blink serve: --replicas needs --ray", file=sys.stderr)
-        return 2
+    for flag in ("replicas", "frontends"):
+        if getattr(args, f"deploy.{flag}", None) is not None:
+            print(f"blink serve: --{flag} needs --ray", file=sys.stderr)
+            return 2
     try:
         if args.command == "pull":
             return _pull(args)

@@ -43,3 +43,12 @@ def test_cli_rejects_unknown_pull_target_and_bad_flags():
         [sys.executable, "-m", "blink.cli", "serve", "--device", "tpu"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "--device" in r.stderr
+    for flag in ("--replicas", "--frontends"):
+        r = subprocess.run(
+            [sys.executable, "-m", "blink.cli", "serve", flag, "2"], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 2 and f"{flag} needs --ray" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "blink.cli", "deploy", "--frontends", "-3"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "deploy.frontends" in r.stderr

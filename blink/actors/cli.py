@@ -1,6 +1,6 @@
 """`blink deploy | status | stop` (a running Ray cluster) and `blink serve --ray` (embedded local Ray).
 
-    blink deploy [--config FILE] [--address auto] [--replicas N] [--name NAME]
+    blink deploy [--config FILE] [--address auto] [--replicas N] [--frontends F] [--name NAME]
     blink status [--config FILE] [--address auto] [--json]
     blink stop   [--config FILE] [--address auto]
 
@@ -26,6 +26,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     dep: dict[str, Any] = {}
     if getattr(args, "replicas", None) is not None:
         dep["replicas"] = args.replicas
+    if getattr(args, "frontends", None) is not None:
+        dep["frontends"] = args.frontends
     if getattr(args, "name", None) is not None:
         dep["name"] = args.name
     if getattr(args, "namespace", None) is not None:
@@ -54,6 +56,11 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--namespace", help="Ray namespace (overrides deploy.namespace)")
         if name == "deploy":
             p.add_argument("--replicas", type=int, help="GPU actors; 0 = one per GPU (overrides deploy.replicas)")
+            p.add_argument(
+                "--frontends",
+                type=int,
+                help="frontend processes on the one port (like vLLM's --api-server-count); 0 = one per replica",
+            )
         if name == "status":
             p.add_argument("--json", action="store_true", help="print JSON")
     return ap
@@ -92,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_status(st))
         return 0 if st["frontend"] is not None or st["replicas"] else 3
     st = deploy.stop(cfg)
-    print(
-        f"stopped {cfg.name!r}: frontends={st['frontends']} replicas={st['replicas']} pg={st['placement_group']}"
-    )
+    print(f"stopped {cfg.name!r}: frontends={st['frontends']} replicas={st['replicas']} pg={st['placement_group']}")
     return 0
 
 
