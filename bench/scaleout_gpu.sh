@@ -9,6 +9,7 @@
 #                                                 # .carry/ray2 = the rest + Ray's dependencies
 #   call 1: carry [build/kernels, .whl, .carry/ray1]
 #           BLINK_COMMIT=<sha> bash bench/scaleout_gpu.sh part1   # keeps part 1 in /tmp; procs launcher run
+#           (or `stash`: keeps part 1 and runs nothing)
 #   call 2: (within the 30 s the machine stays warm) carry [build/kernels, .whl, .carry/ray2]
 #           BLINK_COMMIT=<sha> bash bench/scaleout_gpu.sh part2   # joins, checks sha256, installs Ray; Ray run
 # Results: $OUT/scaleout-{procs,ray}.json and .log. LOAD overrides the load arguments below.
@@ -55,6 +56,9 @@ split)
   find .carry/raywhl -name '*.whl' ! -name "$RAY_WHEEL" -exec cp {} .carry/ray2/ \;
   du -sh .carry/ray1 .carry/ray2
   ;;
+stash)  # part 1 of the wheel only (call 1 then has room for other work)
+  mkdir -p "$STASH" && cp .carry/ray1/ray.part1 "$STASH/" && echo "ray part 1 kept in $STASH"
+  ;;
 part1)
   mkdir -p "$STASH" && cp .carry/ray1/ray.part1 "$STASH/" || exit 1
   install_wheels .whl/*.whl
@@ -72,7 +76,7 @@ part2)
   run_bench ray
   ;;
 *)
-  echo "usage: $0 split|part1|part2" >&2
+  echo "usage: $0 split|stash|part1|part2" >&2
   exit 2
   ;;
 esac
