@@ -49,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--compare-fusion", default="", help='other gemv fusions timed as rows, ";"-separated ("none;all")')
     ap.add_argument("--gemv-max-tokens", type=int, default=0, help="EngineConfig.gemv_max_tokens (0: its default)")
-    ap.add_argument("--l2-prefetch-mb", type=int, default=-1, help="the \"prefetch\" fusion's size (-1: Forward's)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
@@ -81,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         if v not in DECODE_VARIANTS:
             raise SystemExit(f"unknown decode attention variant {v!r} (known: {DECODE_VARIANTS})")
     eng = Engine.create(cfg, ecfg)
-    if a.l2_prefetch_mb >= 0:
-        eng.fwd.l2_prefetch_bytes = a.l2_prefetch_mb << 20
     rep = eng.capture(decode=True, prefill=False)
     bw = copy_bandwidth()
     weight_bytes = eng.weights.bytes_per_step
@@ -184,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         "context": ctx,
         "gemv_fusion": ",".join(sorted(eng.fwd.gemv_fusion)) or "none",
         "gemv_max_tokens": ecfg.gemv_max_tokens,
-        "l2_prefetch_bytes": eng.fwd.l2_prefetch_bytes,
         "weight_bytes": weight_bytes,
         "copy_bandwidth": bw,
         "capture": {

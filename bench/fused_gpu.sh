@@ -9,7 +9,7 @@
 #                          1, 2, 3, 8 (GEMV path, prefill+decode mix), vs the numpy reference (small
 #                          shapes); tests_on also compares fused and unfused graphs on one KV cache
 #   decode_on              bench/decode.py, engine fused ("all"), batches 1, 8, 64; the same process
-#                          also times "none", "norm" and "swiglu" (rows fusion_<spec>) for an A/B
+#                          also times "none", "norm,swiglu", "norm", "swiglu", "rope" (rows fusion_<spec>)
 #   decode_off             the same with the engine unfused (a fallback if decode_on faults)
 #   decode_gemv8           GEMV path for batches 1-8 (gemv_max_tokens 8), fused vs none vs cuBLAS
 set -uo pipefail
@@ -59,7 +59,7 @@ PT="$PY -m pytest -q -p no:cacheprovider --timeout 100 -rA -s tests/gpu/test_eng
 DEC="$PY bench/decode.py --commit $COMMIT --variants flashq --compare-cublas= --iters 50"
 has tests_on && part tests_on 110 $PT -k fusion_on
 has decode_on && part decode_on 60 $DEC --batches 1,8,64 --breakdown 1 --gemv-fusion all \
-  --compare-fusion "none;norm;swiglu" --out "$OUT/decode_on.json"
+  --compare-fusion "none;norm,swiglu;norm;swiglu;rope" --out "$OUT/decode_on.json"
 has tests_off && part tests_off 90 $PT -k fusion_off
 has decode_off && part decode_off 45 $DEC --batches 1,8,64 --breakdown 1 --gemv-fusion none --out "$OUT/decode_off.json"
 has decode_gemv8 && part decode_gemv8 45 $DEC --batches 1,2,4,8 --breakdown= --gemv-max-tokens 8 --gemv-fusion all \

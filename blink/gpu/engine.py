@@ -123,9 +123,10 @@ class EngineConfig:
     decode_attention: str = ""
     """One decode attention variant for every bucket, overriding decode_attention_table ("" = the table)."""
     gemv_fusion: str = ""
-    """Kernels folded into the decode GEMVs (buckets <= gemv_max_tokens): "none", "norm" (residual add
-    and RMSNorm into the projections), "swiglu" (SwiGLU into gate_up), "all" or "norm,swiglu";
-    "" = DEFAULT_GEMV_FUSION. Prefill and cuBLAS steps never fuse."""
+    """Kernels folded into the decode GEMVs (buckets <= gemv_max_tokens): "none", "all" or a comma
+    list of "norm" (residual add and RMSNorm into the projections), "swiglu" (SwiGLU into gate_up),
+    "rope" (RoPE + KV write into qkv; not with qk-norm); "" = DEFAULT_GEMV_FUSION. Prefill and
+    cuBLAS steps never fuse (forward.py's docstring)."""
     prefill_attention: str = "rego"
     """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
     memory, K/V prefetched). H200 (bench/results/prefill_h200_run4.json): 4k prompt 160.7 vs 181.5 ms."""

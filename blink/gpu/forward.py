@@ -20,9 +20,9 @@ GEMV fusions (set_gemv_fusion; only in steps whose projections use the GEMV, i.e
               shared memory): no add_rmsnorm launches.
     "swiglu": the gate_up GEMV pairs gate and up rows in one CTA and writes act = swiglu(gate, up):
               no swiglu launch, no gate_up round trip.
-    "async":  (with "norm") the norm prologue's loads are cp.async into shared memory (gemv_norma_*).
-    "prefetch": rope_kv_write asks L2 for the first l2_prefetch_bytes of the o projection's weights
-              (DRAM is all but idle during attention at small batch); values are unchanged.
+    "rope":   the qkv GEMV pairs rows j and j + hd/2 of a head and finishes rope_kv_write's work
+              (RoPE'd q, RoPE'd k and v into the KV cache): no rope_kv_write launch, no qkv round
+              trip. Models with qk-norm (Qwen3) keep rope_kv_write.
 Both give the unfused path's bf16 values (same rounding points and summation orders).
 """
 
@@ -54,9 +54,29 @@ PREFILL_TILE = 64
 DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8")
 FLASH_VARIANTS = {"flash": (4, 3, 0), "flash8": (8, 2, 0), "flashq": (4, 3, 4), "flashq8": (8, 2, 3)}
 FLASH_WARPS = 4
-GEMV_FUSIONS = ("norm", "swiglu", "prefetch", "async")
-GEMV_ASYNC_PF = {1: 2, 2: 1, 4: 1, 8: 1}  # gemv_async_pf<R> in model_kernels.cu, by bucket
-PREFETCH_CTAS = 8  # CTAs of rope_kv_write that issue the o projection's L2 prefetch
+GEMV_FUSIONS = ("norm", "swiglu", "rope")
+
+
+class RopeArgs(ctypes.Structure):
+    """struct RopeArgs of model_kernels.cu (the rope-fused qkv GEMV's by-value parameter)."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "q_out",
+            "k_cache",
+            "v_cache",
+            "cos_tab",
+            "sin_tab",
+            "positions",
+            "cu_q_lens",
+            "block_tables",
+            "num_tokens",
+            "num_seqs",
+        )
+    ] + [(name, ctypes.c_int) for name in ("nq", "nkv", "hd", "bs", "mbps")]
+
+
 GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
 
 
@@ -248,12 +268,15 @@ class Forward:
             if self.flash_smem[v]:
                 driver.set_max_dynamic_smem(self.decode_kernels[v], self.flash_smem[v])
         for nt in GEMV_BUCKETS:
-            for kind in ("norm", "norm_swiglu", "norma", "norma_swiglu"):
+            for kind in ("norm", "norm_swiglu"):
                 smem = self.gemv_smem(kind, nt, c.hidden_size)
                 if smem <= GEMV_NORM_SMEM_MAX:
                     driver.set_max_dynamic_smem(kernels[f"gemv_{kind}_t{nt}"], smem)
+        for nt in GEMV_BUCKETS:
+            smem = self.gemv_smem("norm_rope", nt, c.hidden_size)
+            if smem <= GEMV_NORM_SMEM_MAX:
+                driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
         self.gemv_fusion: frozenset[str] = frozenset()
-        self.l2_prefetch_bytes = 24 << 20
         self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
         self._decode_override: str | None = None
         self.gemv_max_tokens = 1
@@ -285,8 +308,10 @@ class Forward:
         if not self.uses_gemv(T, use_gemv):
             return frozenset()
         out = set(self.gemv_fusion)
-        if self.gemv_smem("norma" if "async" in out else "norm", T, self.c.hidden_size) > GEMV_NORM_SMEM_MAX:
+        if self.gemv_smem("norm", T, self.c.hidden_size) > GEMV_NORM_SMEM_MAX:
             out.discard("norm")
+        if self.w.layers[0].q_norm is not None or (self.c.head_dim // 2) % GEMV_ROWS_PER_WARP[T]:
+            out.discard("rope")  # qk-norm needs whole heads; a warp's rows must stay in one head
         return frozenset(out)
 
     def set_decode_table(self, table: tuple[tuple[int, str], ...]) -> None:
@@ -353,8 +378,6 @@ class Forward:
     @staticmethod
     def gemv_smem(kind: str, T: int, k: int) -> int:
         """Dynamic shared memory of gemv_<kind>_t<T> over k inputs (model_kernels.cu)."""
-        if kind.startswith("norma"):  # x, the norm weight, staged weight vectors of 8 warps
-            return T * k * 2 + k * 2 + 8 * GEMV_ASYNC_PF[T] * GEMV_ROWS_PER_WARP[T] * 32 * 16
         return T * k * 2 if kind.startswith("norm") else 0
 
     def fused_linear(self, kind: str, x: object, w: object, y: object, T: int, stream: int, nw: object = None) -> None:
@@ -362,19 +385,42 @@ class Forward:
         with nw), "norm_swiglu", "swiglu" (y = act) or "resid" (y = resid, added into)."""
         n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]
         r = GEMV_ROWS_PER_WARP[T]
-        swiglu = kind.endswith("swiglu")
-        grid = -(-(n_out // 2) // (4 * r)) if swiglu else -(-n_out // (8 * r))
-        if kind.startswith("norm") and "async" in self.gemv_fusion:
-            kind = "norma" + kind[4:]
+        pairs = kind.endswith(("swiglu", "rope"))
+        grid = -(-(n_out // 2) // (4 * r)) if pairs else -(-n_out // (8 * r))
         smem = self.gemv_smem(kind, T, k)
         self._launch(
             f"gemv_{kind}_t{T}",
             (grid, 1, 1),
             (256, 1, 1),
-            [self._p(w), self._p(x), self._p(nw) if nw is not None else P(0), self._p(y), I32(n_out), I32(k)]
-            + [F32(self.c.rms_eps)],
+            [
+                self._p(w),
+                self._p(x),
+                self._p(nw) if nw is not None else P(0),
+                y if kind.endswith("rope") else self._p(y),
+            ]
+            + [I32(n_out), I32(k), F32(self.c.rms_eps)],
             stream,
             smem=smem,
+        )
+
+    def rope_args(self, kc: int, vc: int) -> RopeArgs:
+        c, d, a = self.c, self.d, self.arena.ptr
+        return RopeArgs(
+            int(self.q.data.ptr),  # type: ignore[attr-defined]
+            kc,
+            vc,
+            int(self.cos.data.ptr),  # type: ignore[attr-defined]
+            int(self.sin.data.ptr),  # type: ignore[attr-defined]
+            a["positions"],
+            a["cu_q_lens"],
+            a["block_tables"],
+            a["num_tokens"],
+            a["num_seqs"],
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            d.block_size,
+            d.max_blocks_per_seq,
         )
 
     def record(
@@ -451,10 +497,13 @@ class Forward:
             stream,
         )
         fuse = self.fusions_for(T, use_gemv)
-        fuse_norm, fuse_swiglu = "norm" in fuse, "swiglu" in fuse
+        fuse_norm, fuse_swiglu, fuse_rope = "norm" in fuse, "swiglu" in fuse, "rope" in fuse
         for li, lw in enumerate(self.w.layers):
+            kc = int(self.kv.data.ptr) + li * self.kv_layer_stride
+            vc = kc + self.kv_half
             if fuse_norm:
-                self.fused_linear("norm", self.resid, lw.qkv, self.qkv, T, stream, nw=lw.attn_norm)
+                kind, y = ("norm_rope", self.rope_args(kc, vc)) if fuse_rope else ("norm", self.qkv)
+                self.fused_linear(kind, self.resid, lw.qkv, y, T, stream, nw=lw.attn_norm)
             else:
                 delta = P(0) if li == 0 else self._p(self.delta)
                 self._launch(
@@ -464,41 +513,38 @@ class Forward:
                     [self._p(self.resid), delta, self._p(lw.attn_norm), self._p(self.hid), nt, I32(H), eps],
                     stream,
                 )
-                self.linear(self.hid, lw.qkv, self.qkv, T, stream, use_gemv=use_gemv)
-            kc = int(self.kv.data.ptr) + li * self.kv_layer_stride
-            vc = kc + self.kv_half
-            pf_ctas = PREFETCH_CTAS if "prefetch" in fuse else 0
-            pf_bytes = min(self.l2_prefetch_bytes, int(lw.o.nbytes)) if pf_ctas else 0
-            self._launch(
-                "rope_kv_write",
-                (T, -(-(c.num_heads + 2 * c.num_kv_heads) // 8) + pf_ctas, 1),
-                (256, 1, 1),
-                [
-                    self._p(self.qkv),
-                    self._p(self.q),
-                    P(kc),
-                    P(vc),
-                    self._p(lw.q_norm) if lw.q_norm is not None else P(0),
-                    self._p(lw.k_norm) if lw.k_norm is not None else P(0),
-                    self._p(self.cos),
-                    self._p(self.sin),
-                    P(a["positions"]),
-                    P(a["cu_q_lens"]),
-                    P(a["block_tables"]),
-                    nt,
-                    ns,
-                    I32(c.num_heads),
-                    I32(c.num_kv_heads),
-                    I32(hd),
-                    I32(d.block_size),
-                    I32(d.max_blocks_per_seq),
-                    eps,
-                    self._p(lw.o),
-                    ctypes.c_longlong(pf_bytes),
-                    I32(pf_ctas),
-                ],
-                stream,
-            )
+                if fuse_rope:
+                    self.fused_linear("rope", self.hid, lw.qkv, self.rope_args(kc, vc), T, stream)
+                else:
+                    self.linear(self.hid, lw.qkv, self.qkv, T, stream, use_gemv=use_gemv)
+            if not fuse_rope:
+                self._launch(
+                    "rope_kv_write",
+                    (T, -(-(c.num_heads + 2 * c.num_kv_heads) // 8), 1),
+                    (256, 1, 1),
+                    [
+                        self._p(self.qkv),
+                        self._p(self.q),
+                        P(kc),
+                        P(vc),
+                        self._p(lw.q_norm) if lw.q_norm is not None else P(0),
+                        self._p(lw.k_norm) if lw.k_norm is not None else P(0),
+                        self._p(self.cos),
+                        self._p(self.sin),
+                        P(a["positions"]),
+                        P(a["cu_q_lens"]),
+                        P(a["block_tables"]),
+                        nt,
+                        ns,
+                        I32(c.num_heads),
+                        I32(c.num_kv_heads),
+                        I32(hd),
+                        I32(d.block_size),
+                        I32(d.max_blocks_per_seq),
+                        eps,
+                    ],
+                    stream,
+                )
             variant = self.decode_variant(S) if decode else ""
             if variant in FLASH_VARIANTS:
                 self._record_flash(stream, S, variant, kc, vc, scale_log2)

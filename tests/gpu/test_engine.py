@@ -397,14 +397,14 @@ def test_gemv_fusion_matches_unfused(n):
     bucket = eng.batch_buckets[int(np.searchsorted(eng.batch_buckets, n))]
     b = drv.step([(s, [int(rng.integers(0, cfg.vocab_size))]) for s in range(n)])
     out = {}
-    for f in ("all", "none", "norm", "norm,async", "swiglu", "prefetch"):
+    for f in ("all", "none", "norm", "swiglu", "rope", "norm,rope"):
         eng.fwd.set_gemv_fusion(parse_gemv_fusion(f))
         execs = eng.capture_variant(bucket, bucket, True)
         assert eng.load_step(b)
         eng.arena.upload(eng.s, b.num_seqs)
         eng.driver.graph_launch(execs[0], eng.s)
         out[f] = eng.logits(b.num_seqs)
-    for f in ("all", "norm", "norm,async", "swiglu", "prefetch"):
+    for f in ("all", "norm", "swiglu", "rope", "norm,rope"):
         err = rel_err(out[f], out["none"])
         same = bool(np.array_equal(out[f], out["none"]))
         print(f"batch {n}: fusion {f} vs none: rel err {err:.2e}, bitwise equal {same}")

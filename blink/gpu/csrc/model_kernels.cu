@@ -96,12 +96,9 @@ extern "C" __global__ void final_norm_gather(const bf16* __restrict__ residual, 
   }
 }
 
-// Grid (token, head group [+ pf_ctas]): a warp per head. Q heads: [qk-norm], RoPE -> q_out. K heads:
+// Grid (token, head group): a warp per head. Q heads: [qk-norm], RoPE -> q_out. K heads:
 // [qk-norm], RoPE -> k cache slot. V heads -> v cache slot. The slot of token t of sequence s at
 // position p is block_tables[s][p / block_size] * block_size + p % block_size.
-// The last pf_ctas CTAs of token row 0 instead ask L2 for the first pf_bytes of pf (the o projection's
-// weights): DRAM is all but idle during attention at small batch, and the next GEMV then finds part
-// of its stream in L2 (Forward's "prefetch" fusion).
 extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
                                          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                          const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
@@ -109,16 +106,7 @@ extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __r
                                          const int* __restrict__ positions, const int* __restrict__ cu_q_lens,
                                          const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens,
                                          const uint32_t* __restrict__ num_seqs, int nq, int nkv, int hd, int bs,
-                                         int mbps, float eps, const char* __restrict__ pf, long long pf_bytes,
-                                         int pf_ctas) {
-  if ((int)blockIdx.y >= (int)gridDim.y - pf_ctas) {
-    if (blockIdx.x != 0) return;
-    const long long n = (long long)pf_ctas * blockDim.x;
-    for (long long off = ((blockIdx.y - (gridDim.y - pf_ctas)) * (long long)blockDim.x + threadIdx.x) * 128;
-         off < pf_bytes; off += n * 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(pf + off));
-    return;
-  }
+                                         int mbps, float eps) {
   const int t = blockIdx.x;
   if (t >= (int)*num_tokens) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -130,7 +118,7 @@ extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __r
   const bf16* row = qkv + (size_t)t * nh * hd;
   const float* ct = cos_tab + (size_t)pos * half;
   const float* st = sin_tab + (size_t)pos * half;
-  for (int h = blockIdx.y * nw + warp; h < nh; h += nw * (gridDim.y - pf_ctas)) {
+  for (int h = blockIdx.y * nw + warp; h < nh; h += nw * gridDim.y) {
     const bf16* src = row + (size_t)h * hd;
     if (h >= nq + nkv) {  // V head: plain copy into the cache
       bf16* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
@@ -266,113 +254,81 @@ GEMV(8, 4)
 // summation order), with the small kernels around the projections folded in:
 //   F_NORM_IN:    X is the residual stream [NT, K] and nw the RMSNorm weight: each CTA first writes
 //                 rmsnorm(X[t]) * nw to shared memory with add_rmsnorm's loop order and reduction
-//                 (the same bf16 values), then streams W against it. The first weight vectors of its rows
-//                 are loaded before that prologue, so the weight stream starts at once.
+//                 (the same bf16 values), then streams W against it. The first weight vectors of its
+//                 rows are loaded before that prologue, so the weight stream starts at once.
 //   F_RESID_OUT:  Y is the residual stream: Y[t, n] = bf16(Y[t, n] + bf16(acc)), add_rmsnorm's add.
 //                 Each element is read and written by one warp only: no race with other CTAs.
 //   F_SWIGLU_OUT: W is [gate; up] (N = 2I rows). Warps 0-3 of a CTA take gate rows, warps 4-7 the
 //                 matching up rows, and Y[t, j] = bf16(bf16(silu(bf16 g)) * bf16 u) ([NT, I], as swiglu).
-// Bucket rows past the live token count are computed on stale data and never read (as gemv_impl).
-//   F_ASYNC:      (with F_NORM_IN) the prologue's loads are cp.async into shared memory: x, the norm
-//                 weight and the first GEMV_ASYNC_PF weight vectors of each row in one round trip, no
-//                 registers held; x is normalised in place.
-enum { F_NORM_IN = 1, F_RESID_OUT = 2, F_SWIGLU_OUT = 4, F_ASYNC = 8 };
+//   F_ROPE_OUT:   W is the fused qkv projection (heads of hd rows). Warps 0-3 take rows j of a head,
+//                 warps 4-7 rows j + hd/2, and the pair is finished as rope_kv_write does it without
+//                 qk-norm: RoPE'd q -> q_out, RoPE'd k and plain v -> the KV cache slot of the token.
+//                 Tokens past *num_tokens write nothing (their block table rows may be stale).
+// Other bucket rows past the live token count are computed on stale data and never read.
+enum { F_NORM_IN = 1, F_RESID_OUT = 2, F_SWIGLU_OUT = 4, F_ROPE_OUT = 8 };
 // Weight vectors per lane and row loaded before the norm prologue: 1 keeps the one-token kernels at
 // 32 registers (8 CTAs/SM, as gemv_impl); 2 or more spill there.
 constexpr int GEMV_PREFETCH = 1;
-// F_ASYNC: weight vectors per lane and row staged in shared memory (Forward.gemv_smem must match).
-template <int R>
-constexpr int gemv_async_pf() {
-  return R == 1 ? 2 : 1;
-}
 
-__device__ __forceinline__ void gemv_cp_async16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void gemv_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void gemv_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-}
+// F_ROPE_OUT's destinations and token data (a by-value kernel parameter; RopeArgs in forward.py).
+struct RopeArgs {
+  bf16* q_out;
+  bf16* k_cache;
+  bf16* v_cache;
+  const float* cos_tab;
+  const float* sin_tab;
+  const int* positions;
+  const int* cu_q_lens;
+  const int* block_tables;
+  const uint32_t* num_tokens;
+  const uint32_t* num_seqs;
+  int nq, nkv, hd, bs, mbps;
+};
 
 template <int NT, int R, int F>
 __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
                                                 const bf16* __restrict__ nw, bf16* __restrict__ Y, int N, int K,
-                                                float eps) {
-  constexpr bool NORM = F & F_NORM_IN, SWIGLU = F & F_SWIGLU_OUT, ASYNC = (F & F_ASYNC) && NORM;
-  constexpr int PF = NORM && !ASYNC ? GEMV_PREFETCH : 0;
-  constexpr int APF = ASYNC ? gemv_async_pf<R>() : 0;
+                                                float eps, const RopeArgs& ra) {
+  constexpr bool NORM = F & F_NORM_IN, SWIGLU = F & F_SWIGLU_OUT, ROPE = F & F_ROPE_OUT, PAIRS = SWIGLU || ROPE;
+  constexpr int PF = NORM ? GEMV_PREFETCH : 0;
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   __shared__ float red[NT][32];
-  __shared__ float up_s[NT][4 * R];
+  __shared__ float hi_s[NT][4 * R];
+  __shared__ long long tok_slot[NT];  // F_ROPE_OUT: KV slot of each bucket token, -1 past the live count
+  __shared__ int tok_pos[NT];
   bf16* sx = reinterpret_cast<bf16*>(gemv_smem);  // F_NORM_IN: normalised x [NT, K]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // PAIRS: pair p (of N / 2) is rows lo(p), hi(p); this warp takes R consecutive pairs from p0.
+  const int p0 = (blockIdx.x * 4 + (warp & 3)) * R;
   int n0, row_end;
   if constexpr (SWIGLU) {
-    const int I = N / 2;
-    n0 = (warp >> 2) * I + (blockIdx.x * 4 + (warp & 3)) * R;
-    row_end = (warp >> 2) * I + I;
+    n0 = (warp >> 2) * (N / 2) + p0;
+    row_end = (warp >> 2) * (N / 2) + N / 2;
+  } else if constexpr (ROPE) {  // hd / 2 is a multiple of R: the R pairs share one head
+    const int half = ra.hd / 2;
+    n0 = (p0 / half) * ra.hd + p0 % half + (warp >> 2) * half;
+    row_end = p0 < N / 2 ? N : 0;
   } else {
     n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
     row_end = N;
   }
   const bool live = n0 < row_end;
+  if constexpr (ROPE) {
+    if (threadIdx.x < NT) {
+      const int t = threadIdx.x;
+      long long slot = -1;
+      int pos = 0;
+      if (t < (int)*ra.num_tokens) {
+        pos = ra.positions[t];
+        const int s = seq_of_token(ra.cu_q_lens, (int)*ra.num_seqs, t);
+        slot = (long long)ra.block_tables[(size_t)s * ra.mbps + pos / ra.bs] * ra.bs + pos % ra.bs;
+      }
+      tok_slot[t] = slot;
+      tok_pos[t] = pos;
+    }
+  }
   bf16x8 wpre[PF > 0 ? PF : 1][R];
-  // F_ASYNC layout: x [NT, K], nw [K], staged weights [warp][APF][R][lane]
-  bf16* snw = sx + NT * K;
-  bf16x8* swp = reinterpret_cast<bf16x8*>(snw + K) + warp * (APF * R * 32);
-  if constexpr (ASYNC) {
-    for (int v = threadIdx.x; v < NT * K / 8; v += blockDim.x) gemv_cp_async16(sx + v * 8, X + v * 8);
-    for (int v = threadIdx.x; v < K / 8; v += blockDim.x) gemv_cp_async16(snw + v * 8, nw + v * 8);
-    gemv_cp_async_commit();
-#pragma unroll
-    for (int p = 0; p < APF; ++p)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int k = lane * 8 + p * 256;
-        if (live && k < K && n0 + r < row_end)
-          gemv_cp_async16(swp + (p * R + r) * 32 + lane, W + (size_t)(n0 + r) * K + k);
-      }
-    gemv_cp_async_commit();
-    gemv_cp_async_wait<1>();  // x and nw (this thread's copies); the weights may still be in flight
-    __syncthreads();
-    float ss[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) ss[t] = 0.f;
-    for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        float x[8];
-        load8(sx + t * K + v * 8, x);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ss[t] += x[i] * x[i];
-      }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const float s = warp_sum(ss[t]);
-      if (lane == 0) red[t][warp] = s;
-    }
-    __syncthreads();
-    float rs[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) rs[t] = rsqrtf(warp_sum(lane < (int)(blockDim.x >> 5) ? red[t][lane] : 0.f) / K + eps);
-    for (int v = threadIdx.x; v < K / 8; v += blockDim.x) {  // in place: a thread rewrites only its own vectors
-      float g[8];
-      load8(snw + v * 8, g);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        float x[8];
-        load8(sx + t * K + v * 8, x);
-        bf16x8 o;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(x[i] * rs[t]));
-        *reinterpret_cast<bf16x8*>(sx + t * K + v * 8) = o;
-      }
-    }
-    gemv_cp_async_wait<0>();
-    __syncthreads();
-  } else if constexpr (NORM) {
+  if constexpr (NORM) {
 #pragma unroll
     for (int p = 0; p < PF; ++p)
 #pragma unroll
@@ -441,16 +397,6 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, cons
       for (int p = 0; p < PF; ++p, k += 256)
         if (k < K) step(wpre[p], k);
     }
-    if constexpr (APF > 0) {
-#pragma unroll
-      for (int p = 0; p < APF; ++p, k += 256)
-        if (k < K) {
-          bf16x8 wv[R];
-#pragma unroll
-          for (int r = 0; r < R; ++r) wv[r] = swp[(p * R + r) * 32 + lane];
-          step(wv, k);
-        }
-    }
 #pragma unroll 4
     for (; k < K; k += 256) {
       bf16x8 wv[R];
@@ -464,24 +410,53 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, cons
   for (int t = 0; t < NT; ++t)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[t][r] = warp_sum(acc[t][r]);
-  if constexpr (SWIGLU) {
-    const int I = N / 2;
+  if constexpr (PAIRS) {
     if (warp >= 4 && lane == 0)
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int r = 0; r < R; ++r) up_s[t][(warp & 3) * R + r] = acc[t][r];
+        for (int r = 0; r < R; ++r) hi_s[t][(warp & 3) * R + r] = acc[t][r];
     __syncthreads();
-    if (warp < 4 && lane == 0 && live)
+    if (warp < 4 && lane == 0 && live) {
+      if constexpr (SWIGLU) {
+        const int I = N / 2;
 #pragma unroll
-      for (int t = 0; t < NT; ++t)
+        for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-          if (n0 + r < I) {
-            const float g = rbf(acc[t][r]), u = rbf(up_s[t][(warp & 3) * R + r]);
-            const float sg = rbf(g / (1.f + expf(-g)));
-            Y[(size_t)t * I + n0 + r] = tobf(sg * u);
+          for (int r = 0; r < R; ++r)
+            if (n0 + r < I) {
+              const float g = rbf(acc[t][r]), u = rbf(hi_s[t][(warp & 3) * R + r]);
+              const float sg = rbf(g / (1.f + expf(-g)));
+              Y[(size_t)t * I + n0 + r] = tobf(sg * u);
+            }
+      } else {
+        const int hd = ra.hd, half = hd / 2, head = n0 / hd, f0 = n0 % hd;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const long long slot = tok_slot[t];
+          if (slot < 0) continue;
+          bf16* dst;
+          if (head < ra.nq) dst = ra.q_out + ((size_t)t * ra.nq + head) * hd;
+          else if (head < ra.nq + ra.nkv) dst = ra.k_cache + ((size_t)slot * ra.nkv + head - ra.nq) * hd;
+          else dst = ra.v_cache + ((size_t)slot * ra.nkv + head - ra.nq - ra.nkv) * hd;
+          const float* ct = ra.cos_tab + (size_t)tok_pos[t] * half;
+          const float* st = ra.sin_tab + (size_t)tok_pos[t] * half;
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const int f = f0 + r;
+            const float a = rbf(acc[t][r]), b = rbf(hi_s[t][(warp & 3) * R + r]);
+            if (head >= ra.nq + ra.nkv) {
+              dst[f] = tobf(a);
+              dst[f + half] = tobf(b);
+            } else {
+              const float c = rbf(ct[f]), sn = rbf(st[f]);
+              dst[f] = tobf(rbf(a * c) + rbf(-b * sn));
+              dst[f + half] = tobf(rbf(b * c) + rbf(a * sn));
+            }
           }
+        }
+      }
+    }
   } else if (lane == 0 && live) {
 #pragma unroll
     for (int t = 0; t < NT; ++t)
@@ -495,34 +470,25 @@ __device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, cons
   }
 }
 
-// Grids: ceil(N / (8 R)) CTAs of 256 threads; the swiglu kernels ceil(I / (4 R)). The norm kernels
-// take NT * K * 2 bytes of dynamic shared memory.
-#define GEMV_FUSED(NT, R)                                                                                      \
+// Grids: ceil(N / (8 R)) CTAs of 256 threads; the pair kernels (swiglu, rope) ceil(N / 2 / (4 R)).
+// The norm kernels take NT * K * 2 bytes of dynamic shared memory.
+#define GEMV_FUSED_KERNEL(NAME, NT, R, FLAGS)                                                                  \
   extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
-      gemv_norm_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {       \
-    gemv_fused_impl<NT, R, F_NORM_IN>(W, X, nw, Y, N, K, eps);                                                 \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
-      gemv_norm_swiglu_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) { \
-    gemv_fused_impl<NT, R, F_NORM_IN | F_SWIGLU_OUT>(W, X, nw, Y, N, K, eps);                                  \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
-      gemv_swiglu_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {     \
-    gemv_fused_impl<NT, R, F_SWIGLU_OUT>(W, X, nw, Y, N, K, eps);                                              \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
-      gemv_norma_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {      \
-    gemv_fused_impl<NT, R, F_NORM_IN | F_ASYNC>(W, X, nw, Y, N, K, eps);                                       \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
-      gemv_norma_swiglu_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K,          \
-                              float eps) {                                                                     \
-    gemv_fused_impl<NT, R, F_NORM_IN | F_ASYNC | F_SWIGLU_OUT>(W, X, nw, Y, N, K, eps);                        \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
-      gemv_resid_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {      \
-    gemv_fused_impl<NT, R, F_RESID_OUT>(W, X, nw, Y, N, K, eps);                                               \
+      gemv_##NAME##_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {   \
+    gemv_fused_impl<NT, R, FLAGS>(W, X, nw, Y, N, K, eps, RopeArgs{});                                         \
   }
+#define GEMV_ROPE_KERNEL(NAME, NT, R, FLAGS)                                                                   \
+  extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
+      gemv_##NAME##_t##NT(const bf16* W, const bf16* X, const bf16* nw, RopeArgs ra, int N, int K, float eps) { \
+    gemv_fused_impl<NT, R, FLAGS>(W, X, nw, nullptr, N, K, eps, ra);                                           \
+  }
+#define GEMV_FUSED(NT, R)                                         \
+  GEMV_FUSED_KERNEL(norm, NT, R, F_NORM_IN)                       \
+  GEMV_FUSED_KERNEL(norm_swiglu, NT, R, F_NORM_IN | F_SWIGLU_OUT) \
+  GEMV_FUSED_KERNEL(swiglu, NT, R, F_SWIGLU_OUT)                  \
+  GEMV_FUSED_KERNEL(resid, NT, R, F_RESID_OUT)                    \
+  GEMV_ROPE_KERNEL(rope, NT, R, F_ROPE_OUT)                       \
+  GEMV_ROPE_KERNEL(norm_rope, NT, R, F_NORM_IN | F_ROPE_OUT)
 GEMV_FUSED(1, 1)
 GEMV_FUSED(2, 4)
 GEMV_FUSED(4, 4)
