@@ -12,6 +12,9 @@
 #                          also times "none", "norm,swiglu", "norm", "swiglu", "rope" (rows fusion_<spec>)
 #   decode_off             the same with the engine unfused (a fallback if decode_on faults)
 #   decode_gemv8           GEMV path for batches 1-8 (gemv_max_tokens 8), fused vs none vs cuBLAS
+#   tests_qc               the "flashqc" decode attention (flashq with its combine folded in): every
+#                          test_engine.py test of that variant (-k flashqc-)
+# decode_on and decode_off also time the flashqc attention (rows attn_flashqc).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/blink_fused_out}
@@ -19,7 +22,7 @@ mkdir -p "$OUT"
 COMMIT=${BLINK_COMMIT:-unknown}
 PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-285}
-PARTS=${PARTS:-"tests_on decode_on tests_off decode_off decode_gemv8"}
+PARTS=${PARTS:-"tests_on tests_qc decode_on tests_off decode_off decode_gemv8"}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 T0=$SECONDS
 summary=()
@@ -56,8 +59,9 @@ else
 fi
 
 PT="$PY -m pytest -q -p no:cacheprovider --timeout 100 -rA -s tests/gpu/test_engine.py"
-DEC="$PY bench/decode.py --commit $COMMIT --variants flashq --compare-cublas= --iters 50"
+DEC="$PY bench/decode.py --commit $COMMIT --variants flashq,flashqc --compare-cublas= --iters 50"
 has tests_on && part tests_on 110 $PT -k fusion_on
+has tests_qc && part tests_qc 60 $PT -k flashqc-
 has decode_on && part decode_on 60 $DEC --batches 1,8,64 --breakdown 1 --gemv-fusion all \
   --compare-fusion "none;norm,swiglu;norm;swiglu;rope" --out "$OUT/decode_on.json"
 has tests_off && part tests_off 90 $PT -k fusion_off
@@ -67,7 +71,7 @@ has decode_gemv8 && part decode_gemv8 45 $DEC --batches 1,2,4,8 --breakdown= --g
 
 echo
 echo "=== summary (commit $COMMIT, $((SECONDS - T0)) s)"
-for t in tests_on tests_off; do
+for t in tests_on tests_qc tests_off; do
   [ -f "$OUT/$t.log" ] || continue
   grep -h -E "^(PASSED|FAILED|ERROR) " "$OUT/$t.log" | sed 's/^/  /'
   grep -h -E "^[=]* ?[0-9]+ (passed|failed)" "$OUT/$t.log" | tail -n 1 | sed "s/^/  $t: /"
@@ -75,7 +79,7 @@ done
 for d in decode_on decode_off decode_gemv8; do
   [ -f "$OUT/$d.log" ] || continue
   echo "  $d (ms/step):"
-  grep -h -E "^ +[0-9]+ +(engine|fusion_|cublas_only|gemv) " "$OUT/$d.log" | awk '{printf "    batch %-4s %-16s %s\n", $1, $2, $3}'
+  grep -h -E "^ +[0-9]+ +(engine|fusion_|cublas_only|gemv|attn_) " "$OUT/$d.log" | awk '{printf "    batch %-4s %-16s %s\n", $1, $2, $3}'
   grep -h -E "^engine gemv fusion|^batch 1 by kernel" "$OUT/$d.log" | sed 's/^/    /'
 done
 for s in "${summary[@]}"; do echo "  $s"; done

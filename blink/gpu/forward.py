@@ -51,8 +51,16 @@ PREFILL_TILE = 64
 # last split. flash*: flash_decode.cu, keys per split chosen at run time, separate
 # combine; FLASH_VARIANTS: (K/V vectors per lane per tile, CTAs per SM at the compiled register
 # count for G <= 4, cp.async ring stages (0: loads into registers)).
-DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8")
-FLASH_VARIANTS = {"flash": (4, 3, 0), "flash8": (8, 2, 0), "flashq": (4, 3, 4), "flashq8": (8, 2, 3)}
+# "flashqc": flashq with the combine folded into the attention kernel (the last split merges).
+DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8", "flashqc")
+FLASH_VARIANTS = {
+    "flash": (4, 3, 0),
+    "flash8": (8, 2, 0),
+    "flashq": (4, 3, 4),
+    "flashq8": (8, 2, 3),
+    "flashqc": (4, 3, 4),
+}
+FLASH_FUSED_COMBINE = ("flashqc",)
 FLASH_WARPS = 4
 GEMV_FUSIONS = ("norm", "swiglu", "rope")
 
@@ -452,6 +460,7 @@ class Forward:
                 P(a["seq_lens"]),
                 P(a["block_tables"]),
                 P(a["num_seqs"]),
+                self._p(self.split_counters),
                 I32(c.num_kv_heads),
                 I32(d.block_size),
                 I32(d.max_blocks_per_seq),
@@ -462,7 +471,8 @@ class Forward:
             smem=self.flash_smem[variant],
             fn=self.decode_kernels[variant],
         )
-        if nsplit > 1:  # one split per sequence: the attention kernel wrote the output itself
+        # one split per sequence, or the combine folded in: the attention kernel wrote the output
+        if nsplit > 1 and variant not in FLASH_FUSED_COMBINE:
             self._launch(
                 "attn_flash_combine",
                 (-(-c.num_heads // FLASH_WARPS), S, 1),

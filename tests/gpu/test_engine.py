@@ -141,6 +141,8 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
         ("qwen3-8b", ("flash8", "rego")),
         ("llama3-8b", ("flashq", "smem")),
         ("qwen3-8b", ("flashq8", "smem")),
+        ("llama3-8b", ("flashqc", "rego")),
+        ("qwen3-8b", ("flashqc", "smem")),
     ],
     ids=lambda x: "-".join(x) if isinstance(x, tuple) else x,
 )
@@ -278,7 +280,7 @@ def test_graph_table_and_done_seq():
     eng.close()
 
 
-@pytest.mark.parametrize("variant", ["flash", "flash8", "flashq", "flashq8"], ids=lambda v: f"{v}-long")
+@pytest.mark.parametrize("variant", ["flash", "flash8", "flashq", "flashq8", "flashqc"], ids=lambda v: f"{v}-long")
 def test_flash_decode_matches_basic_long_contexts(variant):
     """Decode attention of the flash variants against "basic" on one engine and one KV cache:
     contexts 1..1000 (one split, many splits), fewer live sequences than the bucket."""

@@ -58,14 +58,67 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
-template <int HD, int G, int N, int STAGES>
+// One warp merges the nused split outputs of one query head (rows row0 .. row0 + nused - 1 of
+// part_o / part_lse) into out_row: out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M). Loads go
+// through L2 (ld.cg): in the fused combine they read other CTAs' writes of the same kernel. The
+// merge is L2-latency-bound, so every load (the lane's DPL dims of all splits, and the split's
+// LSE) is issued before any is used.
+template <int HD>
+__device__ __forceinline__ void flash_merge_head(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                                                 size_t row0, int nused, bf16* __restrict__ out_row) {
+  const int lane = threadIdx.x & 31;
+  constexpr int DPL = HD >= 32 ? HD / 32 : 1;
+  const bool active = lane * DPL < HD;
+  const float lse = lane < nused ? __ldcg(part_lse + row0 + lane) : -INFINITY;
+  float v[32][DPL];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const float* src = part_o + (row0 + k) * HD + lane * DPL;
+    if (k < nused && active) {
+      if constexpr (DPL == 4) {
+        const float4 t = __ldcg(reinterpret_cast<const float4*>(src));
+        v[k][0] = t.x, v[k][1] = t.y, v[k][2] = t.z, v[k][3] = t.w;
+      } else if constexpr (DPL == 2) {
+        const float2 t = __ldcg(reinterpret_cast<const float2*>(src));
+        v[k][0] = t.x, v[k][1] = t.y;
+      } else {
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) v[k][e] = __ldcg(src + e);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) v[k][e] = 0.f;
+    }
+  }
+  const float M = warp_max(lse);
+  const float w = lane < nused ? exp2f(lse - M) : 0.f;
+  const float inv = 1.f / warp_sum(w);
+  float acc[DPL];
+#pragma unroll
+  for (int e = 0; e < DPL; ++e) acc[e] = 0.f;
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const float wi = __shfl_sync(FULL_MASK, w, k);  // 0 past nused
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) acc[e] = fmaf(wi, v[k][e], acc[e]);
+  }
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) out_row[lane * DPL + e] = tobf(acc[e] * inv);
+  }
+}
+
+// FC (the "flashqc" variant): the combine is folded in. Each CTA of a multi-split sequence counts
+// itself in counters[s * nkv + kvh] after its partial write (__threadfence first); the last one
+// merges the G heads of the KV head and resets the counter to 0 for the next step.
+template <int HD, int G, int N, int STAGES, bool FC>
 __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                 const bf16* __restrict__ v_cache, float* __restrict__ part_o,
                                                 float* __restrict__ part_lse, bf16* __restrict__ out,
                                                 const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
                                                 const int* __restrict__ block_tables,
-                                                const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
-                                                float scale_log2, int target) {
+                                                const uint32_t* __restrict__ num_seqs, int* __restrict__ counters,
+                                                int nkv, int bs, int mbps, float scale_log2, int target) {
   constexpr int LPT = HD / 8;         // lanes per key row
   constexpr int KPI = 32 / LPT;       // keys per warp-wide load
   constexpr int KT = N * KPI;         // keys per warp tile
@@ -269,6 +322,23 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
       if (d == 0) part_lse[row] = M + log2f(den);
     }
   }
+  if constexpr (FC) {
+    if (nused == 1) return;
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      int* ctr = counters + (size_t)s * nkv + kvh;
+      last = atomicAdd(ctr, 1) == nused - 1;
+      if (last) *ctr = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int g = warp; g < G; g += NW)
+      flash_merge_head<HD>(part_o, part_lse, ((size_t)s * nq + kvh * G + g) * NS, nused,
+                           out + ((size_t)tok * nq + kvh * G + g) * HD);
+  }
 }
 
 // One warp per (query head, sequence): out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over
@@ -281,61 +351,22 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
                                                         const uint32_t* __restrict__ num_seqs, int nkv, int nq,
                                                         int grid_splits, int target) {
   const int s = blockIdx.y;
-  const int lane = threadIdx.x & 31, hq = blockIdx.x * FLASH_WARPS + (threadIdx.x >> 5);
+  const int hq = blockIdx.x * FLASH_WARPS + (threadIdx.x >> 5);
   const int ns = (int)*num_seqs, L = seq_lens[s], tok = cu_q_lens[s + 1] - 1;  // s < bucket <= max_seqs
   if (s >= ns || hq >= nq) return;
   const int chunk = flash_chunk(L, ns, grid_splits, nkv, target, flash_quantum(HD, N));
   const int nused = (L + chunk - 1) / chunk;  // <= grid_splits <= 32
   if (nused <= 1) return;
-  // The merge is L2-latency-bound (at batch 1: 32 splits of 32 heads), so every load (the lane's
-  // DPL dims of all splits, and the split's LSE) is issued before any is used.
-  constexpr int DPL = HD >= 32 ? HD / 32 : 1;
-  const bool active = lane * DPL < HD;
-  const size_t row0 = ((size_t)s * nq + hq) * grid_splits;
-  const float lse = lane < nused ? part_lse[row0 + lane] : -INFINITY;
-  float v[32][DPL];
-#pragma unroll
-  for (int k = 0; k < 32; ++k) {
-    const float* src = part_o + (row0 + k) * HD + lane * DPL;
-    if (k < nused && active) {
-      if constexpr (DPL == 4) {
-        const float4 t = *reinterpret_cast<const float4*>(src);
-        v[k][0] = t.x, v[k][1] = t.y, v[k][2] = t.z, v[k][3] = t.w;
-      } else if constexpr (DPL == 2) {
-        const float2 t = *reinterpret_cast<const float2*>(src);
-        v[k][0] = t.x, v[k][1] = t.y;
-      } else {
-#pragma unroll
-        for (int e = 0; e < DPL; ++e) v[k][e] = src[e];
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < DPL; ++e) v[k][e] = 0.f;
-    }
-  }
-  const float M = warp_max(lse);
-  const float w = lane < nused ? exp2f(lse - M) : 0.f;
-  const float inv = 1.f / warp_sum(w);
-  float acc[DPL];
-#pragma unroll
-  for (int e = 0; e < DPL; ++e) acc[e] = 0.f;
-#pragma unroll
-  for (int k = 0; k < 32; ++k) {
-    const float wi = __shfl_sync(FULL_MASK, w, k);  // 0 past nused
-#pragma unroll
-    for (int e = 0; e < DPL; ++e) acc[e] = fmaf(wi, v[k][e], acc[e]);
-  }
-  if (active) {
-#pragma unroll
-    for (int e = 0; e < DPL; ++e) out[((size_t)tok * nq + hq) * HD + lane * DPL + e] = tobf(acc[e] * inv);
-  }
+  flash_merge_head<HD>(part_o, part_lse, ((size_t)s * nq + hq) * grid_splits, nused, out + ((size_t)tok * nq + hq) * HD);
 }
 
-#define FLASH(NAME, HD, G, N, STAGES, MINB)                                                                     \
+#define FLASH(NAME, HD, G, N, STAGES, MINB, FC)                                                                 \
   extern "C" __global__ void __launch_bounds__(128, MINB) attn_##NAME##_hd##HD##_g##G(                         \
       const bf16* q, const bf16* kc, const bf16* vc, float* po, float* plse, bf16* out, const int* cu,          \
-      const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc, int target) {      \
-    attn_flash_impl<HD, G, N, STAGES>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target);    \
+      const int* sl, const int* bt, const uint32_t* ns, int* ctr, int nkv, int bs, int mbps, float sc,          \
+      int target) {                                                                                             \
+    attn_flash_impl<HD, G, N, STAGES, FC>(q, kc, vc, po, plse, out, cu, sl, bt, ns, ctr, nkv, bs, mbps, sc,     \
+                                          target);                                                              \
   }
 #define FLASH_COMBINE(NAME, HD, N)                                                                              \
   extern "C" __global__ void __launch_bounds__(128) attn_##NAME##_combine_hd##HD(                              \
@@ -345,12 +376,14 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   }
 // "flash": 4 K + 4 V vectors per lane per tile; "flash8": 8 + 8 (more bytes in flight, more
 // registers); "flashq": 4 + 4 through a 4-tile cp.async ring (64 KiB of dynamic shared memory);
-// "flashq8": 8 + 8 through a 3-tile ring (96 KiB).
-#define FLASH_VARIANTS(HD, G)                  \
-  FLASH(flash, HD, G, 4, 0, (G <= 4 ? 3 : 2))  \
-  FLASH(flash8, HD, G, 8, 0, (G == 1 ? 3 : 2)) \
-  FLASH(flashq, HD, G, 4, 4, (G <= 4 ? 3 : 2)) \
-  FLASH(flashq8, HD, G, 8, 3, 2)
+// "flashq8": 8 + 8 through a 3-tile ring (96 KiB); "flashqc": flashq with the combine folded in
+// (its combine kernel is the same code as flashq's, never launched).
+#define FLASH_VARIANTS(HD, G)                         \
+  FLASH(flash, HD, G, 4, 0, (G <= 4 ? 3 : 2), false)  \
+  FLASH(flash8, HD, G, 8, 0, (G == 1 ? 3 : 2), false) \
+  FLASH(flashq, HD, G, 4, 4, (G <= 4 ? 3 : 2), false) \
+  FLASH(flashqc, HD, G, 4, 4, (G <= 4 ? 3 : 2), true) \
+  FLASH(flashq8, HD, G, 8, 3, 2, false)
 #define FLASH_PER_HD(HD)       \
   FLASH_VARIANTS(HD, 1)        \
   FLASH_VARIANTS(HD, 2)        \
@@ -362,6 +395,7 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   FLASH_COMBINE(flash, HD, 4)  \
   FLASH_COMBINE(flash8, HD, 8) \
   FLASH_COMBINE(flashq, HD, 4) \
+  FLASH_COMBINE(flashqc, HD, 4) \
   FLASH_COMBINE(flashq8, HD, 8)
 FLASH_PER_HD(16)
 FLASH_PER_HD(32)
