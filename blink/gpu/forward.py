@@ -460,7 +460,7 @@ class Forward:
                 P(a["seq_lens"]),
                 P(a["block_tables"]),
                 P(a["num_seqs"]),
-                self._p(self.split_counters),
+                *([self._p(self.split_counters)] if variant in FLASH_FUSED_COMBINE else []),
                 I32(c.num_kv_heads),
                 I32(d.block_size),
                 I32(d.max_blocks_per_seq),

@@ -360,13 +360,21 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   flash_merge_head<HD>(part_o, part_lse, ((size_t)s * nq + hq) * grid_splits, nused, out + ((size_t)tok * nq + hq) * HD);
 }
 
-#define FLASH(NAME, HD, G, N, STAGES, MINB, FC)                                                                 \
+#define FLASH(NAME, HD, G, N, STAGES, MINB)                                                                     \
+  extern "C" __global__ void __launch_bounds__(128, MINB) attn_##NAME##_hd##HD##_g##G(                         \
+      const bf16* q, const bf16* kc, const bf16* vc, float* po, float* plse, bf16* out, const int* cu,          \
+      const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc, int target) {      \
+    attn_flash_impl<HD, G, N, STAGES, false>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nullptr, nkv, bs, mbps,  \
+                                             sc, target);                                                       \
+  }
+// The fused-combine kernels take the split counters after num_seqs.
+#define FLASH_FC(NAME, HD, G, N, STAGES, MINB)                                                                  \
   extern "C" __global__ void __launch_bounds__(128, MINB) attn_##NAME##_hd##HD##_g##G(                         \
       const bf16* q, const bf16* kc, const bf16* vc, float* po, float* plse, bf16* out, const int* cu,          \
       const int* sl, const int* bt, const uint32_t* ns, int* ctr, int nkv, int bs, int mbps, float sc,          \
       int target) {                                                                                             \
-    attn_flash_impl<HD, G, N, STAGES, FC>(q, kc, vc, po, plse, out, cu, sl, bt, ns, ctr, nkv, bs, mbps, sc,     \
-                                          target);                                                              \
+    attn_flash_impl<HD, G, N, STAGES, true>(q, kc, vc, po, plse, out, cu, sl, bt, ns, ctr, nkv, bs, mbps, sc,   \
+                                            target);                                                            \
   }
 #define FLASH_COMBINE(NAME, HD, N)                                                                              \
   extern "C" __global__ void __launch_bounds__(128) attn_##NAME##_combine_hd##HD(                              \
@@ -378,12 +386,12 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
 // registers); "flashq": 4 + 4 through a 4-tile cp.async ring (64 KiB of dynamic shared memory);
 // "flashq8": 8 + 8 through a 3-tile ring (96 KiB); "flashqc": flashq with the combine folded in
 // (its combine kernel is the same code as flashq's, never launched).
-#define FLASH_VARIANTS(HD, G)                         \
-  FLASH(flash, HD, G, 4, 0, (G <= 4 ? 3 : 2), false)  \
-  FLASH(flash8, HD, G, 8, 0, (G == 1 ? 3 : 2), false) \
-  FLASH(flashq, HD, G, 4, 4, (G <= 4 ? 3 : 2), false) \
-  FLASH(flashqc, HD, G, 4, 4, (G <= 4 ? 3 : 2), true) \
-  FLASH(flashq8, HD, G, 8, 3, 2, false)
+#define FLASH_VARIANTS(HD, G)                     \
+  FLASH(flash, HD, G, 4, 0, (G <= 4 ? 3 : 2))     \
+  FLASH(flash8, HD, G, 8, 0, (G == 1 ? 3 : 2))    \
+  FLASH(flashq, HD, G, 4, 4, (G <= 4 ? 3 : 2))    \
+  FLASH_FC(flashqc, HD, G, 4, 4, (G <= 4 ? 3 : 2)) \
+  FLASH(flashq8, HD, G, 8, 3, 2)
 #define FLASH_PER_HD(HD)       \
   FLASH_VARIANTS(HD, 1)        \
   FLASH_VARIANTS(HD, 2)        \
