@@ -58,11 +58,10 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
-// One warp merges the nused split outputs of one query head (rows row0 .. row0 + nused - 1 of
-// part_o / part_lse) into out_row: out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M). Loads go
-// through L2 (ld.cg): in the fused combine they read other CTAs' writes of the same kernel. The
-// merge is L2-latency-bound, so every load (the lane's DPL dims of all splits, and the split's
-// LSE) is issued before any is used.
+// The fused combine (flashqc): one warp merges the nused split outputs of one query head (rows
+// row0 .. row0 + nused - 1 of part_o / part_lse) into out_row, as attn_flash_combine_impl does,
+// with loads through L2 (ld.cg: other CTAs of the same kernel wrote them). Kept apart from the
+// combine kernel so that flashq's code is unchanged until flashqc has run on the H200.
 template <int HD>
 __device__ __forceinline__ void flash_merge_head(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                                  size_t row0, int nused, bf16* __restrict__ out_row) {
@@ -351,13 +350,54 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
                                                         const uint32_t* __restrict__ num_seqs, int nkv, int nq,
                                                         int grid_splits, int target) {
   const int s = blockIdx.y;
-  const int hq = blockIdx.x * FLASH_WARPS + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31, hq = blockIdx.x * FLASH_WARPS + (threadIdx.x >> 5);
   const int ns = (int)*num_seqs, L = seq_lens[s], tok = cu_q_lens[s + 1] - 1;  // s < bucket <= max_seqs
   if (s >= ns || hq >= nq) return;
   const int chunk = flash_chunk(L, ns, grid_splits, nkv, target, flash_quantum(HD, N));
   const int nused = (L + chunk - 1) / chunk;  // <= grid_splits <= 32
   if (nused <= 1) return;
-  flash_merge_head<HD>(part_o, part_lse, ((size_t)s * nq + hq) * grid_splits, nused, out + ((size_t)tok * nq + hq) * HD);
+  // The merge is L2-latency-bound (at batch 1: 32 splits of 32 heads), so every load (the lane's
+  // DPL dims of all splits, and the split's LSE) is issued before any is used.
+  constexpr int DPL = HD >= 32 ? HD / 32 : 1;
+  const bool active = lane * DPL < HD;
+  const size_t row0 = ((size_t)s * nq + hq) * grid_splits;
+  const float lse = lane < nused ? part_lse[row0 + lane] : -INFINITY;
+  float v[32][DPL];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const float* src = part_o + (row0 + k) * HD + lane * DPL;
+    if (k < nused && active) {
+      if constexpr (DPL == 4) {
+        const float4 t = *reinterpret_cast<const float4*>(src);
+        v[k][0] = t.x, v[k][1] = t.y, v[k][2] = t.z, v[k][3] = t.w;
+      } else if constexpr (DPL == 2) {
+        const float2 t = *reinterpret_cast<const float2*>(src);
+        v[k][0] = t.x, v[k][1] = t.y;
+      } else {
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) v[k][e] = src[e];
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) v[k][e] = 0.f;
+    }
+  }
+  const float M = warp_max(lse);
+  const float w = lane < nused ? exp2f(lse - M) : 0.f;
+  const float inv = 1.f / warp_sum(w);
+  float acc[DPL];
+#pragma unroll
+  for (int e = 0; e < DPL; ++e) acc[e] = 0.f;
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const float wi = __shfl_sync(FULL_MASK, w, k);  // 0 past nused
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) acc[e] = fmaf(wi, v[k][e], acc[e]);
+  }
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) out[((size_t)tok * nq + hq) * HD + lane * DPL + e] = tobf(acc[e] * inv);
+  }
 }
 
 #define FLASH(NAME, HD, G, N, STAGES, MINB)                                                                     \
