@@ -114,43 +114,56 @@ async def _one(session, url: str, model: str, prompt: list[int], n_out: int) -> 
     return {"t_start": t0, "t_end": t1, "ttft": ttft, "e2e": t1 - t0, "tokens": n_tok, "tpot": tpot}
 
 
-async def _drive_part(url: str, model: str, part: list[tuple[int, list[int], int, float]], streams: int) -> list:
+async def _drive_part(session, url: str, model: str, part: list, streams: int, t0: float) -> list:
     """One client process's share. streams > 0: closed loop, that many streams pulling from `part`
-    in order; streams == 0: open loop, each request sent at its arrival time (monotonic seconds)."""
-    import aiohttp
-
+    in order; streams == 0: open loop, each request sent at t0 + its arrival offset (monotonic s)."""
     results: list[dict] = []
 
-    async def send(session, i: int, prompt: list[int], n_out: int, first_wave: bool) -> None:
+    async def send(i: int, prompt: list[int], n_out: int, first_wave: bool, due: float) -> None:
         r = await _one(session, url, model, prompt, n_out)
-        results.append({**r, "i": i, "first_wave": first_wave})
+        lag = r["t_start"] - due if "t_start" in r else 0.0  # sent this late (event loop busy)
+        results.append({**r, "i": i, "first_wave": first_wave, "lag": lag})
 
-    conn = aiohttp.TCPConnector(limit=streams)  # 0 = no limit (open loop)
-    async with aiohttp.ClientSession(connector=conn) as session:
-        if streams:
-            queue = list(reversed(part))
+    await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+    if streams:
+        queue = list(reversed(part))
 
-            async def worker() -> None:
-                first = True
-                while queue:
-                    i, prompt, n_out, _ = queue.pop()
-                    await send(session, i, prompt, n_out, first)
-                    first = False
+        async def worker() -> None:
+            first = True
+            while queue:
+                i, prompt, n_out, _ = queue.pop()
+                await send(i, prompt, n_out, first, time.monotonic())
+                first = False
 
-            await asyncio.gather(*(worker() for _ in range(streams)))
-        else:
-            tasks = []
-            for i, prompt, n_out, at in part:
-                delay = at - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.ensure_future(send(session, i, prompt, n_out, False)))
-            await asyncio.gather(*tasks)
+        await asyncio.gather(*(worker() for _ in range(streams)))
+    else:
+        tasks = []
+        for i, prompt, n_out, off in part:
+            delay = t0 + off - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(send(i, prompt, n_out, False, t0 + off)))
+        await asyncio.gather(*tasks)
     return results
 
 
+async def _client(conn, url: str, model: str, part: list, streams: int) -> list:
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=streams)) as session:
+        # Warm up before the start signal: imports, the session, a connection and one request and
+        # response, so that no client process is still starting while the others already send
+        # (a late process would send its first requests in a burst and read their tokens late).
+        async with session.get(url + "/v1/models") as r:
+            await r.read()
+        conn.send_bytes(b"ready")
+        t0 = float(conn.recv_bytes())  # every client waits here; nothing else runs on this loop yet
+        return await _drive_part(session, url, model, part, streams, t0)
+
+
 def _client_main(conn, url: str, model: str, part: list, streams: int) -> None:
-    """Entry point of a client process: drive its share, send back the per-request records."""
+    """Entry point of a client process: warm up, wait for the common start, drive its share, send
+    back the per-request records."""
     import resource
 
     try:
@@ -159,7 +172,7 @@ def _client_main(conn, url: str, model: str, part: list, streams: int) -> None:
         uvloop.install()
     except ImportError:
         pass
-    res = asyncio.run(_drive_part(url, model, part, streams))
+    res = asyncio.run(_client(conn, url, model, part, streams))
     ru = resource.getrusage(resource.RUSAGE_SELF)
     conn.send_bytes(json.dumps({"results": res, "cpu_s": ru.ru_utime + ru.ru_stime}).encode())
     conn.close()
@@ -198,17 +211,23 @@ def drive(
         if arrivals is not None
         else [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
     )
-    t0 = time.monotonic() + 1.0 + 0.1 * procs  # the clients start together, after they have spawned
-    tagged = [(i, p, n, float(t0 + off)) for i, ((p, n), off) in enumerate(zip(reqs, offsets, strict=True))]
-    parts = [tagged[k::procs] for k in range(procs)]
+    tagged = [(i, p, n, float(off)) for i, ((p, n), off) in enumerate(zip(reqs, offsets, strict=True))]
+    # open loop: each process sends its share in arrival order (the copies' streams interleave)
+    parts = [sorted(tagged[k::procs], key=lambda x: x[3]) for k in range(procs)]
     pipes, children = [], []
     for k in range(procs):
-        rx, tx = ctx.Pipe(duplex=False)
-        c = ctx.Process(target=_client_main, args=(tx, url, model, parts[k], streams[k]), daemon=True)
+        ours, theirs = ctx.Pipe(duplex=True)
+        c = ctx.Process(target=_client_main, args=(theirs, url, model, parts[k], streams[k]), daemon=True)
         c.start()
-        tx.close()
-        pipes.append(rx)
+        theirs.close()
+        pipes.append(ours)
         children.append(c)
+    for rx in pipes:  # every client warmed up and waiting: start them together
+        if rx.recv_bytes() != b"ready":
+            raise RuntimeError("client process did not report ready")
+    t0 = time.monotonic() + 0.05
+    for rx in pipes:
+        rx.send_bytes(repr(t0).encode())
     watch = watch or {}
     cpu0 = {role: [_proc_cpu_s(p) for p in pids] for role, pids in watch.items()}
     w0 = time.monotonic()
@@ -254,13 +273,25 @@ def drive(
         # closed loop: every stream's first request is sent at t=0, all at once; the p99 over all
         # requests is then the time to prefill that burst. "steady" leaves the first wave out.
         "ttft_p99_steady_s": pct(steady, "ttft", 99) if arrivals is None else pct(ok, "ttft", 99),
+        # how late the clients sent (open loop: after the arrival time; should stay ~0)
+        "send_lag_p99_ms": pct(ok, "lag", 99) * 1e3,
+        "send_lag_max_ms": max((r["lag"] for r in ok), default=0.0) * 1e3,
         "tpot_p50_s": pct(ok, "tpot", 50),
         "tpot_p99_s": pct(ok, "tpot", 99),
         "e2e_p50_s": pct(ok, "e2e", 50),
         "cpu_cores_used": {**cpu_use, "clients_total": round(client_cpu / (w1 - w0), 3)},
-        # per request, in request order: [prompt tokens, output tokens, TTFT ms, end-to-end s]
+        # per request, in request order: [prompt tokens, output tokens, TTFT ms, end-to-end s,
+        # sent at (s after the start), client process]
         "per_request": [
-            [len(reqs[r["i"]][0]), r["tokens"], round(r["ttft"] * 1e3, 2), round(r["e2e"], 3)] for r in by_i
+            [
+                len(reqs[r["i"]][0]),
+                r["tokens"],
+                round(r["ttft"] * 1e3, 2),
+                round(r["e2e"], 3),
+                round(r["t_start"] - t0, 4),
+                r["i"] % procs,
+            ]
+            for r in by_i
         ],
     }
 

@@ -19,6 +19,7 @@ def test_scaleout_procs_launcher(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "bench" / "scaleout.py"), "--launcher", "procs", "--device", "emulated"]
     cmd += ["--model", "random:tiny-llama", "--scale", "0.1", "--requests", "8", "--concurrency", "4"]
     cmd += ["--n-slots", "8", "--num-kv-blocks", "128", "--out", str(out)]
+    cmd += ["--rate", "8", "--open-requests", "6", "--client-procs", "2"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
@@ -28,6 +29,12 @@ def test_scaleout_procs_launcher(tmp_path: Path) -> None:
         assert run["errors"] == 0 and run["requests"] == 8
         assert run["output_tokens"] > 0 and run["devices"] == ["emulated"] * run["replicas"]
     assert res["runs"][0]["output_tokens"] == res["runs"][1]["output_tokens"]  # the same load both times
+    for run in res["runs"]:  # the open-loop phase: every request sent on time, records per request
+        op = run["poisson"]
+        assert op["mode"] == "poisson 8 req/s" and op["errors"] == 0 and op["requests"] == 6
+        assert op["client_procs"] == 2 and op["send_lag_max_ms"] < 250, op["send_lag_max_ms"]
+        assert [r[5] for r in op["per_request"]] == [0, 1, 0, 1, 0, 1]  # request i from client i % 2
+        assert all(r[2] > 0 and r[1] > 0 for r in op["per_request"])
 
 
 def test_per_replica_load_is_the_same_work_per_replica() -> None:
