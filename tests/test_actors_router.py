@@ -200,3 +200,38 @@ def test_router_switches_at_once_to_a_replaced_ring() -> None:
                 new.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_routing_counts_every_frontends_requests() -> None:
+    """deploy.frontends = 2: frontend B's requests on replica 0 (slots A does not own) weigh in A's
+    routing, read from the slot records A's token reader bulk-reads anyway."""
+    names = [f"blink-test-route2-{os.getpid()}-{i}" for i in range(2)]
+    devs = [Device(n, _ex(step_delay_s=0.005)) for n in names]
+    for d in devs:
+        _wait_ready(d.transport)
+
+    async def main() -> None:
+        a, b = (Router(names, lambda t, k=k: RequestTracker(t, owner=k, owners=2)) for k in (0, 1))
+        await a.start()
+        await b.start()
+        try:
+            b0 = b.replicas[0].tracker
+            held = [await b0.submit(SubmitRequest(b0.new_request_id(), [5, 6], 1000, greedy=True)) for _ in range(3)]
+            await asyncio.sleep(0.4)  # A's idle token readers refresh their records every 0.25 s
+            assert a.replicas[0].tracker.load() == 3 and a.replicas[1].tracker.load() == 0
+            mine = [await a.submit(SubmitRequest(a.new_request_id(), [1, 2, i], 4, greedy=True)) for i in range(3)]
+            assert [r.requests for r in a.replicas] == [0, 3]  # all to the replica B is not using
+            for h in mine:
+                assert (await _collect(h))[1][-1].finish_reason == FinishReason.LENGTH
+            for h in held:
+                h.cancel()
+        finally:
+            await a.close()
+            await b.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for d in devs:
+            d.stop()

@@ -2,8 +2,9 @@
 
 `Router` has the request tracker's interface (submit / health / stats / check_prompt / ...), so
 the HTTP server serves N replicas exactly as it serves one. Each request goes to the live replica
-with the most free slots (ties rotate), read from that replica's slot tracker cache:
-no Ray, no extra ring read.
+with the fewest requests: slots in use on its ring, by every frontend sharing it (deploy.frontends
+> 1), plus this frontend's queue for it. Ties rotate. It is read from the slot records that the
+token reader bulk-reads every cycle anyway: no Ray, no extra ring read.
 
 Replica liveness comes from the ring alone. A replica whose token reader declared its device
 down (status FAILED/STOPPED or a heartbeat silent for server.heartbeat_timeout_s) is dropped
@@ -143,18 +144,18 @@ class Router:
 
     # -- routing -------------------------------------------------------------------------
     def pick(self) -> Replica:
-        """The live replica with the most free slots (minus requests already waiting for one)."""
-        best, best_free = None, None
+        """The live replica with the least load (RequestTracker.load: requests on its ring from every
+        frontend, plus this frontend's queue for it)."""
+        best, best_load = None, None
         n = len(self.replicas)
         # Ties rotate (start after the last pick), so sequential requests spread too.
         for k in range(n):
             r = self.replicas[(self._last + 1 + k) % n]
             if not r.up:
                 continue
-            s = r.tracker.stats()
-            free = s.free_slots - s.queued
-            if best_free is None or free > best_free:
-                best, best_free = r, free
+            load = r.tracker.load()
+            if best_load is None or load < best_load:
+                best, best_load = r, load
         if best is None:
             raise DeviceDownError(
                 "no replica is serving: " + "; ".join(f"{r.index}: {r.down_reason}" for r in self.replicas)

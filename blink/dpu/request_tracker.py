@@ -137,6 +137,10 @@ class RequestTracker:
     def stats(self) -> RingStats:
         return RingStats(self.slots.n_owned, self.slots.n_held, len(self._waiters), self.slots.n_free)
 
+    def load(self) -> int:
+        """Requests on this ring from every frontend (slots in use) plus this frontend's queue."""
+        return self.slots.n_busy_ring + len(self._waiters)
+
     def device_counters(self) -> dict[str, int]:
         """Device statistics from the ring header (as of the token reader's last cycle)."""
         from .metrics import DEVICE_FIELDS

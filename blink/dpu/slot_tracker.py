@@ -97,6 +97,12 @@ class SlotTracker:
     def n_held(self) -> int:
         return int(self.held.sum())
 
+    @property
+    def n_busy_ring(self) -> int:
+        """Slots in use on the whole ring, by every frontend sharing it: not EMPTY as of the last
+        bulk read, or claimed by this frontend since. The load a router compares across replicas."""
+        return int(((self.records["state"] != SlotState.EMPTY) | self.held).sum())
+
     def find_free(self) -> int | None:
         """Circular scan from the hint over the cache; no ring access. O(1) when the slot at the hint
         is free, which is the steady state (slots are released roughly in the order claimed)."""
