@@ -4,7 +4,8 @@
 # the sum stays under BUDGET_S (parts past the budget are skipped and say so).
 #   BLINK_COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/fused bash bench/fused_gpu.sh
 # Parts run in separate processes (a kernel fault poisons its CUDA context): the fused tests and
-# timings cannot take the unfused results down. Logs: $OUT/<part>.log; JSON: $OUT/decode_*.json.
+# timings cannot take the unfused results down. Logs: $OUT/<part>.log; JSON: $OUT/decode_*.json;
+# all of them also in $OUT/0_all_logs.tar.gz.
 #   tests_on / tests_off   tests/gpu/test_engine.py -k fusion_on / fusion_off: vs transformers at batch
 #                          1, 2, 3, 8 (GEMV path, prefill+decode mix), vs the numpy reference (small
 #                          shapes); tests_on also compares fused and unfused graphs on one KV cache
@@ -86,3 +87,5 @@ for d in decode_on decode_off decode_qc decode_gemv8; do
   grep -h -E "^engine gemv fusion|^batch 1 by kernel" "$OUT/$d.log" | sed 's/^/    /'
 done
 for s in "${summary[@]}"; do echo "  $s"; done
+# A device call may return only a few files: every log and JSON in one tarball, named to sort first.
+tar -czf "$OUT/0_all_logs.tar.gz" -C "$OUT" $(cd "$OUT" && ls | grep -E '\.(log|json)$')

@@ -48,7 +48,8 @@ DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # flashq was the fastest at every batch 1..256 on the H200 (bench/results/decode_h200_run5.json)
 DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"),)
 # GEMV fusions of decode steps on the GEMV path (forward.py docstring) when EngineConfig.gemv_fusion
-# is "": "none" until the H200 confirms the fused kernels (bench/fused_gpu.sh), then "all".
+# is "". "all" measured 4.352 vs 4.456 ms at batch 1, logits bitwise equal to "none"
+# (bench/results/fused_h200.md); kept "none" until the lead confirms it on the H200 and flips it.
 DEFAULT_GEMV_FUSION = "none"
 
 
