@@ -49,12 +49,15 @@ split)
       referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 msgpack==1.2.4 protobuf==7.36.2 requests==2.34.2 \
       urllib3==2.8.0 idna==3.20 charset-normalizer==3.5.3 certifi==2026.10.19.post1 filelock==4.3.1 \
       packaging==26.4 pyyaml==6.0.4 typing-extensions==4.16.0 || exit 1
+  # build/kernels travels in both calls: rebuild it so that it holds only the current cubins
+  # (stale ones pile up, and a call carries 64 MiB at most: ~13 MiB of cubins + ~40 MiB of Ray)
+  rm -rf build/kernels && .venv/bin/python -m blink.gpu.kernels >/dev/null || exit 1
   rm -f .carry/ray1/* .carry/ray2/*
   head -c 41943040 ".carry/raywhl/$RAY_WHEEL" >.carry/ray1/ray.part1
   tail -c +41943041 ".carry/raywhl/$RAY_WHEEL" >.carry/ray2/ray.part2
   sha256sum ".carry/raywhl/$RAY_WHEEL" | cut -d' ' -f1 >.carry/ray2/ray.sha256
   find .carry/raywhl -name '*.whl' ! -name "$RAY_WHEEL" -exec cp {} .carry/ray2/ \;
-  du -sh .carry/ray1 .carry/ray2
+  du -sh build/kernels .carry/ray1 .carry/ray2
   ;;
 stash)  # part 1 of the wheel only (call 1 then has room for other work)
   mkdir -p "$STASH" && cp .carry/ray1/ray.part1 "$STASH/" && echo "ray part 1 kept in $STASH"
