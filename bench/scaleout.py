@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from blink.actors import deploy  # noqa: E402
 from blink.actors.config import DeployConfig, from_mapping  # noqa: E402
 from blink.actors.frontend_actor import wait_http  # noqa: E402
+from blink.treedigest import tree_digest  # noqa: E402
 
 NAMESPACE = f"blink-bench-{os.getpid()}"  # ring names include it: concurrent runs stay apart
 BLAS_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -566,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1m_end": os.getloadavg()[0],  # other work on the machine skews CPU-replica numbers
         "commit": a.commit
         or _git("rev-parse", "HEAD") + ("-dirty" if _git("status", "--porcelain", "--", "blink", "bench") else ""),
+        "tree_sha256": tree_digest(),  # check against `python -m blink.treedigest --commit <commit>`
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": vars(a),
         "load": {"kind": "sharegpt-like lognormal", "prompt_ln": PROMPT_LN, "output_ln": OUTPUT_LN},

@@ -19,6 +19,8 @@ import sigstop  # noqa: E402
 import throughput  # noqa: E402
 from sched_common import device_name, make_engine  # noqa: E402
 
+from blink.treedigest import tree_digest  # noqa: E402
+
 
 def stressed(fn, n_procs: int):
     """Run fn() with n busy-looping processes (one per core) competing for the CPUs."""
@@ -49,6 +51,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "preset": a.preset,
         "commit": a.commit,
+        "tree_sha256": tree_digest(),  # check against `python -m blink.treedigest --commit <commit>`
         "command": " ".join(sys.argv),
     }
     eng = make_engine(

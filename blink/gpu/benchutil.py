@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from blink.treedigest import tree_digest
+
 
 def metadata(commit: str, argv: list[str] | None = None) -> dict[str, Any]:
     import cupy as cp
@@ -20,6 +22,7 @@ def metadata(commit: str, argv: list[str] | None = None) -> dict[str, Any]:
         "gpu": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
         "sms": int(props["multiProcessorCount"]),
         "commit": commit,
+        "tree_sha256": tree_digest(),  # check against `python -m blink.treedigest --commit <commit>`
         "command": " ".join(argv if argv is not None else sys.argv),
     }
 
