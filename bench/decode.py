@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 
+from blink.gpu.attention_launch import DECODE_VARIANTS
 from blink.gpu.benchutil import copy_bandwidth, metadata, time_ms, write_json
 from blink.gpu.engine import (
     DEFAULT_DECODE_ATTENTION,
@@ -29,7 +30,7 @@ from blink.gpu.engine import (
     parse_decode_attention,
     parse_gemv_fusion,
 )
-from blink.gpu.forward import CATEGORIES, DECODE_VARIANTS
+from blink.gpu.forward import CATEGORIES
 from blink.models.config import preset
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from blink.gpu import kernels
+from blink.gpu.attention_launch import FLASH_VARIANTS
 from blink.gpu.engine import EngineConfig, _buckets, bucket_of
-from blink.gpu.forward import FLASH_VARIANTS
 from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
 
 CU_FILES = sorted(kernels.CSRC.glob("*.cu"))
@@ -130,7 +130,7 @@ def _flash_chunk(L: int, ns: int, grid_splits: int, nkv: int, target: int, quant
 
 def _flash_cta(q, kc, vc, bt, kvh, start, end, HD, G, N):
     """One CTA: returns (o [G, HD] normalised, lse [G]) over keys start..end-1 of one KV head."""
-    from blink.gpu.forward import FLASH_WARPS
+    from blink.gpu.attention_launch import FLASH_WARPS
 
     LPT, lane = HD // 8, np.arange(32)
     KPI = 32 // LPT
@@ -200,7 +200,7 @@ def _flash_cta(q, kc, vc, bt, kvh, start, end, HD, G, N):
 @pytest.mark.parametrize("variant", ["flash", "flash8"])  # flashq: flash's index math
 @pytest.mark.parametrize("hd,G", [(16, 2), (32, 3), (64, 1), (128, 4)])
 def test_flash_decode_index_math(variant: str, hd: int, G: int):
-    from blink.gpu.forward import FLASH_VARIANTS, flash_grid_splits, flash_quantum
+    from blink.gpu.attention_launch import FLASH_VARIANTS, flash_grid_splits, flash_quantum
 
     N, occ, _ = FLASH_VARIANTS[variant]
     rng = np.random.default_rng(hd + G)
@@ -250,7 +250,8 @@ def test_flash_launches_per_bucket():
     import ctypes
     from types import SimpleNamespace
 
-    from blink.gpu.forward import Dims, Forward, decode_variant_for
+    from blink.gpu.attention_launch import decode_variant_for
+    from blink.gpu.forward import Dims, Forward
     from blink.models.config import preset
 
     fake = SimpleNamespace(data=SimpleNamespace(ptr=4096))

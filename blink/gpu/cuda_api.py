@@ -16,6 +16,10 @@ import numpy as np
 
 _vp = ctypes.c_void_p
 _u64 = ctypes.c_uint64
+# kernel argument types of Driver.launch
+P = ctypes.c_uint64  # device pointer
+I32 = ctypes.c_int
+F32 = ctypes.c_float
 
 CAPTURE_MODE_GLOBAL = 0
 GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH = 4

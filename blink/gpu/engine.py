@@ -37,8 +37,9 @@ import numpy as np
 
 from blink.device.executor import StepBatch
 from blink.gpu.abi import ENGINE_DTYPE
+from blink.gpu.attention_launch import DECODE_VARIANTS
 from blink.gpu.cuda_api import Cublas, Driver
-from blink.gpu.forward import DECODE_VARIANTS, GEMV_FUSIONS, Dims, Forward
+from blink.gpu.forward import GEMV_FUSIONS, Dims, Forward
 from blink.gpu.kernels import DEFAULT_CACHE, Kernels
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig

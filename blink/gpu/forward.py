@@ -12,6 +12,8 @@ Step (T tokens, S sequences; delta = the output of the last projection, added la
     final_norm_gather(resid + delta at each sequence's last token) -> last [S, H]
     logits = last Wlm^T (fp32);  sample -> out_tokens;  signal_done (st.release of *step_seq)
 Buffers are sized for the largest shape and shared by all graphs: one step runs at a time.
+Attention (kernel choice per bucket, splits, launches) is the AttentionLaunches mixin
+(blink/gpu/attention_launch.py).
 
 GEMV fusions (set_gemv_fusion; only in steps whose projections use the GEMV, i.e. decode buckets
 <= gemv_max_tokens; prefill and cuBLAS steps are unchanged):
@@ -32,36 +34,20 @@ import ctypes
 
 import numpy as np
 
-from blink.gpu.cuda_api import Cublas, Driver
+from blink.gpu.attention_launch import (
+    DECODE_GROUPS,
+    DECODE_HEAD_DIMS,
+    FLASH_VARIANTS,
+    AttentionLaunches,
+)
+from blink.gpu.cuda_api import F32, I32, Cublas, Driver, P
 from blink.gpu.kernels import Kernels
 from blink.gpu.step_arena import STEP_FIELDS, Dims, StepArena  # noqa: F401  (STEP_FIELDS: re-exported)
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig, rope_inv_freq
 
-P = ctypes.c_uint64  # device pointer argument
-I32 = ctypes.c_int
-F32 = ctypes.c_float
-
 GEMV_BUCKETS = (1, 2, 4, 8)
 GEMV_ROWS_PER_WARP = {1: 1, 2: 4, 4: 4, 8: 4}  # must match GEMV(NT, R) in model_kernels.cu
-DECODE_HEAD_DIMS = (16, 32, 64, 128)
-DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
-PREFILL_TILE = 64
-# Decode attention kernels. basic/pipe: attention.cu, a fixed split count per bucket, merged by the
-# last split. flash*: flash_decode.cu, keys per split chosen at run time, separate
-# combine; FLASH_VARIANTS: (K/V vectors per lane per tile, CTAs per SM at the compiled register
-# count for G <= 4, cp.async ring stages (0: loads into registers)).
-# "flashqc": flashq with the combine folded into the attention kernel (the last split merges).
-DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8", "flashqc")
-FLASH_VARIANTS = {
-    "flash": (4, 3, 0),
-    "flash8": (8, 2, 0),
-    "flashq": (4, 3, 4),
-    "flashq8": (8, 2, 3),
-    "flashqc": (4, 3, 4),
-}
-FLASH_FUSED_COMBINE = ("flashqc",)
-FLASH_WARPS = 4
 GEMV_FUSIONS = ("norm", "swiglu", "rope")
 
 
@@ -88,29 +74,6 @@ class RopeArgs(ctypes.Structure):
 GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
 
 
-def flash_quantum(head_dim: int, n: int) -> int:
-    """Keys per split are a multiple of this (flash_quantum in flash_decode.cu)."""
-    return max(32, n * (256 // head_dim))
-
-
-def flash_grid_splits(s: int, nkv: int, head_dim: int, max_context: int, target: int, n: int, max_splits: int) -> int:
-    """Grid splits of a flash kernel for a bucket of s sequences: room for about 2 waves of
-    `target` CTAs when the bucket is full; flash_chunk (flash_decode.cu) picks how many are used
-    (CTAs past that exit at once, but each still costs a launch slot)."""
-    want = -(-2 * target // (s * nkv))
-    cap = max(1, -(-max_context // flash_quantum(head_dim, n)))
-    return max(1, min(max_splits, want, cap))
-
-
-def decode_variant_for(table: tuple[tuple[int, str], ...], batch: int) -> str:
-    """The variant of the last (min_batch, variant) entry with min_batch <= batch."""
-    out = table[0][1]
-    for lo, v in table:
-        if lo <= batch:
-            out = v
-    return out
-
-
 CATEGORIES = ("embed", "norm", "gemm", "rope", "attn", "swiglu", "head", "sample", "done")
 
 
@@ -132,7 +95,7 @@ def kernel_category(name: str) -> str:
     raise KeyError(name)
 
 
-class Forward:
+class Forward(AttentionLaunches):
     def __init__(
         self,
         config: ModelConfig,
@@ -169,7 +132,6 @@ class Forward:
         self.logits = z(Sm, c.vocab_size, dt=cp.float32)
         self.out_tokens = z(Sm, dt=cp.int32)
         self.done_seq = z(1, dt=cp.uint64)
-        group = c.num_heads // c.num_kv_heads
         ws = max(s * max(self.splits(s), *(self.flash_splits(s, v) for v in FLASH_VARIANTS)) for s in range(1, Sm + 1))
         self.part_o = z(ws * c.num_heads * c.head_dim, dt=cp.float32)
         self.part_ml = z(ws * c.num_heads * 2, dt=cp.float32)
@@ -183,28 +145,7 @@ class Forward:
         self.kv = z(c.num_layers, 2, dims.num_blocks, dims.block_size, c.num_kv_heads, c.head_dim)
         self.kv_layer_stride = 2 * dims.num_blocks * dims.block_size * c.kv_size * 2  # bytes
         self.kv_half = dims.num_blocks * dims.block_size * c.kv_size * 2
-        hd = c.head_dim
-        self.prefill_smem = 2 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
-        # "smem": O accumulated in shared memory, next K/V tile prefetched into registers;
-        # "rego": O accumulators kept in registers across tiles, no prefetch.
-        self.prefill_kernels = {"smem": kernels[f"attn_prefill_hd{hd}"], "rego": kernels[f"attn_prefill_rego_hd{hd}"]}
-        for fn in self.prefill_kernels.values():
-            driver.set_max_dynamic_smem(fn, self.prefill_smem)
-        self.fn_prefill = self.prefill_kernels["rego"]
-        # "basic": one tile of K/V in registers, 4 blocks/SM; "pipe": the next tile's loads in
-        # flight during the current tile's math, 3 blocks/SM.
-        self.decode_kernels = {
-            "basic": kernels[f"attn_decode_hd{hd}_g{group}"],
-            "pipe": kernels[f"attn_decode_pipe_hd{hd}_g{group}"],
-        }
-        self.flash_combine: dict[str, int] = {}
-        self.flash_smem: dict[str, int] = {}
-        for v, (n, _, stages) in FLASH_VARIANTS.items():
-            self.decode_kernels[v] = kernels[f"attn_{v}_hd{hd}_g{group}"]
-            self.flash_combine[v] = kernels[f"attn_{v}_combine_hd{hd}"]
-            self.flash_smem[v] = FLASH_WARPS * stages * 2 * n * 32 * 16  # the cp.async ring
-            if self.flash_smem[v]:
-                driver.set_max_dynamic_smem(self.decode_kernels[v], self.flash_smem[v])
+        self._init_attention(kernels, driver)
         for nt in GEMV_BUCKETS:
             for kind in ("norm", "norm_swiglu"):
                 smem = self.gemv_smem(kind, nt, c.hidden_size)
@@ -215,21 +156,8 @@ class Forward:
             if smem <= GEMV_NORM_SMEM_MAX:
                 driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
         self.gemv_fusion: frozenset[str] = frozenset()
-        self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
-        self._decode_override: str | None = None
         self.gemv_max_tokens = 1
         self._only: set[str] | None = None
-
-    def set_prefill_attention(self, variant: str) -> None:
-        if variant not in self.prefill_kernels:
-            raise ValueError(f"prefill_attention {variant!r} not in {sorted(self.prefill_kernels)}")
-        self.fn_prefill = self.prefill_kernels[variant]
-
-    def set_decode_attention(self, variant: str | None) -> None:
-        """Use `variant` for every decode bucket recorded from now on; None: back to decode_table."""
-        if variant is not None and variant not in self.decode_kernels:
-            raise ValueError(f"decode_attention {variant!r} not in {sorted(self.decode_kernels)}")
-        self._decode_override = variant
 
     def set_gemv_fusion(self, fusion: frozenset[str]) -> None:
         """GEMV fusions (GEMV_FUSIONS) for the steps recorded from now on."""
@@ -251,31 +179,6 @@ class Forward:
         if self.w.layers[0].q_norm is not None or (self.c.head_dim // 2) % GEMV_ROWS_PER_WARP[T]:
             out.discard("rope")  # qk-norm needs whole heads; a warp's rows must stay in one head
         return frozenset(out)
-
-    def set_decode_table(self, table: tuple[tuple[int, str], ...]) -> None:
-        for _, v in table:
-            if v not in self.decode_kernels:
-                raise ValueError(f"decode_attention {v!r} not in {sorted(self.decode_kernels)}")
-        self.decode_table = table
-
-    def decode_variant(self, S: int) -> str:
-        """The decode attention recorded for a bucket of S sequences."""
-        return self._decode_override or decode_variant_for(self.decode_table, S)
-
-    def splits(self, s: int) -> int:
-        """Decode split count for a bucket of s sequences: about one wave of blocks (4 per SM)."""
-        want = -(-4 * self.num_sms // (s * self.c.num_kv_heads))
-        cap = max(1, -(-self.d.max_context // PREFILL_TILE))
-        return max(1, min(self.max_splits, want, cap))
-
-    def flash_target(self, variant: str) -> int:
-        """CTAs the flash kernels aim for: one full wave at their occupancy."""
-        return self.num_sms * FLASH_VARIANTS[variant][1]
-
-    def flash_splits(self, s: int, variant: str) -> int:
-        c, n = self.c, FLASH_VARIANTS[variant][0]
-        target = self.flash_target(variant)
-        return flash_grid_splits(s, c.num_kv_heads, c.head_dim, self.d.max_context, target, n, self.max_splits)
 
     @staticmethod
     def _p(a: object) -> P:
@@ -372,57 +275,6 @@ class Forward:
         finally:
             self._only = None
 
-    def _record_flash(self, stream: int, S: int, variant: str, kc: int, vc: int, scale_log2: F32) -> None:
-        c, d, a = self.c, self.d, self.arena.ptr
-        nsplit, target = self.flash_splits(S, variant), I32(self.flash_target(variant))
-        self._launch(
-            "attn_flash",
-            (nsplit, c.num_kv_heads, S),
-            (32 * FLASH_WARPS, 1, 1),
-            [
-                self._p(self.q),
-                P(kc),
-                P(vc),
-                self._p(self.part_o),
-                self._p(self.part_ml),
-                self._p(self.attn),
-                P(a["cu_q_lens"]),
-                P(a["seq_lens"]),
-                P(a["block_tables"]),
-                P(a["num_seqs"]),
-                *([self._p(self.split_counters)] if variant in FLASH_FUSED_COMBINE else []),
-                I32(c.num_kv_heads),
-                I32(d.block_size),
-                I32(d.max_blocks_per_seq),
-                scale_log2,
-                target,
-            ],
-            stream,
-            smem=self.flash_smem[variant],
-            fn=self.decode_kernels[variant],
-        )
-        # one split per sequence, or the combine folded in: the attention kernel wrote the output
-        if nsplit > 1 and variant not in FLASH_FUSED_COMBINE:
-            self._launch(
-                "attn_flash_combine",
-                (-(-c.num_heads // FLASH_WARPS), S, 1),
-                (32 * FLASH_WARPS, 1, 1),
-                [
-                    self._p(self.part_o),
-                    self._p(self.part_ml),
-                    self._p(self.attn),
-                    P(a["cu_q_lens"]),
-                    P(a["seq_lens"]),
-                    P(a["num_seqs"]),
-                    I32(c.num_kv_heads),
-                    I32(c.num_heads),
-                    I32(nsplit),
-                    target,
-                ],
-                stream,
-                fn=self.flash_combine[variant],
-            )
-
     def _record(self, stream: int, S: int, T: int, decode: bool, use_gemv: bool) -> None:
         c, d, a = self.c, self.d, self.arena.ptr
         H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
@@ -485,58 +337,7 @@ class Forward:
                     ],
                     stream,
                 )
-            variant = self.decode_variant(S) if decode else ""
-            if variant in FLASH_VARIANTS:
-                self._record_flash(stream, S, variant, kc, vc, scale_log2)
-            elif decode:
-                nsplit = self.splits(S)
-                self._launch(
-                    "attn_decode",
-                    (nsplit, c.num_kv_heads, S),
-                    (128, 1, 1),
-                    [
-                        self._p(self.q),
-                        P(kc),
-                        P(vc),
-                        self._p(self.part_o),
-                        self._p(self.part_ml),
-                        self._p(self.split_counters),
-                        self._p(self.attn),
-                        P(a["cu_q_lens"]),
-                        P(a["seq_lens"]),
-                        P(a["block_tables"]),
-                        ns,
-                        I32(c.num_kv_heads),
-                        I32(d.block_size),
-                        I32(d.max_blocks_per_seq),
-                        scale_log2,
-                    ],
-                    stream,
-                    fn=self.decode_kernels[variant],
-                )
-            else:
-                self._launch(
-                    "attn_prefill",
-                    (T // PREFILL_TILE + S, c.num_heads, 1),
-                    (128, 1, 1),
-                    [
-                        self._p(self.q),
-                        P(kc),
-                        P(vc),
-                        self._p(self.attn),
-                        P(a["cu_q_lens"]),
-                        P(a["seq_lens"]),
-                        P(a["block_tables"]),
-                        ns,
-                        I32(c.num_kv_heads),
-                        I32(d.block_size),
-                        I32(d.max_blocks_per_seq),
-                        scale_log2,
-                    ],
-                    stream,
-                    smem=self.prefill_smem,
-                    fn=self.fn_prefill,
-                )
+            self._record_attention(stream, S, T, decode, kc, vc, scale_log2)
             if fuse_norm:
                 self.fused_linear("resid", self.attn, lw.o, self.resid, T, stream)
                 kind = "norm_swiglu" if fuse_swiglu else "norm"

@@ -22,7 +22,7 @@ DECODE_STEPS = 32
 
 def _attention_pairs() -> list[tuple[str, str]]:
     """Every decode attention variant, each with one of the prefill variants (alternating)."""
-    from blink.gpu.forward import DECODE_VARIANTS
+    from blink.gpu.attention_launch import DECODE_VARIANTS
 
     return [(v, ("rego", "smem")[i % 2]) for i, v in enumerate(DECODE_VARIANTS)]
 

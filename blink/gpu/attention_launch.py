@@ -1,0 +1,214 @@
+"""Attention in a model step: which kernel serves each bucket, and its launches.
+
+Forward (blink/gpu/forward.py) records the rest of the step; this mixin owns the attention role:
+the prefill kernel ("smem" / "rego", attention.cu), the decode variants (basic / pipe from
+attention.cu; flash* from flash_decode.cu), the split counts they are recorded with, and the
+per-bucket choice (a (min_batch, variant) table, or one override). It reads Forward's buffers
+(q, attn, part_o, part_ml, split_counters), its step arena and its `_launch`.
+"""
+
+from __future__ import annotations
+
+from blink.gpu.cuda_api import F32, I32, Driver, P
+from blink.gpu.kernels import Kernels
+
+DECODE_HEAD_DIMS = (16, 32, 64, 128)
+DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
+PREFILL_TILE = 64
+# Decode attention kernels. basic/pipe: attention.cu, a fixed split count per bucket, merged by the
+# last split. flash*: flash_decode.cu, keys per split chosen at run time, separate
+# combine; FLASH_VARIANTS: (K/V vectors per lane per tile, CTAs per SM at the compiled register
+# count for G <= 4, cp.async ring stages (0: loads into registers)).
+# "flashqc": flashq with the combine folded into the attention kernel (the last split merges).
+DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8", "flashqc")
+FLASH_VARIANTS = {
+    "flash": (4, 3, 0),
+    "flash8": (8, 2, 0),
+    "flashq": (4, 3, 4),
+    "flashq8": (8, 2, 3),
+    "flashqc": (4, 3, 4),
+}
+FLASH_FUSED_COMBINE = ("flashqc",)
+FLASH_WARPS = 4
+
+
+def flash_quantum(head_dim: int, n: int) -> int:
+    """Keys per split are a multiple of this (flash_quantum in flash_decode.cu)."""
+    return max(32, n * (256 // head_dim))
+
+
+def flash_grid_splits(s: int, nkv: int, head_dim: int, max_context: int, target: int, n: int, max_splits: int) -> int:
+    """Grid splits of a flash kernel for a bucket of s sequences: room for about 2 waves of
+    `target` CTAs when the bucket is full; flash_chunk (flash_decode.cu) picks how many are used
+    (CTAs past that exit at once, but each still costs a launch slot)."""
+    want = -(-2 * target // (s * nkv))
+    cap = max(1, -(-max_context // flash_quantum(head_dim, n)))
+    return max(1, min(max_splits, want, cap))
+
+
+def decode_variant_for(table: tuple[tuple[int, str], ...], batch: int) -> str:
+    """The variant of the last (min_batch, variant) entry with min_batch <= batch."""
+    out = table[0][1]
+    for lo, v in table:
+        if lo <= batch:
+            out = v
+    return out
+
+
+class AttentionLaunches:
+    """Mixin of Forward: attention kernel handles, variant choice and launch recording."""
+
+    def _init_attention(self, kernels: Kernels, driver: Driver) -> None:
+        """Kernel handles and shared-memory limits of every attention variant (at construction)."""
+        c = self.c
+        hd, group = c.head_dim, c.num_heads // c.num_kv_heads
+        self.prefill_smem = 2 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
+        # "smem": O accumulated in shared memory, next K/V tile prefetched into registers;
+        # "rego": O accumulators kept in registers across tiles, no prefetch.
+        self.prefill_kernels = {"smem": kernels[f"attn_prefill_hd{hd}"], "rego": kernels[f"attn_prefill_rego_hd{hd}"]}
+        for fn in self.prefill_kernels.values():
+            driver.set_max_dynamic_smem(fn, self.prefill_smem)
+        self.fn_prefill = self.prefill_kernels["rego"]
+        # "basic": one tile of K/V in registers, 4 blocks/SM; "pipe": the next tile's loads in
+        # flight during the current tile's math, 3 blocks/SM.
+        self.decode_kernels = {
+            "basic": kernels[f"attn_decode_hd{hd}_g{group}"],
+            "pipe": kernels[f"attn_decode_pipe_hd{hd}_g{group}"],
+        }
+        self.flash_combine: dict[str, int] = {}
+        self.flash_smem: dict[str, int] = {}
+        for v, (n, _, stages) in FLASH_VARIANTS.items():
+            self.decode_kernels[v] = kernels[f"attn_{v}_hd{hd}_g{group}"]
+            self.flash_combine[v] = kernels[f"attn_{v}_combine_hd{hd}"]
+            self.flash_smem[v] = FLASH_WARPS * stages * 2 * n * 32 * 16  # the cp.async ring
+            if self.flash_smem[v]:
+                driver.set_max_dynamic_smem(self.decode_kernels[v], self.flash_smem[v])
+        self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
+        self._decode_override: str | None = None
+
+    def set_prefill_attention(self, variant: str) -> None:
+        if variant not in self.prefill_kernels:
+            raise ValueError(f"prefill_attention {variant!r} not in {sorted(self.prefill_kernels)}")
+        self.fn_prefill = self.prefill_kernels[variant]
+
+    def set_decode_attention(self, variant: str | None) -> None:
+        """Use `variant` for every decode bucket recorded from now on; None: back to decode_table."""
+        if variant is not None and variant not in self.decode_kernels:
+            raise ValueError(f"decode_attention {variant!r} not in {sorted(self.decode_kernels)}")
+        self._decode_override = variant
+
+    def set_decode_table(self, table: tuple[tuple[int, str], ...]) -> None:
+        for _, v in table:
+            if v not in self.decode_kernels:
+                raise ValueError(f"decode_attention {v!r} not in {sorted(self.decode_kernels)}")
+        self.decode_table = table
+
+    def decode_variant(self, S: int) -> str:
+        """The decode attention recorded for a bucket of S sequences."""
+        return self._decode_override or decode_variant_for(self.decode_table, S)
+
+    def splits(self, s: int) -> int:
+        """Decode split count for a bucket of s sequences: about one wave of blocks (4 per SM)."""
+        want = -(-4 * self.num_sms // (s * self.c.num_kv_heads))
+        cap = max(1, -(-self.d.max_context // PREFILL_TILE))
+        return max(1, min(self.max_splits, want, cap))
+
+    def flash_target(self, variant: str) -> int:
+        """CTAs the flash kernels aim for: one full wave at their occupancy."""
+        return self.num_sms * FLASH_VARIANTS[variant][1]
+
+    def flash_splits(self, s: int, variant: str) -> int:
+        c, n = self.c, FLASH_VARIANTS[variant][0]
+        target = self.flash_target(variant)
+        return flash_grid_splits(s, c.num_kv_heads, c.head_dim, self.d.max_context, target, n, self.max_splits)
+
+    def _record_attention(self, stream: int, S: int, T: int, decode: bool, kc: int, vc: int, scale_log2: F32) -> None:
+        """One layer's attention: q and the paged KV (kc, vc) -> attn."""
+        c, d, a = self.c, self.d, self.arena.ptr
+        variant = self.decode_variant(S) if decode else ""
+        if variant in FLASH_VARIANTS:
+            self._record_flash(stream, S, variant, kc, vc, scale_log2)
+            return
+        # the arguments after the output buffers, the same for the decode and prefill kernels
+        tail = [
+            self._p(self.attn),
+            P(a["cu_q_lens"]),
+            P(a["seq_lens"]),
+            P(a["block_tables"]),
+            P(a["num_seqs"]),
+            I32(c.num_kv_heads),
+            I32(d.block_size),
+            I32(d.max_blocks_per_seq),
+            scale_log2,
+        ]
+        if decode:
+            scratch = [self._p(self.part_o), self._p(self.part_ml), self._p(self.split_counters)]
+            self._launch(
+                "attn_decode",
+                (self.splits(S), c.num_kv_heads, S),
+                (128, 1, 1),
+                [self._p(self.q), P(kc), P(vc), *scratch, *tail],
+                stream,
+                fn=self.decode_kernels[variant],
+            )
+        else:
+            self._launch(
+                "attn_prefill",
+                (T // PREFILL_TILE + S, c.num_heads, 1),
+                (128, 1, 1),
+                [self._p(self.q), P(kc), P(vc), *tail],
+                stream,
+                smem=self.prefill_smem,
+                fn=self.fn_prefill,
+            )
+
+    def _record_flash(self, stream: int, S: int, variant: str, kc: int, vc: int, scale_log2: F32) -> None:
+        c, d, a = self.c, self.d, self.arena.ptr
+        nsplit, target = self.flash_splits(S, variant), I32(self.flash_target(variant))
+        self._launch(
+            "attn_flash",
+            (nsplit, c.num_kv_heads, S),
+            (32 * FLASH_WARPS, 1, 1),
+            [
+                self._p(self.q),
+                P(kc),
+                P(vc),
+                self._p(self.part_o),
+                self._p(self.part_ml),
+                self._p(self.attn),
+                P(a["cu_q_lens"]),
+                P(a["seq_lens"]),
+                P(a["block_tables"]),
+                P(a["num_seqs"]),
+                *([self._p(self.split_counters)] if variant in FLASH_FUSED_COMBINE else []),
+                I32(c.num_kv_heads),
+                I32(d.block_size),
+                I32(d.max_blocks_per_seq),
+                scale_log2,
+                target,
+            ],
+            stream,
+            smem=self.flash_smem[variant],
+            fn=self.decode_kernels[variant],
+        )
+        # one split per sequence, or the combine folded in: the attention kernel wrote the output
+        if nsplit > 1 and variant not in FLASH_FUSED_COMBINE:
+            self._launch(
+                "attn_flash_combine",
+                (-(-c.num_heads // FLASH_WARPS), S, 1),
+                (32 * FLASH_WARPS, 1, 1),
+                [
+                    self._p(self.part_o),
+                    self._p(self.part_ml),
+                    self._p(self.attn),
+                    P(a["cu_q_lens"]),
+                    P(a["seq_lens"]),
+                    P(a["num_seqs"]),
+                    I32(c.num_kv_heads),
+                    I32(c.num_heads),
+                    I32(nsplit),
+                    target,
+                ],
+                stream,
+                fn=self.flash_combine[variant],
+            )
