@@ -124,30 +124,19 @@ class AttentionLaunches:
 
     def _record_attention(self, stream: int, S: int, T: int, decode: bool, kc: int, vc: int, scale_log2: F32) -> None:
         """One layer's attention: q and the paged KV (kc, vc) -> attn."""
-        c, d, a = self.c, self.d, self.arena.ptr
+        c = self.c
         variant = self.decode_variant(S) if decode else ""
         if variant in FLASH_VARIANTS:
             self._record_flash(stream, S, variant, kc, vc, scale_log2)
             return
-        # the arguments after the output buffers, the same for the decode and prefill kernels
-        tail = [
-            self._p(self.attn),
-            P(a["cu_q_lens"]),
-            P(a["seq_lens"]),
-            P(a["block_tables"]),
-            P(a["num_seqs"]),
-            I32(c.num_kv_heads),
-            I32(d.block_size),
-            I32(d.max_blocks_per_seq),
-            scale_log2,
-        ]
+        seqs, kv = self._attn_common_args(scale_log2)
         if decode:
             scratch = [self._p(self.part_o), self._p(self.part_ml), self._p(self.split_counters)]
             self._launch(
                 "attn_decode",
                 (self.splits(S), c.num_kv_heads, S),
                 (128, 1, 1),
-                [self._p(self.q), P(kc), P(vc), *scratch, *tail],
+                [self._p(self.q), P(kc), P(vc), *scratch, self._p(self.attn), *seqs, *kv],
                 stream,
                 fn=self.decode_kernels[variant],
             )
@@ -156,15 +145,23 @@ class AttentionLaunches:
                 "attn_prefill",
                 (T // PREFILL_TILE + S, c.num_heads, 1),
                 (128, 1, 1),
-                [self._p(self.q), P(kc), P(vc), *tail],
+                [self._p(self.q), P(kc), P(vc), self._p(self.attn), *seqs, *kv],
                 stream,
                 smem=self.prefill_smem,
                 fn=self.fn_prefill,
             )
 
-    def _record_flash(self, stream: int, S: int, variant: str, kc: int, vc: int, scale_log2: F32) -> None:
+    def _attn_common_args(self, scale_log2: F32) -> tuple[list, list]:
+        """Arguments every attention kernel takes, in their order: the batch's sequences
+        (cu_q_lens, seq_lens, block_tables, num_seqs) and the KV geometry with the softmax scale."""
         c, d, a = self.c, self.d, self.arena.ptr
+        seqs = [P(a["cu_q_lens"]), P(a["seq_lens"]), P(a["block_tables"]), P(a["num_seqs"])]
+        return seqs, [I32(c.num_kv_heads), I32(d.block_size), I32(d.max_blocks_per_seq), scale_log2]
+
+    def _record_flash(self, stream: int, S: int, variant: str, kc: int, vc: int, scale_log2: F32) -> None:
+        c, a = self.c, self.arena.ptr
         nsplit, target = self.flash_splits(S, variant), I32(self.flash_target(variant))
+        seqs, kv = self._attn_common_args(scale_log2)
         self._launch(
             "attn_flash",
             (nsplit, c.num_kv_heads, S),
@@ -176,15 +173,9 @@ class AttentionLaunches:
                 self._p(self.part_o),
                 self._p(self.part_ml),
                 self._p(self.attn),
-                P(a["cu_q_lens"]),
-                P(a["seq_lens"]),
-                P(a["block_tables"]),
-                P(a["num_seqs"]),
+                *seqs,
                 *([self._p(self.split_counters)] if variant in FLASH_FUSED_COMBINE else []),
-                I32(c.num_kv_heads),
-                I32(d.block_size),
-                I32(d.max_blocks_per_seq),
-                scale_log2,
+                *kv,
                 target,
             ],
             stream,
