@@ -354,12 +354,12 @@ def test_start_failure_and_start_timeout_are_reported_and_cleaned_up(cluster) ->
     bad = from_mapping({**json.loads(_cfg("bad", 0).to_json()), "model": {"spec": "random:no-such-preset"}})
     with pytest.raises(deploy.StartError, match="no-such-preset"):
         deploy.deploy(bad, detached=False)
-    assert deploy.find(bad) == ([], None)  # killed, not left restarting forever
+    assert deploy.find_all(bad) == ([], [])  # killed, not left restarting forever
     deploy.stop(bad)
     slow = from_mapping({**json.loads(_cfg("slow", 0).to_json()), "deploy": {"name": "slow", "start_timeout_s": 0.01}})
     with pytest.raises(TimeoutError, match="did not finish|not ready after"):  # either stage may be the one
         deploy.deploy(slow, detached=False)
-    assert deploy.find(slow) == ([], None)
+    assert deploy.find_all(slow) == ([], [])
     assert deploy.stop(slow)["placement_group"] is True
     live = [
         p for p in placement_group_table().values() if p["name"] in ("bad-pg", "slow-pg") and p["state"] != "REMOVED"

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(st, indent=2, default=str))
         else:
             print(format_status(st))
-        return 0 if st["frontend"] is not None or st["replicas"] else 3
+        return 0 if st["frontends"] or st["replicas"] else 3
     st = deploy.stop(cfg)
     print(f"stopped {cfg.name!r}: frontends={st['frontends']} replicas={st['replicas']} pg={st['placement_group']}")
     return 0
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_status(st: dict[str, Any]) -> str:
     lines = [f"deployment {st['name']!r} (namespace {st['namespace']!r})"]
-    fes = st.get("frontends") or ([st["frontend"]] if st["frontend"] is not None else [])
+    fes = st["frontends"]
     if not fes:
         lines.append("  frontend: not running")
     for k, fe in enumerate(fes):

@@ -148,14 +148,9 @@ class StartError(RuntimeError):
     """An actor's start() raised; the message carries the actor's own error."""
 
 
-def find(cfg: DeployConfig) -> tuple[list[Any], Any | None]:
-    """Handles of a running deployment's actors (named, in cfg.namespace): (gpu actors by replica, frontend 0)."""
-    gpus, frontends = find_all(cfg)
-    return gpus, (frontends[0] if frontends else None)
-
-
 def find_all(cfg: DeployConfig) -> tuple[list[Any], list[Any]]:
-    """(GPU actors by replica, every frontend actor by index)."""
+    """Handles of a running deployment's named actors (in cfg.namespace): (GPU actors by replica,
+    frontend actors by index)."""
     import ray
     from ray.util import list_named_actors
 
@@ -199,14 +194,13 @@ def stop(cfg: DeployConfig, timeout_s: float = 30.0) -> dict[str, Any]:
     from .placement import remove_placement_group_by_name
 
     gpus, frontends = find_all(cfg)
-    stopped: dict[str, Any] = {"frontend": False, "frontends": 0, "replicas": 0, "placement_group": False}
+    stopped: dict[str, Any] = {"frontends": 0, "replicas": 0, "placement_group": False}
     for fe in frontends:
         try:
             ray.get(fe.stop.remote(), timeout=timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as e:
             log.warning("frontend stop: %s", e)
         ray.kill(fe, no_restart=True)
-        stopped["frontend"] = True
         stopped["frontends"] += 1
     for a in gpus:
         try:

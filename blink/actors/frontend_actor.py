@@ -116,7 +116,7 @@ class FrontendActor:
         try:
             self._server = await start_http(self.cfg.serving, self._router, self.port, shared=self.count > 1)
             self._info = {"url": self._server.url, "pid": os.getpid(), "restarted": self._restarted}
-            self._info.update(index=self.index, count=self.count, port=int(self._server.url.rsplit(":", 1)[1]))
+            self._info.update(index=self.index, count=self.count, port=self._server.port)
             ray = sys.modules.get("ray")  # None when running without Ray
             if ray is not None and ray.is_initialized():
                 ip = ray.util.get_node_ip_address()

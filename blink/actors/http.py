@@ -13,6 +13,7 @@ from .router import Router
 @dataclass
 class HttpIngress:
     url: str
+    port: int  # the port bound (frontends after the first bind the same one)
     runner: Any  # aiohttp AppRunner
     server: Any  # blink.dpu.server.OpenAIServer
 
@@ -30,4 +31,4 @@ async def start_http(cfg: BlinkConfig, router: Router, port: int | None = None, 
     srv = dpu_server.OpenAIServer(router, tok, cfg.server)
     want = cfg.server.port if port is None else port
     runner, port = await dpu_server.start_http(srv, cfg.server.host, want, reuse_port=shared)
-    return HttpIngress(f"http://{cfg.server.host}:{port}", runner, srv)
+    return HttpIngress(f"http://{cfg.server.host}:{port}", port, runner, srv)

@@ -73,7 +73,7 @@ class SlotTracker:
         self.prompt_capacity = geometry.prompt_arena_tokens // n  # tokens of prompt arena per slot
         self.records = np.zeros(n, SLOT_DTYPE)  # last bulk read of the slot records
         self.held = np.zeros(n, bool)  # slots this frontend claimed and has not released
-        self._free = np.zeros(n, bool)  # cache: ring state EMPTY and not held
+        self._free = np.zeros(n, bool)  # cache: ring state EMPTY, not held, owned
         self._hint = 0
         hdr = read_header(transport)
         # Doorbell sequence numbers continue above whatever any frontend rang last (a restarted
