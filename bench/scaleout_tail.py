@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scaleout import poisson_offsets  # noqa: E402
+from loadgen import poisson_offsets  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,14 +40,14 @@ def test_scaleout_procs_launcher(tmp_path: Path) -> None:
 def test_per_replica_load_is_the_same_work_per_replica() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        import scaleout
+        import loadgen
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    one = scaleout.sharegpt_like(50, 1000, 4096, 1.0, 3)
-    two = scaleout.sharegpt_like(50, 1000, 4096, 1.0, 3, copies=2)
+    one = loadgen.sharegpt_like(50, 1000, 4096, 1.0, 3)
+    two = loadgen.sharegpt_like(50, 1000, 4096, 1.0, 3, copies=2)
     assert two[0::2] == one  # the first copy is the 1-replica load itself
     assert [(len(p), o) for p, o in two[1::2]] == [(len(p), o) for p, o in one]  # same lengths...
     assert all(a != b for (a, _), (b, _) in zip(one, two[1::2], strict=True))  # ...fresh prompt ids
-    t1, t2 = scaleout.poisson_offsets(50, 16.0, 3), scaleout.poisson_offsets(50, 16.0, 3, copies=2)
+    t1, t2 = loadgen.poisson_offsets(50, 16.0, 3), loadgen.poisson_offsets(50, 16.0, 3, copies=2)
     assert (t2[0::2] == t1).all() and not (t2[1::2] == t1).all()
     assert 0.6 < 49 / t1[-1] / 16.0 < 1.6  # about 16 arrivals per second
