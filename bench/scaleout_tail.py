@@ -3,6 +3,10 @@ arrival time, from a bench/scaleout.py results JSON (open-loop phase).
 
     python bench/scaleout_tail.py bench/results/scaleout-2xh200-ray-0d40707.json [--skip-s 2]
 
+Last, the open-loop TTFT p99 of each replica count against the first one's, with a 95 % bootstrap
+interval of their ratio (requests resampled with replacement, --boot times): a p99 taken from a few
+hundred requests moves by several per cent from run to run, and this says by how much.
+
 Files written before the records carried the send time and the client process (commit b05516a)
 are read too: arrival times are rebuilt from the seed and rate in the file's args, and request i
 was sent by client i % client_procs.
@@ -27,9 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("json")
     ap.add_argument("--skip-s", type=float, default=2.0, help="also report the tail without the first SKIP_S s")
     ap.add_argument("--worst", type=int, default=12)
+    ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples for the p99 ratio")
     a = ap.parse_args(argv)
     d = json.loads(Path(a.json).read_text())
     args = d["args"]
+    ttfts: list[tuple[int, np.ndarray]] = []
     for run in d["runs"]:
         ph = run.get("poisson")
         if not ph or "per_request" not in ph:
@@ -44,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             sent = poisson_offsets(n_open, args["rate"], args["seed"], copies=copies)
             client = np.arange(len(pr)) % procs
         ttft = pr[:, 2]
+        ttfts.append((n, ttft))
         late = sent >= a.skip_s
         print(f"replicas {n}, {ph['mode']}, {len(pr)} requests, {procs} client processes")
         print(
@@ -60,6 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"  client {k}: p99 {np.percentile(ttft[sel], 99):6.1f}  max before {a.skip_s:g} s "
                 f"{early.max() if early.size else 0:6.0f}  max after {rest.max() if rest.size else 0:6.0f}"
             )
+    rng = np.random.default_rng(0)
+    for n, t in ttfts[1:]:
+        n0, t0 = ttfts[0]
+        ratios = [
+            np.percentile(rng.choice(t, t.size), 99) / np.percentile(rng.choice(t0, t0.size), 99)
+            for _ in range(a.boot)
+        ]
+        lo, hi = np.percentile(ratios, [2.5, 97.5])
+        r = np.percentile(t, 99) / np.percentile(t0, 99)
+        print(f"TTFT p99, {n} replicas / {n0}: {r:.3f} (95 % bootstrap interval {lo:.3f} - {hi:.3f})")
     return 0
 
 
