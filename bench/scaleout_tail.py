@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, t in ttfts[1:]:
         n0, t0 = ttfts[0]
         ratios = [
-            np.percentile(rng.choice(t, t.size), 99) / np.percentile(rng.choice(t0, t0.size), 99)
-            for _ in range(a.boot)
+            np.percentile(rng.choice(t, t.size), 99) / np.percentile(rng.choice(t0, t0.size), 99) for _ in range(a.boot)
         ]
         lo, hi = np.percentile(ratios, [2.5, 97.5])
         r = np.percentile(t, 99) / np.percentile(t0, 99)
