@@ -2,6 +2,14 @@
 all 32 layers, random bf16 weights), graph launched from the host, timed with CUDA events.
 
     python bench/prefill.py --out bench/results/prefill_h200.json
+    python bench/prefill.py --lengths 16x256,1024 --breakdown --gemm-rows 256,4096
+
+A length "SxL" is S prompts of L tokens packed into one step (what the scheduler's inline prefill
+runs: 16 x 256 fills the 4096-token bucket). --breakdown also times each kernel category of the
+step as a graph of its own (as bench/decode.py does). --gemm-rows times each of a layer's GEMM
+shapes at those row counts, as the engine calls it (cublasGemmEx, default algorithm) and, when
+torch is importable, torch.matmul on the same GPU (cuBLASLt with its own heuristics): where a
+prefill step's GEMM time stands against what the library can do.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import numpy as np
 
 from blink.gpu.benchutil import metadata, time_ms, write_json
 from blink.gpu.engine import Engine, EngineConfig
+from blink.gpu.forward import CATEGORIES
 from blink.models.config import preset
 
 
@@ -20,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--layers", type=int, default=0, help="0 = the preset's")
-    ap.add_argument("--lengths", default="1024,4096")
+    ap.add_argument("--lengths", default="1024,4096", help='prompt lengths; "SxL" = S prompts of L tokens in one step')
+    ap.add_argument("--breakdown", action="store_true", help="time each kernel category on its own")
+    ap.add_argument("--gemm-rows", default="", help="row counts at which each layer GEMM shape is timed alone")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/prefill.json")
@@ -28,64 +39,147 @@ def main(argv: list[str] | None = None) -> int:
     cfg = preset(a.model)
     if a.layers:
         cfg = cfg.replace(num_layers=a.layers)
-    lengths = [int(x) for x in a.lengths.split(",")]
-    tmax, bs = max(lengths), 16
+    shapes = [(int(x.split("x")[0]), int(x.split("x")[1])) if "x" in x else (1, int(x)) for x in a.lengths.split(",")]
+    bs = 16
+    tmax = max(n * m for n, m in shapes)
+    cmax = max(m for _, m in shapes)
+    per_seq = -(-cmax // bs)
     ecfg = EngineConfig(
-        max_seqs=1,
+        max_seqs=max(n for n, _ in shapes),
         max_tokens=tmax,
-        max_context=tmax,
+        max_context=cmax,
         block_size=bs,
-        num_kv_blocks=tmax // bs,
-        batch_buckets=(1,),
-        token_buckets=tuple(lengths),
+        num_kv_blocks=max(n for n, _ in shapes) * per_seq,
+        batch_buckets=tuple(sorted({n for n, _ in shapes})),
+        token_buckets=tuple(sorted({n * m for n, m in shapes})),
     )
     eng = Engine.create(cfg, ecfg)
     rep = eng.capture(decode=False, prefill=True)
     rng = np.random.default_rng(0)
     h = eng.arena.host
     rows = []
-    for n in lengths:
-        h["num_seqs"][0], h["num_tokens"][0] = 1, n
+    breakdown: dict[str, dict[str, float]] = {}
+    width = eng.dims.max_blocks_per_seq
+    for S, m in shapes:
+        n = S * m
+        h["num_seqs"][0], h["num_tokens"][0] = S, n
         h["input_ids"][:n] = rng.integers(0, cfg.vocab_size, n)
-        h["positions"][:n] = np.arange(n)
-        h["cu_q_lens"][:2] = (0, n)
-        h["seq_lens"][0] = n
-        h["temperature"][0] = 0.0
-        h["block_tables"][: tmax // bs] = np.arange(tmax // bs)
-        eng.arena.upload(eng.s, 1)
-        variants = {ecfg.prefill_attention: lambda n=n: eng.driver.graph_launch(eng.pick_exec(1, n, False), eng.s)}
+        h["positions"][:n] = np.tile(np.arange(m), S)
+        h["cu_q_lens"][: S + 1] = np.arange(S + 1) * m
+        h["seq_lens"][:S] = m
+        h["temperature"][:S] = 0.0
+        bt = h["block_tables"].reshape(eng.dims.max_seqs, width)
+        for i in range(S):
+            bt[i, :per_seq] = np.arange(i * per_seq, (i + 1) * per_seq)
+        eng.arena.upload(eng.s, S)
+        label = f"{S}x{m}" if S > 1 else str(m)
+        variants = {ecfg.prefill_attention: lambda S=S, n=n: eng.driver.graph_launch(eng.pick_exec(S, n, False), eng.s)}
         for other in ("smem", "rego"):
             if other != ecfg.prefill_attention:
                 eng.fwd.set_prefill_attention(other)
-                execs = eng.capture_variant(1, n, False)
+                execs = eng.capture_variant(S, n, False)
                 eng.fwd.set_prefill_attention(ecfg.prefill_attention)
                 it = iter(range(10**9))
                 variants[other] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
         for name, fn in variants.items():
             ms = time_ms(fn, eng.stream, iters=a.iters, warmup=2)
-            flops = 2 * n * (eng.weights.bytes_per_step / 2) + 4 * n * n / 2 * cfg.q_size * cfg.num_layers
+            flops = 2 * n * (eng.weights.bytes_per_step / 2) + 4 * S * m * m / 2 * cfg.q_size * cfg.num_layers
             rows.append(
                 {
                     "prompt_tokens": n,
+                    "prompts": S,
+                    "shape": label,
                     "attention": name,
                     "ms": ms,
                     "tokens_per_s": n / ms * 1e3,
                     "TFLOPs": flops / ms / 1e9,
                 }
             )
+        if a.breakdown:  # each kernel category as a graph of its own (same launches as the step)
+            parts = {}
+            for cat in CATEGORIES:
+                execs = eng.capture_variant(S, n, False, only={cat})
+                it = iter(range(10**9))
+                parts[cat] = time_ms(
+                    lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s),
+                    eng.stream,
+                    iters=a.iters,
+                    warmup=2,
+                )
+            breakdown[label] = parts
+    gemm = gemm_compare(eng, cfg, [int(x) for x in a.gemm_rows.split(",") if x], a.iters) if a.gemm_rows else []
     res = {
         **metadata(a.commit, argv if argv is not None else sys.argv),
         "model": cfg.name,
         "layers": cfg.num_layers,
         "capture": {"graphs": rep.graphs, "seconds": rep.seconds},
         "rows": rows,
+        "breakdown_ms": breakdown,
+        "gemm": gemm,
     }
     write_json(a.out, res)
-    print(f"\n{'prompt':>7} {'attention':>9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8}")
+    print(f"\n{'prompt':>8} {'attention':>9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8}")
     for r in rows:
-        print(f"{r['prompt_tokens']:>7} {r['attention']:>9} {r['ms']:9.2f} {r['tokens_per_s']:9.0f} {r['TFLOPs']:8.1f}")
+        print(f"{r['shape']:>8} {r['attention']:>9} {r['ms']:9.2f} {r['tokens_per_s']:9.0f} {r['TFLOPs']:8.1f}")
+    for label, parts in breakdown.items():
+        print(
+            f"prefill {label} by kernel category (ms): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+            + f"; sum {sum(parts.values()):.3f}"
+        )
+    for g in gemm:
+        print(
+            f"gemm rows {g['rows']:>5} {g['name']:>8} ({g['n_out']}x{g['k']}): engine {g['engine_ms']:.3f} ms "
+            f"{g['engine_TFLOPs']:6.1f} TFLOP/s; torch {g.get('torch_ms', float('nan')):.3f} ms "
+            f"{g.get('torch_TFLOPs', float('nan')):6.1f} TFLOP/s"
+        )
     eng.close()
     return 0
+
+
+def _bf16(shape: tuple[int, int], scale: float):
+    """Random bf16 values (as uint16 bit patterns) on the GPU: the top half of float32 normals."""
+    import cupy as cp
+
+    f = cp.random.standard_normal(shape, dtype=cp.float32) * scale
+    return (f.view(cp.uint32) >> 16).astype(cp.uint16)
+
+
+def gemm_compare(eng, cfg, row_counts: list[int], iters: int) -> list[dict]:
+    """Each GEMM shape of one layer at each row count: the engine's call (Cublas.linear, on the
+    engine's stream and workspace) and torch.matmul (if torch imports), same shapes, bf16."""
+    import cupy as cp
+
+    H, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    layer = {"qkv": (q + 2 * kv, H), "o": (H, q), "gate_up": (2 * inter, H), "down": (H, inter)}
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    out = []
+    for rows in row_counts:
+        for name, (n_out, k) in layer.items():
+            w, x = _bf16((n_out, k), 0.02), _bf16((rows, k), 1.0)
+            y = cp.empty((rows, n_out), cp.uint16)
+            args = (int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k)
+            flops = 2 * rows * n_out * k
+            ms = time_ms(lambda args=args: eng.cublas.linear(*args), eng.stream, iters=iters * 4)
+            r = {"rows": rows, "name": name, "n_out": n_out, "k": k, "engine_ms": ms, "engine_TFLOPs": flops / ms / 1e9}
+            if torch is not None:
+                tw = torch.randn(n_out, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                tx = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                for _ in range(3):
+                    tx @ tw.t()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(iters * 4):
+                    tx @ tw.t()
+                e1.record()
+                e1.synchronize()
+                tms = e0.elapsed_time(e1) / (iters * 4)
+                r.update(torch_ms=tms, torch_TFLOPs=flops / tms / 1e9)
+            out.append(r)
+    return out
 
 
 if __name__ == "__main__":
