@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--compare-fusion", default="", help='other gemv fusions timed as rows, ";"-separated ("none;all")')
     ap.add_argument("--gemv-max-tokens", type=int, default=0, help="EngineConfig.gemv_max_tokens (0: its default)")
+    ap.add_argument(
+        "--compare-gemm-tuning",
+        action="store_true",
+        help='also time each step with every cuBLAS GEMM on cublasGemmEx (row "gemmex"; the engine tunes them)',
+    )
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
@@ -110,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             it = iter(range(10**9))
             other = "gemv" if b > ecfg.gemv_max_tokens else "cublas_only"
             variants[other] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+        if a.compare_gemm_tuning and eng.cublas.tuner is not None:  # the same step, no cuBLASLt plans
+            tuner, eng.cublas.tuner = eng.cublas.tuner, None
+            execs = eng.capture_variant(b, b, True)
+            eng.cublas.tuner = tuner
+            it5 = iter(range(10**9))
+            variants["gemmex"] = lambda execs=execs, it=it5: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
         engine_fusion = eng.fwd.gemv_fusion
         for f in compare_fusion:  # the same step with other GEMV fusions
             eng.fwd.set_gemv_fusion(parse_gemv_fusion(f))
@@ -190,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": rep.seconds,
             "device_bytes": rep.device_bytes,
             "decode_graph_nodes_max": rep.nodes_decode_max,
+            "gemm_tune_seconds": rep.tune_seconds,
         },
+        "gemm_tuning": rep.gemm_tuning,
         "rows": rows,
         "breakdown_ms": breakdown,
         "attention_only_ms": attn_only,

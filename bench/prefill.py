@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         **metadata(a.commit, argv if argv is not None else sys.argv),
         "model": cfg.name,
         "layers": cfg.num_layers,
-        "capture": {"graphs": rep.graphs, "seconds": rep.seconds},
+        "capture": {"graphs": rep.graphs, "seconds": rep.seconds, "gemm_tune_seconds": rep.tune_seconds},
+        "gemm_tuning": rep.gemm_tuning,
         "rows": rows,
         "breakdown_ms": breakdown,
         "gemm": gemm,
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     for g in gemm:
         print(
             f"gemm rows {g['rows']:>5} {g['name']:>8} ({g['n_out']}x{g['k']}): engine {g['engine_ms']:.3f} ms "
-            f"{g['engine_TFLOPs']:6.1f} TFLOP/s; torch {g.get('torch_ms', float('nan')):.3f} ms "
+            f"{g['engine_TFLOPs']:6.1f} TFLOP/s; gemmex {g['gemmex_ms']:.3f} ms; torch {g.get('torch_ms', float('nan')):.3f} ms "
             f"{g.get('torch_TFLOPs', float('nan')):6.1f} TFLOP/s"
         )
     eng.close()
@@ -164,7 +165,9 @@ def gemm_compare(eng, cfg, row_counts: list[int], iters: int) -> list[dict]:
             args = (int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k)
             flops = 2 * rows * n_out * k
             ms = time_ms(lambda args=args: eng.cublas.linear(*args), eng.stream, iters=iters * 4)
+            ex = time_ms(lambda args=args: eng.cublas.linear(*args, tuned=False), eng.stream, iters=iters * 4)
             r = {"rows": rows, "name": name, "n_out": n_out, "k": k, "engine_ms": ms, "engine_TFLOPs": flops / ms / 1e9}
+            r.update(gemmex_ms=ex, gemmex_TFLOPs=flops / ex / 1e9)
             if torch is not None:
                 tw = torch.randn(n_out, k, device="cuda", dtype=torch.bfloat16) * 0.02
                 tx = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)

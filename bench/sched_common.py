@@ -21,7 +21,13 @@ ROOT = os.path.dirname(HERE)
 
 
 def make_engine(
-    preset_name: str, max_seqs: int, max_tokens: int, max_context: int, kv_blocks: int = 0, decode_attention: str = ""
+    preset_name: str,
+    max_seqs: int,
+    max_tokens: int,
+    max_context: int,
+    kv_blocks: int = 0,
+    decode_attention: str = "",
+    gemm_candidates: int = -1,
 ):
     from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
     from blink.models.config import preset
@@ -36,6 +42,7 @@ def make_engine(
         batch_buckets=batch,
         token_buckets=tokens,
         progress=False,
+        **({"gemm_candidates": gemm_candidates} if gemm_candidates >= 0 else {}),
         decode_attention_table=parse_decode_attention(decode_attention)
         if decode_attention
         else DEFAULT_DECODE_ATTENTION,
@@ -45,7 +52,8 @@ def make_engine(
     rep = eng.capture()
     print(
         f"engine {preset_name}: {rep.graphs} graphs / {rep.execs} execs, {eng.dims.num_blocks} KV blocks, "
-        f"built in {time.perf_counter() - t0:.1f} s",
+        f"built in {time.perf_counter() - t0:.1f} s (GEMM tuning {rep.tune_seconds:.1f} s, "
+        f"{sum(g['lt'] for g in rep.gemm_tuning)}/{len(rep.gemm_tuning)} shapes on cuBLASLt)",
         file=sys.stderr,
         flush=True,
     )

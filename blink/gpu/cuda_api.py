@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from blink.gpu.cublaslt import GemmTuner
 
 _vp = ctypes.c_void_p
 _u64 = ctypes.c_uint64
@@ -126,12 +130,20 @@ class Driver:
         self.check(self.lib.cuGraphExecDestroy(_vp(exec_)), "cuGraphExecDestroy")
 
 
-def _loaded_library_path(fragment: str, exclude: str) -> str:
+def loaded_library_path(fragment: str, exclude: str = "", near: str = "") -> str:
+    """Path of a shared library this process has loaded: the first mapping naming `fragment`, or
+    the first in the folder of `near` when there is one."""
+    import os
+
+    found: list[str] = []
     with open("/proc/self/maps") as f:
         for line in f:
             path = line.split()[-1]
-            if fragment in path and exclude not in path:
-                return path
+            if fragment in path and not (exclude and exclude in path):
+                found.append(path)
+    same = [p for p in found if near and os.path.dirname(p) == os.path.dirname(near)]
+    if same or found:
+        return (same or found)[0]
     raise CudaError(f"{fragment} is not loaded in this process")
 
 
@@ -146,7 +158,7 @@ class Cublas:
         import cupy as cp
 
         self.handle = int(cp.cuda.device.get_cublas_handle())
-        self.lib = ctypes.CDLL(_loaded_library_path("libcublas.so", "libcublasLt"))
+        self.lib = ctypes.CDLL(loaded_library_path("libcublas.so", "libcublasLt"))
         vp, ci = _vp, ctypes.c_int
         self.lib.cublasSetStream_v2.argtypes = [vp, vp]
         self.lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
@@ -157,16 +169,25 @@ class Cublas:
         self._check(self.lib.cublasSetWorkspace_v2(self.handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
+        self.tuner: GemmTuner | None = None  # set by the engine when EngineConfig.gemm_candidates > 0
 
     @staticmethod
     def _check(st: int, what: str) -> None:
         if st != 0:
             raise CudaError(f"{what}: cublasStatus {st}")
 
-    def linear(self, x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False) -> None:
+    def linear(
+        self, x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False, tuned: bool = True
+    ) -> None:
         """Y[rows, n_out] = X[rows, k] @ W[n_out, k]^T, bf16 in, fp32 accumulate, bf16 or fp32 out.
         cuBLAS is column-major: row-major Y [rows, n_out] is column-major Y^T [n_out, rows] = W X^T,
-        with W [n_out, k] row-major read as op = T and X [rows, k] read as op = N: gemm(T, N, n_out, rows, k)."""
+        with W [n_out, k] row-major read as op = T and X [rows, k] read as op = N: gemm(T, N, n_out, rows, k).
+        A shape the tuner moved to cuBLASLt runs its chosen algorithm (tuned=False: cublasGemmEx)."""
+        if tuned and self.tuner is not None:
+            plan = self.tuner.plans.get((rows, n_out, k, out_f32))
+            if plan is not None:
+                self.tuner.matmul(plan, x, w, y)
+                return
         self._check(
             self.lib.cublasGemmEx(
                 self.handle,

@@ -29,8 +29,10 @@ alternates between them (/work/shared/gpu-probe/REPORT.md, Q4).
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +55,8 @@ DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"),)
 # (bench/results/fused_h200.md); the GPU scheduler suite and conformance passed with it as the
 # default (bench/results/sched_tests_fusion_all_03deec6.log).
 DEFAULT_GEMV_FUSION = "all"
+# a cuBLASLt algorithm replaces cublasGemmEx for a shape only when this much faster (blink/gpu/cublaslt.py)
+GEMM_MARGIN = 0.03
 
 
 def parse_decode_attention(spec: str) -> tuple[tuple[int, str], ...]:
@@ -133,6 +137,9 @@ class EngineConfig:
     prefill_attention: str = "rego"
     """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
     memory, K/V prefetched). H200 (bench/results/prefill_h200_run4.json): 4k prompt 160.7 vs 181.5 ms."""
+    gemm_candidates: int = 8
+    """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
+    cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape."""
     workspace_mib: int = 64
     graph_reserve_mib: int = 2048
     """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""
@@ -147,6 +154,8 @@ class EngineConfig:
             raise ValueError("kv_fraction must be in (0, 0.95]")
         if self.max_tokens < self.max_seqs:
             raise ValueError("max_tokens must be >= max_seqs")
+        if not 0 <= self.gemm_candidates <= 64:
+            raise ValueError("gemm_candidates must be in [0, 64]")
         if self.max_context % self.block_size:
             raise ValueError("max_context must be a multiple of block_size")
         check_decode_table(self.decode_attention_table)
@@ -186,6 +195,9 @@ class CaptureReport:
     device_bytes: int = 0
     nodes_decode_max: int = 0
     shapes: list[tuple[str, int, int]] = field(default_factory=list)
+    gemm_tuning: list[dict] = field(default_factory=list)
+    """Per cuBLAS GEMM shape: cublasGemmEx vs the best cuBLASLt candidate (ms), and which one runs."""
+    tune_seconds: float = 0.0
 
 
 class Engine:
@@ -227,6 +239,7 @@ class Engine:
         self._next_exec: dict[tuple, int] = {}
         self.report = CaptureReport()
         self._abi_dev = None
+        self._tuned = False
         self._tables: dict[str, object] = {}
         # Buffers were zeroed on CuPy's (legacy) stream; ours is non-blocking: order them once.
         cp.cuda.Device().synchronize()
@@ -294,9 +307,78 @@ class Engine:
         self.report.execs += execs
         return out
 
+    def _time_ms(self, fn: Callable[[], None], iters: int = 6) -> float:
+        """GPU milliseconds per fn() (work enqueued on the engine's stream), behind a spin kernel
+        so that the launch calls are all enqueued before the timed work starts."""
+        import cupy as cp
+
+        fn()
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        self.driver.launch(self.kernels["spin_ns"], (1, 1, 1), (1, 1, 1), [ctypes.c_uint64(300_000)], self.s)
+        a.record(self.stream)
+        for _ in range(iters):
+            fn()
+        b.record(self.stream)
+        b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b) / iters
+
+    def _tune_gemms(self, rows: list[int]) -> None:
+        """Choose cublasGemmEx or a cuBLASLt algorithm for every cuBLAS shape of the steps
+        (blink/gpu/cublaslt.py), on layer 0's weights and random activations."""
+        import cupy as cp
+
+        if not self.ecfg.gemm_candidates:
+            return
+        from blink.gpu.cublaslt import GemmTuner
+
+        t0 = time.perf_counter()
+        if self.cublas.tuner is None:
+            self.cublas.tuner = GemmTuner(self.s, int(self.workspace.data.ptr), int(self.workspace.nbytes))
+        f, lw = self.fwd, self.weights.layers[0]
+        jobs = []
+        for r in rows:
+            if f.uses_gemv(r):
+                continue
+            jobs += [(f.hid, lw.qkv, f.qkv, r, False), (f.attn, lw.o, f.delta, r, False)]
+            jobs += [(f.hid, lw.gate_up, f.gu, r, False), (f.act, lw.down, f.delta, r, False)]
+            if r <= self.dims.max_seqs:
+                jobs.append((f.last, self.weights.lm_head, f.logits, r, True))
+        inputs = (f.hid, f.attn, f.act, f.last)
+        rng = cp.random.RandomState(self.ecfg.seed)
+        for buf in inputs:  # bf16 N(0, 1) bit patterns (timing on zeros would flatter every kernel)
+            buf[...] = (rng.standard_normal(buf.shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+        cp.cuda.Device().synchronize()  # CuPy wrote on its own stream; the GEMMs run on ours
+        for n, (x, w, y, r, f32) in enumerate(jobs):
+            n_out, k = int(w.shape[0]), int(w.shape[1])
+            px, pw, py = int(x.data.ptr), int(w.data.ptr), int(y.data.ptr)
+            res = self.cublas.tuner.tune(
+                (r, n_out, k, f32),
+                px,
+                pw,
+                y,
+                lambda px=px, pw=pw, py=py, r=r, n_out=n_out, k=k, f32=f32: self.cublas.linear(
+                    px, pw, py, r, n_out, k, f32, tuned=False
+                ),
+                self.driver,
+                self._time_ms,
+                self.ecfg.gemm_candidates,
+                GEMM_MARGIN,
+            )
+            self.report.gemm_tuning.append(res.as_dict())
+            if self.ecfg.progress:
+                _bar(n + 1, len(jobs), time.perf_counter() - t0, "tuning GEMMs")
+        self.stream.synchronize()  # type: ignore[attr-defined]
+        for buf in inputs:
+            buf[...] = 0
+        cp.cuda.Device().synchronize()
+        self.report.tune_seconds += time.perf_counter() - t0
+        if self.ecfg.progress and jobs:
+            lt = sum(1 for g in self.report.gemm_tuning if g["lt"])
+            print(f"\n{lt} of {len(jobs)} GEMM shapes on cuBLASLt", file=sys.stderr)
+
     def _warmup(self) -> None:
         """Run each distinct GEMM row count once outside capture (cuBLAS loads its kernels and
-        picks algorithms), with live counts 0 so the other kernels return at once."""
+        picks algorithms), with live counts 0 so the other kernels return at once; then tune."""
         self.arena.host_bytes[:] = 0
         self.arena.upload(self.s, 0)
         rows = sorted(set(self.batch_buckets) | set(self.token_buckets))
@@ -311,6 +393,9 @@ class Engine:
         self.fwd.record(self.s, self.batch_buckets[0], self.batch_buckets[0], True)
         self.fwd.record(self.s, 1, self.token_buckets[0], False)
         self.stream.synchronize()  # type: ignore[attr-defined]
+        if not self._tuned:
+            self._tune_gemms(rows)
+            self._tuned = True
 
     def capture(
         self, decode: bool = True, prefill: bool = True, prefill_shapes: list[tuple[int, int]] | None = None
@@ -484,13 +569,16 @@ class Engine:
         self._graphs.clear()
         self.decode_execs[:] = 0
         self.prefill_execs[:] = 0
+        if self.cublas.tuner is not None:
+            self.cublas.tuner.close()
+            self.cublas.tuner = None
 
 
-def _bar(done: int, total: int, elapsed: float) -> None:
+def _bar(done: int, total: int, elapsed: float, what: str = "capturing graphs") -> None:
     width = 30
     fill = width * done // total
     print(
-        f"\rcapturing graphs [{'#' * fill}{'.' * (width - fill)}] {done}/{total} {elapsed:5.1f}s",
+        f"\r{what} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} {elapsed:5.1f}s",
         end="",
         file=sys.stderr,
         flush=True,
