@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help='also time each step with every cuBLAS GEMM on cublasGemmEx (row "gemmex"; the engine tunes them)',
     )
+    ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.decode_attention
         else DEFAULT_DECODE_ATTENTION,
         gemv_fusion=a.gemv_fusion,
+        **({"gemm_candidates": a.gemm_candidates} if a.gemm_candidates >= 0 else {}),
         **({"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}),
     )
     compare_fusion = [f.strip() for f in a.compare_fusion.split(";") if f.strip()]

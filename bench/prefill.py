@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="time each kernel category on its own")
     ap.add_argument("--gemm-rows", default="", help="row counts at which each layer GEMM shape is timed alone")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/prefill.json")
     a = ap.parse_args(argv)
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         num_kv_blocks=max(n for n, _ in shapes) * per_seq,
         batch_buckets=tuple(sorted({n for n, _ in shapes})),
         token_buckets=tuple(sorted({n * m for n, m in shapes})),
+        **({"gemm_candidates": a.gemm_candidates} if a.gemm_candidates >= 0 else {}),
     )
     eng = Engine.create(cfg, ecfg)
     rep = eng.capture(decode=False, prefill=True)

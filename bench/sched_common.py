@@ -75,6 +75,7 @@ def serve_workload(
     output_capacity: int,
     max_batch: int = 0,
     timeout_s: float = 300.0,
+    executor=None,
 ) -> dict:
     """Serve one workload; returns the load generator's JSON plus the device's counters."""
     from blink.protocol.layout import DeviceStatus
@@ -107,7 +108,8 @@ def serve_workload(
             from blink.gpu.host_executor import HostExecutor
 
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-            status = RingDevice(view, HostExecutor(eng), RingDeviceConfig(max_batch=max_batch)).run()
+            ex = executor if executor is not None else HostExecutor(eng)
+            status = RingDevice(view, ex, RingDeviceConfig(max_batch=max_batch)).run()
         out, _ = proc.communicate(timeout=60)
         if proc.returncode != 0 or status != DeviceStatus.STOPPED:
             raise RuntimeError(f"workload failed: loadgen rc {proc.returncode}, device status {status}")

@@ -39,8 +39,8 @@ def test_choose(gemmex, cands, margin, want):
 
 
 def test_engine_option():
-    assert EngineConfig().gemm_candidates > 0 and 0 < GEMM_MARGIN < 0.5
-    assert EngineConfig(gemm_candidates=0).gemm_candidates == 0
+    assert EngineConfig().gemm_candidates == 0 and 0 < GEMM_MARGIN < 0.5  # off by default (engine.py)
+    assert EngineConfig(gemm_candidates=8).gemm_candidates == 8
     with pytest.raises(ValueError):
         EngineConfig(gemm_candidates=-1)
     with pytest.raises(ValueError):

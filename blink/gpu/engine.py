@@ -137,9 +137,13 @@ class EngineConfig:
     prefill_attention: str = "rego"
     """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
     memory, K/V prefetched). H200 (bench/results/prefill_h200_run4.json): 4k prompt 160.7 vs 181.5 ms."""
-    gemm_candidates: int = 8
+    gemm_candidates: int = 0
     """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
-    cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape."""
+    cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape. Off by
+    default: on the H200 (bench/results/gemm_tuning_h200_e3962d3.md) 8 candidates bought 1.5-2.5 %
+    on decode steps at batch 64-256 and nothing measurable end to end (256 x 256->128: 9,649 vs
+    9,586 tok/s, inside run-to-run spread), and a timing-based choice can differ between processes
+    (results then differ in the last bits across restarts)."""
     workspace_mib: int = 64
     graph_reserve_mib: int = 2048
     """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""

@@ -190,7 +190,7 @@ def test_gemm_tuning_cublaslt_plans(monkeypatch):
     monkeypatch.setattr(cublaslt, "_CHOSEN", {})
     monkeypatch.setattr(engine_mod, "GEMM_MARGIN", -100.0)
     cfg = preset("llama3-8b").replace(num_layers=2)
-    eng = small_engine(cfg)
+    eng = small_engine(cfg, gemm_candidates=8)
     rep = eng.report.gemm_tuning
     for g in rep:
         print(g)
