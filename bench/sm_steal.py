@@ -1,0 +1,124 @@
+"""What the resident GPU scheduler costs the step graphs: the same decode and prefill graphs timed
+from the host with the scheduler kernel idle on the GPU (one block of 256 threads, polling an empty
+ring) and without it (A-B-A). The scheduler's block holds registers and shared memory on one SM
+for as long as it runs; a kernel whose blocks need a whole SM (cuBLAS's GEMMs) then has one SM less.
+
+    python bench/sm_steal.py --commit X --out bench/results/sm_steal.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sched_common import device_name, make_engine  # noqa: E402
+
+from blink.gpu.benchutil import time_ms, write_json  # noqa: E402
+
+
+def load_decode(eng, b: int, ctx: int, rng) -> None:
+    h, cfg = eng.arena.host, eng.config
+    per_seq = -(-ctx // eng.dims.block_size) + 1
+    h["num_seqs"][0], h["num_tokens"][0] = b, b
+    h["input_ids"][:b] = rng.integers(0, cfg.vocab_size, b)
+    h["positions"][:b] = ctx - 1
+    h["cu_q_lens"][: b + 1] = np.arange(b + 1)
+    h["seq_lens"][:b] = ctx
+    h["temperature"][:b], h["top_p"][:b], h["top_k"][:b] = 0.0, 1.0, 0
+    bt = h["block_tables"].reshape(eng.dims.max_seqs, eng.dims.max_blocks_per_seq)
+    for i in range(b):
+        bt[i, :per_seq] = np.arange(i * per_seq, (i + 1) * per_seq)
+    eng.arena.upload(eng.s, b)
+
+
+def load_prefill(eng, S: int, m: int, rng) -> None:
+    h, cfg = eng.arena.host, eng.config
+    n, per_seq = S * m, -(-m // eng.dims.block_size)
+    h["num_seqs"][0], h["num_tokens"][0] = S, n
+    h["input_ids"][:n] = rng.integers(0, cfg.vocab_size, n)
+    h["positions"][:n] = np.tile(np.arange(m), S)
+    h["cu_q_lens"][: S + 1] = np.arange(S + 1) * m
+    h["seq_lens"][:S] = m
+    h["temperature"][:S] = 0.0
+    bt = h["block_tables"].reshape(eng.dims.max_seqs, eng.dims.max_blocks_per_seq)
+    for i in range(S):
+        bt[i, :per_seq] = np.arange(i * per_seq, (i + 1) * per_seq)
+    eng.arena.upload(eng.s, S)
+
+
+def measure(eng, iters: int) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, (load, shape, decode) in {
+        "decode_b256_ctx320": (lambda: load_decode(eng, 256, 320, rng), (256, 256), True),
+        "decode_b128_ctx320": (lambda: load_decode(eng, 128, 320, rng), (128, 128), True),
+        "prefill_16x256": (lambda: load_prefill(eng, 16, 256, rng), (16, 4096), False),
+    }.items():
+        load()
+        ex = eng.pick_exec(shape[0], shape[1], decode)
+        out[name] = time_ms(lambda ex=ex: eng.driver.graph_launch(ex, eng.s), eng.stream, iters=iters, warmup=3)
+    return out
+
+
+def main() -> int:
+    from blink.gpu.scheduler import GpuScheduler
+    from blink.protocol.layout import DeviceStatus, RingGeometry
+    from blink.protocol.transport import ShmTransport
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    eng = make_engine(a.preset, 256, 4096, 2048)
+    runs = []
+    for phase in ("alone", "scheduler_idle", "alone", "scheduler_idle"):
+        if phase == "alone":
+            runs.append({"phase": phase, **measure(eng, a.iters)})
+            continue
+        name = f"blink-smsteal-{os.getpid()}-{time.monotonic_ns()}"
+        t = ShmTransport.create(name, RingGeometry(64, 64 * 256, 256))
+        view = t.view()
+        s = GpuScheduler(eng, view)
+        s.start()
+        try:
+            time.sleep(0.3)
+            assert s.status() == DeviceStatus.READY, s.status()
+            runs.append({"phase": phase, **measure(eng, a.iters)})
+            assert s.status() == DeviceStatus.READY, s.status()
+        finally:
+            s.stop()
+            del view
+            t.close()
+            t.unlink()
+    keys = [k for k in runs[0] if k != "phase"]
+    summary = {}
+    for k in keys:
+        alone = np.mean([r[k] for r in runs if r["phase"] == "alone"])
+        busy = np.mean([r[k] for r in runs if r["phase"] != "alone"])
+        summary[k] = {"alone_ms": float(alone), "scheduler_idle_ms": float(busy), "ratio": float(busy / alone)}
+        print(f"{k:>20}: alone {alone:8.3f} ms, scheduler resident {busy:8.3f} ms, x{busy / alone:.3f}")
+    write_json(
+        a.out,
+        {
+            "bench": "sm_steal",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "device": device_name(),
+            "commit": a.commit,
+            "command": " ".join(sys.argv),
+            "runs": runs,
+            "summary": summary,
+        },
+    )
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
