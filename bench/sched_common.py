@@ -120,6 +120,14 @@ def serve_workload(
         if diag:
             res["device"]["retries"] = diag["retries"]
             res["device"]["max_retries"] = diag["max_retries"]
+            # where the device's time went (ms): launch -> completion seen, summed over steps, and
+            # the scheduler's own phases (SchedCtl counters)
+            for k in ("step_ns_total", "wait_ns_total", "plan_ns_total", "launch_ns_total", "publish_ns_total"):
+                if k in diag:
+                    res["device"][k.replace("_ns_total", "_ms_total")] = diag[k] / 1e6
+            for k in ("busy_iters", "instances"):
+                if k in diag:
+                    res["device"][k] = diag[k]
         return res
     finally:
         if proc is not None and proc.poll() is None:
