@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--decode-attention", default="", help='decode attention table, e.g. "basic" ("": the default)')
     ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
     ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
+    ap.add_argument("--gemm-sm-reserve", type=int, default=-1, help="EngineConfig.gemm_sm_reserve (-1: its default)")
     a = ap.parse_args()
     skip = set(a.skip.split(",")) - {""}
     os.makedirs(a.out, exist_ok=True)
@@ -63,6 +64,7 @@ def main() -> int:
         kv_blocks=a.kv_blocks or (8192 if a.small else 0),
         decode_attention=a.decode_attention,
         gemm_candidates=a.gemm_candidates,
+        gemm_sm_reserve=a.gemm_sm_reserve,
     )
     tput = (lambda: throughput.run(eng, 64, 64, 32)) if a.small else (lambda: throughput.run(eng))
     meta["device"] = device_name()
@@ -71,6 +73,7 @@ def main() -> int:
         "graphs": eng.report.graphs,
         "capture_s": eng.report.seconds,
         "gemm_candidates": eng.ecfg.gemm_candidates,
+        "gemm_sm_reserve": eng.ecfg.gemm_sm_reserve,
         "gemm_tune_s": eng.report.tune_seconds,
         "gemm_tuning": eng.report.gemm_tuning,
     }

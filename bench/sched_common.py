@@ -28,6 +28,7 @@ def make_engine(
     kv_blocks: int = 0,
     decode_attention: str = "",
     gemm_candidates: int = -1,
+    gemm_sm_reserve: int = -1,
 ):
     from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
     from blink.models.config import preset
@@ -43,6 +44,7 @@ def make_engine(
         token_buckets=tokens,
         progress=False,
         **({"gemm_candidates": gemm_candidates} if gemm_candidates >= 0 else {}),
+        **({"gemm_sm_reserve": gemm_sm_reserve} if gemm_sm_reserve >= 0 else {}),
         decode_attention_table=parse_decode_attention(decode_attention)
         if decode_attention
         else DEFAULT_DECODE_ATTENTION,

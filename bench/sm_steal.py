@@ -73,37 +73,49 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sm-reserves", default="0,1", help="EngineConfig.gemm_sm_reserve values, one engine each")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    eng = make_engine(a.preset, 256, 4096, 2048)
-    runs = []
-    for phase in ("alone", "scheduler_idle", "alone", "scheduler_idle"):
-        if phase == "alone":
-            runs.append({"phase": phase, **measure(eng, a.iters)})
-            continue
-        name = f"blink-smsteal-{os.getpid()}-{time.monotonic_ns()}"
-        t = ShmTransport.create(name, RingGeometry(64, 64 * 256, 256))
-        view = t.view()
-        s = GpuScheduler(eng, view)
-        s.start()
-        try:
-            time.sleep(0.3)
-            assert s.status() == DeviceStatus.READY, s.status()
-            runs.append({"phase": phase, **measure(eng, a.iters)})
-            assert s.status() == DeviceStatus.READY, s.status()
-        finally:
-            s.stop()
-            del view
-            t.close()
-            t.unlink()
-    keys = [k for k in runs[0] if k != "phase"]
-    summary = {}
-    for k in keys:
-        alone = np.mean([r[k] for r in runs if r["phase"] == "alone"])
-        busy = np.mean([r[k] for r in runs if r["phase"] != "alone"])
-        summary[k] = {"alone_ms": float(alone), "scheduler_idle_ms": float(busy), "ratio": float(busy / alone)}
-        print(f"{k:>20}: alone {alone:8.3f} ms, scheduler resident {busy:8.3f} ms, x{busy / alone:.3f}")
+    runs, summary = [], {}
+    for reserve in [int(x) for x in a.sm_reserves.split(",")]:
+        eng = make_engine(a.preset, 256, 4096, 2048, gemm_sm_reserve=reserve)
+        mine = []
+        for phase in ("alone", "scheduler_idle", "alone", "scheduler_idle"):
+            if phase == "alone":
+                mine.append({"gemm_sm_reserve": reserve, "phase": phase, **measure(eng, a.iters)})
+                continue
+            name = f"blink-smsteal-{os.getpid()}-{time.monotonic_ns()}"
+            t = ShmTransport.create(name, RingGeometry(64, 64 * 256, 256))
+            view = t.view()
+            s = GpuScheduler(eng, view)
+            s.start()
+            try:
+                time.sleep(0.3)
+                assert s.status() == DeviceStatus.READY, s.status()
+                mine.append({"gemm_sm_reserve": reserve, "phase": phase, **measure(eng, a.iters)})
+                assert s.status() == DeviceStatus.READY, s.status()
+            finally:
+                s.stop()
+                del view
+                t.close()
+                t.unlink()
+        eng.close()
+        del eng
+        runs += mine
+        for k in [k for k in mine[0] if k not in ("phase", "gemm_sm_reserve")]:
+            alone = np.mean([r[k] for r in mine if r["phase"] == "alone"])
+            busy = np.mean([r[k] for r in mine if r["phase"] != "alone"])
+            summary[f"reserve{reserve}_{k}"] = {
+                "alone_ms": float(alone),
+                "scheduler_idle_ms": float(busy),
+                "ratio": float(busy / alone),
+            }
+            print(
+                f"gemm_sm_reserve {reserve} {k:>20}: alone {alone:8.3f} ms, scheduler resident {busy:8.3f} ms, "
+                f"x{busy / alone:.3f}",
+                flush=True,
+            )
     write_json(
         a.out,
         {
@@ -116,7 +128,6 @@ def main() -> int:
             "summary": summary,
         },
     )
-    eng.close()
     return 0
 
 

@@ -45,3 +45,10 @@ def test_engine_option():
         EngineConfig(gemm_candidates=-1)
     with pytest.raises(ValueError):
         EngineConfig(gemm_candidates=65)
+
+
+def test_gemm_sm_reserve_option():
+    assert EngineConfig(gemm_sm_reserve=1).gemm_sm_reserve == 1
+    for bad in (-1, 9):
+        with pytest.raises(ValueError):
+            EngineConfig(gemm_sm_reserve=bad)

@@ -36,7 +36,7 @@ from blink.gpu.cuda_api import (
 )
 
 _vp = ctypes.c_void_p
-MATMUL_DESC_TRANSA, MATMUL_DESC_TRANSB = 3, 4
+MATMUL_DESC_TRANSA, MATMUL_DESC_TRANSB, MATMUL_DESC_SM_COUNT_TARGET = 3, 4, 15
 PREF_MAX_WORKSPACE_BYTES = 1
 
 
@@ -50,7 +50,7 @@ class HeuristicResult(ctypes.Structure):
     ]
 
 
-Key = tuple[int, int, int, bool]  # rows, n_out, k, fp32 output
+Key = tuple[int, int, int, bool]  # rows, n_out, k, fp32 output (per process: one SM target per process)
 # per process: shape -> the chosen heuristic result (its 96 bytes), or None = cublasGemmEx
 _CHOSEN: dict[Key, bytes | None] = {}
 
@@ -102,8 +102,9 @@ class TuneResult:
 class GemmTuner:
     """cuBLASLt plans for the shapes that tuning moved off cublasGemmEx (see the module doc)."""
 
-    def __init__(self, stream: int, workspace_ptr: int, workspace_bytes: int) -> None:
+    def __init__(self, stream: int, workspace_ptr: int, workspace_bytes: int, sm_count_target: int = 0) -> None:
         self.stream, self.ws, self.ws_bytes = stream, workspace_ptr, workspace_bytes
+        self.sm_count_target = sm_count_target  # as cublasSetSmCountTarget (0: every SM)
         # the cuBLASLt next to the libcublas the engine calls (a process with torch may map two)
         lt = ctypes.CDLL(loaded_library_path("libcublasLt.so", near=loaded_library_path("libcublas.so", "libcublasLt")))
         pp = ctypes.POINTER(_vp)
@@ -138,7 +139,10 @@ class GemmTuner:
         lt, i32 = self.lt, ctypes.c_int32
         desc = _vp()
         self._check(lt.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate")
-        for attr, op in ((MATMUL_DESC_TRANSA, CUBLAS_OP_T), (MATMUL_DESC_TRANSB, CUBLAS_OP_N)):
+        attrs = [(MATMUL_DESC_TRANSA, CUBLAS_OP_T), (MATMUL_DESC_TRANSB, CUBLAS_OP_N)]
+        if self.sm_count_target:
+            attrs.append((MATMUL_DESC_SM_COUNT_TARGET, self.sm_count_target))
+        for attr, op in attrs:
             v = i32(op)
             self._check(
                 lt.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), ctypes.sizeof(v)),

@@ -164,6 +164,7 @@ class Cublas:
         self.lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
         self.lib.cublasSetPointerMode_v2.argtypes = [vp, ci]
         self.lib.cublasGemmEx.argtypes = [vp, ci, ci, ci, ci, ci, vp, vp, ci, ci, vp, ci, ci, vp, vp, ci, ci, ci, ci]
+        self.lib.cublasSetSmCountTarget.argtypes = [vp, ci]
         self._check(self.lib.cublasSetStream_v2(self.handle, stream), "cublasSetStream")
         self._check(self.lib.cublasSetPointerMode_v2(self.handle, 0), "cublasSetPointerMode(host)")
         self._check(self.lib.cublasSetWorkspace_v2(self.handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
@@ -175,6 +176,11 @@ class Cublas:
     def _check(st: int, what: str) -> None:
         if st != 0:
             raise CudaError(f"{what}: cublasStatus {st}")
+
+    def set_sm_count_target(self, n: int) -> None:
+        """GEMMs called from now on are sized for `n` SMs (0: all of them). The handle is CuPy's,
+        shared by every engine of the process: an engine sets its own target before it records."""
+        self._check(self.lib.cublasSetSmCountTarget(self.handle, n), "cublasSetSmCountTarget")
 
     def linear(
         self, x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False, tuned: bool = True

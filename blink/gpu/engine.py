@@ -144,6 +144,10 @@ class EngineConfig:
     on decode steps at batch 64-256 and nothing measurable end to end (256 x 256->128: 9,649 vs
     9,586 tok/s, inside run-to-run spread), and a timing-based choice can differ between processes
     (results then differ in the last bits across restarts)."""
+    gemm_sm_reserve: int = 0
+    """SMs the cuBLAS GEMMs leave free (cublasSetSmCountTarget: they are sized for the others). The
+    GPU-resident scheduler's block holds one SM for as long as it runs, steps included; a GEMM
+    sized for every SM then needs a second, nearly empty wave of tiles."""
     workspace_mib: int = 64
     graph_reserve_mib: int = 2048
     """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""
@@ -158,6 +162,8 @@ class EngineConfig:
             raise ValueError("kv_fraction must be in (0, 0.95]")
         if self.max_tokens < self.max_seqs:
             raise ValueError("max_tokens must be >= max_seqs")
+        if not 0 <= self.gemm_sm_reserve <= 8:
+            raise ValueError("gemm_sm_reserve must be in [0, 8]")
         if not 0 <= self.gemm_candidates <= 64:
             raise ValueError("gemm_candidates must be in [0, 64]")
         if self.max_context % self.block_size:
@@ -230,6 +236,7 @@ class Engine:
         num_blocks = ecfg.num_kv_blocks or self._pool_blocks(ecfg, config, max_context)
         self.dims = Dims(ecfg.max_seqs, ecfg.max_tokens, mbps, ecfg.block_size, num_blocks, max_context)
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.num_sms = int(sms)
         self.fwd = Forward(config, weights, self.dims, driver, kernels, self.cublas, sms)
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
         self.fwd.set_decode_table(ecfg.decode_table)
@@ -294,6 +301,7 @@ class Engine:
         self, S: int, T: int, decode: bool, execs: int, use_gemv: bool = True, only: set[str] | None = None
     ) -> list[int]:
         d = self.driver
+        self._gemm_sm_target()
         d.begin_capture(self.s)
         try:
             self.fwd.record(self.s, S, T, decode, use_gemv=use_gemv, only=only)
@@ -310,6 +318,10 @@ class Engine:
         self.report.graphs += 1
         self.report.execs += execs
         return out
+
+    def _gemm_sm_target(self) -> None:
+        r = self.ecfg.gemm_sm_reserve
+        self.cublas.set_sm_count_target(self.num_sms - r if r else 0)
 
     def _time_ms(self, fn: Callable[[], None], iters: int = 6) -> float:
         """GPU milliseconds per fn() (work enqueued on the engine's stream), behind a spin kernel
@@ -337,7 +349,10 @@ class Engine:
 
         t0 = time.perf_counter()
         if self.cublas.tuner is None:
-            self.cublas.tuner = GemmTuner(self.s, int(self.workspace.data.ptr), int(self.workspace.nbytes))
+            r = self.ecfg.gemm_sm_reserve
+            self.cublas.tuner = GemmTuner(
+                self.s, int(self.workspace.data.ptr), int(self.workspace.nbytes), self.num_sms - r if r else 0
+            )
         f, lw = self.fwd, self.weights.layers[0]
         jobs = []
         for r in rows:
@@ -383,6 +398,7 @@ class Engine:
     def _warmup(self) -> None:
         """Run each distinct GEMM row count once outside capture (cuBLAS loads its kernels and
         picks algorithms), with live counts 0 so the other kernels return at once; then tune."""
+        self._gemm_sm_target()
         self.arena.host_bytes[:] = 0
         self.arena.upload(self.s, 0)
         rows = sorted(set(self.batch_buckets) | set(self.token_buckets))
