@@ -79,7 +79,8 @@ def main() -> int:
     a = ap.parse_args()
     runs, summary = [], {}
     for reserve in [int(x) for x in a.sm_reserves.split(",")]:
-        eng = make_engine(a.preset, 256, 4096, 2048, gemm_sm_reserve=reserve)
+        # a fixed KV pool: the first engine's memory may not be back when the second sizes its pool
+        eng = make_engine(a.preset, 256, 4096, 2048, kv_blocks=8192, gemm_sm_reserve=reserve)
         mine = []
         for phase in ("alone", "scheduler_idle", "alone", "scheduler_idle"):
             if phase == "alone":

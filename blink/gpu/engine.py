@@ -144,10 +144,13 @@ class EngineConfig:
     on decode steps at batch 64-256 and nothing measurable end to end (256 x 256->128: 9,649 vs
     9,586 tok/s, inside run-to-run spread), and a timing-based choice can differ between processes
     (results then differ in the last bits across restarts)."""
-    gemm_sm_reserve: int = 0
+    gemm_sm_reserve: int = 1
     """SMs the cuBLAS GEMMs leave free (cublasSetSmCountTarget: they are sized for the others). The
     GPU-resident scheduler's block holds one SM for as long as it runs, steps included; a GEMM
-    sized for every SM then needs a second, nearly empty wave of tiles."""
+    sized for every SM then needs a second, nearly empty wave of tiles. H200, Llama-3-8B
+    (bench/results/sm_steal_h200_6553b47.json, throughput_h200_6553b47_reserve1.json): with 0, a
+    16 x 256 prefill step took 7 % longer with the scheduler resident, and 256 x (256 -> 128) ran at
+    9,616 tok/s; with 1, 10,480 tok/s (the host-driven loop, no resident kernel: 9,685)."""
     workspace_mib: int = 64
     graph_reserve_mib: int = 2048
     """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""
