@@ -148,7 +148,7 @@ class EngineConfig:
     """SMs the cuBLAS GEMMs leave free (cublasSetSmCountTarget: they are sized for the others). The
     GPU-resident scheduler's block holds one SM for as long as it runs, steps included; a GEMM
     sized for every SM then needs a second, nearly empty wave of tiles. H200, Llama-3-8B
-    (bench/results/sm_steal_h200_6553b47.json, throughput_h200_6553b47_reserve1.json): with 0, a
+    (bench/results/sm_steal_h200_280b210.json, throughput_h200_6553b47_reserve1.json): with 0, a
     16 x 256 prefill step took 7 % longer with the scheduler resident, and 256 x (256 -> 128) ran at
     9,616 tok/s; with 1, 10,480 tok/s (the host-driven loop, no resident kernel: 9,685)."""
     workspace_mib: int = 64
