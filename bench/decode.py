@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from blink.gpu.attention_launch import DECODE_VARIANTS
-from blink.gpu.benchutil import copy_bandwidth, metadata, time_ms, write_json
+from blink.gpu.benchutil import category_times, copy_bandwidth, load_synthetic, metadata, time_ms, write_json
 from blink.gpu.engine import (
     DEFAULT_DECODE_ATTENTION,
     Engine,
@@ -97,18 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     attn_only: dict[str, dict[str, float]] = {}
     rng = np.random.default_rng(0)
     h = eng.arena.host
-    width = eng.dims.max_blocks_per_seq
     for b in batches:
-        h["num_seqs"][0], h["num_tokens"][0] = b, b
-        h["input_ids"][:b] = rng.integers(0, cfg.vocab_size, b)
-        h["positions"][:b] = ctx - 1
-        h["cu_q_lens"][: b + 1] = np.arange(b + 1)
-        h["seq_lens"][:b] = ctx
-        h["temperature"][:b], h["top_p"][:b], h["top_k"][:b] = 0.0, 1.0, 0
-        bt = h["block_tables"].reshape(eng.dims.max_seqs, width)
-        for i in range(b):
-            bt[i, :per_seq] = np.arange(i * per_seq, (i + 1) * per_seq)
-        eng.arena.upload(eng.s, b)
+        load_synthetic(eng, b, 1, ctx, rng)  # b sequences, context ctx, greedy
         variants = {"engine": lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s)}
         if str(b) in a.compare_cublas.split(","):  # the other GEMM back end at this batch
             eng.fwd.gemv_max_tokens = 8
@@ -167,20 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         if str(b) in a.breakdown.split(","):
-            # each kernel category as a graph of its own (same launch order and gaps as the step)
-            parts = {}
-            fused = eng.fwd.fusions_for(b)
-            for cat in CATEGORIES:
-                if cat in fused:  # "norm" / "swiglu" have no launches of their own (an empty graph)
-                    continue
-                execs = eng.capture_variant(b, b, True, only={cat})
-                it = iter(range(10**9))
-                parts[cat] = time_ms(
-                    lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s),
-                    eng.stream,
-                    iters=a.iters,
-                )
-            breakdown[str(b)] = parts
+            # "norm" / "swiglu" folded into the GEMVs have no launches of their own (an empty graph)
+            cats = [c for c in CATEGORIES if c not in eng.fwd.fusions_for(b)]
+            breakdown[str(b)] = category_times(eng, b, b, True, cats, a.iters)
     # sampling cost at the largest batch: temperature 1, top-p 0.9, top-k 50
     b = bmax
     h["temperature"][:b], h["top_p"][:b], h["top_k"][:b] = 1.0, 0.9, 50

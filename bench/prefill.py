@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from blink.gpu.benchutil import metadata, time_ms, write_json
+from blink.gpu.benchutil import category_times, load_synthetic, metadata, time_ms, write_json
 from blink.gpu.engine import Engine, EngineConfig
 from blink.gpu.forward import CATEGORIES
 from blink.models.config import preset
@@ -58,22 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     eng = Engine.create(cfg, ecfg)
     rep = eng.capture(decode=False, prefill=True)
     rng = np.random.default_rng(0)
-    h = eng.arena.host
     rows = []
     breakdown: dict[str, dict[str, float]] = {}
-    width = eng.dims.max_blocks_per_seq
     for S, m in shapes:
         n = S * m
-        h["num_seqs"][0], h["num_tokens"][0] = S, n
-        h["input_ids"][:n] = rng.integers(0, cfg.vocab_size, n)
-        h["positions"][:n] = np.tile(np.arange(m), S)
-        h["cu_q_lens"][: S + 1] = np.arange(S + 1) * m
-        h["seq_lens"][:S] = m
-        h["temperature"][:S] = 0.0
-        bt = h["block_tables"].reshape(eng.dims.max_seqs, width)
-        for i in range(S):
-            bt[i, :per_seq] = np.arange(i * per_seq, (i + 1) * per_seq)
-        eng.arena.upload(eng.s, S)
+        load_synthetic(eng, S, m, m, rng)  # S whole prompts of m tokens in one step
         label = f"{S}x{m}" if S > 1 else str(m)
         variants = {ecfg.prefill_attention: lambda S=S, n=n: eng.driver.graph_launch(eng.pick_exec(S, n, False), eng.s)}
         for other in ("smem", "rego"):
@@ -98,17 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         if a.breakdown:  # each kernel category as a graph of its own (same launches as the step)
-            parts = {}
-            for cat in CATEGORIES:
-                execs = eng.capture_variant(S, n, False, only={cat})
-                it = iter(range(10**9))
-                parts[cat] = time_ms(
-                    lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s),
-                    eng.stream,
-                    iters=a.iters,
-                    warmup=2,
-                )
-            breakdown[label] = parts
+            breakdown[label] = category_times(eng, S, n, False, CATEGORIES, a.iters, warmup=2)
     gemm = gemm_compare(eng, cfg, [int(x) for x in a.gemm_rows.split(",") if x], a.iters) if a.gemm_rows else []
     res = {
         **metadata(a.commit, argv if argv is not None else sys.argv),

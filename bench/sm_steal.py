@@ -18,46 +18,16 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sched_common import device_name, make_engine  # noqa: E402
 
-from blink.gpu.benchutil import time_ms, write_json  # noqa: E402
-
-
-def load_decode(eng, b: int, ctx: int, rng) -> None:
-    h, cfg = eng.arena.host, eng.config
-    per_seq = -(-ctx // eng.dims.block_size) + 1
-    h["num_seqs"][0], h["num_tokens"][0] = b, b
-    h["input_ids"][:b] = rng.integers(0, cfg.vocab_size, b)
-    h["positions"][:b] = ctx - 1
-    h["cu_q_lens"][: b + 1] = np.arange(b + 1)
-    h["seq_lens"][:b] = ctx
-    h["temperature"][:b], h["top_p"][:b], h["top_k"][:b] = 0.0, 1.0, 0
-    bt = h["block_tables"].reshape(eng.dims.max_seqs, eng.dims.max_blocks_per_seq)
-    for i in range(b):
-        bt[i, :per_seq] = np.arange(i * per_seq, (i + 1) * per_seq)
-    eng.arena.upload(eng.s, b)
-
-
-def load_prefill(eng, S: int, m: int, rng) -> None:
-    h, cfg = eng.arena.host, eng.config
-    n, per_seq = S * m, -(-m // eng.dims.block_size)
-    h["num_seqs"][0], h["num_tokens"][0] = S, n
-    h["input_ids"][:n] = rng.integers(0, cfg.vocab_size, n)
-    h["positions"][:n] = np.tile(np.arange(m), S)
-    h["cu_q_lens"][: S + 1] = np.arange(S + 1) * m
-    h["seq_lens"][:S] = m
-    h["temperature"][:S] = 0.0
-    bt = h["block_tables"].reshape(eng.dims.max_seqs, eng.dims.max_blocks_per_seq)
-    for i in range(S):
-        bt[i, :per_seq] = np.arange(i * per_seq, (i + 1) * per_seq)
-    eng.arena.upload(eng.s, S)
+from blink.gpu.benchutil import load_synthetic, time_ms, write_json  # noqa: E402
 
 
 def measure(eng, iters: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     out = {}
     for name, (load, shape, decode) in {
-        "decode_b256_ctx320": (lambda: load_decode(eng, 256, 320, rng), (256, 256), True),
-        "decode_b128_ctx320": (lambda: load_decode(eng, 128, 320, rng), (128, 128), True),
-        "prefill_16x256": (lambda: load_prefill(eng, 16, 256, rng), (16, 4096), False),
+        "decode_b256_ctx320": (lambda: load_synthetic(eng, 256, 1, 320, rng), (256, 256), True),
+        "decode_b128_ctx320": (lambda: load_synthetic(eng, 128, 1, 320, rng), (128, 128), True),
+        "prefill_16x256": (lambda: load_synthetic(eng, 16, 256, 256, rng), (16, 4096), False),
     }.items():
         load()
         ex = eng.pick_exec(shape[0], shape[1], decode)

@@ -1,5 +1,6 @@
-"""Shared pieces of the GPU benchmarks (bench/decode.py, bench/prefill.py, bench/hf_baseline.py):
-result metadata, CUDA-event timing, and the device-to-device copy bandwidth of this GPU."""
+"""Shared pieces of the GPU benchmarks (bench/decode.py, bench/prefill.py, bench/sm_steal.py,
+bench/hf_baseline.py): result metadata, CUDA-event timing, the device-to-device copy bandwidth of
+this GPU, synthetic steps, and per-kernel-category timing of a step."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import datetime
 import json
 import pathlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from blink.device.executor import StepBatch
 from blink.treedigest import tree_digest
 
 
@@ -63,3 +67,53 @@ def write_json(path: str, result: dict[str, Any]) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {p}", file=sys.stderr)
+
+
+def synthetic_step(
+    num_seqs: int, new_tokens: int, context: int, block_size: int, vocab: int, rng: np.random.Generator
+) -> StepBatch:
+    """A step of `num_seqs` sequences, each computing its last `new_tokens` tokens (1: decode) of a
+    `context`-token sequence, greedy; sequence i owns the KV blocks [i * n, (i + 1) * n), n =
+    ceil(context / block_size). Random token ids (the benchmarks time shapes, not text)."""
+    S, T, n = num_seqs, num_seqs * new_tokens, -(-context // block_size)
+    if not 1 <= new_tokens <= context:
+        raise ValueError("need 1 <= new_tokens <= context")
+    return StepBatch(
+        input_ids=rng.integers(0, vocab, T).astype(np.int32),
+        positions=np.tile(np.arange(context - new_tokens, context, dtype=np.int32), S),
+        cu_q_lens=(np.arange(S + 1) * new_tokens).astype(np.int32),
+        seq_lens=np.full(S, context, np.int32),
+        block_tables=np.arange(S * n, dtype=np.int32).reshape(S, n),
+        temperature=np.zeros(S, np.float32),
+        top_p=np.ones(S, np.float32),
+        top_k=np.zeros(S, np.int32),
+        seeds=np.arange(S, dtype=np.uint64),
+        sample_pos=np.zeros(S, np.uint32),
+    )
+
+
+def load_synthetic(eng: Any, num_seqs: int, new_tokens: int, context: int, rng: np.random.Generator) -> bool:
+    """synthetic_step into the engine's step arena (Engine.load_step, then the H2D copy); returns
+    whether it is a decode step. The caller launches the graph it wants."""
+    b = synthetic_step(num_seqs, new_tokens, context, eng.dims.block_size, eng.config.vocab_size, rng)
+    decode = eng.load_step(b)
+    eng.arena.upload(eng.s, num_seqs)
+    return decode
+
+
+def category_times(
+    eng: Any, S: int, T: int, decode: bool, categories: Sequence[str], iters: int, warmup: int = 3
+) -> dict[str, float]:
+    """Milliseconds of each kernel category of the (S, T) step, each captured as a graph of its own
+    (the same launches and order as in the step; Engine.capture_variant(only=...))."""
+    out = {}
+    for cat in categories:
+        execs = eng.capture_variant(S, T, decode, only={cat})
+        it = iter(range(10**9))
+        out[cat] = time_ms(
+            lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s),
+            eng.stream,
+            iters=iters,
+            warmup=warmup,
+        )
+    return out
