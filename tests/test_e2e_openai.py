@@ -231,6 +231,55 @@ def test_seed_reproducible_at_temperature_1(tiny):
     assert a != other
 
 
+def test_n_choices_and_prompt_batches(tiny):
+    """n choices per prompt and a list of prompts: one ring request per choice, choice index =
+    prompt index * n + i (vLLM's order); with a seed, choice i samples with seed + i, so a batch
+    returns what its single requests return."""
+    c = tiny.client()
+    kw = dict(model="tiny-llama", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    single = {p: [c.completions.create(prompt=p, seed=77 + i, **kw) for i in range(2)] for p in ("abc", "xyz q")}
+    r = c.completions.create(prompt=["abc", "xyz q"], n=2, seed=77, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in r.choices] == [x.choices[0].text for p in ("abc", "xyz q") for x in single[p]]
+    assert all(ch.finish_reason == "length" for ch in r.choices)
+    assert r.usage.completion_tokens == 4 * 8
+    assert r.usage.prompt_tokens == sum(single[p][0].usage.prompt_tokens for p in single)  # each prompt once
+    assert single["abc"][0].choices[0].text != single["abc"][1].choices[0].text  # seed + i: choices differ
+
+
+def test_chat_n_choices_stream_and_not(tiny):
+    msgs = [{"role": "user", "content": "hello"}]
+    body = {
+        "model": "tiny-llama",
+        "messages": msgs,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 5,
+        "n": 3,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    ev = _sse(tiny.url + "/v1/chat/completions", body)
+    assert ev[-1] == "[DONE]"
+    chunks, choices = ev[:-1], [c["choices"][0] for c in ev[:-1] if c["choices"]]
+    assert all(len(c["choices"]) <= 1 for c in chunks)
+    roles = [ch["index"] for ch in choices if ch["delta"].get("role") == "assistant"]
+    assert sorted(roles) == [0, 1, 2]
+    for i in range(3):  # the role chunk comes first, the finish last, for every choice
+        mine = [ch for ch in choices if ch["index"] == i]
+        assert mine[0]["delta"].get("role") == "assistant" and mine[-1]["finish_reason"] == "length"
+        assert all(ch["finish_reason"] is None for ch in mine[:-1])
+    texts = ["".join(ch["delta"].get("content", "") for ch in choices if ch["index"] == i) for i in range(3)]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 18
+    r = tiny.client().chat.completions.create(
+        model="tiny-llama", messages=msgs, max_tokens=6, temperature=1.0, seed=5, n=3, extra_body={"ignore_eos": True}
+    )
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in r.choices] == texts
+    assert r.usage.completion_tokens == 18 and len(set(texts)) > 1
+
+
 def test_defaults_content_parts_and_max_completion_tokens(tiny):
     c = tiny.client()
     msgs = [
@@ -267,7 +316,11 @@ BAD = [
     ("max_tokens negative", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens"),
     ("too long", "/v1/completions", {"model": "tiny-llama", "prompt": [5] * 2000, "max_tokens": 1}, 400, "prompt"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
-    ("n=2", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 2}, 400, "n"),
+    ("n=0", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 0}, 400, "n"),
+    ("n too many", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "n": 1000}, 400, "n"),
+    ("prompts x n too many", "/v1/completions", {"model": "tiny-llama", "prompt": ["x"] * 100, "n": 3}, 400, "n"),
+    ("a bad prompt in a batch", "/v1/completions", {"model": "tiny-llama", "prompt": ["x", ""]}, 400, "prompt"),
+    ("mixed batch", "/v1/completions", {"model": "tiny-llama", "prompt": ["x", 5]}, 400, "prompt"),
     ("temperature", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("top_p", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("empty prompt", "/v1/completions", {"model": "tiny-llama", "prompt": ""}, 400, "prompt"),

@@ -1,8 +1,10 @@
 """OpenAI API shapes: request bodies (typed, validated) and response / chunk objects.
 
 Request bodies decode straight into msgspec Structs, so a wrong type is a 400 naming the field.
-Fields OpenAI defines that Blink does not implement (logprobs, n > 1, penalties, echo, ...)
-are rejected with a 400 when set to a non-default value, never silently ignored. Unknown
+Fields OpenAI defines that Blink does not implement (logprobs, penalties, echo, ...) are
+rejected with a 400 when set to a non-default value, never silently ignored. `n` choices per
+prompt and lists of prompts (completions) become one ring request per choice, as in vLLM:
+choice index = prompt index * n + i. Unknown
 fields are ignored (clients send vendor extensions). Extensions follow vLLM: top_k,
 stop_token_ids, ignore_eos, min_tokens.
 """
@@ -94,15 +96,25 @@ def parse(cls: type[_Sampling], body: bytes) -> Any:
 
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 256  # choices of one request (prompts x n): each is a ring request of its own
+
+
+def choices_per_prompt(r: _Sampling, n_prompts: int = 1) -> int:
+    """`n`, checked: at least 1, and prompts x n at most MAX_CHOICES."""
+    n = 1 if r.n is None else r.n
+    if n < 1:
+        raise APIError(400, f"n must be at least 1, got {n}", "n")
+    if n * n_prompts > MAX_CHOICES:
+        raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n), got {n * n_prompts}", "n")
+    return n
 
 
 def sampling_params(
-    r: _Sampling, request_id: int, prompt_ids: list[int], stop_ids: list[int], max_tokens: int | None
+    r: _Sampling, request_id: int, prompt_ids: list[int], stop_ids: list[int], max_tokens: int | None, choice: int = 0
 ) -> SubmitRequest:
-    """Validate the sampling fields; build the ring request. Defaults follow OpenAI/vLLM:
-    temperature 1, top_p 1, no top_k, a random seed when none is given."""
-    if r.n not in (None, 1):
-        raise APIError(400, "only n=1 is supported", "n")
+    """Validate the sampling fields; build the ring request of one choice. Defaults follow
+    OpenAI/vLLM: temperature 1, top_p 1, no top_k, a random seed when none is given. With a seed,
+    choice i samples with seed + i: the choices differ, and the request is reproducible."""
     if r.logprobs or r.top_logprobs:
         raise APIError(400, "logprobs are not supported", "logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -127,7 +139,7 @@ def sampling_params(
         raise APIError(400, "min_tokens must be in [0, max_tokens]", "min_tokens")
     if len(stop_ids) > MAX_STOP_IDS:
         raise APIError(400, f"at most {MAX_STOP_IDS} stop token ids (EOS included)", "stop_token_ids")
-    seed = random.getrandbits(63) if r.seed is None else r.seed & 0xFFFFFFFFFFFFFFFF
+    seed = random.getrandbits(63) if r.seed is None else (r.seed + choice) & 0xFFFFFFFFFFFFFFFF
     return SubmitRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -149,18 +161,21 @@ def stop_strings(r: _Sampling) -> list[str]:
     return [s for s in stop if s]
 
 
-def completion_prompt(r: CompletionRequest) -> str | list[int]:
-    """A single prompt: a string, a list of token ids, or a one-element list of either."""
+def _token_list(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+
+
+def completion_prompts(r: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, a list of token ids, or a list of either
+    (a batch: each prompt gets its own choices)."""
     p = r.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        return p
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise APIError(400, "only one prompt per request is supported", "prompt")
-    raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+    if isinstance(p, str) or _token_list(p):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(x, str) or _token_list(x) for x in p):
+        if len(p) > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} prompts per request", "prompt")
+        return list(p)
+    raise APIError(400, "prompt must be a non-empty string, a list of token ids, or a list of those", "prompt")
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -174,7 +189,8 @@ def usage(n_prompt: int, n_gen: int) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, n_prompt: int, n_gen: int) -> dict[str, Any]:
+def chat_response(rid: str, model: str, choices: list[tuple[str, str]], n_prompt: int, n_gen: int) -> dict[str, Any]:
+    """choices: (text, finish_reason) per choice index."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -182,23 +198,29 @@ def chat_response(rid: str, model: str, text: str, finish: str, n_prompt: int, n
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": i,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": None,
                 "finish_reason": finish,
             }
+            for i, (text, finish) in enumerate(choices)
         ],
         "usage": usage(n_prompt, n_gen),
     }
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, n_prompt: int, n_gen: int) -> dict[str, Any]:
+def completion_response(
+    rid: str, model: str, choices: list[tuple[str, str]], n_prompt: int, n_gen: int
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            for i, (text, finish) in enumerate(choices)
+        ],
         "usage": usage(n_prompt, n_gen),
     }
 
@@ -227,17 +249,18 @@ class ChunkMaker:
             c["usage"] = None
         return c
 
-    def role(self) -> dict[str, Any]:
+    def role(self, index: int = 0) -> dict[str, Any]:
         return self._chunk(
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         )
 
-    def text(self, text: str, finish: str | None = None, n_gen: int = 0) -> dict[str, Any]:
+    def text(self, text: str, finish: str | None = None, n_gen: int = 0, index: int = 0) -> dict[str, Any]:
+        """n_gen: the tokens generated so far (all choices), for continuous usage."""
         if self.chat:
             delta = {"content": text} if text else {}
-            c = self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
+            c = self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": finish})
         else:
-            c = self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+            c = self._chunk({"index": index, "text": text, "logprobs": None, "finish_reason": finish})
         if self.continuous_usage is not None:
             c["usage"] = usage(self.continuous_usage, n_gen)
         return c

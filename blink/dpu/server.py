@@ -184,36 +184,47 @@ class OpenAIServer:
             r = api.parse(api.ChatRequest if chat else api.CompletionRequest, body)
             if r.model != self.tok.name:
                 raise api.APIError(404, f"The model `{r.model}` does not exist.", "model", "model_not_found")
-            try:
-                if chat:
-                    encode = functools.partial(self.tok.chat_prompt, r.messages)
-                else:
-                    encode = functools.partial(self.tok.completion_prompt, api.completion_prompt(r))
-                # A long prompt would stall every stream on this event loop while it is encoded;
-                # the Rust tokenizer releases the GIL, so a worker thread takes it off the loop.
-                ids = await asyncio.to_thread(encode) if len(body) > _INLINE_ENCODE_BYTES else encode()
-            except PromptError as e:
-                raise api.APIError(400, str(e), e.param) from e
             if not chat and (r.echo or r.suffix or (r.best_of or 1) > 1):
                 raise api.APIError(400, "echo, suffix and best_of are not supported", "echo")
-            why = self.backend.check_prompt(len(ids))
-            if why:
-                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
+            prompts = [r.messages] if chat else api.completion_prompts(r)
+            n = api.choices_per_prompt(r, len(prompts))
+            encoded = [await self._encode(chat, p, len(body)) for p in prompts]
+            for ids in encoded:
+                why = self.backend.check_prompt(len(ids))
+                if why:
+                    raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
             max_tokens = r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens
             try:
                 stop_ids = self.tok.stop_ids(r.stop_token_ids or [], r.ignore_eos)
             except PromptError as e:
                 raise api.APIError(400, str(e), e.param) from e
-            sub = api.sampling_params(r, self.backend.new_request_id(), ids, stop_ids, max_tokens)
+            # choice index = prompt index * n + i (vLLM's order); one ring request each
+            subs = [
+                api.sampling_params(r, self.backend.new_request_id(), ids, stop_ids, max_tokens, choice=i)
+                for ids in encoded
+                for i in range(n)
+            ]
             stop = api.stop_strings(r)
         except (api.APIError, web.HTTPException):
             self.metrics.request(endpoint, "rejected")
             raise
-        self.metrics.prompt_tokens += len(ids)
-        handles: list[RequestHandle] = []
-        gen = stream_text(self.backend, self.tok, sub, stop, handles.append)
-        # After the first response byte for this request: where did its first token's time go?
+        n_prompt = sum(len(ids) for ids in encoded)  # each prompt counts once, whatever n (as OpenAI's usage)
+        self.metrics.prompt_tokens += n_prompt
+        handles: list[RequestHandle] = []  # choice 0's, for the first-token trace
+        on_submit: list[Callable[[int], None]] = []  # _stream's: told when choice j is submitted
 
+        def submitted(j: int, h: RequestHandle) -> None:
+            if j == 0:
+                handles.append(h)
+            for cb in on_submit:
+                cb(j)
+
+        gens = [
+            stream_text(self.backend, self.tok, sub, stop, functools.partial(submitted, j))
+            for j, sub in enumerate(subs)
+        ]
+
+        # After the first response byte for this request: where did its first token's time go?
         def trace() -> None:
             self.metrics.first_token(t_http_ns, handles[0].timing if handles else (), time.time_ns())
 
@@ -221,9 +232,11 @@ class OpenAIServer:
         continuous = bool(r.stream_options and r.stream_options.continuous_usage_stats)
         try:
             if r.stream:
-                resp = await self._stream(request, gen, chat, len(ids), include_usage, continuous, t0, trace)
+                resp = await self._stream(
+                    request, gens, on_submit, chat, n_prompt, include_usage, continuous, t0, trace
+                )
             else:
-                resp = await self._complete(gen, chat, len(ids), t0)
+                resp = await self._complete(gens, chat, n_prompt, t0)
                 trace()
         except (api.APIError, GenerationError) as e:
             self.metrics.request(endpoint, "busy" if getattr(e, "status", 0) == 429 else "error")
@@ -233,14 +246,30 @@ class OpenAIServer:
             self.metrics.cancelled += 1
             raise
         finally:
-            await gen.aclose()
+            for g in gens:  # frees the slot of every choice still generating (the pumps are gone)
+                await g.aclose()
         self.metrics.request(endpoint, "ok")
         return resp
 
-    def _observe(self, t0: float, t_prev: float | None, n: int) -> float:
+    async def _encode(self, chat: bool, prompt: Any, body_bytes: int) -> list[int]:
+        try:
+            if chat:
+                encode = functools.partial(self.tok.chat_prompt, prompt)
+            else:
+                encode = functools.partial(self.tok.completion_prompt, prompt)
+            # A long prompt would stall every stream on this event loop while it is encoded;
+            # the Rust tokenizer releases the GIL, so a worker thread takes it off the loop.
+            return await asyncio.to_thread(encode) if body_bytes > _INLINE_ENCODE_BYTES else encode()
+        except PromptError as e:
+            raise api.APIError(400, str(e), e.param) from e
+
+    def _observe(self, t0: float, t_prev: float | None, n: int, first: bool = True) -> float:
+        """Metrics of `n` new tokens of one choice; `first`: its first token counts as the
+        request's time to first token (choice 0 only)."""
         now = time.perf_counter()
         if t_prev is None:
-            self.metrics.ttft.observe(now - t0)
+            if first:
+                self.metrics.ttft.observe(now - t0)
         elif n:
             gap = (now - t_prev) / n
             for _ in range(n):
@@ -248,24 +277,41 @@ class OpenAIServer:
         self.metrics.generation_tokens += n
         return now
 
-    async def _complete(self, gen: AsyncIterator[TextEvent], chat: bool, n_prompt: int, t0: float) -> web.Response:
-        parts: list[str] = []
-        n_gen, finish, t_prev = 0, "stop", None
-        async for ev in gen:
-            if ev.n_tokens:
-                t_prev = self._observe(t0, t_prev, ev.n_tokens)
-            parts.append(ev.text)
-            n_gen += ev.n_tokens
-            finish = ev.finish or finish
+    async def _complete(
+        self, gens: list[AsyncIterator[TextEvent]], chat: bool, n_prompt: int, t0: float
+    ) -> web.Response:
+        async def collect(j: int, gen: AsyncIterator[TextEvent]) -> tuple[str, str, int]:
+            parts: list[str] = []
+            n_gen, finish, t_prev = 0, "stop", None
+            async for ev in gen:
+                if ev.n_tokens:
+                    t_prev = self._observe(t0, t_prev, ev.n_tokens, j == 0)
+                parts.append(ev.text)
+                n_gen += ev.n_tokens
+                finish = ev.finish or finish
+            return "".join(parts), finish, n_gen
+
+        if len(gens) == 1:
+            results = [await collect(0, gens[0])]
+        else:  # every choice at once; the first failure fails the request and stops the others
+            tasks = [asyncio.ensure_future(collect(j, g)) for j, g in enumerate(gens)]
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         self.metrics.e2e.observe(time.perf_counter() - t0)
         make = api.chat_response if chat else api.completion_response
         rid = api.new_id("chatcmpl" if chat else "cmpl")
-        return _json_response(make(rid, self.tok.name, "".join(parts), finish, n_prompt, n_gen))
+        choices = [(text, finish) for text, finish, _ in results]
+        return _json_response(make(rid, self.tok.name, choices, n_prompt, sum(n for _, _, n in results)))
 
     async def _stream(
         self,
         request: web.Request,
-        gen: AsyncIterator[TextEvent],
+        gens: list[AsyncIterator[TextEvent]],
+        on_submit: list[Callable[[int], None]],
         chat: bool,
         n_prompt: int,
         include_usage: bool,
@@ -273,36 +319,92 @@ class OpenAIServer:
         t0: float,
         trace: Callable[[], None],
     ) -> web.StreamResponse:
+        """SSE of every choice, interleaved as their tokens arrive (chunks name their index)."""
         chunks = api.ChunkMaker(chat, self.tok.name, include_usage, n_prompt if continuous else None)
-        # Wait for the first event before sending headers, so that a busy ring (429) or a
-        # rejected request still gets a proper HTTP error status.
-        first = await anext(gen, None)
-        resp = web.StreamResponse(headers=_SSE_HEADERS)
-        await resp.prepare(request)
+        # (choice, kind, payload): "sub" (submitted), "ev" (a TextEvent), "end", "err" (an exception)
+        items: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+        on_submit.append(lambda j: items.put_nowait((j, "sub", None)))
 
+        async def pump(j: int, gen: AsyncIterator[TextEvent]) -> None:
+            try:
+                async for ev in gen:
+                    items.put_nowait((j, "ev", ev))
+                items.put_nowait((j, "end", None))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # handed to the response: an error status, or an error event
+                items.put_nowait((j, "err", e))
+
+        tasks = [asyncio.ensure_future(pump(j, g)) for j, g in enumerate(gens)]
+        try:
+            # Before the headers, so that a busy ring (429) or a rejected request still gets a proper
+            # HTTP error status: every choice submitted, and choice 0's first event (or its end). A
+            # choice queued behind a full ring does not hold the headers back.
+            early: list[tuple[int, str, Any]] = []
+            started, first = set(), False
+            while len(started) < len(gens) or not first:
+                j, kind, payload = await items.get()
+                if kind == "err":
+                    raise payload
+                started.add(j)
+                first = first or (j == 0 and kind != "sub")
+                if kind != "sub":
+                    early.append((j, kind, payload))
+            resp = web.StreamResponse(headers=_SSE_HEADERS)
+            await resp.prepare(request)
+            await self._send_stream(
+                resp, early, items, len(gens), chat, chunks, n_prompt, include_usage, continuous, t0, trace
+            )
+            return resp
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _send_stream(
+        self,
+        resp: web.StreamResponse,
+        early: list[tuple[int, str, Any]],
+        items: asyncio.Queue[tuple[int, str, Any]],
+        n_choices: int,
+        chat: bool,
+        chunks: api.ChunkMaker,
+        n_prompt: int,
+        include_usage: bool,
+        continuous: bool,
+        t0: float,
+        trace: Callable[[], None],
+    ) -> None:
         async def send(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
 
-        n_gen, t_prev = 0, None
+        n_gen, t_prev = 0, [None] * n_choices
+        done = 0
         try:
             if chat:
-                await send(chunks.role())
-            trace()  # headers (and the role chunk) are out: the response's first bytes
-            ev = first
-            while ev is not None:
+                for j in range(n_choices):
+                    await send(chunks.role(j))
+            trace()  # headers (and the role chunks) are out: the response's first bytes
+            while done < n_choices:
+                j, kind, ev = early.pop(0) if early else await items.get()
+                if kind == "err":
+                    raise ev
+                if kind == "sub":
+                    continue
+                if kind == "end":
+                    done += 1
+                    continue
                 if ev.n_tokens:
-                    t_prev = self._observe(t0, t_prev, ev.n_tokens)
+                    t_prev[j] = self._observe(t0, t_prev[j], ev.n_tokens, j == 0)
                 n_gen += ev.n_tokens
                 if ev.finish is not None:
                     if ev.text and chat:
-                        await send(chunks.text(ev.text, None, n_gen))
-                        await send(chunks.text("", ev.finish, n_gen))
+                        await send(chunks.text(ev.text, None, n_gen, j))
+                        await send(chunks.text("", ev.finish, n_gen, j))
                     else:
-                        await send(chunks.text(ev.text, ev.finish, n_gen))
-                    break
-                if ev.text or (continuous and ev.n_tokens):
-                    await send(chunks.text(ev.text, None, n_gen))
-                ev = await anext(gen, None)
+                        await send(chunks.text(ev.text, ev.finish, n_gen, j))
+                elif ev.text or (continuous and ev.n_tokens):
+                    await send(chunks.text(ev.text, None, n_gen, j))
             self.metrics.e2e.observe(time.perf_counter() - t0)
             if include_usage:
                 await send(chunks.usage(n_prompt, n_gen))
@@ -316,7 +418,6 @@ class OpenAIServer:
             await send(api.APIError(500, f"internal error: {e!r}").body())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-        return resp
 
 
 def _json_response(obj: Any, status: int = 200) -> web.Response:
