@@ -526,6 +526,22 @@ def test_disconnect_mid_stream_frees_slot(smol):
     assert m["blink_device_tokens_generated_total"] - before["blink_device_tokens_generated_total"] < 500
 
 
+def test_n_choices_over_a_full_ring(smol):
+    """2 slots and a queue of 1: a request of n=3 fills both and the queue and completes; one of
+    n=4 cannot be placed: 429, and the choices that were placed are cancelled (no slot lost)."""
+    c = smol.client()
+    asyncio.run(_idle(smol))
+    kw = dict(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=4, extra_body={"ignore_eos": True})
+    r = c.completions.create(n=3, seed=3, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 12
+    with pytest.raises(openai.RateLimitError):
+        c.completions.create(n=4, **kw)
+    with pytest.raises(openai.RateLimitError):
+        list(c.completions.create(n=4, stream=True, **kw))
+    asyncio.run(_idle(smol))
+    assert c.completions.create(n=2, **kw).usage.completion_tokens == 8
+
+
 # -- device failure ---------------------------------------------------------------------------
 
 
