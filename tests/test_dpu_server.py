@@ -64,3 +64,61 @@ async def test_backend_exceptions_become_openai_errors(tok):
         assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny-llama"
         r = await c.get("/v1/completions")
         assert r.status == 405 and "error" in await r.json()
+
+
+def test_metrics_snapshot_add_and_share(tmp_path):
+    from blink.dpu.metrics import Metrics, MetricsShare
+
+    a, b = Metrics(), Metrics()
+    a.request("chat", "ok")
+    a.prompt_tokens, a.generation_tokens = 5, 9
+    a.ttft.observe(0.02)
+    b.request("chat", "ok")
+    b.request("completions", "busy")
+    b.prompt_tokens, b.cancelled = 7, 1
+    b.ttft.observe(2.0)
+    sa, sb = MetricsShare(tmp_path, "m", 0, 2), MetricsShare(tmp_path, "m", 1, 2)
+    assert sa.peers() == []  # nothing published yet
+    sb.publish(b.snapshot())
+    (peer,) = sa.peers()
+    text = a.render({}, {}, True, [peer])
+    assert 'blink_requests_total{endpoint="chat",outcome="ok"} 2' in text
+    assert 'blink_requests_total{endpoint="completions",outcome="busy"} 1' in text
+    assert "blink_prompt_tokens_total 12" in text and "blink_cancelled_total 1" in text
+    assert "blink_time_to_first_token_seconds_count 2" in text
+    assert 'blink_time_to_first_token_seconds_bucket{le="0.025"} 1' in text
+    assert "blink_prompt_tokens_total 5" in a.render({}, {}, True)  # own counts untouched
+    sb.path(1).write_bytes(b"not msgpack")  # a torn or foreign file is skipped, never a 500
+    assert sa.peers() == []
+    sa.publish(a.snapshot())
+    sb.publish(b.snapshot())
+    sa.remove_all()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.asyncio
+async def test_frontends_metrics_add_up_and_survive_a_restart(tok, tmp_path):
+    """Two servers as two frontend processes of one port: either one's /metrics counts both. A
+    frontend that crashed (its file left behind) continues its counts when it comes back."""
+    import asyncio
+
+    from blink.dpu.metrics import MetricsShare
+
+    def server(k: int) -> OpenAIServer:
+        return OpenAIServer(BrokenBackend(), tok, ServerConfig(), MetricsShare(tmp_path, "fe", k, 2), publish_s=0.02)
+
+    a, b = server(0), server(1)
+    async with TestClient(TestServer(a.app())) as ca, TestClient(TestServer(b.app())) as cb:
+        for c in (ca, ca, cb):  # 503s: the broken backend's device is down
+            await c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x"})
+        await asyncio.sleep(0.1)
+        for c in (ca, cb):
+            text = await (await c.get("/metrics")).text()
+            assert 'blink_requests_total{endpoint="completions",outcome="error"} 3' in text, text
+        snap = b.metrics.snapshot()
+    assert not list(tmp_path.iterdir())  # clean stops remove their files
+    MetricsShare(tmp_path, "fe", 1, 2).publish(snap)  # as if frontend 1 had crashed
+    b2 = server(1)
+    async with TestClient(TestServer(b2.app())) as c:
+        text = await (await c.get("/metrics")).text()
+        assert 'blink_requests_total{endpoint="completions",outcome="error"} 1' in text

@@ -190,6 +190,12 @@ def test_two_frontends_share_one_port(cluster) -> None:
             assert [r["up"] for r in fe["replicas"]] == [True, True]
             assert all(r["free_slots"] == 4 for r in fe["replicas"])  # 8 slots per ring, half each
         assert "frontend 1:" in format_status(st)
+        # /metrics counts both frontends, whichever one the connection lands on (they publish
+        # their counters about once a second)
+        time.sleep(1.5)
+        for _ in range(6):  # a new connection each: the kernel spreads them over both listeners
+            text = urllib.request.urlopen(d.url + "/metrics", timeout=10).read().decode()
+            assert 'blink_requests_total{endpoint="completions",outcome="ok"} 32' in text, text
     finally:
         stopped = deploy.stop(cfg)
     assert stopped["frontends"] == 2 and stopped["replicas"] == 2

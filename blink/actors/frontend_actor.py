@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Any
 
+from blink.dpu.metrics import MetricsShare
+
 from . import raycount
 from .config import DeployConfig
 from .lifecycle import reconstructed, start_in_background
@@ -114,7 +116,10 @@ class FrontendActor:
         self._router = Router([self.cfg.ring_name(i) for i in range(self.replicas)], make_tracker)
         await self._router.start()
         try:
-            self._server = await start_http(self.cfg.serving, self._router, self.port, shared=self.count > 1)
+            share = None
+            if self.count > 1:  # /metrics of the whole server from whichever frontend is asked
+                share = MetricsShare("/dev/shm", f"{self.cfg.ring_name(0)}-metrics", self.index, self.count)
+            self._server = await start_http(self.cfg.serving, self._router, self.port, share=share)
             self._info = {"url": self._server.url, "pid": os.getpid(), "restarted": self._restarted}
             self._info.update(index=self.index, count=self.count, port=self._server.port)
             ray = sys.modules.get("ray")  # None when running without Ray

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blink.config import BlinkConfig
+from blink.dpu.metrics import MetricsShare
 
 from .router import Router
 
@@ -21,14 +22,17 @@ class HttpIngress:
         await self.runner.cleanup()
 
 
-async def start_http(cfg: BlinkConfig, router: Router, port: int | None = None, shared: bool = False) -> HttpIngress:
+async def start_http(
+    cfg: BlinkConfig, router: Router, port: int | None = None, share: MetricsShare | None = None
+) -> HttpIngress:
     """Load the tokenizer (no weights) and serve /v1 for every replica behind `router`.
-    port: instead of cfg.server.port; shared: other frontend processes listen on the same port."""
+    port: instead of cfg.server.port; share: this frontend among several on the same port
+    (SO_REUSEPORT), whose /metrics add up through `share`."""
     from blink.dpu import server as dpu_server
     from blink.dpu.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.model.spec, cfg.model.name)
-    srv = dpu_server.OpenAIServer(router, tok, cfg.server)
+    srv = dpu_server.OpenAIServer(router, tok, cfg.server, share=share)
     want = cfg.server.port if port is None else port
-    runner, port = await dpu_server.start_http(srv, cfg.server.host, want, reuse_port=shared)
+    runner, port = await dpu_server.start_http(srv, cfg.server.host, want, reuse_port=share is not None)
     return HttpIngress(f"http://{cfg.server.host}:{port}", port, runner, srv)

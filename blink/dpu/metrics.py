@@ -1,10 +1,20 @@
 """Prometheus text exposition for /metrics: frontend counters and histograms plus the device's
-counters read from the ring header. No client library: the format is a few lines of text."""
+counters read from the ring header. No client library: the format is a few lines of text.
+
+Several frontend processes serving one port (deploy.frontends > 1) each count what they serve;
+each publishes a snapshot of its counters (MetricsShare, a file per frontend in /dev/shm, about
+once a second), and whichever frontend answers a scrape adds its peers' snapshots to its own, so
+/metrics describes the whole server whichever process the kernel hands the connection to.
+"""
 
 from __future__ import annotations
 
 import bisect
+import os
+import pathlib
 from collections.abc import Mapping, Sequence
+
+import msgspec
 
 from blink.protocol.layout import DEVICE_COUNTERS, DEVICE_GAUGES
 
@@ -34,6 +44,22 @@ class Histogram:
         out.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
         out += [f"{self.name}_sum {self.sum:.6f}", f"{self.name}_count {self.count}"]
         return out
+
+
+class HistogramState(msgspec.Struct, array_like=True):
+    counts: list[int]
+    sum: float
+    count: int
+
+
+class MetricsSnapshot(msgspec.Struct, kw_only=True):
+    """One frontend's counters, as its peers read them (msgpack in a /dev/shm file)."""
+
+    requests: list[tuple[str, str, int]]
+    prompt_tokens: int
+    generation_tokens: int
+    cancelled: int
+    histograms: dict[str, HistogramState]
 
 
 class Metrics:
@@ -69,7 +95,43 @@ class Metrics:
         k = (endpoint, outcome)
         self.requests[k] = self.requests.get(k, 0) + 1
 
-    def render(self, ring: Mapping[str, int], device: Mapping[str, int], up: bool) -> str:
+    def histograms(self) -> list[Histogram]:
+        return [self.ttft, self.itl, self.e2e, *self.stages.values()]
+
+    def snapshot(self) -> MetricsSnapshot:
+        return MetricsSnapshot(
+            requests=[(ep, oc, n) for (ep, oc), n in sorted(self.requests.items())],
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            cancelled=self.cancelled,
+            histograms={h.name: HistogramState(list(h.counts), h.sum, h.count) for h in self.histograms()},
+        )
+
+    def add(self, snap: MetricsSnapshot) -> None:
+        """Add a snapshot's counts to these (peers' counts for a scrape, or this frontend's own
+        counts from before a restart). Histograms of other bucket layouts are skipped."""
+        for ep, oc, n in snap.requests:
+            self.requests[(ep, oc)] = self.requests.get((ep, oc), 0) + n
+        self.prompt_tokens += snap.prompt_tokens
+        self.generation_tokens += snap.generation_tokens
+        self.cancelled += snap.cancelled
+        for h in self.histograms():
+            st = snap.histograms.get(h.name)
+            if st is not None and len(st.counts) == len(h.counts):
+                h.counts = [a + b for a, b in zip(h.counts, st.counts, strict=True)]
+                h.sum += st.sum
+                h.count += st.count
+
+    def render(
+        self, ring: Mapping[str, int], device: Mapping[str, int], up: bool, peers: Sequence[MetricsSnapshot] = ()
+    ) -> str:
+        """The exposition text; `peers`: the other frontends' snapshots, added to these counts."""
+        if peers:
+            total = Metrics()
+            total.add(self.snapshot())
+            for snap in peers:
+                total.add(snap)
+            return total.render(ring, device, up)
         lines = [
             "# HELP blink_requests_total HTTP requests by endpoint and outcome",
             "# TYPE blink_requests_total counter",
@@ -82,7 +144,7 @@ class Metrics:
             ("blink_cancelled_total", self.cancelled, "requests cancelled because the client went away"),
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {v}"]
-        for h in (self.ttft, self.itl, self.e2e, *self.stages.values()):
+        for h in self.histograms():
             lines += h.render()
         lines += ["# HELP blink_device_up 1 when the device is serving", "# TYPE blink_device_up gauge"]
         lines.append(f"blink_device_up {int(up)}")
@@ -96,3 +158,38 @@ class Metrics:
 
 
 DEVICE_FIELDS = DEVICE_GAUGES + DEVICE_COUNTERS  # exported from the ring header
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(MetricsSnapshot)
+
+
+class MetricsShare:
+    """The snapshot files of `count` frontends: `<folder>/<prefix>.<index>`, one writer each."""
+
+    def __init__(self, folder: str | os.PathLike, prefix: str, index: int, count: int) -> None:
+        if not 0 <= index < count:
+            raise ValueError(f"frontend index {index} out of range for {count}")
+        self.folder, self.prefix, self.index, self.count = pathlib.Path(folder), prefix, index, count
+
+    def path(self, k: int) -> pathlib.Path:
+        return self.folder / f"{self.prefix}.{k}"
+
+    def publish(self, snap: MetricsSnapshot) -> None:
+        """Replace this frontend's file at once (write aside, then rename): readers never see half."""
+        tmp = self.folder / f".{self.prefix}.{self.index}.tmp"
+        tmp.write_bytes(_enc.encode(snap))
+        os.replace(tmp, self.path(self.index))
+
+    def read(self, k: int) -> MetricsSnapshot | None:
+        try:
+            return _dec.decode(self.path(k).read_bytes())
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return None  # not published yet, or from an older layout
+
+    def peers(self) -> list[MetricsSnapshot]:
+        return [s for k in range(self.count) if k != self.index and (s := self.read(k)) is not None]
+
+    def remove_all(self) -> None:
+        """Every frontend's file (the deployment is going away)."""
+        for k in range(self.count):
+            self.path(k).unlink(missing_ok=True)

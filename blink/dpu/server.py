@@ -26,7 +26,7 @@ from blink.protocol.layout import FinishReason, SlotError
 from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest
 
 from . import openai_api as api
-from .metrics import Metrics
+from .metrics import Metrics, MetricsShare
 from .request_tracker import DeviceDownError, QueueFullError, RequestHandle, finish_name
 from .tokenizer import FrontendTokenizer, PromptError
 
@@ -98,11 +98,23 @@ async def stream_text(
 
 
 class OpenAIServer:
-    def __init__(self, backend: Backend, tokenizer: FrontendTokenizer, config: ServerConfig):
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: FrontendTokenizer,
+        config: ServerConfig,
+        share: MetricsShare | None = None,
+        publish_s: float = 1.0,
+    ):
+        """share: with other frontend processes on this port, /metrics adds their published
+        counters to this one's, and this one publishes its own every `publish_s` seconds."""
         self.backend = backend
         self.tok = tokenizer
         self.config = config
         self.metrics = Metrics()
+        self.share = share
+        self.publish_s = publish_s
+        self._publisher: asyncio.Task | None = None
 
     # -- app ----------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -112,7 +124,34 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
+        if self.share is not None:
+            app.on_startup.append(self._share_start)
+            app.on_cleanup.append(self._share_stop)
         return app
+
+    async def _share_start(self, app: web.Application) -> None:
+        assert self.share is not None
+        before = self.share.read(self.share.index)  # left by this frontend's previous process (a crash)
+        if before is not None:
+            self.metrics.add(before)  # counters continue instead of starting over
+        self.share.publish(self.metrics.snapshot())
+        self._publisher = asyncio.ensure_future(self._publish_loop())
+
+    async def _publish_loop(self) -> None:
+        assert self.share is not None
+        while True:
+            await asyncio.sleep(self.publish_s)
+            try:
+                self.share.publish(self.metrics.snapshot())
+            except OSError as e:  # /dev/shm full or gone: the scrape of this process still works
+                log.warning("metrics not published: %s", e)
+
+    async def _share_stop(self, app: web.Application) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
+            await asyncio.gather(self._publisher, return_exceptions=True)
+        if self.share is not None:  # a clean stop: nothing to carry over
+            self.share.path(self.share.index).unlink(missing_ok=True)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -166,7 +205,8 @@ class OpenAIServer:
     async def metrics_text(self, request: web.Request) -> web.Response:
         st = self.backend.stats()
         ring = {"slots": st.n_slots, "busy_slots": st.busy_slots, "free_slots": st.free_slots, "queued": st.queued}
-        text = self.metrics.render(ring, self.backend.device_counters(), self.backend.health().ok)
+        peers = self.share.peers() if self.share is not None else []
+        text = self.metrics.render(ring, self.backend.device_counters(), self.backend.health().ok, peers)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -207,6 +247,9 @@ class OpenAIServer:
             stop = api.stop_strings(r)
         except (api.APIError, web.HTTPException):
             self.metrics.request(endpoint, "rejected")
+            raise
+        except Exception:  # e.g. the backend has no replica up: answered by the error middleware
+            self.metrics.request(endpoint, "error")
             raise
         n_prompt = sum(len(ids) for ids in encoded)  # each prompt counts once, whatever n (as OpenAI's usage)
         self.metrics.prompt_tokens += n_prompt
