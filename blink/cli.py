@@ -18,18 +18,43 @@ from blink import config as C
 _RAY_COMMANDS = ("deploy", "status", "stop")
 
 
+# vLLM's names for the same settings are accepted too (`vllm serve` command lines carry over); the
+# help says where a meaning differs. Flags that ask for what Blink does not do are errors.
+VLLM_NOOP_FLAGS = ("--trust-remote-code", "--disable-log-requests", "--disable-log-stats")
+
+
 def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="JSON/TOML (YAML with pyyaml) file with server/ring/device/model sections")
     p.add_argument("--model", dest="model.spec", help="default | FILE.gguf | HF_DIR | random:<preset>")
     p.add_argument("--served-model-name", dest="model.name", help="model name served by the API")
     p.add_argument("--device", dest="device.kind", choices=("auto", "emulated", "cuda"))
     p.add_argument("--scheduler", dest="device.scheduler", choices=("gpu", "host"))
-    p.add_argument("--max-batch", dest="device.max_batch", type=int)
-    p.add_argument("--max-tokens-per-step", dest="device.max_tokens", type=int)
-    p.add_argument("--max-context", dest="device.max_context", type=int)
-    p.add_argument("--kv-block-size", dest="device.kv_block_size", type=int)
-    p.add_argument("--num-kv-blocks", dest="device.num_kv_blocks", type=int)
-    p.add_argument("--kv-cache-fraction", dest="device.kv_cache_fraction", type=float)
+    p.add_argument("--max-batch", "--max-num-seqs", dest="device.max_batch", type=int, help="sequences per step")
+    p.add_argument(
+        "--max-tokens-per-step", "--max-num-batched-tokens", dest="device.max_tokens", type=int, help="tokens per step"
+    )
+    p.add_argument("--max-context", "--max-model-len", dest="device.max_context", type=int)
+    p.add_argument("--kv-block-size", "--block-size", dest="device.kv_block_size", type=int)
+    p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="device.num_kv_blocks", type=int)
+    p.add_argument(
+        "--kv-cache-fraction",
+        "--gpu-memory-utilization",
+        dest="device.kv_cache_fraction",
+        type=float,
+        help="share of the GPU memory left free by the weights that the KV cache takes (vLLM's flag is a "
+        "share of all GPU memory; both set how much memory goes to the KV cache)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        dest="vllm_tp",
+        type=int,
+        default=1,
+        help="1 only: a replica is one GPU (use --data-parallel-size with --ray for more GPUs)",
+    )
+    p.add_argument("--dtype", dest="vllm_dtype", default="auto", help="auto | bfloat16 (the only compute type)")
+    for flag in VLLM_NOOP_FLAGS:
+        p.add_argument(flag, action="store_true", dest=f"noop_{flag[2:].replace('-', '_')}", help=argparse.SUPPRESS)
     p.add_argument("--n-slots", dest="ring.n_slots", type=int)
     p.add_argument("--prompt-arena-tokens", dest="ring.prompt_arena_tokens", type=int)
     p.add_argument("--output-capacity", dest="ring.output_capacity", type=int)
@@ -40,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    s.add_argument("model_arg", nargs="?", metavar="MODEL", help="as --model (`vllm serve MODEL`)")
     _add_stack_flags(s)
     s.add_argument("--host", dest="server.host")
     s.add_argument("--port", dest="server.port", type=int)
@@ -49,10 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     # --- Ray path (blink.actors): same actors as `blink deploy`, on an embedded local Ray ---
     s.add_argument("--ray", action="store_true", help="run the GPU and frontend actors on an embedded local Ray")
     s.add_argument(
-        "--replicas", dest="deploy.replicas", type=int, help="with --ray: data-parallel replicas (0 = one per GPU)"
+        "--replicas",
+        "--data-parallel-size",
+        dest="deploy.replicas",
+        type=int,
+        help="with --ray: data-parallel replicas (0 = one per GPU)",
     )
     s.add_argument(
         "--frontends",
+        "--api-server-count",
         dest="deploy.frontends",
         type=int,
         help="with --ray: frontend processes on the one port (like vLLM's --api-server-count; 0 = one per replica)",
@@ -76,7 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def vllm_compat(args: argparse.Namespace) -> None:
+    """The positional MODEL and vLLM's flags that have no setting here: checked, folded in."""
+    model = getattr(args, "model_arg", None)
+    if model is not None:
+        if getattr(args, "model.spec", None) not in (None, model):
+            raise C.ConfigError(f"two models given: {model!r} and --model {getattr(args, 'model.spec')!r}")
+        setattr(args, "model.spec", model)
+    if getattr(args, "vllm_tp", 1) != 1:
+        raise C.ConfigError(
+            "--tensor-parallel-size must be 1: a Blink replica is one GPU; for more GPUs, data-parallel "
+            "replicas (--ray --data-parallel-size N)"
+        )
+    if getattr(args, "vllm_dtype", "auto") not in ("auto", "bfloat16", "bf16"):
+        raise C.ConfigError(f"--dtype {args.vllm_dtype}: Blink computes in bfloat16 only (auto | bfloat16)")
+
+
 def config_from_args(args: argparse.Namespace) -> C.BlinkConfig:
+    vllm_compat(args)
     overrides: dict[str, dict[str, Any]] = {}
     for key, value in vars(args).items():
         if "." in key and value is not None:
@@ -90,6 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _RAY_COMMANDS:
         return _ray_command(argv)
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "generate"):
+        try:
+            vllm_compat(args)
+        except C.ConfigError as e:
+            print(f"blink: config error: {e}", file=sys.stderr)
+            return 2
     if args.command == "serve" and args.ray:  # the config may carry a [deploy] section: parsed there
         return _ray_serve(args)
     for flag in ("replicas", "frontends"):

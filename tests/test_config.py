@@ -91,3 +91,38 @@ def test_cli_reports_config_errors(tmp_path):
         [sys.executable, "-m", "blink.cli", "serve", "--config", str(f)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "server.max_queue" in r.stderr
+
+
+def test_vllm_command_lines_carry_over():
+    """`vllm serve MODEL --max-num-seqs ...`: vLLM's names for Blink's settings."""
+    from blink import cli
+
+    argv = [
+        "serve", "random:tiny-llama", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+        "--max-model-len", "1024", "--block-size", "32", "--num-gpu-blocks-override", "300",
+        "--gpu-memory-utilization", "0.7", "--tensor-parallel-size", "1", "--dtype", "bfloat16",
+        "--trust-remote-code", "--disable-log-requests", "--device", "emulated",
+    ]  # fmt: skip
+    c = cli.config_from_args(cli.build_parser().parse_args(argv))
+    d = c.device
+    assert c.model.spec == "random:tiny-llama"
+    assert (d.max_batch, d.max_tokens, d.max_context, d.kv_block_size) == (8, 512, 1024, 32)
+    assert (d.num_kv_blocks, d.kv_cache_fraction) == (300, 0.7)
+    a = cli.build_parser().parse_args(["serve", "--ray", "--data-parallel-size", "2", "--api-server-count", "3"])
+    assert (getattr(a, "deploy.replicas"), getattr(a, "deploy.frontends")) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["serve", "m1", "--model", "m2"], "two models"),
+        (["serve", "--tensor-parallel-size", "2"], "tensor-parallel-size"),
+        (["serve", "-tp", "4"], "tensor-parallel-size"),
+        (["serve", "--dtype", "float16"], "bfloat16 only"),
+    ],
+)
+def test_vllm_flags_blink_cannot_honour_are_errors(argv, why, capsys):
+    from blink import cli
+
+    assert cli.main(argv) == 2
+    assert why in capsys.readouterr().err
