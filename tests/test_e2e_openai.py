@@ -280,6 +280,36 @@ def test_chat_n_choices_stream_and_not(tiny):
     assert r.usage.completion_tokens == 18 and len(set(texts)) > 1
 
 
+def test_tokenize_detokenize_version(tiny):
+    """vLLM's /tokenize, /detokenize and /version: the same token counts the completions report."""
+    c = tiny.client()
+    code, js = _post(tiny.url + "/tokenize", json.dumps({"model": "tiny-llama", "prompt": "hello world"}))
+    assert code == 200 and js["count"] == len(js["tokens"]) and js["max_model_len"] > 0
+    r = c.completions.create(model="tiny-llama", prompt="hello world", max_tokens=1)
+    assert r.usage.prompt_tokens == js["count"]
+    msgs = [{"role": "user", "content": "hi there"}]
+    code, js = _post(tiny.url + "/tokenize", json.dumps({"model": "tiny-llama", "messages": msgs}))
+    assert code == 200
+    assert c.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=1).usage.prompt_tokens == js["count"]
+    body = {"model": "tiny-llama", "prompt": "hello world", "add_special_tokens": False}
+    _, js = _post(tiny.url + "/tokenize", json.dumps(body))
+    code, back = _post(tiny.url + "/detokenize", json.dumps({"model": "tiny-llama", "tokens": js["tokens"]}))
+    assert code == 200 and back == {"prompt": "hello world"}
+    for path, body, status, param in (
+        ("/detokenize", {"model": "tiny-llama", "tokens": [10**9]}, 400, "tokens"),
+        ("/detokenize", {"model": "tiny-llama", "tokens": "abc"}, 400, "tokens"),
+        ("/tokenize", {"model": "tiny-llama", "prompt": "x", "messages": msgs}, 400, "prompt"),
+        ("/tokenize", {"model": "tiny-llama"}, 400, "prompt"),
+        ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ):
+        code, js = _post(tiny.url + path, json.dumps(body))
+        assert code == status and js["error"]["param"] == param, (path, body, js)
+    import urllib.request
+
+    v = json.loads(urllib.request.urlopen(tiny.url + "/version").read())
+    assert v["version"]
+
+
 def test_defaults_content_parts_and_max_completion_tokens(tiny):
     c = tiny.client()
     msgs = [

@@ -81,10 +81,26 @@ class CompletionRequest(_Sampling, kw_only=True):
     suffix: str | None = None
 
 
-_decoders = {cls: msgspec.json.Decoder(cls) for cls in (ChatRequest, CompletionRequest)}
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a completion prompt, or chat messages through the chat template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool = True  # prompt only: the BOS the model's tokenizer adds
 
 
-def parse(cls: type[_Sampling], body: bytes) -> Any:
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str
+    tokens: list[int]
+
+
+_decoders = {
+    cls: msgspec.json.Decoder(cls) for cls in (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+}
+
+
+def parse(cls: type[msgspec.Struct], body: bytes) -> Any:
     try:
         return _decoders[cls].decode(body)
     except msgspec.ValidationError as e:

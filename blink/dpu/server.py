@@ -1,6 +1,7 @@
 """HTTP server role: the OpenAI-compatible API (aiohttp on uvloop) with SSE streaming.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health   GET /metrics
+    POST /tokenize   POST /detokenize   GET /version    (vLLM's extensions)
 
 A handler tokenizes (tokenizer role), submits through the request tracker (slot tracker + token
 reader), and turns TokenEvents into text with the incremental detokenizer. Every error is
@@ -124,6 +125,9 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_post("/tokenize", self.tokenize)  # vLLM's extensions (unauthenticated, as there)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         if self.share is not None:
             app.on_startup.append(self._share_start)
             app.on_cleanup.append(self._share_stop)
@@ -196,6 +200,38 @@ class OpenAIServer:
         }
         return _json_response({"object": "list", "data": [card]})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        r = api.parse(api.TokenizeRequest, await request.read())
+        self._check_model(r.model)
+        if (r.prompt is None) == (r.messages is None):
+            raise api.APIError(400, "give either prompt or messages", "prompt")
+        try:
+            if r.messages is not None:
+                ids = self.tok.chat_prompt(r.messages)
+            else:
+                ids = self.tok.text_ids(r.prompt or "", r.add_special_tokens)
+        except PromptError as e:
+            raise api.APIError(400, str(e), e.param) from e
+        return _json_response({"count": len(ids), "max_model_len": self.backend.max_context, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        r = api.parse(api.DetokenizeRequest, await request.read())
+        self._check_model(r.model)
+        try:
+            self.tok.check_ids(r.tokens, "tokens")
+        except PromptError as e:
+            raise api.APIError(400, str(e), e.param) from e
+        return _json_response({"prompt": self.tok.decode(r.tokens)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        from blink import __version__
+
+        return _json_response({"version": __version__})
+
+    def _check_model(self, model: str) -> None:
+        if model != self.tok.name:
+            raise api.APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
     async def health(self, request: web.Request) -> web.Response:
         h = self.backend.health()
         if h.ok:
@@ -222,8 +258,7 @@ class OpenAIServer:
         try:
             body = await request.read()
             r = api.parse(api.ChatRequest if chat else api.CompletionRequest, body)
-            if r.model != self.tok.name:
-                raise api.APIError(404, f"The model `{r.model}` does not exist.", "model", "model_not_found")
+            self._check_model(r.model)
             if not chat and (r.echo or r.suffix or (r.best_of or 1) > 1):
                 raise api.APIError(400, "echo, suffix and best_of are not supported", "echo")
             prompts = [r.messages] if chat else api.completion_prompts(r)

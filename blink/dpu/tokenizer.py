@@ -85,12 +85,19 @@ class FrontendTokenizer:
             ids = self.tok.encode(prompt)
         else:
             ids = list(prompt)
-            bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
-            if bad is not None:
-                raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})", "prompt")
+            self.check_ids(ids, "prompt")
         if not ids:
             raise PromptError("the prompt is empty", "prompt")
         return ids
+
+    def text_ids(self, text: str, add_special: bool = True) -> list[int]:
+        """`text` as the model's tokenizer encodes it (add_special: with its BOS, if it adds one)."""
+        return self.tok.encode(text) if add_special else self.tok.encode(text, add_bos=False)
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})", param)
 
     def stop_ids(self, extra: Sequence[int], ignore_eos: bool) -> list[int]:
         """Token ids that end generation: EOS (unless ignore_eos) plus the request's stop_token_ids."""
