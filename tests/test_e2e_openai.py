@@ -280,6 +280,28 @@ def test_chat_n_choices_stream_and_not(tiny):
     assert r.usage.completion_tokens == 18 and len(set(texts)) > 1
 
 
+def test_echo(tiny):
+    """echo: each choice starts with its prompt (token prompts decoded), streamed first."""
+    c = tiny.client()
+    kw = dict(model="tiny-llama", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    plain = c.completions.create(prompt="Once upon", **kw).choices[0].text
+    r = c.completions.create(prompt="Once upon", echo=True, **kw)
+    assert r.choices[0].text == "Once upon" + plain and r.usage.completion_tokens == 5
+    _, js = _post(tiny.url + "/tokenize", json.dumps({"model": "tiny-llama", "prompt": "Once upon"}))
+    r = c.completions.create(prompt=js["tokens"], echo=True, n=2, **kw)
+    assert [ch.text for ch in r.choices] == ["Once upon" + plain] * 2  # greedy: both choices alike
+    ev = _sse(
+        tiny.url + "/v1/completions",
+        {"model": "tiny-llama", "prompt": ["Once upon", "x"], "echo": True, "stream": True, **kw, **kw["extra_body"]},
+    )
+    first = {}
+    for e in ev[:-1]:
+        first.setdefault(e["choices"][0]["index"], e["choices"][0]["text"])
+    assert first == {0: "Once upon", 1: "x"}
+    text0 = "".join(e["choices"][0]["text"] for e in ev[:-1] if e["choices"][0]["index"] == 0)
+    assert text0 == "Once upon" + plain
+
+
 def test_tokenize_detokenize_version(tiny):
     """vLLM's /tokenize, /detokenize and /version: the same token counts the completions report."""
     c = tiny.client()
@@ -361,6 +383,8 @@ BAD = [
     ("min_tokens huge", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "min_tokens": 2**40}, 400, "min_tokens"),
     ("long text (encoded off the loop)", "/v1/completions", {"model": "tiny-llama", "prompt": "ab" * 10000}, 400, "prompt"),
     ("not an object", "/v1/completions", "[1, 2]", 400, None),
+    ("best_of", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("suffix", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("logprobs", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
 ]  # fmt: skip
 

@@ -1,7 +1,7 @@
 """OpenAI API shapes: request bodies (typed, validated) and response / chunk objects.
 
 Request bodies decode straight into msgspec Structs, so a wrong type is a 400 naming the field.
-Fields OpenAI defines that Blink does not implement (logprobs, penalties, echo, ...) are
+Fields OpenAI defines that Blink does not implement (logprobs, penalties, suffix, best_of, ...) are
 rejected with a 400 when set to a non-default value, never silently ignored. `n` choices per
 prompt and lists of prompts (completions) become one ring request per choice, as in vLLM:
 choice index = prompt index * n + i. Unknown

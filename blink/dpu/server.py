@@ -259,8 +259,10 @@ class OpenAIServer:
             body = await request.read()
             r = api.parse(api.ChatRequest if chat else api.CompletionRequest, body)
             self._check_model(r.model)
-            if not chat and (r.echo or r.suffix or (r.best_of or 1) > 1):
-                raise api.APIError(400, "echo, suffix and best_of are not supported", "echo")
+            if not chat and r.suffix:
+                raise api.APIError(400, "suffix is not supported", "suffix")
+            if not chat and (r.best_of or 1) > 1:
+                raise api.APIError(400, "best_of is not supported (as in vLLM V1); use n", "best_of")
             prompts = [r.messages] if chat else api.completion_prompts(r)
             n = api.choices_per_prompt(r, len(prompts))
             encoded = [await self._encode(chat, p, len(body)) for p in prompts]
@@ -280,6 +282,11 @@ class OpenAIServer:
                 for i in range(n)
             ]
             stop = api.stop_strings(r)
+            # echo: each completion choice starts with its prompt (token prompts decoded)
+            echo = not chat and bool(r.echo)
+            prefixes = (
+                [p if isinstance(p, str) else self.tok.decode(p) for p in prompts for _ in range(n)] if echo else None
+            )
         except (api.APIError, web.HTTPException):
             self.metrics.request(endpoint, "rejected")
             raise
@@ -311,10 +318,10 @@ class OpenAIServer:
         try:
             if r.stream:
                 resp = await self._stream(
-                    request, gens, on_submit, chat, n_prompt, include_usage, continuous, t0, trace
+                    request, gens, on_submit, chat, n_prompt, include_usage, continuous, t0, trace, prefixes
                 )
             else:
-                resp = await self._complete(gens, chat, n_prompt, t0)
+                resp = await self._complete(gens, chat, n_prompt, t0, prefixes)
                 trace()
         except (api.APIError, GenerationError) as e:
             self.metrics.request(endpoint, "busy" if getattr(e, "status", 0) == 429 else "error")
@@ -356,7 +363,12 @@ class OpenAIServer:
         return now
 
     async def _complete(
-        self, gens: list[AsyncIterator[TextEvent]], chat: bool, n_prompt: int, t0: float
+        self,
+        gens: list[AsyncIterator[TextEvent]],
+        chat: bool,
+        n_prompt: int,
+        t0: float,
+        prefixes: list[str] | None = None,
     ) -> web.Response:
         async def collect(j: int, gen: AsyncIterator[TextEvent]) -> tuple[str, str, int]:
             parts: list[str] = []
@@ -382,7 +394,8 @@ class OpenAIServer:
         self.metrics.e2e.observe(time.perf_counter() - t0)
         make = api.chat_response if chat else api.completion_response
         rid = api.new_id("chatcmpl" if chat else "cmpl")
-        choices = [(text, finish) for text, finish, _ in results]
+        pre = prefixes or [""] * len(results)
+        choices = [(p + text, finish) for p, (text, finish, _) in zip(pre, results, strict=True)]
         return _json_response(make(rid, self.tok.name, choices, n_prompt, sum(n for _, _, n in results)))
 
     async def _stream(
@@ -396,8 +409,10 @@ class OpenAIServer:
         continuous: bool,
         t0: float,
         trace: Callable[[], None],
+        prefixes: list[str] | None = None,
     ) -> web.StreamResponse:
-        """SSE of every choice, interleaved as their tokens arrive (chunks name their index)."""
+        """SSE of every choice, interleaved as their tokens arrive (chunks name their index);
+        prefixes: the text each choice starts with (echo), sent before its tokens."""
         chunks = api.ChunkMaker(chat, self.tok.name, include_usage, n_prompt if continuous else None)
         # (choice, kind, payload): "sub" (submitted), "ev" (a TextEvent), "end", "err" (an exception)
         items: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
@@ -431,7 +446,7 @@ class OpenAIServer:
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
             await self._send_stream(
-                resp, early, items, len(gens), chat, chunks, n_prompt, include_usage, continuous, t0, trace
+                resp, early, items, len(gens), chat, chunks, n_prompt, include_usage, continuous, t0, trace, prefixes
             )
             return resp
         finally:
@@ -452,6 +467,7 @@ class OpenAIServer:
         continuous: bool,
         t0: float,
         trace: Callable[[], None],
+        prefixes: list[str] | None,
     ) -> None:
         async def send(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
@@ -462,6 +478,8 @@ class OpenAIServer:
             if chat:
                 for j in range(n_choices):
                     await send(chunks.role(j))
+            for j, pre in enumerate(prefixes or []):
+                await send(chunks.text(pre, None, 0, j))
             trace()  # headers (and the role chunks) are out: the response's first bytes
             while done < n_choices:
                 j, kind, ev = early.pop(0) if early else await items.get()
