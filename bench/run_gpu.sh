@@ -2,6 +2,7 @@
 # All GPU tests and benchmarks of Blink, in one command (the default PARTS run everything, roughly 10-15 min on an H200):
 #   BLINK_COMMIT=$(git rev-parse --short HEAD) bash bench/run_gpu.sh
 # A shorter call picks parts, e.g. PARTS="engine-tests decode tput8b ablation135m sigstop135m" (~3 min).
+# Parts outside the default: tput8b ablation135m sigstop135m smsteal stepprofile.
 # Each part logs to $OUT/<part>.log (and JSON to $OUT/<part>.json); a summary table prints last.
 # Parts run in separate processes so a CUDA fault in one cannot take down the others.
 # Decode attention: the engine's default table (flash kernels) unless DECODE_ATTENTION is set
@@ -93,6 +94,13 @@ fi
 if has ablation135m; then  # Fig. 3 ablation where the scheduler's share of a step is large (~0.1 ms steps)
   part ablation135m 150 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/sched_bench.py --preset smollm2-135m \
     --kv-blocks 16384 --skip throughput,sigstop --out "$OUT/ablation135m" --commit "$COMMIT"
+fi
+if has smsteal; then  # step graphs with the GPU scheduler resident vs not, GEMMs sized for 132 vs 131 SMs
+  part smsteal 150 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/sm_steal.py --commit "$COMMIT" --out "$OUT/smsteal.json"
+fi
+if has stepprofile; then  # where the host loop's 256 x (256 -> 128) makespan goes, step by step
+  part stepprofile 150 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/step_profile.py --commit "$COMMIT" \
+    --out "$OUT/stepprofile.json"
 fi
 if has sigstop135m; then  # the process owning the CUDA context SIGSTOPped for 30 s while a client streams
   part sigstop135m 200 env PYTHONPATH="$PWD:$PWD/tests" $PY bench/sched_bench.py --preset smollm2-135m \
