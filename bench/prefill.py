@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 
+from blink.gpu.attention_launch import PREFILL_VARIANTS
 from blink.gpu.benchutil import category_times, load_synthetic, metadata, time_ms, write_json
 from blink.gpu.engine import Engine, EngineConfig
 from blink.gpu.forward import CATEGORIES
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         load_synthetic(eng, S, m, m, rng)  # S whole prompts of m tokens in one step
         label = f"{S}x{m}" if S > 1 else str(m)
         variants = {ecfg.prefill_attention: lambda S=S, n=n: eng.driver.graph_launch(eng.pick_exec(S, n, False), eng.s)}
-        for other in ("smem", "rego"):
+        for other in PREFILL_VARIANTS:
             if other != ecfg.prefill_attention:
                 eng.fwd.set_prefill_attention(other)
                 execs = eng.capture_variant(S, n, False)

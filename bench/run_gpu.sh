@@ -47,7 +47,7 @@ if has engine-tests; then
   # it must not take the other variants' tests with it. Test ids name the variant ("...-flash-rego",
   # "flash-long"); graph_table and shuffled run the engine's default table.
   PT="$PY -m pytest -q -p no:cacheprovider --timeout 120 -rA"
-  CMDS="$PT tests/gpu/test_engine_sampling.py; $PT tests/gpu/test_engine.py -k 'graph_table or shuffled'"
+  CMDS="$PT tests/gpu/test_engine_sampling.py; $PT tests/gpu/test_engine.py -k 'graph_table or shuffled or fa2_matches or gemm_tuning'"
   for v in ${ALL_VARIANTS//,/ }; do CMDS="$CMDS; $PT -s tests/gpu/test_engine.py -k '$v-'"; done
   part engine-tests 560 bash -c "$CMDS"
   ok=()

@@ -135,3 +135,12 @@ def test_gemv_fusion_config():
         EngineConfig(gemv_fusion="fast")
     assert EngineConfig(gemv_fusion="rope").gemv_fusions == {"rope"}
     assert ctypes.sizeof(RopeArgs) == 10 * 8 + 5 * 4 + 4  # struct RopeArgs: padded to 8 bytes
+
+
+def test_prefill_attention_config():
+    from blink.gpu.attention_launch import PREFILL_VARIANTS
+
+    for v in PREFILL_VARIANTS:
+        assert EngineConfig(prefill_attention=v).prefill_attention == v
+    with pytest.raises(ValueError):
+        EngineConfig(prefill_attention="fa3")

@@ -1,7 +1,7 @@
 """Attention in a model step: which kernel serves each bucket, and its launches.
 
 Forward (blink/gpu/forward.py) records the rest of the step; this mixin owns the attention role:
-the prefill kernel ("smem" / "rego", attention.cu), the decode variants (basic / pipe from
+the prefill kernel ("smem" / "rego" / "fa2", attention.cu), the decode variants (basic / pipe from
 attention.cu; flash* from flash_decode.cu), the split counts they are recorded with, and the
 per-bucket choice (a (min_batch, variant) table, or one override). It reads Forward's buffers
 (q, attn, part_o, part_ml, split_counters), its step arena and its `_launch`.
@@ -21,6 +21,7 @@ PREFILL_TILE = 64
 # count for G <= 4, cp.async ring stages (0: loads into registers)).
 # "flashqc": flashq with the combine folded into the attention kernel (the last split merges).
 DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8", "flashqc")
+PREFILL_VARIANTS = ("smem", "rego", "fa2")
 FLASH_VARIANTS = {
     "flash": (4, 3, 0),
     "flash8": (8, 2, 0),
@@ -62,13 +63,20 @@ class AttentionLaunches:
         """Kernel handles and shared-memory limits of every attention variant (at construction)."""
         c = self.c
         hd, group = c.head_dim, c.num_heads // c.num_kv_heads
-        self.prefill_smem = 2 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
+        wmma_smem = 2 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
         # "smem": O accumulated in shared memory, next K/V tile prefetched into registers;
-        # "rego": O accumulators kept in registers across tiles, no prefetch.
-        self.prefill_kernels = {"smem": kernels[f"attn_prefill_hd{hd}"], "rego": kernels[f"attn_prefill_rego_hd{hd}"]}
-        for fn in self.prefill_kernels.values():
-            driver.set_max_dynamic_smem(fn, self.prefill_smem)
-        self.fn_prefill = self.prefill_kernels["rego"]
+        # "rego": O accumulators kept in registers across tiles, no prefetch (both WMMA);
+        # "fa2": scores, probabilities and O in registers (mma.sync), K/V double buffered by
+        # cp.async: Q + 2 x (K, V) tiles of 64 x (hd + 8) bf16.
+        self.prefill_kernels = {
+            "smem": kernels[f"attn_prefill_hd{hd}"],
+            "rego": kernels[f"attn_prefill_rego_hd{hd}"],
+            "fa2": kernels[f"attn_prefill_fa2_hd{hd}"],
+        }
+        self.prefill_smem_of = {"smem": wmma_smem, "rego": wmma_smem, "fa2": 5 * 64 * (hd + 8) * 2}
+        for v, fn in self.prefill_kernels.items():
+            driver.set_max_dynamic_smem(fn, self.prefill_smem_of[v])
+        self.fn_prefill, self.prefill_smem = self.prefill_kernels["rego"], wmma_smem
         # "basic": one tile of K/V in registers, 4 blocks/SM; "pipe": the next tile's loads in
         # flight during the current tile's math, 3 blocks/SM.
         self.decode_kernels = {
@@ -89,7 +97,7 @@ class AttentionLaunches:
     def set_prefill_attention(self, variant: str) -> None:
         if variant not in self.prefill_kernels:
             raise ValueError(f"prefill_attention {variant!r} not in {sorted(self.prefill_kernels)}")
-        self.fn_prefill = self.prefill_kernels[variant]
+        self.fn_prefill, self.prefill_smem = self.prefill_kernels[variant], self.prefill_smem_of[variant]
 
     def set_decode_attention(self, variant: str | None) -> None:
         """Use `variant` for every decode bucket recorded from now on; None: back to decode_table."""

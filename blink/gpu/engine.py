@@ -39,7 +39,7 @@ import numpy as np
 
 from blink.device.executor import StepBatch
 from blink.gpu.abi import ENGINE_DTYPE
-from blink.gpu.attention_launch import DECODE_VARIANTS
+from blink.gpu.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
 from blink.gpu.cuda_api import Cublas, Driver
 from blink.gpu.forward import GEMV_FUSIONS, Dims, Forward
 from blink.gpu.kernels import DEFAULT_CACHE, Kernels
@@ -136,7 +136,9 @@ class EngineConfig:
     cuBLAS steps never fuse (forward.py's docstring)."""
     prefill_attention: str = "rego"
     """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
-    memory, K/V prefetched). H200 (bench/results/prefill_h200_run4.json): 4k prompt 160.7 vs 181.5 ms."""
+    memory, K/V prefetched), both WMMA; H200 (bench/results/prefill_h200_run4.json): 4k prompt
+    160.7 vs 181.5 ms. "fa2": scores and O in registers on mma.sync, cp.async double buffering
+    (attention.cu); written for the H200 but not yet run on one."""
     gemm_candidates: int = 0
     """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
     cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape. Off by
@@ -172,6 +174,8 @@ class EngineConfig:
         if self.max_context % self.block_size:
             raise ValueError("max_context must be a multiple of block_size")
         check_decode_table(self.decode_attention_table)
+        if self.prefill_attention not in PREFILL_VARIANTS:
+            raise ValueError(f"prefill_attention {self.prefill_attention!r} not in {PREFILL_VARIANTS}")
         if self.decode_attention and self.decode_attention not in DECODE_VARIANTS:
             raise ValueError(f"decode_attention {self.decode_attention!r} not in {DECODE_VARIANTS}")
         parse_gemv_fusion(self.gemv_fusion)
