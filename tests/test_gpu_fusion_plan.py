@@ -42,6 +42,7 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str) -> tuple[Forward, lis
         mlp_norm=_Arr(H),
         gate_up=_Arr(2 * c.intermediate_size, H),
         down=_Arr(H, c.intermediate_size),
+        qkv_bias=_Arr(nqkv) if c.attn_bias else None,
     )
     f.w = SimpleNamespace(
         embed=_Arr(c.vocab_size, H), final_norm=_Arr(H), lm_head=_Arr(c.vocab_size, H), layers=[layer, layer]
@@ -80,7 +81,7 @@ def _kernel_params() -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b"])
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b", "qwen2.5-7b"])
 @pytest.mark.parametrize("T", [1, 2, 8])
 @pytest.mark.parametrize("fusion", ["none", "all", "norm", "swiglu", "rope", "norm,rope"])
 def test_fused_decode_launches(name: str, T: int, fusion: str):
@@ -88,19 +89,22 @@ def test_fused_decode_launches(name: str, T: int, fusion: str):
     f._record(0, T, T, True, True)
     names = [c[0] for c in calls]
     fuse = parse_gemv_fusion(fusion)
-    rope = "rope" in fuse and name == "llama3-8b"  # qk-norm models keep rope_kv_write
+    rope = "rope" in fuse and name == "llama3-8b"  # qk-norm and qkv-bias models keep rope_kv_write
     per_layer = {
         "add_rmsnorm": 0 if "norm" in fuse else 2,
         "swiglu": 0 if "swiglu" in fuse else 1,
         "rope_kv_write": 0 if rope else 1,
+        "add_bias": 1 if name == "qwen2.5-7b" else 0,
     }
     for k, n in per_layer.items():
         assert names.count(k) == 2 * n, (k, names)
     assert "cublas" not in names
     assert names.count("attn_flash") == 2
-    assert f.fusions_for(T) == (fuse - {"rope"} if name == "qwen3-8b" else fuse)
+    assert f.fusions_for(T) == (fuse - {"rope"} if name != "llama3-8b" else fuse)
     params = _kernel_params()
     for name_, _, args, smem in calls:
+        if name_ == "add_bias":  # between the qkv projection and RoPE
+            assert len(args) == params[name_] and names[names.index(name_) + 1] == "rope_kv_write"
         if name_.startswith("gemv_"):
             assert name_.endswith(f"_t{T}") or name_.startswith("gemv_f32")
             assert len(args) == params[name_], name_

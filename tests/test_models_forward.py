@@ -1,4 +1,4 @@
-"""Numpy paged forward vs the float64 naive reference on tiny random Llama and Qwen3 models."""
+"""Numpy paged forward vs the float64 naive reference on tiny random Llama, Qwen3 and Qwen2 models."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen2"])
 def model(request):
     config = preset(request.param)
     return config, random_weights(config, seed=7)
@@ -118,10 +118,10 @@ def test_qk_norm_and_rope_scaling_matter(model):
     config, weights = model
     (ids,) = prompts(config.vocab_size, [40], seed=5)
     base = reference_logits(config, weights, ids)
-    if config.qk_norm:
+    if config.qk_norm or config.attn_bias:
         w2 = dict(weights)
         for k in w2:
-            if k.endswith("q_norm.weight"):
+            if k.endswith(("q_norm.weight", "k_proj.bias", "v_proj.bias")):
                 w2[k] = w2[k] * 2.0
         other = make_exec((config, w2)).forward_logits(PagedDriver(NB, BS, WIDTH).step([(0, ids)]), all_tokens=True)
     else:

@@ -1,7 +1,8 @@
 """GGUF files written the way llama.cpp's converter writes them load back into the canonical weights.
 
 Covers what the SmolLM2 file does not: an untied output.weight, Qwen3 (q/k norms, no rope
-permutation, key_length != hidden/heads), Llama-3 rope_freqs, and quantised + F16 + F32 tensors.
+permutation, key_length != hidden/heads), Qwen2 (q/k/v biases), Llama-3 rope_freqs, and
+quantised + F16 + F32 tensors.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def gguf_name(name: str) -> str:
     if name == "lm_head.weight":
         return "output.weight"
     _, _, i, rest = name.split(".", 3)
-    return f"blk.{i}.{_TO_GGUF[rest.removesuffix('.weight')]}.weight"
+    base, kind = rest.rsplit(".", 1)  # weight | bias
+    return f"blk.{i}.{_TO_GGUF[base]}.{kind}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -64,11 +66,12 @@ def write_gguf(path, config, weights, rope_factors: np.ndarray | None = None) ->
     w.add_vocab_size(config.vocab_size)
     tokens = [f"<t{i}>" for i in range(config.vocab_size)]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch == "qwen3" else "llama-bpe")
+    w.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "llama-bpe")
     w.add_token_list(tokens)
     w.add_token_merges([])
     w.add_token_types([3 if i < 3 else 1 for i in range(config.vocab_size)])
-    w.add_bos_token_id(config.bos_token_id)
+    if config.bos_token_id is not None:
+        w.add_bos_token_id(config.bos_token_id)
     w.add_eos_token_id(config.eos_token_id)
     stored = {}
     if config.rope_scaling.type == "llama3":
@@ -107,7 +110,7 @@ def llama_cpp_permute_inverse_ref(w: np.ndarray, n_head: int) -> np.ndarray:
     return w[np.argsort(fwd)]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_roundtrip(tmp_path, name, tied):
     config = preset(name).replace(tie_word_embeddings=tied)
@@ -117,10 +120,11 @@ def test_gguf_roundtrip(tmp_path, name, tied):
     got_config, got, meta = load_gguf(path)
     for f in ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
         assert getattr(got_config, f) == getattr(config, f), f
-    assert (got_config.num_kv_heads, got_config.head_dim, got_config.qk_norm) == (
+    assert (got_config.num_kv_heads, got_config.head_dim, got_config.qk_norm, got_config.attn_bias) == (
         config.num_kv_heads,
         config.head_dim,
         config.qk_norm,
+        config.attn_bias,
     )
     assert got_config.tie_word_embeddings == tied and got_config.rope_scaling == config.rope_scaling
     assert got_config.eos_token_ids == config.eos_token_ids and got_config.rope_theta == pytest.approx(

@@ -83,6 +83,37 @@ def test_hf_config_qwen3_and_transformers5_rope_parameters():
     assert abs(c.num_params() - 32.8e9) / 32.8e9 < 0.01
 
 
+def test_hf_config_qwen2_5_7b_equals_preset():
+    """Qwen2.5-7B-Instruct's config.json: q/k/v biases, GQA 7, no sliding window in use."""
+    d = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "sliding_window": 131072,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    }
+    c, p = from_hf_config(d), preset("qwen2.5-7b")
+    assert c.arch == "qwen2" and c.attn_bias and not c.qk_norm
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        assert getattr(c, f) == getattr(p, f), f
+    assert abs(c.num_params() - 7.62e9) / 7.62e9 < 0.01
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        from_hf_config({**d, "use_sliding_window": True})
+    with pytest.raises(UnsupportedModelError, match="attention_bias"):
+        from_hf_config({**LLAMA31_CONFIG, "attention_bias": True})
+
+
 def test_unknown_architecture_is_a_clear_error():
     with pytest.raises(UnsupportedModelError, match="unsupported architecture.*GPT2"):
         from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})

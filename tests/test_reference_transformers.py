@@ -158,11 +158,19 @@ def test_rope_llama3_scaling_matches_transformers():
 
 
 @pytest.mark.parametrize(
-    ("arch", "tied", "dtype"), [("llama3", False, "float32"), ("qwen3", False, "bfloat16"), ("qwen3", True, "float32")]
+    ("arch", "tied", "dtype"),
+    [
+        ("llama3", False, "float32"),
+        ("qwen3", False, "bfloat16"),
+        ("qwen3", True, "float32"),
+        ("qwen2", True, "bfloat16"),
+        ("qwen2", False, "float32"),
+    ],
 )
 def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
-    """transformers' own Llama (llama3 rope scaling, GQA) and Qwen3 (qk-norm, head_dim != hidden/heads),
-    saved with save_pretrained and read back by our HF-directory loader (bf16 checkpoints too)."""
+    """transformers' own Llama (llama3 rope scaling, GQA), Qwen3 (qk-norm, head_dim != hidden/heads)
+    and Qwen2 (q/k/v biases), saved with save_pretrained and read back by our HF-directory loader
+    (bf16 checkpoints too)."""
     common = dict(
         vocab_size=300,
         hidden_size=64,
@@ -179,6 +187,9 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
         rope["original_max_position_embeddings"] = 16
         hf_config = transformers.LlamaConfig(**common, rope_theta=10000.0, rope_scaling=rope)
         cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        hf_config = transformers.Qwen2Config(**common, rope_theta=1e6)
+        cls = transformers.Qwen2ForCausalLM
     else:
         hf_config = transformers.Qwen3Config(**common, head_dim=24, rope_theta=1e6)
         cls = transformers.Qwen3ForCausalLM
@@ -197,6 +208,7 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
     header = json.loads(shard.read_bytes()[8 : 8 + int.from_bytes(shard.read_bytes()[:8], "little")])
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16" if dtype == "bfloat16" else "F32"}
     assert config.tie_word_embeddings == tied and config.qk_norm == (arch == "qwen3")
+    assert config.attn_bias == (arch == "qwen2") and (arch != "qwen2" or any(k.endswith("_proj.bias") for k in weights))
     for k, v in weights.items():
         assert np.array_equal(v, model.state_dict()[k].numpy()), k
     ids = np.random.default_rng(0).integers(0, 300, 60).tolist()

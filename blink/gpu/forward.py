@@ -82,6 +82,7 @@ def kernel_category(name: str) -> str:
     for prefix, cat in (
         ("embed", "embed"),
         ("add_rmsnorm", "norm"),
+        ("add_bias", "gemm"),  # the qkv projection's bias (qwen2): counted with its GEMM
         ("gemv", "gemm"),
         ("rope", "rope"),
         ("attn", "attn"),
@@ -178,6 +179,8 @@ class Forward(AttentionLaunches):
             out.discard("norm")
         if self.w.layers[0].q_norm is not None or (self.c.head_dim // 2) % GEMV_ROWS_PER_WARP[T]:
             out.discard("rope")  # qk-norm needs whole heads; a warp's rows must stay in one head
+        if self.w.layers[0].qkv_bias is not None:
+            out.discard("rope")  # the bias goes in between the projection and RoPE
         return frozenset(out)
 
     @staticmethod
@@ -309,6 +312,15 @@ class Forward(AttentionLaunches):
                     self.fused_linear("rope", self.hid, lw.qkv, self.rope_args(kc, vc), T, stream)
                 else:
                     self.linear(self.hid, lw.qkv, self.qkv, T, stream, use_gemv=use_gemv)
+            if lw.qkv_bias is not None:  # never with fuse_rope (fusions_for)
+                n_qkv = c.q_size + 2 * c.kv_size
+                self._launch(
+                    "add_bias",
+                    (-(-n_qkv // (8 * 256)), T, 1),
+                    (256, 1, 1),
+                    [self._p(self.qkv), self._p(lw.qkv_bias), nt, I32(n_qkv)],
+                    stream,
+                )
             if not fuse_rope:
                 self._launch(
                     "rope_kv_write",

@@ -3,6 +3,7 @@
 bf16 lives in CuPy uint16 arrays (CuPy has no bf16 dtype; the kernels and cuBLAS read the bits).
 Per layer (H hidden, I intermediate, hd head_dim, nq/nkv heads, shapes (out, in) as in HF):
     attn_norm (H,)  qkv (nq*hd + 2*nkv*hd, H) = [q_proj; k_proj; v_proj]  q_norm, k_norm (hd,)
+    qkv_bias (nq*hd + 2*nkv*hd,) = [q; k; v] projection biases (qwen2)
     o (H, nq*hd)  mlp_norm (H,)  gate_up (2*I, H) = [gate_proj; up_proj]  down (H, I)
 Sources: HF-named float32 host dicts (blink.models.weights loaders: GGUF dequantised, HF
 safetensors) rounded to bf16, or random weights generated on the GPU by a counter-based kernel
@@ -43,6 +44,7 @@ class LayerWeights:
     mlp_norm: object
     gate_up: object
     down: object
+    qkv_bias: object | None = None  # (nq*hd + 2*nkv*hd,) = [q; k; v] biases (qwen2)
 
 
 class GpuWeights:
@@ -79,6 +81,7 @@ class GpuWeights:
         return {
             "attn_norm": (h,),
             "qkv": (c.q_size + 2 * c.kv_size, h),
+            "qkv_bias": (c.q_size + 2 * c.kv_size,),
             "q_norm": (c.head_dim,),
             "k_norm": (c.head_dim,),
             "o": (h, c.q_size),
@@ -108,6 +111,9 @@ class GpuWeights:
                     mlp_norm=up(w[p + "post_attention_layernorm.weight"]),
                     gate_up=up(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)),
                     down=up(w[p + "mlp.down_proj.weight"]),
+                    qkv_bias=up(np.concatenate([w[p + f"self_attn.{x}_proj.bias"] for x in "qkv"]))
+                    if config.attn_bias
+                    else None,
                 )
             )
         embed = up(w["model.embed_tokens.weight"])
@@ -161,6 +167,7 @@ class GpuWeights:
                     mlp_norm=rnd(p + "mlp_norm", sh["mlp_norm"], 0.1 / 3**0.5, 1.0),
                     gate_up=rnd(p + "gate_up", sh["gate_up"], c.hidden_size**-0.5),
                     down=rnd(p + "down", sh["down"], c.intermediate_size**-0.5),
+                    qkv_bias=rnd(p + "qkv_bias", sh["qkv_bias"], 0.5) if c.attn_bias else None,
                 )
             )
         embed = rnd("embed", (c.vocab_size, c.hidden_size), 1.0)
@@ -186,6 +193,10 @@ class GpuWeights:
             yield p + "self_attn.q_proj.weight", lw.qkv[:q]
             yield p + "self_attn.k_proj.weight", lw.qkv[q : q + kv]
             yield p + "self_attn.v_proj.weight", lw.qkv[q + kv :]
+            if c.attn_bias:
+                yield p + "self_attn.q_proj.bias", lw.qkv_bias[:q]  # type: ignore[index]
+                yield p + "self_attn.k_proj.bias", lw.qkv_bias[q : q + kv]  # type: ignore[index]
+                yield p + "self_attn.v_proj.bias", lw.qkv_bias[q + kv :]  # type: ignore[index]
             if c.qk_norm:
                 yield p + "self_attn.q_norm.weight", lw.q_norm
                 yield p + "self_attn.k_norm.weight", lw.k_norm

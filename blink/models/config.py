@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass for the Llama family (Llama 2/3.x, SmolLM2, Qwen3).
+"""Model configuration: one frozen dataclass for the Llama family (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3).
 
 Built once at the edge from an HF `config.json` dict, from GGUF metadata, or from a named
 preset (random weights, real shapes) and then passed around read-only. Every engine (numpy,
@@ -15,16 +15,17 @@ from typing import Any
 
 import numpy as np
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3")
 
 # HF `architectures` / `model_type` -> our arch.  Mistral-style models are plain Llama here.
 _HF_ARCH = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-_HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
-_GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3"}
+_HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 class UnsupportedModelError(ValueError):
@@ -48,7 +49,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "qwen3"
+    arch: str  # "llama" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -65,6 +66,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     name: str
     rope_scaling: RopeScaling = RopeScaling()
+    attn_bias: bool = False  # Qwen2: the q, k and v projections add a bias (o_proj has none)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -91,6 +93,8 @@ class ModelConfig:
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
         if self.qk_norm:
             per_layer += 2 * self.head_dim
+        if self.attn_bias:
+            per_layer += self.q_size + 2 * self.kv_size
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -155,6 +159,10 @@ def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
     scaling = d.get("rope_scaling") or (rope_params if "rope_type" in rope_params else None)
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
+    if (arch == "llama" and d.get("attention_bias")) or d.get("mlp_bias"):
+        raise UnsupportedModelError("attention_bias / mlp_bias on a Llama-style model is not supported")
+    if d.get("use_sliding_window"):
+        raise UnsupportedModelError("sliding-window attention is not supported")
     return ModelConfig(
         arch=arch,
         vocab_size=int(d["vocab_size"]),
@@ -170,6 +178,7 @@ def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
         max_position=int(d.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qk_norm=arch == "qwen3",
+        attn_bias=arch == "qwen2",
         bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
         eos_token_ids=_eos_tuple(d.get("eos_token_id")),
         name=name or str(d.get("_name_or_path", "") or arch),
@@ -222,6 +231,7 @@ def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: set[str], name: st
         max_position=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         qk_norm=arch == "qwen3",
+        attn_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=None
         if meta.get("tokenizer.ggml.bos_token_id") is None
         else int(meta["tokenizer.ggml.bos_token_id"]),
@@ -247,6 +257,12 @@ _PRESETS: dict[str, ModelConfig] = {
         max_position=40960, tie_word_embeddings=False, qk_norm=True,
         bos_token_id=151643, eos_token_ids=(151645, 151643), name="qwen3-8b",
     ),
+    "qwen2.5-7b": ModelConfig(
+        arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_eps=1e-6,
+        max_position=32768, tie_word_embeddings=False, qk_norm=False, attn_bias=True,
+        bos_token_id=None, eos_token_ids=(151645, 151643), name="qwen2.5-7b",
+    ),
     "qwen3-32b": ModelConfig(
         arch="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
         num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_eps=1e-6,
@@ -265,6 +281,12 @@ _PRESETS: dict[str, ModelConfig] = {
         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 32), rms_eps=1e-5, max_position=1024,
         tie_word_embeddings=True, qk_norm=False, bos_token_id=1, eos_token_ids=(2,), name="tiny-llama",
+    ),
+    "tiny-qwen2": ModelConfig(
+        arch="qwen2", vocab_size=640, hidden_size=128, intermediate_size=256, num_layers=2,
+        num_heads=8, num_kv_heads=2, head_dim=16, rope_theta=1000000.0, rms_eps=1e-6,
+        max_position=1024, tie_word_embeddings=True, qk_norm=False, attn_bias=True,
+        bos_token_id=None, eos_token_ids=(2,), name="tiny-qwen2",
     ),
     "tiny-qwen3": ModelConfig(
         arch="qwen3", vocab_size=768, hidden_size=96, intermediate_size=192, num_layers=3,

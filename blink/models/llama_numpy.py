@@ -32,6 +32,7 @@ _Q_CHUNK = 256  # query rows per attention block in prefill (bounds the score ma
 class _Layer:
     ln1: np.ndarray  # (hidden,)
     w_qkv: np.ndarray  # (q_size + 2*kv_size, hidden)   HF (out, in); applied as x @ w.T
+    b_qkv: np.ndarray | None  # (q_size + 2*kv_size,)  qwen2
     q_norm: np.ndarray | None  # (head_dim,)  qwen3
     k_norm: np.ndarray | None  # (head_dim,)
     w_o: np.ndarray  # (hidden, q_size)
@@ -84,6 +85,7 @@ class LlamaNumpy:
                 _Layer(
                     ln1=f32(weights[p + "input_layernorm.weight"]),
                     w_qkv=f32(qkv),
+                    b_qkv=f32(np.concatenate([weights[a + n + "_proj.bias"] for n in "qkv"])) if c.attn_bias else None,
                     q_norm=f32(weights[a + "q_norm.weight"]) if c.qk_norm else None,
                     k_norm=f32(weights[a + "k_norm.weight"]) if c.qk_norm else None,
                     w_o=f32(weights[a + "o_proj.weight"]),
@@ -137,6 +139,8 @@ class LlamaNumpy:
         x = self.embed[ids]  # (T, hidden)
         for li, L in enumerate(self.layers):
             h = rmsnorm(x, L.ln1, c.rms_eps) @ L.w_qkv.T
+            if L.b_qkv is not None:
+                h = h + L.b_qkv
             q = h[:, : c.q_size].reshape(T, H, D)
             k = h[:, c.q_size : c.q_size + c.kv_size].reshape(T, KVH, D)
             v = h[:, c.q_size + c.kv_size :].reshape(T, KVH, D)

@@ -45,6 +45,10 @@ def reference_logits(config: ModelConfig, weights: Weights, ids: Sequence[int]) 
         q = h @ W[p + "self_attn.q_proj.weight"].T
         k = h @ W[p + "self_attn.k_proj.weight"].T
         v = h @ W[p + "self_attn.v_proj.weight"].T
+        if c.attn_bias:
+            q = q + W[p + "self_attn.q_proj.bias"]
+            k = k + W[p + "self_attn.k_proj.bias"]
+            v = v + W[p + "self_attn.v_proj.bias"]
         heads = []
         for hd in range(c.num_heads):
             kv = hd // G  # GQA: query head hd reads kv head hd // group

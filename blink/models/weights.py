@@ -5,6 +5,7 @@
     model.layers.{i}.self_attn.q_proj.weight        (heads*head_dim, hidden)
     model.layers.{i}.self_attn.k_proj.weight        (kv_heads*head_dim, hidden)
     model.layers.{i}.self_attn.v_proj.weight        (kv_heads*head_dim, hidden)
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias    (q_size,) / (kv_size,)   qwen2 only
     model.layers.{i}.self_attn.o_proj.weight        (hidden, heads*head_dim)
     model.layers.{i}.self_attn.q_norm.weight        (head_dim,)   qwen3 only
     model.layers.{i}.self_attn.k_norm.weight        (head_dim,)   qwen3 only
@@ -76,6 +77,10 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.q_proj.weight"] = (c.q_size, c.hidden_size)
         shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, c.hidden_size)
         shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, c.hidden_size)
+        if c.attn_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
         shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
         if c.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
@@ -113,7 +118,9 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: Any = np.float32) 
 def random_tensor(name: str, shape: tuple[int, ...], seed: int = 0, dtype: Any = np.float32) -> np.ndarray:
     """The tensor `random_weights` gives for `name` (see there)."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    if len(shape) == 1:
+    if name.endswith(".bias"):
+        w = 0.5 * rng.standard_normal(shape, dtype=np.float32)
+    elif len(shape) == 1:
         w = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
     else:
         w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[1]))

@@ -80,6 +80,9 @@ def hf_model(cfg: ModelConfig, eng):
             }
         hf_cfg = transformers.LlamaConfig(**common, rope_scaling=scaling)
         cls = transformers.LlamaForCausalLM
+    elif cfg.arch == "qwen2":
+        hf_cfg = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
     else:
         hf_cfg = transformers.Qwen3Config(**common)
         cls = transformers.Qwen3ForCausalLM
@@ -145,6 +148,7 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
         ("qwen3-8b", ("flashqc", "smem")),
         ("llama3-8b", ("flashq", "fa2")),
         ("qwen3-8b", ("flashq", "fa2")),
+        ("qwen2.5-7b", ("flashq", "rego")),
     ],
     ids=lambda x: "-".join(x) if isinstance(x, tuple) else x,
 )
@@ -259,7 +263,7 @@ def test_shuffled_block_tables_match_contiguous():
 
 
 @pytest.mark.parametrize("attn", _attention_pairs(), ids=lambda a: "-".join(a))
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "smollm2-135m"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "smollm2-135m"])
 def test_engine_matches_numpy_executor(name, attn):
     """Small head dims (16, 32, 64), GQA groups 2/3, tied and untied heads, against the float64
     reference engine on the same (bf16-rounded) weights; chunked prefill and decode, teacher-forced."""
@@ -488,8 +492,8 @@ def test_gemv_fusion_matches_unfused(n):
 
 
 @pytest.mark.parametrize("fusion", ["all", "none"], ids=lambda f: "fusion_on" if f == "all" else "fusion_off")
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "smollm2-135m"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "smollm2-135m"])
 def test_gemv_fusion_matches_numpy_executor(name, fusion):
-    """Small hidden sizes (64, 96, 576: fewer 8-vectors than threads), odd intermediate sizes and
-    qk-norm on the fused path (GEMV for batches 1-4) against the float64 reference."""
+    """Small hidden sizes (64, 96, 576: fewer 8-vectors than threads), odd intermediate sizes,
+    qk-norm and qkv biases on the fused path (GEMV for batches 1-4) against the float64 reference."""
     _check_numpy_executor(name, gemv_max_tokens=4, gemv_fusion=fusion)

@@ -168,6 +168,23 @@ extern "C" __global__ void swiglu(const bf16* __restrict__ gu, bf16* __restrict_
   *reinterpret_cast<bf16x8*>(out + (size_t)t * I + v * 8) = o;
 }
 
+// y[t, :] += bias (Qwen2's q/k/v projection biases, after the qkv GEMM or GEMV): grid
+// (ceil(n / 2048), T), 256 threads x 8 values; n a multiple of 8. The sum is rounded to bf16 once
+// more (the GEMM already rounded its product: transformers adds the bias before that rounding).
+extern "C" __global__ void add_bias(bf16* __restrict__ y, const bf16* __restrict__ bias,
+                                    const uint32_t* __restrict__ num_tokens, int n) {
+  const int t = blockIdx.y;
+  const int v = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= (int)*num_tokens || v * 8 >= n) return;
+  float a[8], b[8];
+  load8(y + (size_t)t * n + v * 8, a);
+  load8(bias + v * 8, b);
+  bf16x8 o;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o.v[i] = tobf(a[i] + b[i]);
+  *reinterpret_cast<bf16x8*>(y + (size_t)t * n + v * 8) = o;
+}
+
 // The graph's last kernel: publish completion of step *step_seq. The release orders every
 // earlier write of the graph (out_tokens, KV) before the token that the scheduler acquires.
 extern "C" __global__ void signal_done(const uint64_t* __restrict__ step_seq, uint64_t* done_seq) {
