@@ -302,6 +302,21 @@ def test_echo(tiny):
     assert text0 == "Once upon" + plain
 
 
+def test_plain_text_format_and_tools_off_are_accepted(tiny):
+    """What asks for no structure is served: response_format text, tools with tool_choice none."""
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = tiny.client().chat.completions.create(
+        model="tiny-llama",
+        messages=msgs,
+        max_tokens=2,
+        response_format={"type": "text"},
+        tools=tools,
+        tool_choice="none",
+    )
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
 def test_tokenize_detokenize_version(tiny):
     """vLLM's /tokenize, /detokenize and /version: the same token counts the completions report."""
     c = tiny.client()
@@ -383,6 +398,8 @@ BAD = [
     ("min_tokens huge", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "min_tokens": 2**40}, 400, "min_tokens"),
     ("long text (encoded off the loop)", "/v1/completions", {"model": "tiny-llama", "prompt": "ab" * 10000}, 400, "prompt"),
     ("not an object", "/v1/completions", "[1, 2]", 400, None),
+    ("json mode", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("tools", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("best_of", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "best_of": 2}, 400, "best_of"),
     ("suffix", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("logprobs", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),

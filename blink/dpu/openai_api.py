@@ -72,6 +72,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[Any]
     max_completion_tokens: int | None = None
+    # Declared so that asking for them is a 400, not silently unconstrained output:
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -138,6 +143,12 @@ def sampling_params(
             raise APIError(400, f"{name} is not supported", name)
     if r.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if isinstance(r, ChatRequest):
+        fmt = (r.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise APIError(400, f"response_format {fmt!r} is not supported (structured output)", "response_format")
+        if (r.tools or r.functions) and r.tool_choice != "none":
+            raise APIError(400, "tool calling is not supported", "tools")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if max_tokens is not None:
