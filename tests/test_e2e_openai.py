@@ -131,6 +131,15 @@ def test_models_health_metrics(tiny):
     m = tiny.metrics()
     assert m["blink_device_up"] == 1 and m["blink_ring_slots"] == 16
     assert m["blink_device_kv_blocks_total"] == 512
+    # vLLM's names for the same series (dashboards written for vLLM), labelled with the model
+    tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+    m = tiny.metrics()
+    lab = '{model_name="tiny-llama"}'
+    assert m["vllm:prompt_tokens_total" + lab] == m["blink_prompt_tokens_total"] > 0
+    assert m["vllm:generation_tokens_total" + lab] == m["blink_generation_tokens_total"] > 0
+    assert 0.0 <= m["vllm:kv_cache_usage_perc" + lab] <= 1.0
+    assert m["vllm:num_requests_running" + lab] >= 0 and m["vllm:request_success_total" + lab] >= 1
+    assert m["vllm:time_to_first_token_seconds_count" + lab] == m["blink_time_to_first_token_seconds_count"] >= 1
 
 
 def test_chat_non_streaming_usage(tiny):

@@ -35,14 +35,18 @@ class Histogram:
         self.sum += v
         self.count += 1
 
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+    def render(self, name: str = "", labels: str = "") -> list[str]:
+        """Exposition lines; `name` / `labels` (e.g. 'model_name="x"'): the same data under another name."""
+        name = name or self.name
+        lab = f"{labels}," if labels else ""
+        out = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
         acc = 0
         for b, c in zip(self.buckets, self.counts, strict=False):
             acc += c
-            out.append(f'{self.name}_bucket{{le="{b}"}} {acc}')
-        out.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        out += [f"{self.name}_sum {self.sum:.6f}", f"{self.name}_count {self.count}"]
+            out.append(f'{name}_bucket{{{lab}le="{b}"}} {acc}')
+        out.append(f'{name}_bucket{{{lab}le="+Inf"}} {self.count}')
+        tail = f"{{{labels}}}" if labels else ""
+        out += [f"{name}_sum{tail} {self.sum:.6f}", f"{name}_count{tail} {self.count}"]
         return out
 
 
@@ -63,7 +67,8 @@ class MetricsSnapshot(msgspec.Struct, kw_only=True):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name  # the label of the vLLM-compatible series
         self.requests: dict[tuple[str, str], int] = {}  # (endpoint, outcome) -> count
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -127,7 +132,7 @@ class Metrics:
     ) -> str:
         """The exposition text; `peers`: the other frontends' snapshots, added to these counts."""
         if peers:
-            total = Metrics()
+            total = Metrics(self.model_name)
             total.add(self.snapshot())
             for snap in peers:
                 total.add(snap)
@@ -154,7 +159,35 @@ class Metrics:
             kind = "gauge" if k in DEVICE_GAUGES else "counter"
             suffix = "" if kind == "gauge" or k.endswith("_total") else "_total"
             lines += [f"# TYPE blink_device_{k}{suffix} {kind}", f"blink_device_{k}{suffix} {v}"]
+        lines += self._vllm_series(ring, device)
         return "\n".join(lines) + "\n"
+
+    def _vllm_series(self, ring: Mapping[str, int], device: Mapping[str, int]) -> list[str]:
+        """The same data under vLLM's metric names (vllm:*, label model_name), so that dashboards
+        and alerts written for a vLLM server keep working after the switch."""
+        lab = f'model_name="{self.model_name}"'
+        out: list[str] = []
+
+        def one(name: str, kind: str, v: float, help_: str) -> None:
+            nonlocal out
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{lab}}} {v}"]
+
+        one("vllm:num_requests_running", "gauge", device.get("running", 0), "requests in the running batch")
+        waiting = device.get("waiting", 0) + ring.get("queued", 0)
+        one("vllm:num_requests_waiting", "gauge", waiting, "requests waiting (device queue + frontend queue)")
+        total = device.get("kv_blocks_total", 0)
+        usage = 1.0 - device.get("kv_blocks_free", 0) / total if total else 0.0
+        one("vllm:kv_cache_usage_perc", "gauge", round(usage, 6), "KV cache usage (1 = full)")
+        one("vllm:gpu_cache_usage_perc", "gauge", round(usage, 6), "KV cache usage (1 = full; the older name)")
+        one("vllm:prompt_tokens_total", "counter", self.prompt_tokens, "prompt tokens submitted")
+        one("vllm:generation_tokens_total", "counter", self.generation_tokens, "tokens delivered to clients")
+        ok = sum(n for (_, oc), n in self.requests.items() if oc == "ok")
+        one("vllm:request_success_total", "counter", ok, "requests answered in full")
+        out += self.ttft.render("vllm:time_to_first_token_seconds", lab)
+        out += self.e2e.render("vllm:e2e_request_latency_seconds", lab)
+        out += self.itl.render("vllm:inter_token_latency_seconds", lab)
+        out += self.itl.render("vllm:time_per_output_token_seconds", lab)
+        return out
 
 
 DEVICE_FIELDS = DEVICE_GAUGES + DEVICE_COUNTERS  # exported from the ring header

@@ -112,7 +112,7 @@ class OpenAIServer:
         self.backend = backend
         self.tok = tokenizer
         self.config = config
-        self.metrics = Metrics()
+        self.metrics = Metrics(tokenizer.name)
         self.share = share
         self.publish_s = publish_s
         self._publisher: asyncio.Task | None = None
