@@ -67,6 +67,16 @@ class _Sampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's sampling extensions Blink does not implement: declared so that using one is a 400
+    # (a silently ignored min_p or repetition_penalty would change outputs without a word)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -143,6 +153,17 @@ def sampling_params(
             raise APIError(400, f"{name} is not supported", name)
     if r.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if r.min_p not in (None, 0, 0.0):
+        raise APIError(400, "min_p is not supported", "min_p")
+    if r.repetition_penalty not in (None, 1, 1.0):
+        raise APIError(400, "repetition_penalty is not supported", "repetition_penalty")
+    if r.use_beam_search:
+        raise APIError(400, "beam search is not supported", "use_beam_search")
+    if r.prompt_logprobs:
+        raise APIError(400, "prompt_logprobs are not supported", "prompt_logprobs")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(r, name) is not None:
+            raise APIError(400, f"{name} (structured output) is not supported", name)
     if isinstance(r, ChatRequest):
         fmt = (r.response_format or {}).get("type", "text")
         if fmt != "text":
