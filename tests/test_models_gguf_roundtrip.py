@@ -48,9 +48,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, config, weights, rope_factors: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def write_gguf(
+    path, config, weights, rope_factors: np.ndarray | None = None, tokenizer: dict | None = None
+) -> dict[str, np.ndarray]:
     """Write a GGUF (2-D weights Q8_0, embeddings F16, norms F32); return the weights as stored
-    values, i.e. what a loader must give back after dequantisation."""
+    values, i.e. what a loader must give back after dequantisation. `tokenizer`: tokenizer.ggml.*
+    metadata to write instead of a synthetic byte-level vocabulary."""
     arch = config.arch
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)
@@ -64,15 +67,25 @@ def write_gguf(path, config, weights, rope_factors: np.ndarray | None = None) ->
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_eps)
     w.add_vocab_size(config.vocab_size)
-    tokens = [f"<t{i}>" for i in range(config.vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "llama-bpe")
-    w.add_token_list(tokens)
-    w.add_token_merges([])
-    w.add_token_types([3 if i < 3 else 1 for i in range(config.vocab_size)])
-    if config.bos_token_id is not None:
-        w.add_bos_token_id(config.bos_token_id)
-    w.add_eos_token_id(config.eos_token_id)
+    if tokenizer is None:
+        tokens = [f"<t{i}>" for i in range(config.vocab_size)]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "llama-bpe")
+        w.add_token_list(tokens)
+        w.add_token_merges([])
+        w.add_token_types([3 if i < 3 else 1 for i in range(config.vocab_size)])
+        if config.bos_token_id is not None:
+            w.add_bos_token_id(config.bos_token_id)
+        w.add_eos_token_id(config.eos_token_id)
+    else:
+        w.add_tokenizer_model(tokenizer["tokenizer.ggml.model"])
+        w.add_tokenizer_pre(tokenizer.get("tokenizer.ggml.pre", "default"))
+        w.add_token_list(tokenizer["tokenizer.ggml.tokens"])
+        w.add_token_scores(tokenizer["tokenizer.ggml.scores"])
+        w.add_token_types(tokenizer["tokenizer.ggml.token_type"])
+        w.add_bos_token_id(tokenizer["tokenizer.ggml.bos_token_id"])
+        w.add_eos_token_id(tokenizer["tokenizer.ggml.eos_token_id"])
+        w.add_unk_token_id(tokenizer["tokenizer.ggml.unknown_token_id"])
     stored = {}
     if config.rope_scaling.type == "llama3":
         d = config.head_dim

@@ -1,7 +1,11 @@
 """Tokenizer + chat template, built from GGUF metadata or an HF directory. No network.
 
 GGUF: a byte-level BPE `tokenizers.Tokenizer` from tokenizer.ggml.{tokens,merges,token_type};
-control tokens (type 3) become special added tokens. The pre-tokenizer splits digits one by one
+control tokens (type 3) become special added tokens. SentencePiece vocabularies (tokenizer.ggml.model
+"llama": Llama 2, Mistral) carry scores instead of merges: the merges are recovered from the
+scores (each piece that splits into two pieces of the vocabulary is that pair's merge, ranked by
+the piece's score), with byte fallback and the "▁" word-boundary marker (checked against the
+sentencepiece library on a model trained in the tests). The pre-tokenizer splits digits one by one
 before the GPT-2 regex, which is llama.cpp's "smollm" pre-type (verified against transformers on
 digits, unicode, whitespace, code and chat prompts). Chat templates render in a sandboxed jinja2
 environment configured as transformers does (trim_blocks, lstrip_blocks, raise_exception).
@@ -19,6 +23,7 @@ from typing import Any
 from blink.models.config import UnsupportedModelError
 
 _CONTROL = 3  # llama.cpp token_type for control tokens
+_USER_DEFINED = 4  # added tokens matched whole, not special
 
 
 def _raise_exception(message: str) -> None:
@@ -126,8 +131,12 @@ def from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece_from_gguf(meta)
     if kind != "gpt2":
-        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (gpt2 byte-level BPE)")
+        raise UnsupportedModelError(
+            f"GGUF tokenizer model {kind!r} is not supported (gpt2 byte-level BPE, llama SentencePiece BPE)"
+        )
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -147,6 +156,70 @@ def from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
         None if bos is None else int(bos),
         list(dict.fromkeys(eos_ids)),
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece BPE vocabulary: (left, right) for every piece that
+    splits into two pieces of the vocabulary, highest piece score first (a piece's score is the
+    rank of the merge that made it); ties: longer left piece first, then by the pieces' ids."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    found: list[tuple[float, int, int, int, int, str, str]] = []
+    for piece, score in zip(tokens, scores, strict=True):
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in ids and right in ids:
+                found.append((-float(score), -len(left), -len(right), ids[left], ids[right], left, right))
+    found.sort()
+    return [(f[5], f[6]) for f in found]
+
+
+def _sentencepiece_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (llama.cpp's "llama" tokenizer model) as a tokenizers BPE."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    scores = list(meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
+    types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    if unk is None:
+        unk = next((i for i, ty in enumerate(types) if ty == 2), None)  # 2: UNKNOWN
+    model = models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)},
+        merges=spm_merges(tokens, scores),
+        unk_token=None if unk is None else tokens[int(unk)],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tok = HFTokenizer(model)
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    # SentencePiece: spaces become "▁", and (add_dummy_prefix) every run of text gets one in front,
+    # even one that starts with a space; llama.cpp does this for the text after each special token.
+    rules = [normalizers.Prepend("▁")] if prefix else []
+    tok.normalizer = normalizers.Sequence([*rules, normalizers.Replace(" ", "▁")])
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL]
+    )
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, ty in zip(tokens, types, strict=True)
+        if ty == _USER_DEFINED
+    ]
+    if user:
+        tok.add_tokens(user)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    return Tokenizer(
+        tok,
+        meta.get("tokenizer.chat_template"),
+        None if bos is None else int(bos),
+        list(dict.fromkeys(eos_ids)),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),  # SentencePiece models add BOS
     )
 
 
