@@ -696,6 +696,7 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
   DECODE(HD, 4)                                                                                                \
   DECODE(HD, 5)                                                                                                \
   DECODE(HD, 6)                                                                                                \
+  DECODE(HD, 7)                                                                                                \
   DECODE(HD, 8)                                                                                                \
   extern "C" __global__ void __launch_bounds__(128) attn_prefill_hd##HD(                                      \
       const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \

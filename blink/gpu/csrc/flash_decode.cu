@@ -439,6 +439,7 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   FLASH_VARIANTS(HD, 4)        \
   FLASH_VARIANTS(HD, 5)        \
   FLASH_VARIANTS(HD, 6)        \
+  FLASH_VARIANTS(HD, 7)        \
   FLASH_VARIANTS(HD, 8)        \
   FLASH_COMBINE(flash, HD, 4)  \
   FLASH_COMBINE(flash8, HD, 8) \
