@@ -94,6 +94,22 @@ def test_special_tokens_are_not_text(smol):
     d = smol.detokenizer()
     ids = smol.tok.encode("Paris.") + [smol.eos_ids[0]]
     assert "".join(_stream(d, ids)) == "Paris."
+    # vLLM's skip_special_tokens=False: they are text
+    d = smol.detokenizer(skip_special_tokens=False)
+    eos_text = smol.tok.decode([smol.eos_ids[0]], skip_special_tokens=False)
+    assert eos_text and "".join(_stream(d, ids)) == "Paris." + eos_text
+
+
+def test_include_stop_string_in_output(byte_tok):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, and nothing after it."""
+    ids = byte_tok.tok.encode("hello STOP world")
+    d = byte_tok.detokenizer(stop=["STOP", "wor"], include_stop=True)
+    out = []
+    for t in ids:
+        out.append(d.push([t]))
+        if d.stopped:
+            break
+    assert "".join(out) == "hello STOP" and d.stopped and d.finish() == ""
 
 
 def test_chat_prompt_validation(smol):

@@ -510,6 +510,24 @@ def test_stop_string_truncates(smol):
     )
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert text == "The capital of France"
+    # vLLM's include_stop_str_in_output, and skip_special_tokens=False (the EOS comes out as text)
+    r = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=16,
+        stop=["France"],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert r.choices[0].message.content == "The capital of France"
+    r = c.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=16,
+        extra_body={"skip_special_tokens": False},
+    )
+    assert r.choices[0].message.content == "The capital of France is Paris.<|im_end|>"
 
 
 def test_stop_token_ids_and_min_tokens(smol):

@@ -10,7 +10,8 @@ the next token. `finish()` flushes whatever is held back.
 
 Stop strings: text is emitted only up to the longest suffix that could still begin a stop string,
 so a stop string split across tokens is caught before any of it reaches the client; on a match the
-text is cut right before the stop string (OpenAI/vLLM behaviour: the stop string is not returned).
+text is cut right before the stop string (OpenAI/vLLM behaviour: the stop string is not returned),
+or right after it with include_stop (vLLM's include_stop_str_in_output).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ Decode = Callable[[Sequence[int]], str]
 class IncrementalDetokenizer:
     """Per-request state. `decode(ids) -> str` must skip special tokens (EOS is not text)."""
 
-    def __init__(self, decode: Decode, stop: Sequence[str] = ()):
+    def __init__(self, decode: Decode, stop: Sequence[str] = (), include_stop: bool = False):
         self._decode = decode
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._ids: list[int] = []
         self._prefix = 0
@@ -76,12 +78,14 @@ class IncrementalDetokenizer:
             # Any match must start at or after the first unemitted char minus (max_stop - 1):
             # everything earlier was emitted because no stop string could start there.
             start = max(0, self._emitted - self._max_stop + 1)
-            cut = -1
+            cut, end_of_stop = -1, -1
             for s in self.stop:
                 i = text.find(s, start)
                 if i != -1 and (cut == -1 or i < cut):
-                    cut = i
+                    cut, end_of_stop = i, i + len(s)
             if cut != -1:
+                if self.include_stop:
+                    cut = end_of_stop
                 out = text[self._emitted : cut]
                 self.text = text[:cut]
                 self._emitted = cut

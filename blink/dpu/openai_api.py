@@ -6,7 +6,7 @@ rejected with a 400 when set to a non-default value, never silently ignored. `n`
 prompt and lists of prompts (completions) become one ring request per choice, as in vLLM:
 choice index = prompt index * n + i. Unknown
 fields are ignored (clients send vendor extensions). Extensions follow vLLM: top_k,
-stop_token_ids, ignore_eos, min_tokens.
+stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, skip_special_tokens.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
     min_tokens: int = 0  # extension
+    include_stop_str_in_output: bool = False  # extension
+    skip_special_tokens: bool = True  # extension
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -69,6 +69,8 @@ async def stream_text(
     req: SubmitRequest,
     stop: list[str],
     on_handle: Callable[[RequestHandle], None] | None = None,
+    include_stop: bool = False,
+    skip_special_tokens: bool = True,
 ) -> AsyncIterator[TextEvent]:
     """Submit `req` and yield text as tokens arrive. The slot is cancelled if the consumer stops early."""
     try:
@@ -79,7 +81,7 @@ async def stream_text(
         raise api.APIError(429, f"server busy: {e}", code="rate_limit_exceeded") from e
     except DeviceDownError as e:
         raise api.APIError(503, f"device unavailable: {e}", type_="server_error") from e
-    detok = tok.detokenizer(stop)
+    detok = tok.detokenizer(stop, include_stop, skip_special_tokens)
     try:
         async for ev in handle:
             if ev.finish_reason == FinishReason.ERROR:
@@ -305,7 +307,15 @@ class OpenAIServer:
                 cb(j)
 
         gens = [
-            stream_text(self.backend, self.tok, sub, stop, functools.partial(submitted, j))
+            stream_text(
+                self.backend,
+                self.tok,
+                sub,
+                stop,
+                functools.partial(submitted, j),
+                r.include_stop_str_in_output,
+                r.skip_special_tokens,
+            )
             for j, sub in enumerate(subs)
         ]
 

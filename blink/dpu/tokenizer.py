@@ -7,6 +7,7 @@ dequantisation) instead of resolving the whole model bundle.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -107,11 +108,16 @@ class FrontendTokenizer:
         ids = ([] if ignore_eos else list(self.eos_ids)) + [int(t) for t in extra]
         return list(dict.fromkeys(ids))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self, stop: Sequence[str] = ()) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.decode, stop)
+    def detokenizer(
+        self, stop: Sequence[str] = (), include_stop: bool = False, skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """include_stop: a matched stop string stays in the text; skip_special_tokens=False: special
+        tokens (EOS, <|im_end|>, ...) come out as their text (vLLM's request options)."""
+        decode = self.decode if skip_special_tokens else functools.partial(self.decode, skip_special_tokens=False)
+        return IncrementalDetokenizer(decode, stop, include_stop)
 
 
 def load_tokenizer(spec: str | None, served_name: str | None = None) -> FrontendTokenizer:
