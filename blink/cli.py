@@ -27,6 +27,9 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="JSON/TOML (YAML with pyyaml) file with server/ring/device/model sections")
     p.add_argument("--model", dest="model.spec", help="default | FILE.gguf | HF_DIR | random:<preset>")
     p.add_argument("--served-model-name", dest="model.name", help="model name served by the API")
+    p.add_argument(
+        "--chat-template", dest="model.chat_template", help="a jinja chat template, or a file holding one (as vLLM's)"
+    )
     p.add_argument("--device", dest="device.kind", choices=("auto", "emulated", "cuda"))
     p.add_argument("--scheduler", dest="device.scheduler", choices=("gpu", "host"))
     p.add_argument("--max-batch", "--max-num-seqs", dest="device.max_batch", type=int, help="sequences per step")

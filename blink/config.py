@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import tomllib
 import types
 import typing
@@ -119,12 +120,22 @@ class ModelConfig:
     """default (SmolLM2-135M-Instruct) | a .gguf file | an HF directory | random:<preset> (tests)."""
     name: str | None = None
     """Model name served by the API (`model` field, /v1/models); None derives it from the spec."""
+    chat_template: str | None = None
+    """A jinja chat template replacing the model's (vLLM's --chat-template): the template itself, or
+    a file holding it, read here, once, so that the text travels with the config."""
 
     def __post_init__(self) -> None:
         if not self.spec:
             raise ConfigError("model.spec must not be empty")
         if self.name is not None and not self.name:
             raise ConfigError("model.name must not be empty")
+        t = self.chat_template
+        if t is not None and "{{" not in t and "{%" not in t:  # a file name, not a template
+            try:
+                text = pathlib.Path(t).expanduser().read_text()
+            except OSError as e:
+                raise ConfigError(f"model.chat_template: cannot read {t}: {e.strerror}") from e
+            object.__setattr__(self, "chat_template", text)
 
 
 @dataclass(frozen=True)

@@ -126,3 +126,25 @@ def test_vllm_flags_blink_cannot_honour_are_errors(argv, why, capsys):
 
     assert cli.main(argv) == 2
     assert why in capsys.readouterr().err
+
+
+def test_chat_template_from_text_or_file(tmp_path):
+    from blink.config import ConfigError, ModelConfig
+
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert ModelConfig(chat_template=inline).chat_template == inline
+    f = tmp_path / "t.jinja"
+    f.write_text(inline)
+    assert ModelConfig(chat_template=str(f)).chat_template == inline  # read once, at the edge
+    with pytest.raises(ConfigError, match="cannot read"):
+        ModelConfig(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_chat_template_replaces_the_models():
+    from blink.dpu.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("random:tiny-llama", chat_template="{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    ids = tok.chat_prompt([{"role": "user", "content": "ab"}, {"role": "assistant", "content": "c"}])
+    assert tok.tok.decode(ids) == "<ab><c>"
+    with pytest.raises(ValueError, match="does not compile"):
+        load_tokenizer("random:tiny-llama", chat_template="{% for %}")

@@ -31,7 +31,7 @@ async def start_http(
     from blink.dpu import server as dpu_server
     from blink.dpu.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(cfg.model.spec, cfg.model.name)
+    tok = load_tokenizer(cfg.model.spec, cfg.model.name, cfg.model.chat_template)
     srv = dpu_server.OpenAIServer(router, tok, cfg.server, share=share)
     want = cfg.server.port if port is None else port
     runner, port = await dpu_server.start_http(srv, cfg.server.host, want, reuse_port=share is not None)

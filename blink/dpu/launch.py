@@ -126,7 +126,7 @@ class Stack:
         if self.progress:
             self.progress(f"ring /dev/shm/{self.ring_name}: {r.n_slots} slots; starting the {self.kind} device")
         self.device = start_device(self.cfg, self.ring_name, self.kind)
-        self.tokenizer = load_tokenizer(self.cfg.model.spec, self.cfg.model.name)
+        self.tokenizer = load_tokenizer(self.cfg.model.spec, self.cfg.model.name, self.cfg.model.chat_template)
         wait_ready(self.transport, self.device, self.cfg.device.ready_timeout_s, self.progress)
 
     async def start_frontend(self) -> RequestTracker:

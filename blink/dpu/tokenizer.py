@@ -120,8 +120,11 @@ class FrontendTokenizer:
         return IncrementalDetokenizer(decode, stop, include_stop)
 
 
-def load_tokenizer(spec: str | None, served_name: str | None = None) -> FrontendTokenizer:
-    """The tokenizer of a model spec (as `blink.models.registry.resolve_model` accepts), without weights."""
+def load_tokenizer(
+    spec: str | None, served_name: str | None = None, chat_template: str | None = None
+) -> FrontendTokenizer:
+    """The tokenizer of a model spec (as `blink.models.registry.resolve_model` accepts), without
+    weights; `chat_template` (template text) replaces the model's."""
     from blink.models import registry
 
     s = None if spec is None else os.fspath(spec)
@@ -153,6 +156,8 @@ def load_tokenizer(spec: str | None, served_name: str | None = None) -> Frontend
             )
     if served_name:
         info = ModelInfo(served_name, info.vocab_size)
+    if chat_template is not None:
+        tok.set_chat_template(chat_template)
     return FrontendTokenizer(tok, info)
 
 

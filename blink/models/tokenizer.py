@@ -59,6 +59,14 @@ class Tokenizer:
         self.add_bos = add_bos
         self.special_tokens = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
+    def set_chat_template(self, source: str) -> None:
+        """Replace the model's chat template (compiled now: a syntax error is raised here)."""
+        try:
+            template = _compile_template(source)
+        except Exception as e:  # jinja2.TemplateSyntaxError and friends
+            raise ValueError(f"chat template does not compile: {e}") from e
+        self.chat_template, self._template = source, template
+
     @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
