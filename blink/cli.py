@@ -63,6 +63,22 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-capacity", dest="ring.output_capacity", type=int)
 
 
+def _origins_arg(v: str) -> str:
+    """vLLM's JSON list ('["*"]') or a comma-separated list -> the comma-separated config value."""
+    v = v.strip()
+    if v.startswith("["):
+        import json
+
+        try:
+            items = json.loads(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from e
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return ",".join(items)
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="blink", description="LLM serving with a GPU-resident scheduler")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -75,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", dest="server.api_key")
     s.add_argument("--max-body-bytes", dest="server.max_body_bytes", type=int)
     s.add_argument("--max-queue", dest="server.max_queue", type=int)
+    s.add_argument(
+        "--allowed-origins",
+        dest="server.allowed_origins",
+        type=_origins_arg,
+        help='CORS origins: "*", a comma list, or a JSON list as vLLM takes it (\'["https://a.example"]\')',
+    )
     # --- Ray path (blink.actors): same actors as `blink deploy`, on an embedded local Ray ---
     s.add_argument("--ray", action="store_true", help="run the GPU and frontend actors on an embedded local Ray")
     s.add_argument(

@@ -50,6 +50,9 @@ class ServerConfig:
     """Requests that may wait for a free ring slot; beyond that new requests get 429."""
     heartbeat_timeout_s: float = 30.0
     """Device heartbeat silence (seconds) that counts as a device failure."""
+    allowed_origins: str | None = None
+    """CORS: comma-separated origins whose browser pages may call the API ("*": any); None: no
+    CORS headers (browsers then refuse cross-origin calls, as without vLLM's --allowed-origins)."""
 
     def __post_init__(self) -> None:
         _bounds("server", "port", self.port, 0, 65535)
@@ -58,6 +61,12 @@ class ServerConfig:
         _bounds("server", "heartbeat_timeout_s", self.heartbeat_timeout_s, 0.1, 3600)
         if self.api_key is not None and not self.api_key:
             raise ConfigError("server.api_key must not be empty (leave it unset to disable auth)")
+        if self.allowed_origins is not None and not self.origins:
+            raise ConfigError("server.allowed_origins names no origin")
+
+    @property
+    def origins(self) -> frozenset[str]:
+        return frozenset(o.strip() for o in (self.allowed_origins or "").split(",") if o.strip())
 
 
 @dataclass(frozen=True)

@@ -122,3 +122,42 @@ async def test_frontends_metrics_add_up_and_survive_a_restart(tok, tmp_path):
     async with TestClient(TestServer(b2.app())) as c:
         text = await (await c.get("/metrics")).text()
         assert 'blink_requests_total{endpoint="completions",outcome="error"} 1' in text
+
+
+@pytest.mark.asyncio
+async def test_cors_preflight_and_headers(tok):
+    """--allowed-origins: browsers' preflight is answered before auth; every response to an
+    allowed origin (errors too) names it; other origins get no CORS headers."""
+    cfg = ServerConfig(api_key="k", allowed_origins="https://a.example")
+    app = OpenAIServer(BrokenBackend(), tok, cfg).app()
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+    async with TestClient(TestServer(app)) as c:
+        r = await c.options("/v1/completions", headers={"Origin": "https://a.example", **pre})
+        assert r.status == 204
+        assert r.headers["Access-Control-Allow-Origin"] == "https://a.example"
+        assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        assert "POST" in r.headers["Access-Control-Allow-Methods"]
+        r = await c.options("/v1/completions", headers={"Origin": "https://b.example", **pre})
+        assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
+        body = {"model": "tiny-llama", "prompt": "x"}
+        r = await c.post("/v1/completions", json=body, headers={"Origin": "https://a.example"})
+        assert r.status == 401 and r.headers["Access-Control-Allow-Origin"] == "https://a.example"
+        r = await c.post("/v1/completions", json=body, headers={"Origin": "https://b.example"})
+        assert r.status == 401 and "Access-Control-Allow-Origin" not in r.headers
+    app = OpenAIServer(BrokenBackend(), tok, ServerConfig(allowed_origins="*")).app()
+    async with TestClient(TestServer(app)) as c:
+        r = await c.get("/v1/models", headers={"Origin": "https://any.example"})
+        assert r.headers["Access-Control-Allow-Origin"] == "*"
+    app = OpenAIServer(BrokenBackend(), tok, ServerConfig()).app()  # the default: no CORS at all
+    async with TestClient(TestServer(app)) as c:
+        r = await c.get("/v1/models", headers={"Origin": "https://any.example"})
+        assert "Access-Control-Allow-Origin" not in r.headers
+
+
+def test_allowed_origins_flag_takes_vllm_json_lists():
+    from blink import cli
+
+    a = cli.build_parser().parse_args(["serve", "--allowed-origins", '["https://a.example", "https://b.example"]'])
+    assert cli.config_from_args(a).server.origins == {"https://a.example", "https://b.example"}
+    a = cli.build_parser().parse_args(["serve", "--allowed-origins", "*"])
+    assert cli.config_from_args(a).server.origins == {"*"}

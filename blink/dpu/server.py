@@ -121,7 +121,11 @@ class OpenAIServer:
 
     # -- app ----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors, self._auth])
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[self._preflight, self._errors, self._auth]
+        )
+        if self.config.allowed_origins:
+            app.on_response_prepare.append(self._cors_headers)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -182,6 +186,35 @@ class OpenAIServer:
         except Exception as e:  # a bug: answer in the API's shape, keep serving, keep the traceback
             log.exception("%s %s failed", request.method, request.path)
             return _error_response(api.APIError(500, f"internal error: {e!r}"))
+
+    def _origin_allowed(self, request: web.Request) -> str | None:
+        """The Access-Control-Allow-Origin value for this request, or None (no CORS headers)."""
+        origin = request.headers.get("Origin")
+        allowed = self.config.origins
+        if not origin or not allowed:
+            return None
+        return "*" if "*" in allowed else origin if origin in allowed else None
+
+    @web.middleware
+    async def _preflight(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """A browser's CORS preflight (OPTIONS, before any auth): 204 with what may follow."""
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            if self._origin_allowed(request) is None:
+                return web.Response(status=403, text="origin not allowed")
+            return web.Response(status=204)  # the allow-* headers come from _cors_headers
+        return await handler(request)
+
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        allow = self._origin_allowed(request)
+        if allow is None:
+            return
+        response.headers["Access-Control-Allow-Origin"] = allow
+        response.headers["Vary"] = "Origin"
+        if request.method == "OPTIONS":
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            want = request.headers.get("Access-Control-Request-Headers")
+            response.headers["Access-Control-Allow-Headers"] = want or "Authorization, Content-Type"
+            response.headers["Access-Control-Max-Age"] = "600"
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
