@@ -325,8 +325,8 @@ def test_unknown_gguf_tokenizer_is_a_clear_error():
                 "tokenizer.ggml.merges": [],
             }
         )
-    with pytest.raises(UnsupportedModelError, match="'llama'"):
-        from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(UnsupportedModelError, match="'bert'"):  # WordPiece; "llama" (SentencePiece) is supported
+        from_gguf_metadata({"tokenizer.ggml.model": "bert"})
 
 
 def test_pull_returns_an_installed_model_without_network(tmp_path, monkeypatch):
