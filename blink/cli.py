@@ -1,4 +1,4 @@
-"""The `blink` command: serve | generate | pull (| deploy | status | stop, via blink.actors.cli).
+"""The `blink` command: serve | generate | bench | pull (| deploy | status | stop, via blink.actors.cli).
 
 Configuration is parsed here, once: defaults < --config FILE < flags, into blink.config.BlinkConfig.
 """
@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
 
+    b = sub.add_parser("bench", help="benchmark a running server (as `vllm bench serve`)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from blink import benchmark
+
+    benchmark.add_arguments(bsub.add_parser("serve", help="streamed completions against an OpenAI endpoint"))
+
     p = sub.add_parser("pull", help="download the default model (SmolLM2-135M-Instruct) if missing")
     p.add_argument("model", nargs="?", default="default")
     p.add_argument("--cache-dir", help="where to put it (default ~/.cache/blink/models)")
@@ -163,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _RAY_COMMANDS:
         return _ray_command(argv)
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from blink import benchmark
+
+        return benchmark.main(args)
     if args.command in ("serve", "generate"):
         try:
             vllm_compat(args)

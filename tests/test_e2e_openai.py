@@ -326,6 +326,38 @@ def test_plain_text_format_and_tools_off_are_accepted(tiny):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_blink_bench_serve_random_and_sharegpt(tiny, tmp_path):
+    """`blink bench serve` (vLLM's bench serve report) against the running server: exact token
+    counts (ignore_eos), latencies reported, every request in the JSON."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url", tiny.url, "--api-key", API_KEY]
+    r = subprocess.run(
+        [*cmd, "--num-prompts", "12", "--random-input-len", "24", "--random-output-len", "5",
+         "--request-rate", "200", "--max-concurrency", "4", "--metric-percentiles", "50,99",
+         "--result-file", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Successful requests:" in r.stdout and "P99 TTFT (ms):" in r.stdout
+    res = json.loads(out.read_text())
+    assert (res["completed"], res["failed"]) == (12, 0) and res["model"] == "tiny-llama"
+    assert res["total_input_tokens"] == 12 * 24 and res["total_output_tokens"] == 12 * 5
+    assert res["ttft_ms"]["p50"] > 0 and res["tpot_ms"]["mean"] > 0 and len(res["requests"]) == 12
+    convs = [
+        {"conversations": [{"from": "human", "value": f"question {i} " * (i + 2)}, {"from": "gpt", "value": "an answer " * (i + 3)}]}
+        for i in range(6)
+    ]  # fmt: skip
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    r = subprocess.run(
+        [*cmd, "--dataset", "sharegpt", "--dataset-path", str(tmp_path / "sg.json"), "--num-prompts", "4",
+         "--result-file", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["completed"] == 4 and all(q["tokens"] == q["output_len"] for q in res["requests"])
+
+
 def test_tokenize_detokenize_version(tiny):
     """vLLM's /tokenize, /detokenize and /version: the same token counts the completions report."""
     c = tiny.client()
