@@ -104,8 +104,9 @@ async def test_frontends_metrics_add_up_and_survive_a_restart(tok, tmp_path):
 
     from blink.dpu.metrics import MetricsShare
 
-    def server(k: int) -> OpenAIServer:
-        return OpenAIServer(BrokenBackend(), tok, ServerConfig(), MetricsShare(tmp_path, "fe", k, 2), publish_s=0.02)
+    def server(k: int, restore: bool = False) -> OpenAIServer:
+        share = MetricsShare(tmp_path, "fe", k, 2, restore=restore)
+        return OpenAIServer(BrokenBackend(), tok, ServerConfig(), share, publish_s=0.02)
 
     a, b = server(0), server(1)
     async with TestClient(TestServer(a.app())) as ca, TestClient(TestServer(b.app())) as cb:
@@ -118,10 +119,15 @@ async def test_frontends_metrics_add_up_and_survive_a_restart(tok, tmp_path):
         snap = b.metrics.snapshot()
     assert not list(tmp_path.iterdir())  # clean stops remove their files
     MetricsShare(tmp_path, "fe", 1, 2).publish(snap)  # as if frontend 1 had crashed
-    b2 = server(1)
+    b2 = server(1, restore=True)  # Ray restarted it
     async with TestClient(TestServer(b2.app())) as c:
         text = await (await c.get("/metrics")).text()
         assert 'blink_requests_total{endpoint="completions",outcome="error"} 1' in text
+    MetricsShare(tmp_path, "fe", 1, 2).publish(snap)  # left by a deployment killed earlier
+    b3 = server(1)  # a fresh deployment: stale counts are not taken over
+    async with TestClient(TestServer(b3.app())) as c:
+        text = await (await c.get("/metrics")).text()
+        assert 'outcome="error"' not in text
 
 
 @pytest.mark.asyncio

@@ -118,7 +118,8 @@ class FrontendActor:
         try:
             share = None
             if self.count > 1:  # /metrics of the whole server from whichever frontend is asked
-                share = MetricsShare("/dev/shm", f"{self.cfg.ring_name(0)}-metrics", self.index, self.count)
+                prefix = f"{self.cfg.ring_name(0)}-metrics"
+                share = MetricsShare("/dev/shm", prefix, self.index, self.count, restore=self._restarted)
             self._server = await start_http(self.cfg.serving, self._router, self.port, share=share)
             self._info = {"url": self._server.url, "pid": os.getpid(), "restarted": self._restarted}
             self._info.update(index=self.index, count=self.count, port=self._server.port)

@@ -199,10 +199,13 @@ _dec = msgspec.msgpack.Decoder(MetricsSnapshot)
 class MetricsShare:
     """The snapshot files of `count` frontends: `<folder>/<prefix>.<index>`, one writer each."""
 
-    def __init__(self, folder: str | os.PathLike, prefix: str, index: int, count: int) -> None:
+    def __init__(self, folder: str | os.PathLike, prefix: str, index: int, count: int, restore: bool = False) -> None:
+        """restore: this frontend is the same one coming back (a crash and a restart): continue the
+        counts its file holds; otherwise (a fresh deployment) the file's counts are stale."""
         if not 0 <= index < count:
             raise ValueError(f"frontend index {index} out of range for {count}")
         self.folder, self.prefix, self.index, self.count = pathlib.Path(folder), prefix, index, count
+        self.restore = restore
 
     def path(self, k: int) -> pathlib.Path:
         return self.folder / f"{self.prefix}.{k}"

@@ -141,7 +141,8 @@ class OpenAIServer:
 
     async def _share_start(self, app: web.Application) -> None:
         assert self.share is not None
-        before = self.share.read(self.share.index)  # left by this frontend's previous process (a crash)
+        # left by this frontend's previous process: its counts, when this is that frontend restarted
+        before = self.share.read(self.share.index) if self.share.restore else None
         if before is not None:
             self.metrics.add(before)  # counters continue instead of starting over
         self.share.publish(self.metrics.snapshot())
