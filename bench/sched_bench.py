@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
     ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
     ap.add_argument("--gemm-sm-reserve", type=int, default=-1, help="EngineConfig.gemm_sm_reserve (-1: its default)")
+    ap.add_argument("--prefill-attention", default="", help='EngineConfig.prefill_attention ("": its default)')
     a = ap.parse_args()
     skip = set(a.skip.split(",")) - {""}
     os.makedirs(a.out, exist_ok=True)
@@ -65,6 +66,7 @@ def main() -> int:
         decode_attention=a.decode_attention,
         gemm_candidates=a.gemm_candidates,
         gemm_sm_reserve=a.gemm_sm_reserve,
+        prefill_attention=a.prefill_attention,
     )
     tput = (lambda: throughput.run(eng, 64, 64, 32)) if a.small else (lambda: throughput.run(eng))
     meta["device"] = device_name()
@@ -74,6 +76,7 @@ def main() -> int:
         "capture_s": eng.report.seconds,
         "gemm_candidates": eng.ecfg.gemm_candidates,
         "gemm_sm_reserve": eng.ecfg.gemm_sm_reserve,
+        "prefill_attention": eng.ecfg.prefill_attention,
         "gemm_tune_s": eng.report.tune_seconds,
         "gemm_tuning": eng.report.gemm_tuning,
     }

@@ -29,6 +29,7 @@ def make_engine(
     decode_attention: str = "",
     gemm_candidates: int = -1,
     gemm_sm_reserve: int = -1,
+    prefill_attention: str = "",
 ):
     from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
     from blink.models.config import preset
@@ -45,6 +46,7 @@ def make_engine(
         progress=False,
         **({"gemm_candidates": gemm_candidates} if gemm_candidates >= 0 else {}),
         **({"gemm_sm_reserve": gemm_sm_reserve} if gemm_sm_reserve >= 0 else {}),
+        **({"prefill_attention": prefill_attention} if prefill_attention else {}),
         decode_attention_table=parse_decode_attention(decode_attention)
         if decode_attention
         else DEFAULT_DECODE_ATTENTION,
