@@ -7,8 +7,8 @@ import ctypes
 
 import pytest
 
-from blink.gpu.cublaslt import HeuristicResult, choose
-from blink.gpu.engine import GEMM_MARGIN, EngineConfig
+from blink.gpu.cublaslt import GEMM_MARGIN, HeuristicResult, choose
+from blink.gpu.engine import EngineConfig
 
 
 def test_heuristic_result_matches_cublaslt_h():

@@ -21,8 +21,11 @@ cublasStatus_t state; float wavesCount; int reserved[4]} = 96 bytes.
 from __future__ import annotations
 
 import ctypes
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from blink.gpu.cuda_api import (
     CUBLAS_COMPUTE_32F,
@@ -49,6 +52,9 @@ class HeuristicResult(ctypes.Structure):
         ("reserved", ctypes.c_int * 4),
     ]
 
+
+# a cuBLASLt algorithm replaces cublasGemmEx for a shape only when this much faster
+GEMM_MARGIN = 0.03
 
 Key = tuple[int, int, int, bool]  # rows, n_out, k, fp32 output (per process: one SM target per process)
 # per process: shape -> the chosen heuristic result (its 96 bytes), or None = cublasGemmEx
@@ -300,3 +306,69 @@ def _bf16_to_f32(a: object) -> object:
     import cupy as cp
 
     return (a.astype(cp.uint32) << 16).view(cp.float32)  # type: ignore[attr-defined]
+
+
+def gpu_time_ms(driver: Driver, spin_fn: int, stream: Any, fn: Callable[[], None], iters: int = 6) -> float:
+    """GPU milliseconds per fn() (work enqueued on `stream`, a CuPy stream), behind the spin_ns
+    kernel, so that the launch calls are all enqueued before the timed work starts."""
+    import cupy as cp
+
+    fn()
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    driver.launch(spin_fn, (1, 1, 1), (1, 1, 1), [ctypes.c_uint64(300_000)], int(stream.ptr))
+    a.record(stream)
+    for _ in range(iters):
+        fn()
+    b.record(stream)
+    b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) / iters
+
+
+def tune_engine(eng: Any, rows: list[int], progress: Callable[..., None] | None = None) -> None:
+    """Choose cublasGemmEx or a cuBLASLt algorithm for every cuBLAS shape of an Engine's steps at
+    these row counts (its gemm_jobs, on layer 0's weights and random activations); the choices go
+    to eng.cublas.tuner, the timings to eng.report.gemm_tuning."""
+    import cupy as cp
+
+    t0 = time.perf_counter()
+    blas, r = eng.cublas, eng.ecfg.gemm_sm_reserve
+    if blas.tuner is None:
+        blas.tuner = GemmTuner(
+            eng.s, int(eng.workspace.data.ptr), int(eng.workspace.nbytes), eng.num_sms - r if r else 0
+        )
+    jobs = eng.gemm_jobs(rows)
+    f = eng.fwd
+    inputs = (f.hid, f.attn, f.act, f.last)
+    rng = cp.random.RandomState(eng.ecfg.seed)
+    for buf in inputs:  # bf16 N(0, 1) bit patterns (timing on zeros would flatter every kernel)
+        buf[...] = (rng.standard_normal(buf.shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    cp.cuda.Device().synchronize()  # CuPy wrote on its own stream; the GEMMs run on the engine's
+
+    def timer(fn: Callable[[], None]) -> float:
+        return gpu_time_ms(eng.driver, eng.kernels["spin_ns"], eng.stream, fn)
+
+    for n, (x, w, y, rows_, f32) in enumerate(jobs):
+        n_out, k = int(w.shape[0]), int(w.shape[1])
+        args = (int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows_, n_out, k, f32)
+        res = blas.tuner.tune(
+            (rows_, n_out, k, f32),
+            args[0],
+            args[1],
+            y,
+            lambda args=args: blas.linear(*args, tuned=False),
+            eng.driver,
+            timer,
+            eng.ecfg.gemm_candidates,
+            GEMM_MARGIN,
+        )
+        eng.report.gemm_tuning.append(res.as_dict())
+        if progress is not None:
+            progress(n + 1, len(jobs), time.perf_counter() - t0, "tuning GEMMs")
+    eng.stream.synchronize()
+    for buf in inputs:
+        buf[...] = 0
+    cp.cuda.Device().synchronize()
+    eng.report.tune_seconds += time.perf_counter() - t0
+    if progress is not None and jobs:
+        lt = sum(1 for g in eng.report.gemm_tuning if g["lt"])
+        print(f"\n{lt} of {len(jobs)} GEMM shapes on cuBLASLt", file=sys.stderr)

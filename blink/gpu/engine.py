@@ -29,166 +29,29 @@ alternates between them (/work/shared/gpu-probe/REPORT.md, Q4).
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from blink.device.executor import StepBatch
 from blink.gpu.abi import ENGINE_DTYPE
-from blink.gpu.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
 from blink.gpu.cuda_api import Cublas, Driver
-from blink.gpu.forward import GEMV_FUSIONS, Dims, Forward
+from blink.gpu.engine_config import (  # noqa: F401 (the engine's public names, re-exported)
+    DEFAULT_BATCH_BUCKETS,
+    DEFAULT_DECODE_ATTENTION,
+    DEFAULT_GEMV_FUSION,
+    DEFAULT_TOKEN_BUCKETS,
+    EngineConfig,
+    check_decode_table,
+    parse_decode_attention,
+    parse_gemv_fusion,
+)
+from blink.gpu.forward import Dims, Forward
 from blink.gpu.kernels import DEFAULT_CACHE, Kernels
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig
-
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-# flashq was the fastest at every batch 1..256 on the H200 (bench/results/decode_h200_run5.json)
-DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"),)
-# GEMV fusions of decode steps on the GEMV path (forward.py docstring) when EngineConfig.gemv_fusion
-# is "". "all" measured 4.352 vs 4.456 ms at batch 1, logits bitwise equal to "none"
-# (bench/results/fused_h200.md); the GPU scheduler suite and conformance passed with it as the
-# default (bench/results/sched_tests_fusion_all_03deec6.log).
-DEFAULT_GEMV_FUSION = "all"
-# a cuBLASLt algorithm replaces cublasGemmEx for a shape only when this much faster (blink/gpu/cublaslt.py)
-GEMM_MARGIN = 0.03
-
-
-def parse_decode_attention(spec: str) -> tuple[tuple[int, str], ...]:
-    """A decode attention table from the command line: "flash" (every batch) or
-    "1:flash,64:basic" (batch buckets 1..63 flash, 64 and up basic)."""
-    out: list[tuple[int, str]] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if ":" in part:
-            lo, v = part.split(":", 1)
-            out.append((int(lo), v.strip()))
-        elif part:
-            out.append((1, part))
-    table = tuple(out)
-    check_decode_table(table)
-    return table
-
-
-def parse_gemv_fusion(spec: str) -> frozenset[str]:
-    """ "none" / "" -> no fusion; "all" -> every fusion; else a comma list of GEMV_FUSIONS."""
-    spec = spec.strip()
-    if spec in ("", "none"):
-        return frozenset()
-    if spec == "all":
-        return frozenset(GEMV_FUSIONS)
-    out = frozenset(p.strip() for p in spec.split(",") if p.strip())
-    bad = out - set(GEMV_FUSIONS)
-    if bad:
-        raise ValueError(f"gemv fusion {sorted(bad)} not in {GEMV_FUSIONS} (or 'none', 'all')")
-    return out
-
-
-def check_decode_table(table: tuple[tuple[int, str], ...]) -> None:
-    if not table or table[0][0] != 1:
-        raise ValueError(f"decode attention table {table!r} must start at batch 1")
-    if any(b[0] <= a[0] for a, b in zip(table, table[1:], strict=False)):
-        raise ValueError(f"decode attention table {table!r}: min batches must ascend")
-    for _, v in table:
-        if v not in DECODE_VARIANTS:
-            raise ValueError(f"decode attention {v!r} not in {DECODE_VARIANTS}")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_seqs: int = 256
-    """Sequences per step (largest batch bucket)."""
-    max_tokens: int = 4096
-    """Packed tokens per step (largest token bucket); >= max_seqs."""
-    block_size: int = 16
-    """Tokens per KV block."""
-    max_context: int = 4096
-    """Longest sequence (prompt + output); capped by the model's max_position."""
-    kv_fraction: float = 0.85
-    """Share of the free GPU memory (after weights, buffers and graphs' reserve) given to the KV pool."""
-    num_kv_blocks: int = 0
-    """Explicit KV pool size in blocks; 0 = from kv_fraction."""
-    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
-    token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS
-    execs_per_shape: int = 2
-    gemv_max_tokens: int = 1
-    """Decode buckets up to this size (1, 2, 4, 8) use the weight-streaming GEMV instead of cuBLAS.
-    Measured on the H200 (bench/decode.py): the GEMV wins at 1 token; at 8 it is issue-bound
-    (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
-    decode_attention_table: tuple[tuple[int, str], ...] = DEFAULT_DECODE_ATTENTION
-    """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
-    from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "basic",
-    "pipe" (attention.cu), "flash", "flash8", "flashq", "flashq8" (flash_decode.cu). H200,
-    Llama-3-8B shape, context 1024 (bench/results/decode_h200_run4.json): basic 4.90 ms/step at
-    batch 1, 39.8 at batch 256; pipe 53.2 at 256. The flash kernels are the default before their
-    first timing: bench/decode.py prints the best table per batch (its `best table` line)."""
-    decode_attention: str = ""
-    """One decode attention variant for every bucket, overriding decode_attention_table ("" = the table)."""
-    gemv_fusion: str = ""
-    """Kernels folded into the decode GEMVs (buckets <= gemv_max_tokens): "none", "all" or a comma
-    list of "norm" (residual add and RMSNorm into the projections), "swiglu" (SwiGLU into gate_up),
-    "rope" (RoPE + KV write into qkv; not with qk-norm); "" = DEFAULT_GEMV_FUSION. Prefill and
-    cuBLAS steps never fuse (forward.py's docstring)."""
-    prefill_attention: str = "rego"
-    """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
-    memory, K/V prefetched), both WMMA; H200 (bench/results/prefill_h200_run4.json): 4k prompt
-    160.7 vs 181.5 ms. "fa2": scores and O in registers on mma.sync, cp.async double buffering
-    (attention.cu); written for the H200 but not yet run on one."""
-    gemm_candidates: int = 0
-    """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
-    cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape. Off by
-    default: on the H200 (bench/results/gemm_tuning_h200_e3962d3.md) 8 candidates bought 1.5-2.5 %
-    on decode steps at batch 64-256 and nothing measurable end to end (256 x 256->128: 9,649 vs
-    9,586 tok/s, inside run-to-run spread), and a timing-based choice can differ between processes
-    (results then differ in the last bits across restarts)."""
-    gemm_sm_reserve: int = 1
-    """SMs the cuBLAS GEMMs leave free (cublasSetSmCountTarget: they are sized for the others). The
-    GPU-resident scheduler's block holds one SM for as long as it runs, steps included; a GEMM
-    sized for every SM then needs a second, nearly empty wave of tiles. H200, Llama-3-8B
-    (bench/results/sm_steal_h200_280b210.json, throughput_h200_6553b47_reserve1.json): with 0, a
-    16 x 256 prefill step took 7 % longer with the scheduler resident, and 256 x (256 -> 128) ran at
-    9,616 tok/s; with 1, 10,480 tok/s (the host-driven loop, no resident kernel: 9,685)."""
-    workspace_mib: int = 64
-    graph_reserve_mib: int = 2048
-    """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""
-    seed: int = 0
-    """Seed of random weights."""
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.execs_per_shape < 2:
-            raise ValueError("execs_per_shape must be >= 2 (an exec cannot be relaunched right after it completes)")
-        if not 0.0 < self.kv_fraction <= 0.95:
-            raise ValueError("kv_fraction must be in (0, 0.95]")
-        if self.max_tokens < self.max_seqs:
-            raise ValueError("max_tokens must be >= max_seqs")
-        if not 0 <= self.gemm_sm_reserve <= 8:
-            raise ValueError("gemm_sm_reserve must be in [0, 8]")
-        if not 0 <= self.gemm_candidates <= 64:
-            raise ValueError("gemm_candidates must be in [0, 64]")
-        if self.max_context % self.block_size:
-            raise ValueError("max_context must be a multiple of block_size")
-        check_decode_table(self.decode_attention_table)
-        if self.prefill_attention not in PREFILL_VARIANTS:
-            raise ValueError(f"prefill_attention {self.prefill_attention!r} not in {PREFILL_VARIANTS}")
-        if self.decode_attention and self.decode_attention not in DECODE_VARIANTS:
-            raise ValueError(f"decode_attention {self.decode_attention!r} not in {DECODE_VARIANTS}")
-        parse_gemv_fusion(self.gemv_fusion)
-
-    @property
-    def gemv_fusions(self) -> frozenset[str]:
-        """The effective fusions (gemv_fusion, or DEFAULT_GEMV_FUSION when it is "")."""
-        return parse_gemv_fusion(self.gemv_fusion or DEFAULT_GEMV_FUSION)
-
-    @property
-    def decode_table(self) -> tuple[tuple[int, str], ...]:
-        """The effective table (decode_attention, when set, for every batch)."""
-        return ((1, self.decode_attention),) if self.decode_attention else self.decode_attention_table
 
 
 def _buckets(values: tuple[int, ...], cap: int) -> tuple[int, ...]:
@@ -330,77 +193,17 @@ class Engine:
         r = self.ecfg.gemm_sm_reserve
         self.cublas.set_sm_count_target(self.num_sms - r if r else 0)
 
-    def _time_ms(self, fn: Callable[[], None], iters: int = 6) -> float:
-        """GPU milliseconds per fn() (work enqueued on the engine's stream), behind a spin kernel
-        so that the launch calls are all enqueued before the timed work starts."""
-        import cupy as cp
-
-        fn()
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        self.driver.launch(self.kernels["spin_ns"], (1, 1, 1), (1, 1, 1), [ctypes.c_uint64(300_000)], self.s)
-        a.record(self.stream)
-        for _ in range(iters):
-            fn()
-        b.record(self.stream)
-        b.synchronize()
-        return cp.cuda.get_elapsed_time(a, b) / iters
-
-    def _tune_gemms(self, rows: list[int]) -> None:
-        """Choose cublasGemmEx or a cuBLASLt algorithm for every cuBLAS shape of the steps
-        (blink/gpu/cublaslt.py), on layer 0's weights and random activations."""
-        import cupy as cp
-
-        if not self.ecfg.gemm_candidates:
-            return
-        from blink.gpu.cublaslt import GemmTuner
-
-        t0 = time.perf_counter()
-        if self.cublas.tuner is None:
-            r = self.ecfg.gemm_sm_reserve
-            self.cublas.tuner = GemmTuner(
-                self.s, int(self.workspace.data.ptr), int(self.workspace.nbytes), self.num_sms - r if r else 0
-            )
+    def gemm_jobs(self, rows: list[int]) -> list[tuple[object, object, object, int, bool]]:
+        """Every cuBLAS-or-GEMV projection of a step at each row count, as (x, w, y, rows, fp32
+        output) on layer 0's weights and the activation buffers: what warm-up runs and tuning times."""
         f, lw = self.fwd, self.weights.layers[0]
-        jobs = []
+        jobs: list[tuple[object, object, object, int, bool]] = []
         for r in rows:
-            if f.uses_gemv(r):
-                continue
             jobs += [(f.hid, lw.qkv, f.qkv, r, False), (f.attn, lw.o, f.delta, r, False)]
             jobs += [(f.hid, lw.gate_up, f.gu, r, False), (f.act, lw.down, f.delta, r, False)]
             if r <= self.dims.max_seqs:
                 jobs.append((f.last, self.weights.lm_head, f.logits, r, True))
-        inputs = (f.hid, f.attn, f.act, f.last)
-        rng = cp.random.RandomState(self.ecfg.seed)
-        for buf in inputs:  # bf16 N(0, 1) bit patterns (timing on zeros would flatter every kernel)
-            buf[...] = (rng.standard_normal(buf.shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
-        cp.cuda.Device().synchronize()  # CuPy wrote on its own stream; the GEMMs run on ours
-        for n, (x, w, y, r, f32) in enumerate(jobs):
-            n_out, k = int(w.shape[0]), int(w.shape[1])
-            px, pw, py = int(x.data.ptr), int(w.data.ptr), int(y.data.ptr)
-            res = self.cublas.tuner.tune(
-                (r, n_out, k, f32),
-                px,
-                pw,
-                y,
-                lambda px=px, pw=pw, py=py, r=r, n_out=n_out, k=k, f32=f32: self.cublas.linear(
-                    px, pw, py, r, n_out, k, f32, tuned=False
-                ),
-                self.driver,
-                self._time_ms,
-                self.ecfg.gemm_candidates,
-                GEMM_MARGIN,
-            )
-            self.report.gemm_tuning.append(res.as_dict())
-            if self.ecfg.progress:
-                _bar(n + 1, len(jobs), time.perf_counter() - t0, "tuning GEMMs")
-        self.stream.synchronize()  # type: ignore[attr-defined]
-        for buf in inputs:
-            buf[...] = 0
-        cp.cuda.Device().synchronize()
-        self.report.tune_seconds += time.perf_counter() - t0
-        if self.ecfg.progress and jobs:
-            lt = sum(1 for g in self.report.gemm_tuning if g["lt"])
-            print(f"\n{lt} of {len(jobs)} GEMM shapes on cuBLASLt", file=sys.stderr)
+        return jobs
 
     def _warmup(self) -> None:
         """Run each distinct GEMM row count once outside capture (cuBLAS loads its kernels and
@@ -409,20 +212,16 @@ class Engine:
         self.arena.host_bytes[:] = 0
         self.arena.upload(self.s, 0)
         rows = sorted(set(self.batch_buckets) | set(self.token_buckets))
-        for r in rows:
-            for lw in self.weights.layers[:1]:
-                self.fwd.linear(self.fwd.hid, lw.qkv, self.fwd.qkv, r, self.s)
-                self.fwd.linear(self.fwd.attn, lw.o, self.fwd.delta, r, self.s)
-                self.fwd.linear(self.fwd.hid, lw.gate_up, self.fwd.gu, r, self.s)
-                self.fwd.linear(self.fwd.act, lw.down, self.fwd.delta, r, self.s)
-            if r <= self.dims.max_seqs:
-                self.fwd.linear(self.fwd.last, self.weights.lm_head, self.fwd.logits, r, self.s, out_f32=True)
+        for x, w, y, r, f32 in self.gemm_jobs(rows):
+            self.fwd.linear(x, w, y, r, self.s, out_f32=f32)
         self.fwd.record(self.s, self.batch_buckets[0], self.batch_buckets[0], True)
         self.fwd.record(self.s, 1, self.token_buckets[0], False)
         self.stream.synchronize()  # type: ignore[attr-defined]
-        if not self._tuned:
-            self._tune_gemms(rows)
-            self._tuned = True
+        if not self._tuned and self.ecfg.gemm_candidates:
+            from blink.gpu.cublaslt import tune_engine
+
+            tune_engine(self, [r for r in rows if not self.fwd.uses_gemv(r)], _bar if self.ecfg.progress else None)
+        self._tuned = True
 
     def capture(
         self, decode: bool = True, prefill: bool = True, prefill_shapes: list[tuple[int, int]] | None = None

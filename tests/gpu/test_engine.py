@@ -191,10 +191,9 @@ def test_gemm_tuning_cublaslt_plans(monkeypatch):
     whatever the timings: the engine still matches transformers, and a second run over other
     block tables is bitwise equal (no order-dependent reductions in the chosen algorithms)."""
     import blink.gpu.cublaslt as cublaslt
-    import blink.gpu.engine as engine_mod
 
     monkeypatch.setattr(cublaslt, "_CHOSEN", {})
-    monkeypatch.setattr(engine_mod, "GEMM_MARGIN", -100.0)
+    monkeypatch.setattr(cublaslt, "GEMM_MARGIN", -100.0)
     cfg = preset("llama3-8b").replace(num_layers=2)
     eng = small_engine(cfg, gemm_candidates=8)
     rep = eng.report.gemm_tuning

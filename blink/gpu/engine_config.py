@@ -1,0 +1,151 @@
+"""EngineConfig: the CUDA engine's settings (buckets, KV pool, kernel choices), parsed and checked
+once, and the parsers of the benchmarks' kernel-choice flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blink.gpu.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
+from blink.gpu.forward import GEMV_FUSIONS
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# flashq was the fastest at every batch 1..256 on the H200 (bench/results/decode_h200_run5.json)
+DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"),)
+# GEMV fusions of decode steps on the GEMV path (forward.py docstring) when EngineConfig.gemv_fusion
+# is "". "all" measured 4.352 vs 4.456 ms at batch 1, logits bitwise equal to "none"
+# (bench/results/fused_h200.md); the GPU scheduler suite and conformance passed with it as the
+# default (bench/results/sched_tests_fusion_all_03deec6.log).
+DEFAULT_GEMV_FUSION = "all"
+
+
+def parse_decode_attention(spec: str) -> tuple[tuple[int, str], ...]:
+    """A decode attention table from the command line: "flash" (every batch) or
+    "1:flash,64:basic" (batch buckets 1..63 flash, 64 and up basic)."""
+    out: list[tuple[int, str]] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if ":" in part:
+            lo, v = part.split(":", 1)
+            out.append((int(lo), v.strip()))
+        elif part:
+            out.append((1, part))
+    table = tuple(out)
+    check_decode_table(table)
+    return table
+
+
+def parse_gemv_fusion(spec: str) -> frozenset[str]:
+    """ "none" / "" -> no fusion; "all" -> every fusion; else a comma list of GEMV_FUSIONS."""
+    spec = spec.strip()
+    if spec in ("", "none"):
+        return frozenset()
+    if spec == "all":
+        return frozenset(GEMV_FUSIONS)
+    out = frozenset(p.strip() for p in spec.split(",") if p.strip())
+    bad = out - set(GEMV_FUSIONS)
+    if bad:
+        raise ValueError(f"gemv fusion {sorted(bad)} not in {GEMV_FUSIONS} (or 'none', 'all')")
+    return out
+
+
+def check_decode_table(table: tuple[tuple[int, str], ...]) -> None:
+    if not table or table[0][0] != 1:
+        raise ValueError(f"decode attention table {table!r} must start at batch 1")
+    if any(b[0] <= a[0] for a, b in zip(table, table[1:], strict=False)):
+        raise ValueError(f"decode attention table {table!r}: min batches must ascend")
+    for _, v in table:
+        if v not in DECODE_VARIANTS:
+            raise ValueError(f"decode attention {v!r} not in {DECODE_VARIANTS}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_seqs: int = 256
+    """Sequences per step (largest batch bucket)."""
+    max_tokens: int = 4096
+    """Packed tokens per step (largest token bucket); >= max_seqs."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_context: int = 4096
+    """Longest sequence (prompt + output); capped by the model's max_position."""
+    kv_fraction: float = 0.85
+    """Share of the free GPU memory (after weights, buffers and graphs' reserve) given to the KV pool."""
+    num_kv_blocks: int = 0
+    """Explicit KV pool size in blocks; 0 = from kv_fraction."""
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS
+    execs_per_shape: int = 2
+    gemv_max_tokens: int = 1
+    """Decode buckets up to this size (1, 2, 4, 8) use the weight-streaming GEMV instead of cuBLAS.
+    Measured on the H200 (bench/decode.py): the GEMV wins at 1 token; at 8 it is issue-bound
+    (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
+    decode_attention_table: tuple[tuple[int, str], ...] = DEFAULT_DECODE_ATTENTION
+    """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
+    from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "basic",
+    "pipe" (attention.cu), "flash", "flash8", "flashq", "flashq8" (flash_decode.cu). H200,
+    Llama-3-8B shape, context 1024 (bench/results/decode_h200_run4.json): basic 4.90 ms/step at
+    batch 1, 39.8 at batch 256; pipe 53.2 at 256. The flash kernels are the default before their
+    first timing: bench/decode.py prints the best table per batch (its `best table` line)."""
+    decode_attention: str = ""
+    """One decode attention variant for every bucket, overriding decode_attention_table ("" = the table)."""
+    gemv_fusion: str = ""
+    """Kernels folded into the decode GEMVs (buckets <= gemv_max_tokens): "none", "all" or a comma
+    list of "norm" (residual add and RMSNorm into the projections), "swiglu" (SwiGLU into gate_up),
+    "rope" (RoPE + KV write into qkv; not with qk-norm); "" = DEFAULT_GEMV_FUSION. Prefill and
+    cuBLAS steps never fuse (forward.py's docstring)."""
+    prefill_attention: str = "rego"
+    """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
+    memory, K/V prefetched), both WMMA; H200 (bench/results/prefill_h200_run4.json): 4k prompt
+    160.7 vs 181.5 ms. "fa2": scores and O in registers on mma.sync, cp.async double buffering
+    (attention.cu); written for the H200 but not yet run on one."""
+    gemm_candidates: int = 0
+    """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
+    cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape. Off by
+    default: on the H200 (bench/results/gemm_tuning_h200_e3962d3.md) 8 candidates bought 1.5-2.5 %
+    on decode steps at batch 64-256 and nothing measurable end to end (256 x 256->128: 9,649 vs
+    9,586 tok/s, inside run-to-run spread), and a timing-based choice can differ between processes
+    (results then differ in the last bits across restarts)."""
+    gemm_sm_reserve: int = 1
+    """SMs the cuBLAS GEMMs leave free (cublasSetSmCountTarget: they are sized for the others). The
+    GPU-resident scheduler's block holds one SM for as long as it runs, steps included; a GEMM
+    sized for every SM then needs a second, nearly empty wave of tiles. H200, Llama-3-8B
+    (bench/results/sm_steal_h200_280b210.json, throughput_h200_6553b47_reserve1.json): with 0, a
+    16 x 256 prefill step took 7 % longer with the scheduler resident, and 256 x (256 -> 128) ran at
+    9,616 tok/s; with 1, 10,480 tok/s (the host-driven loop, no resident kernel: 9,685)."""
+    workspace_mib: int = 64
+    graph_reserve_mib: int = 2048
+    """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""
+    seed: int = 0
+    """Seed of random weights."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.execs_per_shape < 2:
+            raise ValueError("execs_per_shape must be >= 2 (an exec cannot be relaunched right after it completes)")
+        if not 0.0 < self.kv_fraction <= 0.95:
+            raise ValueError("kv_fraction must be in (0, 0.95]")
+        if self.max_tokens < self.max_seqs:
+            raise ValueError("max_tokens must be >= max_seqs")
+        if not 0 <= self.gemm_sm_reserve <= 8:
+            raise ValueError("gemm_sm_reserve must be in [0, 8]")
+        if not 0 <= self.gemm_candidates <= 64:
+            raise ValueError("gemm_candidates must be in [0, 64]")
+        if self.max_context % self.block_size:
+            raise ValueError("max_context must be a multiple of block_size")
+        check_decode_table(self.decode_attention_table)
+        if self.prefill_attention not in PREFILL_VARIANTS:
+            raise ValueError(f"prefill_attention {self.prefill_attention!r} not in {PREFILL_VARIANTS}")
+        if self.decode_attention and self.decode_attention not in DECODE_VARIANTS:
+            raise ValueError(f"decode_attention {self.decode_attention!r} not in {DECODE_VARIANTS}")
+        parse_gemv_fusion(self.gemv_fusion)
+
+    @property
+    def gemv_fusions(self) -> frozenset[str]:
+        """The effective fusions (gemv_fusion, or DEFAULT_GEMV_FUSION when it is "")."""
+        return parse_gemv_fusion(self.gemv_fusion or DEFAULT_GEMV_FUSION)
+
+    @property
+    def decode_table(self) -> tuple[tuple[int, str], ...]:
+        """The effective table (decode_attention, when set, for every batch)."""
+        return ((1, self.decode_attention),) if self.decode_attention else self.decode_attention_table
