@@ -303,7 +303,7 @@ def _generate(cfg: C.BlinkConfig, args: argparse.Namespace) -> int:
 
 
 async def _generate_async(stack: Any, args: argparse.Namespace) -> int:
-    from blink.dpu.server import stream_text
+    from blink.dpu.generation import stream_text
     from blink.protocol.wire import SubmitRequest
 
     tok = stack.tokenizer

@@ -4,7 +4,7 @@
     POST /tokenize   POST /detokenize   GET /version    (vLLM's extensions)
 
 A handler tokenizes (tokenizer role), submits through the request tracker (slot tracker + token
-reader), and turns TokenEvents into text with the incremental detokenizer. Every error is
+reader) and streams text (generation.py: one generation per choice). Every error is
 answered in OpenAI's shape with a 4xx/5xx status; the server keeps serving after any of them.
 A client that disconnects mid-stream gets its handler cancelled (aiohttp handler_cancellation),
 and the `finally` of the generation cancels its ring slot, so the slot is freed.
@@ -17,87 +17,23 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from blink.config import ServerConfig
-from blink.protocol.layout import FinishReason, SlotError
-from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest
 
 from . import openai_api as api
+from .generation import Backend, GenerationError, TextEvent, stream_text
 from .metrics import Metrics, MetricsShare
-from .request_tracker import DeviceDownError, QueueFullError, RequestHandle, finish_name
+from .request_tracker import DeviceDownError, QueueFullError, RequestHandle
 from .tokenizer import FrontendTokenizer, PromptError
 
 log = logging.getLogger("blink.server")
 _json = msgspec.json.Encoder()
 _INLINE_ENCODE_BYTES = 16 << 10  # bodies up to this size are tokenized on the event loop
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class Backend(Protocol):
-    """What the server needs from the ring side (RequestTracker; a data-parallel router may stand in)."""
-
-    async def submit(self, req: SubmitRequest) -> RequestHandle: ...
-    def health(self) -> DeviceHealth: ...
-    def stats(self) -> RingStats: ...
-    def device_counters(self) -> dict[str, int]: ...
-    def check_prompt(self, n_prompt: int) -> str | None: ...
-    def new_request_id(self) -> int: ...
-
-    @property
-    def max_context(self) -> int: ...
-
-
-class TextEvent(NamedTuple):
-    text: str  # new text (may be "")
-    n_tokens: int  # tokens behind it
-    finish: str | None  # OpenAI finish_reason on the last event
-
-
-class GenerationError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-async def stream_text(
-    backend: Backend,
-    tok: FrontendTokenizer,
-    req: SubmitRequest,
-    stop: list[str],
-    on_handle: Callable[[RequestHandle], None] | None = None,
-    include_stop: bool = False,
-    skip_special_tokens: bool = True,
-) -> AsyncIterator[TextEvent]:
-    """Submit `req` and yield text as tokens arrive. The slot is cancelled if the consumer stops early."""
-    try:
-        handle = await backend.submit(req)
-        if on_handle is not None:
-            on_handle(handle)
-    except QueueFullError as e:
-        raise api.APIError(429, f"server busy: {e}", code="rate_limit_exceeded") from e
-    except DeviceDownError as e:
-        raise api.APIError(503, f"device unavailable: {e}", type_="server_error") from e
-    detok = tok.detokenizer(stop, include_stop, skip_special_tokens)
-    try:
-        async for ev in handle:
-            if ev.finish_reason == FinishReason.ERROR:
-                status = 503 if ev.error in (SlotError.DEVICE_FAULT, SlotError.NONE) else 400
-                raise GenerationError(status, ev.message or "the device failed the request")
-            text = detok.push(ev.token_ids)
-            if detok.stopped:
-                handle.cancel()  # stop string: the device would keep generating
-                yield TextEvent(text, len(ev.token_ids), "stop")
-                return
-            if ev.finished:
-                yield TextEvent(text + detok.finish(), len(ev.token_ids), finish_name(ev.finish_reason))
-                return
-            yield TextEvent(text, len(ev.token_ids), None)
-    finally:
-        handle.cancel()  # no-op after the last event; frees the slot when the consumer went away
 
 
 class OpenAIServer:
