@@ -135,8 +135,8 @@ def _pre_tokenizer(pre: str) -> Any:
 
 def from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
     """Build from decoded GGUF metadata (`blink.models.weights.gguf_metadata`)."""
-    from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
 
     kind = meta.get("tokenizer.ggml.model")
     if kind == "llama":
@@ -151,20 +151,7 @@ def from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
     tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL]
-    )
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eot = meta.get("tokenizer.ggml.eot_token_id")
-    eos_ids = [int(x) for x in (eos, eot) if x is not None]
-    return Tokenizer(
-        tok,
-        meta.get("tokenizer.chat_template"),
-        None if bos is None else int(bos),
-        list(dict.fromkeys(eos_ids)),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-    )
+    return _gguf_tokenizer(tok, meta, tokens, types, add_bos_default=False)
 
 
 def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
@@ -208,9 +195,6 @@ def _sentencepiece_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
     tok.normalizer = normalizers.Sequence([*rules, normalizers.Replace(" ", "▁")])
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL]
-    )
     user = [
         AddedToken(t, special=False, normalized=False)
         for t, ty in zip(tokens, types, strict=True)
@@ -218,16 +202,27 @@ def _sentencepiece_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
     ]
     if user:
         tok.add_tokens(user)
+    return _gguf_tokenizer(tok, meta, tokens, types, add_bos_default=True)  # SentencePiece models add BOS
+
+
+def _gguf_tokenizer(
+    tok: Any, meta: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int], add_bos_default: bool
+) -> Tokenizer:
+    """A Tokenizer over `tok`: the GGUF's control tokens as special added tokens, its chat
+    template, BOS, and EOS (+ EOT) ids."""
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL]
+    )
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eot = meta.get("tokenizer.ggml.eot_token_id")
-    eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    ends = (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
     return Tokenizer(
         tok,
         meta.get("tokenizer.chat_template"),
         None if bos is None else int(bos),
-        list(dict.fromkeys(eos_ids)),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),  # SentencePiece models add BOS
+        list(dict.fromkeys(int(x) for x in ends if x is not None)),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
     )
 
 
