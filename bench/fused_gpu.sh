@@ -25,28 +25,10 @@ COMMIT=${BLINK_COMMIT:-unknown}
 PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-285}
 PARTS=${PARTS:-"tests_on decode_on tests_off decode_off tests_qc decode_qc decode_gemv8"}
+PART_TAIL=25
+source bench/lib.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 T0=$SECONDS
-summary=()
-
-part() {  # part NAME TIMEOUT_S CMD...: the timeout is cut to what is left of BUDGET_S
-  local name=$1 limit=$2
-  shift 2
-  local left=$((BUDGET_S - (SECONDS - T0)))
-  if [ "$left" -lt 20 ]; then
-    summary+=("$(printf '%-13s SKIPPED (budget of %ss spent)' "$name" "$BUDGET_S")")
-    return
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local t0=$SECONDS
-  echo "=== $name (timeout ${limit}s): $*" | tee -a "$OUT/$name.log"
-  timeout -k 5 "$limit" "$@" >>"$OUT/$name.log" 2>&1
-  local rc=$?
-  summary+=("$(printf '%-13s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-  tail -n 25 "$OUT/$name.log"
-}
-
-has() { [[ " $PARTS " == *" $1 "* ]]; }
 
 {
   date -u +%FT%TZ

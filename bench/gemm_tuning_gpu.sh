@@ -18,19 +18,10 @@ mkdir -p "$OUT"
 COMMIT=${BLINK_COMMIT:-unknown}
 PY=${PY:-python3}
 PARTS=${PARTS:-"tests sched decode"}
+PART_SHOW="passed|failed|^FAILED|^ERROR|tok/s|gemmex|engine  |by kernel|^gemm rows|shapes on cuBLASLt|rc="
+PART_TAIL=40
+source bench/lib.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-summary=()
-part() {  # part NAME TIMEOUT_S CMD...
-  local name=$1 limit=$2
-  shift 2
-  local t0=$SECONDS
-  echo "=== $name: $*" | tee -a "$OUT/$name.log"
-  timeout -k 5 "$limit" "$@" >>"$OUT/$name.log" 2>&1
-  local rc=$?
-  summary+=("$(printf '%-8s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-  grep -E "passed|failed|^FAILED|^ERROR|tok/s|gemmex|engine  |by kernel|^gemm rows|shapes on cuBLASLt|rc=" "$OUT/$name.log" | tail -n 40
-}
-has() { [[ " $PARTS " == *" $1 "* ]]; }
 {
   date -u +%FT%TZ
   echo "commit $COMMIT"

@@ -17,19 +17,9 @@ mkdir -p "$OUT"
 COMMIT=${BLINK_COMMIT:-unknown}
 PY=${PY:-python3}
 PARTS=${PARTS:-"tests prefill decode tput qwen"}
+PART_SHOW="passed|failed|^FAILED|^ERROR|tok/s|TFLOP|ms/step|rel err|^ +[0-9]+ "
+source bench/lib.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-summary=()
-part() {  # part NAME TIMEOUT_S CMD...
-  local name=$1 limit=$2
-  shift 2
-  local t0=$SECONDS
-  echo "=== $name: $*" | tee -a "$OUT/$name.log"
-  timeout -k 5 "$limit" "$@" >>"$OUT/$name.log" 2>&1
-  local rc=$?
-  summary+=("$(printf '%-8s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-  grep -E "passed|failed|^FAILED|^ERROR|tok/s|TFLOP|ms/step|rel err|^ +[0-9]+ " "$OUT/$name.log" | tail -n 30
-}
-has() { [[ " $PARTS " == *" $1 "* ]]; }
 {
   date -u +%FT%TZ
   echo "commit $COMMIT"

@@ -17,26 +17,13 @@ OUT=${OUT:-/tmp/blink_gpu_out}
 mkdir -p "$OUT"
 COMMIT=${BLINK_COMMIT:-unknown}
 PARTS=${PARTS:-"engine-tests decode prefill hf sched"}  # sched: scheduler tests, conformance, benchmarks
+source bench/lib.sh
 PY=${PY:-python3}
 DECODE_ATTENTION=${DECODE_ATTENTION:-}
 USER_DECODE_ATTENTION=$DECODE_ATTENTION
 ALL_VARIANTS=${TEST_VARIANTS:-basic,pipe,flash,flash8,flashq,flashq8}  # engine-tests: variants to test
 VARIANTS=${VARIANTS:-$ALL_VARIANTS}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-summary=()
-
-part() {  # part NAME TIMEOUT_S CMD...
-  local name=$1 limit=$2
-  shift 2
-  local t0=$SECONDS
-  echo "=== $name: $*" | tee -a "$OUT/$name.log"
-  timeout "$limit" "$@" >>"$OUT/$name.log" 2>&1
-  local rc=$?
-  summary+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-  tail -n 30 "$OUT/$name.log"
-}
-
-has() { [[ " $PARTS " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv >"$OUT/env.log" 2>&1
 $PY -c "import cupy, torch, transformers; print('cupy', cupy.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >>"$OUT/env.log" 2>&1
