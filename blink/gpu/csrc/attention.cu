@@ -237,29 +237,15 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
   if (tid == 0) counters[s * nkv + kvh] = 0;
 }
 
-template <int HD, bool REGO>
-__device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                                                  const bf16* __restrict__ v_cache, bf16* __restrict__ out,
-                                                  const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
-                                                  const int* __restrict__ block_tables,
-                                                  const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
-                                                  float scale_log2) {
-  constexpr int BM = 64, BN = 64, LDH = HD + 8, LDS = BN + 4, LDP = BN + 8, LDO = HD + 4;
-  constexpr int V8 = HD / 8;                 // 16-byte vectors per row
-  constexpr int PER = BN * V8 / 128;         // vectors of a K (or V) tile per thread
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(smem);  // also stages the Q tile before the loop
-  bf16* Vs = Ks + BN * LDH;
-  float* Ss = reinterpret_cast<float*>(Vs + BN * LDH);
-  bf16* Ps = reinterpret_cast<bf16*>(Ss + BM * LDS);
-  float* Os = reinterpret_cast<float*>(Ps + BM * LDP);
-  float* m_s = Os + BM * LDO;
-  float* l_s = m_s + BM;
-  float* a_s = l_s + BM;
-  __shared__ int sh_s, sh_tile;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
-  if (warp == 0) {
+// The (sequence, BM-query tile) a prefill block works on: tiles are numbered sequence after
+// sequence, so warp 0 scans the tile counts of cu_q_lens (a warp prefix sum per 32 sequences) for
+// the one holding blockIdx.x; sh_s = -1 when the block is past the live tiles. Ends in a barrier.
+template <int BM>
+__device__ __forceinline__ void prefill_tile_of_block(const int* __restrict__ cu_q_lens,
+                                                      const uint32_t* __restrict__ num_seqs, int& sh_s,
+                                                      int& sh_tile) {
+  const int lane = threadIdx.x & 31;
+  if ((threadIdx.x >> 5) == 0) {
     if (lane == 0) sh_s = -1;
     __syncwarp();
     const int ns = (int)*num_seqs;
@@ -283,6 +269,31 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     }
   }
   __syncthreads();
+}
+
+template <int HD, bool REGO>
+__device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                                  const bf16* __restrict__ v_cache, bf16* __restrict__ out,
+                                                  const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
+                                                  const int* __restrict__ block_tables,
+                                                  const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
+                                                  float scale_log2) {
+  constexpr int BM = 64, BN = 64, LDH = HD + 8, LDS = BN + 4, LDP = BN + 8, LDO = HD + 4;
+  constexpr int V8 = HD / 8;                 // 16-byte vectors per row
+  constexpr int PER = BN * V8 / 128;         // vectors of a K (or V) tile per thread
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Ks = reinterpret_cast<bf16*>(smem);  // also stages the Q tile before the loop
+  bf16* Vs = Ks + BN * LDH;
+  float* Ss = reinterpret_cast<float*>(Vs + BN * LDH);
+  bf16* Ps = reinterpret_cast<bf16*>(Ss + BM * LDS);
+  float* Os = reinterpret_cast<float*>(Ps + BM * LDP);
+  float* m_s = Os + BM * LDO;
+  float* l_s = m_s + BM;
+  float* a_s = l_s + BM;
+  __shared__ int sh_s, sh_tile;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
+  prefill_tile_of_block<BM>(cu_q_lens, num_seqs, sh_s, sh_tile);
   const int s = sh_s;
   if (s < 0) return;
   const int q0 = cu_q_lens[s], ql = cu_q_lens[s + 1] - q0;
@@ -518,30 +529,7 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
   __shared__ int sh_s, sh_tile;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
-  if (warp == 0) {  // this block's (sequence, 64-query tile): a scan of the tile counts
-    if (lane == 0) sh_s = -1;
-    __syncwarp();
-    const int ns = (int)*num_seqs;
-    int base = 0;
-    for (int s0 = 0; s0 < ns && base <= (int)blockIdx.x; s0 += 32) {
-      const int s = s0 + lane;
-      int nt = 0;
-      if (s < ns) nt = (cu_q_lens[s + 1] - cu_q_lens[s] + BM - 1) / BM;
-      int inc = nt;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(FULL_MASK, inc, o);
-        if (lane >= o) inc += y;
-      }
-      const int excl = base + inc - nt;
-      if (nt > 0 && (int)blockIdx.x >= excl && (int)blockIdx.x < excl + nt) {
-        sh_s = s;
-        sh_tile = blockIdx.x - excl;
-      }
-      base += __shfl_sync(FULL_MASK, inc, 31);
-    }
-  }
-  __syncthreads();
+  prefill_tile_of_block<BM>(cu_q_lens, num_seqs, sh_s, sh_tile);
   const int s = sh_s;
   if (s < 0) return;
   const int q0 = cu_q_lens[s], ql = cu_q_lens[s + 1] - q0;
