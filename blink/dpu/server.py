@@ -53,6 +53,7 @@ class OpenAIServer:
         self.metrics = Metrics(tokenizer.name)
         self.share = share
         self.publish_s = publish_s
+        self._origins = config.origins  # CORS (parsed once)
         self._publisher: asyncio.Task | None = None
 
     # -- app ----------------------------------------------------------------------------
@@ -127,7 +128,7 @@ class OpenAIServer:
     def _origin_allowed(self, request: web.Request) -> str | None:
         """The Access-Control-Allow-Origin value for this request, or None (no CORS headers)."""
         origin = request.headers.get("Origin")
-        allowed = self.config.origins
+        allowed = self._origins
         if not origin or not allowed:
             return None
         return "*" if "*" in allowed else origin if origin in allowed else None
