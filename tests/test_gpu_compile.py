@@ -42,7 +42,10 @@ def test_compiles_for_sm90(src: pathlib.Path, tmp_path: pathlib.Path):
     names = subprocess.run(["strings", str(out)], capture_output=True, text=True).stdout
     if src.name == "attention.cu":
         for hd in (16, 32, 64, 128):
-            assert f"attn_prefill_hd{hd}" in names and f"attn_decode_hd{hd}_g4" in names
+            assert f"attn_decode_hd{hd}_g4" in names and f"attn_decode_pipe_hd{hd}_g7" in names
+    if src.name == "prefill_attention.cu":
+        for hd in (16, 32, 64, 128):
+            assert all(f"attn_prefill_{v}hd{hd}" in names for v in ("", "rego_", "fa2_"))
     if src.name == "model_kernels.cu":
         for k in ("embed_tokens", "add_rmsnorm", "rope_kv_write", "swiglu", "signal_done", "gemv_bf16_t8"):
             assert k in names

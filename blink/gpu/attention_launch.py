@@ -1,7 +1,7 @@
 """Attention in a model step: which kernel serves each bucket, and its launches.
 
 Forward (blink/gpu/forward.py) records the rest of the step; this mixin owns the attention role:
-the prefill kernel ("smem" / "rego" / "fa2", attention.cu), the decode variants (basic / pipe from
+the prefill kernel ("smem" / "rego" / "fa2", prefill_attention.cu), the decode variants (basic / pipe from
 attention.cu; flash* from flash_decode.cu), the split counts they are recorded with, and the
 per-bucket choice (a (min_batch, variant) table, or one override). It reads Forward's buffers
 (q, attn, part_o, part_ml, split_counters), its step arena and its `_launch`.

@@ -98,7 +98,7 @@ class EngineConfig:
     """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
     memory, K/V prefetched), both WMMA; H200 (bench/results/prefill_h200_run4.json): 4k prompt
     160.7 vs 181.5 ms. "fa2": scores and O in registers on mma.sync, cp.async double buffering
-    (attention.cu); written for the H200 but not yet run on one."""
+    (prefill_attention.cu); written for the H200 but not yet run on one."""
     gemm_candidates: int = 0
     """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
     cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape. Off by

@@ -14,7 +14,7 @@ import subprocess
 from blink.gpu.cuda_api import Driver
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
-SOURCES = ("model_kernels.cu", "attention.cu", "flash_decode.cu", "sampling.cu")
+SOURCES = ("model_kernels.cu", "attention.cu", "prefill_attention.cu", "flash_decode.cu", "sampling.cu")
 HEADERS = ("common.cuh",)
 NVCC_FLAGS = ("-arch=sm_90", "-O3", "-std=c++17", "-cubin", "--expt-relaxed-constexpr")
 DEFAULT_CACHE = pathlib.Path(__file__).resolve().parents[2] / "build" / "kernels"

@@ -1,0 +1,480 @@
+// Paged attention, prefill: packed varlen queries that also attend to previously cached context
+// (flash-style tiles on tensor cores: WMMA for "smem" / "rego", mma.sync for "fa2").
+//
+// KV cache of one layer: k_cache, v_cache [num_blocks, block_size, nkv, HD] bf16; token p of
+// sequence s lives in block block_tables[s][p / block_size], row p % block_size. Causality: the
+// query at position p attends keys 0..p, and the queries of a chunk sit at the end of the
+// sequence (prefix = seq_len - q_len), so chunked prefill needs no extra metadata.
+//
+// Prefill: grid (T/64 + S, nq), 128 threads = 4 warps, a 64-query tile of one sequence and one
+// head (tile -> sequence by a warp scan over cu_q_lens). Per 64-key tile: S = Q K^T (each warp
+// 16 rows x 64 keys on WMMA, Q kept in registers as A fragments), masked online softmax with a
+// lane pair per row, P (bf16) V on WMMA. Variants: "smem" accumulates O in shared memory and
+// prefetches the next K/V tile into registers; "rego" keeps the O accumulators in registers
+// across tiles (rescaled in place through the sm_80+ accumulator layout) and loads K/V per tile.
+// Shared memory (HD=128): K,V 2 x 64 x 136 x 2 = 34 KiB, S 64 x 68 x 4 = 17 KiB, P 64 x 72 x 2
+// = 9 KiB, O 64 x 132 x 4 = 33 KiB (rego: only for the final write), row stats 0.75 KiB:
+// ~94 KiB, so two blocks fit on an SM.
+// "fa2" (FlashAttention-2's structure; same grid and tile-to-sequence mapping): scores, softmax
+// and O never leave registers. mma.sync m16n8k16 (bf16 -> fp32) with ldmatrix operands: each warp
+// holds its 16 Q rows as A fragments, the 16 x 64 score tile as accumulators, turns the
+// probabilities into the A fragments of P V in place (bf16), and keeps O (16 x HD) in
+// accumulators; row max / sum over the 4 lanes of a quad by shuffles, the sum reduced once at the
+// end. K/V tiles arrive by cp.async, double buffered (the next tile's copies in flight during
+// this tile's math), rows past the context zero-filled. Shared memory: Q 64 x (HD+8) + 2 stages x
+// (K, V) 64 x (HD+8), bf16 = 85 KiB at HD=128.
+#include <mma.h>
+
+#include "common.cuh"
+
+using namespace nvcuda;
+
+// The (sequence, BM-query tile) a prefill block works on: tiles are numbered sequence after
+// sequence, so warp 0 scans the tile counts of cu_q_lens (a warp prefix sum per 32 sequences) for
+// the one holding blockIdx.x; sh_s = -1 when the block is past the live tiles. Ends in a barrier.
+template <int BM>
+__device__ __forceinline__ void prefill_tile_of_block(const int* __restrict__ cu_q_lens,
+                                                      const uint32_t* __restrict__ num_seqs, int& sh_s,
+                                                      int& sh_tile) {
+  const int lane = threadIdx.x & 31;
+  if ((threadIdx.x >> 5) == 0) {
+    if (lane == 0) sh_s = -1;
+    __syncwarp();
+    const int ns = (int)*num_seqs;
+    int base = 0;
+    for (int s0 = 0; s0 < ns && base <= (int)blockIdx.x; s0 += 32) {
+      const int s = s0 + lane;
+      int nt = 0;
+      if (s < ns) nt = (cu_q_lens[s + 1] - cu_q_lens[s] + BM - 1) / BM;
+      int inc = nt;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(FULL_MASK, inc, o);
+        if (lane >= o) inc += y;
+      }
+      const int excl = base + inc - nt;
+      if (nt > 0 && (int)blockIdx.x >= excl && (int)blockIdx.x < excl + nt) {
+        sh_s = s;
+        sh_tile = blockIdx.x - excl;
+      }
+      base += __shfl_sync(FULL_MASK, inc, 31);
+    }
+  }
+  __syncthreads();
+}
+
+template <int HD, bool REGO>
+__device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                                  const bf16* __restrict__ v_cache, bf16* __restrict__ out,
+                                                  const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
+                                                  const int* __restrict__ block_tables,
+                                                  const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
+                                                  float scale_log2) {
+  constexpr int BM = 64, BN = 64, LDH = HD + 8, LDS = BN + 4, LDP = BN + 8, LDO = HD + 4;
+  constexpr int V8 = HD / 8;                 // 16-byte vectors per row
+  constexpr int PER = BN * V8 / 128;         // vectors of a K (or V) tile per thread
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Ks = reinterpret_cast<bf16*>(smem);  // also stages the Q tile before the loop
+  bf16* Vs = Ks + BN * LDH;
+  float* Ss = reinterpret_cast<float*>(Vs + BN * LDH);
+  bf16* Ps = reinterpret_cast<bf16*>(Ss + BM * LDS);
+  float* Os = reinterpret_cast<float*>(Ps + BM * LDP);
+  float* m_s = Os + BM * LDO;
+  float* l_s = m_s + BM;
+  float* a_s = l_s + BM;
+  __shared__ int sh_s, sh_tile;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
+  prefill_tile_of_block<BM>(cu_q_lens, num_seqs, sh_s, sh_tile);
+  const int s = sh_s;
+  if (s < 0) return;
+  const int q0 = cu_q_lens[s], ql = cu_q_lens[s + 1] - q0;
+  const int pre = seq_lens[s] - ql;
+  const int r0 = sh_tile * BM, rows = min(BM, ql - r0);
+  const int kv_end = pre + r0 + rows;
+  const int* bt = block_tables + (size_t)s * mbps;
+  const bf16x8 zero8 = {};
+  // Q tile -> smem (staged in the K buffer) -> this warp's A fragments, kept in registers.
+  for (int idx = tid; idx < BM * V8; idx += blockDim.x) {
+    const int r = idx / V8, c = (idx % V8) * 8;
+    *reinterpret_cast<bf16x8*>(Ks + r * LDH + c) =
+        r < rows ? *reinterpret_cast<const bf16x8*>(q + ((size_t)(q0 + r0 + r) * nq + h) * HD + c) : zero8;
+  }
+  for (int idx = tid; idx < BM * LDO; idx += blockDim.x) Os[idx] = 0.f;
+  if (tid < BM) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+  }
+  __syncthreads();
+  const int wr = warp * 16;  // this warp's 16 query rows
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> qa[HD / 16];
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) wmma::load_matrix_sync(qa[kk], Ks + wr * LDH + kk * 16, LDH);
+  // K/V tiles are loaded into registers one tile ahead, so the loads overlap the tile's math.
+  bf16x8 kreg[PER], vreg[PER];
+  auto fetch = [&](int kt) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int idx = tid + i * 128;
+      const int key = kt + idx / V8, c = (idx % V8) * 8;
+      if (key < kv_end) {
+        const size_t off = (((size_t)bt[key / bs] * bs + key % bs) * nkv + kvh) * HD + c;
+        kreg[i] = *reinterpret_cast<const bf16x8*>(k_cache + off);
+        vreg[i] = *reinterpret_cast<const bf16x8*>(v_cache + off);
+      } else {
+        kreg[i] = zero8;
+        vreg[i] = zero8;
+      }
+    }
+  };
+  // REGO: the O accumulators stay in registers across tiles (WMMA fragments, rescaled in place
+  // through the sm_80+ accumulator layout), so there is no prefetch: the registers go to O.
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> oacc[HD / 16];
+#pragma unroll
+  for (int n = 0; n < HD / 16; ++n) wmma::fill_fragment(oacc[n], 0.f);
+  if (!REGO) fetch(0);
+  for (int kt = 0; kt < kv_end; kt += BN) {
+    __syncthreads();  // every warp is done with the previous tile (and with the staged Q)
+    if (REGO) fetch(kt);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int idx = tid + i * 128;
+      const int r = idx / V8, c = (idx % V8) * 8;
+      *reinterpret_cast<bf16x8*>(Ks + r * LDH + c) = kreg[i];
+      *reinterpret_cast<bf16x8*>(Vs + r * LDH + c) = vreg[i];
+    }
+    __syncthreads();
+    if (!REGO && kt + BN < kv_end) fetch(kt + BN);
+    {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[BN / 16];
+#pragma unroll
+      for (int n = 0; n < BN / 16; ++n) wmma::fill_fragment(sacc[n], 0.f);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+        for (int n = 0; n < BN / 16; ++n) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b;
+          wmma::load_matrix_sync(b, Ks + (n * 16) * LDH + kk * 16, LDH);
+          wmma::mma_sync(sacc[n], qa[kk], b, sacc[n]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < BN / 16; ++n)
+        wmma::store_matrix_sync(Ss + wr * LDS + n * 16, sacc[n], LDS, wmma::mem_row_major);
+    }
+    __syncwarp();
+    {
+      // Online softmax, all 16 rows of the warp at once: lane pair (2i, 2i+1) owns row wr + i,
+      // one half of its 64 scores each (the odd lane walks its half rotated by 16 columns, so
+      // the pair reads different banks). Then each lane rescales its half of the O row.
+      const int r = wr + (lane >> 1), half = lane & 1;
+      const int qpos = pre + r0 + r;
+      const bool live = r < rows;
+      const float* srow = Ss + r * LDS;
+      float mx = -INFINITY;
+#pragma unroll 8
+      for (int j = 0; j < 32; ++j) {
+        const int col = half * 32 + ((j + 16 * half) & 31);
+        if (live && kt + col <= qpos) mx = fmaxf(mx, srow[col] * scale_log2);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+      const float m_old = m_s[r];
+      const float m_new = fmaxf(m_old, mx);
+      bf16* prow = Ps + r * LDP;
+      float sum = 0.f, a = 1.f;
+      if (m_new == -INFINITY) {
+        for (int j = 0; j < 32; ++j) prow[half * 32 + j] = tobf(0.f);
+      } else {
+#pragma unroll 8
+        for (int j = 0; j < 32; ++j) {
+          const int col = half * 32 + ((j + 16 * half) & 31);
+          const float p = (live && kt + col <= qpos) ? exp2f(srow[col] * scale_log2 - m_new) : 0.f;
+          prow[col] = tobf(p);
+          sum += p;
+        }
+        a = exp2f(m_old - m_new);
+      }
+      sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+      __syncwarp();  // both lanes of the pair have read m_s[r]
+      if (half == 0) {
+        l_s[r] = l_s[r] * a + sum;
+        m_s[r] = m_new;
+        a_s[r] = a;
+      }
+      if (!REGO) {
+        float4* orow = reinterpret_cast<float4*>(Os + r * LDO + half * (HD / 2));
+#pragma unroll 4
+        for (int d = 0; d < HD / 8; ++d) {
+          float4 o = orow[d];
+          o.x *= a;
+          o.y *= a;
+          o.z *= a;
+          o.w *= a;
+          orow[d] = o;
+        }
+      }
+    }
+    __syncwarp();
+    if (REGO) {
+      // accumulator element i of a 16x16 fragment: row lane/4 + 8*((i>>1)&1), col (lane%4)*2 + (i&1) + 8*(i>>2)
+      const float a_lo = a_s[wr + (lane >> 2)], a_hi = a_s[wr + (lane >> 2) + 8];
+#pragma unroll
+      for (int n = 0; n < HD / 16; ++n) {
+#pragma unroll
+        for (int i = 0; i < oacc[n].num_elements; ++i) oacc[n].x[i] *= ((i >> 1) & 1) ? a_hi : a_lo;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
+          wmma::load_matrix_sync(a, Ps + wr * LDP + kk * 16, LDP);
+          wmma::load_matrix_sync(b, Vs + (kk * 16) * LDH + n * 16, LDH);
+          wmma::mma_sync(oacc[n], a, b, oacc[n]);
+        }
+      }
+    } else {
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+      wmma::load_matrix_sync(o, Os + wr * LDO + n * 16, LDO, wmma::mem_row_major);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
+        wmma::load_matrix_sync(a, Ps + wr * LDP + kk * 16, LDP);
+        wmma::load_matrix_sync(b, Vs + (kk * 16) * LDH + n * 16, LDH);
+        wmma::mma_sync(o, a, b, o);
+      }
+      wmma::store_matrix_sync(Os + wr * LDO + n * 16, o, LDO, wmma::mem_row_major);
+    }
+    }
+    __syncwarp();
+  }
+  if (REGO) {
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) wmma::store_matrix_sync(Os + wr * LDO + n * 16, oacc[n], LDO, wmma::mem_row_major);
+    __syncwarp();
+  }
+  for (int rr = 0; rr < 16; ++rr) {
+    const int r = wr + rr;
+    if (r >= rows) break;
+    const float inv = 1.f / l_s[r];
+    for (int d = lane; d < HD; d += 32) out[((size_t)(q0 + r0 + r) * nq + h) * HD + d] = tobf(Os[r * LDO + d] * inv);
+  }
+}
+
+// ---- "fa2" prefill (see the header comment) -------------------------------------------------
+__device__ __forceinline__ uint32_t fa2_smem(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void fa2_cp16(void* smem, const void* gmem, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fa2_smem(smem)), "l"(gmem), "r"(ok ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void fa2_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void fa2_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// Four 8x8 b16 matrices; lane l addresses row l % 8 of matrix l / 8; r[j] = matrix j's
+// (row l / 4, cols 2 (l % 4), +1). `.trans`: matrix j's (rows 2 (l % 4), +1; col l / 4).
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(fa2_smem(p)));
+}
+__device__ __forceinline__ void ldsm4t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(fa2_smem(p)));
+}
+
+// D (16x8 fp32) += A (16x16 bf16, row) B (16x8 bf16, col). Fragments, g = lane / 4, t = lane % 4:
+// A a0 (g, 2t..2t+1) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..); B b0 (2t..2t+1, g) b1 (2t+8.., g);
+// D d0 d1 (g, 2t, 2t+1), d2 d3 (g+8, 2t, 2t+1).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = the lower column
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                                      const bf16* __restrict__ v_cache, bf16* __restrict__ out,
+                                                      const int* __restrict__ cu_q_lens,
+                                                      const int* __restrict__ seq_lens,
+                                                      const int* __restrict__ block_tables,
+                                                      const uint32_t* __restrict__ num_seqs, int nkv, int bs,
+                                                      int mbps, float scale_log2) {
+  constexpr int BM = 64, BN = 64, LD = HD + 8;  // row stride: an odd number of 16-byte units
+  constexpr int NK = HD / 16, ND = HD / 8, CH = HD / 8, NB = BN / 8;
+  static_assert(HD % 16 == 0 && ND % 2 == 0, "head dim: a multiple of 16");
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem);
+  bf16* Kst = Qs + BM * LD;       // [2][BN][LD]
+  bf16* Vst = Kst + 2 * BN * LD;  // [2][BN][LD]
+  __shared__ int sh_s, sh_tile;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
+  prefill_tile_of_block<BM>(cu_q_lens, num_seqs, sh_s, sh_tile);
+  const int s = sh_s;
+  if (s < 0) return;
+  const int q0 = cu_q_lens[s], ql = cu_q_lens[s + 1] - q0;
+  const int pre = seq_lens[s] - ql;
+  const int r0 = sh_tile * BM, rows = min(BM, ql - r0);
+  const int kv_end = pre + r0 + rows;  // keys this tile's last query sees
+  const int n_tiles = (kv_end + BN - 1) / BN;
+  const int* bt = block_tables + (size_t)s * mbps;
+  for (int idx = tid; idx < BM * CH; idx += blockDim.x) {  // Q tile, rows past the chunk zeroed
+    const int r = idx / CH, c = (idx % CH) * 8;
+    const bool ok = r < rows;
+    fa2_cp16(Qs + r * LD + c, q + ((size_t)(q0 + r0 + (ok ? r : 0)) * nq + h) * HD + c, ok);
+  }
+  auto load_kv = [&](int stage, int kt) {
+    bf16* Kd = Kst + stage * BN * LD;
+    bf16* Vd = Vst + stage * BN * LD;
+    for (int idx = tid; idx < BN * CH; idx += blockDim.x) {
+      const int r = idx / CH, c = (idx % CH) * 8;
+      const int key = kt + r;
+      const bool ok = key < kv_end;
+      const int kk = ok ? key : 0;
+      const size_t off = (((size_t)bt[kk / bs] * bs + kk % bs) * nkv + kvh) * HD + c;
+      fa2_cp16(Kd + r * LD + c, k_cache + off, ok);
+      fa2_cp16(Vd + r * LD + c, v_cache + off, ok);
+    }
+  };
+  load_kv(0, 0);
+  fa2_commit();  // group 0: Q and the first K/V tile
+
+  const int g = lane >> 2, t = lane & 3, wr = warp * 16;
+  const int qpos = pre + r0 + wr + g;  // position of the row g query (row g + 8: qpos + 8)
+  uint32_t qf[NK][4];
+  float o[ND][4];
+#pragma unroll
+  for (int n = 0; n < ND; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int it = 0; it < n_tiles; ++it) {
+    const int kt = it * BN, stage = it & 1;
+    if (it + 1 < n_tiles) {  // the next tile into the other stage (freed by the last barrier)
+      load_kv(stage ^ 1, kt + BN);
+      fa2_commit();
+      fa2_wait<1>();
+    } else {
+      fa2_wait<0>();
+    }
+    __syncthreads();  // this tile (and Q) copied by every thread
+    if (it == 0) {
+#pragma unroll
+      for (int kk = 0; kk < NK; ++kk) ldsm4(qf[kk], Qs + (wr + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+    }
+    const bf16* Ks = Kst + stage * BN * LD;
+    const bf16* Vs = Vst + stage * BN * LD;
+    float sc[NB][4];
+#pragma unroll
+    for (int n = 0; n < NB; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+#pragma unroll
+      for (int n = 0; n < NB; n += 2) {  // keys 8n..8n+15: (keys, dims) b0 b1 of block n, then of n + 1
+        uint32_t b[4];
+        ldsm4(b, Ks + (n * 8 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+        mma_bf16(sc[n], qf[kk], b[0], b[1]);
+        mma_bf16(sc[n + 1], qf[kk], b[2], b[3]);
+      }
+    }
+    // causal mask and the scale (base 2), then the online softmax of rows g (i = 0) and g + 8 (i = 1)
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kt + n * 8 + 2 * t + (e & 1);
+        const bool ok = key < kv_end && key <= qpos + (e >> 1) * 8;
+        sc[n][e] = ok ? sc[n][e] * scale_log2 : -INFINITY;
+        mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
+      }
+    }
+    float mu[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 2));
+      const float mn = fmaxf(m[i], mx[i]);
+      mu[i] = mn == -INFINITY ? 0.f : mn;  // a row with no key yet: keep every term at exp2(-inf) = 0
+      const float alpha = exp2f(m[i] - mu[i]);
+      m[i] = mn;
+      l[i] *= alpha;
+#pragma unroll
+      for (int n = 0; n < ND; ++n) {
+        o[n][2 * i] *= alpha;
+        o[n][2 * i + 1] *= alpha;
+      }
+    }
+    uint32_t pf[BN / 16][4];  // P as the A fragments of P V: keys 16c..16c+15
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[n][e] = exp2f(sc[n][e] - mu[e >> 1]);
+        l[e >> 1] += sc[n][e];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < BN / 16; ++c) {
+      pf[c][0] = pack_bf16x2(sc[2 * c][0], sc[2 * c][1]);
+      pf[c][1] = pack_bf16x2(sc[2 * c][2], sc[2 * c][3]);
+      pf[c][2] = pack_bf16x2(sc[2 * c + 1][0], sc[2 * c + 1][1]);
+      pf[c][3] = pack_bf16x2(sc[2 * c + 1][2], sc[2 * c + 1][3]);
+    }
+#pragma unroll
+    for (int c = 0; c < BN / 16; ++c) {
+#pragma unroll
+      for (int n = 0; n < ND; n += 2) {  // V^T tiles: (keys 0-7, 8-15) x dims 8n.., then dims 8n+8..
+        uint32_t b[4];
+        ldsm4t(b, Vs + (c * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * LD + n * 8 + (lane >> 4) * 8);
+        mma_bf16(o[n], pf[c], b[0], b[1]);
+        mma_bf16(o[n + 1], pf[c], b[2], b[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before the next iteration refills it
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(FULL_MASK, l[i], 1);
+    l[i] += __shfl_xor_sync(FULL_MASK, l[i], 2);
+    const int r = wr + g + 8 * i;
+    if (r >= rows) continue;
+    const float inv = 1.f / l[i];
+    bf16* orow = out + ((size_t)(q0 + r0 + r) * nq + h) * HD;
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+      *reinterpret_cast<__nv_bfloat162*>(orow + n * 8 + 2 * t) =
+          __floats2bfloat162_rn(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+  }
+}
+
+#define PREFILL_PER_HD(HD)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(128) attn_prefill_hd##HD(                                      \
+      const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
+      const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
+    attn_prefill_impl<HD, false>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                           \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(128) attn_prefill_rego_hd##HD(                                 \
+      const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
+      const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
+    attn_prefill_impl<HD, true>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                            \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_fa2_hd##HD(                               \
+      const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
+      const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
+    attn_prefill_fa2_impl<HD>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                              \
+  }
+PREFILL_PER_HD(16)
+PREFILL_PER_HD(32)
+PREFILL_PER_HD(64)
+PREFILL_PER_HD(128)
