@@ -133,31 +133,19 @@ class ProcLauncher:
         self._device = ""
 
     def up(self, cfg: DeployConfig) -> str:
-        from blink.actors import engines
-        from blink.actors.gpu_actor import GpuActor, resolve_device
-        from blink.protocol.layout import RingGeometry
-        from blink.protocol.transport import ShmTransport
+        from blink.launch import create_ring, device_spec, start_device
 
-        self._device = resolve_device(cfg.serving.device.kind)
-        rc = cfg.serving.ring
         for i in range(cfg.deploy.replicas):
             name = cfg.ring_name(i)
             if os.path.exists(f"/dev/shm/{name}"):  # left by a crashed run: replace, as a GPU actor does
                 os.unlink(f"/dev/shm/{name}")
-            t = ShmTransport.create(name, RingGeometry(rc.n_slots, rc.prompt_arena_tokens, rc.output_capacity))
+            t = create_ring(name, cfg.serving.ring)
             self._rings.append(t)
-            start = engines.start_cuda if self._device == "cuda" else engines.start_emulated
-            old = os.environ.get("CUDA_VISIBLE_DEVICES")
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(i)  # read when the engine process is spawned
-            try:
-                self._engines.append(start(cfg, name, lambda rc: None))
-            finally:
-                if old is None:
-                    os.environ.pop("CUDA_VISIBLE_DEVICES")
-                else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = old
+            spec = device_spec(cfg.serving, name)
+            self._device = spec.kind
+            self._engines.append(start_device(spec, env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(i))))
         for e, t in zip(self._engines, self._rings, strict=True):
-            GpuActor._wait_ready(e, t)
+            e.wait_ready(t, timeout=cfg.deploy.start_timeout_s)
         n_fe = cfg.frontend_count(cfg.deploy.replicas)
         port = None
         for k in range(n_fe):  # frontend 0 binds the configured port, the others share the port it bound
@@ -188,8 +176,8 @@ class ProcLauncher:
             fe.terminate()
         for fe in self._frontends:
             fe.wait(30)
-        for e in self._engines:
-            e.stop(30.0)
+        for e, t in zip(self._engines, self._rings, strict=True):
+            e.stop(t, timeout=30.0)
         for t in self._rings:
             t.unlink()
             t.close()

@@ -3,9 +3,10 @@
 #   bash bench/sched_run.sh [tests|bench|all]     (OUT=dir for results, default /tmp/sched_out)
 # Writes at most 6 files: sched_log.txt (every log), sched_overhead.json, sched_bench/*.json,
 # sched_bench_135m/ablation.json. bench/run_gpu.sh calls this (part "sched"). SCHED_SKIP=sigstop,...
-# skips parts of the 8B benchmark. Needs nothing beyond the H200 image (no msgspec on the GPU path).
+# skips parts of the 8B benchmark. Needs the H200 image plus msgspec (the device process's spec is
+# msgspec JSON): carry .whl (msgspec's wheel), installed here when the image lacks it.
 # DECODE_ATTENTION=basic: engines use that decode attention (bench/run_gpu.sh's fallback when the
-# default one fails the engine tests); conformance then uses serve.conformance_factory_basic.
+# default one fails the engine tests); conformance then runs its device with it too.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sched_out}
@@ -16,10 +17,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
 DA=${DECODE_ATTENTION:-}
 DA_ARGS=()
-FACTORY=blink.gpu.serve:conformance_factory
+DEVICE='{"kind": "cuda"}'
 if [ -n "$DA" ]; then
   DA_ARGS=(--decode-attention "$DA")
-  [ "$DA" = basic ] && FACTORY=blink.gpu.serve:conformance_factory_basic
+  DEVICE="{\"kind\": \"cuda\", \"decode_attention\": \"$DA\"}"
+fi
+if ! $PY -c "import msgspec" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/blink-site .whl/msgspec-*.whl || exit 1
+  export PYTHONPATH="$PYTHONPATH:/tmp/blink-site"
 fi
 step() {  # step NAME TIMEOUT CMD... : full output into $LOG, its summary lines to stdout
   local name=$1 limit=$2
@@ -49,7 +54,7 @@ if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
     rc=$?
   fi
   [ $rc -eq 0 ] || exit $rc  # the mechanics are broken: the rest would only time out
-  BLINK_DEVICE_FACTORY=$FACTORY step conformance 150 "${PT[@]}" -m "not slow" tests/conformance
+  BLINK_CONFORMANCE_DEVICE=$DEVICE step conformance 150 "${PT[@]}" -m "not slow" tests/conformance
   rc=$((rc | $?))
   step overhead 60 $PY bench/sched_overhead.py --out "$OUT/sched_overhead.json" ${DA_ARGS[@]+"${DA_ARGS[@]}"}
   rc=$((rc | $?))

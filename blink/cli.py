@@ -192,7 +192,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except C.ConfigError as e:
         print(f"blink: config error: {e}", file=sys.stderr)
         return 2
-    cfg = resolve_device(cfg)
     if args.command == "serve":
         return _serve(cfg)
     return _generate(cfg, args)
@@ -229,23 +228,6 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def gpu_usable() -> bool:
-    """True when CUDA can see a device. Probed here, at the edge: the frontend roles never import cupy."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver, no device: all mean "no usable GPU"
-        return False
-
-
-def resolve_device(cfg: C.BlinkConfig) -> C.BlinkConfig:
-    """`--device auto` -> cuda when a GPU is usable, else emulated."""
-    if cfg.device.kind != "auto":
-        return cfg
-    return cfg.replace(device={"kind": "cuda" if gpu_usable() else "emulated"})
-
-
 def _run(coro: Any) -> Any:
     import uvloop
 
@@ -253,7 +235,7 @@ def _run(coro: Any) -> Any:
 
 
 def _serve(cfg: C.BlinkConfig) -> int:
-    from blink.dpu.launch import Stack, stderr_progress
+    from blink.launch import Stack, stderr_progress
 
     stack = Stack(cfg, stderr_progress)
     try:
@@ -289,7 +271,7 @@ async def _serve_async(stack: Any) -> None:
 
 
 def _generate(cfg: C.BlinkConfig, args: argparse.Namespace) -> int:
-    from blink.dpu.launch import Stack
+    from blink.launch import Stack
 
     stack = Stack(cfg, progress=None)
     try:

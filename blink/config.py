@@ -117,7 +117,7 @@ class DeviceConfig:
         _bounds("device", "kv_block_size", self.kv_block_size, 1, 1024)
         if self.num_kv_blocks is not None:
             _bounds("device", "num_kv_blocks", self.num_kv_blocks, 1, 1 << 24)
-        _bounds("device", "kv_cache_fraction", self.kv_cache_fraction, 0.01, 0.99)
+        _bounds("device", "kv_cache_fraction", self.kv_cache_fraction, 0.01, 0.95)
         if self.max_context is not None:
             _bounds("device", "max_context", self.max_context, 2, 1 << 24)
         _bounds("device", "ready_timeout_s", self.ready_timeout_s, 1, 24 * 3600)

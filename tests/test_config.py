@@ -34,6 +34,7 @@ def test_defaults_are_safe_and_frozen():
         ({"device": {"kind": "tpu"}}, "device.kind"),
         ({"device": {"scheduler": "cpu"}}, "device.scheduler"),
         ({"device": {"kv_cache_fraction": 1.5}}, "device.kv_cache_fraction"),
+        ({"device": {"kv_cache_fraction": 0.97}}, "device.kv_cache_fraction"),  # an error, not a silent clamp
         ({"device": {"num_kv_blocks": 0}}, "device.num_kv_blocks"),
         ({"device": {"max_batch": None}}, "device.max_batch"),
         ({"model": {"spec": ""}}, "model.spec"),

@@ -6,6 +6,7 @@ ring and a mid-stream disconnect can be observed)."""
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import os
 import re
@@ -678,12 +679,17 @@ def test_n_choices_over_a_full_ring(smol):
 # -- device failure ---------------------------------------------------------------------------
 
 
+def child_pids(pid: int) -> list[str]:
+    """The children of every thread of `pid` (the device is forked from a thread that owns it)."""
+    return [c for t in glob.glob(f"/proc/{pid}/task/*/children") for c in open(t).read().split()]
+
+
 def test_device_hang_ends_stream_with_error_health_503_then_recovers(tmp_path):
     cfg = tmp_path / "blink.json"
     cfg.write_text(json.dumps({"server": {"heartbeat_timeout_s": 1.0}, "model": {"spec": "random:tiny-llama"}}))
     s = Server("--config", str(cfg), "--num-kv-blocks", "128", "--n-slots", "4")
     try:
-        children = open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split()
+        children = child_pids(s.proc.pid)
         assert len(children) == 1, children  # the emulated device process
         import urllib.error
         import urllib.request
@@ -740,7 +746,7 @@ def test_device_crash_is_seen_at_once():
     # default heartbeat timeout (30 s): the exited device process is noticed well before it
     s = Server("--model", "random:tiny-llama", "--num-kv-blocks", "128", "--n-slots", "4")
     try:
-        (child,) = open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split()
+        (child,) = child_pids(s.proc.pid)
         os.kill(int(child), signal.SIGKILL)
         t0 = time.monotonic()
         code, js = _post(s.url + "/v1/completions", json.dumps({"model": "tiny-llama", "prompt": "x", "max_tokens": 5}))

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from conformance.client import RingClient
@@ -16,8 +17,10 @@ from conformance.hash_executor import HashExecutor, reference_greedy
 from blink.device.kv_blocks import BlockManager
 from blink.device.ring_device import RingDevice, build_batch
 from blink.device.scheduler import Scheduler, SchedulerConfig
+from blink.launch import start_device
 from blink.protocol.layout import DeviceStatus, FinishReason, RingGeometry, SlotError
 from blink.protocol.transport import ShmTransport
+from blink.protocol.wire import DeviceSpec
 
 VOCAB = 512
 
@@ -164,44 +167,50 @@ def test_build_batch_packs_chunks_and_block_tables():
     assert b.sample_pos.tolist() == [0, 0]
 
 
-def test_emulated_config_round_trips_through_its_command_line():
-    from blink.device.emulated import EmulatedDeviceConfig, parse_args
+def _spec(ring: str, **kw) -> DeviceSpec:
+    base = dict(ring=ring, kind="emulated", model="random:tiny-llama", scheduler="gpu", max_batch=16, max_tokens=256)
+    base.update(kv_block_size=16, num_kv_blocks=32, kv_cache_fraction=0.9, max_context=0)
+    return DeviceSpec(**{**base, **kw})
 
-    cfg = EmulatedDeviceConfig(ring="r1", model="random:tiny-qwen3", kv_blocks=9, max_batch=3, max_context=100)
-    assert parse_args(cfg.argv()) == cfg
-    with pytest.raises(SystemExit):
-        parse_args(["--ring", "r", "--no-such-flag", "1"])
+
+def test_device_spec_crosses_the_process_boundary_as_json_and_is_checked():
+    spec = _spec("r1", model="random:tiny-qwen3", num_kv_blocks=9, max_batch=3, max_context=100)
+    assert msgspec.json.decode(msgspec.json.encode(spec), type=DeviceSpec) == spec
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        msgspec.json.decode(b'{"ring": "r", "no_such_field": 1}', type=DeviceSpec)
     with pytest.raises(ValueError):
-        EmulatedDeviceConfig(ring="r", kv_blocks=0)
+        _spec("r", max_batch=0)
     with pytest.raises(ValueError):
-        EmulatedDeviceConfig(ring="r", executor="not-a-factory")
+        _spec("r", kind="auto")  # resolved before a spec exists
+    with pytest.raises(ValueError):
+        _spec("r", executor="not-a-factory")
+
+
+def test_emulated_kv_pool_is_sized_inside_the_device():
+    from blink.device.emulated import kv_blocks
+
+    assert kv_blocks(_spec("r", num_kv_blocks=9)) == 9
+    assert kv_blocks(_spec("r", num_kv_blocks=0, max_batch=4, max_context=100)) == 4 * 7
+    assert kv_blocks(_spec("r", num_kv_blocks=0, max_batch=2)) == 2 * 2048 // 16
 
 
 def test_emulated_process_with_a_plugged_executor_serves_the_ring():
-    from blink.device.emulated import EmulatedDeviceConfig, start_emulated_device
-
     name = f"blink-test-emu-{os.getpid()}"
     t = ShmTransport.create(name, RingGeometry(8, 8 * 512, 64))
-    proc = start_emulated_device(
-        EmulatedDeviceConfig(
-            ring=name, model="hash:300", executor="tests.conformance.hash_executor:make", kv_blocks=32
-        ),
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    spec = _spec(name, model="hash:300", executor="tests.conformance.hash_executor:make")
+    proc = start_device(spec, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         c = RingClient(t)
-        c.wait_status(DeviceStatus.READY, timeout=30)
+        proc.wait_ready(t, timeout=30)
         assert int(c.header()["vocab_size"]) == 300
         prompts = [[1, 2, 3], list(range(40))]
         results = c.wait([c.submit(p, max_new_tokens=12) for p in prompts], timeout=30)
         assert [r.tokens for r in results] == [reference_greedy(p, 12, 300) for p in prompts]
-        c.shutdown(1)
-        assert proc.wait(30) == 0
+        assert proc.stop(t, timeout=30) == 0
         assert c.h("device_status") == DeviceStatus.STOPPED
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        proc.kill()
+        proc.wait(10)
         t.close()
         t.unlink()
 

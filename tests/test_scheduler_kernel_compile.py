@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -60,35 +61,29 @@ def test_kernel_keeps_within_one_block_budget(tmp_path):
     assert regs * S.THREADS <= 65536
 
 
-# -- the device process's configuration (blink.gpu.serve), no GPU needed ---------------------------
+# -- the CUDA device process's engine settings, derived from its spec (blink.gpu.serve), no GPU needed --
 
 
-def test_serve_config_round_trips_through_its_command_line():
-    from blink.gpu.serve import GpuServeConfig, parse_args
-
-    cfg = GpuServeConfig(ring="r1", model="random:tiny-llama", scheduler="host", kv_blocks=64, max_context=512)
-    assert parse_args(cfg.argv()) == cfg
-    with pytest.raises(ValueError):
-        GpuServeConfig(ring="r", scheduler="cpu")
-    with pytest.raises(SystemExit):
-        parse_args(["--ring", "r", "--unknown-key", "1"])
-
-
-def test_blink_serve_device_section_maps_onto_the_gpu_process():
+def test_engine_settings_derive_from_the_blink_serve_spec():
     from blink.config import build
-    from blink.gpu.serve import config_for_blink
+    from blink.gpu.serve import engine_config
+    from blink.launch import device_spec
 
-    cfg = build(None, {"device": {"scheduler": "host", "max_batch": 64, "max_tokens": 32, "num_kv_blocks": 900}})
-    g = config_for_blink("ring-x", cfg)
-    assert (g.ring, g.scheduler, g.max_batch, g.kv_blocks) == ("ring-x", "host", 64, 900)
-    assert g.max_tokens == 64  # a step holds at least one token per sequence
-    assert g.model == cfg.model.spec and g.block_size == cfg.device.kv_block_size
+    cfg = build(None, {"device": {"kind": "cuda", "max_batch": 64, "max_tokens": 32, "num_kv_blocks": 900}})
+    e = engine_config(device_spec(cfg, "ring-x"), max_position=100_000)
+    assert (e.max_seqs, e.num_kv_blocks, e.block_size) == (64, 900, cfg.device.kv_block_size)
+    assert e.max_tokens == 64  # a step holds at least one token per sequence
+    assert e.max_context == 8192  # the model's limit, capped
+    assert e.kv_fraction == cfg.device.kv_cache_fraction == 0.9  # one default, in blink/config.py
 
 
-def test_conformance_spec_maps_onto_the_gpu_process():
-    from blink.gpu.serve import config_for_conformance
+def test_engine_context_is_whole_kv_blocks_and_decode_attention_is_passed():
+    from blink.config import build
+    from blink.gpu.serve import engine_config
+    from blink.launch import device_spec
 
-    spec = dict(model="random:tiny-llama", kv_blocks=16, block_size=16, max_batch=6, max_tokens=128, max_context=256)
-    g = config_for_conformance("ring-y", **spec)
-    assert (g.kv_blocks, g.block_size, g.max_batch, g.max_tokens, g.max_context) == (16, 16, 6, 128, 256)
-    assert g.scheduler == "gpu" and config_for_conformance("r", scheduler="host", **spec).scheduler == "host"
+    cfg = build(None, {"device": {"kind": "cuda", "max_context": 1000, "kv_block_size": 16}})
+    spec = msgspec.structs.replace(device_spec(cfg, "r"), decode_attention="basic")
+    e = engine_config(spec, max_position=2048)
+    assert e.max_context == 992 and e.decode_table == ((1, "basic"),)
+    assert engine_config(msgspec.structs.replace(spec, max_context=0), max_position=500).max_context == 496

@@ -6,7 +6,7 @@
       v
     GpuActor i (gpu_actor.py)            FrontendActor (frontend_actor.py)
       creates ring <ns>-<name>-ring-i      HTTP/SSE ingress (http.py -> blink.dpu.server)
-      engine child process (engines.py):   Router (router.py): one request tracker per ring,
+      device process (blink.launch):       Router (router.py): one request tracker per ring,
         CUDA (blink.gpu.serve) or            most free slots wins, dead rings skipped,
         emulated (blink.device.emulated)     replaced rings re-attached
       status() from the ring header        tokenizer / detokenizer / slot tracker / token reader

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from blink.protocol.layout import DEVICE_COUNTERS, DEVICE_GAUGES, DeviceStatus, RingGeometry
+from blink.launch import DeviceProcess, create_ring, device_spec, start_device
+from blink.protocol.layout import DEVICE_COUNTERS, DEVICE_GAUGES, DeviceStatus
 from blink.protocol.transport import ShmTransport, shm_path
 
 from . import raycount
@@ -32,36 +33,6 @@ log = logging.getLogger(__name__)
 STATUS_FIELDS = DEVICE_GAUGES + DEVICE_COUNTERS + ("fault", "heartbeat_ns", "max_batch", "n_slots")
 
 
-class Engine(Protocol):
-    """What the actor holds after start: something serving the ring until stopped."""
-
-    def alive(self) -> bool: ...
-    def stop(self, timeout_s: float) -> None: ...
-
-
-def resolve_device(device: str) -> str:
-    """auto -> cuda when CuPy sees a GPU in this process, else emulated."""
-    if device != "auto":
-        return device
-    try:
-        import cupy
-
-        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "emulated"
-    except (ImportError, RuntimeError) as e:  # no cupy / no libcuda / old driver: no usable GPU
-        log.info("no usable GPU (%s: %s); using the emulated device", type(e).__name__, e)
-        return "emulated"
-
-
-def start_engine(device: str, cfg: DeployConfig, ring_name: str, on_exit: Callable[[int], None]) -> Engine:
-    """Load the model and start the engine on an existing ring (lazy imports: CUDA only when asked).
-    `on_exit(returncode)` runs when the engine process ends."""
-    from . import engines
-
-    if device == "cuda":
-        return engines.start_cuda(cfg, ring_name, on_exit)
-    return engines.start_emulated(cfg, ring_name, on_exit)
-
-
 class GpuActor:
     def __init__(self, cfg_json: str, replica: int):
         raycount.install()
@@ -71,7 +42,7 @@ class GpuActor:
         self.ring_name = self.cfg.ring_name(replica)
         self._lock = threading.Lock()
         self._transport: ShmTransport | None = None
-        self._engine: Engine | None = None
+        self._engine: DeviceProcess | None = None
         self._device = ""
         self._start_error: str = ""
         self._incarnation = 0
@@ -90,20 +61,23 @@ class GpuActor:
             if self._engine is None:
                 self._incarnation = gen = time.time_ns()
                 self._serving = self._stopping = False
-                rc = self.cfg.serving.ring
-                geo = RingGeometry(rc.n_slots, rc.prompt_arena_tokens, rc.output_capacity)
                 path = shm_path(self.ring_name)
                 if os.path.exists(path):
                     # A ring left by a dead incarnation: unlink rather than reuse, so anyone still
                     # mapping it keeps the old bytes and sees a new inode under the name.
                     os.unlink(path)
-                self._transport = ShmTransport.create(self.ring_name, geo)
-                self._device = resolve_device(self.cfg.serving.device.kind)
-                self._engine = start_engine(
-                    self._device, self.cfg, self.ring_name, lambda rc: self._engine_exited(rc, gen)
-                )
+                self._transport = create_ring(self.ring_name, self.cfg.serving.ring)
+                spec = device_spec(self.cfg.serving, self.ring_name)  # auto resolved here, on the GPU's node
+                self._device = spec.kind
+                # The engine's output goes to a file: nobody has to drain a pipe, and the tail explains
+                # an engine that died during start-up (ring_info() reports the path).
+                fd, log_path = tempfile.mkstemp(prefix=f"blink-{spec.kind}-{self.ring_name}-", suffix=".log")
+                os.close(fd)
+                self._engine = start_device(spec, log_path=log_path, on_exit=lambda rc: self._engine_exited(rc, gen))
                 try:
-                    self._wait_ready(self._engine, self._transport)
+                    # The deployer bounds start() with its own timeout; this one only ends the wait early
+                    # when the engine died (bad model path, out of memory) so its error reaches the caller.
+                    self._engine.wait_ready(self._transport, timeout=float("inf"))
                 except BaseException:
                     self._teardown(drain=False, timeout_s=5.0)  # a retried start() begins afresh
                     raise
@@ -116,16 +90,6 @@ class GpuActor:
         if incarnation == self._incarnation and self._serving and not self._stopping:
             log.error("engine of replica %d exited with %d while serving; exiting the actor", self.replica, returncode)
             os._exit(1)
-
-    @staticmethod
-    def _wait_ready(engine: Engine, transport: ShmTransport) -> None:
-        # The deployer bounds start() with its own timeout; here we only stop waiting early
-        # when the engine died (bad model path, out of memory) so its error reaches the caller.
-        hdr = transport.view().header
-        while int(hdr["device_status"]) != DeviceStatus.READY:
-            if not engine.alive():
-                raise RuntimeError(f"engine exited before READY: {getattr(engine, 'error', '') or 'no error recorded'}")
-            time.sleep(0.01)
 
     def ring_info(self) -> dict[str, Any]:
         raycount.note_incoming("ring_info")
@@ -168,10 +132,8 @@ class GpuActor:
 
     def _teardown(self, drain: bool, timeout_s: float) -> dict[str, Any]:
         self._stopping = True
-        if self._transport is not None:
-            self._transport.view().header["shutdown"] = 1 if drain else 2
-        if self._engine is not None:
-            self._engine.stop(timeout_s)
+        if self._engine is not None and self._transport is not None:
+            self._engine.stop(self._transport, drain, timeout_s)
         st = self.status()
         if self._transport is not None:
             self._transport.unlink()

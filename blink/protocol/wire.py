@@ -74,3 +74,35 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def decoder(kind: type[msgspec.Struct]) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(kind)
+
+
+class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything a device process is given, and the only thing: the launch layer (blink/launch.py)
+    builds it once from the server's config and hands it over as JSON on the command line. Each
+    device derives its own engine and scheduler settings from it, inside its process.
+    Zero means "the device sizes it" wherever a field says so."""
+
+    ring: str  # /dev/shm/<ring>, created by the launcher before the device starts
+    kind: str  # "emulated" (numpy on the CPU) | "cuda"; never "auto": resolved before the spec exists
+    model: str  # blink.models.registry spec: default, a .gguf, an HF dir, random:<preset>
+    scheduler: str  # cuda: "gpu" (persistent scheduler kernel) | "host" (host-driven loop)
+    max_batch: int  # sequences per step
+    max_tokens: int  # packed tokens per prefill step
+    kv_block_size: int  # tokens per KV block
+    num_kv_blocks: int  # KV pool in blocks; 0 = sized by the device
+    kv_cache_fraction: float  # cuda: share of the free GPU memory for the KV pool when num_kv_blocks is 0
+    max_context: int  # tokens per sequence; 0 = the model's limit
+    seed: int = 0  # seed of random weights
+    decode_attention: str = ""  # cuda: decode attention table ("basic", "1:flash,64:basic"); "" = the engine's
+    executor: str = ""  # emulated: executor factory "module:function" (tests); "" = the numpy model
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("emulated", "cuda") or self.scheduler not in ("gpu", "host"):
+            raise ValueError(f"device spec: kind {self.kind!r} / scheduler {self.scheduler!r}")
+        if (
+            min(self.max_batch, self.max_tokens, self.kv_block_size) < 1
+            or min(self.num_kv_blocks, self.max_context) < 0
+        ):
+            raise ValueError(f"device spec: sizes out of range in {self}")
+        if self.executor and ":" not in self.executor:
+            raise ValueError(f"device spec: executor must be 'module:function', got {self.executor!r}")

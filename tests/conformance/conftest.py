@@ -1,12 +1,12 @@
 """Conformance suite fixtures; the device factory and the rig are in rig.py (see its docstring:
-`BLINK_DEVICE_FACTORY=module:function pytest tests/conformance` checks another device)."""
+`BLINK_CONFORMANCE_DEVICE='{"kind": "cuda"}' pytest tests/conformance` checks another device)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
 import pytest
-from conformance.rig import FACTORY_NAME, Rig, RigSpec, open_rig
+from conformance.rig import DEVICE_NAME, Rig, RigSpec, open_rig
 
 from blink.protocol.layout import DeviceStatus
 
@@ -45,4 +45,4 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"conformance device factory: {FACTORY_NAME}"
+    return f"conformance device: {DEVICE_NAME}"

@@ -1,71 +1,57 @@
 """The device under test behind a fresh shared-memory ring (used by conftest's fixtures).
 
 The suite talks to the device only through the ring (tests/conformance/client.py), so any device
-that serves a /dev/shm ring can be checked. Which device is chosen here, and only here (the environment is read nowhere else):
+that serves a /dev/shm ring can be checked. Which device is chosen here, and only here (the
+environment is read nowhere else):
 
-    pytest tests/conformance                                    # the emulated device (CI)
-    BLINK_DEVICE_FACTORY=pkg.module:function pytest tests/conformance   # e.g. the CUDA scheduler
+    pytest tests/conformance                                              # the emulated device (CI)
+    BLINK_CONFORMANCE_DEVICE='{"kind": "cuda"}' pytest tests/conformance  # the GPU-resident scheduler
 
-A device factory is called as
-
-    factory(ring: str, *, model: str, kv_blocks: int, block_size: int, max_batch: int,
-            max_tokens: int, max_context: int) -> handle
-
-after the test created the ring /dev/shm/<ring> (geometry chosen by the test). It must start the
-device serving that ring and return at once; `handle` is `subprocess.Popen`-like (poll(), wait(timeout),
-kill()). The suite waits for device_status READY, runs, sets header.shutdown and waits for STOPPED
-and for the handle to exit. `model` is a spec of blink.models.registry: "random:tiny-llama" (most
+BLINK_CONFORMANCE_DEVICE holds DeviceSpec fields (blink.protocol.wire) as JSON, laid over the spec
+each test's RigSpec gives, e.g. '{"kind": "cuda", "scheduler": "host"}' (the host-driven loop) or
+'{"kind": "cuda", "decode_attention": "basic"}'. The device starts as `blink serve` starts it
+(blink.launch.start_device) after the test created the ring /dev/shm/<ring> (geometry chosen by the
+test); the suite waits for device_status READY, runs, sets header.shutdown and waits for STOPPED
+and for the process to exit. `model` is a spec of blink.models.registry: "random:tiny-llama" (most
 cases) or "default" (SmolLM2-135M, cases marked `slow`).
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
+import json
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import pytest
 from conformance.client import RingClient
 
-from blink.device.emulated import EmulatedDeviceConfig, start_emulated_device
+from blink.config import BlinkConfig
+from blink.launch import DeviceProcess, device_spec, start_device
 from blink.protocol.layout import DeviceStatus, RingGeometry, SlotState
 from blink.protocol.transport import ShmTransport
+from blink.protocol.wire import DeviceSpec
 
 TINY = "random:tiny-llama"
 SMOLLM2 = "default"
-FACTORY_ENV = "BLINK_DEVICE_FACTORY"
+DEVICE_ENV = "BLINK_CONFORMANCE_DEVICE"
 
 
-def emulated_factory(
-    ring: str, *, model: str, kv_blocks: int, block_size: int, max_batch: int, max_tokens: int, max_context: int
-):
-    cfg = EmulatedDeviceConfig(
-        ring=ring,
-        model=model,
-        kv_blocks=kv_blocks,
-        block_size=block_size,
-        max_batch=max_batch,
-        max_tokens=max_tokens,
-        max_context=max_context,
-    )
-    return start_emulated_device(cfg)
+def _device_from_env() -> dict:
+    try:
+        fields = json.loads(os.environ.get(DEVICE_ENV) or "{}")
+    except json.JSONDecodeError as e:
+        raise pytest.UsageError(f"{DEVICE_ENV} must be a JSON object of DeviceSpec fields: {e}") from e
+    if not isinstance(fields, dict) or set(fields) - set(DeviceSpec.__struct_fields__):
+        raise pytest.UsageError(f"{DEVICE_ENV}: not DeviceSpec fields: {fields!r}")
+    return fields
 
 
-def _factory_from_env() -> tuple[str, Callable]:
-    spec = os.environ.get(FACTORY_ENV, "")
-    if not spec:
-        return "emulated", emulated_factory
-    mod, _, fn = spec.partition(":")
-    if not fn:
-        raise pytest.UsageError(f"{FACTORY_ENV} must be 'module:function', got {spec!r}")
-    return spec, getattr(importlib.import_module(mod), fn)
-
-
-FACTORY_NAME, FACTORY = _factory_from_env()
+DEVICE_FIELDS = _device_from_env()
+DEVICE_NAME = json.dumps(DEVICE_FIELDS) if DEVICE_FIELDS else "emulated"
 
 
 @dataclass(frozen=True)
@@ -92,29 +78,31 @@ class Rig:
         self.name = f"blink-conf-{os.getpid()}-{next(_counter)}"
         geo = RingGeometry(spec.n_slots, spec.n_slots * spec.prompt_tokens_per_slot, spec.output_capacity)
         self.transport = ShmTransport.create(self.name, geo)
-        self.proc = None
+        self.proc: DeviceProcess | None = None
         try:
-            self.proc = FACTORY(
-                self.name,
-                model=spec.model,
-                kv_blocks=spec.kv_blocks,
-                block_size=spec.block_size,
-                max_batch=spec.max_batch,
-                max_tokens=spec.max_tokens,
-                max_context=spec.max_context,
-            )
+            self.proc = start_device(self.device_spec())
             self.client = RingClient(self.transport)
-            t_end = time.monotonic() + start_timeout
-            while self.client.h("device_status") != DeviceStatus.READY:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"device exited with {self.proc.returncode} before READY")
-                if time.monotonic() > t_end:
-                    raise TimeoutError("device not READY")
-                time.sleep(0.01)
+            self.proc.wait_ready(self.transport, start_timeout)
         except BaseException:
             self._kill()
             raise
         self.vocab = int(self.client.header()["vocab_size"])
+
+    def device_spec(self) -> DeviceSpec:
+        """The spec `blink serve` would build for these settings, with BLINK_CONFORMANCE_DEVICE over it."""
+        s = self.spec
+        cfg = BlinkConfig().replace(
+            model={"spec": s.model},
+            device={
+                "kind": "emulated",
+                "num_kv_blocks": s.kv_blocks,
+                "kv_block_size": s.block_size,
+                "max_batch": s.max_batch,
+                "max_tokens": s.max_tokens,
+                "max_context": s.max_context,
+            },
+        )
+        return msgspec.structs.replace(device_spec(cfg, self.name), **DEVICE_FIELDS)
 
     def assert_clean(self) -> None:
         """Every slot EMPTY (the client freed its requests) and the KV pool whole again."""

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import pytest
 
-from blink.protocol.layout import DeviceStatus, RingGeometry
+from blink.config import BlinkConfig
+from blink.launch import device_spec, start_device
+from blink.protocol.layout import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
@@ -22,20 +23,14 @@ PHASE_S = 10.0
 
 
 def test_tokens_keep_flowing_while_the_device_process_is_stopped():
-    from blink.gpu.serve import GpuServeConfig, _popen
-
     name = f"blink-sigstop-{os.getpid()}"
     t = ShmTransport.create(name, RingGeometry(64, 64 * 64, 256))
     view = t.view()
-    cfg = GpuServeConfig(
-        ring=name, model="random:tiny-llama", kv_blocks=512, max_batch=32, max_tokens=256, max_context=1024
-    )
-    proc = _popen(cfg)
+    device = {"kind": "cuda", "num_kv_blocks": 512, "max_batch": 32, "max_tokens": 256, "max_context": 1024}
+    cfg = BlinkConfig().replace(model={"spec": "random:tiny-llama"}, device=device)
+    proc = start_device(device_spec(cfg, name))
     try:
-        t_end = time.monotonic() + 120
-        while int(view.header["device_status"]) != DeviceStatus.READY:
-            assert proc.poll() is None and time.monotonic() < t_end, "device did not start"
-            time.sleep(0.01)
+        proc.wait_ready(t, timeout=120)
         vocab = int(view.header["vocab_size"])
         gen = LoadGen(view)
         steady(gen, 16, 64, 32, 1.0, vocab, seed=0)  # warm up

@@ -1,0 +1,65 @@
+"""The package layers (README, rule 3): protocol/ imports nothing of blink's but itself; the frontend
+(dpu/) and the devices (device/, gpu/) never import each other, nor anything above them (the launch
+layer, actors/, the CLI). Imports are read from the source (function-level lazy ones included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+BLINK = Path(__file__).resolve().parent.parent / "blink"
+
+
+def blink_imports(package: str) -> dict[str, set[str]]:
+    """{file: the blink modules it imports}, for every .py file under blink/<package>."""
+    out: dict[str, set[str]] = {}
+    for path in sorted((BLINK / package).rglob("*.py")):
+        here = ["blink", *path.relative_to(BLINK).with_suffix("").parts]
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against this module's package
+                    base = here[: len(here) - node.level]
+                    names.add(".".join(base + ([node.module] if node.module else [])))
+                else:
+                    names.add(node.module or "")
+        out[str(path.relative_to(BLINK))] = {n for n in names if n == "blink" or n.startswith("blink.")}
+    return out
+
+
+def offenders(package: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    def ok(mod: str) -> bool:
+        return any(mod == a or (a != "blink" and mod.startswith(a + ".")) for a in allowed)
+
+    return {
+        f: sorted(m for m in mods if not ok(m))
+        for f, mods in blink_imports(package).items()
+        if any(not ok(m) for m in mods)
+    }
+
+
+@pytest.mark.parametrize(
+    "package, allowed",
+    [
+        ("protocol", ("blink.protocol",)),
+        # "blink": the package root, for __version__
+        ("dpu", ("blink.dpu", "blink.protocol", "blink.config", "blink.models", "blink")),
+        ("device", ("blink.device", "blink.protocol", "blink.models")),
+        # blink.treedigest: a stdlib-only leaf that stamps benchmark results with the sources that ran
+        ("gpu", ("blink.gpu", "blink.device", "blink.protocol", "blink.models", "blink.treedigest")),
+    ],
+)
+def test_layer_imports_only_what_lies_below_it(package: str, allowed: tuple[str, ...]) -> None:
+    assert offenders(package, allowed) == {}
+
+
+def test_the_check_sees_a_wrong_way_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "dpu"
+    pkg.mkdir()
+    (pkg / "x.py").write_text("def f():\n    from ..gpu import serve\n    import blink.device.emulated\n")
+    monkeypatch.setattr(__import__(__name__), "BLINK", tmp_path)
+    assert offenders("dpu", ("blink.dpu",)) == {"dpu/x.py": ["blink.device.emulated", "blink.gpu"]}
