@@ -208,8 +208,17 @@ class Router:
     def new_request_id(self) -> int:
         return self._any().new_request_id()
 
-    def check_prompt(self, n_prompt: int) -> str | None:
-        return self._any().check_prompt(n_prompt)
+    def check_prompt(self, n_prompt: int, words: int | None = None) -> str | None:
+        return self._any().check_prompt(n_prompt, words)
+
+    @property
+    def features(self) -> int:
+        """DeviceFeatures every replica implements (their devices may differ)."""
+        f = 0xFFFFFFFF
+        for r in self.replicas:
+            if r.up:
+                f &= r.tracker.features
+        return f
 
     def replica_status(self) -> list[dict]:
         out = []

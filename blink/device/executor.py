@@ -10,10 +10,12 @@ meaning as the fields below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+from blink.protocol.layout import LOGPROB_DTYPE
 
 
 @dataclass
@@ -30,6 +32,8 @@ class StepBatch:
     top_k: np.ndarray  # (S,) int32  0 = off
     seeds: np.ndarray  # (S,) uint64
     sample_pos: np.ndarray  # (S,) uint32  index k of the token being sampled
+    # Sampling extensions (blink.device.sampling); None = off for every sequence.
+    ext: SamplingExt | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -40,6 +44,36 @@ class StepBatch:
         return int(self.input_ids.shape[0])
 
 
+@dataclass
+class SamplingExt:
+    """Per-sequence logit_bias, penalties, min_p and logprob requests of a step, and the logprob
+    records the executor writes back. S sequences, T packed tokens, B logit_bias entries."""
+
+    slots: np.ndarray  # (S,) int32  the sequence's ring slot: the key of its penalty state
+    fresh: np.ndarray  # (S,) bool  a new sequence on that slot: its penalty state starts empty
+    emit: np.ndarray  # (S,) bool  the step's sample is published (a mid-prompt chunk's is not)
+    penalized: np.ndarray  # (S,) bool  keeps a penalty state (any penalty or logit_bias set)
+    presence: np.ndarray  # (S,) float32
+    frequency: np.ndarray  # (S,) float32
+    repetition: np.ndarray  # (S,) float32  1 = off
+    min_p: np.ndarray  # (S,) float32  0 = off
+    bias_cu: np.ndarray  # (S+1,) int32  prefix sums of logit_bias entries per sequence
+    bias_ids: np.ndarray  # (B,) int32
+    bias_vals: np.ndarray  # (B,) float32
+    n_logprobs: np.ndarray  # (S,) int32  -1: no record for the sampled token; else alternatives
+    targets: np.ndarray  # (T,) int32  the prompt token packed token i's logits score (-1: none)
+    prompt_n: np.ndarray  # (S,) int32  alternatives of the sequence's prompt records
+    # outputs (filled by execute)
+    logprobs: np.ndarray = field(default=None)  # type: ignore[assignment]  (S,) LOGPROB_DTYPE
+    prompt_logprobs: np.ndarray = field(default=None)  # type: ignore[assignment]  (T,) LOGPROB_DTYPE
+
+    def __post_init__(self) -> None:
+        if self.logprobs is None:
+            self.logprobs = np.zeros(self.slots.shape[0], LOGPROB_DTYPE)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = np.zeros(self.targets.shape[0], LOGPROB_DTYPE)
+
+
 class Executor(Protocol):
     vocab_size: int
     max_context: int  # longest sequence (prompt + generated) the executor accepts
@@ -47,6 +81,7 @@ class Executor(Protocol):
     num_blocks: int  # KV blocks in the pool
     max_batch: int  # sequences per step
     max_tokens: int  # packed tokens per step
+    features: int  # layout.DeviceFeatures: which parts of StepBatch.ext it implements
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         """Run the step: write K/V of every token into its block, sample one token per sequence

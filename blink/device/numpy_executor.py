@@ -11,15 +11,19 @@ from typing import Any
 
 import numpy as np
 
-from blink.device.executor import StepBatch
-from blink.device.sampling import sample
+from blink.device.executor import SamplingExt, StepBatch
+from blink.device.sampling import PenaltyState, logprob_record, logprobs, process_logits, sample
 from blink.models.config import ModelConfig
 from blink.models.llama_numpy import LlamaNumpy
 from blink.models.weights import Weights
+from blink.protocol.layout import DeviceFeatures
 
 
 class NumpyExecutor:
-    """KV pool: k_cache, v_cache (layers, num_blocks, block_size, kv_heads, head_dim) float32."""
+    """KV pool: k_cache, v_cache (layers, num_blocks, block_size, kv_heads, head_dim) float32.
+    Penalty state: one PenaltyState per ring slot whose sequence uses penalties or logit_bias."""
+
+    features = DeviceFeatures.LOGPROBS | DeviceFeatures.PROMPT_LOGPROBS | DeviceFeatures.PENALTIES
 
     def __init__(
         self,
@@ -46,6 +50,7 @@ class NumpyExecutor:
         # Zeroed, not empty: masked-out slots are still multiplied by 0 in softmax @ V.
         self.k_cache = np.zeros(shape, dtype=np.float32)
         self.v_cache = np.zeros(shape, dtype=np.float32)
+        self.penalty_states: dict[int, PenaltyState] = {}
 
     @classmethod
     def from_model(
@@ -99,9 +104,68 @@ class NumpyExecutor:
     def execute(self, batch: StepBatch) -> np.ndarray:
         if batch.num_seqs == 0:
             return np.empty(0, dtype=np.int32)
-        logits = self.forward_logits(batch)
-        return sample(logits, batch.temperature, batch.top_p, batch.top_k, batch.seeds, batch.sample_pos)
+        x = batch.ext
+        if x is None:
+            logits = self.forward_logits(batch)
+            return sample(logits, batch.temperature, batch.top_p, batch.top_k, batch.seeds, batch.sample_pos)
+        return self._execute_ext(batch, x)
+
+    def _execute_ext(self, batch: StepBatch, x: SamplingExt) -> np.ndarray:
+        """A step with sampling extensions: the definition of blink.device.sampling, row by row."""
+        self._check(batch)
+        cu = batch.cu_q_lens
+        last = cu[1:] - 1
+        scored = np.flatnonzero(x.targets >= 0)  # packed rows whose logits score a prompt token
+        rows = np.concatenate([last, scored])
+        all_logits = self.model.forward(
+            batch.input_ids, batch.positions, cu, batch.block_tables, self.k_cache, self.v_cache, logits_rows=rows
+        )
+        S = batch.num_seqs
+        seq_of = np.repeat(np.arange(S), np.diff(cu))
+        for j, i in enumerate(scored.tolist()):
+            lp = logprobs(all_logits[S + j])
+            _put(x.prompt_logprobs[i], *logprob_record(lp, int(x.targets[i]), int(x.prompt_n[seq_of[i]])))
+        logits = all_logits[:S]
+        processed = np.empty_like(logits)
+        states: list[PenaltyState | None] = []
+        for s in range(S):
+            st = None
+            if x.penalized[s]:
+                slot = int(x.slots[s])
+                if x.fresh[s] or slot not in self.penalty_states:
+                    self.penalty_states[slot] = PenaltyState(self.vocab_size)
+                st = self.penalty_states[slot]
+                st.mark(batch.input_ids[cu[s] : cu[s + 1]])
+            b0, b1 = int(x.bias_cu[s]), int(x.bias_cu[s + 1])
+            processed[s] = process_logits(
+                logits[s],
+                x.bias_ids[b0:b1],
+                x.bias_vals[b0:b1],
+                st,
+                float(x.presence[s]),
+                float(x.frequency[s]),
+                float(x.repetition[s]),
+            )
+            states.append(st)
+        toks = sample(processed, batch.temperature, batch.top_p, batch.top_k, batch.seeds, batch.sample_pos, x.min_p)
+        for s in range(S):
+            if not x.emit[s]:
+                continue
+            st = states[s]
+            if st is not None:
+                st.add(int(toks[s]))
+            if x.n_logprobs[s] >= 0:
+                _put(x.logprobs[s], *logprob_record(logprobs(logits[s]), int(toks[s]), int(x.n_logprobs[s])))
+        return toks
 
     def close(self) -> None:
         # Drop the pool so a closed executor frees its memory at once.
         self.k_cache = self.v_cache = np.zeros((0,), dtype=np.float32)
+        self.penalty_states.clear()
+
+
+def _put(rec: np.void, lp: float, ids: np.ndarray, lps: np.ndarray) -> None:
+    """Fill a LOGPROB_DTYPE record (alternatives beyond len(ids) are left as they are)."""
+    rec["logprob"] = lp
+    rec["top_ids"][: ids.size] = ids
+    rec["top_logprobs"][: ids.size] = lps

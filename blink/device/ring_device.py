@@ -27,16 +27,22 @@ import numpy as np
 
 from blink.protocol.layout import (
     DEVICE_COUNTERS,
+    LOGIT_BIAS_DTYPE,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_STOP_IDS,
+    DeviceFeatures,
     DeviceStatus,
     FinishReason,
     RingView,
     SlotError,
     SlotFlags,
     SlotState,
+    prompt_logprob_record,
+    prompt_region_words,
 )
 
-from .executor import Executor, StepBatch
+from .executor import Executor, SamplingExt, StepBatch
 from .kv_blocks import BlockManager
 from .scheduler import Scheduler, SchedulerConfig, StepKind, StepPlan
 
@@ -61,6 +67,74 @@ class RingDeviceConfig:
             raise ValueError(f"max_sleep_s must be in (0, 1 ms], got {self.max_sleep_s}")
         if self.spin_s < 0 or self.rescan_s <= 0:
             raise ValueError("spin_s must be >= 0 and rescan_s > 0")
+
+
+@dataclass(frozen=True)
+class SeqSampling:
+    """A request's sampling extensions, read from its slot at admission (Seq.ext)."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    min_p: float
+    bias_ids: np.ndarray  # int32
+    bias_vals: np.ndarray  # float32
+    n_logprobs: int  # -1: no logprob records
+    prompt_n: int  # -1: no prompt logprob records
+    prompt_lp_offset: int  # int32 word of prompt record 0 in the prompt arena
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.bias_ids.size)
+
+
+def _build_ext(plan: StepPlan, T: int) -> SamplingExt | None:
+    """The step's SamplingExt, or None when no sequence of the plan uses an extension."""
+    chunks = plan.chunks
+    if all(c.seq.ext is None for c in chunks):
+        return None
+
+    def per_seq(name: str, default: float, dtype: type) -> np.ndarray:
+        return np.array([default if c.seq.ext is None else getattr(c.seq.ext, name) for c in chunks], dtype)
+
+    bias_ids, bias_vals, cu = [], [], [0]
+    targets = np.full(T, -1, np.int32)
+    fresh, emit, pen, prompt_n = [], [], [], []
+    t0 = 0
+    for c in chunks:
+        s, e = c.seq, c.seq.ext
+        fresh.append(c.start == 0 and s.num_generated == 0)
+        emit.append(c.sample)
+        pen.append(e is not None and e.penalized)
+        prompt_n.append(-1 if e is None else e.prompt_n)
+        if e is not None:
+            bias_ids.append(e.bias_ids)
+            bias_vals.append(e.bias_vals)
+            cu.append(cu[-1] + e.bias_ids.size)
+            if e.prompt_n >= 0 and s.num_generated == 0:
+                # packed token at position p scores prompt token p + 1 (prompt records 1 .. prompt_len - 1)
+                hi = min(c.start + c.n, s.prompt_len - 1)
+                if hi > c.start:
+                    targets[t0 : t0 + hi - c.start] = s.tokens[c.start + 1 : hi + 1]
+        else:
+            cu.append(cu[-1])
+        t0 += c.n
+    return SamplingExt(
+        slots=np.array([c.seq.seq_id for c in chunks], np.int32),
+        fresh=np.array(fresh, bool),
+        emit=np.array(emit, bool),
+        penalized=np.array(pen, bool),
+        presence=per_seq("presence", 0.0, np.float32),
+        frequency=per_seq("frequency", 0.0, np.float32),
+        repetition=per_seq("repetition", 1.0, np.float32),
+        min_p=per_seq("min_p", 0.0, np.float32),
+        bias_cu=np.array(cu, np.int32),
+        bias_ids=np.concatenate(bias_ids).astype(np.int32) if bias_ids else np.zeros(0, np.int32),
+        bias_vals=np.concatenate(bias_vals).astype(np.float32) if bias_vals else np.zeros(0, np.float32),
+        n_logprobs=per_seq("n_logprobs", -1, np.int32),
+        targets=targets,
+        prompt_n=np.array(prompt_n, np.int32),
+    )
 
 
 def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepBatch:
@@ -106,6 +180,7 @@ def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepB
         top_k=np.array(top_k, np.int32),
         seeds=np.array(seeds, np.uint64),
         sample_pos=np.array(sample_pos, np.uint32),
+        ext=_build_ext(plan, len(ids)),
     )
 
 
@@ -129,6 +204,7 @@ class RingDevice:
         )
         self.table_width = self.blocks.blocks_for(executor.max_context)
         self.hdr = view.header
+        self.features = DeviceFeatures(int(getattr(executor, "features", 0)))
         slots = view.slots
         self._state = slots["state"]
         self._cancel = slots["cancel"]
@@ -170,6 +246,7 @@ class RingDevice:
         h["kv_blocks_total"] = self.blocks.num_blocks
         h["kv_blocks_free"] = self.blocks.num_free
         h["fault"] = 0
+        h["features"] = self.features
         self._reap_orphans()
         self._flush_stats()
         self._beat()
@@ -204,7 +281,70 @@ class RingDevice:
             return SlotError.BAD_PARAMS
         if int(rec["max_new_tokens"]) == 0:
             return SlotError.BAD_PARAMS
+        return self._validate_ext(rec)
+
+    def _validate_ext(self, rec: np.void) -> SlotError:
+        """The sampling extensions' fields (blink/protocol/layout.py): values, and every region they
+        name inside the slot's prompt arena."""
+        flags, feats = int(rec["flags"]), self.features
+        if flags & SlotFlags.LOGPROBS and not feats & DeviceFeatures.LOGPROBS:
+            return SlotError.BAD_PARAMS
+        if flags & SlotFlags.PROMPT_LOGPROBS and not feats & DeviceFeatures.PROMPT_LOGPROBS:
+            return SlotError.BAD_PARAMS
+        pres, freq, rep, mp = (
+            float(rec[f]) for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+        )
+        nb = int(rec["n_logit_bias"])
+        penalized = pres != 0.0 or freq != 0.0 or rep not in (0.0, 1.0) or mp != 0.0 or nb
+        if penalized and not feats & DeviceFeatures.PENALTIES:
+            return SlotError.BAD_PARAMS
+        if not all(math.isfinite(v) for v in (pres, freq, rep, mp)) or rep < 0.0 or not 0.0 <= mp <= 1.0:
+            return SlotError.BAD_PARAMS
+        if int(rec["n_logprobs"]) > MAX_LOGPROBS or nb > MAX_LOGIT_BIAS:
+            return SlotError.BAD_PARAMS
+        n, off = int(rec["prompt_len"]), int(rec["prompt_offset"])
+        prompt_n = int(rec["n_logprobs"]) if flags & SlotFlags.PROMPT_LOGPROBS else None
+        arena = self.view.geo.prompt_arena_tokens
+        if off + prompt_region_words(n, nb, None) > arena:
+            return SlotError.BAD_PARAMS
+        if nb:
+            bias = self.view.prompt_arena[off + n : off + n + 2 * nb].view(LOGIT_BIAS_DTYPE)
+            if int(bias["token"].min()) < 0 or int(bias["token"].max()) >= self.ex.vocab_size:
+                return SlotError.BAD_PARAMS
+            if not np.all(np.isfinite(bias["bias"])):
+                return SlotError.BAD_PARAMS
+        if prompt_n is not None:
+            lo = int(rec["prompt_logprobs_offset"])
+            if lo + n * prompt_logprob_record(prompt_n).itemsize // 4 > arena:
+                return SlotError.BAD_PARAMS
         return SlotError.NONE
+
+    def _ext(self, rec: np.void) -> SeqSampling | None:
+        """The request's SeqSampling, or None when it uses none of the extensions."""
+        flags, n, off, nb = (
+            int(rec["flags"]),
+            int(rec["prompt_len"]),
+            int(rec["prompt_offset"]),
+            int(rec["n_logit_bias"]),
+        )
+        rep = float(rec["repetition_penalty"]) or 1.0
+        pres, freq, mp = float(rec["presence_penalty"]), float(rec["frequency_penalty"]), float(rec["min_p"])
+        want = flags & (SlotFlags.LOGPROBS | SlotFlags.PROMPT_LOGPROBS)
+        if not (want or nb or pres or freq or mp or rep != 1.0):
+            return None
+        bias = self.view.prompt_arena[off + n : off + n + 2 * nb].view(LOGIT_BIAS_DTYPE).copy()
+        nl = int(rec["n_logprobs"])
+        return SeqSampling(
+            presence=pres,
+            frequency=freq,
+            repetition=rep,
+            min_p=mp,
+            bias_ids=bias["token"].astype(np.int32),
+            bias_vals=bias["bias"].astype(np.float32),
+            n_logprobs=nl if flags & SlotFlags.LOGPROBS else -1,
+            prompt_n=nl if flags & SlotFlags.PROMPT_LOGPROBS else -1,
+            prompt_lp_offset=int(rec["prompt_logprobs_offset"]),
+        )
 
     def _admit(self, slot: int) -> None:
         """Claim a PREFILL_PENDING slot and hand its request to the scheduler (or finish it)."""
@@ -232,7 +372,7 @@ class RingDevice:
             top_p=float(rec["top_p"]),
             top_k=int(rec["top_k"]),
             seed=int(rec["seed"]),
-        )
+        ).ext = self._ext(rec)
 
     def _scan(self) -> bool:
         t0 = time.perf_counter_ns()
@@ -292,6 +432,8 @@ class RingDevice:
         t0 = time.perf_counter_ns()
         sampled = self.ex.execute(batch)
         dt = time.perf_counter_ns() - t0
+        if batch.ext is not None:
+            self._write_prompt_logprobs(plan, batch)
         self.stats["launches"] += 1
         if plan.kind is StepKind.PREFILL:
             self.stats["prefill_steps"] += 1
@@ -306,7 +448,14 @@ class RingDevice:
             # Publication order per slot: tokens into the arena, t_first, then `generated` (the
             # release the readers acquire), then finish_reason and state. Whole-array stores keep
             # that order (each statement completes before the next; x86 keeps stores in order).
-            self.view.output_arena[sids, idx % self.view.geo.output_capacity] = toks
+            cap = self.view.geo.output_capacity
+            if batch.ext is not None:  # logprob records before `generated` covers them
+                row = {c.seq.seq_id: i for i, c in enumerate(plan.chunks)}
+                x = batch.ext
+                for sid, k in zip(sids_t, idx_t, strict=True):
+                    if x.n_logprobs[row[sid]] >= 0:
+                        self.view.logprob_arena[sid, k % cap] = x.logprobs[row[sid]]
+            self.view.output_arena[sids, idx % cap] = toks
             first = sids[idx == 0]
             if first.size:
                 self._t_first[first] = time.time_ns()
@@ -317,6 +466,27 @@ class RingDevice:
                     self._finish(sid, fin)
         self._sync_states()
         return dt
+
+    def _write_prompt_logprobs(self, plan: StepPlan, batch: StepBatch) -> None:
+        """Prompt logprob records of the step's scored tokens into their slots' prompt regions."""
+        x = batch.ext
+        assert x is not None
+        t0 = 0
+        for c in plan.chunks:
+            e = c.seq.ext
+            rows = x.targets[t0 : t0 + c.n] >= 0
+            if e is not None and e.prompt_n >= 0 and rows.any():
+                rec = prompt_logprob_record(e.prompt_n)
+                w = rec.itemsize // 4
+                out = np.zeros(int(rows.sum()), rec)
+                src = x.prompt_logprobs[t0 : t0 + c.n][rows]
+                out["logprob"] = src["logprob"]
+                out["top_ids"] = src["top_ids"][:, : e.prompt_n]
+                out["top_logprobs"] = src["top_logprobs"][:, : e.prompt_n]
+                first = c.start + 1  # record j scores prompt token j
+                lo = e.prompt_lp_offset + first * w
+                self.view.prompt_arena[lo : lo + out.size * w] = out.view(np.int32)
+            t0 += c.n
 
     def _abort_all(self, reason: FinishReason, error: SlotError = SlotError.NONE) -> None:
         for sid in list(self.sched.seqs):

@@ -1,17 +1,27 @@
 """Sampling: the reference definition every device implements (numpy here, CUDA in blink/gpu).
 
-For a row of logits and the request's (temperature T, top_k, top_p, seed) and the index k of
-the token being sampled (0 for the first generated token):
+For a row of fp32 logits, the request's parameters and the index k of the token being sampled
+(0 for the first generated token), in vLLM V1's order:
 
-1. T == 0 (or the GREEDY flag): argmax, lowest index on ties. Done.
-2. p = softmax(logits / T) in float32.
-3. top_k > 0: keep tokens with p >= the k-th largest p (ties at the boundary kept).
-4. top_p < 1: among kept tokens, with mass renormalised, tau is the largest kept probability such
+0. Logprobs (when asked): of the raw logits, before logit_bias, penalties and temperature (vLLM's
+   default `--logprobs-mode raw_logprobs`): lp = logits - max - log(sum exp(logits - max)), the sum
+   in float64. The record holds lp[token] and the n largest lp, the lower id first on ties.
+1. logit_bias: logits[id] += bias for each entry.
+2. Penalties, from the sequence's state: `seen` (ids in the prompt or the output) and `counts`
+   (occurrences in the output). Repetition r != 1, for seen ids: l > 0 ? l / r : l * r. Then
+   l -= frequency * count + presence * (count > 0).
+3. T == 0 (or the GREEDY flag): argmax, lowest index on ties. Done.
+4. p = softmax(logits / T) in float32.
+5. min_p > 0: keep tokens with p >= min_p * max(p).
+6. top_k > 0: keep tokens with p >= the k-th largest p (ties at the boundary kept).
+7. top_p < 1: among kept tokens, with mass renormalised, tau is the largest kept probability such
    that the kept mass at or above tau is >= top_p; keep tokens with p >= tau (ties kept).
    Only thresholds are involved, so a GPU finds the set without sorting the vocabulary.
-5. u = uniform(seed, k) in [0, 1): splitmix64(seed XOR (k+1)*0x9E3779B97F4A7C15), top 24 bits / 2^24.
-6. Walk the kept tokens in vocabulary order, accumulating p; the first token whose running sum
+8. u = uniform(seed, k) in [0, 1): splitmix64(seed XOR (k+1)*0x9E3779B97F4A7C15), top 24 bits / 2^24.
+9. Walk the kept tokens in vocabulary order, accumulating p; the first token whose running sum
    exceeds u * (kept mass) is the sample (the last kept token if rounding leaves none).
+10. The sampled token updates the state: counts[token] += 1, seen[token] = True. A prefill chunk
+   sets `seen` for its tokens (a recompute re-marks generated tokens: they are seen already).
 
 Same logits + same (seed, k) -> same token on any device; the stream is counter-based, so it
 does not depend on batching or on which step a request joined.
@@ -44,7 +54,65 @@ def uniform(seed: int | np.ndarray, k: int | np.ndarray) -> np.ndarray:
     return (x >> np.uint64(40)).astype(np.float64) * (1.0 / (1 << 24))
 
 
-def sample_row(logits: np.ndarray, temperature: float, top_p: float, top_k: int, seed: int, k: int) -> int:
+class PenaltyState:
+    """A sequence's token history as the penalties see it (step 2; updated as in step 10)."""
+
+    __slots__ = ("seen", "counts")
+
+    def __init__(self, vocab_size: int) -> None:
+        self.seen = np.zeros(vocab_size, bool)
+        self.counts = np.zeros(vocab_size, np.int32)
+
+    def mark(self, ids: np.ndarray) -> None:
+        self.seen[ids] = True
+
+    def add(self, token: int) -> None:
+        self.counts[token] += 1
+        self.seen[token] = True
+
+
+def logprobs(logits: np.ndarray) -> np.ndarray:
+    """Step 0: log-softmax of a row of raw logits (float32, the normaliser summed in float64)."""
+    z = np.asarray(logits, np.float32)
+    z = z - z.max()
+    lse = np.float32(np.log(np.exp(z, dtype=np.float32).sum(dtype=np.float64)))
+    return z - lse
+
+
+def logprob_record(lp: np.ndarray, token: int, n: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """(lp[token], the n most likely ids (the lower id first on ties), their lp)."""
+    top = np.lexsort((np.arange(lp.size), -lp))[:n].astype(np.int32)
+    return float(lp[token]), top, lp[top]
+
+
+def process_logits(
+    logits: np.ndarray,
+    bias_ids: np.ndarray | None = None,
+    bias_vals: np.ndarray | None = None,
+    state: PenaltyState | None = None,
+    presence: float = 0.0,
+    frequency: float = 0.0,
+    repetition: float = 1.0,
+) -> np.ndarray:
+    """Steps 1 and 2: a float32 copy of the logits with logit_bias and the penalties applied."""
+    x = np.array(logits, dtype=np.float32)
+    if bias_ids is not None and len(bias_ids):
+        np.add.at(x, np.asarray(bias_ids, np.int64), np.asarray(bias_vals, np.float32))
+    if state is not None:
+        r = np.float32(repetition)
+        if r != 1 and r > 0:
+            m = state.seen
+            x[m] = np.where(x[m] > 0, x[m] / r, x[m] * r)
+        if frequency or presence:
+            c = state.counts
+            x -= np.float32(frequency) * c.astype(np.float32) + np.float32(presence) * (c > 0).astype(np.float32)
+    return x
+
+
+def sample_row(
+    logits: np.ndarray, temperature: float, top_p: float, top_k: int, seed: int, k: int, min_p: float = 0.0
+) -> int:
+    """Steps 3-9 on logits that already went through process_logits."""
     logits = np.asarray(logits, dtype=np.float32)
     if temperature <= 0.0:
         return int(np.argmax(logits))
@@ -53,6 +121,8 @@ def sample_row(logits: np.ndarray, temperature: float, top_p: float, top_k: int,
     p = np.exp(z, dtype=np.float32)
     p /= p.sum(dtype=np.float32)
     keep = np.ones(p.shape, dtype=bool)
+    if min_p > 0.0:
+        keep &= p >= np.float32(min_p) * p.max()
     if 0 < top_k < p.size:
         kth = np.partition(p, p.size - top_k)[p.size - top_k]
         keep &= p >= kth
@@ -79,9 +149,13 @@ def sample(
     top_k: np.ndarray,
     seeds: np.ndarray,
     ks: np.ndarray,
+    min_p: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Sample one token per row of logits (rows, vocab) -> int32 (rows,)."""
+    """Sample one token per row of (processed) logits (rows, vocab) -> int32 (rows,)."""
     out = np.empty(logits.shape[0], dtype=np.int32)
     for r in range(logits.shape[0]):
-        out[r] = sample_row(logits[r], float(temperature[r]), float(top_p[r]), int(top_k[r]), int(seeds[r]), int(ks[r]))
+        mp = 0.0 if min_p is None else float(min_p[r])
+        out[r] = sample_row(
+            logits[r], float(temperature[r]), float(top_p[r]), int(top_k[r]), int(seeds[r]), int(ks[r]), mp
+        )
     return out

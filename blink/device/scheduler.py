@@ -33,7 +33,7 @@ import bisect
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -99,6 +99,7 @@ class Seq:
     finish: FinishReason = FinishReason.NONE
 
     num_generated: int = 0  # == len(tokens) - prompt_len (kept, not derived: read every step)
+    ext: Any = None  # the caller's per-sequence sampling extensions (opaque to the policy)
 
     @property
     def prefilling(self) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple, Protocol
 
 from blink.protocol.layout import FinishReason, SlotError
-from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest
+from blink.protocol.wire import DeviceHealth, Logprob, RingStats, SubmitRequest
 
 from . import openai_api as api
 from .request_tracker import DeviceDownError, QueueFullError, RequestHandle, finish_name
@@ -23,17 +23,23 @@ class Backend(Protocol):
     def health(self) -> DeviceHealth: ...
     def stats(self) -> RingStats: ...
     def device_counters(self) -> dict[str, int]: ...
-    def check_prompt(self, n_prompt: int) -> str | None: ...
+    def check_prompt(self, n_prompt: int, words: int | None = None) -> str | None: ...
     def new_request_id(self) -> int: ...
 
     @property
     def max_context(self) -> int: ...
+
+    @property
+    def features(self) -> int: ...
 
 
 class TextEvent(NamedTuple):
     text: str  # new text (may be "")
     n_tokens: int  # tokens behind it
     finish: str | None  # OpenAI finish_reason on the last event
+    token_ids: list[int] = []  # the tokens (when the request asked for logprobs)
+    logprobs: list[Logprob] = []  # one per token, when asked for
+    prompt_logprobs: list[Logprob] | None = None  # prompt tokens 1.., on the first event, when asked for
 
 
 class GenerationError(Exception):
@@ -67,13 +73,14 @@ async def stream_text(
                 status = 503 if ev.error in (SlotError.DEVICE_FAULT, SlotError.NONE) else 400
                 raise GenerationError(status, ev.message or "the device failed the request")
             text = detok.push(ev.token_ids)
+            lp = (ev.token_ids, ev.logprobs, ev.prompt_logprobs) if ev.logprobs or ev.prompt_logprobs else ()
             if detok.stopped:
                 handle.cancel()  # stop string: the device would keep generating
-                yield TextEvent(text, len(ev.token_ids), "stop")
+                yield TextEvent(text, len(ev.token_ids), "stop", *lp)
                 return
             if ev.finished:
-                yield TextEvent(text + detok.finish(), len(ev.token_ids), finish_name(ev.finish_reason))
+                yield TextEvent(text + detok.finish(), len(ev.token_ids), finish_name(ev.finish_reason), *lp)
                 return
-            yield TextEvent(text, len(ev.token_ids), None)
+            yield TextEvent(text, len(ev.token_ids), None, *lp)
     finally:
         handle.cancel()  # no-op after the last event; frees the slot when the consumer went away

@@ -1,8 +1,10 @@
 """OpenAI API shapes: request bodies (typed, validated) and response / chunk objects.
 
 Request bodies decode straight into msgspec Structs, so a wrong type is a 400 naming the field.
-Fields OpenAI defines that Blink does not implement (logprobs, penalties, suffix, best_of, ...) are
-rejected with a 400 when set to a non-default value, never silently ignored. `n` choices per
+Fields OpenAI defines that Blink does not implement (structured output, tools, suffix, best_of, ...)
+are rejected with a 400 when set to a non-default value, never silently ignored. Logprobs,
+penalties, min_p and logit_bias are computed on the device (blink/device/sampling.py); a device
+that lacks one (header.features) gets those requests refused with a 400 too. `n` choices per
 prompt and lists of prompts (completions) become one ring request per choice, as in vLLM:
 choice index = prompt index * n + i. Unknown
 fields are ignored (clients send vendor extensions). Extensions follow vLLM: top_k,
@@ -15,12 +17,13 @@ import math
 import random
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
-from blink.protocol.layout import MAX_STOP_IDS, UNLIMITED
-from blink.protocol.wire import SubmitRequest
+from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, UNLIMITED, DeviceFeatures
+from blink.protocol.wire import Logprob, SubmitRequest
 
 
 class APIError(Exception):
@@ -69,12 +72,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # vLLM's sampling extensions Blink does not implement: declared so that using one is a 400
-    # (a silently ignored min_p or repetition_penalty would change outputs without a word)
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: float | None = None  # extension
+    repetition_penalty: float | None = None  # extension
+    prompt_logprobs: int | None = None  # extension
+    # vLLM's extensions Blink does not implement: declared so that using one is a 400
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[Any] | None = None
@@ -142,27 +144,82 @@ def choices_per_prompt(r: _Sampling, n_prompts: int = 1) -> int:
     return n
 
 
+def logprobs_wanted(r: _Sampling) -> tuple[int, int]:
+    """(alternatives per generated token, per prompt token), -1 for none; checked as vLLM does
+    (at most MAX_LOGPROBS, vLLM's default --max-logprobs). Completions: `logprobs: N` (with echo,
+    the prompt's too); chat: `logprobs: true` with `top_logprobs: N`. Both: vLLM's prompt_logprobs."""
+    if isinstance(r, ChatRequest):
+        if r.logprobs is not None and not isinstance(r.logprobs, bool):
+            raise APIError(400, "logprobs must be a boolean in chat completions (use top_logprobs)", "logprobs")
+        if r.top_logprobs is not None and not r.logprobs and r.top_logprobs > 0:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if r.top_logprobs is not None and r.top_logprobs < 0:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {r.top_logprobs}", "top_logprobs")
+        gen = (r.top_logprobs or 0) if r.logprobs else -1
+        param = "top_logprobs"
+    else:
+        if isinstance(r.logprobs, bool):
+            raise APIError(400, "logprobs must be an integer in completions", "logprobs")
+        gen = -1 if r.logprobs is None else r.logprobs
+        param = "logprobs"
+    if not -1 <= gen <= MAX_LOGPROBS or (gen == -1 and (r.logprobs or 0) < 0):
+        raise APIError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {gen}", param)
+    prompt = -1 if r.prompt_logprobs is None else r.prompt_logprobs
+    if not -1 <= prompt <= MAX_LOGPROBS:
+        raise APIError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt}", "prompt_logprobs")
+    if isinstance(r, CompletionRequest) and r.echo and gen >= 0:
+        prompt = max(prompt, gen)
+    return gen, prompt
+
+
+def _logit_bias(r: _Sampling, vocab_size: int) -> list[tuple[int, float]]:
+    out = []
+    for key, bias in (r.logit_bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= tok < vocab_size:
+            raise APIError(400, f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if not math.isfinite(bias):
+            raise APIError(400, f"logit_bias of token {tok} must be finite", "logit_bias")
+        out.append((tok, min(100.0, max(-100.0, float(bias)))))  # clamped to [-100, 100] as in vLLM
+    if len(out) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
+    return out
+
+
+def check_features(sub: SubmitRequest, features: int) -> None:
+    """A 400 when the request needs something the device does not implement (header.features)."""
+    f = DeviceFeatures(features)
+    if sub.logprobs >= 0 and not f & DeviceFeatures.LOGPROBS:
+        raise APIError(400, "logprobs are not supported by this device", "logprobs")
+    if sub.prompt_logprobs >= 0 and not f & DeviceFeatures.PROMPT_LOGPROBS:
+        raise APIError(400, "prompt logprobs (echo with logprobs) are not supported by this device", "logprobs")
+    if not f & DeviceFeatures.PENALTIES:
+        for name in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias"):
+            if getattr(sub, name):
+                raise APIError(400, f"{name} is not supported by this device", name)
+        if sub.repetition_penalty != 1.0:
+            raise APIError(400, "repetition_penalty is not supported by this device", "repetition_penalty")
+
+
 def sampling_params(
-    r: _Sampling, request_id: int, prompt_ids: list[int], stop_ids: list[int], max_tokens: int | None, choice: int = 0
+    r: _Sampling,
+    request_id: int,
+    prompt_ids: list[int],
+    stop_ids: list[int],
+    max_tokens: int | None,
+    choice: int = 0,
+    vocab_size: int = 1 << 31,
 ) -> SubmitRequest:
     """Validate the sampling fields; build the ring request of one choice. Defaults follow
     OpenAI/vLLM: temperature 1, top_p 1, no top_k, a random seed when none is given. With a seed,
-    choice i samples with seed + i: the choices differ, and the request is reproducible."""
-    if r.logprobs or r.top_logprobs:
-        raise APIError(400, "logprobs are not supported", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(r, name):
-            raise APIError(400, f"{name} is not supported", name)
-    if r.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
-    if r.min_p not in (None, 0, 0.0):
-        raise APIError(400, "min_p is not supported", "min_p")
-    if r.repetition_penalty not in (None, 1, 1.0):
-        raise APIError(400, "repetition_penalty is not supported", "repetition_penalty")
+    choice i samples with seed + i: the choices differ, and the request is reproducible.
+    max_tokens 0 (completions with echo: the prompt's logprobs only) asks the device for 1 token,
+    which the server drops."""
     if r.use_beam_search:
         raise APIError(400, "beam search is not supported", "use_beam_search")
-    if r.prompt_logprobs:
-        raise APIError(400, "prompt_logprobs are not supported", "prompt_logprobs")
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if getattr(r, name) is not None:
             raise APIError(400, f"{name} (structured output) is not supported", name)
@@ -172,8 +229,25 @@ def sampling_params(
             raise APIError(400, f"response_format {fmt!r} is not supported (structured output)", "response_format")
         if (r.tools or r.functions) and r.tool_choice != "none":
             raise APIError(400, "tool calling is not supported", "tools")
-    if max_tokens is not None and max_tokens < 1:
+    gen_lp, prompt_lp = logprobs_wanted(r)
+    if max_tokens == 0 and not (isinstance(r, CompletionRequest) and r.echo):
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+    if max_tokens is not None and max_tokens < 0:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens == 0:
+        max_tokens = 1
+    pen = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(r, name) or 0.0
+        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+            raise APIError(400, f"{name} must be in [-2, 2], got {v}", name)
+        pen[name] = v
+    rep = 1.0 if r.repetition_penalty is None else r.repetition_penalty
+    if not (math.isfinite(rep) and rep > 0.0):
+        raise APIError(400, f"repetition_penalty must be > 0, got {rep}", "repetition_penalty")
+    min_p = r.min_p or 0.0
+    if not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
+        raise APIError(400, f"min_p must be in [0, 1], got {min_p}", "min_p")
     if max_tokens is not None:
         max_tokens = min(max_tokens, UNLIMITED - 1)  # the device also stops at its context limit
     t = 1.0 if r.temperature is None else r.temperature
@@ -201,6 +275,13 @@ def sampling_params(
         seed=seed,
         stop_ids=stop_ids,
         greedy=t == 0.0,
+        presence_penalty=pen["presence_penalty"],
+        frequency_penalty=pen["frequency_penalty"],
+        repetition_penalty=rep,
+        min_p=min_p,
+        logit_bias=_logit_bias(r, vocab_size),
+        logprobs=gen_lp,
+        prompt_logprobs=prompt_lp,
     )
 
 
@@ -239,8 +320,145 @@ def usage(n_prompt: int, n_gen: int) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
-def chat_response(rid: str, model: str, choices: list[tuple[str, str]], n_prompt: int, n_gen: int) -> dict[str, Any]:
-    """choices: (text, finish_reason) per choice index."""
+# -- logprobs ----------------------------------------------------------------------------
+
+DecodeOne = Callable[[int], str]
+_MIN_LOGPROB = -9999.0  # what -inf becomes in JSON (as vLLM / OpenAI)
+
+
+def _lp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+def chat_logprobs(ids: Sequence[int], lps: Sequence[Logprob], n_top: int, decode: DecodeOne) -> list[dict[str, Any]]:
+    """The `logprobs.content` entries of chat tokens (OpenAI's shape: token, logprob, bytes, top_logprobs)."""
+    out = []
+    for tok, lp in zip(ids, lps, strict=True):
+        text = decode(tok)
+        top = [
+            {"token": (t := decode(i)), "logprob": _lp(v), "bytes": list(t.encode())}
+            for i, v in zip(lp.top_ids[:n_top], lp.top_logprobs[:n_top], strict=True)
+        ]
+        out.append({"token": text, "logprob": _lp(lp.logprob), "bytes": list(text.encode()), "top_logprobs": top})
+    return out
+
+
+class CompletionLogprobs:
+    """A completion choice's `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset),
+    built up as tokens arrive. top_logprobs maps token text to logprob: the chosen token and the
+    n_top most likely (vLLM's shape: up to n_top + 1 entries); the first prompt token has None."""
+
+    def __init__(self, n_top: int, decode: DecodeOne, offset: int = 0):
+        self.n_top, self.decode, self.offset = n_top, decode, offset
+
+    def add(self, ids: Sequence[int], lps: Sequence[Logprob | None]) -> dict[str, Any]:
+        """The object for these tokens (text offsets continue from the previous call)."""
+        d: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, lp in zip(ids, lps, strict=True):
+            text = self.decode(tok)
+            d["tokens"].append(text)
+            d["text_offset"].append(self.offset)
+            self.offset += len(text)
+            if lp is None:
+                d["token_logprobs"].append(None)
+                d["top_logprobs"].append(None)
+                continue
+            d["token_logprobs"].append(_lp(lp.logprob))
+            top = {text: _lp(lp.logprob)}
+            for i, v in zip(lp.top_ids[: self.n_top], lp.top_logprobs[: self.n_top], strict=True):
+                top.setdefault(self.decode(i), _lp(v))
+            d["top_logprobs"].append(top)
+        return d
+
+
+def merge_completion_logprobs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for p in parts:
+        for k in out:
+            out[k] += p[k]
+    return out
+
+
+def prompt_logprobs_field(
+    ids: Sequence[int], lps: Sequence[Logprob], n_top: int, decode: DecodeOne
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then {token id: {logprob,
+    decoded_token}} holding the prompt token and the n_top most likely."""
+    out: list[dict[str, Any] | None] = [None]
+    for tok, lp in zip(ids[1:], lps, strict=True):
+        d = {str(tok): {"logprob": _lp(lp.logprob), "decoded_token": decode(tok)}}
+        for i, v in zip(lp.top_ids[:n_top], lp.top_logprobs[:n_top], strict=True):
+            d.setdefault(str(i), {"logprob": _lp(v), "decoded_token": decode(i)})
+        out.append(d)
+    return out
+
+
+class ChoiceLogprobs:
+    """One choice's logprob objects as its tokens arrive: `add` gives a streamed chunk's, `whole`
+    the response's. gen_n: alternatives per generated token (-1: none asked); echo_ids: the prompt
+    of a completion with echo (its tokens come first, the first one scored None); field_n: vLLM's
+    `prompt_logprobs` (-1: not asked)."""
+
+    def __init__(
+        self,
+        chat: bool,
+        gen_n: int,
+        decode: DecodeOne,
+        prompt_ids: Sequence[int],
+        echo: bool = False,
+        field_n: int = -1,
+    ):
+        self.chat, self.gen_n, self.decode = chat, gen_n, decode
+        self.prompt_ids, self.echo, self.field_n = list(prompt_ids), echo and gen_n >= 0, field_n
+        self._comp = None if chat or gen_n < 0 else CompletionLogprobs(gen_n, decode)
+        self._parts: list[Any] = []
+        self.prompt_field: list[Any] | None = None
+
+    @property
+    def wanted(self) -> bool:
+        return self.gen_n >= 0 or self.field_n >= 0
+
+    def prompt(self, plps: Sequence[Logprob] | None) -> Any:
+        """The prompt's records arrived (first event): the echo part's object (completions)."""
+        plps = list(plps or [])
+        if self.field_n >= 0:
+            self.prompt_field = prompt_logprobs_field(self.prompt_ids, plps, self.field_n, self.decode)
+        if not self.echo or self._comp is None:
+            return None
+        part = self._comp.add(self.prompt_ids, [None, *plps])
+        self._parts.append(part)
+        return part
+
+    def add(self, ids: Sequence[int], lps: Sequence[Logprob]) -> Any:
+        """Generated tokens: their object (None when the request did not ask for logprobs)."""
+        if self.gen_n < 0:
+            return None
+        if self.chat:
+            part: Any = {"content": chat_logprobs(ids, lps, self.gen_n, self.decode)}
+        else:
+            assert self._comp is not None
+            part = self._comp.add(ids, lps)
+        self._parts.append(part)
+        return part
+
+    def whole(self) -> Any:
+        if self.gen_n < 0:
+            return None
+        if self.chat:
+            return {"content": [c for p in self._parts for c in p["content"]]}
+        return merge_completion_logprobs(self._parts)
+
+
+def chat_response(
+    rid: str,
+    model: str,
+    choices: list[tuple[str, str]],
+    n_prompt: int,
+    n_gen: int,
+    logprobs: list[Any] | None = None,
+    prompt_logprobs: list[Any] | None = None,
+) -> dict[str, Any]:
+    """choices: (text, finish_reason) per choice index; logprobs: each choice's `logprobs` object."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -250,17 +468,24 @@ def chat_response(rid: str, model: str, choices: list[tuple[str, str]], n_prompt
             {
                 "index": i,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs[i] if logprobs else None,
                 "finish_reason": finish,
             }
             for i, (text, finish) in enumerate(choices)
         ],
         "usage": usage(n_prompt, n_gen),
+        **({"prompt_logprobs": prompt_logprobs[0]} if prompt_logprobs else {}),
     }
 
 
 def completion_response(
-    rid: str, model: str, choices: list[tuple[str, str]], n_prompt: int, n_gen: int
+    rid: str,
+    model: str,
+    choices: list[tuple[str, str]],
+    n_prompt: int,
+    n_gen: int,
+    logprobs: list[Any] | None = None,
+    prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -268,7 +493,13 @@ def completion_response(
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            {
+                "index": i,
+                "text": text,
+                "logprobs": logprobs[i] if logprobs else None,
+                "finish_reason": finish,
+                **({"prompt_logprobs": prompt_logprobs[i]} if prompt_logprobs else {}),
+            }
             for i, (text, finish) in enumerate(choices)
         ],
         "usage": usage(n_prompt, n_gen),
@@ -304,13 +535,16 @@ class ChunkMaker:
             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         )
 
-    def text(self, text: str, finish: str | None = None, n_gen: int = 0, index: int = 0) -> dict[str, Any]:
-        """n_gen: the tokens generated so far (all choices), for continuous usage."""
+    def text(
+        self, text: str, finish: str | None = None, n_gen: int = 0, index: int = 0, logprobs: Any = None
+    ) -> dict[str, Any]:
+        """n_gen: the tokens generated so far (all choices), for continuous usage; logprobs: the
+        chunk's `logprobs` object (its tokens')."""
         if self.chat:
             delta = {"content": text} if text else {}
-            c = self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": finish})
+            c = self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         else:
-            c = self._chunk({"index": index, "text": text, "logprobs": None, "finish_reason": finish})
+            c = self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
         if self.continuous_usage is not None:
             c["usage"] = usage(self.continuous_usage, n_gen)
         return c

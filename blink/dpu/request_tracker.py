@@ -25,7 +25,7 @@ from blink.protocol.layout import FinishReason, SlotState
 from blink.protocol.transport import Transport
 from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest, TokenEvent
 
-from .slot_tracker import SlotTracker, attach_geometry
+from .slot_tracker import SlotTracker, attach_geometry, region_words
 from .token_reader import TokenReader
 
 
@@ -159,10 +159,21 @@ class RequestTracker:
         return next(self._ids)
 
     # -- submit / cancel -----------------------------------------------------------------
-    def check_prompt(self, n_prompt: int) -> str | None:
-        """Why a prompt of n_prompt tokens cannot be served (None if it can)."""
+    @property
+    def features(self) -> int:
+        """layout.DeviceFeatures of the device serving the ring."""
+        return int(self.reader.header["features"])
+
+    def check_prompt(self, n_prompt: int, words: int | None = None) -> str | None:
+        """Why a prompt of n_prompt tokens cannot be served (None if it can); words: the prompt-arena
+        words the whole request needs (logit_bias, prompt logprob records), when more than n_prompt."""
         if n_prompt < 1:
             return "the prompt is empty"
+        if words is not None and words > self.slots.prompt_capacity:
+            return (
+                f"the request needs {words} words of the ring's prompt arena (prompt, logit_bias and "
+                f"prompt logprobs); a slot has {self.slots.prompt_capacity}"
+            )
         limit = min(self.slots.prompt_capacity, self.max_context - 1 if self.max_context else 1 << 62)
         if n_prompt > limit:
             return (
@@ -175,7 +186,7 @@ class RequestTracker:
         """Claim a slot for `req` (waiting in the FIFO queue while the ring is full) and publish it."""
         if self.reader.failed:
             raise DeviceDownError(self.reader.failed)
-        why = self.check_prompt(len(req.prompt_ids))
+        why = self.check_prompt(len(req.prompt_ids), region_words(req))
         if why:
             raise ValueError(why)
         slot = None if self._waiters else self.slots.claim(req)
@@ -198,7 +209,19 @@ class RequestTracker:
             slot = self.slots.claim(req)
             front = True
         h = RequestHandle(self, req.request_id, slot, len(req.prompt_ids))
-        self.reader.register(slot, req.request_id, h.queue.put_nowait, timing=h.timing, backlog=h.queue.qsize)
+        prompt = None
+        if req.prompt_logprobs >= 0:
+            off = self.slots.prompt_logprobs_offset(slot, req)
+            prompt = (off, len(req.prompt_ids), max(req.logprobs, req.prompt_logprobs, 0), req.prompt_logprobs)
+        self.reader.register(
+            slot,
+            req.request_id,
+            h.queue.put_nowait,
+            timing=h.timing,
+            backlog=h.queue.qsize,
+            logprobs=req.logprobs,
+            prompt=prompt,
+        )
         return h
 
     def _on_fail(self, why: str) -> None:

@@ -28,6 +28,7 @@ from . import openai_api as api
 from .generation import Backend, GenerationError, TextEvent, stream_text
 from .metrics import Metrics, MetricsShare
 from .request_tracker import DeviceDownError, QueueFullError, RequestHandle
+from .slot_tracker import region_words
 from .tokenizer import FrontendTokenizer, PromptError
 
 log = logging.getLogger("blink.server")
@@ -55,6 +56,8 @@ class OpenAIServer:
         self.publish_s = publish_s
         self._origins = config.origins  # CORS (parsed once)
         self._publisher: asyncio.Task | None = None
+        # one token's text for logprobs (special tokens kept: they were generated)
+        self._decode_one = functools.lru_cache(maxsize=1 << 16)(lambda i: tokenizer.decode([i], False))
 
     # -- app ----------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -249,10 +252,28 @@ class OpenAIServer:
             except PromptError as e:
                 raise api.APIError(400, str(e), e.param) from e
             # choice index = prompt index * n + i (vLLM's order); one ring request each
+            vocab = self.tok.info.vocab_size
             subs = [
-                api.sampling_params(r, self.backend.new_request_id(), ids, stop_ids, max_tokens, choice=i)
+                api.sampling_params(r, self.backend.new_request_id(), ids, stop_ids, max_tokens, i, vocab)
                 for ids in encoded
                 for i in range(n)
+            ]
+            for sub in subs[::n]:
+                api.check_features(sub, self.backend.features)
+                why = self.backend.check_prompt(len(sub.prompt_ids), region_words(sub))
+                if why:
+                    raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
+            prompt_only = max_tokens == 0  # echo with max_tokens 0: the prompt (and its logprobs) only
+            lps = [
+                api.ChoiceLogprobs(
+                    chat,
+                    sub.logprobs,
+                    self._decode_one,
+                    sub.prompt_ids,
+                    not chat and bool(r.echo),
+                    -1 if r.prompt_logprobs is None else r.prompt_logprobs,
+                )
+                for sub in subs
             ]
             stop = api.stop_strings(r)
             # echo: each completion choice starts with its prompt (token prompts decoded)
@@ -299,10 +320,21 @@ class OpenAIServer:
         try:
             if r.stream:
                 resp = await self._stream(
-                    request, gens, on_submit, chat, n_prompt, include_usage, continuous, t0, trace, prefixes
+                    request,
+                    gens,
+                    on_submit,
+                    chat,
+                    n_prompt,
+                    include_usage,
+                    continuous,
+                    t0,
+                    trace,
+                    prefixes,
+                    lps,
+                    prompt_only,
                 )
             else:
-                resp = await self._complete(gens, chat, n_prompt, t0, prefixes)
+                resp = await self._complete(gens, chat, n_prompt, t0, prefixes, lps, prompt_only)
                 trace()
         except (api.APIError, GenerationError) as e:
             self.metrics.request(endpoint, "busy" if getattr(e, "status", 0) == 429 else "error")
@@ -350,13 +382,24 @@ class OpenAIServer:
         n_prompt: int,
         t0: float,
         prefixes: list[str] | None = None,
+        lps: list[api.ChoiceLogprobs] | None = None,
+        prompt_only: bool = False,
     ) -> web.Response:
         async def collect(j: int, gen: AsyncIterator[TextEvent]) -> tuple[str, str, int]:
             parts: list[str] = []
-            n_gen, finish, t_prev = 0, "stop", None
+            n_gen, finish, t_prev, first = 0, "stop", None, True
+            lp = lps[j] if lps else None
             async for ev in gen:
+                if lp is not None and lp.wanted and first:
+                    lp.prompt(ev.prompt_logprobs)
+                first = False
+                if prompt_only:  # the one token the device had to generate is not part of the answer
+                    finish = "length"
+                    continue
                 if ev.n_tokens:
                     t_prev = self._observe(t0, t_prev, ev.n_tokens, j == 0)
+                if lp is not None and ev.token_ids:
+                    lp.add(ev.token_ids, ev.logprobs)
                 parts.append(ev.text)
                 n_gen += ev.n_tokens
                 finish = ev.finish or finish
@@ -377,7 +420,10 @@ class OpenAIServer:
         rid = api.new_id("chatcmpl" if chat else "cmpl")
         pre = prefixes or [""] * len(results)
         choices = [(p + text, finish) for p, (text, finish, _) in zip(pre, results, strict=True)]
-        return _json_response(make(rid, self.tok.name, choices, n_prompt, sum(n for _, _, n in results)))
+        logprobs = [lp.whole() for lp in lps] if lps and lps[0].gen_n >= 0 else None
+        prompt_field = [lp.prompt_field for lp in lps] if lps and lps[0].field_n >= 0 else None
+        n_gen = sum(n for _, _, n in results)
+        return _json_response(make(rid, self.tok.name, choices, n_prompt, n_gen, logprobs, prompt_field))
 
     async def _stream(
         self,
@@ -391,9 +437,12 @@ class OpenAIServer:
         t0: float,
         trace: Callable[[], None],
         prefixes: list[str] | None = None,
+        lps: list[api.ChoiceLogprobs] | None = None,
+        prompt_only: bool = False,
     ) -> web.StreamResponse:
         """SSE of every choice, interleaved as their tokens arrive (chunks name their index);
-        prefixes: the text each choice starts with (echo), sent before its tokens."""
+        prefixes: the text each choice starts with (echo), sent before its tokens (with echo and
+        logprobs: when its first event brings the prompt's logprobs)."""
         chunks = api.ChunkMaker(chat, self.tok.name, include_usage, n_prompt if continuous else None)
         # (choice, kind, payload): "sub" (submitted), "ev" (a TextEvent), "end", "err" (an exception)
         items: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
@@ -427,7 +476,20 @@ class OpenAIServer:
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
             await self._send_stream(
-                resp, early, items, len(gens), chat, chunks, n_prompt, include_usage, continuous, t0, trace, prefixes
+                resp,
+                early,
+                items,
+                len(gens),
+                chat,
+                chunks,
+                n_prompt,
+                include_usage,
+                continuous,
+                t0,
+                trace,
+                prefixes,
+                lps,
+                prompt_only,
             )
             return resp
         finally:
@@ -449,18 +511,24 @@ class OpenAIServer:
         t0: float,
         trace: Callable[[], None],
         prefixes: list[str] | None,
+        lps: list[api.ChoiceLogprobs] | None = None,
+        prompt_only: bool = False,
     ) -> None:
         async def send(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
 
         n_gen, t_prev = 0, [None] * n_choices
         done = 0
+        lps = lps or [None] * n_choices  # type: ignore[list-item]
+        waiting_prompt = [lp is not None and lp.wanted for lp in lps]  # first event not seen yet
+        deferred = bool(prefixes) and any(lp is not None and lp.echo for lp in lps)
         try:
             if chat:
                 for j in range(n_choices):
                     await send(chunks.role(j))
-            for j, pre in enumerate(prefixes or []):
-                await send(chunks.text(pre, None, 0, j))
+            if not deferred:
+                for j, pre in enumerate(prefixes or []):
+                    await send(chunks.text(pre, None, 0, j))
             trace()  # headers (and the role chunks) are out: the response's first bytes
             while done < n_choices:
                 j, kind, ev = early.pop(0) if early else await items.get()
@@ -471,17 +539,28 @@ class OpenAIServer:
                 if kind == "end":
                     done += 1
                     continue
+                lp = lps[j]
+                if waiting_prompt[j]:
+                    waiting_prompt[j] = False
+                    part = lp.prompt(ev.prompt_logprobs)
+                    if deferred and prefixes:
+                        await send(chunks.text(prefixes[j], "length" if prompt_only else None, 0, j, part))
+                if prompt_only:
+                    if not deferred:
+                        await send(chunks.text("", "length", n_gen, j))
+                    continue
                 if ev.n_tokens:
                     t_prev[j] = self._observe(t0, t_prev[j], ev.n_tokens, j == 0)
                 n_gen += ev.n_tokens
+                part = lp.add(ev.token_ids, ev.logprobs) if lp is not None and ev.token_ids else None
                 if ev.finish is not None:
                     if ev.text and chat:
-                        await send(chunks.text(ev.text, None, n_gen, j))
+                        await send(chunks.text(ev.text, None, n_gen, j, part))
                         await send(chunks.text("", ev.finish, n_gen, j))
                     else:
-                        await send(chunks.text(ev.text, ev.finish, n_gen, j))
-                elif ev.text or (continuous and ev.n_tokens):
-                    await send(chunks.text(ev.text, None, n_gen, j))
+                        await send(chunks.text(ev.text, ev.finish, n_gen, j, part))
+                elif ev.text or part is not None or (continuous and ev.n_tokens):
+                    await send(chunks.text(ev.text, None, n_gen, j, part))
             self.metrics.e2e.observe(time.perf_counter() - t0)
             if include_usage:
                 await send(chunks.usage(n_prompt, n_gen))

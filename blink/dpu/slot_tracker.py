@@ -27,11 +27,13 @@ import numpy as np
 
 from blink.protocol.layout import (
     HEADER_DTYPE,
+    LOGIT_BIAS_DTYPE,
     SLOT_DTYPE,
     TOKEN_DTYPE,
     RingGeometry,
     SlotFlags,
     SlotState,
+    prompt_region_words,
 )
 from blink.protocol.transport import Transport
 from blink.protocol.wire import SubmitRequest
@@ -54,6 +56,12 @@ def read_header(transport: Transport) -> np.ndarray:
 def attach_geometry(transport: Transport) -> RingGeometry:
     hdr = read_header(transport)
     return RingGeometry.from_header(hdr)
+
+
+def region_words(req: SubmitRequest) -> int:
+    """int32 words of prompt arena the request needs (prompt, logit_bias, prompt logprob records)."""
+    n_lp = max(req.logprobs, req.prompt_logprobs, 0) if req.prompt_logprobs >= 0 else None
+    return prompt_region_words(len(req.prompt_ids), len(req.logit_bias), n_lp)
 
 
 class SlotTracker:
@@ -122,8 +130,9 @@ class SlotTracker:
     # -- frontend writes ----------------------------------------------------------------
     def claim(self, req: SubmitRequest, slot: int | None = None) -> int | None:
         """Publish `req` into a free slot; returns the slot, or None when the cache shows none free."""
-        if len(req.prompt_ids) > self.prompt_capacity:
-            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens exceeds the slot's {self.prompt_capacity}")
+        words = region_words(req)
+        if words > self.prompt_capacity:
+            raise ValueError(f"request needs {words} words of prompt arena, a slot has {self.prompt_capacity}")
         if slot is None:
             slot = self.find_free()
             if slot is None:
@@ -131,7 +140,13 @@ class SlotTracker:
         elif not self._free[slot]:
             raise ValueError(f"slot {slot} is not free")
         off = slot * self.prompt_capacity
+        n = len(req.prompt_ids)
         self.t.write(self.geo.prompt_arena_offset + 4 * off, np.asarray(req.prompt_ids, dtype=TOKEN_DTYPE))
+        if req.logit_bias:
+            bias = np.zeros(len(req.logit_bias), LOGIT_BIAS_DTYPE)
+            bias["token"] = [t for t, _ in req.logit_bias]
+            bias["bias"] = [b for _, b in req.logit_bias]
+            self.t.write(self.geo.prompt_arena_offset + 4 * (off + n), bias.view(np.uint8))
         rec = np.zeros((), SLOT_DTYPE)
         rec["state"] = SlotState.EMPTY
         rec["request_id"] = req.request_id
@@ -145,7 +160,19 @@ class SlotTracker:
         rec["top_k"] = req.top_k
         rec["n_stop"] = len(req.stop_ids)
         rec["stop_ids"][: len(req.stop_ids)] = req.stop_ids
-        rec["flags"] = SlotFlags.GREEDY if req.greedy or req.temperature == 0 else SlotFlags.NONE
+        flags = SlotFlags.GREEDY if req.greedy or req.temperature == 0 else SlotFlags.NONE
+        if req.logprobs >= 0:
+            flags |= SlotFlags.LOGPROBS
+        if req.prompt_logprobs >= 0:
+            flags |= SlotFlags.PROMPT_LOGPROBS
+        rec["flags"] = flags
+        rec["presence_penalty"] = req.presence_penalty
+        rec["frequency_penalty"] = req.frequency_penalty
+        rec["repetition_penalty"] = req.repetition_penalty
+        rec["min_p"] = req.min_p
+        rec["n_logprobs"] = max(req.logprobs, req.prompt_logprobs, 0)
+        rec["n_logit_bias"] = len(req.logit_bias)
+        rec["prompt_logprobs_offset"] = self.prompt_logprobs_offset(slot, req)
         rec["t_submit_ns"] = time.time_ns()
         base = self.geo.slot_offset(slot)
         self.t.write(base, rec.reshape(1).view(np.uint8))
@@ -156,6 +183,10 @@ class SlotTracker:
         self._free[slot] = False
         self._hint = (slot + 1) % self.geo.n_slots
         return slot
+
+    def prompt_logprobs_offset(self, slot: int, req: SubmitRequest) -> int:
+        """int32 word of the request's prompt logprob record 0 (after its prompt and logit_bias)."""
+        return slot * self.prompt_capacity + len(req.prompt_ids) + 2 * len(req.logit_bias)
 
     def store_consumed(self, slot: int, consumed: int) -> None:
         self.t.store_u32(self.geo.slot_offset(slot) + _CONSUMED, consumed & 0xFFFFFFFF)

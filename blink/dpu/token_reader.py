@@ -34,8 +34,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.protocol.layout import TOKEN_DTYPE, DeviceStatus, FinishReason, SlotError, SlotState
-from blink.protocol.wire import DeviceHealth, TokenEvent
+from blink.protocol.layout import (
+    LOGPROB_DTYPE,
+    TOKEN_DTYPE,
+    DeviceStatus,
+    FinishReason,
+    SlotError,
+    SlotState,
+    prompt_logprob_record,
+)
+from blink.protocol.wire import DeviceHealth, Logprob, TokenEvent
 
 from .slot_tracker import SlotTracker, read_header
 
@@ -49,6 +57,8 @@ class _Active:
     delivered: int = 0  # tokens read from the output ring
     timing: list[int] | None = None  # filled at the first token: t_submit, t_admit, t_first (ring), t_read (ns)
     backlog: Callable[[], int] | None = None  # events delivered but not yet taken by the consumer
+    logprobs: int = -1  # alternatives per generated token's record to deliver; -1: no records
+    prompt: tuple[int, int, int, int] | None = None  # prompt records: (word offset, prompt_len, n in slot, n wanted)
 
 
 class TokenReader:
@@ -103,8 +113,11 @@ class TokenReader:
         delivered: int = 0,
         timing: list[int] | None = None,
         backlog: Callable[[], int] | None = None,
+        logprobs: int = -1,
+        prompt: tuple[int, int, int, int] | None = None,
     ) -> None:
-        self.active[slot] = _Active(request_id, sink, delivered, timing, backlog)
+        """logprobs / prompt: what the request asked of the device (SlotTracker.claim wrote it)."""
+        self.active[slot] = _Active(request_id, sink, delivered, timing, backlog, logprobs, prompt)
         self._active_mask[slot] = True
         self._delivered[slot] = delivered
         self._urgent.append(slot)
@@ -218,20 +231,32 @@ class TokenReader:
                         time.time_ns(),
                     )
                 ids = self._read_tokens(slot, a.delivered, gen)
+                lps = self._read_logprobs(slot, a.delivered, gen, a.logprobs) if a.logprobs >= 0 else []
+                plps = self._read_prompt_logprobs(a.prompt) if a.delivered == 0 and a.prompt else None
                 a.delivered = gen
                 self._delivered[slot] = gen
                 self.tracker.store_consumed(slot, gen)
                 n += len(ids)
                 if a.sink is not None and state != SlotState.DECODE_COMPLETED:
-                    a.sink(TokenEvent(a.request_id, ids))
+                    a.sink(TokenEvent(a.request_id, ids, logprobs=lps, prompt_logprobs=plps))
                     ids = None
             else:
-                ids = None
+                ids, lps, plps = None, [], None
             if state == SlotState.DECODE_COMPLETED:
                 if a.sink is not None:
                     reason, err = int(rec["finish_reason"]), int(rec["error"])
                     msg = f"request rejected by the device: {SlotError(err).name}" if err else ""
-                    a.sink(TokenEvent(a.request_id, ids or [], reason or FinishReason.STOP, err, msg))
+                    a.sink(
+                        TokenEvent(
+                            a.request_id,
+                            ids or [],
+                            reason or FinishReason.STOP,
+                            err,
+                            msg,
+                            logprobs=lps if ids else [],
+                            prompt_logprobs=plps if ids else None,
+                        )
+                    )
                 del self.active[slot]
                 self._active_mask[slot] = False
                 self.tracker.release(slot)
@@ -253,6 +278,28 @@ class TokenReader:
         if first < out.size:
             self.t.read_into(base, out[first:])
         return out.tolist()
+
+    def _read_logprobs(self, slot: int, start: int, end: int, n: int) -> list[Logprob]:
+        """Logprob records [start, end) of a slot (wrapping like its tokens), n alternatives each."""
+        cap = self._cap
+        out = np.empty(end - start, LOGPROB_DTYPE)
+        i0 = start % cap
+        first = min(end - start, cap - i0)
+        base = self.geo.logprob_offset(slot, 0)
+        self.t.read_into(base + LOGPROB_DTYPE.itemsize * i0, out[:first])
+        if first < out.size:
+            self.t.read_into(base, out[first:])
+        return _logprobs(out["logprob"], out["top_ids"][:, :n], out["top_logprobs"][:, :n])
+
+    def _read_prompt_logprobs(self, prompt: tuple[int, int, int, int]) -> list[Logprob]:
+        """Records of prompt tokens 1 .. prompt_len - 1 (the device wrote them before token 0)."""
+        off, n_prompt, n_slot, n_want = prompt
+        if n_prompt < 2:
+            return []
+        rec = prompt_logprob_record(n_slot)
+        out = np.empty(n_prompt - 1, rec)
+        self.t.read_into(self.geo.prompt_arena_offset + 4 * off + rec.itemsize, out)
+        return _logprobs(out["logprob"], out["top_ids"][:, :n_want], out["top_logprobs"][:, :n_want])
 
     # -- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -289,3 +336,7 @@ class TokenReader:
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
+
+
+def _logprobs(lp: np.ndarray, ids: np.ndarray, lps: np.ndarray) -> list[Logprob]:
+    return [Logprob(a, b, c) for a, b, c in zip(lp.tolist(), ids.tolist(), lps.tolist(), strict=True)]

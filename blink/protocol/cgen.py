@@ -81,6 +81,8 @@ def render() -> str:
         f"constexpr uint32_t UNLIMITED = 0x{L.UNLIMITED:08X}u;",
         f"constexpr uint32_t HEADER_BYTES = {L.HEADER_BYTES};",
         f"constexpr uint32_t SLOT_BYTES = {L.SLOT_BYTES};",
+        f"constexpr uint32_t MAX_LOGPROBS = {L.MAX_LOGPROBS};",
+        f"constexpr uint32_t MAX_LOGIT_BIAS = {L.MAX_LOGIT_BIAS};",
         f"constexpr uint32_t ARENA_ALIGN = {L.ALIGN};",
         "",
     ]
@@ -89,8 +91,11 @@ def render() -> str:
     lines += _enum("SlotError", L.SlotError, "SLOTERR")
     lines += _enum("DeviceStatus", L.DeviceStatus, "DEV")
     lines += _enum("SlotFlags", L.SlotFlags, "SLOTFLAG")
+    lines += _enum("DeviceFeatures", L.DeviceFeatures, "FEATURE")
     lines += struct_lines("RingHeader", L.HEADER_DTYPE, pad_to=L.HEADER_BYTES)
     lines += struct_lines("RingSlot", L.SLOT_DTYPE)
+    lines += struct_lines("LogprobRecord", L.LOGPROB_DTYPE)
+    lines += struct_lines("LogitBias", L.LOGIT_BIAS_DTYPE)
     lines += ["}  // namespace blink", ""]
     return "\n".join(lines)
 

@@ -7,9 +7,22 @@ Everything about the ring's bytes is defined here, once. The CUDA header
 Memory map of a ring (all offsets in bytes from the start of the mapping)::
 
     0                      HEADER_DTYPE (512 B)
-    slots_offset           SLOT_DTYPE x n_slots (128 B each)
-    prompt_arena_offset    int32 x prompt_arena_tokens   (frontend writes, device reads)
+    slots_offset           SLOT_DTYPE x n_slots (192 B each)
+    prompt_arena_offset    int32 x prompt_arena_tokens   (frontend writes, device reads; see below)
     output_arena_offset    int32 x n_slots x output_capacity  (device writes, frontend reads)
+    logprob_arena_offset   LOGPROB_DTYPE x n_slots x output_capacity  (device writes, frontend reads)
+
+A slot's region of the prompt arena, from prompt_offset (int32 words):
+
+    prompt_len tokens | n_logit_bias x LOGIT_BIAS_DTYPE | prompt logprob records (PROMPT_LOGPROBS)
+
+The frontend writes the first two parts before PREFILL_PENDING. With SlotFlags.PROMPT_LOGPROBS the
+device writes `prompt_logprob_record(n_logprobs)` records at word prompt_logprobs_offset, record j
+for prompt token j (j >= 1; record 0 is not written), all before it publishes the first generated
+token: the frontend reads them once generated >= 1.
+
+Logprob arena: with SlotFlags.LOGPROBS, the record of generated token k of slot s is at
+[s, k % output_capacity], written before `generated` covers k (the token's own release order).
 
 Ownership (single writer per word; no cross-party atomics, because GPU atomics on
 host-mapped memory are not atomic with respect to the host):
@@ -22,6 +35,7 @@ host-mapped memory are not atomic with respect to the host):
     slot.cancel       frontend sets 1; cleared by frontend only while the slot is EMPTY
     slot.generated    device, release-store after the token is in the output arena
     slot.consumed     frontend, after reading tokens (flow control for the output ring)
+    logprob arena, prompt logprob records   device (before the `generated` store that covers them)
     header.submit_seq / cancel_seq   frontend doorbells, stored after the slot writes. The one
                  exception to single-writer words: F frontend processes may share a ring, each
                  owning the slots s with s % F == its index. Each stores seq * F + index with its
@@ -43,11 +57,13 @@ import enum
 import numpy as np
 
 RING_MAGIC = 0x474E524B4E494C42  # b"BLINKRNG" little-endian
-RING_VERSION = 1
+RING_VERSION = 2
 MAX_STOP_IDS = 8  # stop token ids carried in a slot (EOS included by the frontend)
 UNLIMITED = 0xFFFFFFFF  # max_new_tokens value meaning "until a stop condition or the context ends"
 HEADER_BYTES = 512
-SLOT_BYTES = 128
+SLOT_BYTES = 192
+MAX_LOGPROBS = 20  # top alternatives per logprob record (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (vLLM checks each against the vocabulary only)
 ALIGN = 4096  # arenas start on page boundaries
 
 
@@ -89,6 +105,18 @@ class DeviceStatus(enum.IntEnum):
 class SlotFlags(enum.IntFlag):
     NONE = 0
     GREEDY = 1  # argmax regardless of temperature (temperature == 0 implies it too)
+    LOGPROBS = 2  # a logprob record per generated token in the logprob arena (n_logprobs alternatives)
+    PROMPT_LOGPROBS = 4  # a record per prompt token at prompt_logprobs_offset (n_logprobs alternatives)
+
+
+class DeviceFeatures(enum.IntFlag):
+    """What a device implements beyond the base protocol (header.features); the frontend refuses
+    requests that need a missing one with a 400."""
+
+    NONE = 0
+    LOGPROBS = 1  # SlotFlags.LOGPROBS
+    PROMPT_LOGPROBS = 2  # SlotFlags.PROMPT_LOGPROBS
+    PENALTIES = 4  # presence / frequency / repetition penalties, min_p, logit_bias
 
 
 # fmt: off
@@ -137,6 +165,9 @@ HEADER_DTYPE = np.dtype([
     ("step_ns_total", "<u8"),        # wall time of decode steps
     ("scan_ns_total", "<u8"),        # time spent scanning the slots
     ("scans", "<u8"),                # slot scans performed
+    ("features", "<u4"),             # DeviceFeatures, written before device_status READY
+    ("logprob_top", "<u4"),          # alternatives per logprob-arena record (MAX_LOGPROBS)
+    ("logprob_arena_offset", "<u8"), # byte offset of the logprob arena
 ], align=True)
 
 SLOT_DTYPE = np.dtype([
@@ -161,6 +192,29 @@ SLOT_DTYPE = np.dtype([
     ("t_submit_ns", "<u8"),          # frontend clock when the request was published
     ("t_admit_ns", "<u8"),           # device clock when the slot was claimed
     ("t_first_ns", "<u8"),           # device clock when the first token was published
+    # sampling extensions (blink/device/sampling.py defines each)
+    ("presence_penalty", "<f4"),     # 0 = off
+    ("frequency_penalty", "<f4"),    # 0 = off
+    ("repetition_penalty", "<f4"),   # 1 = off (0 is read as 1); > 0
+    ("min_p", "<f4"),                # 0 = off; [0, 1]
+    ("n_logprobs", "<u4"),           # alternatives per logprob record, <= MAX_LOGPROBS
+    ("n_logit_bias", "<u4"),         # LOGIT_BIAS_DTYPE entries after the prompt, <= MAX_LOGIT_BIAS
+    ("prompt_logprobs_offset", "<u4"),  # int32 word in the prompt arena of prompt logprob record 0
+    ("_pad1", "<u4", (9,)),
+], align=True)
+
+# One logprob record: the logprob of the chosen token and its top alternatives (most likely first,
+# the lower id first on ties). Records in the logprob arena hold MAX_LOGPROBS alternatives (the
+# unused tail is not written); prompt records hold n_logprobs (prompt_logprob_record).
+LOGPROB_DTYPE = np.dtype([
+    ("logprob", "<f4"),              # of the token the record belongs to
+    ("top_ids", "<i4", (MAX_LOGPROBS,)),
+    ("top_logprobs", "<f4", (MAX_LOGPROBS,)),
+], align=True)
+
+LOGIT_BIAS_DTYPE = np.dtype([
+    ("token", "<i4"),                # < vocab_size
+    ("bias", "<f4"),                 # added to the logit; in [-100, 100]
 ], align=True)
 # fmt: on
 
@@ -191,6 +245,20 @@ assert set(DEVICE_COUNTERS + DEVICE_GAUGES) <= set(HEADER_DTYPE.names)
 TOKEN_DTYPE = np.dtype("<i4")
 
 
+def prompt_logprob_record(n: int) -> np.dtype:
+    """A prompt logprob record with n alternatives (packed: 1 + 2n int32 words)."""
+    return np.dtype([("logprob", "<f4"), ("top_ids", "<i4", (n,)), ("top_logprobs", "<f4", (n,))])
+
+
+def prompt_region_words(prompt_len: int, n_logit_bias: int, prompt_logprobs: int | None) -> int:
+    """int32 words of a slot's prompt-arena region (see the memory map); prompt_logprobs: the
+    alternatives per prompt record, None when the request wants none."""
+    words = prompt_len + 2 * n_logit_bias
+    if prompt_logprobs is not None:
+        words += prompt_len * prompt_logprob_record(prompt_logprobs).itemsize // 4
+    return words
+
+
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -205,6 +273,7 @@ class RingGeometry:
         "slots_offset",
         "prompt_arena_offset",
         "output_arena_offset",
+        "logprob_arena_offset",
         "total_bytes",
     )
 
@@ -219,12 +288,15 @@ class RingGeometry:
         self.slots_offset = HEADER_BYTES
         self.prompt_arena_offset = _round_up(HEADER_BYTES + n_slots * SLOT_BYTES, ALIGN)
         self.output_arena_offset = _round_up(self.prompt_arena_offset + 4 * prompt_arena_tokens, ALIGN)
-        self.total_bytes = _round_up(self.output_arena_offset + 4 * n_slots * output_capacity, ALIGN)
+        self.logprob_arena_offset = _round_up(self.output_arena_offset + 4 * n_slots * output_capacity, ALIGN)
+        self.total_bytes = _round_up(
+            self.logprob_arena_offset + LOGPROB_DTYPE.itemsize * n_slots * output_capacity, ALIGN
+        )
 
     @classmethod
     def from_header(cls, hdr: np.ndarray) -> RingGeometry:
         g = cls(int(hdr["n_slots"]), int(hdr["prompt_arena_tokens"]), int(hdr["output_capacity"]))
-        for f in ("slots_offset", "prompt_arena_offset", "output_arena_offset", "total_bytes"):
+        for f in ("slots_offset", "prompt_arena_offset", "output_arena_offset", "logprob_arena_offset", "total_bytes"):
             if int(hdr[f]) != getattr(g, f):
                 raise ValueError(f"ring header field {f}={int(hdr[f])} disagrees with geometry {getattr(g, f)}")
         return g
@@ -235,6 +307,12 @@ class RingGeometry:
     def output_offset(self, slot: int, k: int) -> int:
         """Byte offset of generated token k of a slot (the output ring wraps)."""
         return self.output_arena_offset + 4 * (slot * self.output_capacity + k % self.output_capacity)
+
+    def logprob_offset(self, slot: int, k: int) -> int:
+        """Byte offset of the logprob record of generated token k of a slot (wraps like the tokens)."""
+        return self.logprob_arena_offset + LOGPROB_DTYPE.itemsize * (
+            slot * self.output_capacity + k % self.output_capacity
+        )
 
     def init_header(self, hdr: np.ndarray) -> None:
         """Fill the geometry fields of a zeroed header (magic last)."""
@@ -247,6 +325,8 @@ class RingGeometry:
         hdr["slots_offset"] = self.slots_offset
         hdr["prompt_arena_offset"] = self.prompt_arena_offset
         hdr["output_arena_offset"] = self.output_arena_offset
+        hdr["logprob_arena_offset"] = self.logprob_arena_offset
+        hdr["logprob_top"] = MAX_LOGPROBS
         hdr["total_bytes"] = self.total_bytes
         hdr["device_status"] = DeviceStatus.STARTING
         hdr["magic"] = RING_MAGIC
@@ -275,6 +355,7 @@ class RingView:
         self.slots = np.ndarray((g.n_slots,), SLOT_DTYPE, self.buf, g.slots_offset)
         self.prompt_arena = np.ndarray((g.prompt_arena_tokens,), TOKEN_DTYPE, self.buf, g.prompt_arena_offset)
         self.output_arena = np.ndarray((g.n_slots, g.output_capacity), TOKEN_DTYPE, self.buf, g.output_arena_offset)
+        self.logprob_arena = np.ndarray((g.n_slots, g.output_capacity), LOGPROB_DTYPE, self.buf, g.logprob_arena_offset)
 
     @classmethod
     def create(cls, buf, geometry: RingGeometry) -> RingView:

@@ -28,6 +28,23 @@ class SubmitRequest(msgspec.Struct, **_OPTS):
     seed: int = 0  # counter-based sampling stream (see blink.device.sampling)
     stop_ids: list[int] = []  # EOS included by the tokenizer role unless ignore_eos
     greedy: bool = False  # SlotFlags.GREEDY
+    # sampling extensions (blink/device/sampling.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias)
+    logprobs: int = -1  # alternatives per generated token's logprob record; -1: no records
+    prompt_logprobs: int = -1  # alternatives per prompt token's record; -1: none (the slot has one
+    # n_logprobs for both: the larger is asked of the device, the token reader trims to each)
+
+
+class Logprob(msgspec.Struct, **_OPTS):
+    """A token's logprob and its top alternatives (a logprob record of the ring)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class TokenEvent(msgspec.Struct, **_OPTS):
@@ -38,6 +55,8 @@ class TokenEvent(msgspec.Struct, **_OPTS):
     finish_reason: int = FinishReason.NONE  # layout.FinishReason
     error: int = SlotError.NONE  # layout.SlotError when finish_reason == ERROR
     message: str = ""  # human-readable cause of an ERROR (device failure, rejected request)
+    logprobs: list[Logprob] = []  # one per token_ids entry, when the request asked for them
+    prompt_logprobs: list[Logprob] | None = None  # prompt tokens 1.. (with the first tokens only)
 
     @property
     def finished(self) -> bool:

@@ -7,11 +7,13 @@
 namespace blink {
 
 constexpr uint64_t RING_MAGIC = 0x474E524B4E494C42ull;
-constexpr uint32_t RING_VERSION = 1;
+constexpr uint32_t RING_VERSION = 2;
 constexpr uint32_t MAX_STOP_IDS = 8;
 constexpr uint32_t UNLIMITED = 0xFFFFFFFFu;
 constexpr uint32_t HEADER_BYTES = 512;
-constexpr uint32_t SLOT_BYTES = 128;
+constexpr uint32_t SLOT_BYTES = 192;
+constexpr uint32_t MAX_LOGPROBS = 20;
+constexpr uint32_t MAX_LOGIT_BIAS = 1024;
 constexpr uint32_t ARENA_ALIGN = 4096;
 
 enum SlotState : uint32_t {
@@ -51,6 +53,14 @@ enum DeviceStatus : uint32_t {
 
 enum SlotFlags : uint32_t {
   SLOTFLAG_GREEDY = 1,
+  SLOTFLAG_LOGPROBS = 2,
+  SLOTFLAG_PROMPT_LOGPROBS = 4,
+};
+
+enum DeviceFeatures : uint32_t {
+  FEATURE_LOGPROBS = 1,
+  FEATURE_PROMPT_LOGPROBS = 2,
+  FEATURE_PENALTIES = 4,
 };
 
 struct RingHeader {
@@ -94,7 +104,10 @@ struct RingHeader {
   uint64_t step_ns_total;  // offset 224
   uint64_t scan_ns_total;  // offset 232
   uint64_t scans;  // offset 240
-  uint8_t _tail[264];
+  uint32_t features;  // offset 248
+  uint32_t logprob_top;  // offset 252
+  uint64_t logprob_arena_offset;  // offset 256
+  uint8_t _tail[248];
 };
 static_assert(offsetof(RingHeader, magic) == 0, "RingHeader.magic offset");
 static_assert(offsetof(RingHeader, version) == 8, "RingHeader.version offset");
@@ -136,6 +149,9 @@ static_assert(offsetof(RingHeader, sched_ns_total) == 216, "RingHeader.sched_ns_
 static_assert(offsetof(RingHeader, step_ns_total) == 224, "RingHeader.step_ns_total offset");
 static_assert(offsetof(RingHeader, scan_ns_total) == 232, "RingHeader.scan_ns_total offset");
 static_assert(offsetof(RingHeader, scans) == 240, "RingHeader.scans offset");
+static_assert(offsetof(RingHeader, features) == 248, "RingHeader.features offset");
+static_assert(offsetof(RingHeader, logprob_top) == 252, "RingHeader.logprob_top offset");
+static_assert(offsetof(RingHeader, logprob_arena_offset) == 256, "RingHeader.logprob_arena_offset offset");
 static_assert(sizeof(RingHeader) == 512, "RingHeader size");
 
 struct RingSlot {
@@ -160,6 +176,14 @@ struct RingSlot {
   uint64_t t_submit_ns;  // offset 104
   uint64_t t_admit_ns;  // offset 112
   uint64_t t_first_ns;  // offset 120
+  float presence_penalty;  // offset 128
+  float frequency_penalty;  // offset 132
+  float repetition_penalty;  // offset 136
+  float min_p;  // offset 140
+  uint32_t n_logprobs;  // offset 144
+  uint32_t n_logit_bias;  // offset 148
+  uint32_t prompt_logprobs_offset;  // offset 152
+  uint32_t _pad1[9];  // offset 156
 };
 static_assert(offsetof(RingSlot, state) == 0, "RingSlot.state offset");
 static_assert(offsetof(RingSlot, cancel) == 4, "RingSlot.cancel offset");
@@ -182,6 +206,32 @@ static_assert(offsetof(RingSlot, flags) == 100, "RingSlot.flags offset");
 static_assert(offsetof(RingSlot, t_submit_ns) == 104, "RingSlot.t_submit_ns offset");
 static_assert(offsetof(RingSlot, t_admit_ns) == 112, "RingSlot.t_admit_ns offset");
 static_assert(offsetof(RingSlot, t_first_ns) == 120, "RingSlot.t_first_ns offset");
-static_assert(sizeof(RingSlot) == 128, "RingSlot size");
+static_assert(offsetof(RingSlot, presence_penalty) == 128, "RingSlot.presence_penalty offset");
+static_assert(offsetof(RingSlot, frequency_penalty) == 132, "RingSlot.frequency_penalty offset");
+static_assert(offsetof(RingSlot, repetition_penalty) == 136, "RingSlot.repetition_penalty offset");
+static_assert(offsetof(RingSlot, min_p) == 140, "RingSlot.min_p offset");
+static_assert(offsetof(RingSlot, n_logprobs) == 144, "RingSlot.n_logprobs offset");
+static_assert(offsetof(RingSlot, n_logit_bias) == 148, "RingSlot.n_logit_bias offset");
+static_assert(offsetof(RingSlot, prompt_logprobs_offset) == 152, "RingSlot.prompt_logprobs_offset offset");
+static_assert(offsetof(RingSlot, _pad1) == 156, "RingSlot._pad1 offset");
+static_assert(sizeof(RingSlot) == 192, "RingSlot size");
+
+struct LogprobRecord {
+  float logprob;  // offset 0
+  int32_t top_ids[20];  // offset 4
+  float top_logprobs[20];  // offset 84
+};
+static_assert(offsetof(LogprobRecord, logprob) == 0, "LogprobRecord.logprob offset");
+static_assert(offsetof(LogprobRecord, top_ids) == 4, "LogprobRecord.top_ids offset");
+static_assert(offsetof(LogprobRecord, top_logprobs) == 84, "LogprobRecord.top_logprobs offset");
+static_assert(sizeof(LogprobRecord) == 164, "LogprobRecord size");
+
+struct LogitBias {
+  int32_t token;  // offset 0
+  float bias;  // offset 4
+};
+static_assert(offsetof(LogitBias, token) == 0, "LogitBias.token offset");
+static_assert(offsetof(LogitBias, bias) == 4, "LogitBias.bias offset");
+static_assert(sizeof(LogitBias) == 8, "LogitBias size");
 
 }  // namespace blink
