@@ -169,16 +169,16 @@ class RequestTracker:
         words the whole request needs (logit_bias, prompt logprob records), when more than n_prompt."""
         if n_prompt < 1:
             return "the prompt is empty"
-        if words is not None and words > self.slots.prompt_capacity:
-            return (
-                f"the request needs {words} words of the ring's prompt arena (prompt, logit_bias and "
-                f"prompt logprobs); a slot has {self.slots.prompt_capacity}"
-            )
         limit = min(self.slots.prompt_capacity, self.max_context - 1 if self.max_context else 1 << 62)
         if n_prompt > limit:
             return (
                 f"the prompt has {n_prompt} tokens; this server accepts at most {limit} "
                 f"(max_context {self.max_context}, one token left to generate)"
+            )
+        if words is not None and words > self.slots.prompt_capacity:
+            return (
+                f"the request needs {words} words of the ring's prompt arena (prompt, logit_bias and "
+                f"prompt logprobs); a slot has {self.slots.prompt_capacity}"
             )
         return None
 
