@@ -312,6 +312,79 @@ def test_echo(tiny):
     assert text0 == "Once upon" + plain
 
 
+def test_chat_logprobs_streamed_and_not(tiny):
+    """logprobs + top_logprobs: one content entry per token, the same streamed; top lists sorted."""
+    kw = dict(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=4,
+        extra_body={"ignore_eos": True},
+    )
+    c = tiny.client()
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 4 and tops == sorted(tops, reverse=True)
+        assert e.logprob == tops[0]  # greedy: the chosen token is the most likely (raw logprobs, T = 0)
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_completions_echo_logprobs_max_tokens_0(tiny):
+    """What lm-evaluation-harness's loglikelihood requests send: the prompt's logprobs, no tokens."""
+    c = tiny.client()
+    prompt = [5, 6, 7, 8, 9]
+    r = c.completions.create(model="tiny-llama", prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    ch = r.choices[0]
+    assert r.usage.completion_tokens == 0 and ch.finish_reason == "length"
+    assert (
+        ch.text
+        == tiny.client().completions.create(model="tiny-llama", prompt=prompt, max_tokens=0, echo=True).choices[0].text
+    )
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:])
+    assert all(max(t.values()) >= v for t, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:], strict=True))
+    # max_tokens 1: the same prompt part, then the generated token's
+    r1 = c.completions.create(model="tiny-llama", prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lp1 = r1.choices[0].logprobs
+    assert lp1.token_logprobs[:5] == lp.token_logprobs and len(lp1.token_logprobs) == 6
+    # streamed: the echo chunk carries the prompt's logprobs
+    ev = _sse(
+        tiny.url + "/v1/completions",
+        {
+            "model": "tiny-llama",
+            "prompt": prompt,
+            "max_tokens": 1,
+            "echo": True,
+            "logprobs": 1,
+            "stream": True,
+            "temperature": 0,
+        },
+    )
+    parts = [e["choices"][0]["logprobs"] for e in ev[:-1] if e["choices"] and e["choices"][0]["logprobs"]]
+    assert [v for p in parts for v in p["token_logprobs"]] == lp1.token_logprobs
+
+
+def test_penalties_and_logit_bias_change_the_output(tiny):
+    c = tiny.client()
+    kw = dict(model="tiny-llama", prompt=[5, 6, 7, 8], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    plain = c.completions.create(**kw).choices[0].text
+    biased = c.completions.create(logit_bias={"70": 100}, **kw)
+    _, js = _post(tiny.url + "/detokenize", json.dumps({"model": "tiny-llama", "tokens": [70] * 8}))
+    assert biased.choices[0].text == js["prompt"] != plain
+    extra = {"ignore_eos": True, "repetition_penalty": 2.0, "min_p": 0.1}
+    pen = c.completions.create(presence_penalty=2, frequency_penalty=2, **{**kw, "extra_body": extra})
+    assert pen.usage.completion_tokens == 8
+
+
 def test_plain_text_format_and_tools_off_are_accepted(tiny):
     """What asks for no structure is served: response_format text, tools with tool_choice none."""
     msgs = [{"role": "user", "content": "hi"}]
@@ -440,14 +513,18 @@ BAD = [
     ("min_tokens huge", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "min_tokens": 2**40}, 400, "min_tokens"),
     ("long text (encoded off the loop)", "/v1/completions", {"model": "tiny-llama", "prompt": "ab" * 10000}, 400, "prompt"),
     ("not an object", "/v1/completions", "[1, 2]", 400, None),
-    ("min_p", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "min_p": 0.1}, 400, "min_p"),
-    ("repetition_penalty", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("min_p", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "min_p": 1.1}, 400, "min_p"),
+    ("repetition_penalty", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("logit_bias id", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "logit_bias": {"9999": 1}}, 400, "logit_bias"),
+    ("presence_penalty", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("max_tokens 0 without echo", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("guided_choice", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]}, 400, "guided_choice"),
     ("json mode", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("tools", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("best_of", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "best_of": 2}, 400, "best_of"),
     ("suffix", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("logprobs", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("logprobs", "/v1/completions", {"model": "tiny-llama", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
 ]  # fmt: skip
 
 
