@@ -249,8 +249,8 @@ def test_flash_decode_index_math(variant: str, hd: int, G: int):
 
 def test_flash_launches_per_bucket():
     """Forward's flash launches (no GPU: a recording _launch): one wave of CTAs at batch 1 with a
-    combine, one split and no combine at batch 256; argument counts match the kernels'."""
-    import ctypes
+    combine, one split and no combine at batch 256 (test_gpu_fusion_plan checks every launch's
+    arguments against the kernels' signatures)."""
     from types import SimpleNamespace
 
     from blink.gpu.attention_launch import decode_variant_for
@@ -263,16 +263,16 @@ def test_flash_launches_per_bucket():
     f.d = Dims(256, 256, 66, 16, 20000, 1056)
     f.arena = SimpleNamespace(ptr=dict.fromkeys(("cu_q_lens", "seq_lens", "block_tables", "num_seqs"), 8192))
     f.q = f.part_o = f.part_ml = f.attn = fake
-    f.decode_kernels = dict.fromkeys(FLASH_VARIANTS, 1)
-    f.flash_combine = dict.fromkeys(FLASH_VARIANTS, 2)
+    f.decode_kernels = {v: f"attn_{v}_hd128_g4" for v in FLASH_VARIANTS}
+    f.flash_combine = {v: f"attn_{v}_combine_hd128" for v in FLASH_VARIANTS}
     f.flash_smem = {v: 4 * s * 2 * n * 32 * 16 for v, (n, _, s) in FLASH_VARIANTS.items()}
     calls: list = []
-    f._launch = lambda name, grid, block, args, stream, smem=0, fn=None: calls.append((name, grid, len(args), smem))
-    f._record_flash(0, 1, "flash", 1 << 20, 2 << 20, ctypes.c_float(0.1))
-    assert calls == [("attn_flash", (32, 8, 1), 15, 0), ("attn_flash_combine", (8, 1, 1), 10, 0)]
+    f._launch = lambda name, grid, block, stream, smem=0, **args: calls.append((name, grid, len(args), smem))
+    f._record_flash(0, 1, "flash", 1 << 20, 2 << 20, 0.1)
+    assert calls == [("attn_flash_hd128_g4", (32, 8, 1), 15, 0), ("attn_flash_combine_hd128", (8, 1, 1), 10, 0)]
     calls.clear()
-    f._record_flash(0, 256, "flashq", 1 << 20, 2 << 20, ctypes.c_float(0.1))
-    assert calls == [("attn_flash", (1, 8, 256), 15, 65536)]
+    f._record_flash(0, 256, "flashq", 1 << 20, 2 << 20, 0.1)
+    assert calls == [("attn_flashq_hd128_g4", (1, 8, 256), 15, 65536)]
     table = (1, "flash"), (64, "basic")
     assert [decode_variant_for(table, b) for b in (1, 63, 64, 256)] == ["flash", "flash", "basic", "basic"]
 

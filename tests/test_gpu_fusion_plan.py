@@ -1,10 +1,10 @@
 """The launch sequence of a step with and without GEMV fusions (no GPU: Forward with fake buffers
-and a recording _launch), against the kernels' argument counts in model_kernels.cu."""
+and a recording driver); every launch's keyword arguments go through Kernels.args, i.e. are checked
+against the kernels' signatures as nvcc sees them (needs nvcc, or the signatures cached by a build)."""
 
 from __future__ import annotations
 
 import ctypes
-import re
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +13,22 @@ from blink.gpu import kernels
 from blink.gpu.engine import EngineConfig, parse_gemv_fusion
 from blink.gpu.forward import GEMV_FUSIONS, Dims, Forward, RopeArgs
 from blink.models.config import preset
+from blink.protocol.step import STEP_FIELDS
+
+
+@pytest.fixture(scope="module")
+def signatures() -> dict:
+    try:
+        return kernels.all_signatures()
+    except RuntimeError as e:  # no nvcc and nothing cached
+        pytest.skip(str(e))
+
+
+class _Kernels(kernels.Kernels):
+    """Kernels without a GPU: every name has handle 1; args() checks against the real signatures."""
+
+    def __init__(self, params: dict) -> None:
+        self.params, self._fns = params, dict.fromkeys(params, 1)
 
 
 class _Arr:
@@ -26,7 +42,7 @@ class _Arr:
             self.nbytes *= n
 
 
-def _forward(name: str, gemv_max_tokens: int, fusion: str) -> tuple[Forward, list]:
+def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict) -> tuple[Forward, list]:
     c = preset(name).replace(num_layers=2)
     f = object.__new__(Forward)
     f.c, f.num_sms, f.max_splits = c, 132, 32
@@ -47,45 +63,30 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str) -> tuple[Forward, lis
     f.w = SimpleNamespace(
         embed=_Arr(c.vocab_size, H), final_norm=_Arr(H), lm_head=_Arr(c.vocab_size, H), layers=[layer, layer]
     )
-    names = [n for n, _, _ in __import__("blink.gpu.forward", fromlist=["STEP_FIELDS"]).STEP_FIELDS]
-    f.arena = SimpleNamespace(ptr=dict.fromkeys(names, 8192))
+    f.arena = SimpleNamespace(ptr=dict.fromkeys([f.name for f in STEP_FIELDS], 8192))
     for b in "resid hid delta qkv q attn gu act last logits out_tokens done_seq kv cos sin part_o part_ml".split():
         setattr(f, b, _Arr(1))
     f.split_counters = _Arr(1)
     f.kv_layer_stride, f.kv_half = 1 << 20, 1 << 19
-    f.decode_kernels = {"flashq": 1, "basic": 2}
-    f.flash_combine = {"flashq": 3}
-    f.flash_smem = {"flashq": 65536}
-    f.fn_prefill, f.prefill_smem = 4, 1000
-    f.decode_table, f._decode_override, f._only = ((1, "flashq"),), None, None
+    f.k = _Kernels(signatures)
+    f._init_attention(f.k, SimpleNamespace(set_max_dynamic_smem=lambda fn, n: None))
+    f.decode_table = ((1, "flashq"),)
+    f._only = None
     f.gemv_max_tokens = gemv_max_tokens
     f.set_gemv_fusion(parse_gemv_fusion(fusion))
     calls: list = []
-    f._launch = lambda name, grid, block, args, stream, smem=0, fn=None: calls.append((name, grid, args, smem))
+    f.drv = SimpleNamespace(
+        launch=lambda fn, grid, block, args, stream, smem, name: calls.append((name, grid, args, smem))
+    )
     f.blas = SimpleNamespace(linear=lambda *a: calls.append(("cublas", None, a, 0)))
     return f, calls
-
-
-def _kernel_params() -> dict[str, int]:
-    """Parameter count of every extern "C" kernel of model_kernels.cu (macro kernels expanded by hand)."""
-    src = (kernels.CSRC / "model_kernels.cu").read_text()
-    out = {}
-    for m in re.finditer(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src):
-        out[m.group(1)] = len(m.group(2).split(","))
-    fused = re.search(r"gemv_##NAME##_t##NT\(([^)]*)\)", src)
-    assert fused is not None
-    for nt in (1, 2, 4, 8):
-        for kind in ("norm", "norm_swiglu", "swiglu", "resid", "rope", "norm_rope"):
-            out[f"gemv_{kind}_t{nt}"] = len(fused.group(1).split(","))
-        out[f"gemv_bf16_t{nt}"] = out[f"gemv_f32_t{nt}"] = 5
-    return out
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b", "qwen2.5-7b"])
 @pytest.mark.parametrize("T", [1, 2, 8])
 @pytest.mark.parametrize("fusion", ["none", "all", "norm", "swiglu", "rope", "norm,rope"])
-def test_fused_decode_launches(name: str, T: int, fusion: str):
-    f, calls = _forward(name, 8, fusion)
+def test_fused_decode_launches(name: str, T: int, fusion: str, signatures: dict):
+    f, calls = _forward(name, 8, fusion, signatures)
     f._record(0, T, T, True, True)
     names = [c[0] for c in calls]
     fuse = parse_gemv_fusion(fusion)
@@ -99,15 +100,13 @@ def test_fused_decode_launches(name: str, T: int, fusion: str):
     for k, n in per_layer.items():
         assert names.count(k) == 2 * n, (k, names)
     assert "cublas" not in names
-    assert names.count("attn_flash") == 2
+    assert sum(n.startswith("attn_flashq_hd") for n in names) == 2
     assert f.fusions_for(T) == (fuse - {"rope"} if name != "llama3-8b" else fuse)
-    params = _kernel_params()
     for name_, _, args, smem in calls:
         if name_ == "add_bias":  # between the qkv projection and RoPE
-            assert len(args) == params[name_] and names[names.index(name_) + 1] == "rope_kv_write"
+            assert names[names.index(name_) + 1] == "rope_kv_write"
         if name_.startswith("gemv_"):
             assert name_.endswith(f"_t{T}") or name_.startswith("gemv_f32")
-            assert len(args) == params[name_], name_
             rope_arg = [a for a in args if isinstance(a, RopeArgs)]
             assert bool(rope_arg) == ("rope" in name_)
             assert smem == (T * f.c.hidden_size * 2 if name_.startswith("gemv_norm") else 0)
@@ -117,11 +116,11 @@ def test_fused_decode_launches(name: str, T: int, fusion: str):
 
 
 @pytest.mark.parametrize("fusion", ["none", "all"])
-def test_fusion_only_on_the_gemv_path(fusion: str):
+def test_fusion_only_on_the_gemv_path(fusion: str, signatures: dict):
     """cuBLAS decode buckets and prefill steps launch the same kernels whatever the fusion."""
     base_calls = {}
     for fu in ("none", fusion):
-        f, calls = _forward("llama3-8b", 1, fu)
+        f, calls = _forward("llama3-8b", 1, fu, signatures)
         f._record(0, 2, 2, True, True)  # batch 2 > gemv_max_tokens: cuBLAS
         f._record(0, 1, 64, False, True)  # prefill
         f._record(0, 1, 1, True, False)  # batch 1 with use_gemv=False (the cublas_only benchmark)
@@ -148,3 +147,58 @@ def test_prefill_attention_config():
         assert EngineConfig(prefill_attention=v).prefill_attention == v
     with pytest.raises(ValueError):
         EngineConfig(prefill_attention="fa3")
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b", "qwen2.5-7b", "smollm2-135m"])
+def test_every_launch_matches_its_kernel_signature(name: str, signatures: dict):
+    """Every decode and prefill attention variant, GEMV and cuBLAS buckets, fused and not: each
+    launch's keyword arguments are exactly its kernel's parameters, of types they convert to."""
+    from blink.gpu.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
+
+    for fusion in ("none", "all"):
+        f, calls = _forward(name, 1, fusion, signatures)
+        for v in DECODE_VARIANTS:
+            f.set_decode_attention(v)
+            for S in (1, 4):
+                f._record(0, S, S, True, True)
+        for v in PREFILL_VARIANTS:
+            f.set_prefill_attention(v)
+            f._record(0, 2, 64, False, True)
+        launched = {n for n, *_ in calls if n != "cublas"}
+        assert {
+            f"attn_{v}_hd{f.c.head_dim}_g{f.c.num_heads // f.c.num_kv_heads}" for v in ("flashq", "flash8")
+        } < launched
+        for n, _, args, _ in calls:
+            if n != "cublas":
+                assert len(args) == len(signatures[n]), n
+
+
+def test_pack_args_checks_names_and_types():
+    params = (("const bf16*", "x"), ("int", "n"), ("float", "eps"), ("RopeArgs", "ra"), ("uint64_t", "seed"))
+    arr = SimpleNamespace(data=SimpleNamespace(ptr=4096))
+    ra = RopeArgs()
+    args = kernels.pack_args("k", params, dict(seed=2**63, eps=0.5, n=3, x=arr, ra=ra))
+    assert [type(a) for a in args] == [ctypes.c_uint64, ctypes.c_int, ctypes.c_float, RopeArgs, ctypes.c_uint64]
+    assert args[0].value == 4096 and args[1].value == 3 and args[3] is ra and args[4].value == 2**63
+    assert kernels.pack_args("k", params[:1], {"x": None})[0].value == 0  # a null pointer
+    with pytest.raises(TypeError, match="missing"):
+        kernels.pack_args("k", params, dict(x=arr, n=3, eps=0.5, ra=ra))
+    with pytest.raises(TypeError, match="unknown"):
+        kernels.pack_args("k", params[:2], dict(x=arr, n=3, m=4))
+    with pytest.raises(TypeError, match="Python number"):
+        kernels.pack_args("k", params[1:2], dict(n=ctypes.c_float(3)))
+    with pytest.raises(TypeError, match="RopeArgs"):
+        kernels.pack_args("k", params[3:4], dict(ra=3))
+
+
+def test_parse_signatures_of_preprocessed_macro_kernels():
+    text = (
+        'extern "C" __attribute__((global)) void __attribute__((launch_bounds(128, (4 <= 4 ? 3 : 2)))) '
+        "attn_x_hd64_g4( const bf16* __restrict__ q, float *po, int nkv) { body(); }\n"
+        'extern "C" __attribute__((global)) void __attribute__((launch_bounds(SB)))\n'
+        "sample_tokens(const float* logits, unsigned long long ns) {}\n"
+    )
+    assert kernels.parse_signatures(text) == {
+        "attn_x_hd64_g4": (("const bf16*", "q"), ("float*", "po"), ("int", "nkv")),
+        "sample_tokens": (("const float*", "logits"), ("unsigned long long", "ns")),
+    }

@@ -4,8 +4,8 @@ The Python ring interpreter (`blink.device.ring_device`) owns scheduling and the
 tables; an executor owns weights and the KV pool and runs one step. Two executors exist:
 `blink.device.numpy_executor` (the emulated device) and `blink.gpu.host_executor` (CUDA graphs
 launched from the host: the baseline of the scheduler ablation). The GPU-resident scheduler
-drives the same CUDA graphs through the buffers described in `blink.gpu.abi`, with the same
-meaning as the fields below.
+drives the same CUDA graphs through the same step fields (`blink.protocol.step`), written by the
+GPU into the engine's step arena.
 """
 
 from __future__ import annotations
@@ -16,32 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from blink.protocol.layout import LOGPROB_DTYPE
-
-
-@dataclass
-class StepBatch:
-    """One step. S sequences, T packed tokens (decode: T == S)."""
-
-    input_ids: np.ndarray  # (T,) int32  packed token ids
-    positions: np.ndarray  # (T,) int32  position of each token within its sequence
-    cu_q_lens: np.ndarray  # (S+1,) int32  prefix sums of tokens per sequence
-    seq_lens: np.ndarray  # (S,) int32  context length of each sequence after this step
-    block_tables: np.ndarray  # (S, max_blocks_per_seq) int32  physical block of each logical block
-    temperature: np.ndarray  # (S,) float32  0 = greedy
-    top_p: np.ndarray  # (S,) float32
-    top_k: np.ndarray  # (S,) int32  0 = off
-    seeds: np.ndarray  # (S,) uint64
-    sample_pos: np.ndarray  # (S,) uint32  index k of the token being sampled
-    # Sampling extensions (blink.device.sampling); None = off for every sequence.
-    ext: SamplingExt | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+from blink.protocol.step import StepBatch
 
 
 @dataclass

@@ -138,8 +138,8 @@ def _build_ext(plan: StepPlan, T: int) -> SamplingExt | None:
 
 
 def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepBatch:
-    """Pack a plan into the executor's step buffers (Python lists first: one numpy conversion
-    per buffer is much cheaper than per-element stores at decode batch sizes)."""
+    """Pack a plan into a StepBatch (Python lists first: one numpy conversion per field is much
+    cheaper than per-element stores at decode batch sizes)."""
     S = plan.num_seqs
     ids: list[int] = []
     pos: list[int] = []
@@ -169,17 +169,17 @@ def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepB
     flat = np.fromiter(itertools.chain.from_iterable(tabs), np.int32, int(lens.sum()))
     starts = np.repeat(np.cumsum(lens) - lens, lens)
     tables[np.repeat(np.arange(S), lens), np.arange(flat.size) - starts] = flat
-    return StepBatch(
-        input_ids=np.array(ids, np.int32),
-        positions=np.array(pos, np.int32),
-        cu_q_lens=np.array(cu, np.int32),
-        seq_lens=np.array(seq_lens, np.int32),
+    return StepBatch(  # lists: StepBatch converts each to its field's dtype
+        input_ids=ids,
+        positions=pos,
+        cu_q_lens=cu,
+        seq_lens=seq_lens,
         block_tables=tables,
-        temperature=np.array(temperature, np.float32),
-        top_p=np.array(top_p, np.float32),
-        top_k=np.array(top_k, np.int32),
-        seeds=np.array(seeds, np.uint64),
-        sample_pos=np.array(sample_pos, np.uint32),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seeds=seeds,
+        sample_pos=sample_pos,
         ext=_build_ext(plan, len(ids)),
     )
 

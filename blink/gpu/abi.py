@@ -2,23 +2,12 @@
 
 One `ENGINE_DTYPE` record lives in device memory. The engine fills it once after capturing
 its graphs; the scheduler kernel (and the host loop) read it. The C++ view,
-`blink/gpu/include/blink_engine.h`, is generated from this dtype (`python -m blink.gpu.abi`).
+`blink/gpu/include/blink_engine.h`, is generated from this dtype (`python -m blink.gpu.abi`)
+with typed pointers and a `static_assert` on every offset.
 
-A step is described entirely by device buffers, so graphs never bake in lengths:
-
-    *num_seqs, *num_tokens         u32    live rows / packed tokens of this step (<= the graph's bucket)
-    input_ids[max_tokens]          i32    packed token ids (decode: one per sequence)
-    positions[max_tokens]          i32    position of each token in its sequence
-    cu_q_lens[max_seqs+1]          i32    prefix sums of per-sequence token counts (decode: 0,1,2,..)
-    seq_lens[max_seqs]             i32    context length of each sequence after this step
-    block_tables[max_seqs, max_blocks_per_seq]  i32   physical KV block of each logical block
-    temperature, top_p[max_seqs]   f32    sampling parameters per sequence (0 = greedy)
-    top_k[max_seqs]                i32    0 = off
-    seeds[max_seqs]                u64    per-request seed
-    sample_pos[max_seqs]           u32    index k of the token being sampled (RNG counter)
-    out_tokens[max_seqs]           i32    sampled token of each sequence (last token of its chunk)
-    *step_seq                      u64    written by the driver before the launch
-    *done_seq                      u64    the graph's last kernel stores *step_seq here (st.release.gpu)
+A step is described entirely by device buffers, so graphs never bake in lengths: the record
+points at every step field of `blink.protocol.step` (the one definition of their types and
+extents), at the step's outputs and at the graph table.
 
 Graph table: decode_execs[b][e] is exec e (of execs_per_shape) for batch bucket b;
 prefill_execs[b][t][e] for (batch bucket b, token bucket t); 0 marks a shape not captured
@@ -34,50 +23,49 @@ import pathlib
 import numpy as np
 
 from blink.protocol.cgen import header_main, struct_lines
+from blink.protocol.step import STEP_FIELDS
 
 HEADER_PATH = pathlib.Path(__file__).resolve().parent / "include" / "blink_engine.h"
 
 # fmt: off
-ENGINE_DTYPE = np.dtype([
-    ("max_seqs", "<u4"),             # rows of the largest graph
-    ("max_tokens", "<u4"),           # packed tokens of the largest graph
-    ("max_blocks_per_seq", "<u4"),   # block table width
-    ("block_size", "<u4"),           # tokens per KV block
-    ("num_kv_blocks", "<u4"),        # blocks in the pool (ids 0..num_kv_blocks-1)
-    ("vocab_size", "<u4"),
-    ("max_context", "<u4"),          # max_blocks_per_seq * block_size, capped by the model
-    ("n_batch_buckets", "<u4"),
-    ("n_token_buckets", "<u4"),
-    ("execs_per_shape", "<u4"),      # >= 2: relaunching an exec right after its token can fail
-    ("num_seqs", "<u8"),             # u32*
-    ("num_tokens", "<u8"),           # u32*
-    ("input_ids", "<u8"),            # i32*  [max_tokens]
-    ("positions", "<u8"),            # i32*  [max_tokens]
-    ("cu_q_lens", "<u8"),            # i32*  [max_seqs+1]
-    ("seq_lens", "<u8"),             # i32*  [max_seqs]
-    ("block_tables", "<u8"),         # i32*  [max_seqs, max_blocks_per_seq]
-    ("temperature", "<u8"),          # f32*  [max_seqs]
-    ("top_p", "<u8"),                # f32*  [max_seqs]
-    ("top_k", "<u8"),                # i32*  [max_seqs]
-    ("seeds", "<u8"),                # u64*  [max_seqs]
-    ("sample_pos", "<u8"),           # u32*  [max_seqs]
-    ("out_tokens", "<u8"),           # i32*  [max_seqs]
-    ("step_seq", "<u8"),             # u64*
-    ("done_seq", "<u8"),             # u64*
-    ("batch_buckets", "<u8"),        # u32*  [n_batch_buckets]  sizes, ascending
-    ("token_buckets", "<u8"),        # u32*  [n_token_buckets]  sizes, ascending
-    ("batch_bucket_of", "<u8"),      # u16*  [max_seqs+1]
-    ("token_bucket_of", "<u8"),      # u16*  [max_tokens+1]
-    ("decode_execs", "<u8"),         # u64*  [n_batch_buckets][execs_per_shape]
-    ("prefill_execs", "<u8"),        # u64*  [n_batch_buckets][n_token_buckets][execs_per_shape]
-], align=True)
+_SCALARS = [
+    ("max_seqs", "<u4", "rows of the largest graph"),
+    ("max_tokens", "<u4", "packed tokens of the largest graph"),
+    ("max_blocks_per_seq", "<u4", "block table width W"),
+    ("block_size", "<u4", "tokens per KV block"),
+    ("num_kv_blocks", "<u4", "blocks in the pool (ids 0..num_kv_blocks-1)"),
+    ("vocab_size", "<u4", ""),
+    ("max_context", "<u4", "max_blocks_per_seq * block_size, capped by the model"),
+    ("n_batch_buckets", "<u4", ""),
+    ("n_token_buckets", "<u4", ""),
+    ("execs_per_shape", "<u4", ">= 2: relaunching an exec right after its token can fail"),
+]
+# device buffers besides the step inputs: (name, element dtype, extent)
+_BUFFERS = [
+    ("out_tokens", "<i4", "[max_seqs] sampled token of each sequence (last token of its chunk)"),
+    ("done_seq", "<u8", "the graph's last kernel stores *step_seq here (st.release.gpu)"),
+    ("batch_buckets", "<u4", "[n_batch_buckets] sizes, ascending"),
+    ("token_buckets", "<u4", "[n_token_buckets] sizes, ascending"),
+    ("batch_bucket_of", "<u2", "[max_seqs+1]"),
+    ("token_bucket_of", "<u2", "[max_tokens+1]"),
+    ("decode_execs", "<u8", "[n_batch_buckets][execs_per_shape]"),
+    ("prefill_execs", "<u8", "[n_batch_buckets][n_token_buckets][execs_per_shape]"),
+]
 # fmt: on
+ENGINE_DTYPE = np.dtype(
+    [(n, dt) for n, dt, _ in _SCALARS] + [(f.name, "<u8") for f in STEP_FIELDS] + [(n, "<u8") for n, _, _ in _BUFFERS],
+    align=True,
+)
+POINTERS = {f.name: f.dtype for f in STEP_FIELDS} | {n: np.dtype(dt) for n, dt, _ in _BUFFERS}
+_DOCS = {n: doc for n, _, doc in _SCALARS + _BUFFERS if doc}
+_DOCS |= {f.name: f"[{f.extent}] {f.doc}" if f.extent != "1" else f.doc for f in STEP_FIELDS}
 
 
 def render() -> str:
     lines = [
-        "// GENERATED by `python -m blink.gpu.abi` from blink/gpu/abi.py. DO NOT EDIT.",
+        "// GENERATED by `python -m blink.gpu.abi` from blink/gpu/abi.py and blink/protocol/step.py. DO NOT EDIT.",
         "// The engine ABI read by the GPU-resident scheduler (pointers are device addresses).",
+        "// Step extents: T packed tokens, S sequences, W = max_blocks_per_seq.",
         "#pragma once",
         "#include <stddef.h>",
         "#include <stdint.h>",
@@ -85,7 +73,7 @@ def render() -> str:
         "namespace blink {",
         "",
     ]
-    lines += struct_lines("EngineABI", ENGINE_DTYPE)
+    lines += struct_lines("EngineABI", ENGINE_DTYPE, pointers=POINTERS, docs=_DOCS)
     lines += ["}  // namespace blink", ""]
     return "\n".join(lines)
 

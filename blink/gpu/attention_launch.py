@@ -9,7 +9,7 @@ per-bucket choice (a (min_batch, variant) table, or one override). It reads Forw
 
 from __future__ import annotations
 
-from blink.gpu.cuda_api import F32, I32, Driver, P
+from blink.gpu.cuda_api import Driver
 from blink.gpu.kernels import Kernels
 
 DECODE_HEAD_DIMS = (16, 32, 64, 128)
@@ -69,28 +69,25 @@ class AttentionLaunches:
         # "fa2": scores, probabilities and O in registers (mma.sync), K/V double buffered by
         # cp.async: Q + 2 x (K, V) tiles of 64 x (hd + 8) bf16.
         self.prefill_kernels = {
-            "smem": kernels[f"attn_prefill_hd{hd}"],
-            "rego": kernels[f"attn_prefill_rego_hd{hd}"],
-            "fa2": kernels[f"attn_prefill_fa2_hd{hd}"],
+            "smem": f"attn_prefill_hd{hd}",
+            "rego": f"attn_prefill_rego_hd{hd}",
+            "fa2": f"attn_prefill_fa2_hd{hd}",
         }
         self.prefill_smem_of = {"smem": wmma_smem, "rego": wmma_smem, "fa2": 5 * 64 * (hd + 8) * 2}
-        for v, fn in self.prefill_kernels.items():
-            driver.set_max_dynamic_smem(fn, self.prefill_smem_of[v])
+        for v, name in self.prefill_kernels.items():
+            driver.set_max_dynamic_smem(kernels[name], self.prefill_smem_of[v])
         self.fn_prefill, self.prefill_smem = self.prefill_kernels["rego"], wmma_smem
         # "basic": one tile of K/V in registers, 4 blocks/SM; "pipe": the next tile's loads in
         # flight during the current tile's math, 3 blocks/SM.
-        self.decode_kernels = {
-            "basic": kernels[f"attn_decode_hd{hd}_g{group}"],
-            "pipe": kernels[f"attn_decode_pipe_hd{hd}_g{group}"],
-        }
-        self.flash_combine: dict[str, int] = {}
+        self.decode_kernels = {"basic": f"attn_decode_hd{hd}_g{group}", "pipe": f"attn_decode_pipe_hd{hd}_g{group}"}
+        self.flash_combine: dict[str, str] = {}
         self.flash_smem: dict[str, int] = {}
         for v, (n, _, stages) in FLASH_VARIANTS.items():
-            self.decode_kernels[v] = kernels[f"attn_{v}_hd{hd}_g{group}"]
-            self.flash_combine[v] = kernels[f"attn_{v}_combine_hd{hd}"]
+            self.decode_kernels[v] = f"attn_{v}_hd{hd}_g{group}"
+            self.flash_combine[v] = f"attn_{v}_combine_hd{hd}"
             self.flash_smem[v] = FLASH_WARPS * stages * 2 * n * 32 * 16  # the cp.async ring
             if self.flash_smem[v]:
-                driver.set_max_dynamic_smem(self.decode_kernels[v], self.flash_smem[v])
+                driver.set_max_dynamic_smem(kernels[self.decode_kernels[v]], self.flash_smem[v])
         self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
         self._decode_override: str | None = None
 
@@ -130,84 +127,45 @@ class AttentionLaunches:
         target = self.flash_target(variant)
         return flash_grid_splits(s, c.num_kv_heads, c.head_dim, self.d.max_context, target, n, self.max_splits)
 
-    def _record_attention(self, stream: int, S: int, T: int, decode: bool, kc: int, vc: int, scale_log2: F32) -> None:
+    def _record_attention(self, stream: int, S: int, T: int, decode: bool, kc: int, vc: int, scale_log2: float) -> None:
         """One layer's attention: q and the paged KV (kc, vc) -> attn."""
         c = self.c
         variant = self.decode_variant(S) if decode else ""
         if variant in FLASH_VARIANTS:
             self._record_flash(stream, S, variant, kc, vc, scale_log2)
             return
-        seqs, kv = self._attn_common_args(scale_log2)
+        args = self._attn_args(kc, vc, scale_log2)
         if decode:
-            scratch = [self._p(self.part_o), self._p(self.part_ml), self._p(self.split_counters)]
             self._launch(
-                "attn_decode",
-                (self.splits(S), c.num_kv_heads, S),
-                (128, 1, 1),
-                [self._p(self.q), P(kc), P(vc), *scratch, self._p(self.attn), *seqs, *kv],
-                stream,
-                fn=self.decode_kernels[variant],
-            )
+                self.decode_kernels[variant], (self.splits(S), c.num_kv_heads, S), (128, 1, 1), stream,
+                po=self.part_o, pml=self.part_ml, cnt=self.split_counters, **args,
+            )  # fmt: skip
         else:
-            self._launch(
-                "attn_prefill",
-                (T // PREFILL_TILE + S, c.num_heads, 1),
-                (128, 1, 1),
-                [self._p(self.q), P(kc), P(vc), self._p(self.attn), *seqs, *kv],
-                stream,
-                smem=self.prefill_smem,
-                fn=self.fn_prefill,
-            )
+            grid = (T // PREFILL_TILE + S, c.num_heads, 1)
+            self._launch(self.fn_prefill, grid, (128, 1, 1), stream, self.prefill_smem, **args)
 
-    def _attn_common_args(self, scale_log2: F32) -> tuple[list, list]:
-        """Arguments every attention kernel takes, in their order: the batch's sequences
-        (cu_q_lens, seq_lens, block_tables, num_seqs) and the KV geometry with the softmax scale."""
+    def _attn_args(self, kc: int, vc: int, scale_log2: float) -> dict[str, object]:
+        """The arguments every attention kernel takes: q, the paged KV, the output, the batch's
+        sequences and the KV geometry with the softmax scale."""
         c, d, a = self.c, self.d, self.arena.ptr
-        seqs = [P(a["cu_q_lens"]), P(a["seq_lens"]), P(a["block_tables"]), P(a["num_seqs"])]
-        return seqs, [I32(c.num_kv_heads), I32(d.block_size), I32(d.max_blocks_per_seq), scale_log2]
+        return dict(
+            q=self.q, kc=kc, vc=vc, out=self.attn, cu=a["cu_q_lens"], sl=a["seq_lens"], bt=a["block_tables"],
+            ns=a["num_seqs"], nkv=c.num_kv_heads, bs=d.block_size, mbps=d.max_blocks_per_seq, sc=scale_log2,
+        )  # fmt: skip
 
-    def _record_flash(self, stream: int, S: int, variant: str, kc: int, vc: int, scale_log2: F32) -> None:
+    def _record_flash(self, stream: int, S: int, variant: str, kc: int, vc: int, scale_log2: float) -> None:
         c, a = self.c, self.arena.ptr
-        nsplit, target = self.flash_splits(S, variant), I32(self.flash_target(variant))
-        seqs, kv = self._attn_common_args(scale_log2)
+        nsplit, target = self.flash_splits(S, variant), self.flash_target(variant)
+        fused = {"ctr": self.split_counters} if variant in FLASH_FUSED_COMBINE else {}
         self._launch(
-            "attn_flash",
-            (nsplit, c.num_kv_heads, S),
-            (32 * FLASH_WARPS, 1, 1),
-            [
-                self._p(self.q),
-                P(kc),
-                P(vc),
-                self._p(self.part_o),
-                self._p(self.part_ml),
-                self._p(self.attn),
-                *seqs,
-                *([self._p(self.split_counters)] if variant in FLASH_FUSED_COMBINE else []),
-                *kv,
-                target,
-            ],
-            stream,
-            smem=self.flash_smem[variant],
-            fn=self.decode_kernels[variant],
-        )
+            self.decode_kernels[variant], (nsplit, c.num_kv_heads, S), (32 * FLASH_WARPS, 1, 1), stream,
+            self.flash_smem[variant], po=self.part_o, plse=self.part_ml, target=target,
+            **fused, **self._attn_args(kc, vc, scale_log2),
+        )  # fmt: skip
         # one split per sequence, or the combine folded in: the attention kernel wrote the output
         if nsplit > 1 and variant not in FLASH_FUSED_COMBINE:
             self._launch(
-                "attn_flash_combine",
-                (-(-c.num_heads // FLASH_WARPS), S, 1),
-                (32 * FLASH_WARPS, 1, 1),
-                [
-                    self._p(self.part_o),
-                    self._p(self.part_ml),
-                    self._p(self.attn),
-                    P(a["cu_q_lens"]),
-                    P(a["seq_lens"]),
-                    P(a["num_seqs"]),
-                    I32(c.num_kv_heads),
-                    I32(c.num_heads),
-                    I32(nsplit),
-                    target,
-                ],
-                stream,
-                fn=self.flash_combine[variant],
-            )
+                self.flash_combine[variant], (-(-c.num_heads // FLASH_WARPS), S, 1), (32 * FLASH_WARPS, 1, 1),
+                stream, po=self.part_o, plse=self.part_ml, out=self.attn, cu=a["cu_q_lens"], sl=a["seq_lens"],
+                ns=a["num_seqs"], nkv=c.num_kv_heads, nq=c.num_heads, grid_splits=nsplit, target=target,
+            )  # fmt: skip

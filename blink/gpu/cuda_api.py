@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from blink.gpu.cublaslt import GemmTuner
 
 _vp = ctypes.c_void_p
 _u64 = ctypes.c_uint64
@@ -147,12 +144,20 @@ def loaded_library_path(fragment: str, exclude: str = "", near: str = "") -> str
     raise CudaError(f"{fragment} is not loaded in this process")
 
 
+class GemmPlans(Protocol):
+    """What Cublas.linear needs of a GEMM tuner (blink.gpu.cublaslt.GemmTuner, which builds on this
+    module): a plan per (rows, n_out, k, fp32 output) it moved off cublasGemmEx, and how to run one."""
+
+    plans: dict[tuple[int, int, int, bool], Any]
+
+    def matmul(self, plan: Any, x: int, w: int, y: int) -> None: ...
+
+
 class Cublas:
     """cublasGemmEx on CuPy's handle, bound to one stream with a user workspace.
 
     The workspace is set AFTER cublasSetStream (which resets it): without a user workspace cuBLAS
-    allocates during capture, the graph gets MemAlloc nodes and device-launch instantiation fails
-    (/work/shared/gpu-probe/REPORT.md, Q3)."""
+    allocates during capture, the graph gets MemAlloc nodes and device-launch instantiation fails."""
 
     def __init__(self, stream: int, workspace_ptr: int, workspace_bytes: int) -> None:
         import cupy as cp
@@ -170,7 +175,7 @@ class Cublas:
         self._check(self.lib.cublasSetWorkspace_v2(self.handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
-        self.tuner: GemmTuner | None = None  # set by the engine when EngineConfig.gemm_candidates > 0
+        self.tuner: GemmPlans | None = None  # set by the engine when EngineConfig.gemm_candidates > 0
 
     @staticmethod
     def _check(st: int, what: str) -> None:

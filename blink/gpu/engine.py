@@ -9,7 +9,7 @@ Usage (the GPU scheduler reads the ABI record; the host path calls `step`):
     eng.capture()                       # decode + prefill graphs, 2 execs per shape, DeviceLaunch + uploaded
     eng.abi_ptr                         # device address of the ENGINE_DTYPE record (blink/gpu/abi.py)
     eng.arena.ptr["input_ids"], ...     # device addresses of the step buffers (also in the record)
-    tokens = eng.step(batch)            # host launch of the matching graph (blink.device.executor.StepBatch)
+    tokens = eng.step(batch)            # host launch of the matching graph (blink.protocol.step.StepBatch)
 
 Graph choice: decode graphs (every sequence has one query token) per batch bucket; prefill graphs
 (any mix of chunk lengths, cached context allowed) per (batch bucket, token bucket) with
@@ -23,8 +23,8 @@ benchmarks' --decode-attention); a graph never bakes in lengths, the flash kerne
 splits from the live num_seqs and seq_lens (blink/gpu/csrc/flash_decode.cu).
 
 Why two execs per shape: relaunching an exec right after its completion token is seen fails with
-cudaErrorInvalidValue about half the time (the exec still counts as running), so the scheduler
-alternates between them (/work/shared/gpu-probe/REPORT.md, Q4).
+cudaErrorInvalidValue about half the time on the H200 (the exec still counts as running), so the
+scheduler alternates between them (blink_sched's launch() also retries that error).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blink.device.executor import StepBatch
 from blink.gpu.abi import ENGINE_DTYPE
 from blink.gpu.cuda_api import Cublas, Driver
 from blink.gpu.engine_config import (  # noqa: F401 (the engine's public names, re-exported)
@@ -52,6 +51,7 @@ from blink.gpu.forward import Dims, Forward
 from blink.gpu.kernels import DEFAULT_CACHE, Kernels
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig
+from blink.protocol.step import BATCH_FIELDS, STEP_FIELDS, StepBatch
 
 
 def _buckets(values: tuple[int, ...], cap: int) -> tuple[int, ...]:
@@ -298,22 +298,8 @@ class Engine:
         )
         rec["n_batch_buckets"], rec["n_token_buckets"] = len(bb), len(tb)
         rec["execs_per_shape"] = self.ecfg.execs_per_shape
-        for name in (
-            "num_seqs",
-            "num_tokens",
-            "input_ids",
-            "positions",
-            "cu_q_lens",
-            "seq_lens",
-            "block_tables",
-            "temperature",
-            "top_p",
-            "top_k",
-            "seeds",
-            "sample_pos",
-            "step_seq",
-        ):
-            rec[name] = a[name]
+        for f in STEP_FIELDS:
+            rec[f.name] = a[f.name]
         rec["out_tokens"] = int(self.fwd.out_tokens.data.ptr)
         rec["done_seq"] = int(self.fwd.done_seq.data.ptr)
         for name, arr in self._tables.items():
@@ -358,15 +344,8 @@ class Engine:
             raise ValueError(f"sequence longer than max_context {d.max_context}")
         h = self.arena.host
         h["num_seqs"][0], h["num_tokens"][0], h["step_seq"][0] = S, T, step_seq
-        h["input_ids"][:T] = b.input_ids
-        h["positions"][:T] = b.positions
-        h["cu_q_lens"][: S + 1] = b.cu_q_lens
-        h["seq_lens"][:S] = b.seq_lens
-        h["temperature"][:S] = b.temperature
-        h["top_p"][:S] = b.top_p
-        h["top_k"][:S] = b.top_k
-        h["seeds"][:S] = b.seeds
-        h["sample_pos"][:S] = b.sample_pos
+        for f in BATCH_FIELDS[:-1]:  # every field but block_tables, whose rows are clipped below
+            h[f.name][: b.rows(f)] = getattr(b, f.name)
         bt = h["block_tables"].reshape(d.max_seqs, d.max_blocks_per_seq)
         w = min(b.block_tables.shape[1], d.max_blocks_per_seq)
         bt[:S, :w] = b.block_tables[:, :w]

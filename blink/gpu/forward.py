@@ -40,9 +40,9 @@ from blink.gpu.attention_launch import (
     FLASH_VARIANTS,
     AttentionLaunches,
 )
-from blink.gpu.cuda_api import F32, I32, Cublas, Driver, P
+from blink.gpu.cuda_api import Cublas, Driver
 from blink.gpu.kernels import Kernels
-from blink.gpu.step_arena import STEP_FIELDS, Dims, StepArena  # noqa: F401  (STEP_FIELDS: re-exported)
+from blink.gpu.step_arena import Dims, StepArena
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig, rope_inv_freq
 
@@ -183,23 +183,13 @@ class Forward(AttentionLaunches):
             out.discard("rope")  # the bias goes in between the projection and RoPE
         return frozenset(out)
 
-    @staticmethod
-    def _p(a: object) -> P:
-        return P(a.data.ptr)  # type: ignore[attr-defined]
-
     def _launch(
-        self,
-        name: str,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        args: list,
-        stream: int,
-        smem: int = 0,
-        fn: int | None = None,
+        self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, smem: int = 0, **args
     ) -> None:
+        """Launch kernel `name` with its parameters by name (checked against its signature: Kernels.args)."""
         if self._only is not None and kernel_category(name) not in self._only:
             return
-        self.drv.launch(self.k[name] if fn is None else fn, grid, block, args, stream, smem, name)
+        self.drv.launch(self.k[name], grid, block, self.k.args(name, args), stream, smem, name)
 
     def linear(
         self, x: object, w: object, y: object, rows: int, stream: int, out_f32: bool = False, use_gemv: bool = True
@@ -209,13 +199,8 @@ class Forward(AttentionLaunches):
             return
         if self.uses_gemv(rows, use_gemv):
             name = f"gemv_{'f32' if out_f32 else 'bf16'}_t{rows}"
-            self._launch(
-                name,
-                (-(-n_out // (8 * GEMV_ROWS_PER_WARP[rows])), 1, 1),
-                (256, 1, 1),
-                [self._p(w), self._p(x), self._p(y), I32(n_out), I32(k)],
-                stream,
-            )
+            grid = (-(-n_out // (8 * GEMV_ROWS_PER_WARP[rows])), 1, 1)
+            self._launch(name, grid, (256, 1, 1), stream, W=w, X=x, Y=y, N=n_out, K=k)
         else:
             self.blas.linear(int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k, out_f32)  # type: ignore[attr-defined]
 
@@ -231,21 +216,12 @@ class Forward(AttentionLaunches):
         r = GEMV_ROWS_PER_WARP[T]
         pairs = kind.endswith(("swiglu", "rope"))
         grid = -(-(n_out // 2) // (4 * r)) if pairs else -(-n_out // (8 * r))
+        out = {"ra": y} if kind.endswith("rope") else {"Y": y}
         smem = self.gemv_smem(kind, T, k)
         self._launch(
-            f"gemv_{kind}_t{T}",
-            (grid, 1, 1),
-            (256, 1, 1),
-            [
-                self._p(w),
-                self._p(x),
-                self._p(nw) if nw is not None else P(0),
-                y if kind.endswith("rope") else self._p(y),
-            ]
-            + [I32(n_out), I32(k), F32(self.c.rms_eps)],
-            stream,
-            smem=smem,
-        )
+            f"gemv_{kind}_t{T}", (grid, 1, 1), (256, 1, 1), stream, smem, W=w, X=x, nw=nw, N=n_out, K=k,
+            eps=self.c.rms_eps, **out,
+        )  # fmt: skip
 
     def rope_args(self, kc: int, vc: int) -> RopeArgs:
         c, d, a = self.c, self.d, self.arena.ptr
@@ -280,19 +256,16 @@ class Forward(AttentionLaunches):
 
     def _record(self, stream: int, S: int, T: int, decode: bool, use_gemv: bool) -> None:
         c, d, a = self.c, self.d, self.arena.ptr
-        H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
-        nt, ns = P(a["num_tokens"]), P(a["num_seqs"])
-        eps = F32(c.rms_eps)
-        scale_log2 = F32((1.0 / hd**0.5) * 1.4426950408889634)
+        H, inter, hd, eps = c.hidden_size, c.intermediate_size, c.head_dim, c.rms_eps
+        nt, ns = a["num_tokens"], a["num_seqs"]
+        scale_log2 = (1.0 / hd**0.5) * 1.4426950408889634
         self._launch(
-            "embed_tokens",
-            (T, 1, 1),
-            (128, 1, 1),
-            [P(a["input_ids"]), self._p(self.w.embed), self._p(self.resid), nt, I32(H)],
-            stream,
-        )
+            "embed_tokens", (T, 1, 1), (128, 1, 1), stream, ids=a["input_ids"], table=self.w.embed, out=self.resid,
+            num_tokens=nt, H=H,
+        )  # fmt: skip
         fuse = self.fusions_for(T, use_gemv)
         fuse_norm, fuse_swiglu, fuse_rope = "norm" in fuse, "swiglu" in fuse, "rope" in fuse
+        norm = {"out": self.hid, "num_tokens": nt, "H": H, "eps": eps}  # add_rmsnorm's common arguments
         for li, lw in enumerate(self.w.layers):
             kc = int(self.kv.data.ptr) + li * self.kv_layer_stride
             vc = kc + self.kv_half
@@ -300,14 +273,11 @@ class Forward(AttentionLaunches):
                 kind, y = ("norm_rope", self.rope_args(kc, vc)) if fuse_rope else ("norm", self.qkv)
                 self.fused_linear(kind, self.resid, lw.qkv, y, T, stream, nw=lw.attn_norm)
             else:
-                delta = P(0) if li == 0 else self._p(self.delta)
+                delta = None if li == 0 else self.delta
                 self._launch(
-                    "add_rmsnorm",
-                    (T, 1, 1),
-                    (256, 1, 1),
-                    [self._p(self.resid), delta, self._p(lw.attn_norm), self._p(self.hid), nt, I32(H), eps],
-                    stream,
-                )
+                    "add_rmsnorm", (T, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=delta, w=lw.attn_norm,
+                    **norm,
+                )  # fmt: skip
                 if fuse_rope:
                     self.fused_linear("rope", self.hid, lw.qkv, self.rope_args(kc, vc), T, stream)
                 else:
@@ -315,40 +285,17 @@ class Forward(AttentionLaunches):
             if lw.qkv_bias is not None:  # never with fuse_rope (fusions_for)
                 n_qkv = c.q_size + 2 * c.kv_size
                 self._launch(
-                    "add_bias",
-                    (-(-n_qkv // (8 * 256)), T, 1),
-                    (256, 1, 1),
-                    [self._p(self.qkv), self._p(lw.qkv_bias), nt, I32(n_qkv)],
-                    stream,
-                )
+                    "add_bias", (-(-n_qkv // (8 * 256)), T, 1), (256, 1, 1), stream, y=self.qkv, bias=lw.qkv_bias,
+                    num_tokens=nt, n=n_qkv,
+                )  # fmt: skip
             if not fuse_rope:
                 self._launch(
-                    "rope_kv_write",
-                    (T, -(-(c.num_heads + 2 * c.num_kv_heads) // 8), 1),
-                    (256, 1, 1),
-                    [
-                        self._p(self.qkv),
-                        self._p(self.q),
-                        P(kc),
-                        P(vc),
-                        self._p(lw.q_norm) if lw.q_norm is not None else P(0),
-                        self._p(lw.k_norm) if lw.k_norm is not None else P(0),
-                        self._p(self.cos),
-                        self._p(self.sin),
-                        P(a["positions"]),
-                        P(a["cu_q_lens"]),
-                        P(a["block_tables"]),
-                        nt,
-                        ns,
-                        I32(c.num_heads),
-                        I32(c.num_kv_heads),
-                        I32(hd),
-                        I32(d.block_size),
-                        I32(d.max_blocks_per_seq),
-                        eps,
-                    ],
-                    stream,
-                )
+                    "rope_kv_write", (T, -(-(c.num_heads + 2 * c.num_kv_heads) // 8), 1), (256, 1, 1), stream,
+                    qkv=self.qkv, q_out=self.q, k_cache=kc, v_cache=vc, q_norm_w=lw.q_norm, k_norm_w=lw.k_norm,
+                    cos_tab=self.cos, sin_tab=self.sin, positions=a["positions"], cu_q_lens=a["cu_q_lens"],
+                    block_tables=a["block_tables"], num_tokens=nt, num_seqs=ns, nq=c.num_heads, nkv=c.num_kv_heads,
+                    hd=hd, bs=d.block_size, mbps=d.max_blocks_per_seq, eps=eps,
+                )  # fmt: skip
             self._record_attention(stream, S, T, decode, kc, vc, scale_log2)
             if fuse_norm:
                 self.fused_linear("resid", self.attn, lw.o, self.resid, T, stream)
@@ -358,68 +305,31 @@ class Forward(AttentionLaunches):
             else:
                 self.linear(self.attn, lw.o, self.delta, T, stream, use_gemv=use_gemv)
                 self._launch(
-                    "add_rmsnorm",
-                    (T, 1, 1),
-                    (256, 1, 1),
-                    [
-                        self._p(self.resid),
-                        self._p(self.delta),
-                        self._p(lw.mlp_norm),
-                        self._p(self.hid),
-                        nt,
-                        I32(H),
-                        eps,
-                    ],
-                    stream,
-                )
+                    "add_rmsnorm", (T, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=self.delta,
+                    w=lw.mlp_norm, **norm,
+                )  # fmt: skip
                 if fuse_swiglu:
                     self.fused_linear("swiglu", self.hid, lw.gate_up, self.act, T, stream)
                 else:
                     self.linear(self.hid, lw.gate_up, self.gu, T, stream, use_gemv=use_gemv)
             if not fuse_swiglu:
                 self._launch(
-                    "swiglu",
-                    (-(-inter // (8 * 256)), T, 1),
-                    (256, 1, 1),
-                    [self._p(self.gu), self._p(self.act), nt, I32(inter)],
-                    stream,
-                )
+                    "swiglu", (-(-inter // (8 * 256)), T, 1), (256, 1, 1), stream, gu=self.gu, out=self.act,
+                    num_tokens=nt, I=inter,
+                )  # fmt: skip
             if fuse_norm:
                 self.fused_linear("resid", self.act, lw.down, self.resid, T, stream)
             else:
                 self.linear(self.act, lw.down, self.delta, T, stream, use_gemv=use_gemv)
         self._launch(
-            "final_norm_gather",
-            (S, 1, 1),
-            (256, 1, 1),
-            [
-                self._p(self.resid),
-                P(0) if fuse_norm else self._p(self.delta),
-                self._p(self.w.final_norm),
-                self._p(self.last),
-                P(a["cu_q_lens"]),
-                ns,
-                I32(H),
-                eps,
-            ],
-            stream,
-        )
+            "final_norm_gather", (S, 1, 1), (256, 1, 1), stream, residual=self.resid,
+            delta=None if fuse_norm else self.delta, w=self.w.final_norm, out=self.last, cu_q_lens=a["cu_q_lens"],
+            num_seqs=ns, H=H, eps=eps,
+        )  # fmt: skip
         self.linear(self.last, self.w.lm_head, self.logits, S, stream, out_f32=True, use_gemv=use_gemv)
         self._launch(
-            "sample_tokens",
-            (S, 1, 1),
-            (1024, 1, 1),
-            [
-                self._p(self.logits),
-                I32(c.vocab_size),
-                P(a["temperature"]),
-                P(a["top_p"]),
-                P(a["top_k"]),
-                P(a["seeds"]),
-                P(a["sample_pos"]),
-                self._p(self.out_tokens),
-                ns,
-            ],
-            stream,
-        )
-        self._launch("signal_done", (1, 1, 1), (1, 1, 1), [P(a["step_seq"]), self._p(self.done_seq)], stream)
+            "sample_tokens", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, V=c.vocab_size,
+            temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seeds=a["seeds"],
+            sample_pos=a["sample_pos"], out_tokens=self.out_tokens, num_seqs=ns,
+        )  # fmt: skip
+        self._launch("signal_done", (1, 1, 1), (1, 1, 1), stream, step_seq=a["step_seq"], done_seq=self.done_seq)

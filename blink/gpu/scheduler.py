@@ -155,7 +155,7 @@ def source_hash() -> str:
 
 def nvcc_command(nvcc: str, out: pathlib.Path, arch: str = "sm_90") -> list[str]:
     # No -rdc: every device function stays in this module, and the only external symbol left is
-    # cudaGraphLaunch, which the driver resolves at load time (probe REPORT.md, Q2). A relocatable
+    # cudaGraphLaunch, which the driver resolves at load time (seen on the H200). A relocatable
     # cubin (-rdc without a device link) fails cuModuleGetFunction with CUDA_ERROR_INVALID_IMAGE:
     # its unified function tables (__UFT/__UDT) stay unresolved.
     return [nvcc, f"-arch={arch}", "-O3", "-cubin", "-std=c++17", "-lineinfo",

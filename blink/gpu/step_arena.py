@@ -1,5 +1,5 @@
-"""Step inputs of the CUDA engine: one device arena of every per-step field (one H2D copy per
-host-launched step) with its pinned host mirror, and the engine's size limits (Dims)."""
+"""Step inputs of the CUDA engine: one device arena of every step field (`blink.protocol.step`;
+one H2D copy per host-launched step) with its pinned host mirror, and the engine's size limits (Dims)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Step input fields in one device arena (one H2D copy per host-launched step). block_tables goes
-# last so a step copies only the prefix that holds its S rows.
-STEP_FIELDS = (
-    ("num_seqs", np.uint32, "one"),
-    ("num_tokens", np.uint32, "one"),
-    ("step_seq", np.uint64, "one"),
-    ("input_ids", np.int32, "tokens"),
-    ("positions", np.int32, "tokens"),
-    ("cu_q_lens", np.int32, "seqs+1"),
-    ("seq_lens", np.int32, "seqs"),
-    ("temperature", np.float32, "seqs"),
-    ("top_p", np.float32, "seqs"),
-    ("top_k", np.int32, "seqs"),
-    ("seeds", np.uint64, "seqs"),
-    ("sample_pos", np.uint32, "seqs"),
-    ("block_tables", np.int32, "table"),
-)
+from blink.protocol.step import STEP_FIELDS, field_count
 
 
 @dataclass(frozen=True)
@@ -36,38 +20,37 @@ class Dims:
     max_context: int
 
 
+def arena_layout(d: Dims) -> tuple[dict[str, tuple[int, int]], int]:
+    """Byte offset and element count of every step field in the arena (in STEP_FIELDS order, each
+    on 16 bytes; block_tables last, see StepArena.upload), and the arena's size."""
+    out: dict[str, tuple[int, int]] = {}
+    off = 0
+    for f in STEP_FIELDS:
+        off = (off + 15) // 16 * 16
+        out[f.name] = off, field_count(f, d.max_seqs, d.max_tokens, d.max_blocks_per_seq)
+        off += out[f.name][1] * f.dtype.itemsize
+    return out, off
+
+
+def host_views(buf: np.ndarray, layout: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+    """A typed view of every step field over the arena's bytes."""
+    return {f.name: buf[o : o + n * f.dtype.itemsize].view(f.dtype) for f in STEP_FIELDS for o, n in [layout[f.name]]}
+
+
 class StepArena:
     """Step inputs: a device arena and its pinned host mirror, field views on both."""
 
     def __init__(self, d: Dims) -> None:
         import cupy as cp
 
-        counts = {
-            "one": 1,
-            "tokens": d.max_tokens,
-            "seqs": d.max_seqs,
-            "seqs+1": d.max_seqs + 1,
-            "table": d.max_seqs * d.max_blocks_per_seq,
-        }
-        self.offsets: dict[str, int] = {}
-        off = 0
-        layout = []
-        for name, dt, kind in STEP_FIELDS:
-            off = (off + 15) // 16 * 16
-            n = counts[kind]
-            self.offsets[name] = off
-            layout.append((name, dt, n, off))
-            off += n * np.dtype(dt).itemsize
-        self.nbytes = off
-        self.dev = cp.zeros(off, dtype=cp.uint8)
-        self._pinned = cp.cuda.alloc_pinned_memory(off)
-        self.host_bytes = np.frombuffer(self._pinned, dtype=np.uint8, count=off)
+        layout, self.nbytes = arena_layout(d)
+        self.offsets = {name: off for name, (off, _) in layout.items()}
+        self.dev = cp.zeros(self.nbytes, dtype=cp.uint8)
+        self._pinned = cp.cuda.alloc_pinned_memory(self.nbytes)
+        self.host_bytes = np.frombuffer(self._pinned, dtype=np.uint8, count=self.nbytes)
         self.host_bytes[:] = 0
-        self.host: dict[str, np.ndarray] = {}
-        self.ptr: dict[str, int] = {}
-        for name, dt, n, o in layout:
-            self.host[name] = self.host_bytes[o : o + n * np.dtype(dt).itemsize].view(dt)
-            self.ptr[name] = int(self.dev.data.ptr) + o
+        self.host = host_views(self.host_bytes, layout)
+        self.ptr = {name: int(self.dev.data.ptr) + off for name, off in self.offsets.items()}
         self.table_width = d.max_blocks_per_seq
 
     def upload(self, stream: int, num_seqs: int) -> None:

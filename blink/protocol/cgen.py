@@ -35,7 +35,20 @@ _CTYPES = {
 }
 
 
-def struct_lines(name: str, dtype: np.dtype, pad_to: int | None = None) -> list[str]:
+def ctype_of(dt: np.dtype) -> str:
+    return _CTYPES[(dt.kind, dt.itemsize)]
+
+
+def struct_lines(
+    name: str,
+    dtype: np.dtype,
+    pad_to: int | None = None,
+    pointers: dict[str, np.dtype] | None = None,
+    docs: dict[str, str] | None = None,
+) -> list[str]:
+    """A C struct of `dtype` with static_asserts on every offset and the size. `pointers`: u64
+    fields that hold device addresses, by the element dtype they point to (emitted as typed
+    pointers); `docs`: a comment per field."""
     lines = [f"struct {name} {{"]
     asserts = []
     for fname in dtype.names:
@@ -44,10 +57,15 @@ def struct_lines(name: str, dtype: np.dtype, pad_to: int | None = None) -> list[
         if base.byteorder == ">":
             raise ValueError(f"{name}.{fname}: big-endian field")
         ctype = _CTYPES[(base.kind, base.itemsize)]
+        if pointers and fname in pointers:
+            if (base.kind, base.itemsize) != ("u", 8):
+                raise ValueError(f"{name}.{fname}: a pointer field must be u8")
+            ctype = ctype_of(pointers[fname]) + "*"
         if off % base.itemsize:
             raise ValueError(f"{name}.{fname}: offset {off} not aligned to {base.itemsize}")
         dims = "".join(f"[{d}]" for d in shape)
-        lines.append(f"  {ctype} {fname}{dims};  // offset {off}")
+        doc = f"  {docs[fname]}" if docs and fname in docs else ""
+        lines.append(f"  {ctype} {fname}{dims};  // offset {off}{doc}")
         asserts.append(f'static_assert(offsetof({name}, {fname}) == {off}, "{name}.{fname} offset");')
     size = dtype.itemsize
     if pad_to is not None and pad_to > size:

@@ -1,0 +1,94 @@
+"""The step batch: what one model step reads, the second layout shared by Python and CUDA (the
+first is the ring, `layout.py`).
+
+A step packs S sequences and T tokens (decode: one token per sequence, T == S). Every field is
+defined here, once, with its element type and extent:
+
+- `StepBatch` carries the per-step arrays from a scheduler (the Python ring interpreter's
+  `build_batch`, test packers) to an executor (numpy, or the CUDA engine's `load_step`);
+- the CUDA engine keeps one device arena of these fields in this order (`blink/gpu/step_arena.py`)
+  and publishes a typed pointer to each in its ABI record (`blink/gpu/abi.py` ->
+  `blink/gpu/include/blink_engine.h`, generated with `static_assert`s), which the GPU-resident
+  scheduler fills directly (scheduler_plan.cuh) and the model kernels read.
+
+Extents: "1" a scalar of the step; "T" one per packed token; "S" one per sequence; "S+1" prefix
+sums; "S,W" a row of W = max_blocks_per_seq block ids per sequence. block_tables goes last so a
+host-launched step copies only the prefix of the arena that holds its S rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class StepField(NamedTuple):
+    name: str
+    dtype: np.dtype
+    extent: str  # "1" | "T" | "S" | "S+1" | "S,W"
+    doc: str
+
+
+def _f(name: str, dtype: str, extent: str, doc: str) -> StepField:
+    return StepField(name, np.dtype(dtype), extent, doc)
+
+
+# fmt: off
+STEP_FIELDS: tuple[StepField, ...] = (
+    _f("num_seqs", "<u4", "1", "live sequences S of this step (<= the graph's batch bucket)"),
+    _f("num_tokens", "<u4", "1", "packed tokens T of this step (<= the graph's token bucket)"),
+    _f("step_seq", "<u8", "1", "written by the driver before the launch; the graph's last kernel stores it in *done_seq"),
+    _f("input_ids", "<i4", "T", "packed token ids"),
+    _f("positions", "<i4", "T", "position of each token in its sequence"),
+    _f("cu_q_lens", "<i4", "S+1", "prefix sums of the tokens per sequence (decode: 0, 1, 2, ...)"),
+    _f("seq_lens", "<i4", "S", "context length of each sequence after this step"),
+    _f("temperature", "<f4", "S", "sampling temperature (0 = greedy)"),
+    _f("top_p", "<f4", "S", "nucleus mass, (0, 1]"),
+    _f("top_k", "<i4", "S", "0 = off"),
+    _f("seeds", "<u8", "S", "per-request seed"),
+    _f("sample_pos", "<u4", "S", "index k of the token being sampled (the RNG counter)"),
+    _f("block_tables", "<i4", "S,W", "physical KV block of each logical block"),
+)
+# fmt: on
+assert STEP_FIELDS[-1].name == "block_tables"  # a host-launched step copies the arena's prefix
+FIELDS = {f.name: f for f in STEP_FIELDS}
+# The arrays of a StepBatch: the per-token and per-sequence fields (S and T are their lengths;
+# step_seq belongs to whoever launches the step).
+BATCH_FIELDS = tuple(f for f in STEP_FIELDS if f.extent != "1")
+
+
+class StepBatch:
+    """One step's inputs: an array per BATCH_FIELDS entry, by keyword, converted to its dtype.
+    `ext`: the step's sampling extensions (blink.device.executor.SamplingExt: penalties, logit_bias,
+    logprob requests), None when no sequence uses one; not part of the CUDA step layout."""
+
+    __slots__ = (*(f.name for f in BATCH_FIELDS), "ext")
+
+    def __init__(self, ext: Any = None, **arrays: object) -> None:
+        names = {f.name for f in BATCH_FIELDS}
+        if set(arrays) != names:
+            raise TypeError(f"StepBatch: missing {sorted(names - set(arrays))}, unknown {sorted(set(arrays) - names)}")
+        for f in BATCH_FIELDS:
+            setattr(self, f.name, np.asarray(arrays[f.name], f.dtype))
+        self.ext = ext
+
+    def __getattr__(self, name: str) -> np.ndarray:  # the slots above, for type checkers
+        raise AttributeError(name)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def rows(self, f: StepField) -> int:
+        """How many rows of field f this step fills (S, S+1 or T)."""
+        return {"T": self.num_tokens, "S": self.num_seqs, "S+1": self.num_seqs + 1}[f.extent]
+
+
+def field_count(f: StepField, max_seqs: int, max_tokens: int, max_blocks_per_seq: int) -> int:
+    """Elements of field f in an arena sized for (max_seqs, max_tokens, max_blocks_per_seq)."""
+    return {"1": 1, "T": max_tokens, "S": max_seqs, "S+1": max_seqs + 1, "S,W": max_seqs * max_blocks_per_seq}[f.extent]

@@ -1,0 +1,113 @@
+"""The step batch layout (blink/protocol/step.py) is the one definition its users follow: StepBatch,
+the ring interpreter's build_batch, the CUDA engine's arena, load_step and ABI record, and the
+generated C header; a change to a field makes the header check fail. No GPU needed."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from blink.gpu import abi
+from blink.gpu.engine import Engine
+from blink.gpu.step_arena import Dims, arena_layout, host_views
+from blink.protocol.step import BATCH_FIELDS, FIELDS, STEP_FIELDS, StepBatch
+
+
+def _batch(S: int = 3, T: int = 7, W: int = 4) -> StepBatch:
+    rng = np.random.default_rng(0)
+    return StepBatch(
+        input_ids=rng.integers(0, 1000, T),
+        positions=np.arange(T),
+        cu_q_lens=[0, 1, 2, T],
+        seq_lens=rng.integers(1, 60, S),
+        block_tables=rng.integers(0, 100, (S, W)),
+        temperature=[0.0, 0.7, 1.0],
+        top_p=[1.0, 0.9, 0.5],
+        top_k=[0, 5, 50],
+        seeds=[1, 2, 2**63 + 5],
+        sample_pos=[0, 3, 9],
+    )
+
+
+def test_step_batch_fields_are_the_layouts():
+    b = _batch()
+    assert StepBatch.__slots__ == (*(f.name for f in BATCH_FIELDS), "ext") and b.ext is None
+    for f in BATCH_FIELDS:
+        assert getattr(b, f.name).dtype == f.dtype, f.name
+    assert (b.num_seqs, b.num_tokens) == (3, 7)
+    assert b.seeds[2] == 2**63 + 5
+    with pytest.raises(TypeError, match="missing"):
+        StepBatch(input_ids=[1])
+    fields = {f.name: getattr(b, f.name) for f in BATCH_FIELDS}
+    with pytest.raises(TypeError, match="unknown"):
+        StepBatch(**fields, logprobs=[0])
+
+
+def test_build_batch_gives_the_field_dtypes():
+    from blink.device.kv_blocks import BlockManager
+    from blink.device.ring_device import build_batch
+    from blink.device.scheduler import ScheduledChunk, Seq, StepKind, StepPlan
+
+    blocks = BlockManager(16, 4)
+    seqs = []
+    for i, n in enumerate((5, 2)):
+        seqs.append(Seq(i, list(range(10, 10 + n)), n, temperature=0.5, top_p=0.9, top_k=3, seed=i))
+        blocks.allocate(i, n + 1)
+    plan = StepPlan(StepKind.PREFILL, [ScheduledChunk(seqs[0], 0, 5, True), ScheduledChunk(seqs[1], 0, 2, True)])
+    b = build_batch(plan, blocks, 4)
+    for f in BATCH_FIELDS:
+        assert getattr(b, f.name).dtype == f.dtype, f.name
+    assert b.cu_q_lens.tolist() == [0, 5, 7] and b.positions.tolist() == [0, 1, 2, 3, 4, 0, 1]
+
+
+def test_arena_layout_follows_the_fields():
+    d = Dims(max_seqs=5, max_tokens=33, max_blocks_per_seq=6, block_size=16, num_blocks=50, max_context=96)
+    layout, nbytes = arena_layout(d)
+    assert list(layout) == [f.name for f in STEP_FIELDS]
+    end = 0
+    for f in STEP_FIELDS:
+        off, n = layout[f.name]
+        assert off % 16 == 0 and off >= end
+        end = off + n * f.dtype.itemsize
+    assert nbytes == end and layout["block_tables"] == (nbytes - 5 * 6 * 4, 5 * 6)
+    assert layout["input_ids"][1] == 33 and layout["cu_q_lens"][1] == 6 and layout["seeds"][1] == 5
+
+
+def test_load_step_writes_every_field_where_the_arena_has_it():
+    """Engine.load_step over a host arena in plain memory: each field's bytes land at its layout offset."""
+    d = Dims(max_seqs=4, max_tokens=16, max_blocks_per_seq=5, block_size=16, num_blocks=50, max_context=80)
+    layout, nbytes = arena_layout(d)
+    buf = np.zeros(nbytes, np.uint8)
+    eng = object.__new__(Engine)
+    eng.dims, eng.arena = d, SimpleNamespace(host=host_views(buf, layout))
+    b = _batch()
+    assert eng.load_step(b, step_seq=77) is False  # 7 tokens for 3 sequences: not a decode step
+    for f in STEP_FIELDS:
+        off, n = layout[f.name]
+        got = buf[off : off + n * f.dtype.itemsize].view(f.dtype)
+        if f.name == "block_tables":
+            np.testing.assert_array_equal(got.reshape(4, 5)[:3, :4], b.block_tables)
+        elif f.extent == "1":
+            assert int(got[0]) == {"num_seqs": 3, "num_tokens": 7, "step_seq": 77}[f.name]
+        else:
+            np.testing.assert_array_equal(got[: b.rows(f)], getattr(b, f.name))
+
+
+def test_engine_record_and_header_point_at_every_field_with_its_type():
+    text = abi.render()
+    ctype = {"<u4": "uint32_t", "<u8": "uint64_t", "<i4": "int32_t", "<f4": "float"}
+    for f in STEP_FIELDS:
+        assert abi.ENGINE_DTYPE.fields[f.name][0] == np.dtype("<u8")
+        off = abi.ENGINE_DTYPE.fields[f.name][1]
+        assert re.search(rf"^  {ctype[f.dtype.str]}\* {f.name};  // offset {off}\b", text, re.M), f.name
+        assert f'static_assert(offsetof(EngineABI, {f.name}) == {off}, "EngineABI.{f.name} offset");' in text
+    assert FIELDS["block_tables"].extent == "S,W"
+
+
+def test_changed_step_field_makes_the_header_check_fail(monkeypatch):
+    assert abi.main(["--check"]) == 0
+    monkeypatch.setitem(abi.POINTERS, "top_k", np.dtype("<u4"))  # as if STEP_FIELDS said top_k is u32
+    assert abi.main(["--check"]) == 1
