@@ -2,7 +2,20 @@
 
 A transport is one-sided: read or write bytes at an offset, publish a 32/64-bit word with
 release ordering, read one with acquire ordering. The frontend roles use only this
-interface, so the same code runs over shared memory (one machine) or RDMA (DPU -> GPU).
+interface, so the same code runs over shared memory (one machine), TCP to a ring agent on the
+GPU host (`tcp_transport.py`) or RDMA (`rdma_transport.py`, DPU -> GPU host).
+
+`transact(writes, reads)` is the batched form, and on a remote transport one round trip: the
+writes land in list order (each one a release for the ones before it: a state word written
+after the record it publishes is seen after it), then the reads run in list order (each one an
+acquire for the ones after it) and see every write of the batch. The frontend's hot loops (one
+token-reader cycle, one submission) are one `transact` each, so a poll costs one round trip,
+not one per slot.
+
+Errors: an access outside the ring raises `RangeError` (a bug in the caller, any transport); a
+ring that cannot be reached any more (agent gone, network down, peer's QP in error) raises
+`TransportError`. Neither leaves a batch half-reported: a failed batch may have applied a
+prefix of its writes, which is why the frontend treats TransportError as "device down".
 
 `ShmTransport` maps a file in /dev/shm. On x86-64 (TSO) an aligned 4/8-byte store is
 a single instruction and stores are not reordered with older stores, so a plain store
@@ -15,6 +28,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -27,19 +41,59 @@ if platform.machine() not in ("x86_64", "AMD64"):  # pragma: no cover - checked 
     raise ImportError(f"ShmTransport's ordering argument holds on x86-64 only, not {platform.machine()}")
 
 
+Data = bytes | bytearray | memoryview | np.ndarray
+Write = tuple[int, Data]  # (offset, bytes to store there)
+Read = tuple[int, np.ndarray]  # (offset, array filled from there: its nbytes are read)
+
+
+class TransportError(ConnectionError):
+    """The ring cannot be reached (agent gone, network down, remote queue pair in error)."""
+
+
+class RangeError(ValueError):
+    """An access outside the ring's bytes, or an unaligned word access."""
+
+
 class Transport(Protocol):
     """One-sided access to a ring."""
 
     size: int
+    kind: str  # "shm" | "tcp" | "rdma": logged at start-up, reported by /metrics and status
 
     def read(self, offset: int, n: int) -> bytes: ...
     def read_into(self, offset: int, out: np.ndarray) -> np.ndarray: ...
-    def write(self, offset: int, data: bytes | np.ndarray) -> None: ...
+    def write(self, offset: int, data: Data) -> None: ...
     def load_u32(self, offset: int) -> int: ...
     def load_u64(self, offset: int) -> int: ...
     def store_u32(self, offset: int, value: int) -> None: ...
     def store_u64(self, offset: int, value: int) -> None: ...
+    def transact(self, writes: Sequence[Write], reads: Sequence[Read] = ()) -> None: ...
     def close(self) -> None: ...
+
+
+def as_bytes(data: Data) -> memoryview:
+    """The bytes of `data` as a flat memoryview (a C-contiguous copy of a strided array)."""
+    if isinstance(data, np.ndarray):
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    return memoryview(data).cast("B")
+
+
+def out_bytes(out: np.ndarray) -> np.ndarray:
+    """The writable bytes of a read target (it must be C-contiguous: a read fills it in place)."""
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("a read target must be a writable C-contiguous array")
+    return out.reshape(-1).view(np.uint8)
+
+
+def check_range(size: int, offset: int, n: int) -> None:
+    if offset < 0 or n < 0 or offset + n > size:
+        raise RangeError(f"access [{offset}, {offset + n}) outside the ring's {size} bytes")
+
+
+def check_word(size: int, offset: int, width: int) -> None:
+    if offset % width:
+        raise RangeError(f"unaligned {8 * width}-bit access at {offset}")
+    check_range(size, offset, width)
 
 
 def shm_path(name: str) -> str:
@@ -50,6 +104,8 @@ def shm_path(name: str) -> str:
 
 class ShmTransport:
     """A ring in a /dev/shm file, mapped MAP_SHARED by every process that opens it."""
+
+    kind = "shm"
 
     def __init__(self, path: str, mm: mmap.mmap, owner: bool):
         self.path = path
@@ -91,37 +147,55 @@ class ShmTransport:
         """Local load/store views (only a shared-memory transport has them)."""
         return RingView(self._mm)
 
+    def address(self) -> int:
+        """Virtual address of ring byte 0 in this process (what an RDMA memory region registers)."""
+        return int(self._u8.ctypes.data)
+
     # -- one-sided interface ------------------------------------------------------
     def read(self, offset: int, n: int) -> bytes:
+        check_range(self.size, offset, n)
         return self._mm[offset : offset + n]
 
     def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
-        b = out.view(np.uint8).reshape(-1)
+        b = out_bytes(out)
+        check_range(self.size, offset, b.size)
         b[:] = self._u8[offset : offset + b.size]
         return out
 
-    def write(self, offset: int, data: bytes | np.ndarray) -> None:
-        if isinstance(data, np.ndarray):
-            data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-            self._u8[offset : offset + data.size] = data
-        else:
-            self._mm[offset : offset + len(data)] = data
+    def write(self, offset: int, data: Data) -> None:
+        b = as_bytes(data)
+        check_range(self.size, offset, b.nbytes)
+        self._u8[offset : offset + b.nbytes] = np.frombuffer(b, np.uint8)
 
     def load_u32(self, offset: int) -> int:
+        check_word(self.size, offset, 4)
         return int(self._u32[offset >> 2])
 
     def load_u64(self, offset: int) -> int:
+        check_word(self.size, offset, 8)
         return int(self._u64[offset >> 3])
 
     def store_u32(self, offset: int, value: int) -> None:
-        if offset % 4:
-            raise ValueError("unaligned 32-bit store")
+        check_word(self.size, offset, 4)
         self._u32[offset >> 2] = value
 
     def store_u64(self, offset: int, value: int) -> None:
-        if offset % 8:
-            raise ValueError("unaligned 64-bit store")
+        check_word(self.size, offset, 8)
         self._u64[offset >> 3] = value
+
+    def transact(self, writes: Sequence[Write], reads: Sequence[Read] = ()) -> None:
+        # Program order is the batch order; x86-64 keeps stores in order and loads in order (TSO).
+        # A 4/8-byte aligned write is one machine store (a state word or doorbell: never torn).
+        for off, data in writes:
+            b = as_bytes(data)
+            if b.nbytes == 4 and off % 4 == 0:
+                self.store_u32(off, int(np.frombuffer(b, "<u4")[0]))
+            elif b.nbytes == 8 and off % 8 == 0:
+                self.store_u64(off, int(np.frombuffer(b, "<u8")[0]))
+            else:
+                self.write(off, b)
+        for off, out in reads:
+            self.read_into(off, out)
 
     def close(self) -> None:
         self._u8 = self._u32 = self._u64 = None  # release exported buffers before closing the map

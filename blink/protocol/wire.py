@@ -125,3 +125,69 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"device spec: sizes out of range in {self}")
         if self.executor and ":" not in self.executor:
             raise ValueError(f"device spec: executor must be 'module:function', got {self.executor!r}")
+
+
+# -- ring access frames (TcpTransport <-> ring agent; RDMA bootstrap) -------------------------
+# One frame on the socket = 4-byte little-endian length + a msgpack-encoded AgentFrame. The tag
+# (first array element) says which message it is.
+_FRAME = dict(array_like=True, omit_defaults=True, gc=False, frozen=True, tag_field="op")
+AGENT_PROTOCOL = 1
+
+
+class AgentHello(msgspec.Struct, tag="hello", **_FRAME):
+    """Client -> agent, first frame of a connection."""
+
+    version: int = AGENT_PROTOCOL
+
+
+class AgentWelcome(msgspec.Struct, tag="welcome", **_FRAME):
+    """Agent -> client: the ring it serves. `identity` is new whenever the agent (re)opens a ring,
+    so a client that reconnects can tell a restarted ring from the one it knew."""
+
+    version: int
+    size: int  # bytes of the ring
+    identity: int
+    ring: str  # the ring's name on the GPU host (for logs)
+    rdma: str = ""  # RDMA device the agent can register the ring with ("" = none)
+
+
+class RingBatch(msgspec.Struct, tag="batch", **_FRAME):
+    """Writes applied in order, then reads in order (Transport.transact), one round trip."""
+
+    writes: list[tuple[int, bytes]] = []  # (offset, bytes)
+    reads: list[tuple[int, int]] = []  # (offset, length)
+
+
+class RingReply(msgspec.Struct, tag="reply", **_FRAME):
+    """The reads' bytes concatenated in request order, or why the batch failed."""
+
+    data: bytes = b""
+    error: str = ""
+    range_error: bool = False  # the error is an out-of-range access (the caller's bug)
+
+
+class RdmaHello(msgspec.Struct, tag="rdma_hello", **_FRAME):
+    """Frontend -> agent, once at start-up: its RC queue pair, to be connected to a new one on the
+    GPU host that can reach the ring's memory region."""
+
+    qpn: int
+    psn: int
+    gid: str  # "" on an InfiniBand link without GRH (then lid is used)
+    lid: int
+    mtu: int  # ibv_mtu enum value of the frontend's port
+
+
+class RdmaWelcome(msgspec.Struct, tag="rdma_welcome", **_FRAME):
+    """Agent -> frontend: the GPU host's queue pair and the ring's memory region."""
+
+    qpn: int
+    psn: int
+    gid: str
+    lid: int
+    mtu: int
+    rkey: int
+    addr: int  # virtual address of ring byte 0 in the region
+    size: int
+
+
+AgentFrame = AgentHello | AgentWelcome | RingBatch | RingReply | RdmaHello | RdmaWelcome

@@ -1,0 +1,205 @@
+"""TcpTransport: the one-sided ring interface over TCP, to a ring agent on the GPU host.
+
+For clusters without RDMA (and for CI, which has none): the frontend's reads and writes travel
+as msgspec frames to `blink.protocol.ring_agent`, a small process (or thread) on the GPU host that
+maps the ring and applies them. One `transact` is one frame each way, whatever number of regions
+it reads or writes, so a token-reader cycle is one round trip.
+
+This is not free the way RDMA is: every round trip costs the GPU host's CPU (the agent decodes
+the frame, copies the bytes and answers; tens of microseconds of one core per round trip), and
+the frontend's event loop blocks for the round trip (the interface is synchronous, as it is for
+shared memory and RDMA, where an access takes nanoseconds to a few microseconds). bench/transport.py
+measures both.
+
+Ordering: the agent applies a batch's writes in order and then its reads in order, with plain
+x86-64 stores and loads on the shared mapping, so the rules of `transport.py` hold as they do for
+`ShmTransport`; a 4- or 8-byte aligned write is one machine store (a state word is never torn).
+
+Failure: every socket operation has a deadline (`timeout_s`); a closed connection, a reset or a
+deadline raises TransportError, and the transport stays broken until `reconnect()`. The frontend
+then fails its in-flight requests with an error event (health 503) rather than hanging.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from .transport import Data, RangeError, Read, TransportError, Write, as_bytes, check_range, check_word, out_bytes
+from .wire import AGENT_PROTOCOL, AgentFrame, AgentHello, AgentWelcome, RingBatch, RingReply
+
+_LEN = struct.Struct("<I")
+MAX_FRAME = 1 << 28  # a frame larger than this is a protocol error, not a ring access
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'host:port' (an IPv6 host in brackets: '[::1]:7000') -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bad ring agent address {address!r}; expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def send_frame(sock: socket.socket, frame: msgspec.Struct) -> None:
+    body = msgspec.msgpack.encode(frame)
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError("the ring agent closed the connection")
+        got += k
+    return buf
+
+
+_decoder = msgspec.msgpack.Decoder(AgentFrame)
+
+
+def recv_frame(sock: socket.socket) -> AgentFrame:
+    (n,) = _LEN.unpack(recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise ConnectionError(f"frame of {n} bytes from the ring agent")
+    return _decoder.decode(recv_exact(sock, n))
+
+
+def connect(address: str, timeout_s: float) -> tuple[socket.socket, AgentWelcome]:
+    """A connection to the agent at `address`, past the hello; raises TransportError."""
+    host, port = parse_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as e:
+        raise TransportError(f"cannot reach the ring agent at {address}: {e}") from e
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        send_frame(sock, AgentHello())
+        w = recv_frame(sock)
+    except (OSError, msgspec.DecodeError) as e:
+        sock.close()
+        raise TransportError(f"ring agent at {address}: hello failed: {e}") from e
+    if not isinstance(w, AgentWelcome) or w.version != AGENT_PROTOCOL:
+        sock.close()
+        raise TransportError(f"ring agent at {address} answered {w!r}; expected protocol {AGENT_PROTOCOL}")
+    return sock, w
+
+
+class TcpTransport:
+    """A ring reached through the ring agent at `address` ('host:port')."""
+
+    kind = "tcp"
+
+    def __init__(self, address: str, timeout_s: float = 5.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()  # one frame in flight (Ray's status calls come from other threads)
+        self._sock: socket.socket | None = None
+        self.round_trips = 0
+        self._open()
+
+    def _open(self) -> None:
+        self._sock, w = connect(self.address, self.timeout_s)
+        self.size = w.size
+        self.identity = w.identity
+        self.ring = w.ring
+        self.agent_rdma = w.rdma
+
+    def reconnect(self) -> int:
+        """Close and connect again (the agent may have been restarted). Returns the ring identity,
+        which differs from the old one when the agent reopened the ring."""
+        self.close()
+        self._open()
+        return self.identity
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    # -- the batch: one round trip ------------------------------------------------------
+    def transact(self, writes: Sequence[Write], reads: Sequence[Read] = ()) -> None:
+        ws = []
+        for off, data in writes:
+            b = as_bytes(data)
+            check_range(self.size, off, b.nbytes)
+            ws.append((off, b.tobytes()))
+        targets = [out_bytes(o) for _, o in reads]
+        rs = [(off, t.size) for (off, _), t in zip(reads, targets, strict=True)]
+        for off, n in rs:
+            check_range(self.size, off, n)
+        reply = self._call(RingBatch(ws, rs))
+        if reply.error:
+            raise (RangeError if reply.range_error else TransportError)(f"ring agent: {reply.error}")
+        data = reply.data
+        if len(data) != sum(n for _, n in rs):
+            raise TransportError(f"ring agent returned {len(data)} bytes for reads of {sum(n for _, n in rs)}")
+        pos = 0
+        for t in targets:
+            t[:] = np.frombuffer(data, np.uint8, t.size, pos)
+            pos += t.size
+
+    def _call(self, frame: RingBatch) -> RingReply:
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise TransportError(f"not connected to the ring agent at {self.address}")
+            try:
+                send_frame(sock, frame)
+                reply = recv_frame(sock)
+            except (OSError, msgspec.DecodeError) as e:  # timeouts are OSErrors too
+                self._drop()
+                raise TransportError(f"ring agent at {self.address}: {type(e).__name__}: {e}") from e
+            self.round_trips += 1
+        if not isinstance(reply, RingReply):
+            self._drop()
+            raise TransportError(f"ring agent at {self.address} answered {type(reply).__name__}")
+        return reply
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    # -- single accesses: a batch of one -------------------------------------------------
+    def read(self, offset: int, n: int) -> bytes:
+        out = np.empty(n, np.uint8)
+        self.transact((), [(offset, out)])
+        return out.tobytes()
+
+    def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
+        self.transact((), [(offset, out)])
+        return out
+
+    def write(self, offset: int, data: Data) -> None:
+        self.transact([(offset, data)])
+
+    def load_u32(self, offset: int) -> int:
+        check_word(self.size, offset, 4)
+        out = np.empty(1, "<u4")
+        self.transact((), [(offset, out)])
+        return int(out[0])
+
+    def load_u64(self, offset: int) -> int:
+        check_word(self.size, offset, 8)
+        out = np.empty(1, "<u8")
+        self.transact((), [(offset, out)])
+        return int(out[0])
+
+    def store_u32(self, offset: int, value: int) -> None:
+        check_word(self.size, offset, 4)
+        self.transact([(offset, struct.pack("<I", value))])
+
+    def store_u64(self, offset: int, value: int) -> None:
+        check_word(self.size, offset, 8)
+        self.transact([(offset, struct.pack("<Q", value))])
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
