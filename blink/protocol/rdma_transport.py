@@ -236,6 +236,7 @@ class RdmaRing:
     """GPU-host half: the ring's memory region, and one RC QP per connected frontend."""
 
     def __init__(self, shm, device: str = "", port: int = 1, gid_index: int | None = None):
+        load_pyverbs()
         import pyverbs.enums as e
         from pyverbs.mr import MR
 
@@ -297,6 +298,7 @@ class RdmaTransport:
         max_wr: int = 256,
         max_inline: int = 64,
     ):
+        load_pyverbs()  # a clear RdmaUnavailable before anything else
         import pyverbs.enums as e
         from pyverbs.mr import MR
 
