@@ -278,3 +278,16 @@ def test_pyverbs_is_optional_and_rdma_without_a_device_says_how_to_fix_it():
 
         with pytest.raises(RdmaUnavailable, match="no RDMA device"):
             RdmaTransport("127.0.0.1:1")
+
+
+def test_posted_writes_land_before_every_later_batch(ends: Ends):
+    t = ends.t
+    word = GEO.slot_offset(3) + SLOT_DTYPE.fields["consumed"][1]
+    for k in range(1, 300):
+        t.post([(word, np.uint32(k).tobytes()), (GEO.prompt_arena_offset + 4 * (k % 64), np.int32(k).tobytes())])
+    assert t.load_u32(word) == 299  # the read is a later batch: every post before it has landed
+    assert int(ends.local.slots["consumed"][3]) == 299
+    t.post([])
+    with pytest.raises(RangeError):  # checked before anything is sent
+        t.post([(GEO.total_bytes - 2, b"abcd")])
+    assert t.load_u64(0) == int(ends.local.header["magic"])

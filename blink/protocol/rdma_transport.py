@@ -45,12 +45,15 @@ Ordering (why a state word published after its data is never seen before it):
   may start before the READ's data has been fetched. The frontend never depends on that inside
   one batch (writes come first); a write that must follow a read (store `consumed`, release a slot
   after reading its tokens) goes in a later batch, posted after the READ's completion was polled.
-  `transact(..., fence_reads=True)` sets the fence on the first READ anyway for callers that need
-  a READ to wait for earlier READs of the same chain.
-- Acquire for reads: a READ returns a snapshot whose bytes may be fetched in any order, so a
-  record's `state` and `generated` read in one READ are not ordered with each other. The token
-  reader takes `generated` of a slot it saw DECODE_COMPLETED from a READ posted after the READ that
-  saw the state (blink/dpu/token_reader.py), which is ordered by completion.
+- READ after READ: READs may execute, and their PCIe reads complete, in any order. A batch's
+  first READ is its acquire (the slot records with every `generated` counter; the token windows
+  after it must not be fetched before it), so the second READ of a chain carries IBV_SEND_FENCE,
+  which holds it, and with it every later WR, until the first READ has completed. The READs after
+  it (token windows of different slots) are independent of each other and run in parallel.
+- Within one READ, bytes are fetched in no defined order, so a record's `state` and `generated`
+  read together are not ordered with each other. The token reader takes the `generated` of a slot
+  it saw DECODE_COMPLETED from a READ issued after the one that saw the state (a second batch,
+  blink/dpu/token_reader.py), which is ordered by completion.
 
 pyverbs is optional: it is imported only when an RDMA transport is built, and a missing module
 or a missing device raises `RdmaUnavailable` saying how to get it (rdma-core's `python3-pyverbs`;
@@ -315,6 +318,7 @@ class RdmaTransport:
         self.qp = None
         self.round_trips = 0
         self._wr_id = 0
+        self._unwaited = 0  # WRs posted by post() whose completion nobody waited for yet
         self._connect()
 
     def _connect(self) -> None:
@@ -350,7 +354,30 @@ class RdmaTransport:
         return self.identity
 
     # -- the batch: one doorbell, one completion -------------------------------------------
-    def transact(self, writes: Sequence[Write], reads: Sequence[Read] = (), fence_reads: bool = False) -> None:
+    def post(self, writes: Sequence[Write]) -> None:
+        """Writes that all fit inline (state words, `consumed`, doorbells) are posted without waiting
+        for their completion: the HCA copied them at post time, and the next batch's completion,
+        which arrives after theirs (RC completes in order), reports any failure. Larger writes go
+        through the staging buffer, which a later batch reuses, so they wait like a transact."""
+        ws = [(off, as_bytes(d)) for off, d in writes]
+        if not ws:
+            return
+        if len(ws) >= self.max_wr or any(b.nbytes > self.max_inline for _, b in ws):
+            self.transact(ws)
+            return
+        for off, b in ws:
+            check_range(self.size, off, b.nbytes)
+        with self._lock:
+            if self.qp is None or self._broken:
+                raise TransportError(f"RDMA connection to {self.address} is down: {self._broken or 'closed'}")
+            if self._unwaited + len(ws) > self.max_wr // 2:
+                # Send-queue entries (and CQ entries) come back only when a completion is polled:
+                # reap the posted chains before the queues could fill.
+                self._wait(self._wr_id)
+            self._post_chain([(self._e.IBV_WR_RDMA_WRITE, off, 0, b) for off, b in ws], inline_only=True)
+            self._unwaited += len(ws)
+
+    def transact(self, writes: Sequence[Write], reads: Sequence[Read] = ()) -> None:
         ws = []
         for off, data in writes:
             b = as_bytes(data)
@@ -372,8 +399,8 @@ class RdmaTransport:
                 n = b.nbytes
                 if n > self.staging_bytes:
                     raise RangeError(f"a write of {n} bytes exceeds the {self.staging_bytes}-byte staging buffer")
-                if len(chain) == self.max_wr - 1 or used + n > self.staging_bytes:
-                    self._run(chain, fence_reads)
+                if len(chain) == self.max_wr // 2 or used + n > self.staging_bytes:
+                    self._run(chain)
                     chain, used = [], 0
                 chain.append((self._e.IBV_WR_RDMA_WRITE, off, used, b))
                 used += -(-n // 8) * 8
@@ -381,52 +408,66 @@ class RdmaTransport:
                 n = t.size
                 if n > self.staging_bytes:
                     raise RangeError(f"a read of {n} bytes exceeds the {self.staging_bytes}-byte staging buffer")
-                if len(chain) == self.max_wr - 1 or used + n > self.staging_bytes:
-                    self._run(chain, fence_reads)
+                if len(chain) == self.max_wr // 2 or used + n > self.staging_bytes:
+                    self._run(chain)
                     chain, used = [], 0
                 chain.append((self._e.IBV_WR_RDMA_READ, off, used, t))
                 used += -(-n // 8) * 8
             if chain:
-                self._run(chain, fence_reads)
+                self._run(chain)
 
-    def _run(self, chain: list, fence_reads: bool) -> None:
+    def _run(self, chain: list) -> None:
+        self._post_chain(chain)
+        self._wait(self._wr_id)
+        self.round_trips += 1
+        for op, _off, soff, obj in chain:
+            if op == self._e.IBV_WR_RDMA_READ:
+                obj[:] = np.frombuffer(self.staging.read(obj.size, soff), np.uint8)
+
+    def _post_chain(self, chain: list, inline_only: bool = False) -> None:
+        """One linked list of WRs, one post_send (one doorbell); only the last WR is signaled.
+        The second READ of a chain carries IBV_SEND_FENCE: it starts once the first READ (the
+        batch's acquire: slot records, a counter) has completed, so the data it covers is read
+        after it; the READs after the second are not ordered among themselves (transport.py)."""
         from pyverbs.wr import SGE, SendWR
 
         e = self._e
         base = self.staging.buf
         lkey = self.staging.lkey
         first = prev = None
-        fenced = False
+        n_reads = 0
+        inline_data = []  # kept alive until post_send has copied them
         for i, (op, off, soff, obj) in enumerate(chain):
             flags = 0
             if op == e.IBV_WR_RDMA_WRITE:
                 n = obj.nbytes
-                self.staging.write(obj.tobytes(), n, soff)
                 if n <= self.max_inline:
                     flags |= e.IBV_SEND_INLINE
+                else:
+                    assert not inline_only
+                    self.staging.write(obj.tobytes(), n, soff)
             else:
                 n = obj.size
-                if fence_reads and not fenced:
+                n_reads += 1
+                if n_reads == 2:
                     flags |= e.IBV_SEND_FENCE
-                    fenced = True
             if i == len(chain) - 1:
                 flags |= e.IBV_SEND_SIGNALED
             self._wr_id += 1
-            wr = SendWR(wr_id=self._wr_id, opcode=op, num_sge=1, sg=[SGE(base + soff, n, lkey)], send_flags=flags)
+            if flags & e.IBV_SEND_INLINE:  # the provider copies inline data from the SGE at post time
+                inline_data.append(np.frombuffer(obj.tobytes(), np.uint8))
+                sge = SGE(int(inline_data[-1].ctypes.data), n, lkey)
+            else:
+                sge = SGE(base + soff, n, lkey)
+            wr = SendWR(wr_id=self._wr_id, opcode=op, num_sge=1, sg=[sge], send_flags=flags)
             wr.set_wr_rdma(self.rkey, self.raddr + off)
             if prev is None:
                 first = wr
             else:
                 prev.next_wr = wr
             prev = wr
-        if first is None:
-            return
-        self.qp.post_send(first)  # one doorbell for the chain
-        self._wait(self._wr_id)
-        self.round_trips += 1
-        for op, _off, soff, obj in chain:
-            if op == e.IBV_WR_RDMA_READ:
-                obj[:] = np.frombuffer(self.staging.read(obj.size, soff), np.uint8)
+        if first is not None:
+            self.qp.post_send(first)  # one doorbell for the chain
 
     def _wait(self, wr_id: int) -> None:
         t_end = time.monotonic() + self.timeout_s
@@ -439,6 +480,7 @@ class RdmaTransport:
                     self._broken = f"work completion status {wc.status} (vendor error {wc.vendor_err})"
                     raise TransportError(f"RDMA to {self.address}: {self._broken}")
                 if wc.wr_id == wr_id:
+                    self._unwaited = 0  # RC completes in order: everything posted before is done
                     return
             elif time.monotonic() > t_end:
                 self._broken = f"no completion within {self.timeout_s:g} s"

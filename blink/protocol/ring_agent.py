@@ -139,6 +139,11 @@ class RingAgent:
                     return  # the client went away, or the agent is closing
                 if isinstance(frame, RingBatch):
                     reply = self._batch(frame)
+                    if not frame.reply:
+                        if reply.error:
+                            log.warning("posted batch from %s failed: %s; closing", peer, reply.error)
+                            return
+                        continue
                 elif isinstance(frame, AgentHello):
                     if frame.version != AGENT_PROTOCOL:
                         log.warning("client %s speaks protocol %d, not %d", peer, frame.version, AGENT_PROTOCOL)

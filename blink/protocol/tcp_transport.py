@@ -145,13 +145,26 @@ class TcpTransport:
             t[:] = np.frombuffer(data, np.uint8, t.size, pos)
             pos += t.size
 
-    def _call(self, frame: RingBatch) -> RingReply:
+    def post(self, writes: Sequence[Write]) -> None:
+        """Send the writes without waiting: the agent applies frames in order, so every later batch
+        sees them; a failure closes the connection and shows at the next call."""
+        ws = []
+        for off, data in writes:
+            b = as_bytes(data)
+            check_range(self.size, off, b.nbytes)
+            ws.append((off, b.tobytes()))
+        if ws:
+            self._call(RingBatch(ws, reply=False))
+
+    def _call(self, frame: RingBatch) -> RingReply | None:
         with self._lock:
             sock = self._sock
             if sock is None:
                 raise TransportError(f"not connected to the ring agent at {self.address}")
             try:
                 send_frame(sock, frame)
+                if not frame.reply:
+                    return None
                 reply = recv_frame(sock)
             except (OSError, msgspec.DecodeError) as e:  # timeouts are OSErrors too
                 self._drop()

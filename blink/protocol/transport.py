@@ -7,10 +7,14 @@ GPU host (`tcp_transport.py`) or RDMA (`rdma_transport.py`, DPU -> GPU host).
 
 `transact(writes, reads)` is the batched form, and on a remote transport one round trip: the
 writes land in list order (each one a release for the ones before it: a state word written
-after the record it publishes is seen after it), then the reads run in list order (each one an
-acquire for the ones after it) and see every write of the batch. The frontend's hot loops (one
-token-reader cycle, one submission) are one `transact` each, so a poll costs one round trip,
-not one per slot.
+after the record it publishes is seen after it), then the reads run, and see every write of the
+batch. The first read completes before the others start (it is an acquire for them: read the
+counters first, then the data they cover); the reads after it are not ordered among themselves.
+`post(writes)` is a batch of writes whose completion is not awaited: ordered like a transact's
+and before every later batch, its failure shows at a later call at the latest. The frontend's hot
+loops are one batch each: a token-reader cycle is one `transact` (slot records, header, a window
+of tokens per active slot) and one `post` (`consumed` and releases), a submission one `post`; so
+a poll costs one round trip, not one per slot.
 
 Errors: an access outside the ring raises `RangeError` (a bug in the caller, any transport); a
 ring that cannot be reached any more (agent gone, network down, peer's QP in error) raises
@@ -68,6 +72,7 @@ class Transport(Protocol):
     def store_u32(self, offset: int, value: int) -> None: ...
     def store_u64(self, offset: int, value: int) -> None: ...
     def transact(self, writes: Sequence[Write], reads: Sequence[Read] = ()) -> None: ...
+    def post(self, writes: Sequence[Write]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -196,6 +201,9 @@ class ShmTransport:
                 self.write(off, b)
         for off, out in reads:
             self.read_into(off, out)
+
+    def post(self, writes: Sequence[Write]) -> None:
+        self.transact(writes)
 
     def close(self) -> None:
         self._u8 = self._u32 = self._u64 = None  # release exported buffers before closing the map

@@ -156,6 +156,8 @@ class RingBatch(msgspec.Struct, tag="batch", **_FRAME):
 
     writes: list[tuple[int, bytes]] = []  # (offset, bytes)
     reads: list[tuple[int, int]] = []  # (offset, length)
+    reply: bool = True  # False: a posted batch (writes only); the agent answers nothing, and closes
+    # the connection if it fails (the client checked its ranges, so that is a broken agent or ring)
 
 
 class RingReply(msgspec.Struct, tag="reply", **_FRAME):
