@@ -18,15 +18,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from blink.protocol.layout import FinishReason, SlotState
-from blink.protocol.transport import Transport
+from blink.protocol.transport import Transport, TransportError
 from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest, TokenEvent
 
 from .slot_tracker import SlotTracker, attach_geometry, region_words
 from .token_reader import TokenReader
+
+log = logging.getLogger("blink.request_tracker")
 
 
 class QueueFullError(RuntimeError):
@@ -189,7 +192,7 @@ class RequestTracker:
         why = self.check_prompt(len(req.prompt_ids), region_words(req))
         if why:
             raise ValueError(why)
-        slot = None if self._waiters else self.slots.claim(req)
+        slot = None if self._waiters else self._claim(req)
         front = False  # a woken waiter that lost its slot to a newcomer keeps its place
         while slot is None:
             if not front and len(self._waiters) >= self.max_queue:
@@ -206,7 +209,7 @@ class RequestTracker:
                 raise
             if self.reader.failed:
                 raise DeviceDownError(self.reader.failed)
-            slot = self.slots.claim(req)
+            slot = self._claim(req)
             front = True
         h = RequestHandle(self, req.request_id, slot, len(req.prompt_ids))
         prompt = None
@@ -223,6 +226,13 @@ class RequestTracker:
             prompt=prompt,
         )
         return h
+
+    def _claim(self, req: SubmitRequest) -> int | None:
+        try:
+            return self.slots.claim(req)
+        except TransportError as e:  # the ring cannot be reached: the device is down for us
+            self.fail(f"ring unreachable: {e}")
+            raise DeviceDownError(self.reader.failed) from e
 
     def _on_fail(self, why: str) -> None:
         """The device is down: requests waiting for a slot will never get one."""
@@ -244,7 +254,10 @@ class RequestTracker:
     def _cancel(self, h: RequestHandle) -> None:
         if h.slot in self.reader.active and not self.reader.failed:
             self.reader.detach(h.slot)
-            self.slots.cancel(h.slot)
+            try:
+                self.slots.cancel(h.slot)
+            except TransportError as e:  # the token reader fails every request at its next cycle
+                log.warning("request %d: cancel not delivered: %s", h.request_id, e)
 
 
 def finish_name(reason: int) -> str:

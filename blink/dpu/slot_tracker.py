@@ -12,6 +12,11 @@ the slot is EMPTY the frontend owns the whole record, so it writes the prompt in
 region of the prompt arena and the record fields (state still EMPTY), then stores state =
 PREFILL_PENDING (the release store that hands the slot to the device), then rings submit_seq.
 
+Every access goes through the Transport in batches (blink/protocol/transport.py): a refresh is
+one read of every record (plus whatever the token reader reads in the same round trip), a claim
+is one posted batch (prompt, logit bias, record, state word, doorbell, in that order), a cancel one
+posted batch (flag, doorbell). Over TCP or RDMA a submission therefore costs no round trip of its own.
+
 Several frontend processes can share one ring (deploy.frontends > 1: more cores for HTTP and
 detokenization): frontend `owner` of `owners` only ever claims, reads and releases the slots s
 with s % owners == owner, so every slot word still has one host writer. The doorbells are the
@@ -35,7 +40,7 @@ from blink.protocol.layout import (
     SlotState,
     prompt_region_words,
 )
-from blink.protocol.transport import Transport
+from blink.protocol.transport import Read, Transport, Write
 from blink.protocol.wire import SubmitRequest
 
 _STATE = SLOT_DTYPE.fields["state"][1]
@@ -44,6 +49,10 @@ _GENERATED = SLOT_DTYPE.fields["generated"][1]
 _CONSUMED = SLOT_DTYPE.fields["consumed"][1]
 _SUBMIT_SEQ = HEADER_DTYPE.fields["submit_seq"][1]
 _CANCEL_SEQ = HEADER_DTYPE.fields["cancel_seq"][1]
+
+
+def _u32(offset: int, value: int) -> Write:
+    return offset, np.array([value], "<u4")
 
 
 def read_header(transport: Transport) -> np.ndarray:
@@ -91,9 +100,11 @@ class SlotTracker:
         self.refresh()
 
     # -- cache ------------------------------------------------------------------------
-    def refresh(self) -> np.ndarray:
-        """One bulk read of every slot record; updates the availability cache. Returns the records."""
-        self.t.read_into(self.geo.slots_offset, self.records)
+    def refresh(self, reads: list[Read] | tuple[Read, ...] = ()) -> np.ndarray:
+        """One bulk read of every slot record, and `reads` after it in the same round trip (the record
+        read comes first: it is the acquire for the others); updates the availability cache.
+        Returns the records."""
+        self.t.transact((), [(self.geo.slots_offset, self.records), *reads])
         self._free = (self.records["state"] == SlotState.EMPTY) & ~self.held & self.owned
         return self.records
 
@@ -141,12 +152,12 @@ class SlotTracker:
             raise ValueError(f"slot {slot} is not free")
         off = slot * self.prompt_capacity
         n = len(req.prompt_ids)
-        self.t.write(self.geo.prompt_arena_offset + 4 * off, np.asarray(req.prompt_ids, dtype=TOKEN_DTYPE))
+        writes: list[Write] = [(self.geo.prompt_arena_offset + 4 * off, np.asarray(req.prompt_ids, dtype=TOKEN_DTYPE))]
         if req.logit_bias:
             bias = np.zeros(len(req.logit_bias), LOGIT_BIAS_DTYPE)
             bias["token"] = [t for t, _ in req.logit_bias]
             bias["bias"] = [b for _, b in req.logit_bias]
-            self.t.write(self.geo.prompt_arena_offset + 4 * (off + n), bias.view(np.uint8))
+            writes.append((self.geo.prompt_arena_offset + 4 * (off + n), bias.view(np.uint8)))
         rec = np.zeros((), SLOT_DTYPE)
         rec["state"] = SlotState.EMPTY
         rec["request_id"] = req.request_id
@@ -175,9 +186,14 @@ class SlotTracker:
         rec["prompt_logprobs_offset"] = self.prompt_logprobs_offset(slot, req)
         rec["t_submit_ns"] = time.time_ns()
         base = self.geo.slot_offset(slot)
-        self.t.write(base, rec.reshape(1).view(np.uint8))
-        self.t.store_u32(base + _STATE, SlotState.PREFILL_PENDING)
-        self._ring(_SUBMIT_SEQ, self._submit_seq)
+        # In order, in one posted batch: the prompt (and logit bias) and the record (state still
+        # EMPTY), then the state word (the release that hands the slot to the device), then the doorbell.
+        writes += [
+            (base, rec.reshape(1).view(np.uint8)),
+            _u32(base + _STATE, SlotState.PREFILL_PENDING),
+            self._doorbell(_SUBMIT_SEQ, self._submit_seq),
+        ]
+        self.t.post(writes)
         self._submit_seq += 1
         self.held[slot] = True
         self._free[slot] = False
@@ -188,24 +204,32 @@ class SlotTracker:
         """int32 word of the request's prompt logprob record 0 (after its prompt and logit_bias)."""
         return slot * self.prompt_capacity + len(req.prompt_ids) + 2 * len(req.logit_bias)
 
+    def consumed_write(self, slot: int, consumed: int) -> Write:
+        """The store of a slot's `consumed` counter (the token reader batches these)."""
+        return _u32(self.geo.slot_offset(slot) + _CONSUMED, consumed & 0xFFFFFFFF)
+
     def store_consumed(self, slot: int, consumed: int) -> None:
-        self.t.store_u32(self.geo.slot_offset(slot) + _CONSUMED, consumed & 0xFFFFFFFF)
+        self.t.post([self.consumed_write(slot, consumed)])
 
     def cancel(self, slot: int) -> None:
         """Set the slot's cancel flag and ring the cancel doorbell; the device finishes it CANCELLED."""
-        self.t.store_u32(self.geo.slot_offset(slot) + _CANCEL, 1)
-        self._ring(_CANCEL_SEQ, self._cancel_seq)
+        self.t.post([_u32(self.geo.slot_offset(slot) + _CANCEL, 1), self._doorbell(_CANCEL_SEQ, self._cancel_seq)])
         self._cancel_seq += 1
 
-    def _ring(self, offset: int, seq: int) -> None:
-        self.t.store_u64(offset, seq * self.owners + self.owner)
+    def _doorbell(self, offset: int, seq: int) -> Write:
+        return offset, np.array([seq * self.owners + self.owner], "<u8")
 
-    def release(self, slot: int) -> None:
-        """DECODE_COMPLETED -> EMPTY, after every token was read. The slot is free again at once."""
+    def release_write(self, slot: int) -> Write:
+        """DECODE_COMPLETED -> EMPTY, after every token was read: the store, to be posted by the
+        caller (after its token reads completed). The slot is free again locally at once; a claim
+        of it posts its writes after this one, so the device sees them in that order."""
         assert self.owned[slot], f"slot {slot} belongs to another frontend"
-        self.t.store_u32(self.geo.slot_offset(slot) + _STATE, SlotState.EMPTY)
         self.held[slot] = False
         self._free[slot] = True
+        return _u32(self.geo.slot_offset(slot) + _STATE, SlotState.EMPTY)
+
+    def release(self, slot: int) -> None:
+        self.t.post([self.release_write(slot)])
 
     def load_state(self, slot: int) -> int:
         return self.t.load_u32(self.geo.slot_offset(slot) + _STATE)

@@ -1,8 +1,9 @@
 """Token reader: the background task that moves generated tokens from the ring to requests (paper §4.4).
 
 Each cycle does one bulk read of the slot records (the same read refreshes the slot tracker's
-availability cache) and one read of the header, then, for each active slot, compares the
-device's `generated` with the tokens already delivered. Slots admitted since the last cycle are
+availability cache), the header and a window of tokens per active slot, all in one transport
+round trip (see poll_once), then, for each active slot, compares the device's `generated` with
+the tokens already delivered. Slots admitted since the last cycle are
 "urgent" and served first, so a first token waits at most one poll interval. New tokens are read
 from the slot's output ring (at most two contiguous reads, since it wraps), `consumed` is stored
 back (the device's flow control), and a TokenEvent goes to the request's asyncio queue. A slot
@@ -43,6 +44,7 @@ from blink.protocol.layout import (
     SlotState,
     prompt_logprob_record,
 )
+from blink.protocol.transport import TransportError
 from blink.protocol.wire import DeviceHealth, Logprob, TokenEvent
 
 from .slot_tracker import SlotTracker, read_header
@@ -73,6 +75,7 @@ class TokenReader:
         liveness: Callable[[], str | None] | None = None,
         on_fail: Callable[[str], None] | None = None,
         on_release: Callable[[int], None] | None = None,
+        window: int = 16,
     ):
         self.tracker = tracker
         self.t = tracker.t
@@ -88,6 +91,7 @@ class TokenReader:
         self._liveness_at = 0.0
         self.max_backlog = max_backlog  # undelivered events per request before its slot is left unread
         self.on_release = on_release  # called with the slot after it became EMPTY (wakes queued submits)
+        self.window = window  # tokens read per active slot with the records (one round trip per cycle)
         self.active: dict[int, _Active] = {}
         self._active_mask = np.zeros(self.geo.n_slots, bool)  # slots in self.active
         self._delivered = np.zeros(self.geo.n_slots, np.int64)  # tokens read per slot (mirror of _Active)
@@ -177,7 +181,10 @@ class TokenReader:
                     log.exception("request %d: delivering the failure event", a.request_id)
                 a.sink = None
             if stalled:
-                self.tracker.cancel(slot)
+                try:
+                    self.tracker.cancel(slot)
+                except TransportError as e:
+                    log.warning("slot %d: cancel not delivered: %s", slot, e)
             else:
                 del self.active[slot]
                 self._active_mask[slot] = False
@@ -187,10 +194,21 @@ class TokenReader:
 
     # -- one cycle ------------------------------------------------------------------------
     def poll_once(self) -> int:
-        """One cycle: bulk read, deliver new tokens, release completed slots. Returns tokens delivered."""
+        """One cycle: bulk read, deliver new tokens, release completed slots. Returns tokens delivered.
+
+        Round trips (what a remote transport pays): one `transact` reads the slot records, the
+        header and, for every active slot, a window of `window` tokens from the first undelivered
+        one, so a slot that gained up to `window` tokens since the last cycle needs nothing more;
+        one `post` stores `consumed` and releases (not awaited). Only a slot that gained more than
+        a window, or completed (its final `generated` must be read after its state, see below),
+        costs a second transact in that cycle; logprob records (opt-in per request) are read with
+        a transact of their own."""
         self.cycles += 1
-        self.t.read_into(0, self.header.reshape(1))
-        recs = self.tracker.refresh()
+        win_slots = [s for s, a in self.active.items() if not self._backlogged(a)]
+        windows = np.empty((len(win_slots), self.window), TOKEN_DTYPE)
+        reads = [(0, self.header.reshape(1))]
+        spans = self._window_reads(win_slots, windows, reads)
+        recs = self.tracker.refresh(reads)
         self._check_device(time.monotonic())
         if not self.active:
             return 0
@@ -207,21 +225,32 @@ class TokenReader:
                 fs = set(first)
                 order = first + [s for s in order if s not in fs]
                 self._urgent = [s for s in self._urgent if s not in fs and s in self.active]
+        win = dict(zip(win_slots, spans, strict=True))
+        gens = recs["generated"].astype(np.int64)
+        done = [s for s in order if recs["state"][s] == SlotState.DECODE_COMPLETED and s in win]
+        if done:
+            # The device stores generated before the state, but one bulk read does not order the
+            # bytes it fetches: a record may show COMPLETED with an older generated. So the final
+            # count comes from a read issued after that one: the records again, with fresh token
+            # windows of the completing slots, in a second round trip (completions only).
+            again = np.zeros_like(recs)
+            w2 = np.empty((len(done), self.window), TOKEN_DTYPE)
+            r2: list = []
+            spans2 = self._window_reads(done, w2, r2)
+            self.t.transact((), [(self.geo.slots_offset, again), *r2])
+            for s, span in zip(done, spans2, strict=True):
+                gens[s] = int(again["generated"][s])
+                win[s] = span
         n = 0
+        writes = []
+        released = []
         for slot in order:
             a = self.active.get(slot)
-            if a is None:
-                continue
-            if a.backlog is not None and a.sink is not None and a.backlog() >= self.max_backlog:
-                # A slow consumer: leave its tokens in the ring. `consumed` stops advancing, so the
-                # device pauses this slot once its output ring is full (end-to-end backpressure).
-                continue
+            if a is None or slot not in win:
+                continue  # a slow consumer: its tokens stay in the ring (see _backlogged)
             rec = recs[slot]
             state = int(rec["state"])
-            gen = int(rec["generated"])
-            if state == SlotState.DECODE_COMPLETED:
-                # generated is stored before the state; re-read it after seeing COMPLETED.
-                gen = self.tracker.load_generated(slot)
+            gen = int(gens[slot])
             if gen > a.delivered:
                 if a.delivered == 0 and a.timing is not None:
                     a.timing[:] = (
@@ -230,12 +259,17 @@ class TokenReader:
                         int(rec["t_first_ns"]),
                         time.time_ns(),
                     )
-                ids = self._read_tokens(slot, a.delivered, gen)
+                w, start = win[slot]
+                assert start == a.delivered
+                k = min(gen - a.delivered, w.size)
+                ids = w[:k].tolist()
+                if gen > a.delivered + k:  # more than a window: read the rest now
+                    ids += self._read_tokens(slot, a.delivered + k, gen)
                 lps = self._read_logprobs(slot, a.delivered, gen, a.logprobs) if a.logprobs >= 0 else []
                 plps = self._read_prompt_logprobs(a.prompt) if a.delivered == 0 and a.prompt else None
                 a.delivered = gen
                 self._delivered[slot] = gen
-                self.tracker.store_consumed(slot, gen)
+                writes.append(self.tracker.consumed_write(slot, gen))
                 n += len(ids)
                 if a.sink is not None and state != SlotState.DECODE_COMPLETED:
                     a.sink(TokenEvent(a.request_id, ids, logprobs=lps, prompt_logprobs=plps))
@@ -259,11 +293,32 @@ class TokenReader:
                     )
                 del self.active[slot]
                 self._active_mask[slot] = False
-                self.tracker.release(slot)
-                if self.on_release is not None:
-                    self.on_release(slot)
+                writes.append(self.tracker.release_write(slot))
+                released.append(slot)
+        if writes:
+            self.t.post(writes)  # consumed counters and releases, after the reads that justify them
+        if self.on_release is not None:
+            for slot in released:
+                self.on_release(slot)
         self.tokens_read += n
         return n
+
+    def _backlogged(self, a: _Active) -> bool:
+        """A slow consumer: leave its tokens in the ring. `consumed` stops advancing, so the device
+        pauses this slot once its output ring is full (end-to-end backpressure)."""
+        return a.backlog is not None and a.sink is not None and a.backlog() >= self.max_backlog
+
+    def _window_reads(self, slots: list[int], out: np.ndarray, reads: list) -> list[tuple[np.ndarray, int]]:
+        """Append to `reads` one read per slot of up to `window` tokens from its first undelivered
+        one (not across the output ring's wrap); returns each (window, index of its first token)."""
+        cap = self._cap
+        spans = []
+        for i, s in enumerate(slots):
+            d = int(self._delivered[s])
+            w = out[i, : min(self.window, cap - d % cap)]
+            reads.append((self.geo.output_offset(s, d), w))
+            spans.append((w, d))
+        return spans
 
     def _read_tokens(self, slot: int, start: int, end: int) -> list[int]:
         """Tokens [start, end) of a slot from its output ring (it wraps every output_capacity)."""
@@ -274,9 +329,10 @@ class TokenReader:
         i0 = start % cap
         first = min(end - start, cap - i0)
         base = self.geo.output_offset(slot, 0)
-        self.t.read_into(base + 4 * i0, out[:first])
+        reads = [(base + 4 * i0, out[:first])]
         if first < out.size:
-            self.t.read_into(base, out[first:])
+            reads.append((base, out[first:]))
+        self.t.transact((), reads)
         return out.tolist()
 
     def _read_logprobs(self, slot: int, start: int, end: int, n: int) -> list[Logprob]:
@@ -286,9 +342,10 @@ class TokenReader:
         i0 = start % cap
         first = min(end - start, cap - i0)
         base = self.geo.logprob_offset(slot, 0)
-        self.t.read_into(base + LOGPROB_DTYPE.itemsize * i0, out[:first])
+        reads = [(base + LOGPROB_DTYPE.itemsize * i0, out[:first])]
         if first < out.size:
-            self.t.read_into(base, out[first:])
+            reads.append((base, out[first:]))
+        self.t.transact((), reads)
         return _logprobs(out["logprob"], out["top_ids"][:, :n], out["top_logprobs"][:, :n])
 
     def _read_prompt_logprobs(self, prompt: tuple[int, int, int, int]) -> list[Logprob]:
@@ -305,6 +362,11 @@ class TokenReader:
     async def run(self) -> None:
         try:
             await self._run()
+        except TransportError as e:
+            # The ring cannot be reached (agent or network gone): the device may be fine, but no
+            # token can come back through this transport. Every request ends with an error event.
+            log.warning("ring unreachable: %s", e)
+            self._fail(f"ring unreachable: {e}")
         except Exception as e:
             # A bug here must not leave every request waiting forever: fail them all.
             # Logged with its traceback and recorded in self.failed (/health shows it); not re-raised,

@@ -102,7 +102,8 @@ class TcpTransport:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one frame in flight (Ray's status calls come from other threads)
         self._sock: socket.socket | None = None
-        self.round_trips = 0
+        self.round_trips = 0  # batches that waited for an answer
+        self.posts = 0  # batches sent without waiting
         self._open()
 
     def _open(self) -> None:
@@ -164,6 +165,7 @@ class TcpTransport:
             try:
                 send_frame(sock, frame)
                 if not frame.reply:
+                    self.posts += 1
                     return None
                 reply = recv_frame(sock)
             except (OSError, msgspec.DecodeError) as e:  # timeouts are OSErrors too
