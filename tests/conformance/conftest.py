@@ -6,15 +6,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from conformance.rig import DEVICE_NAME, Rig, RigSpec, open_rig
+from conformance.rig import DEVICE_NAME, TRANSPORTS, Rig, RigSpec, open_rig
 
 from blink.protocol.layout import DeviceStatus
 
 
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def ring_transport(request) -> str:
+    """How the client reaches the ring: every test runs over shared memory and over TCP."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
+def rig(ring_transport: str) -> Iterator[Rig]:
     """The shared device of a test module (tiny model). Every test must leave it clean."""
-    yield from open_rig(RigSpec())
+    yield from open_rig(RigSpec(), ring_transport)
 
 
 @pytest.fixture
@@ -25,12 +31,12 @@ def clean(rig: Rig) -> Iterator[Rig]:
 
 
 @pytest.fixture
-def make_rig() -> Iterator[Callable[..., Rig]]:
+def make_rig(ring_transport: str) -> Iterator[Callable[..., Rig]]:
     """Start a device of a custom spec; it is checked clean and stopped after the test."""
     rigs: list[Rig] = []
 
     def make(**kw) -> Rig:
-        r = Rig(RigSpec(**kw))
+        r = Rig(RigSpec(**kw), transport=ring_transport)
         rigs.append(r)
         return r
 

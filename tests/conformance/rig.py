@@ -14,6 +14,10 @@ each test's RigSpec gives, e.g. '{"kind": "cuda", "scheduler": "host"}' (the hos
 test); the suite waits for device_status READY, runs, sets header.shutdown and waits for STOPPED
 and for the process to exit. `model` is a spec of blink.models.registry: "random:tiny-llama" (most
 cases) or "default" (SmolLM2-135M, cases marked `slow`).
+
+The client reaches the ring over shared memory, and again over TCP through a ring agent in its
+own process (blink.protocol.ring_agent, as on a GPU host serving a frontend on another host):
+conftest.py runs every test once per transport.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from conformance.client import RingClient
 from blink.config import BlinkConfig
 from blink.launch import DeviceProcess, device_spec, start_device
 from blink.protocol.layout import DeviceStatus, RingGeometry, SlotState
+from blink.protocol.ring_agent import start_agent_process
+from blink.protocol.tcp_transport import TcpTransport
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import DeviceSpec
 
+TRANSPORTS = ("shm", "tcp")
 TINY = "random:tiny-llama"
 SMOLLM2 = "default"
 DEVICE_ENV = "BLINK_CONFORMANCE_DEVICE"
@@ -71,17 +78,22 @@ _counter = itertools.count()
 
 
 class Rig:
-    """A ring, the device serving it, and a client."""
+    """A ring, the device serving it, and a client (over `transport`: shm, or tcp through a ring agent)."""
 
-    def __init__(self, spec: RigSpec, start_timeout: float = 120.0):
+    def __init__(self, spec: RigSpec, start_timeout: float = 120.0, transport: str = "shm"):
         self.spec = spec
         self.name = f"blink-conf-{os.getpid()}-{next(_counter)}"
         geo = RingGeometry(spec.n_slots, spec.n_slots * spec.prompt_tokens_per_slot, spec.output_capacity)
         self.transport = ShmTransport.create(self.name, geo)
         self.proc: DeviceProcess | None = None
+        self.agent = None
+        self.remote: TcpTransport | None = None
         try:
             self.proc = start_device(self.device_spec())
-            self.client = RingClient(self.transport)
+            if transport == "tcp":
+                self.agent, addr = start_agent_process(self.name)
+                self.remote = TcpTransport(addr, timeout_s=30.0)
+            self.client = RingClient(self.remote or self.transport)
             self.proc.wait_ready(self.transport, start_timeout)
         except BaseException:
             self._kill()
@@ -122,12 +134,17 @@ class Rig:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        if self.remote is not None:
+            self.remote.close()
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.terminate()
+            self.agent.wait(10)
         self.transport.close()
         self.transport.unlink()
 
 
-def open_rig(spec: RigSpec) -> Iterator[Rig]:
-    rig = Rig(spec)
+def open_rig(spec: RigSpec, transport: str = "shm") -> Iterator[Rig]:
+    rig = Rig(spec, transport=transport)
     try:
         yield rig
         rig.assert_clean()
