@@ -87,3 +87,17 @@ def test_engine_context_is_whole_kv_blocks_and_decode_attention_is_passed():
     e = engine_config(spec, max_position=2048)
     assert e.max_context == 992 and e.decode_table == ((1, "basic"),)
     assert engine_config(msgspec.structs.replace(spec, max_context=0), max_position=500).max_context == 496
+
+
+def test_slot_copy_holds_one_ring_slot_per_slot():
+    """slot_copy is a RingSlot[n_slots] on the device: sized from the ring layout, never by hand
+    (a hand-written 128 overflowed it when slots grew to 192 bytes and hung the GPU scheduler)."""
+    import re
+
+    header = (S.CTL_HEADER_PATH.parent.parent / "include" / "blink_ring.h").read_text()
+    slot_bytes = int(re.search(r"constexpr uint32_t SLOT_BYTES = (\d+);", header).group(1))
+    bufs = S.device_buffers(n_slots=7, num_blocks=3, max_blocks_per_seq=2, rows_cap=5, max_context=11)
+    n, dtype = bufs["slot_copy"]
+    assert n * np.dtype(dtype).itemsize == 7 * slot_bytes
+    # every buffer pointer of SchedCtl that the host allocates is in the table
+    assert set(bufs) == {"claim", "waitq", "kv_free", "row_blocks", "row_tokens", "slot_copy"}

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from blink.protocol.cgen import header_main, struct_lines
-from blink.protocol.layout import RingView
+from blink.protocol.layout import SLOT_DTYPE, RingView
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 INCLUDE = pathlib.Path(__file__).resolve().parent / "include"
@@ -183,6 +183,21 @@ def build_cubin(cache_dir: str | os.PathLike | None = None, nvcc: str | None = N
 # -- launcher ----------------------------------------------------------------------------------
 
 
+def device_buffers(
+    n_slots: int, num_blocks: int, max_blocks_per_seq: int, rows_cap: int, max_context: int
+) -> dict[str, tuple[int, type]]:
+    """The scheduler's device buffers (SchedCtl pointers): name -> (elements, numpy dtype).
+    slot_copy holds one RingSlot per slot, so its size comes from the ring layout."""
+    return {
+        "claim": (n_slots, np.uint32),
+        "waitq": (n_slots, np.uint32),
+        "kv_free": (num_blocks, np.uint32),
+        "row_blocks": (rows_cap * max_blocks_per_seq, np.int32),
+        "row_tokens": (rows_cap * max_context, np.int32),
+        "slot_copy": (n_slots * SLOT_DTYPE.itemsize, np.uint8),
+    }
+
+
 @dataclass(frozen=True)
 class GpuSchedulerConfig:
     max_batch: int = 0
@@ -290,12 +305,10 @@ class GpuScheduler:
         host_ptr = int(self._ring_np.ctypes.data)
         self._registered = cudart.host_register(self.drv, host_ptr, geo.total_bytes)
         b = self._bufs
-        b["claim"] = cp.zeros(geo.n_slots, cp.uint32)
-        b["waitq"] = cp.zeros(geo.n_slots, cp.uint32)
-        b["kv_free"] = cp.zeros(d.num_blocks, cp.uint32)
-        b["row_blocks"] = cp.zeros(rows_cap * d.max_blocks_per_seq, cp.int32)
-        b["row_tokens"] = cp.zeros(rows_cap * max_context, cp.int32)
-        b["slot_copy"] = cp.zeros(geo.n_slots * 128, cp.uint8)
+        for name, (n, dtype) in device_buffers(
+            geo.n_slots, d.num_blocks, d.max_blocks_per_seq, rows_cap, max_context
+        ).items():
+            b[name] = cp.zeros(n, dtype)
         c = self.ctl
         c["ring"] = self._registered
         c["engine"] = eng.abi_ptr
