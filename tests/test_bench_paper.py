@@ -1,0 +1,158 @@
+"""bench/paper.py, bench/plots.py and bench/hogs.py on the CPU: the hogs load the cores they are
+given, the plots draw every figure from JSON alone, and paper.py runs end to end on the emulated
+device (so the H200 call does not find the harness's bugs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import hogs  # noqa: E402
+import plots  # noqa: E402
+
+from blink.benchmark import CDF_QUANTILES  # noqa: E402
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_hogs_run_pinned_on_their_cores_and_stop():
+    core = sorted(os.sched_getaffinity(0))[0]
+    with hogs.Hogs([core, core], "mix") as h:
+        assert h.kinds() == ["compress", "memory"]
+        pids = [p.pid for p in h.procs]
+        before = [_cpu_s(pid) for pid in pids]
+        time.sleep(1.0)
+        for pid, t0 in zip(pids, before, strict=True):
+            assert os.sched_getaffinity(pid) == {core}
+            assert _cpu_s(pid) - t0 > 0.05  # working, not sleeping (two hogs share one busy core here)
+    assert all(not os.path.exists(f"/proc/{pid}/stat") or "Z" in open(f"/proc/{pid}/stat").read() for pid in pids)
+    assert hogs.parse_cores("2-4,7") == [2, 3, 4, 7]
+    with pytest.raises(ValueError):
+        hogs.Hogs([core], "pbzip")
+
+
+def _bench(rate: float | str, ttft: float, tpot: float) -> dict:
+    q = [float(x) for x in CDF_QUANTILES]
+    stats = lambda v: {"mean": v, "median": v, "p50": v, "p90": 1.5 * v, "p99": 2 * v}  # noqa: E731
+    return {
+        "request_rate": rate,
+        "request_throughput": 10.0 if rate == "inf" else float(rate),
+        "output_throughput": 1000.0,
+        "ttft_ms": stats(ttft),
+        "tpot_ms": stats(tpot),
+        "itl_ms": stats(tpot),
+        "cdf_quantiles": q,
+        "cdf_ms": {
+            k: [v * (1 + i / 100) for i in range(len(q))] for k, v in (("ttft", ttft), ("tpot", tpot), ("itl", tpot))
+        },
+        "timeline": {"bin_s": 0.1, "tokens": [50] * 40 + [0] * 20 + [50] * 20},
+    }
+
+
+def synthetic_docs() -> list[dict]:
+    """One JSON of each part, shaped as bench/paper.py writes them (numbers made up)."""
+    meta = {"device": "h200", "device_name": "NVIDIA H200", "commit": "abc1234", "date": "2026-12-01T00:00:00Z"}
+    closed = lambda v: {"steady_tok_per_s": v, **_bench("inf", 20, 6)}  # noqa: E731
+    interf = {
+        s: {
+            "closed": {"idle": closed(40000.0), "hogs": closed(20000.0 if s == "host" else 39000.0), "retention": 0.5},
+            "open": [{"rate": r, "load": ld, **_bench(r, 18, 6)} for r in (12.0, 24.0) for ld in ("idle", "hogs")],
+        }
+        for s in ("gpu", "host")
+    }
+    stop = {
+        s: {
+            **_bench("inf", 20, 6),
+            "stopped_at_s": 4.0,
+            "resumed_at_s": 6.0,
+            "ratio_stopped_over_before": 1.0,
+            "longest_gap_stopped_ms": 20.0,
+        }  # fmt: skip
+        for s in ("gpu", "host")
+    }
+    rows = [{"batch": b, "workload": w, "makespan_s": 1.0} for b in (16, 64) for w in ("short/short", "long/long")]
+    return [
+        {"what": "interference", **meta, "results": interf},
+        {"what": "cpu", **meta, "results": {"gpu": {"device_cpu_s_per_mtok": 0.58}, "host": {"device_cpu_s_per_mtok": 136}}},
+        {"what": "sigstop", **meta, "results": {**stop, "host": {"error": "RuntimeError: made up"}}},
+        {"what": "sweep", **meta, "results": {s: {"rows": [_bench(r, 20 + i, 6) for i, r in enumerate((4.0, 8.0, "inf"))]} for s in ("gpu", "host")}},
+        {"what": "ablation", **meta, "results": {"gpu": {"rows": rows}, "host": {"rows": rows}},
+         "ratio_host_over_gpu": [{**r, "ratio": 1.2} for r in rows]},
+        {"what": "peer", **meta, "blink": {"output_throughput": 10480.0}, "transformers": {"output_tok_per_s": 924.0}},
+        {"what": "smol", **meta, "model": "SmolLM2.gguf",
+         "results": {s: {"interference": interf[s], "sigstop": stop[s]} for s in ("gpu", "host")}},
+        {"bench": "throughput", "gpu": {}},  # an older benchmark's JSON: skipped
+    ]  # fmt: skip
+
+
+def test_plots_draw_every_figure_from_json_alone(tmp_path):
+    files = []
+    for i, doc in enumerate(synthetic_docs()):
+        files.append(str(tmp_path / f"{i}.json"))
+        with open(files[-1], "w") as f:
+            json.dump(doc, f, allow_nan=False)
+    written = plots.draw(files, str(tmp_path / "fig"))
+    names = sorted(os.path.basename(p).split("-")[0] for p in written)
+    assert names == sorted(["interference", "latency_cdf", "cpu", "sigstop", "sweep", "ablation", "peer", "smol"])
+    for p in written:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 10_000
+    assert all(p.endswith("-h200-abc1234.png") for p in written)
+
+
+@pytest.mark.slow
+def test_paper_quick_end_to_end_on_the_emulated_device(tmp_path):
+    """Every server part against real `blink serve` processes (both scheduler labels; the emulated
+    device has one scheduler), strict JSON named <part>-emulated-<commit>.json, figures from them."""
+    sg = tmp_path / "sg.json"
+    convs = [
+        {"conversations": [{"from": "human", "value": f"question {i} " * (3 + i % 5)}, {"from": "gpt", "value": "answer " * (6 + i % 7)}]}
+        for i in range(40)
+    ]  # fmt: skip
+    sg.write_text(json.dumps(convs))
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "paper.py"), "--device", "emulated", "--quick", "--commit", "c0ffee1",
+           "--parts", "interference,cpu,sigstop,sweep,ablation", "--sharegpt", str(sg), "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "==== bench/paper.py summary ====" in r.stdout and "FAILED" not in r.stdout
+    docs = {}
+    for part in ("interference", "cpu", "sigstop", "sweep", "ablation"):
+        path = out / f"{part}-emulated-c0ffee1.json"
+        docs[part] = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path}"))
+        d = docs[part]
+        assert d["what"] == part and d["device"] == "emulated" and d["commit"] == "c0ffee1" and d["tree_sha256"]
+        assert "bench/paper.py" in d["command"] and set(d["results"]) == {"gpu", "host"}
+    for sched in ("gpu", "host"):
+        c = docs["interference"]["results"][sched]["closed"]
+        assert c["idle"]["steady_tok_per_s"] > 0 and c["hogs"]["steady_tok_per_s"] > 0 and c["idle"]["failed"] == 0
+        assert [(o["rate"], o["load"]) for o in docs["interference"]["results"][sched]["open"]] == [
+            (4.0, "idle"),
+            (4.0, "hogs"),
+        ]
+        cpu = docs["cpu"]["results"][sched]
+        assert cpu["device_cpu_s"] > 0 and cpu["device_cpu_s_per_mtok"] > 0 and cpu["total_output_tokens"] > 0
+        st = docs["sigstop"]["results"][sched]
+        # the emulated device is the device process: stopped, it publishes nothing (what was in flight aside)
+        assert (
+            st["tok_per_s_before"] > 0 and st["ratio_stopped_over_before"] < 0.5 and st["longest_gap_stopped_ms"] > 500
+        )
+        assert [row["request_rate"] for row in docs["sweep"]["results"][sched]["rows"]] == [4.0, "inf"]
+        assert all(row["completed"] > 0 and row["failed"] == 0 for row in docs["sweep"]["results"][sched]["rows"])
+        assert len(docs["ablation"]["results"][sched]["rows"]) == 2
+    assert len(docs["ablation"]["ratio_host_over_gpu"]) == 2
+    written = plots.draw(sorted(str(p) for p in out.glob("*.json")), str(tmp_path / "fig"))
+    assert len(written) == 6  # interference, latency_cdf, cpu, sigstop, sweep, ablation
