@@ -132,7 +132,7 @@ def test_paper_quick_end_to_end_on_the_emulated_device(tmp_path):
     docs = {}
     for part in ("interference", "cpu", "sigstop", "sweep", "ablation"):
         path = out / f"{part}-emulated-c0ffee1.json"
-        docs[part] = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path}"))
+        docs[part] = json.loads(path.read_text(), parse_constant=lambda c, p=path: pytest.fail(f"{c} in {p}"))
         d = docs[part]
         assert d["what"] == part and d["device"] == "emulated" and d["commit"] == "c0ffee1" and d["tree_sha256"]
         assert "bench/paper.py" in d["command"] and set(d["results"]) == {"gpu", "host"}
