@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -15,6 +16,13 @@ import numpy as np
 
 from blink.device.executor import StepBatch
 from blink.treedigest import tree_digest
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all its threads (Linux /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def gpu_name() -> str:

@@ -54,6 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
+from benchutil import cpu_seconds  # noqa: E402
 from hogs import Hogs, parse_cores  # noqa: E402
 
 from blink import benchmark  # noqa: E402
@@ -163,13 +164,6 @@ class Cores:
         if len(cores) < 6:
             return Cores(cores, cores, cores)
         return Cores(cores[:2], cores[2:-2], cores[-2:])
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, all its threads (Linux /proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def children(pid: int) -> list[int]:

@@ -1,52 +1,51 @@
-"""Data-parallel scale-out through the HTTP endpoint: the same ShareGPT-like load on 1 replica, then 2.
+"""Data-parallel scale-out through the HTTP endpoint: the same ShareGPT load on 1 replica, then 2.
 
 Each point is a fresh deployment (blink.actors.deploy: GPU actors one per GPU, deploy.frontends
-frontend actors on one HTTP port; --frontends 0 = one per replica), driven through HTTP by the
-load generator of bench/loadgen.py (one client process per 32 streams: never the bottleneck),
-then stopped. Each point runs two phases:
+frontend actors on one HTTP port; --frontends 0 = one per replica), driven through HTTP by
+`blink bench serve` (blink/benchmark.py, in this process), then stopped. Each point runs two phases:
   closed loop: --concurrency streams, each sending its next request when the last one ends: the
       capacity (output tok/s). Every stream's first request leaves at t=0, so the p99 TTFT over all
-      requests is the time to prefill that burst; "ttft_p99_steady_s" leaves the first wave out.
+      requests includes the time to prefill that burst.
   open loop (--rate > 0): Poisson arrivals at --rate requests/s: TTFT under a fixed offered load.
 With --per-replica, --requests, --concurrency, --rate and --open-requests are per replica: N
-replicas get N copies of one replica's requests (the same lengths, fresh prompt ids), interleaved,
-and N independent Poisson streams (the first one exactly the 1-replica arrivals), so every point
-carries the same work per replica; independent draws would differ in their heavy tails. CPU use of the frontends, engines and clients over
-each phase is recorded (cores).
+replicas get N copies of one replica's requests (the same prompts and lengths), interleaved, at N
+times the rate, so every point carries the same work per replica (independent draws would differ
+in their heavy tails). CPU use of the frontends and engines over each phase is recorded (cores).
 
-    # here (no GPU): 2 emulated replicas on CPU (one BLAS thread each), lengths scaled down
-    python bench/scaleout.py --device emulated --model default --scale 0.25 --requests 16 \
-        --concurrency 4 --per-replica --max-batch 8 --num-kv-blocks 256
+    # here (no GPU): 2 emulated replicas on CPU (one BLAS thread each), short random prompts
+    python bench/scaleout.py --device emulated --model default --dataset random --input-len 64 \
+        --output-len 32 --requests 16 --concurrency 4 --per-replica --max-batch 8 --num-kv-blocks 256
     # 2x H200 (bench/scaleout_gpu.sh carries Ray there and runs this with both launchers)
     python bench/scaleout.py --device cuda --model random:llama3-8b --max-batch 256 --n-slots 512 \
         --per-replica --requests 384 --concurrency 128 --rate 16 --open-requests 480
     # ... without Ray: the same rings, router and ingress as processes
     python bench/scaleout.py --launcher procs ...
 
-ShareGPT-like: prompt and output lengths are drawn from log-normal fits of ShareGPT
-conversations (prompt median ~180 tokens, output median ~200, long tails; no dataset download),
-clipped to the model's context. Prompts are random token ids (the completions endpoint takes
-ids), outputs are forced to their drawn length (ignore_eos), so every run does the same work.
-Writes bench/results/scaleout-<device>-<date>.json (date, GPUs, commit, command, per-point stats).
+Datasets as `blink bench serve` has them: ShareGPT V3 (default; its prompts, its replies' lengths,
+pairs over --max-model-len left out) or random text of --input-len -> --output-len tokens. Outputs
+are forced to their length (ignore_eos), so every run does the same work.
+Writes bench/results/scaleout-<device>-<commit>.json (date, GPUs, commit, command, per-point stats).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from loadgen import OUTPUT_LN, PROMPT_LN, drive, poisson_offsets, sharegpt_like  # noqa: E402
+from benchutil import cpu_seconds  # noqa: E402
 
+from blink import benchmark  # noqa: E402
 from blink.actors import deploy  # noqa: E402
 from blink.actors.config import DeployConfig, from_mapping  # noqa: E402
 from blink.actors.frontend_actor import wait_http  # noqa: E402
@@ -228,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="frontend processes per deployment (deploy.frontends; 0: one per replica)",
     )
-    ap.add_argument(
-        "--client-procs", type=int, default=0, help="load-generator processes (0: one per 32 streams, at most 8)"
-    )
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply ShareGPT lengths (CPU runs: < 1)")
+    ap.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt")
+    ap.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
+    ap.add_argument("--output-len", type=int, default=128, help="random: output tokens")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="sharegpt: longest prompt + output kept")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--n-slots", type=int, default=64)
     ap.add_argument("--num-kv-blocks", type=int, default=0)
@@ -259,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in counts:
             k = n if a.per_replica else 1
-            streams = a.concurrency * k
-            procs = a.client_procs or max(1, min(8, -(-streams // 32)))
             cfg = config(a, n)
             load0 = os.getloadavg()[0]
             t0 = time.perf_counter()
@@ -268,19 +265,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 wait_http(url, cfg.deploy.start_timeout_s)
                 start_s = time.perf_counter() - t0
-                with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-                    card = json.loads(r.read())["data"][0]
-                vocab, ctx = _vocab(a.model), card["max_model_len"]
-                # --per-replica: k copies of one replica's load (same lengths, fresh prompt ids)
-                reqs = sharegpt_like(a.requests, vocab, ctx, a.scale, a.seed, copies=k)
                 watch = launcher.pids()
-                drive(url, card["id"], reqs[: max(4, streams)], streams, procs)  # warm-up
-                res = drive(url, card["id"], reqs, streams, procs, watch=watch)
+                reqs = asyncio.run(_dataset(url, a, a.requests, a.seed))
+                _phase(url, a, reqs[: max(4, a.concurrency)], k, 0.0, {})  # warm-up
+                res = _phase(url, a, reqs, k, 0.0, watch)
                 if a.rate:
-                    n_open = a.open_requests or a.requests
-                    open_reqs = sharegpt_like(n_open, vocab, ctx, a.scale, a.seed + 1000, copies=k)
-                    arrivals = poisson_offsets(n_open, a.rate, a.seed, copies=k)
-                    res["poisson"] = drive(url, card["id"], open_reqs, streams, procs, arrivals, watch, a.rate * k)
+                    open_reqs = asyncio.run(_dataset(url, a, a.open_requests or a.requests, a.seed + 1000))
+                    res["poisson"] = _phase(url, a, open_reqs, k, a.rate, watch)
                 devices, routed = launcher.status()
                 res.update(replicas=n, deploy_s=start_s, loadavg_1m_start=load0, devices=devices, routed=routed)
             finally:
@@ -289,22 +280,21 @@ def main(argv: list[str] | None = None) -> int:
             for r in (res, res.get("poisson")):
                 if r:
                     print(
-                        f"replicas={n} [{r['mode']}]: {r['output_tok_per_s']:8.1f} out tok/s  "
-                        f"{r['requests_per_s']:6.2f} req/s  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms "
-                        f"p99 {r['ttft_p99_s'] * 1e3:7.1f} ms (steady {r['ttft_p99_steady_s'] * 1e3:7.1f})  "
-                        f"TPOT p50 {r['tpot_p50_s'] * 1e3:6.2f} ms  errors {r['errors']}  "
-                        f"cpu {r['cpu_cores_used']}  routed {res['routed']}",
+                        f"replicas={n} [{r['mode']}]: {r['output_throughput']:8.1f} out tok/s  "
+                        f"{r['request_throughput']:6.2f} req/s  TTFT p50 {r['ttft_ms']['median']:7.1f} ms "
+                        f"p99 {r['ttft_ms']['p99']:7.1f} ms  TPOT p50 {r['tpot_ms']['median']:6.2f} ms  "
+                        f"failed {r['failed']}  cpu {r['cpu_cores_used']}  routed {res['routed']}",
                         flush=True,
                     )
     finally:
         launcher.close()
-    base = runs[0]["output_tok_per_s"]
+    base = runs[0]["output_throughput"]
     for r in runs:
-        r["speedup_vs_first"] = r["output_tok_per_s"] / base if base else float("nan")
+        r["speedup_vs_first"] = r["output_throughput"] / base if base else 0.0
         if r.get("poisson") and runs[0].get("poisson"):
             p, p0 = r["poisson"], runs[0]["poisson"]
-            p["speedup_vs_first"] = p["output_tok_per_s"] / p0["output_tok_per_s"]
-            p["ttft_p99_vs_first"] = p["ttft_p99_s"] / p0["ttft_p99_s"]
+            p["speedup_vs_first"] = p["output_throughput"] / p0["output_throughput"]
+            p["ttft_p99_vs_first"] = p["ttft_ms"]["p99"] / p0["ttft_ms"]["p99"]
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = {
         "bench": "scaleout",
@@ -313,27 +303,69 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "loadavg_1m_end": os.getloadavg()[0],  # other work on the machine skews CPU-replica numbers
         "commit": a.commit
-        or _git("rev-parse", "HEAD") + ("-dirty" if _git("status", "--porcelain", "--", "blink", "bench") else ""),
+        or _git("rev-parse", "--short", "HEAD")
+        + ("-dirty" if _git("status", "--porcelain", "--", "blink", "bench") else ""),
         "tree_sha256": tree_digest(),  # check against `python -m blink.treedigest --commit <commit>`
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": vars(a),
-        "load": {"kind": "sharegpt-like lognormal", "prompt_ln": PROMPT_LN, "output_ln": OUTPUT_LN},
+        "load": {"dataset": a.dataset, "load_generator": "blink bench serve (blink/benchmark.py)"},
         "runs": runs,
     }
     if a.per_replica:
         out["per_replica_load"] = {"requests": a.requests, "concurrency": a.concurrency, "rate": a.rate}
-    path = Path(a.out or ROOT / "bench" / "results" / f"scaleout-{a.device}-{date[:10]}.json")
+    path = Path(a.out or ROOT / "bench" / "results" / f"scaleout-{a.device}-{out['commit']}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path.write_text(json.dumps(out, indent=1, allow_nan=False))
     print(f"wrote {path}")
     phases = runs + [r["poisson"] for r in runs if r.get("poisson")]
-    return 0 if all(r["errors"] == 0 for r in phases) else 1
+    return 0 if all(r["failed"] == 0 for r in phases) else 1
 
 
-def _vocab(spec: str) -> int:
-    from blink.dpu.tokenizer import load_tokenizer
+def _bench_args(url: str, a: argparse.Namespace, n: int, seed: int, *extra: str) -> argparse.Namespace:
+    argv = ["--base-url", url, "--num-prompts", str(n), "--seed", str(seed), "--metric-percentiles", "50,90,99"]
+    if a.dataset == "random":
+        argv += [
+            "--dataset",
+            "random",
+            "--random-input-len",
+            str(a.input_len),
+            "--random-output-len",
+            str(a.output_len),
+        ]
+    else:
+        argv += ["--dataset", "sharegpt", "--max-model-len", str(a.max_model_len)]
+    return benchmark.parse_args([*argv, *extra])
 
-    return load_tokenizer(spec).info.vocab_size
+
+async def _dataset(url: str, a: argparse.Namespace, n: int, seed: int) -> list[tuple[list[int], int]]:
+    """n requests of one replica's load (the server tokenizes the prompts)."""
+    import aiohttp
+
+    args = _bench_args(url, a, n, seed)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        return await benchmark.load_dataset(session, url, model, args)
+
+
+def _phase(url: str, a: argparse.Namespace, reqs: list, k: int, rate: float, watch: dict[str, list[int]]) -> dict:
+    """One phase on k copies of `reqs` (interleaved): closed loop with k x --concurrency streams
+    (rate 0) or Poisson arrivals at k x rate. `watch` maps a role to pids whose CPU use (cores) over
+    the phase is recorded."""
+    load = [r for r in reqs for _ in range(k)]
+    extra = ["--max-concurrency", str(a.concurrency * k)] if not rate else ["--request-rate", str(rate * k)]
+    args = _bench_args(url, a, len(load), a.seed, *extra)
+    cpu0 = {role: [cpu_seconds(p) for p in pids] for role, pids in watch.items()}
+    t0 = time.monotonic()
+    res = asyncio.run(benchmark.run(args, reqs=load))
+    dt = time.monotonic() - t0
+    res["cpu_cores_used"] = {
+        role: [round((cpu_seconds(p) - c) / dt, 3) for p, c in zip(pids, cpu0[role], strict=True)]
+        for role, pids in watch.items()
+    }
+    res["mode"] = f"closed loop, {a.concurrency * k} streams" if not rate else f"poisson {rate * k:g} req/s"
+    del res["timeline"]
+    return res
 
 
 if __name__ == "__main__":
