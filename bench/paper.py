@@ -73,11 +73,11 @@ class Sizes:
     streams: int = 64  # interference closed loop
     closed_in: int = 128
     closed_out: int = 256
-    closed_s: float = 10.0
+    closed_s: float = 8.0
     rates: tuple[float, ...] = (12.0, 24.0)  # interference open loop (issue 12's table)
     open_in: int = 256
     open_out: int = 128
-    open_s: float = 15.0
+    open_s: float = 12.0
     warm_s: float = 1.5  # left out of every closed-loop rate (ramp-up)
     cpu_streams: int = 96
     out_range: str = "16:256"
@@ -86,7 +86,7 @@ class Sizes:
     stop_s: float = 8.0
     stop_post_s: float = 3.0
     sweep_rates: tuple[float, ...] = (4.0, 8.0, 16.0, 32.0, 64.0)
-    sweep_s: float = 10.0
+    sweep_s: float = 8.0
     sweep_max_prompts: int = 640
     sweep_inf_prompts: int = 512
     sweep_max_len: int = 2048
@@ -108,16 +108,15 @@ FULL = Sizes()
 QUICK = dataclasses.replace(
     FULL,
     closed_s=6.0,
-    open_s=8.0,
-    cpu_s=6.0,
+    open_s=6.0,
+    cpu_s=5.0,
     stop_pre_s=3.0,
     stop_s=4.0,
-    stop_post_s=2.0,
-    sweep_rates=(8.0, 24.0, 64.0),
+    stop_post_s=1.0,
+    sweep_rates=(8.0, 32.0),
     sweep_s=6.0,
-    sweep_inf_prompts=256,
-    abl_batches=(16, 64),
-    peer_n=128,
+    sweep_inf_prompts=192,
+    peer_n=64,
 )
 EMULATED = Sizes(  # the tiny random model on the emulated device: checks the harness, not Blink
     model="random:tiny-llama",

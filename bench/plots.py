@@ -197,17 +197,22 @@ def _save(fig: Any, out: str, name: str, doc: dict) -> str:
     return path
 
 
-def draw(paths: list[str], out: str) -> list[str]:
-    """Every figure the files allow; returns the PNG paths."""
-    os.makedirs(out, exist_ok=True)
-    written = []
+def paper_docs(paths: list[str]) -> list[dict]:
+    """The bench/paper.py results among the files (others skipped)."""
+    docs = []
     for p in paths:
         with open(p) as f:
             doc = json.load(f)
-        fn = FIGURES.get(doc.get("what", "")) if isinstance(doc, dict) else None
-        if fn is not None:
-            written += fn(doc, out)
-    return written
+        if isinstance(doc, dict) and doc.get("what") in FIGURES:
+            docs.append(doc)
+    return docs
+
+
+def draw(paths: list[str], out: str) -> list[str]:
+    """Every figure the files allow (an ablation needs both schedulers, a peer figure a result);
+    returns the PNG paths."""
+    os.makedirs(out, exist_ok=True)
+    return [png for doc in paper_docs(paths) for png in FIGURES[doc["what"]](doc, out)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,12 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "figures"))
     a = ap.parse_args(argv)
-    written = draw(a.files, a.out)
-    for w in written:
-        print(f"wrote {w}")
-    if not written:
+    if not paper_docs(a.files):
         print("no bench/paper.py results among the files", file=sys.stderr)
         return 1
+    for w in draw(a.files, a.out):
+        print(f"wrote {w}")
     return 0
 
 

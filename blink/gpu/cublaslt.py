@@ -2,7 +2,7 @@
 
 cublasGemmEx runs the first answer of cuBLAS's heuristic. On the H200 that answer for the
 256-row gate_up projection of Llama-3-8B (256 x 4096 @ 28672 x 4096^T) ran at 332 TFLOP/s, where
-torch.matmul on the same GPU (its own cuBLAS build) reached 653 (bench/results/prefill_h200_ed68643.json).
+torch.matmul on the same GPU (its own cuBLAS build) reached 653 (bench/results/archive/diag_h200_ed68643_prefill.json).
 For each (rows, n_out, k, output type) the engine uses, `GemmTuner.tune` asks cuBLASLt's heuristic
 for up to `candidates` algorithms and, on the real operands:
   1. drops those a device-launch graph does not accept (the scheduler launches every step graph

@@ -10,12 +10,12 @@ from blink.gpu.forward import GEMV_FUSIONS
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-# flashq was the fastest at every batch 1..256 on the H200 (bench/results/decode_h200_run5.json)
+# flashq was the fastest at every batch 1..256 on the H200 (bench/results/archive/decode_h200_run5.json)
 DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"),)
 # GEMV fusions of decode steps on the GEMV path (forward.py docstring) when EngineConfig.gemv_fusion
 # is "". "all" measured 4.352 vs 4.456 ms at batch 1, logits bitwise equal to "none"
-# (bench/results/fused_h200.md); the GPU scheduler suite and conformance passed with it as the
-# default (bench/results/sched_tests_fusion_all_03deec6.log).
+# (bench/results/archive/fused_h200.md); the GPU scheduler suite and conformance passed with it as the
+# default (bench/results/archive/sched_tests_fusion_all_03deec6.log).
 DEFAULT_GEMV_FUSION = "all"
 
 
@@ -84,7 +84,7 @@ class EngineConfig:
     """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
     from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "basic",
     "pipe" (attention.cu), "flash", "flash8", "flashq", "flashq8" (flash_decode.cu). H200,
-    Llama-3-8B shape, context 1024 (bench/results/decode_h200_run4.json): basic 4.90 ms/step at
+    Llama-3-8B shape, context 1024 (bench/results/archive/decode_h200_run4.json): basic 4.90 ms/step at
     batch 1, 39.8 at batch 256; pipe 53.2 at 256. The flash kernels are the default before their
     first timing: bench/decode.py prints the best table per batch (its `best table` line)."""
     decode_attention: str = ""
@@ -96,13 +96,13 @@ class EngineConfig:
     cuBLAS steps never fuse (forward.py's docstring)."""
     prefill_attention: str = "rego"
     """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
-    memory, K/V prefetched), both WMMA; H200 (bench/results/prefill_h200_run4.json): 4k prompt
+    memory, K/V prefetched), both WMMA; H200 (bench/results/archive/prefill_h200_run4.json): 4k prompt
     160.7 vs 181.5 ms. "fa2": scores and O in registers on mma.sync, cp.async double buffering
     (prefill_attention.cu); written for the H200 but not yet run on one."""
     gemm_candidates: int = 0
     """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
     cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape. Off by
-    default: on the H200 (bench/results/gemm_tuning_h200_e3962d3.md) 8 candidates bought 1.5-2.5 %
+    default: on the H200 (bench/results/archive/SUMMARY.md, session 3, item 3) 8 candidates bought 1.5-2.5 %
     on decode steps at batch 64-256 and nothing measurable end to end (256 x 256->128: 9,649 vs
     9,586 tok/s, inside run-to-run spread), and a timing-based choice can differ between processes
     (results then differ in the last bits across restarts)."""
@@ -110,7 +110,7 @@ class EngineConfig:
     """SMs the cuBLAS GEMMs leave free (cublasSetSmCountTarget: they are sized for the others). The
     GPU-resident scheduler's block holds one SM for as long as it runs, steps included; a GEMM
     sized for every SM then needs a second, nearly empty wave of tiles. H200, Llama-3-8B
-    (bench/results/sm_steal_h200_280b210.json, throughput_h200_6553b47_reserve1.json): with 0, a
+    (bench/results/archive/sm_steal_h200_280b210.json, throughput_h200_6553b47_reserve1.json): with 0, a
     16 x 256 prefill step took 7 % longer with the scheduler resident, and 256 x (256 -> 128) ran at
     9,616 tok/s; with 1, 10,480 tok/s (the host-driven loop, no resident kernel: 9,685)."""
     workspace_mib: int = 64
