@@ -36,11 +36,6 @@ def gpu_name() -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def device_label(name: str) -> str:
-    """The short device name in result file names: "NVIDIA H200" -> "h200", "emulated" stays."""
-    return name.split()[-1].lower() if name.strip() else "unknown"
-
-
 def metadata(commit: str, argv: list[str] | None = None) -> dict[str, Any]:
     """What every result JSON records: when, where, which sources (commit as given, the GPU machine
     has no .git; tree_sha256 of the files that ran) and the command line."""
