@@ -7,7 +7,7 @@ Every decode attention variant (--variants) is timed at every batch, as a whole 
 graph of its attention launches alone; the best per batch is printed as a table for
 EngineConfig.decode_attention_table (`--decode-attention` of the benchmarks).
 
-    python bench/decode.py --out bench/results/decode_h200.json [--decode-attention basic] [--variants basic,pipe]
+    python bench/decode.py --out bench/results/decode_h200.json [--decode-attention basic] [--variants basic,flashq]
 
 GEMV fusions (EngineConfig.gemv_fusion): --gemv-fusion sets the engine's, --compare-fusion times
 other settings as extra rows ("fusion_<spec>") in the same process, --gemv-max-tokens moves batches
@@ -20,7 +20,16 @@ import argparse
 import sys
 
 import numpy as np
-from benchutil import category_times, copy_bandwidth, load_synthetic, metadata, time_ms, write_json
+from benchutil import (
+    CATEGORIES,
+    category_times,
+    copy_bandwidth,
+    load_synthetic,
+    metadata,
+    only_launches,
+    time_ms,
+    write_json,
+)
 
 from blink.gpu.attention_launch import DECODE_VARIANTS
 from blink.gpu.engine import (
@@ -30,7 +39,6 @@ from blink.gpu.engine import (
     parse_decode_attention,
     parse_gemv_fusion,
 )
-from blink.gpu.forward import CATEGORIES
 from blink.models.config import preset
 
 
@@ -101,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         load_synthetic(eng, b, 1, ctx, rng)  # b sequences, context ctx, greedy
         variants = {"engine": lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s)}
         if str(b) in a.compare_cublas.split(","):  # the other GEMM back end at this batch
-            eng.fwd.gemv_max_tokens = 8
-            execs = eng.capture_variant(b, b, True, use_gemv=b > ecfg.gemv_max_tokens)
+            eng.fwd.gemv_max_tokens = 8 if b > ecfg.gemv_max_tokens else 0  # the GEMV, or cuBLAS only
+            execs = eng.capture_variant(b, b, True)
             eng.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
             it = iter(range(10**9))
             other = "gemv" if b > ecfg.gemv_max_tokens else "cublas_only"
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             variant_of[f"attn_{v}"] = v
         for v in dict.fromkeys([default_variant, *timed_variants]):  # attention launches alone
             eng.fwd.set_decode_attention(v)
-            execs = eng.capture_variant(b, b, True, only={"attn"})
+            with only_launches(eng.fwd, {"attn"}):
+                execs = eng.capture_variant(b, b, True)
             eng.fwd.set_decode_attention(None)
             it3 = iter(range(10**9))
             attn_only.setdefault(str(b), {})[v] = time_ms(

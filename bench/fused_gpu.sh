@@ -13,10 +13,6 @@
 #                          also times "none", "norm,swiglu", "norm", "swiglu", "rope" (rows fusion_<spec>)
 #   decode_off             the same with the engine unfused (a fallback if decode_on faults)
 #   decode_gemv8           GEMV path for batches 1-8 (gemv_max_tokens 8), fused vs none vs cuBLAS
-#   tests_qc               the "flashqc" decode attention (flashq with its combine folded in): every
-#                          test_engine.py test of that variant (-k flashqc-)
-#   decode_qc              engine fused + flashqc attention, vs fusion none (fusion_none) and vs the
-#                          default flashq (attn_flashq), batches 1, 8, 64
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/blink_fused_out}
@@ -24,7 +20,7 @@ mkdir -p "$OUT"
 COMMIT=${BLINK_COMMIT:-unknown}
 PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-285}
-PARTS=${PARTS:-"tests_on decode_on tests_off decode_off tests_qc decode_qc decode_gemv8"}
+PARTS=${PARTS:-"tests_on decode_on tests_off decode_off decode_gemv8"}
 PART_TAIL=25
 source bench/lib.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -49,20 +45,17 @@ has decode_on && part decode_on 60 $DEC --batches 1,8,64 --breakdown 1 --gemv-fu
   --compare-fusion "none;norm,swiglu;norm;swiglu;rope" --out "$OUT/decode_on.json"
 has tests_off && part tests_off 90 $PT -k fusion_off
 has decode_off && part decode_off 45 $DEC --batches 1,8,64 --breakdown 1 --gemv-fusion none --out "$OUT/decode_off.json"
-has tests_qc && part tests_qc 60 $PT -k flashqc-
-has decode_qc && part decode_qc 45 $DEC --batches 1,8,64 --breakdown= --gemv-fusion all --decode-attention flashqc \
-  --variants flashq,flashqc --compare-fusion none --out "$OUT/decode_qc.json"
 has decode_gemv8 && part decode_gemv8 45 $DEC --batches 1,2,4,8 --breakdown= --gemv-max-tokens 8 --gemv-fusion all \
   --compare-fusion none --compare-cublas 2,4,8 --out "$OUT/decode_gemv8.json"
 
 echo
 echo "=== summary (commit $COMMIT, $((SECONDS - T0)) s)"
-for t in tests_on tests_qc tests_off; do
+for t in tests_on tests_off; do
   [ -f "$OUT/$t.log" ] || continue
   grep -h -E "^(PASSED|FAILED|ERROR) " "$OUT/$t.log" | sed 's/^/  /'
   grep -h -E "^[=]* ?[0-9]+ (passed|failed)" "$OUT/$t.log" | tail -n 1 | sed "s/^/  $t: /"
 done
-for d in decode_on decode_off decode_qc decode_gemv8; do
+for d in decode_on decode_off decode_gemv8; do
   [ -f "$OUT/$d.log" ] || continue
   echo "  $d (ms/step):"
   grep -h -E "^ +[0-9]+ +(engine|fusion_|cublas_only|gemv|attn_) " "$OUT/$d.log" | awk '{printf "    batch %-4s %-16s %s\n", $1, $2, $3}'

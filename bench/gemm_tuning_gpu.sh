@@ -5,7 +5,7 @@
 #   BLINK_COMMIT=... OUT=/tmp/gt PARTS="tput prefill" bash bench/gemm_tuning_gpu.sh
 # Parts (each in its own process, logs in $OUT/<part>.log, all logs also in $OUT/0_all_logs.tar.gz):
 #   tests    engine GPU tests (tuning is off by default; the forced-cuBLASLt test turns it on), vs transformers
-#            (flashq, flashqc), vs the numpy reference, shuffled tables bitwise, graph table, sampling
+#            (flashq), vs the numpy reference, shuffled tables bitwise, graph table, sampling
 #   sched    bench/sched_run.sh tests: GPU scheduler tests, conformance through the ring, overhead, SIGSTOP
 #   decode   bench/decode.py at context 1024 (batches 1-256) and 320 (64-256), each step also timed
 #            with every GEMM on cublasGemmEx (row "gemmex")
@@ -30,7 +30,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTW
 $PY -m blink.gpu.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | tee -a "$OUT/env.log"
 PT="$PY -m pytest -q -p no:cacheprovider --timeout 150 -rA -s"
 has tests && part tests 300 $PT tests/gpu/test_engine.py tests/gpu/test_engine_sampling.py -k \
-  "gemm_tuning or graph_table or shuffled or llama3-8b-flashq-smem or qwen3-8b-flashqc-smem or numpy_executor and flashq- or sampling"
+  "gemm_tuning or graph_table or shuffled or llama3-8b-flashq-rego or qwen3-8b-flashq-rego or numpy_executor and flashq- or sampling"
 has sched && part sched 300 env OUT="$OUT/sched" bash bench/sched_run.sh tests
 DEC="$PY bench/decode.py --commit $COMMIT --variants flashq --gemm-candidates 8 --compare-gemm-tuning --iters 20"
 has decode && part decode 200 bash -c "$DEC --batches 1,8,32,64,128,256 --breakdown 1,256 --out $OUT/decode1024.json &&

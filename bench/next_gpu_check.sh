@@ -5,7 +5,7 @@
 #   tests    tests/gpu/test_engine.py: "fa2" prefill (vs transformers, vs the numpy engine, vs "rego"
 #            on long chunked prefills), Qwen2 (qwen2.5-7b vs transformers, tiny-qwen2 vs numpy),
 #            the default table and shuffled tables; GPU sampling
-#   prefill  bench/prefill.py: every prefill kernel (smem, rego, fa2) on 16x256, 1k, 4k
+#   prefill  bench/prefill.py: every prefill kernel (rego, fa2) on 16x256, 1k, 4k
 #   decode   bench/decode.py (refactored step setup): batches 1-256, default table
 #   tput     256 x (256 -> 128) on Llama-3-8B, prefill "rego" (the default) and then "fa2"
 #   qwen     Qwen2.5-7B shape (GQA 7, q/k/v biases): decode batches 1-64 and 256 x (256 -> 128)

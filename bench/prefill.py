@@ -18,11 +18,10 @@ import argparse
 import sys
 
 import numpy as np
-from benchutil import category_times, load_synthetic, metadata, time_ms, write_json
+from benchutil import CATEGORIES, category_times, load_synthetic, metadata, time_ms, write_json
 
 from blink.gpu.attention_launch import PREFILL_VARIANTS
 from blink.gpu.engine import Engine, EngineConfig
-from blink.gpu.forward import CATEGORIES
 from blink.models.config import preset
 
 

@@ -2,13 +2,15 @@
 # All GPU tests and benchmarks of Blink, in one command (the default PARTS run everything, roughly 10-15 min on an H200):
 #   BLINK_COMMIT=$(git rev-parse --short HEAD) bash bench/run_gpu.sh
 # A shorter call picks parts, e.g. PARTS="engine-tests decode tput8b ablation135m sigstop135m" (~3 min).
-# Parts outside the default: tput8b ablation135m sigstop135m smsteal stepprofile.
+# Parts outside the default: tput8b ablation135m sigstop135m smsteal stepprofile kernelvariants
+# schedtests (sched's tests and conformance without its 8B benchmark). The check after a refactor
+# of the engine (<= 9 min): PARTS="engine-tests schedtests kernelvariants" BUDGET_S=540 bash bench/run_gpu.sh
 # Each part logs to $OUT/<part>.log (and JSON to $OUT/<part>.json); a summary table prints last.
 # Parts run in separate processes so a CUDA fault in one cannot take down the others.
-# Decode attention: the engine's default table (flash kernels) unless DECODE_ATTENTION is set
-# ("basic", "1:flash,64:basic", ...). engine-tests tests each variant in its own process;
+# Decode attention: the engine's default table (flashq) unless DECODE_ATTENTION is set
+# ("basic", "1:flashq,64:basic", ...). engine-tests tests each variant in its own process;
 # decode.py then times only the variants that passed (a faulting kernel would lose the whole
-# part), and when flash (the default) or the default-table tests fail, decode and sched run
+# part), and when flashq (the default) or the default-table tests fail, decode and sched run
 # with DECODE_ATTENTION=basic, the previous default. After decode, sched uses decode.py's best
 # table (its "best table" line) unless DECODE_ATTENTION was given.
 set -uo pipefail
@@ -21,7 +23,7 @@ source bench/lib.sh
 PY=${PY:-python3}
 DECODE_ATTENTION=${DECODE_ATTENTION:-}
 USER_DECODE_ATTENTION=$DECODE_ATTENTION
-ALL_VARIANTS=${TEST_VARIANTS:-basic,pipe,flash,flash8,flashq,flashq8}  # engine-tests: variants to test
+ALL_VARIANTS=${TEST_VARIANTS:-basic,flashq}  # engine-tests: variants to test
 VARIANTS=${VARIANTS:-$ALL_VARIANTS}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
@@ -31,8 +33,8 @@ $PY -m blink.gpu.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | t
 
 if has engine-tests; then
   # One pytest process per decode attention variant: a kernel fault poisons its CUDA context, so
-  # it must not take the other variants' tests with it. Test ids name the variant ("...-flash-rego",
-  # "flash-long"); graph_table and shuffled run the engine's default table.
+  # it must not take the other variants' tests with it. Test ids name the variant ("...-flashq-rego",
+  # "flashq-long"); graph_table and shuffled run the engine's default table.
   PT="$PY -m pytest -q -p no:cacheprovider --timeout 120 -rA"
   CMDS="$PT tests/gpu/test_engine_sampling.py; $PT tests/gpu/test_engine.py -k 'graph_table or shuffled or fa2_matches or gemm_tuning'"
   for v in ${ALL_VARIANTS//,/ }; do CMDS="$CMDS; $PT -s tests/gpu/test_engine.py -k '$v-'"; done
@@ -46,8 +48,8 @@ if has engine-tests; then
   done
   default_bad=$(grep -cE "^(FAILED|ERROR) tests/gpu/test_engine.py::test_(graph_table|shuffled)" "$OUT/engine-tests.log")
   VARIANTS=$(IFS=,; echo "${ok[*]:-basic}")
-  if [ -z "$DECODE_ATTENTION" ] && { [[ ",$VARIANTS," != *",flash,"* ]] || [ "$default_bad" -ne 0 ]; }; then
-    echo "=== the default decode attention (flash) failed: decode and sched use basic" | tee -a "$OUT/engine-tests.log"
+  if [ -z "$DECODE_ATTENTION" ] && { [[ ",$VARIANTS," != *",flashq,"* ]] || [ "$default_bad" -ne 0 ]; }; then
+    echo "=== the default decode attention (flashq) failed: decode and sched use basic" | tee -a "$OUT/engine-tests.log"
     DECODE_ATTENTION=basic
   fi
   echo "=== decode attention variants that passed: $VARIANTS" | tee -a "$OUT/engine-tests.log"
@@ -67,11 +69,17 @@ fi
 if has prefill; then
   part prefill 200 $PY bench/prefill.py --commit "$COMMIT" --out "$OUT/prefill.json"
 fi
+if has kernelvariants; then  # the decode attention variants kept in bench/kernels/, checked and timed against flashq
+  part kernelvariants 200 $PY bench/kernels/decode_attention.py --batches 1,8,64,256 --out "$OUT/kernelvariants.json"
+fi
 if has hf; then
   part hf 400 $PY bench/hf_baseline.py --commit "$COMMIT" --batch-requests "${HF_BATCH_REQUESTS:-0}" --out "$OUT/hf.json"
 fi
 if has sched; then  # the GPU-resident scheduler: tests, conformance, overhead, sigstop, benchmarks
   part sched 1500 env OUT="$OUT/sched" DECODE_ATTENTION="$DECODE_ATTENTION" bash bench/sched_run.sh all
+fi
+if has schedtests; then  # the scheduler's tests, conformance through the ring, overhead, SIGSTOP, small benchmarks
+  part schedtests 420 env OUT="$OUT/sched" DECODE_ATTENTION="$DECODE_ATTENTION" bash bench/sched_run.sh tests
 fi
 # The scheduler benchmarks one by one (each is also part of `sched` above), for a call short on time:
 if has tput8b; then  # 256 x (256 -> 128) on Llama-3-8B: GPU scheduler vs host loop, idle and under CPU load

@@ -71,7 +71,6 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict) -> 
     f.k = _Kernels(signatures)
     f._init_attention(f.k, SimpleNamespace(set_max_dynamic_smem=lambda fn, n: None))
     f.decode_table = ((1, "flashq"),)
-    f._only = None
     f.gemv_max_tokens = gemv_max_tokens
     f.set_gemv_fusion(parse_gemv_fusion(fusion))
     calls: list = []
@@ -87,7 +86,7 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict) -> 
 @pytest.mark.parametrize("fusion", ["none", "all", "norm", "swiglu", "rope", "norm,rope"])
 def test_fused_decode_launches(name: str, T: int, fusion: str, signatures: dict):
     f, calls = _forward(name, 8, fusion, signatures)
-    f._record(0, T, T, True, True)
+    f.record(0, T, T, True)
     names = [c[0] for c in calls]
     fuse = parse_gemv_fusion(fusion)
     rope = "rope" in fuse and name == "llama3-8b"  # qk-norm and qkv-bias models keep rope_kv_write
@@ -121,9 +120,10 @@ def test_fusion_only_on_the_gemv_path(fusion: str, signatures: dict):
     base_calls = {}
     for fu in ("none", fusion):
         f, calls = _forward("llama3-8b", 1, fu, signatures)
-        f._record(0, 2, 2, True, True)  # batch 2 > gemv_max_tokens: cuBLAS
-        f._record(0, 1, 64, False, True)  # prefill
-        f._record(0, 1, 1, True, False)  # batch 1 with use_gemv=False (the cublas_only benchmark)
+        f.record(0, 2, 2, True)  # batch 2 > gemv_max_tokens: cuBLAS
+        f.record(0, 1, 64, False)  # prefill
+        f.gemv_max_tokens = 0
+        f.record(0, 1, 1, True)  # batch 1 on cuBLAS (bench/decode.py's cublas_only)
         base_calls[fu] = [c[0] for c in calls]
     assert base_calls[fusion] == base_calls["none"]
 
@@ -160,13 +160,13 @@ def test_every_launch_matches_its_kernel_signature(name: str, signatures: dict):
         for v in DECODE_VARIANTS:
             f.set_decode_attention(v)
             for S in (1, 4):
-                f._record(0, S, S, True, True)
+                f.record(0, S, S, True)
         for v in PREFILL_VARIANTS:
             f.set_prefill_attention(v)
-            f._record(0, 2, 64, False, True)
+            f.record(0, 2, 64, False)
         launched = {n for n, *_ in calls if n != "cublas"}
         assert {
-            f"attn_{v}_hd{f.c.head_dim}_g{f.c.num_heads // f.c.num_kv_heads}" for v in ("flashq", "flash8")
+            f"attn_{v}_hd{f.c.head_dim}_g{f.c.num_heads // f.c.num_kv_heads}" for v in ("flashq", "decode")
         } < launched
         for n, _, args, _ in calls:
             if n != "cublas":
@@ -202,3 +202,25 @@ def test_parse_signatures_of_preprocessed_macro_kernels():
         "attn_x_hd64_g4": (("const bf16*", "q"), ("float*", "po"), ("int", "nkv")),
         "sample_tokens": (("const float*", "logits"), ("unsigned long long", "ns")),
     }
+
+
+def test_only_launches_records_one_category(signatures: dict):
+    """The benchmarks' per-category graphs (bench/benchutil.py's only_launches): the step's launches
+    of that category alone, in order, and the engine's driver and cuBLAS back afterwards."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    from benchutil import CATEGORIES, kernel_category, only_launches
+
+    f, calls = _forward("qwen2.5-7b", 1, "all", signatures)
+    f.record(0, 4, 4, True)  # cuBLAS bucket: GEMMs, add_bias and every other category
+    full = [n for n, *_ in calls]
+    assert {kernel_category(n) for n in full if n != "cublas"} | {"gemm"} == set(CATEGORIES)
+    drv, blas = f.drv, f.blas
+    for cat in CATEGORIES:
+        calls.clear()
+        with only_launches(f, {cat}):
+            f.record(0, 4, 4, True)
+        assert [n for n, *_ in calls] == [n for n in full if (kernel_category(n) if n != "cublas" else "gemm") == cat]
+    assert (f.drv, f.blas) == (drv, blas)

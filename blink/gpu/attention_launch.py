@@ -1,10 +1,12 @@
 """Attention in a model step: which kernel serves each bucket, and its launches.
 
 Forward (blink/gpu/forward.py) records the rest of the step; this mixin owns the attention role:
-the prefill kernel ("smem" / "rego" / "fa2", prefill_attention.cu), the decode variants (basic / pipe from
-attention.cu; flash* from flash_decode.cu), the split counts they are recorded with, and the
-per-bucket choice (a (min_batch, variant) table, or one override). It reads Forward's buffers
-(q, attn, part_o, part_ml, split_counters), its step arena and its `_launch`.
+the prefill kernel ("rego", the default, or "fa2": prefill_attention.cu), the decode kernel
+("flashq", the default: flash_decode.cu; "basic", the fallback: attention.cu), the split counts
+they are recorded with, and the per-bucket choice (a (min_batch, variant) table, or one
+override). It reads Forward's buffers (q, attn, part_o, part_ml, split_counters), its step arena
+and its `_launch`. Variants that lost on the H200 were retired or moved to bench/kernels/ (the
+kernel files' header comments cite the measurements).
 """
 
 from __future__ import annotations
@@ -15,21 +17,13 @@ from blink.gpu.kernels import Kernels
 DECODE_HEAD_DIMS = (16, 32, 64, 128)
 DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
 PREFILL_TILE = 64
-# Decode attention kernels. basic/pipe: attention.cu, a fixed split count per bucket, merged by the
-# last split. flash*: flash_decode.cu, keys per split chosen at run time, separate
-# combine; FLASH_VARIANTS: (K/V vectors per lane per tile, CTAs per SM at the compiled register
-# count for G <= 4, cp.async ring stages (0: loads into registers)).
-# "flashqc": flashq with the combine folded into the attention kernel (the last split merges).
-DECODE_VARIANTS = ("basic", "pipe", "flash", "flash8", "flashq", "flashq8", "flashqc")
-PREFILL_VARIANTS = ("smem", "rego", "fa2")
-FLASH_VARIANTS = {
-    "flash": (4, 3, 0),
-    "flash8": (8, 2, 0),
-    "flashq": (4, 3, 4),
-    "flashq8": (8, 2, 3),
-    "flashqc": (4, 3, 4),
-}
-FLASH_FUSED_COMBINE = ("flashqc",)
+# Decode attention kernels. basic: attention.cu, a fixed split count per bucket, merged by the
+# last split. flashq: flash_decode.cu, keys per split chosen at run time, separate combine;
+# FLASH_VARIANTS: (K/V vectors per lane per tile, CTAs per SM at the compiled register count for
+# G <= 4, cp.async ring stages).
+DECODE_VARIANTS = ("basic", "flashq")
+PREFILL_VARIANTS = ("rego", "fa2")
+FLASH_VARIANTS = {"flashq": (4, 3, 4)}
 FLASH_WARPS = 4
 
 
@@ -64,22 +58,16 @@ class AttentionLaunches:
         c = self.c
         hd, group = c.head_dim, c.num_heads // c.num_kv_heads
         wmma_smem = 2 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
-        # "smem": O accumulated in shared memory, next K/V tile prefetched into registers;
-        # "rego": O accumulators kept in registers across tiles, no prefetch (both WMMA);
+        # "rego": O accumulators kept in registers across tiles, no prefetch (WMMA);
         # "fa2": scores, probabilities and O in registers (mma.sync), K/V double buffered by
         # cp.async: Q + 2 x (K, V) tiles of 64 x (hd + 8) bf16.
-        self.prefill_kernels = {
-            "smem": f"attn_prefill_hd{hd}",
-            "rego": f"attn_prefill_rego_hd{hd}",
-            "fa2": f"attn_prefill_fa2_hd{hd}",
-        }
-        self.prefill_smem_of = {"smem": wmma_smem, "rego": wmma_smem, "fa2": 5 * 64 * (hd + 8) * 2}
+        self.prefill_kernels = {"rego": f"attn_prefill_rego_hd{hd}", "fa2": f"attn_prefill_fa2_hd{hd}"}
+        self.prefill_smem_of = {"rego": wmma_smem, "fa2": 5 * 64 * (hd + 8) * 2}
         for v, name in self.prefill_kernels.items():
             driver.set_max_dynamic_smem(kernels[name], self.prefill_smem_of[v])
         self.fn_prefill, self.prefill_smem = self.prefill_kernels["rego"], wmma_smem
-        # "basic": one tile of K/V in registers, 4 blocks/SM; "pipe": the next tile's loads in
-        # flight during the current tile's math, 3 blocks/SM.
-        self.decode_kernels = {"basic": f"attn_decode_hd{hd}_g{group}", "pipe": f"attn_decode_pipe_hd{hd}_g{group}"}
+        # "basic": one tile of K/V in registers, 4 blocks/SM.
+        self.decode_kernels = {"basic": f"attn_decode_hd{hd}_g{group}"}
         self.flash_combine: dict[str, str] = {}
         self.flash_smem: dict[str, int] = {}
         for v, (n, _, stages) in FLASH_VARIANTS.items():
@@ -156,14 +144,13 @@ class AttentionLaunches:
     def _record_flash(self, stream: int, S: int, variant: str, kc: int, vc: int, scale_log2: float) -> None:
         c, a = self.c, self.arena.ptr
         nsplit, target = self.flash_splits(S, variant), self.flash_target(variant)
-        fused = {"ctr": self.split_counters} if variant in FLASH_FUSED_COMBINE else {}
         self._launch(
             self.decode_kernels[variant], (nsplit, c.num_kv_heads, S), (32 * FLASH_WARPS, 1, 1), stream,
             self.flash_smem[variant], po=self.part_o, plse=self.part_ml, target=target,
-            **fused, **self._attn_args(kc, vc, scale_log2),
+            **self._attn_args(kc, vc, scale_log2),
         )  # fmt: skip
-        # one split per sequence, or the combine folded in: the attention kernel wrote the output
-        if nsplit > 1 and variant not in FLASH_FUSED_COMBINE:
+        # one split per sequence: the attention kernel wrote the output
+        if nsplit > 1:
             self._launch(
                 self.flash_combine[variant], (-(-c.num_heads // FLASH_WARPS), S, 1), (32 * FLASH_WARPS, 1, 1),
                 stream, po=self.part_o, plse=self.part_ml, out=self.attn, cu=a["cu_q_lens"], sl=a["seq_lens"],

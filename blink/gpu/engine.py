@@ -18,7 +18,7 @@ largest shape. One step may be in flight at a time: all graphs share the activat
 the cuBLAS workspace.
 
 Decode attention is chosen per batch bucket at capture time from
-EngineConfig.decode_attention_table (e.g. parse_decode_attention("1:flash,64:flashq"); the
+EngineConfig.decode_attention_table (e.g. parse_decode_attention("1:flashq,64:basic"); the
 benchmarks' --decode-attention); a graph never bakes in lengths, the flash kernels size their
 splits from the live num_seqs and seq_lens (blink/gpu/csrc/flash_decode.cu).
 
@@ -167,14 +167,12 @@ class Engine:
 
     # ------------------------------------------------------------------ graph cache
 
-    def _capture_one(
-        self, S: int, T: int, decode: bool, execs: int, use_gemv: bool = True, only: set[str] | None = None
-    ) -> list[int]:
+    def _capture_one(self, S: int, T: int, decode: bool, execs: int) -> list[int]:
         d = self.driver
         self._gemm_sm_target()
         d.begin_capture(self.s)
         try:
-            self.fwd.record(self.s, S, T, decode, use_gemv=use_gemv, only=only)
+            self.fwd.record(self.s, S, T, decode)
         finally:
             graph = d.end_capture(self.s)
         self._graphs.append(graph)
@@ -262,12 +260,11 @@ class Engine:
             )
         return self.report
 
-    def capture_variant(
-        self, S: int, T: int, decode: bool, use_gemv: bool = True, only: set[str] | None = None
-    ) -> list[int]:
-        """Extra execs of one shape outside the table: benchmarks compare GEMM back ends and time
-        kernel categories on their own (`only`, see Forward.record)."""
-        return self._capture_one(S, T, decode, self.ecfg.execs_per_shape, use_gemv=use_gemv, only=only)
+    def capture_variant(self, S: int, T: int, decode: bool) -> list[int]:
+        """Extra execs of one shape outside the table, recorded with the engine's current kernel
+        choices: tests and benchmarks compare variants (attention, fusions, GEMM back ends) on one
+        KV cache."""
+        return self._capture_one(S, T, decode, self.ecfg.execs_per_shape)
 
     def _write_abi(self) -> None:
         import cupy as cp

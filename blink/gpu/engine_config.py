@@ -20,8 +20,8 @@ DEFAULT_GEMV_FUSION = "all"
 
 
 def parse_decode_attention(spec: str) -> tuple[tuple[int, str], ...]:
-    """A decode attention table from the command line: "flash" (every batch) or
-    "1:flash,64:basic" (batch buckets 1..63 flash, 64 and up basic)."""
+    """A decode attention table from the command line: "flashq" (every batch) or
+    "1:flashq,64:basic" (batch buckets 1..63 flashq, 64 and up basic)."""
     out: list[tuple[int, str]] = []
     for part in spec.split(","):
         part = part.strip()
@@ -82,11 +82,11 @@ class EngineConfig:
     (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
     decode_attention_table: tuple[tuple[int, str], ...] = DEFAULT_DECODE_ATTENTION
     """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
-    from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "basic",
-    "pipe" (attention.cu), "flash", "flash8", "flashq", "flashq8" (flash_decode.cu). H200,
-    Llama-3-8B shape, context 1024 (bench/results/archive/decode_h200_run4.json): basic 4.90 ms/step at
-    batch 1, 39.8 at batch 256; pipe 53.2 at 256. The flash kernels are the default before their
-    first timing: bench/decode.py prints the best table per batch (its `best table` line)."""
+    from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "flashq"
+    (flash_decode.cu, the default) and "basic" (attention.cu, the fallback). H200, Llama-3-8B
+    shape, context 1024: flashq 4.46 ms/step at batch 1, 18.3 at batch 256
+    (bench/results/archive/decode_h200_run5.json); basic 4.90 and 39.8 (decode_h200_run4.json).
+    bench/decode.py prints the best table per batch (its `best table` line)."""
     decode_attention: str = ""
     """One decode attention variant for every bucket, overriding decode_attention_table ("" = the table)."""
     gemv_fusion: str = ""
@@ -95,10 +95,10 @@ class EngineConfig:
     "rope" (RoPE + KV write into qkv; not with qk-norm); "" = DEFAULT_GEMV_FUSION. Prefill and
     cuBLAS steps never fuse (forward.py's docstring)."""
     prefill_attention: str = "rego"
-    """Prefill attention kernel: "rego" (O accumulators in registers) or "smem" (O tile in shared
-    memory, K/V prefetched), both WMMA; H200 (bench/results/archive/prefill_h200_run4.json): 4k prompt
-    160.7 vs 181.5 ms. "fa2": scores and O in registers on mma.sync, cp.async double buffering
-    (prefill_attention.cu); written for the H200 but not yet run on one."""
+    """Prefill attention kernel: "rego" (WMMA, O accumulators in registers; H200, 4k-token
+    Llama-3-8B prompt: 160.7 ms, bench/results/archive/prefill_h200_run4.json) or "fa2" (scores and O in
+    registers on mma.sync, cp.async double buffering: the candidate to become the default, not yet
+    run on a GPU). Both in prefill_attention.cu."""
     gemm_candidates: int = 0
     """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
     cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape. Off by

@@ -2,7 +2,7 @@
 
 `Forward.record(stream, S, T, decode)` issues the launches of a step for a bucket of S sequences
 and T packed tokens; graph capture turns that into a graph. Every live size is read by the
-kernels from the step buffers (blink.gpu.abi), so the launches depend only on the bucket.
+kernels from the step buffers (blink.protocol.step), so the launches depend only on the bucket.
 
 Step (T tokens, S sequences; delta = the output of the last projection, added lazily):
     embed -> resid
@@ -74,28 +74,6 @@ class RopeArgs(ctypes.Structure):
 GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
 
 
-CATEGORIES = ("embed", "norm", "gemm", "rope", "attn", "swiglu", "head", "sample", "done")
-
-
-def kernel_category(name: str) -> str:
-    """Benchmark category of a kernel launch (see Forward.record's `only`)."""
-    for prefix, cat in (
-        ("embed", "embed"),
-        ("add_rmsnorm", "norm"),
-        ("add_bias", "gemm"),  # the qkv projection's bias (qwen2): counted with its GEMM
-        ("gemv", "gemm"),
-        ("rope", "rope"),
-        ("attn", "attn"),
-        ("swiglu", "swiglu"),
-        ("final_norm", "head"),
-        ("sample", "sample"),
-        ("signal", "done"),
-    ):
-        if name.startswith(prefix):
-            return cat
-    raise KeyError(name)
-
-
 class Forward(AttentionLaunches):
     def __init__(
         self,
@@ -158,7 +136,6 @@ class Forward(AttentionLaunches):
                 driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
         self.gemv_fusion: frozenset[str] = frozenset()
         self.gemv_max_tokens = 1
-        self._only: set[str] | None = None
 
     def set_gemv_fusion(self, fusion: frozenset[str]) -> None:
         """GEMV fusions (GEMV_FUSIONS) for the steps recorded from now on."""
@@ -167,12 +144,12 @@ class Forward(AttentionLaunches):
             raise ValueError(f"gemv fusion {sorted(bad)} not in {GEMV_FUSIONS}")
         self.gemv_fusion = frozenset(fusion)
 
-    def uses_gemv(self, rows: int, use_gemv: bool = True) -> bool:
-        return use_gemv and rows in GEMV_BUCKETS and rows <= self.gemv_max_tokens
+    def uses_gemv(self, rows: int) -> bool:
+        return rows in GEMV_BUCKETS and rows <= self.gemv_max_tokens
 
-    def fusions_for(self, T: int, use_gemv: bool = True) -> frozenset[str]:
+    def fusions_for(self, T: int) -> frozenset[str]:
         """The fusions a step of T tokens gets: none unless its projections run on the GEMV."""
-        if not self.uses_gemv(T, use_gemv):
+        if not self.uses_gemv(T):
             return frozenset()
         out = set(self.gemv_fusion)
         if self.gemv_smem("norm", T, self.c.hidden_size) > GEMV_NORM_SMEM_MAX:
@@ -187,17 +164,11 @@ class Forward(AttentionLaunches):
         self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, smem: int = 0, **args
     ) -> None:
         """Launch kernel `name` with its parameters by name (checked against its signature: Kernels.args)."""
-        if self._only is not None and kernel_category(name) not in self._only:
-            return
         self.drv.launch(self.k[name], grid, block, self.k.args(name, args), stream, smem, name)
 
-    def linear(
-        self, x: object, w: object, y: object, rows: int, stream: int, out_f32: bool = False, use_gemv: bool = True
-    ) -> None:
+    def linear(self, x: object, w: object, y: object, rows: int, stream: int, out_f32: bool = False) -> None:
         n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]
-        if self._only is not None and "gemm" not in self._only:
-            return
-        if self.uses_gemv(rows, use_gemv):
+        if self.uses_gemv(rows):
             name = f"gemv_{'f32' if out_f32 else 'bf16'}_t{rows}"
             grid = (-(-n_out // (8 * GEMV_ROWS_PER_WARP[rows])), 1, 1)
             self._launch(name, grid, (256, 1, 1), stream, W=w, X=x, Y=y, N=n_out, K=k)
@@ -243,18 +214,8 @@ class Forward(AttentionLaunches):
             d.max_blocks_per_seq,
         )
 
-    def record(
-        self, stream: int, S: int, T: int, decode: bool, use_gemv: bool = True, only: set[str] | None = None
-    ) -> None:
-        """Issue every launch of one step for the bucket (S sequences, T tokens). `only`: issue just
-        the launches of these kernel categories (benchmarks time each category on its own)."""
-        self._only = only
-        try:
-            self._record(stream, S, T, decode, use_gemv)
-        finally:
-            self._only = None
-
-    def _record(self, stream: int, S: int, T: int, decode: bool, use_gemv: bool) -> None:
+    def record(self, stream: int, S: int, T: int, decode: bool) -> None:
+        """Issue every launch of one step for the bucket (S sequences, T tokens)."""
         c, d, a = self.c, self.d, self.arena.ptr
         H, inter, hd, eps = c.hidden_size, c.intermediate_size, c.head_dim, c.rms_eps
         nt, ns = a["num_tokens"], a["num_seqs"]
@@ -263,7 +224,7 @@ class Forward(AttentionLaunches):
             "embed_tokens", (T, 1, 1), (128, 1, 1), stream, ids=a["input_ids"], table=self.w.embed, out=self.resid,
             num_tokens=nt, H=H,
         )  # fmt: skip
-        fuse = self.fusions_for(T, use_gemv)
+        fuse = self.fusions_for(T)
         fuse_norm, fuse_swiglu, fuse_rope = "norm" in fuse, "swiglu" in fuse, "rope" in fuse
         norm = {"out": self.hid, "num_tokens": nt, "H": H, "eps": eps}  # add_rmsnorm's common arguments
         for li, lw in enumerate(self.w.layers):
@@ -281,7 +242,7 @@ class Forward(AttentionLaunches):
                 if fuse_rope:
                     self.fused_linear("rope", self.hid, lw.qkv, self.rope_args(kc, vc), T, stream)
                 else:
-                    self.linear(self.hid, lw.qkv, self.qkv, T, stream, use_gemv=use_gemv)
+                    self.linear(self.hid, lw.qkv, self.qkv, T, stream)
             if lw.qkv_bias is not None:  # never with fuse_rope (fusions_for)
                 n_qkv = c.q_size + 2 * c.kv_size
                 self._launch(
@@ -303,7 +264,7 @@ class Forward(AttentionLaunches):
                 out = self.act if fuse_swiglu else self.gu
                 self.fused_linear(kind, self.resid, lw.gate_up, out, T, stream, nw=lw.mlp_norm)
             else:
-                self.linear(self.attn, lw.o, self.delta, T, stream, use_gemv=use_gemv)
+                self.linear(self.attn, lw.o, self.delta, T, stream)
                 self._launch(
                     "add_rmsnorm", (T, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=self.delta,
                     w=lw.mlp_norm, **norm,
@@ -311,7 +272,7 @@ class Forward(AttentionLaunches):
                 if fuse_swiglu:
                     self.fused_linear("swiglu", self.hid, lw.gate_up, self.act, T, stream)
                 else:
-                    self.linear(self.hid, lw.gate_up, self.gu, T, stream, use_gemv=use_gemv)
+                    self.linear(self.hid, lw.gate_up, self.gu, T, stream)
             if not fuse_swiglu:
                 self._launch(
                     "swiglu", (-(-inter // (8 * 256)), T, 1), (256, 1, 1), stream, gu=self.gu, out=self.act,
@@ -320,13 +281,13 @@ class Forward(AttentionLaunches):
             if fuse_norm:
                 self.fused_linear("resid", self.act, lw.down, self.resid, T, stream)
             else:
-                self.linear(self.act, lw.down, self.delta, T, stream, use_gemv=use_gemv)
+                self.linear(self.act, lw.down, self.delta, T, stream)
         self._launch(
             "final_norm_gather", (S, 1, 1), (256, 1, 1), stream, residual=self.resid,
             delta=None if fuse_norm else self.delta, w=self.w.final_norm, out=self.last, cu_q_lens=a["cu_q_lens"],
             num_seqs=ns, H=H, eps=eps,
         )  # fmt: skip
-        self.linear(self.last, self.w.lm_head, self.logits, S, stream, out_f32=True, use_gemv=use_gemv)
+        self.linear(self.last, self.w.lm_head, self.logits, S, stream, out_f32=True)
         self._launch(
             "sample_tokens", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, V=c.vocab_size,
             temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seeds=a["seeds"],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -102,7 +103,9 @@ def signatures(source: str, cache_dir: pathlib.Path = DEFAULT_CACHE) -> dict[str
         raise RuntimeError(f"nvcc -E failed for {source}:\n{res.stderr}")
     sigs = parse_signatures(res.stdout)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(sigs))
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")  # another process may be reading it
+    tmp.write_text(json.dumps(sigs))
+    tmp.replace(out)
     return sigs
 
 
@@ -179,3 +182,4 @@ class Kernels:
 if __name__ == "__main__":
     for p in build_all():
         print(p)
+    print(f"{len(all_signatures())} kernel signatures")

@@ -1,5 +1,5 @@
-// Paged attention, decode: one query token per sequence, split-K flash-decoding ("basic", "pipe";
-// the flash variants live in flash_decode.cu, prefill in prefill_attention.cu).
+// Paged attention, decode: one query token per sequence, split-K flash-decoding ("basic": the
+// engine's fallback; its default, "flashq", lives in flash_decode.cu, prefill in prefill_attention.cu).
 //
 // KV cache of one layer: k_cache, v_cache [num_blocks, block_size, nkv, HD] bf16; token p of
 // sequence s lives in block block_tables[s][p / block_size], row p % block_size. Causality: the
@@ -12,8 +12,9 @@
 // Scores: HD/8 lanes share a key (16-byte loads), a warp scores 32/(HD/8) keys at once; q sits
 // in shared memory, pre-scaled by log2(e)/sqrt(HD), and the online softmax runs in base 2 per
 // tile of 32 keys (64 for HD < 64). All K and V loads of a tile are issued before any is used.
-// Variants: "basic" (4 blocks/SM) and "pipe" (the next tile's loads issued before the current
-// tile's math; 3 blocks/SM). Each split writes (m, l, o) to a workspace; the last split to
+// 4 blocks/SM. (A "pipe" variant that issued the next tile's loads before the current tile's math,
+// 3 blocks/SM, was retired: 53.2 vs 39.8 ms per Llama-3-8B decode step at batch 256,
+// bench/results/archive/decode_h200_run4.json.) Each split writes (m, l, o) to a workspace; the last split to
 // finish (a per-(sequence, KV head) counter, reset by that block) merges them, so decode
 // attention is one kernel.
 #include "common.cuh"
@@ -21,7 +22,7 @@
 constexpr int MAX_SPLITS = 32;  // decode splits per sequence (Forward.max_splits)
 
 
-template <int HD, int G, bool PIPE>
+template <int HD, int G>
 __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                  const bf16* __restrict__ v_cache, float* __restrict__ part_o,
                                                  float* __restrict__ part_ml, int* __restrict__ counters,
@@ -76,8 +77,6 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
     const int tg = tid / LPT, d8 = tid % LPT;
     const bf16x8 zero8 = {};
     // Every K and V load of a tile is issued before any is used: one memory latency a tile.
-    // PIPE: the next tile's loads are issued before the current tile's math (two tiles of
-    // registers, fewer blocks per SM, loads always in flight).
     bf16x8 knext[KI], vnext[VI];
     auto issue = [&](int t0) {
 #pragma unroll
@@ -95,15 +94,13 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
                            : zero8;
       }
     };
-    if (PIPE) issue(start);
     for (int t0 = start; t0 < end; t0 += DT) {
-      if (!PIPE) issue(t0);
+      issue(t0);
       bf16x8 kraw[KI], vraw[VI];
 #pragma unroll
       for (int it = 0; it < KI; ++it) kraw[it] = knext[it];
 #pragma unroll
       for (int j = 0; j < VI; ++j) vraw[j] = vnext[j];
-      if (PIPE && t0 + DT < end) issue(t0 + DT);
 #pragma unroll
       for (int it = 0; it < KI; ++it) {
         const int local = warp * (DT / 4) + it * TPW + lane / LPT;
@@ -218,12 +215,7 @@ __device__ __forceinline__ void attn_decode_impl(const bf16* __restrict__ q, con
   extern "C" __global__ void __launch_bounds__(128, (G <= 4 ? 4 : 2)) attn_decode_hd##HD##_g##G(            \
       const bf16* q, const bf16* kc, const bf16* vc, float* po, float* pml, int* cnt, bf16* out, const int* cu, \
       const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                  \
-    attn_decode_impl<HD, G, false>(q, kc, vc, po, pml, cnt, out, cu, sl, bt, ns, nkv, bs, mbps, sc);           \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(128, (G <= 4 ? 3 : 2)) attn_decode_pipe_hd##HD##_g##G(       \
-      const bf16* q, const bf16* kc, const bf16* vc, float* po, float* pml, int* cnt, bf16* out, const int* cu, \
-      const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                  \
-    attn_decode_impl<HD, G, true>(q, kc, vc, po, pml, cnt, out, cu, sl, bt, ns, nkv, bs, mbps, sc);            \
+    attn_decode_impl<HD, G>(q, kc, vc, po, pml, cnt, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                  \
   }
 #define PER_HD(HD)                                                                                             \
   DECODE(HD, 1)                                                                                                \

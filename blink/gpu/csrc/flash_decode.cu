@@ -1,4 +1,4 @@
-// Paged decode attention, flash-decoding style (the "flash" and "flash8" variants): one CTA of
+// Paged decode attention, flash-decoding style (the engine's default, "flashq"): one CTA of
 // 4 warps per (context split, KV head, sequence), all G = nq/nkv query heads of the KV head at
 // once, so every K/V byte is read from HBM once. KV layout as in attention.cu: k_cache, v_cache
 // [num_blocks, block_size, nkv, HD] bf16, token p of sequence s in block block_tables[s][p / bs].
@@ -16,7 +16,7 @@
 // partial dot products; a reduce-scatter over the HD/8 lanes of a key leaves every lane with
 // R = N >> STEPS whole scores (log2(N) + few shuffles per head instead of log2(HD/8) per key).
 // The probabilities go through a per-warp shared array to the lanes that hold the V rows.
-// "flashq": the same, but the K/V vectors go through a per-warp ring of STAGES tiles in dynamic
+// STAGES > 0 (flashq): the K/V vectors go through a per-warp ring of STAGES tiles in dynamic
 // shared memory filled by cp.async (zero-filled past the end), so STAGES - 1 tiles stay in flight
 // while one is computed without holding registers. Each lane reads back only the 16-byte
 // vectors it copied itself, so cp.async.wait_group alone orders a lane's reads (no barrier).
@@ -58,66 +58,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
-// The fused combine (flashqc): one warp merges the nused split outputs of one query head (rows
-// row0 .. row0 + nused - 1 of part_o / part_lse) into out_row, as attn_flash_combine_impl does,
-// with loads through L2 (ld.cg: other CTAs of the same kernel wrote them). Kept apart from the
-// combine kernel so that flashq's code is unchanged until flashqc has run on the H200.
-template <int HD>
-__device__ __forceinline__ void flash_merge_head(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-                                                 size_t row0, int nused, bf16* __restrict__ out_row) {
-  const int lane = threadIdx.x & 31;
-  constexpr int DPL = HD >= 32 ? HD / 32 : 1;
-  const bool active = lane * DPL < HD;
-  const float lse = lane < nused ? __ldcg(part_lse + row0 + lane) : -INFINITY;
-  float v[32][DPL];
-#pragma unroll
-  for (int k = 0; k < 32; ++k) {
-    const float* src = part_o + (row0 + k) * HD + lane * DPL;
-    if (k < nused && active) {
-      if constexpr (DPL == 4) {
-        const float4 t = __ldcg(reinterpret_cast<const float4*>(src));
-        v[k][0] = t.x, v[k][1] = t.y, v[k][2] = t.z, v[k][3] = t.w;
-      } else if constexpr (DPL == 2) {
-        const float2 t = __ldcg(reinterpret_cast<const float2*>(src));
-        v[k][0] = t.x, v[k][1] = t.y;
-      } else {
-#pragma unroll
-        for (int e = 0; e < DPL; ++e) v[k][e] = __ldcg(src + e);
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < DPL; ++e) v[k][e] = 0.f;
-    }
-  }
-  const float M = warp_max(lse);
-  const float w = lane < nused ? exp2f(lse - M) : 0.f;
-  const float inv = 1.f / warp_sum(w);
-  float acc[DPL];
-#pragma unroll
-  for (int e = 0; e < DPL; ++e) acc[e] = 0.f;
-#pragma unroll
-  for (int k = 0; k < 32; ++k) {
-    const float wi = __shfl_sync(FULL_MASK, w, k);  // 0 past nused
-#pragma unroll
-    for (int e = 0; e < DPL; ++e) acc[e] = fmaf(wi, v[k][e], acc[e]);
-  }
-  if (active) {
-#pragma unroll
-    for (int e = 0; e < DPL; ++e) out_row[lane * DPL + e] = tobf(acc[e] * inv);
-  }
-}
-
-// FC (the "flashqc" variant): the combine is folded in. Each CTA of a multi-split sequence counts
-// itself in counters[s * nkv + kvh] after its partial write (__threadfence first); the last one
-// merges the G heads of the KV head and resets the counter to 0 for the next step.
-template <int HD, int G, int N, int STAGES, bool FC>
+template <int HD, int G, int N, int STAGES>
 __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                 const bf16* __restrict__ v_cache, float* __restrict__ part_o,
                                                 float* __restrict__ part_lse, bf16* __restrict__ out,
                                                 const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
                                                 const int* __restrict__ block_tables,
-                                                const uint32_t* __restrict__ num_seqs, int* __restrict__ counters,
-                                                int nkv, int bs, int mbps, float scale_log2, int target) {
+                                                const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
+                                                float scale_log2, int target) {
   constexpr int LPT = HD / 8;         // lanes per key row
   constexpr int KPI = 32 / LPT;       // keys per warp-wide load
   constexpr int KT = N * KPI;         // keys per warp tile
@@ -321,23 +269,6 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
       if (d == 0) part_lse[row] = M + log2f(den);
     }
   }
-  if constexpr (FC) {
-    if (nused == 1) return;
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      int* ctr = counters + (size_t)s * nkv + kvh;
-      last = atomicAdd(ctr, 1) == nused - 1;
-      if (last) *ctr = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int g = warp; g < G; g += NW)
-      flash_merge_head<HD>(part_o, part_lse, ((size_t)s * nq + kvh * G + g) * NS, nused,
-                           out + ((size_t)tok * nq + kvh * G + g) * HD);
-  }
 }
 
 // One warp per (query head, sequence): out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over
@@ -404,17 +335,7 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   extern "C" __global__ void __launch_bounds__(128, MINB) attn_##NAME##_hd##HD##_g##G(                         \
       const bf16* q, const bf16* kc, const bf16* vc, float* po, float* plse, bf16* out, const int* cu,          \
       const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc, int target) {      \
-    attn_flash_impl<HD, G, N, STAGES, false>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nullptr, nkv, bs, mbps,  \
-                                             sc, target);                                                       \
-  }
-// The fused-combine kernels take the split counters after num_seqs.
-#define FLASH_FC(NAME, HD, G, N, STAGES, MINB)                                                                  \
-  extern "C" __global__ void __launch_bounds__(128, MINB) attn_##NAME##_hd##HD##_g##G(                         \
-      const bf16* q, const bf16* kc, const bf16* vc, float* po, float* plse, bf16* out, const int* cu,          \
-      const int* sl, const int* bt, const uint32_t* ns, int* ctr, int nkv, int bs, int mbps, float sc,          \
-      int target) {                                                                                             \
-    attn_flash_impl<HD, G, N, STAGES, true>(q, kc, vc, po, plse, out, cu, sl, bt, ns, ctr, nkv, bs, mbps, sc,   \
-                                            target);                                                            \
+    attn_flash_impl<HD, G, N, STAGES>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target);   \
   }
 #define FLASH_COMBINE(NAME, HD, N)                                                                              \
   extern "C" __global__ void __launch_bounds__(128) attn_##NAME##_combine_hd##HD(                              \
@@ -422,30 +343,24 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
       int nq, int grid_splits, int target) {                                                                    \
     attn_flash_combine_impl<HD, N>(po, plse, out, cu, sl, ns, nkv, nq, grid_splits, target);                   \
   }
-// "flash": 4 K + 4 V vectors per lane per tile; "flash8": 8 + 8 (more bytes in flight, more
-// registers); "flashq": 4 + 4 through a 4-tile cp.async ring (64 KiB of dynamic shared memory);
-// "flashq8": 8 + 8 through a 3-tile ring (96 KiB); "flashqc": flashq with the combine folded in
-// (its combine kernel is the same code as flashq's, never launched).
-#define FLASH_VARIANTS(HD, G)                     \
-  FLASH(flash, HD, G, 4, 0, (G <= 4 ? 3 : 2))     \
-  FLASH(flash8, HD, G, 8, 0, (G == 1 ? 3 : 2))    \
-  FLASH(flashq, HD, G, 4, 4, (G <= 4 ? 3 : 2))    \
-  FLASH_FC(flashqc, HD, G, 4, 4, (G <= 4 ? 3 : 2)) \
-  FLASH(flashq8, HD, G, 8, 3, 2)
-#define FLASH_PER_HD(HD)       \
-  FLASH_VARIANTS(HD, 1)        \
-  FLASH_VARIANTS(HD, 2)        \
-  FLASH_VARIANTS(HD, 3)        \
-  FLASH_VARIANTS(HD, 4)        \
-  FLASH_VARIANTS(HD, 5)        \
-  FLASH_VARIANTS(HD, 6)        \
-  FLASH_VARIANTS(HD, 7)        \
-  FLASH_VARIANTS(HD, 8)        \
-  FLASH_COMBINE(flash, HD, 4)  \
-  FLASH_COMBINE(flash8, HD, 8) \
-  FLASH_COMBINE(flashq, HD, 4) \
-  FLASH_COMBINE(flashqc, HD, 4) \
-  FLASH_COMBINE(flashq8, HD, 8)
+// The engine's decode attention, "flashq": 4 K + 4 V vectors per lane per tile through a 4-tile
+// cp.async ring (64 KiB of dynamic shared memory). The template's other settings live in
+// bench/kernels/flash_decode_variants.cu ("flash8", "flashq8": 8 + 8 vectors, never timed
+// against flashq). Retired: "flash" (4 + 4 loaded into registers), slower at every batch
+// (attention alone 0.36 vs 0.33 ms at batch 1, 21.1 vs 11.3 ms at 256, Llama-3-8B, context 1024:
+// bench/results/archive/decode_h200_run5.json); "flashqc" (flashq with the combine folded into the last
+// split) at most 0.6 % faster at batches 2-16 and slower from 32 up
+// (bench/results/archive/gemm_tuning_h200_e3962d3_decode_flashqc.json).
+#define FLASH_PER_HD(HD)                       \
+  FLASH(flashq, HD, 1, 4, 4, 3)                \
+  FLASH(flashq, HD, 2, 4, 4, 3)                \
+  FLASH(flashq, HD, 3, 4, 4, 3)                \
+  FLASH(flashq, HD, 4, 4, 4, 3)                \
+  FLASH(flashq, HD, 5, 4, 4, 2)                \
+  FLASH(flashq, HD, 6, 4, 4, 2)                \
+  FLASH(flashq, HD, 7, 4, 4, 2)                \
+  FLASH(flashq, HD, 8, 4, 4, 2)                \
+  FLASH_COMBINE(flashq, HD, 4)
 FLASH_PER_HD(16)
 FLASH_PER_HD(32)
 FLASH_PER_HD(64)

@@ -1,5 +1,5 @@
 // Paged attention, prefill: packed varlen queries that also attend to previously cached context
-// (flash-style tiles on tensor cores: WMMA for "smem" / "rego", mma.sync for "fa2").
+// (flash-style tiles on tensor cores: WMMA for "rego", the default; mma.sync for "fa2").
 //
 // KV cache of one layer: k_cache, v_cache [num_blocks, block_size, nkv, HD] bf16; token p of
 // sequence s lives in block block_tables[s][p / block_size], row p % block_size. Causality: the
@@ -9,12 +9,13 @@
 // Prefill: grid (T/64 + S, nq), 128 threads = 4 warps, a 64-query tile of one sequence and one
 // head (tile -> sequence by a warp scan over cu_q_lens). Per 64-key tile: S = Q K^T (each warp
 // 16 rows x 64 keys on WMMA, Q kept in registers as A fragments), masked online softmax with a
-// lane pair per row, P (bf16) V on WMMA. Variants: "smem" accumulates O in shared memory and
-// prefetches the next K/V tile into registers; "rego" keeps the O accumulators in registers
-// across tiles (rescaled in place through the sm_80+ accumulator layout) and loads K/V per tile.
+// lane pair per row, P (bf16) V on WMMA. "rego" keeps the O accumulators in registers across
+// tiles (rescaled in place through the sm_80+ accumulator layout) and loads K/V per tile. (An
+// "smem" variant with O in shared memory and the next K/V tile prefetched into registers was
+// retired: 181.5 vs 160.7 ms for a 4k-token Llama-3-8B prefill, bench/results/archive/prefill_h200_run4.json.)
 // Shared memory (HD=128): K,V 2 x 64 x 136 x 2 = 34 KiB, S 64 x 68 x 4 = 17 KiB, P 64 x 72 x 2
-// = 9 KiB, O 64 x 132 x 4 = 33 KiB (rego: only for the final write), row stats 0.75 KiB:
-// ~94 KiB, so two blocks fit on an SM.
+// = 9 KiB, O 64 x 132 x 4 = 33 KiB (only for the final write), row stats 0.75 KiB: ~94 KiB, so
+// two blocks fit on an SM.
 // "fa2" (FlashAttention-2's structure; same grid and tile-to-sequence mapping): scores, softmax
 // and O never leave registers. mma.sync m16n8k16 (bf16 -> fp32) with ldmatrix operands: each warp
 // holds its 16 Q rows as A fragments, the 16 x 64 score tile as accumulators, turns the
@@ -63,7 +64,7 @@ __device__ __forceinline__ void prefill_tile_of_block(const int* __restrict__ cu
   __syncthreads();
 }
 
-template <int HD, bool REGO>
+template <int HD>
 __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                   const bf16* __restrict__ v_cache, bf16* __restrict__ out,
                                                   const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
@@ -110,7 +111,6 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
   wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> qa[HD / 16];
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) wmma::load_matrix_sync(qa[kk], Ks + wr * LDH + kk * 16, LDH);
-  // K/V tiles are loaded into registers one tile ahead, so the loads overlap the tile's math.
   bf16x8 kreg[PER], vreg[PER];
   auto fetch = [&](int kt) {
 #pragma unroll
@@ -127,15 +127,14 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
       }
     }
   };
-  // REGO: the O accumulators stay in registers across tiles (WMMA fragments, rescaled in place
-  // through the sm_80+ accumulator layout), so there is no prefetch: the registers go to O.
+  // The O accumulators stay in registers across tiles (WMMA fragments, rescaled in place through
+  // the sm_80+ accumulator layout), so there is no prefetch: the registers go to O.
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> oacc[HD / 16];
 #pragma unroll
   for (int n = 0; n < HD / 16; ++n) wmma::fill_fragment(oacc[n], 0.f);
-  if (!REGO) fetch(0);
   for (int kt = 0; kt < kv_end; kt += BN) {
     __syncthreads();  // every warp is done with the previous tile (and with the staged Q)
-    if (REGO) fetch(kt);
+    fetch(kt);
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int idx = tid + i * 128;
@@ -144,7 +143,6 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
       *reinterpret_cast<bf16x8*>(Vs + r * LDH + c) = vreg[i];
     }
     __syncthreads();
-    if (!REGO && kt + BN < kv_end) fetch(kt + BN);
     {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[BN / 16];
 #pragma unroll
@@ -166,7 +164,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     {
       // Online softmax, all 16 rows of the warp at once: lane pair (2i, 2i+1) owns row wr + i,
       // one half of its 64 scores each (the odd lane walks its half rotated by 16 columns, so
-      // the pair reads different banks). Then each lane rescales its half of the O row.
+      // the pair reads different banks); a_s[r] carries the rescale of O to the accumulators.
       const int r = wr + (lane >> 1), half = lane & 1;
       const int qpos = pre + r0 + r;
       const bool live = r < rows;
@@ -201,21 +199,9 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
         m_s[r] = m_new;
         a_s[r] = a;
       }
-      if (!REGO) {
-        float4* orow = reinterpret_cast<float4*>(Os + r * LDO + half * (HD / 2));
-#pragma unroll 4
-        for (int d = 0; d < HD / 8; ++d) {
-          float4 o = orow[d];
-          o.x *= a;
-          o.y *= a;
-          o.z *= a;
-          o.w *= a;
-          orow[d] = o;
-        }
-      }
     }
     __syncwarp();
-    if (REGO) {
+    {
       // accumulator element i of a 16x16 fragment: row lane/4 + 8*((i>>1)&1), col (lane%4)*2 + (i&1) + 8*(i>>2)
       const float a_lo = a_s[wr + (lane >> 2)], a_hi = a_s[wr + (lane >> 2) + 8];
 #pragma unroll
@@ -231,29 +217,12 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
           wmma::mma_sync(oacc[n], a, b, oacc[n]);
         }
       }
-    } else {
-#pragma unroll
-    for (int n = 0; n < HD / 16; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
-      wmma::load_matrix_sync(o, Os + wr * LDO + n * 16, LDO, wmma::mem_row_major);
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
-        wmma::load_matrix_sync(a, Ps + wr * LDP + kk * 16, LDP);
-        wmma::load_matrix_sync(b, Vs + (kk * 16) * LDH + n * 16, LDH);
-        wmma::mma_sync(o, a, b, o);
-      }
-      wmma::store_matrix_sync(Os + wr * LDO + n * 16, o, LDO, wmma::mem_row_major);
-    }
     }
     __syncwarp();
   }
-  if (REGO) {
 #pragma unroll
-    for (int n = 0; n < HD / 16; ++n) wmma::store_matrix_sync(Os + wr * LDO + n * 16, oacc[n], LDO, wmma::mem_row_major);
-    __syncwarp();
-  }
+  for (int n = 0; n < HD / 16; ++n) wmma::store_matrix_sync(Os + wr * LDO + n * 16, oacc[n], LDO, wmma::mem_row_major);
+  __syncwarp();
   for (int rr = 0; rr < 16; ++rr) {
     const int r = wr + rr;
     if (r >= rows) break;
@@ -459,15 +428,10 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
 }
 
 #define PREFILL_PER_HD(HD)                                                                                    \
-  extern "C" __global__ void __launch_bounds__(128) attn_prefill_hd##HD(                                      \
-      const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
-      const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
-    attn_prefill_impl<HD, false>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                           \
-  }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(128) attn_prefill_rego_hd##HD(                                 \
       const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
       const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
-    attn_prefill_impl<HD, true>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                            \
+    attn_prefill_impl<HD>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                                  \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_fa2_hd##HD(                               \
       const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
