@@ -53,8 +53,20 @@ class ServerConfig:
     allowed_origins: str | None = None
     """CORS: comma-separated origins whose browser pages may call the API ("*": any); None: no
     CORS headers (browsers then refuse cross-origin calls, as without vLLM's --allowed-origins)."""
+    allowed_hosts: str | None = None
+    """Host header values accepted besides loopback names, comma-separated ("*": any). A server bound
+    to loopback answers only requests whose Host names loopback unless this says otherwise, which
+    keeps web pages out through DNS rebinding; on other addresses it restricts Host only when set."""
+    log_requests: bool = True
+    """A log line per request (id, tokens, TTFT, total time, finish reason); vLLM's
+    --disable-log-requests turns it off."""
+    log_stats: bool = True
+    """A log line every 10 s (running, waiting, KV usage, tokens/s); --disable-log-stats turns it off."""
+    log_level: str = "info"
+    """debug | info | warning | error; debug also prints the traceback of start-up errors."""
 
     def __post_init__(self) -> None:
+        _choice("server", "log_level", self.log_level, ("debug", "info", "warning", "error"))
         _bounds("server", "port", self.port, 0, 65535)
         _bounds("server", "max_body_bytes", self.max_body_bytes, 1024, 1 << 30)
         _bounds("server", "max_queue", self.max_queue, 0, 1 << 20)
@@ -63,10 +75,17 @@ class ServerConfig:
             raise ConfigError("server.api_key must not be empty (leave it unset to disable auth)")
         if self.allowed_origins is not None and not self.origins:
             raise ConfigError("server.allowed_origins names no origin")
+        if self.allowed_hosts is not None and not self.hosts:
+            raise ConfigError("server.allowed_hosts names no host")
 
     @property
     def origins(self) -> frozenset[str]:
         return frozenset(o.strip() for o in (self.allowed_origins or "").split(",") if o.strip())
+
+    @property
+    def hosts(self) -> frozenset[str]:
+        """allowed_hosts as lower-case names without ports."""
+        return frozenset(h.strip().lower() for h in (self.allowed_hosts or "").split(",") if h.strip())
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,10 @@ def test_models_health_metrics(tiny):
     assert m["vllm:prompt_tokens_total" + lab] == m["blink_prompt_tokens_total"] > 0
     assert m["vllm:generation_tokens_total" + lab] == m["blink_generation_tokens_total"] > 0
     assert 0.0 <= m["vllm:kv_cache_usage_perc" + lab] <= 1.0
-    assert m["vllm:num_requests_running" + lab] >= 0 and m["vllm:request_success_total" + lab] >= 1
+    assert (
+        m["vllm:num_requests_running" + lab] >= 0
+        and m['vllm:request_success_total{finished_reason="length",model_name="tiny-llama"}'] >= 1
+    )
     assert m["vllm:time_to_first_token_seconds_count" + lab] == m["blink_time_to_first_token_seconds_count"] >= 1
 
 
@@ -904,3 +907,26 @@ def test_random_bodies_never_500(tiny):
     bad = [(c, b) for c, b in codes if c >= 500]
     assert not bad, bad[:3]
     assert {c for c, _ in codes} <= {200, 400, 404}
+
+
+def test_streams_read_to_done_count_as_served(tiny):
+    """Issue 13.3: clients that close their connection as soon as they have read `[DONE]` (a new
+    connection per request) were counted as disconnected and cancelled (2 of 20 here before)."""
+    before = tiny.metrics()
+
+    async def go():
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+        for _ in range(30):
+            async with aiohttp.ClientSession() as sess:
+                h = {"Authorization": f"Bearer {API_KEY}"}
+                async with sess.post(tiny.url + "/v1/chat/completions", json=body, headers=h) as r:
+                    assert (await r.read()).endswith(b"data: [DONE]\n\n")
+
+    asyncio.run(go())
+    time.sleep(0.2)
+    m = tiny.metrics()
+    delta = {k: v - before.get(k, 0) for k, v in m.items()}
+    assert delta['blink_requests_total{endpoint="chat",outcome="ok"}'] == 30
+    assert delta.get('blink_requests_total{endpoint="chat",outcome="disconnected"}', 0) == 0
+    assert delta["blink_cancelled_total"] == 0
+    assert delta['vllm:request_success_total{finished_reason="length",model_name="tiny-llama"}'] == 30

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from blink.dpu.metrics import MetricsShare
+from blink.dpu import metrics as dpu_metrics
 
 from . import raycount
 from .config import DeployConfig
@@ -115,12 +115,12 @@ class FrontendActor:
         self._stop_event = asyncio.Event()
         self._router = Router([self.cfg.ring_name(i) for i in range(self.replicas)], make_tracker)
         await self._router.start()
+        metrics_dir = None
         try:
-            share = None
             if self.count > 1:  # /metrics of the whole server from whichever frontend is asked
-                prefix = f"{self.cfg.ring_name(0)}-metrics"
-                share = MetricsShare("/dev/shm", prefix, self.index, self.count, restore=self._restarted)
-            self._server = await start_http(self.cfg.serving, self._router, self.port, share=share)
+                metrics_dir = f"/dev/shm/{self.cfg.ring_name(0)}-metrics"
+                dpu_metrics.enable_multiprocess(metrics_dir, str(self.index), restore=self._restarted)
+            self._server = await start_http(self.cfg.serving, self._router, self.port, reuse_port=self.count > 1)
             self._info = {"url": self._server.url, "pid": os.getpid(), "restarted": self._restarted}
             self._info.update(index=self.index, count=self.count, port=self._server.port)
             ray = sys.modules.get("ray")  # None when running without Ray
@@ -135,6 +135,8 @@ class FrontendActor:
             if self._server is not None:
                 await self._server.close()
             await self._router.close()
+            if metrics_dir is not None:  # a clean stop: nothing to carry over
+                dpu_metrics.remove_files(metrics_dir, str(self.index))
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         raycount.note_incoming("stop")

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from blink.config import BlinkConfig
-from blink.dpu.metrics import MetricsShare
 
 from .router import Router
 
@@ -23,16 +22,16 @@ class HttpIngress:
 
 
 async def start_http(
-    cfg: BlinkConfig, router: Router, port: int | None = None, share: MetricsShare | None = None
+    cfg: BlinkConfig, router: Router, port: int | None = None, reuse_port: bool = False
 ) -> HttpIngress:
     """Load the tokenizer (no weights) and serve /v1 for every replica behind `router`.
-    port: instead of cfg.server.port; share: this frontend among several on the same port
-    (SO_REUSEPORT), whose /metrics add up through `share`."""
+    port: instead of cfg.server.port; reuse_port: this frontend is one of several on the same
+    port (SO_REUSEPORT)."""
     from blink.dpu import server as dpu_server
     from blink.dpu.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.model.spec, cfg.model.name, cfg.model.chat_template)
-    srv = dpu_server.OpenAIServer(router, tok, cfg.server, share=share)
+    srv = dpu_server.OpenAIServer(router, tok, cfg.server)
     want = cfg.server.port if port is None else port
-    runner, port = await dpu_server.start_http(srv, cfg.server.host, want, reuse_port=share is not None)
+    runner, port = await dpu_server.start_http(srv, cfg.server.host, want, reuse_port=reuse_port)
     return HttpIngress(f"http://{cfg.server.host}:{port}", port, runner, srv)

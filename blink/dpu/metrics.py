@@ -1,84 +1,165 @@
-"""Prometheus text exposition for /metrics: frontend counters and histograms plus the device's
-counters read from the ring header. No client library: the format is a few lines of text.
+"""/metrics: the frontend's counters and histograms (prometheus_client) plus the device's
+counters and the ring's occupancy, read from the ring header when the scrape comes.
 
-Several frontend processes serving one port (deploy.frontends > 1) each count what they serve;
-each publishes a snapshot of its counters (MetricsShare, a file per frontend in /dev/shm, about
-once a second), and whichever frontend answers a scrape adds its peers' snapshots to its own, so
-/metrics describes the whole server whichever process the kernel hands the connection to.
+Every series exists twice where vLLM has a name for it: Blink's (`blink_*`) and vLLM's
+(`vllm:*`, label `model_name`), so that dashboards and alerts written for a vLLM server keep
+working after the switch.
+
+Several frontend processes on one port (deploy.frontends > 1): prometheus_client's multiprocess
+mode. `enable_multiprocess(folder, identifier)`, called once when such a process starts, makes
+every counter and histogram of that process live in a memory-mapped file of `folder` named after
+`identifier` (the frontend's index); whichever frontend answers a scrape merges every file, so
+/metrics describes the whole server. A frontend restarted after a crash reopens its own file and
+continues its counts. The live series (device, ring) come from the answering frontend.
 """
 
 from __future__ import annotations
 
-import bisect
+import contextlib
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
-import msgspec
+import prometheus_client as prom
+from prometheus_client import values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from blink.protocol.layout import DEVICE_COUNTERS, DEVICE_GAUGES
+from blink.protocol.wire import RingStats
+
+prom.disable_created_metrics()  # the *_created series vLLM dashboards do not use
+
+DEVICE_FIELDS = DEVICE_GAUGES + DEVICE_COUNTERS  # exported from the ring header
 
 _STAGE_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0)
 _LAT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_REQ_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # vLLM's 1-2-5 series
+
+_multiproc_dir: pathlib.Path | None = None  # set by enable_multiprocess (one per process)
 
 
-class Histogram:
-    def __init__(self, name: str, help_: str, buckets: Sequence[float] = _LAT_BUCKETS):
-        self.name, self.help = name, help_
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, v)] += 1
-        self.sum += v
-        self.count += 1
-
-    def render(self, name: str = "", labels: str = "") -> list[str]:
-        """Exposition lines; `name` / `labels` (e.g. 'model_name="x"'): the same data under another name."""
-        name = name or self.name
-        lab = f"{labels}," if labels else ""
-        out = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
-        acc = 0
-        for b, c in zip(self.buckets, self.counts, strict=False):
-            acc += c
-            out.append(f'{name}_bucket{{{lab}le="{b}"}} {acc}')
-        out.append(f'{name}_bucket{{{lab}le="+Inf"}} {self.count}')
-        tail = f"{{{labels}}}" if labels else ""
-        out += [f"{name}_sum{tail} {self.sum:.6f}", f"{name}_count{tail} {self.count}"]
-        return out
+def enable_multiprocess(folder: str | os.PathLike, identifier: str, restore: bool) -> None:
+    """Make this process's metrics one part of a multi-process /metrics. Call before any Metrics
+    is made. identifier: the same for a process and its restarted successor (the frontend
+    index); restore: continue the counts a predecessor of that identifier left in `folder`
+    (otherwise they are stale, e.g. from an earlier deployment, and removed)."""
+    global _multiproc_dir
+    path = pathlib.Path(folder)
+    if not restore:
+        remove_files(path, identifier)
+    path.mkdir(parents=True, exist_ok=True)
+    # prometheus_client opens its files in the folder this variable names (set here, at the edge
+    # of the process); the identifier replaces the pid in the file names.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    values.ValueClass = values.MultiProcessValue(lambda: identifier)
+    _multiproc_dir = path
 
 
-class HistogramState(msgspec.Struct, array_like=True):
-    counts: list[int]
-    sum: float
-    count: int
+def remove_files(folder: str | os.PathLike, identifier: str | None = None) -> None:
+    """The metric files of one process (a clean stop), or of all (the deployment goes away)."""
+    for f in pathlib.Path(folder).glob("*.db"):
+        if identifier is None or f.stem.rsplit("_", 1)[-1] == identifier:
+            f.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # the last one out removes the folder
+        pathlib.Path(folder).rmdir()
 
 
-class MetricsSnapshot(msgspec.Struct, kw_only=True):
-    """One frontend's counters, as its peers read them (msgpack in a /dev/shm file)."""
+@dataclass
+class LiveState:
+    """What a scrape reads from the backend at that moment."""
 
-    requests: list[tuple[str, str, int]]
-    prompt_tokens: int
-    generation_tokens: int
-    cancelled: int
-    histograms: dict[str, HistogramState]
+    up: bool
+    ring: RingStats
+    device: dict[str, int]  # DEVICE_FIELDS, from the ring header
+
+
+@dataclass
+class Finished:
+    """One request's figures when it ends, for the histograms (times in seconds; None: unknown)."""
+
+    n_prompt: int
+    n_gen: int
+    e2e: float
+    finish: Sequence[str]  # OpenAI finish_reason per choice
+    queue: float | None = None  # arrival to device admission (choice 0)
+    prefill: float | None = None  # device admission to first token
+    decode: float | None = None  # first token to last
+
+
+class _LiveCollector(Collector):
+    """Device and ring series, read from the backend when the scrape comes."""
+
+    def __init__(self, model_name: str, live: Callable[[], LiveState]) -> None:
+        self.model_name, self.live = model_name, live
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self.live()
+        yield GaugeMetricFamily("blink_device_up", "1 when the device is serving", value=int(st.up))
+        ring = {"slots": st.ring.n_slots, "busy_slots": st.ring.busy_slots, "free_slots": st.ring.free_slots}
+        ring["queued"] = st.ring.queued
+        for k, v in ring.items():
+            yield GaugeMetricFamily(f"blink_ring_{k}", f"ring {k.replace('_', ' ')} (this frontend)", value=v)
+        for k, v in st.device.items():
+            if k in DEVICE_GAUGES:
+                yield GaugeMetricFamily(f"blink_device_{k}", f"device {k.replace('_', ' ')}", value=v)
+            else:
+                yield CounterMetricFamily(f"blink_device_{k}", f"device {k.replace('_', ' ')}", value=v)
+
+        def vllm(name: str, v: float, help_: str) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, help_, labels=["model_name"])
+            g.add_metric([self.model_name], v)
+            return g
+
+        dev = st.device
+        yield vllm("vllm:num_requests_running", dev.get("running", 0), "requests in the running batch")
+        waiting = dev.get("waiting", 0) + st.ring.queued
+        yield vllm("vllm:num_requests_waiting", waiting, "requests waiting (device queue + frontend queue)")
+        usage = kv_usage(dev)
+        yield vllm("vllm:kv_cache_usage_perc", usage, "KV cache usage (1 = full)")
+        yield vllm("vllm:gpu_cache_usage_perc", usage, "KV cache usage (1 = full; the older name)")
+
+
+def kv_usage(device: dict[str, int]) -> float:
+    total = device.get("kv_blocks_total", 0)
+    return round(1.0 - device.get("kv_blocks_free", 0) / total, 6) if total else 0.0
 
 
 class Metrics:
-    def __init__(self, model_name: str = "") -> None:
-        self.model_name = model_name  # the label of the vLLM-compatible series
-        self.requests: dict[tuple[str, str], int] = {}  # (endpoint, outcome) -> count
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.cancelled = 0  # client disconnects and stop-string cancels
-        self.ttft = Histogram("blink_time_to_first_token_seconds", "HTTP request received to first token read")
-        self.itl = Histogram("blink_inter_token_latency_seconds", "time between tokens of a stream")
-        self.e2e = Histogram("blink_request_latency_seconds", "HTTP request received to last token")
+    """The frontend's series. `live`: the backend's state, read at each scrape."""
+
+    def __init__(self, model_name: str, live: Callable[[], LiveState]) -> None:
+        self.model_name = model_name
+        self.registry = prom.CollectorRegistry(auto_describe=False)
+        self._live = _LiveCollector(model_name, live)
+        r, lab = self.registry, ["model_name"]
+        # plain counts of this process, for the periodic stats line
+        self.n_prompt = self.n_gen = 0
+        self.requests = prom.Counter(
+            "blink_requests", "HTTP requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
+        self.prompt_tokens = prom.Counter("blink_prompt_tokens", "prompt tokens submitted", registry=r)
+        self.generation_tokens = prom.Counter("blink_generation_tokens", "tokens delivered to clients", registry=r)
+        self.cancelled = prom.Counter("blink_cancelled", "requests cancelled because the client went away", registry=r)
+        self.ttft = prom.Histogram(
+            "blink_time_to_first_token_seconds",
+            "HTTP request received to first token read",
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.itl = prom.Histogram(
+            "blink_inter_token_latency_seconds", "time between tokens of a stream", buckets=_LAT_BUCKETS, registry=r
+        )
+        self.e2e = prom.Histogram(
+            "blink_request_latency_seconds", "HTTP request received to last token", buckets=_LAT_BUCKETS, registry=r
+        )
         # The first token's path, stage by stage (frontend and device stamp one wall clock).
-        self.stages = {
-            name: Histogram(f"blink_first_token_{name}_seconds", help_, _STAGE_BUCKETS)
+        self.stages = [
+            prom.Histogram(f"blink_first_token_{name}_seconds", help_, buckets=_STAGE_BUCKETS, registry=r)
             for name, help_ in (
                 ("submit", "HTTP request received to slot published (parse, tokenize, claim)"),
                 ("admit", "slot published to device admission"),
@@ -86,146 +167,108 @@ class Metrics:
                 ("read", "first token in the ring to token reader"),
                 ("write", "token reader to first response byte written"),
             )
-        }
+        ]
+
+        def vc(name: str, help_: str, extra: Sequence[str] = ()) -> prom.Counter:
+            return prom.Counter(name, help_, [*lab, *extra], registry=r)
+
+        def vh(name: str, help_: str, buckets: Sequence[float] = _REQ_BUCKETS) -> prom.Histogram:
+            return prom.Histogram(name, help_, lab, buckets=buckets, registry=r).labels(model_name)
+
+        self.v_prompt = vc("vllm:prompt_tokens", "prompt tokens submitted").labels(model_name)
+        self.v_gen = vc("vllm:generation_tokens", "tokens delivered to clients").labels(model_name)
+        self.v_success = vc("vllm:request_success", "requests finished, by finish reason", ["finished_reason"])
+        self.v_ttft = vh("vllm:time_to_first_token_seconds", "time to first token", _LAT_BUCKETS)
+        self.v_e2e = vh("vllm:e2e_request_latency_seconds", "request latency")
+        self.v_itl = vh("vllm:inter_token_latency_seconds", "time between tokens", _LAT_BUCKETS)
+        self.v_tpot = vh("vllm:time_per_output_token_seconds", "time per output token", _LAT_BUCKETS)
+        self.v_prompt_h = vh("vllm:request_prompt_tokens", "prompt tokens per request", _TOKEN_BUCKETS)
+        self.v_gen_h = vh("vllm:request_generation_tokens", "generated tokens per request", _TOKEN_BUCKETS)
+        self.v_queue = vh("vllm:request_queue_time_seconds", "request received to device admission")
+        self.v_prefill = vh("vllm:request_prefill_time_seconds", "device admission to first token")
+        self.v_decode = vh("vllm:request_decode_time_seconds", "first token to last token")
+
+    # -- observations ------------------------------------------------------------------------
+    def request(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def prompt(self, n: int) -> None:
+        self.n_prompt += n
+        self.prompt_tokens.inc(n)
+        self.v_prompt.inc(n)
+
+    def tokens(self, n: int, gap: float | None) -> None:
+        """n new tokens of one choice; gap: seconds since that choice's previous tokens (None: its first)."""
+        self.n_gen += n
+        self.generation_tokens.inc(n)
+        self.v_gen.inc(n)
+        if gap is not None and n:
+            for _ in range(n):
+                self.itl.observe(gap / n)
+                self.v_itl.observe(gap / n)
+                self.v_tpot.observe(gap / n)
+
+    def first(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+        self.v_ttft.observe(ttft)
 
     def first_token(self, t_http_ns: int, timing: Sequence[int], t_write_ns: int) -> None:
         """Record the stages of one request's first token; timing = [submit, admit, first, read] ns."""
         if len(timing) != 4 or not timing[1] or not timing[2]:
             return
         t = (t_http_ns, *timing, t_write_ns)
-        for h, a, b in zip(self.stages.values(), t, t[1:], strict=False):
+        for h, a, b in zip(self.stages, t, t[1:], strict=False):
             h.observe(max(0, b - a) * 1e-9)
 
-    def request(self, endpoint: str, outcome: str) -> None:
-        k = (endpoint, outcome)
-        self.requests[k] = self.requests.get(k, 0) + 1
+    def finished(self, f: Finished) -> None:
+        """A request answered in full."""
+        self.e2e.observe(f.e2e)
+        self.v_e2e.observe(f.e2e)
+        self.v_prompt_h.observe(f.n_prompt)
+        self.v_gen_h.observe(f.n_gen)
+        for reason in f.finish:
+            self.v_success.labels(self.model_name, reason).inc()
+        for h, v in ((self.v_queue, f.queue), (self.v_prefill, f.prefill), (self.v_decode, f.decode)):
+            if v is not None:
+                h.observe(max(0.0, v))
 
-    def histograms(self) -> list[Histogram]:
-        return [self.ttft, self.itl, self.e2e, *self.stages.values()]
+    def aborted(self, n_choices: int) -> None:
+        """The client went away before the end."""
+        self.cancelled.inc()
+        self.v_success.labels(self.model_name, "abort").inc(n_choices)
 
-    def snapshot(self) -> MetricsSnapshot:
-        return MetricsSnapshot(
-            requests=[(ep, oc, n) for (ep, oc), n in sorted(self.requests.items())],
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
-            cancelled=self.cancelled,
-            histograms={h.name: HistogramState(list(h.counts), h.sum, h.count) for h in self.histograms()},
+    # -- exposition --------------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The exposition text: every frontend's series in multiprocess mode, else this one's."""
+        if _multiproc_dir is None:
+            reg = self.registry
+            reg.register(self._live)
+            try:
+                return prom.generate_latest(reg)
+            finally:
+                reg.unregister(self._live)
+        reg = prom.CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(reg, str(_multiproc_dir))
+        reg.register(self._live)
+        return prom.generate_latest(reg)
+
+
+class StatsLine:
+    """The periodic log line an operator reads (vLLM's "Avg prompt throughput ..."): running,
+    waiting, KV usage, and prompt / generation tokens per second since the previous line."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+        self.t, self.p, self.g = time.monotonic(), metrics.n_prompt, metrics.n_gen
+
+    def line(self, st: LiveState) -> str:
+        now = time.monotonic()
+        dt = max(now - self.t, 1e-9)
+        p, g = (self.m.n_prompt - self.p) / dt, (self.m.n_gen - self.g) / dt
+        self.t, self.p, self.g = now, self.m.n_prompt, self.m.n_gen
+        dev = st.device
+        waiting = dev.get("waiting", 0) + st.ring.queued
+        return (
+            f"prompt {p:.1f} tok/s, generation {g:.1f} tok/s, running {dev.get('running', 0)}, "
+            f"waiting {waiting}, KV cache {100 * kv_usage(dev):.1f} %" + ("" if st.up else ", device DOWN")
         )
-
-    def add(self, snap: MetricsSnapshot) -> None:
-        """Add a snapshot's counts to these (peers' counts for a scrape, or this frontend's own
-        counts from before a restart). Histograms of other bucket layouts are skipped."""
-        for ep, oc, n in snap.requests:
-            self.requests[(ep, oc)] = self.requests.get((ep, oc), 0) + n
-        self.prompt_tokens += snap.prompt_tokens
-        self.generation_tokens += snap.generation_tokens
-        self.cancelled += snap.cancelled
-        for h in self.histograms():
-            st = snap.histograms.get(h.name)
-            if st is not None and len(st.counts) == len(h.counts):
-                h.counts = [a + b for a, b in zip(h.counts, st.counts, strict=True)]
-                h.sum += st.sum
-                h.count += st.count
-
-    def render(
-        self, ring: Mapping[str, int], device: Mapping[str, int], up: bool, peers: Sequence[MetricsSnapshot] = ()
-    ) -> str:
-        """The exposition text; `peers`: the other frontends' snapshots, added to these counts."""
-        if peers:
-            total = Metrics(self.model_name)
-            total.add(self.snapshot())
-            for snap in peers:
-                total.add(snap)
-            return total.render(ring, device, up)
-        lines = [
-            "# HELP blink_requests_total HTTP requests by endpoint and outcome",
-            "# TYPE blink_requests_total counter",
-        ]
-        for (ep, oc), n in sorted(self.requests.items()):
-            lines.append(f'blink_requests_total{{endpoint="{ep}",outcome="{oc}"}} {n}')
-        for name, v, help_ in (
-            ("blink_prompt_tokens_total", self.prompt_tokens, "prompt tokens submitted"),
-            ("blink_generation_tokens_total", self.generation_tokens, "tokens delivered to clients"),
-            ("blink_cancelled_total", self.cancelled, "requests cancelled because the client went away"),
-        ):
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {v}"]
-        for h in self.histograms():
-            lines += h.render()
-        lines += ["# HELP blink_device_up 1 when the device is serving", "# TYPE blink_device_up gauge"]
-        lines.append(f"blink_device_up {int(up)}")
-        for k, v in ring.items():
-            lines += [f"# TYPE blink_ring_{k} gauge", f"blink_ring_{k} {v}"]
-        for k, v in device.items():
-            kind = "gauge" if k in DEVICE_GAUGES else "counter"
-            suffix = "" if kind == "gauge" or k.endswith("_total") else "_total"
-            lines += [f"# TYPE blink_device_{k}{suffix} {kind}", f"blink_device_{k}{suffix} {v}"]
-        lines += self._vllm_series(ring, device)
-        return "\n".join(lines) + "\n"
-
-    def _vllm_series(self, ring: Mapping[str, int], device: Mapping[str, int]) -> list[str]:
-        """The same data under vLLM's metric names (vllm:*, label model_name), so that dashboards
-        and alerts written for a vLLM server keep working after the switch."""
-        lab = f'model_name="{self.model_name}"'
-        out: list[str] = []
-
-        def one(name: str, kind: str, v: float, help_: str) -> None:
-            nonlocal out
-            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{lab}}} {v}"]
-
-        one("vllm:num_requests_running", "gauge", device.get("running", 0), "requests in the running batch")
-        waiting = device.get("waiting", 0) + ring.get("queued", 0)
-        one("vllm:num_requests_waiting", "gauge", waiting, "requests waiting (device queue + frontend queue)")
-        total = device.get("kv_blocks_total", 0)
-        usage = 1.0 - device.get("kv_blocks_free", 0) / total if total else 0.0
-        one("vllm:kv_cache_usage_perc", "gauge", round(usage, 6), "KV cache usage (1 = full)")
-        one("vllm:gpu_cache_usage_perc", "gauge", round(usage, 6), "KV cache usage (1 = full; the older name)")
-        one("vllm:prompt_tokens_total", "counter", self.prompt_tokens, "prompt tokens submitted")
-        one("vllm:generation_tokens_total", "counter", self.generation_tokens, "tokens delivered to clients")
-        ok = sum(n for (_, oc), n in self.requests.items() if oc == "ok")
-        one("vllm:request_success_total", "counter", ok, "requests answered in full")
-        out += self.ttft.render("vllm:time_to_first_token_seconds", lab)
-        out += self.e2e.render("vllm:e2e_request_latency_seconds", lab)
-        out += self.itl.render("vllm:inter_token_latency_seconds", lab)
-        out += self.itl.render("vllm:time_per_output_token_seconds", lab)
-        return out
-
-
-DEVICE_FIELDS = DEVICE_GAUGES + DEVICE_COUNTERS  # exported from the ring header
-
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder(MetricsSnapshot)
-
-
-class MetricsShare:
-    """The snapshot files of `count` frontends: `<folder>/<prefix>.<index>`, one writer each."""
-
-    def __init__(self, folder: str | os.PathLike, prefix: str, index: int, count: int, restore: bool = False) -> None:
-        """restore: this frontend is the same one coming back (a crash and a restart): continue the
-        counts its file holds; otherwise (a fresh deployment) the file's counts are stale."""
-        if not 0 <= index < count:
-            raise ValueError(f"frontend index {index} out of range for {count}")
-        self.folder, self.prefix, self.index, self.count = pathlib.Path(folder), prefix, index, count
-        self.restore = restore
-
-    def path(self, k: int) -> pathlib.Path:
-        return self.folder / f"{self.prefix}.{k}"
-
-    def publish(self, snap: MetricsSnapshot) -> None:
-        """Replace this frontend's file at once (write aside, then rename): readers never see half."""
-        tmp = self.folder / f".{self.prefix}.{self.index}.tmp"
-        tmp.write_bytes(_enc.encode(snap))
-        os.replace(tmp, self.path(self.index))
-
-    def read(self, k: int) -> MetricsSnapshot | None:
-        try:
-            return _dec.decode(self.path(k).read_bytes())
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-            return None  # not published yet, or from an older layout
-
-    def peers(self) -> list[MetricsSnapshot]:
-        return [s for k in range(self.count) if k != self.index and (s := self.read(k)) is not None]
-
-    def remove_all(self) -> None:
-        """Every frontend's file (the deployment is going away)."""
-        for k in range(self.count):
-            self.path(k).unlink(missing_ok=True)

@@ -128,6 +128,19 @@ def parse(cls: type[msgspec.Struct], body: bytes) -> Any:
         raise APIError(400, msg, param) from e
     except msgspec.DecodeError as e:
         raise APIError(400, f"malformed JSON body: {e}") from e
+    except RecursionError as e:  # msgspec's decoder recurses once per nesting level
+        raise APIError(400, "JSON body nested too deeply") from e
+
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+def requested_max_tokens(r: _Sampling) -> int | None:
+    """The output limit a request asks for: chat's max_completion_tokens (else max_tokens; neither:
+    up to the context), completions' max_tokens (neither: 16, as OpenAI and vLLM)."""
+    if isinstance(r, ChatRequest):
+        return r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+    return COMPLETION_MAX_TOKENS if r.max_tokens is None else r.max_tokens
 
 
 MAX_STOP_STRINGS = 16

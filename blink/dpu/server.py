@@ -7,16 +7,24 @@ A handler tokenizes (tokenizer role), submits through the request tracker (slot 
 reader) and streams text (generation.py: one generation per choice). Every error is
 answered in OpenAI's shape with a 4xx/5xx status; the server keeps serving after any of them.
 A client that disconnects mid-stream gets its handler cancelled (aiohttp handler_cancellation),
-and the `finally` of the generation cancels its ring slot, so the slot is freed.
+and the `finally` of the generation cancels its ring slot, so the slot is freed. A generation
+request's state, from its parsed body to its last byte, is one `_Call`; when it ends, it gives
+the request's log line and its metrics.
+
+Browser safety: a POST body must be declared application/json (otherwise 415: a page may send
+text/plain cross-origin without a preflight), and a server bound to loopback answers only Host
+headers naming loopback or server.allowed_hosts (DNS rebinding).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -26,7 +34,7 @@ from blink.config import ServerConfig
 
 from . import openai_api as api
 from .generation import Backend, GenerationError, TextEvent, stream_text
-from .metrics import Metrics, MetricsShare
+from .metrics import Finished, LiveState, Metrics, StatsLine
 from .request_tracker import DeviceDownError, QueueFullError, RequestHandle
 from .slot_tracker import region_words
 from .tokenizer import FrontendTokenizer, PromptError
@@ -35,34 +43,87 @@ log = logging.getLogger("blink.server")
 _json = msgspec.json.Encoder()
 _INLINE_ENCODE_BYTES = 16 << 10  # bodies up to this size are tokenized on the event loop
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    """A bind address or Host name that only this machine reaches."""
+    h = host.strip("[]").lower()
+    if h == "localhost" or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(header: str) -> str:
+    """The name of a Host header without its port: "a:80" -> "a", "[::1]:80" -> "::1"."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        return h[1 : h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+@dataclass(eq=False)
+class _Call:
+    """One generation request, from its parsed body to its last byte: what the handler, _stream,
+    _send_stream and _complete share, and what its log line and metrics are made of."""
+
+    endpoint: str  # "chat" | "completions"
+    chat: bool
+    t0: float  # perf_counter when the request arrived
+    t_http_ns: int  # wall clock then (the device stamps the ring with the same clock)
+    rid: str  # the response id (chatcmpl-..., cmpl-...)
+    n_prompt: int = 0  # each prompt counts once, whatever n (as OpenAI's usage)
+    gens: list[AsyncIterator[TextEvent]] = field(default_factory=list)  # one per choice
+    prefixes: list[str] | None = None  # echo: the text each choice starts with
+    lps: list[api.ChoiceLogprobs] = field(default_factory=list)  # per choice
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) only
+    stream: bool = False
+    include_usage: bool = False
+    continuous: bool = False  # vLLM's continuous_usage_stats
+    handles: list[RequestHandle] = field(default_factory=list)  # choice 0's, once submitted
+    on_submit: list[Callable[[int], None]] = field(default_factory=list)  # told when choice j is submitted
+    n_gen: int = 0
+    t_first: float | None = None  # perf_counter of choice 0's first token
+    t_last: float | None = None  # of the last token of any choice
+    t_prev: list[float | None] = field(default_factory=list)  # per choice: its latest tokens' time
+    finish: list[str | None] = field(default_factory=list)  # per choice
+    complete: bool = False  # the whole response is out: a disconnect after this is not one
+    error: str | None = None  # an error event ended the stream
+
+    def submitted(self, j: int, h: RequestHandle) -> None:
+        if j == 0:
+            self.handles.append(h)
+        for cb in self.on_submit:
+            cb(j)
 
 
 class OpenAIServer:
     def __init__(
-        self,
-        backend: Backend,
-        tokenizer: FrontendTokenizer,
-        config: ServerConfig,
-        share: MetricsShare | None = None,
-        publish_s: float = 1.0,
+        self, backend: Backend, tokenizer: FrontendTokenizer, config: ServerConfig, stats_interval_s: float = 10.0
     ):
-        """share: with other frontend processes on this port, /metrics adds their published
-        counters to this one's, and this one publishes its own every `publish_s` seconds."""
         self.backend = backend
         self.tok = tokenizer
         self.config = config
-        self.metrics = Metrics(tokenizer.name)
-        self.share = share
-        self.publish_s = publish_s
+        self.metrics = Metrics(tokenizer.name, self._live)
+        self.stats_interval_s = stats_interval_s
         self._origins = config.origins  # CORS (parsed once)
-        self._publisher: asyncio.Task | None = None
+        # Host names accepted (None: any); loopback binds accept loopback names by default
+        hosts = config.hosts
+        self._hosts: frozenset[str] | None = None
+        if "*" not in hosts and (hosts or is_loopback(config.host)):
+            self._hosts = _LOOPBACK_NAMES | hosts
+        self._stats_task: asyncio.Task | None = None
         # one token's text for logprobs (special tokens kept: they were generated)
         self._decode_one = functools.lru_cache(maxsize=1 << 16)(lambda i: tokenizer.decode([i], False))
 
     # -- app ----------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.config.max_body_bytes, middlewares=[self._preflight, self._errors, self._auth]
+            client_max_size=self.config.max_body_bytes,
+            middlewares=[self._host_check, self._preflight, self._errors, self._auth, self._json_only],
         )
         if self.config.allowed_origins:
             app.on_response_prepare.append(self._cors_headers)
@@ -74,35 +135,24 @@ class OpenAIServer:
         app.router.add_post("/tokenize", self.tokenize)  # vLLM's extensions (unauthenticated, as there)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
-        if self.share is not None:
-            app.on_startup.append(self._share_start)
-            app.on_cleanup.append(self._share_stop)
+        if self.config.log_stats:
+            app.on_startup.append(self._stats_start)
+            app.on_cleanup.append(self._stats_stop)
         return app
 
-    async def _share_start(self, app: web.Application) -> None:
-        assert self.share is not None
-        # left by this frontend's previous process: its counts, when this is that frontend restarted
-        before = self.share.read(self.share.index) if self.share.restore else None
-        if before is not None:
-            self.metrics.add(before)  # counters continue instead of starting over
-        self.share.publish(self.metrics.snapshot())
-        self._publisher = asyncio.ensure_future(self._publish_loop())
+    async def _stats_start(self, app: web.Application) -> None:
+        self._stats_task = asyncio.ensure_future(self._stats_loop())
 
-    async def _publish_loop(self) -> None:
-        assert self.share is not None
+    async def _stats_loop(self) -> None:
+        stats = StatsLine(self.metrics)
         while True:
-            await asyncio.sleep(self.publish_s)
-            try:
-                self.share.publish(self.metrics.snapshot())
-            except OSError as e:  # /dev/shm full or gone: the scrape of this process still works
-                log.warning("metrics not published: %s", e)
+            await asyncio.sleep(self.stats_interval_s)
+            log.info("%s", stats.line(self._live()))
 
-    async def _share_stop(self, app: web.Application) -> None:
-        if self._publisher is not None:
-            self._publisher.cancel()
-            await asyncio.gather(self._publisher, return_exceptions=True)
-        if self.share is not None:  # a clean stop: nothing to carry over
-            self.share.path(self.share.index).unlink(missing_ok=True)
+    async def _stats_stop(self, app: web.Application) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            await asyncio.gather(self._stats_task, return_exceptions=True)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -127,6 +177,28 @@ class OpenAIServer:
         except Exception as e:  # a bug: answer in the API's shape, keep serving, keep the traceback
             log.exception("%s %s failed", request.method, request.path)
             return _error_response(api.APIError(500, f"internal error: {e!r}"))
+
+    @web.middleware
+    async def _host_check(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 sends
+        `Host: evil.example`; a loopback server answers only its own names."""
+        host = request.headers.get("Host")
+        if self._hosts is not None and host is not None and _host_name(host) not in self._hosts:
+            err = api.APIError(403, f"Host {host!r} is not allowed (see --allowed-hosts)", code="host_not_allowed")
+            return _error_response(err)
+        return await handler(request)
+
+    @web.middleware
+    async def _json_only(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """POST bodies are JSON and must say so: a browser sends text/plain (or form) bodies
+        cross-origin without a preflight, so accepting them would let any page run generations."""
+        if request.method == "POST" and request.content_type != "application/json":
+            raise api.APIError(
+                415,
+                f"Content-Type must be application/json, got {request.headers.get('Content-Type', 'none')!r}",
+                code="unsupported_media_type",
+            )
+        return await handler(request)
 
     def _origin_allowed(self, request: web.Request) -> str | None:
         """The Access-Control-Allow-Origin value for this request, or None (no CORS headers)."""
@@ -214,12 +286,11 @@ class OpenAIServer:
             return _json_response({"status": "ok"})
         return _json_response({"status": "unavailable", "reason": h.message}, status=503)
 
+    def _live(self) -> LiveState:
+        return LiveState(self.backend.health().ok, self.backend.stats(), self.backend.device_counters())
+
     async def metrics_text(self, request: web.Request) -> web.Response:
-        st = self.backend.stats()
-        ring = {"slots": st.n_slots, "busy_slots": st.busy_slots, "free_slots": st.free_slots, "queued": st.queued}
-        peers = self.share.peers() if self.share is not None else []
-        text = self.metrics.render(ring, self.backend.device_counters(), self.backend.health().ok, peers)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -228,126 +299,110 @@ class OpenAIServer:
         return await self._generate(request, chat=False)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        t_http_ns = time.time_ns()
-        endpoint = "chat" if chat else "completions"
+        call = _Call(
+            endpoint="chat" if chat else "completions",
+            chat=chat,
+            t0=time.perf_counter(),
+            t_http_ns=time.time_ns(),
+            rid=api.new_id("chatcmpl" if chat else "cmpl"),
+        )
         try:
-            body = await request.read()
-            r = api.parse(api.ChatRequest if chat else api.CompletionRequest, body)
-            self._check_model(r.model)
-            if not chat and r.suffix:
-                raise api.APIError(400, "suffix is not supported", "suffix")
-            if not chat and (r.best_of or 1) > 1:
-                raise api.APIError(400, "best_of is not supported (as in vLLM V1); use n", "best_of")
-            prompts = [r.messages] if chat else api.completion_prompts(r)
-            n = api.choices_per_prompt(r, len(prompts))
-            encoded = [await self._encode(chat, p, len(body)) for p in prompts]
-            for ids in encoded:
-                why = self.backend.check_prompt(len(ids))
-                if why:
-                    raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
-            max_tokens = r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens
-            try:
-                stop_ids = self.tok.stop_ids(r.stop_token_ids or [], r.ignore_eos)
-            except PromptError as e:
-                raise api.APIError(400, str(e), e.param) from e
-            # choice index = prompt index * n + i (vLLM's order); one ring request each
-            vocab = self.tok.info.vocab_size
-            subs = [
-                api.sampling_params(r, self.backend.new_request_id(), ids, stop_ids, max_tokens, i, vocab)
-                for ids in encoded
-                for i in range(n)
-            ]
-            for sub in subs[::n]:
-                api.check_features(sub, self.backend.features)
-                why = self.backend.check_prompt(len(sub.prompt_ids), region_words(sub))
-                if why:
-                    raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
-            prompt_only = max_tokens == 0  # echo with max_tokens 0: the prompt (and its logprobs) only
-            lps = [
-                api.ChoiceLogprobs(
-                    chat,
-                    sub.logprobs,
-                    self._decode_one,
-                    sub.prompt_ids,
-                    not chat and bool(r.echo),
-                    -1 if r.prompt_logprobs is None else r.prompt_logprobs,
-                )
-                for sub in subs
-            ]
-            stop = api.stop_strings(r)
-            # echo: each completion choice starts with its prompt (token prompts decoded)
-            echo = not chat and bool(r.echo)
-            prefixes = (
-                [p if isinstance(p, str) else self.tok.decode(p) for p in prompts for _ in range(n)] if echo else None
-            )
+            await self._prepare(call, await request.read())
         except (api.APIError, web.HTTPException):
-            self.metrics.request(endpoint, "rejected")
+            self._end(call, "rejected")
             raise
         except Exception:  # e.g. the backend has no replica up: answered by the error middleware
-            self.metrics.request(endpoint, "error")
+            self._end(call, "error")
             raise
-        n_prompt = sum(len(ids) for ids in encoded)  # each prompt counts once, whatever n (as OpenAI's usage)
-        self.metrics.prompt_tokens += n_prompt
-        handles: list[RequestHandle] = []  # choice 0's, for the first-token trace
-        on_submit: list[Callable[[int], None]] = []  # _stream's: told when choice j is submitted
+        self.metrics.prompt(call.n_prompt)
+        outcome = "error"
+        try:
+            if call.stream:
+                resp = await self._stream(request, call)
+            else:
+                resp = await self._complete(call)
+                self._trace(call)
+            outcome = "error" if call.error else "ok"
+            return resp
+        except (api.APIError, GenerationError) as e:
+            outcome = "busy" if getattr(e, "status", 0) == 429 else "error"
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            # A client that closes its connection as soon as it has read `[DONE]` may cancel this
+            # handler while it is still cleaning up: that request was served in full.
+            outcome = "ok" if call.complete else "disconnected"
+            raise
+        finally:
+            self._end(call, outcome)
+            for g in call.gens:  # frees the slot of every choice still generating (the pumps are gone)
+                await g.aclose()
 
-        def submitted(j: int, h: RequestHandle) -> None:
-            if j == 0:
-                handles.append(h)
-            for cb in on_submit:
-                cb(j)
-
-        gens = [
+    async def _prepare(self, call: _Call, body: bytes) -> None:
+        """Parse, validate and tokenize; one generation per choice in call.gens (not yet started)."""
+        chat = call.chat
+        r = api.parse(api.ChatRequest if chat else api.CompletionRequest, body)
+        self._check_model(r.model)
+        if not chat and r.suffix:
+            raise api.APIError(400, "suffix is not supported", "suffix")
+        if not chat and (r.best_of or 1) > 1:
+            raise api.APIError(400, "best_of is not supported (as in vLLM V1); use n", "best_of")
+        prompts = [r.messages] if chat else api.completion_prompts(r)
+        n = api.choices_per_prompt(r, len(prompts))
+        encoded = [await self._encode(chat, p, len(body)) for p in prompts]
+        for ids in encoded:
+            why = self.backend.check_prompt(len(ids))
+            if why:
+                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
+        try:
+            stop_ids = self.tok.stop_ids(r.stop_token_ids or [], r.ignore_eos)
+        except PromptError as e:
+            raise api.APIError(400, str(e), e.param) from e
+        # choice index = prompt index * n + i (vLLM's order); one ring request each
+        max_tokens = api.requested_max_tokens(r)
+        vocab = self.tok.info.vocab_size
+        subs = [
+            api.sampling_params(r, self.backend.new_request_id(), ids, stop_ids, max_tokens, i, vocab)
+            for ids in encoded
+            for i in range(n)
+        ]
+        for sub in subs[::n]:
+            api.check_features(sub, self.backend.features)
+            why = self.backend.check_prompt(len(sub.prompt_ids), region_words(sub))
+            if why:
+                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
+        call.prompt_only = max_tokens == 0
+        call.lps = [
+            api.ChoiceLogprobs(
+                chat,
+                sub.logprobs,
+                self._decode_one,
+                sub.prompt_ids,
+                not chat and bool(r.echo),
+                -1 if r.prompt_logprobs is None else r.prompt_logprobs,
+            )
+            for sub in subs
+        ]
+        stop = api.stop_strings(r)
+        if not chat and r.echo:  # each completion choice starts with its prompt (token prompts decoded)
+            call.prefixes = [p if isinstance(p, str) else self.tok.decode(p) for p in prompts for _ in range(n)]
+        call.n_prompt = sum(len(ids) for ids in encoded)
+        call.stream = bool(r.stream)
+        call.include_usage = bool(r.stream_options and r.stream_options.include_usage)
+        call.continuous = bool(r.stream_options and r.stream_options.continuous_usage_stats)
+        call.t_prev = [None] * len(subs)
+        call.finish = [None] * len(subs)
+        call.gens = [
             stream_text(
                 self.backend,
                 self.tok,
                 sub,
                 stop,
-                functools.partial(submitted, j),
+                functools.partial(call.submitted, j),
                 r.include_stop_str_in_output,
                 r.skip_special_tokens,
             )
             for j, sub in enumerate(subs)
         ]
-
-        # After the first response byte for this request: where did its first token's time go?
-        def trace() -> None:
-            self.metrics.first_token(t_http_ns, handles[0].timing if handles else (), time.time_ns())
-
-        include_usage = bool(r.stream_options and r.stream_options.include_usage)
-        continuous = bool(r.stream_options and r.stream_options.continuous_usage_stats)
-        try:
-            if r.stream:
-                resp = await self._stream(
-                    request,
-                    gens,
-                    on_submit,
-                    chat,
-                    n_prompt,
-                    include_usage,
-                    continuous,
-                    t0,
-                    trace,
-                    prefixes,
-                    lps,
-                    prompt_only,
-                )
-            else:
-                resp = await self._complete(gens, chat, n_prompt, t0, prefixes, lps, prompt_only)
-                trace()
-        except (api.APIError, GenerationError) as e:
-            self.metrics.request(endpoint, "busy" if getattr(e, "status", 0) == 429 else "error")
-            raise
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.metrics.request(endpoint, "disconnected")
-            self.metrics.cancelled += 1
-            raise
-        finally:
-            for g in gens:  # frees the slot of every choice still generating (the pumps are gone)
-                await g.aclose()
-        self.metrics.request(endpoint, "ok")
-        return resp
 
     async def _encode(self, chat: bool, prompt: Any, body_bytes: int) -> list[int]:
         try:
@@ -361,92 +416,102 @@ class OpenAIServer:
         except PromptError as e:
             raise api.APIError(400, str(e), e.param) from e
 
-    def _observe(self, t0: float, t_prev: float | None, n: int, first: bool = True) -> float:
-        """Metrics of `n` new tokens of one choice; `first`: its first token counts as the
-        request's time to first token (choice 0 only)."""
-        now = time.perf_counter()
-        if t_prev is None:
-            if first:
-                self.metrics.ttft.observe(now - t0)
-        elif n:
-            gap = (now - t_prev) / n
-            for _ in range(n):
-                self.metrics.itl.observe(gap)
-        self.metrics.generation_tokens += n
-        return now
+    def _trace(self, call: _Call) -> None:
+        """After the first response byte: where did the first token's time go?"""
+        self.metrics.first_token(call.t_http_ns, call.handles[0].timing if call.handles else (), time.time_ns())
 
-    async def _complete(
-        self,
-        gens: list[AsyncIterator[TextEvent]],
-        chat: bool,
-        n_prompt: int,
-        t0: float,
-        prefixes: list[str] | None = None,
-        lps: list[api.ChoiceLogprobs] | None = None,
-        prompt_only: bool = False,
-    ) -> web.Response:
-        async def collect(j: int, gen: AsyncIterator[TextEvent]) -> tuple[str, str, int]:
+    def _observe(self, call: _Call, j: int, ev: TextEvent) -> None:
+        """The tokens of one event of choice j; choice 0's first is the request's first token."""
+        if ev.finish is not None:
+            call.finish[j] = ev.finish
+        if not ev.n_tokens:
+            return
+        now = time.perf_counter()
+        prev = call.t_prev[j]
+        if prev is None and j == 0:
+            call.t_first = now
+            self.metrics.first(now - call.t0)
+        self.metrics.tokens(ev.n_tokens, None if prev is None else now - prev)
+        call.t_prev[j] = call.t_last = now
+        call.n_gen += ev.n_tokens
+
+    def _end(self, call: _Call, outcome: str) -> None:
+        """The request is over: its outcome, its figures, its log line."""
+        self.metrics.request(call.endpoint, outcome)
+        now = time.perf_counter()
+        finish = [f or "stop" for f in call.finish]
+        if outcome == "ok":
+            self.metrics.finished(self._figures(call, now, finish))
+        elif outcome == "disconnected":
+            self.metrics.aborted(len(call.gens))
+        if self.config.log_requests:
+            ttft = "-" if call.t_first is None else f"{call.t_first - call.t0:.3f} s"
+            reason = ",".join(finish) if outcome == "ok" else (call.error or outcome)
+            log.info(
+                "%s %s %s: prompt %d tokens, output %d tokens, ttft %s, total %.3f s, finish %s",
+                call.rid,
+                call.endpoint,
+                outcome,
+                call.n_prompt,
+                call.n_gen,
+                ttft,
+                now - call.t0,
+                reason,
+            )
+
+    def _figures(self, call: _Call, now: float, finish: list[str]) -> Finished:
+        f = Finished(call.n_prompt, call.n_gen, now - call.t0, finish)
+        timing = call.handles[0].timing if call.handles else []
+        if len(timing) == 4 and timing[1] and timing[2]:  # wall-clock ns: [submit, admit, first, read]
+            f.queue = (timing[1] - call.t_http_ns) * 1e-9
+            f.prefill = (timing[2] - timing[1]) * 1e-9
+            if call.t_last is not None and call.t_first is not None:
+                f.decode = call.t_last - call.t_first
+        return f
+
+    async def _complete(self, call: _Call) -> web.Response:
+        async def collect(j: int, gen: AsyncIterator[TextEvent]) -> str:
             parts: list[str] = []
-            n_gen, finish, t_prev, first = 0, "stop", None, True
-            lp = lps[j] if lps else None
+            first, lp = True, call.lps[j]
             async for ev in gen:
-                if lp is not None and lp.wanted and first:
+                if lp.wanted and first:
                     lp.prompt(ev.prompt_logprobs)
                 first = False
-                if prompt_only:  # the one token the device had to generate is not part of the answer
-                    finish = "length"
+                if call.prompt_only:  # the one token the device had to generate is not part of the answer
+                    call.finish[j] = "length"
                     continue
-                if ev.n_tokens:
-                    t_prev = self._observe(t0, t_prev, ev.n_tokens, j == 0)
-                if lp is not None and ev.token_ids:
+                self._observe(call, j, ev)
+                if ev.token_ids:
                     lp.add(ev.token_ids, ev.logprobs)
                 parts.append(ev.text)
-                n_gen += ev.n_tokens
-                finish = ev.finish or finish
-            return "".join(parts), finish, n_gen
+            return "".join(parts)
 
-        if len(gens) == 1:
-            results = [await collect(0, gens[0])]
+        if len(call.gens) == 1:
+            texts = [await collect(0, call.gens[0])]
         else:  # every choice at once; the first failure fails the request and stops the others
-            tasks = [asyncio.ensure_future(collect(j, g)) for j, g in enumerate(gens)]
+            tasks = [asyncio.ensure_future(collect(j, g)) for j, g in enumerate(call.gens)]
             try:
-                results = await asyncio.gather(*tasks)
+                texts = await asyncio.gather(*tasks)
             finally:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-        self.metrics.e2e.observe(time.perf_counter() - t0)
-        make = api.chat_response if chat else api.completion_response
-        rid = api.new_id("chatcmpl" if chat else "cmpl")
-        pre = prefixes or [""] * len(results)
-        choices = [(p + text, finish) for p, (text, finish, _) in zip(pre, results, strict=True)]
-        logprobs = [lp.whole() for lp in lps] if lps and lps[0].gen_n >= 0 else None
-        prompt_field = [lp.prompt_field for lp in lps] if lps and lps[0].field_n >= 0 else None
-        n_gen = sum(n for _, _, n in results)
-        return _json_response(make(rid, self.tok.name, choices, n_prompt, n_gen, logprobs, prompt_field))
+        make = api.chat_response if call.chat else api.completion_response
+        pre = call.prefixes or [""] * len(texts)
+        choices = [(p + text, f or "stop") for p, text, f in zip(pre, texts, call.finish, strict=True)]
+        lps = call.lps
+        logprobs = [lp.whole() for lp in lps] if lps[0].gen_n >= 0 else None
+        prompt_field = [lp.prompt_field for lp in lps] if lps[0].field_n >= 0 else None
+        call.complete = True
+        return _json_response(make(call.rid, self.tok.name, choices, call.n_prompt, call.n_gen, logprobs, prompt_field))
 
-    async def _stream(
-        self,
-        request: web.Request,
-        gens: list[AsyncIterator[TextEvent]],
-        on_submit: list[Callable[[int], None]],
-        chat: bool,
-        n_prompt: int,
-        include_usage: bool,
-        continuous: bool,
-        t0: float,
-        trace: Callable[[], None],
-        prefixes: list[str] | None = None,
-        lps: list[api.ChoiceLogprobs] | None = None,
-        prompt_only: bool = False,
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, call: _Call) -> web.StreamResponse:
         """SSE of every choice, interleaved as their tokens arrive (chunks name their index);
-        prefixes: the text each choice starts with (echo), sent before its tokens (with echo and
-        logprobs: when its first event brings the prompt's logprobs)."""
-        chunks = api.ChunkMaker(chat, self.tok.name, include_usage, n_prompt if continuous else None)
+        echo prefixes go out before each choice's tokens (with echo and logprobs: when its first
+        event brings the prompt's logprobs)."""
         # (choice, kind, payload): "sub" (submitted), "ev" (a TextEvent), "end", "err" (an exception)
         items: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
-        on_submit.append(lambda j: items.put_nowait((j, "sub", None)))
+        call.on_submit.append(lambda j: items.put_nowait((j, "sub", None)))
 
         async def pump(j: int, gen: AsyncIterator[TextEvent]) -> None:
             try:
@@ -458,14 +523,14 @@ class OpenAIServer:
             except Exception as e:  # handed to the response: an error status, or an error event
                 items.put_nowait((j, "err", e))
 
-        tasks = [asyncio.ensure_future(pump(j, g)) for j, g in enumerate(gens)]
+        tasks = [asyncio.ensure_future(pump(j, g)) for j, g in enumerate(call.gens)]
         try:
             # Before the headers, so that a busy ring (429) or a rejected request still gets a proper
             # HTTP error status: every choice submitted, and choice 0's first event (or its end). A
             # choice queued behind a full ring does not hold the headers back.
             early: list[tuple[int, str, Any]] = []
             started, first = set(), False
-            while len(started) < len(gens) or not first:
+            while len(started) < len(call.gens) or not first:
                 j, kind, payload = await items.get()
                 if kind == "err":
                     raise payload
@@ -475,22 +540,7 @@ class OpenAIServer:
                     early.append((j, kind, payload))
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
-            await self._send_stream(
-                resp,
-                early,
-                items,
-                len(gens),
-                chat,
-                chunks,
-                n_prompt,
-                include_usage,
-                continuous,
-                t0,
-                trace,
-                prefixes,
-                lps,
-                prompt_only,
-            )
+            await self._send_stream(resp, call, early, items)
             return resp
         finally:
             for t in tasks:
@@ -500,28 +550,20 @@ class OpenAIServer:
     async def _send_stream(
         self,
         resp: web.StreamResponse,
+        call: _Call,
         early: list[tuple[int, str, Any]],
         items: asyncio.Queue[tuple[int, str, Any]],
-        n_choices: int,
-        chat: bool,
-        chunks: api.ChunkMaker,
-        n_prompt: int,
-        include_usage: bool,
-        continuous: bool,
-        t0: float,
-        trace: Callable[[], None],
-        prefixes: list[str] | None,
-        lps: list[api.ChoiceLogprobs] | None = None,
-        prompt_only: bool = False,
     ) -> None:
         async def send(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
 
-        n_gen, t_prev = 0, [None] * n_choices
+        chat, n_choices = call.chat, len(call.gens)
+        chunks = api.ChunkMaker(chat, self.tok.name, call.include_usage, call.n_prompt if call.continuous else None)
+        chunks.id = call.rid
         done = 0
-        lps = lps or [None] * n_choices  # type: ignore[list-item]
-        waiting_prompt = [lp is not None and lp.wanted for lp in lps]  # first event not seen yet
-        deferred = bool(prefixes) and any(lp is not None and lp.echo for lp in lps)
+        lps, prefixes, prompt_only = call.lps, call.prefixes, call.prompt_only
+        waiting_prompt = [lp.wanted for lp in lps]  # first event not seen yet
+        deferred = bool(prefixes) and any(lp.echo for lp in lps)
         try:
             if chat:
                 for j in range(n_choices):
@@ -529,7 +571,7 @@ class OpenAIServer:
             if not deferred:
                 for j, pre in enumerate(prefixes or []):
                     await send(chunks.text(pre, None, 0, j))
-            trace()  # headers (and the role chunks) are out: the response's first bytes
+            self._trace(call)  # headers (and the role chunks) are out: the response's first bytes
             while done < n_choices:
                 j, kind, ev = early.pop(0) if early else await items.get()
                 if kind == "err":
@@ -546,33 +588,35 @@ class OpenAIServer:
                     if deferred and prefixes:
                         await send(chunks.text(prefixes[j], "length" if prompt_only else None, 0, j, part))
                 if prompt_only:
+                    call.finish[j] = "length"
                     if not deferred:
-                        await send(chunks.text("", "length", n_gen, j))
+                        await send(chunks.text("", "length", call.n_gen, j))
                     continue
-                if ev.n_tokens:
-                    t_prev[j] = self._observe(t0, t_prev[j], ev.n_tokens, j == 0)
-                n_gen += ev.n_tokens
-                part = lp.add(ev.token_ids, ev.logprobs) if lp is not None and ev.token_ids else None
+                self._observe(call, j, ev)
+                n_gen = call.n_gen
+                part = lp.add(ev.token_ids, ev.logprobs) if ev.token_ids else None
                 if ev.finish is not None:
                     if ev.text and chat:
                         await send(chunks.text(ev.text, None, n_gen, j, part))
                         await send(chunks.text("", ev.finish, n_gen, j))
                     else:
                         await send(chunks.text(ev.text, ev.finish, n_gen, j, part))
-                elif ev.text or part is not None or (continuous and ev.n_tokens):
+                elif ev.text or part is not None or (call.continuous and ev.n_tokens):
                     await send(chunks.text(ev.text, None, n_gen, j, part))
-            self.metrics.e2e.observe(time.perf_counter() - t0)
-            if include_usage:
-                await send(chunks.usage(n_prompt, n_gen))
+            if call.include_usage:
+                await send(chunks.usage(call.n_prompt, call.n_gen))
         except (api.APIError, GenerationError) as e:
             err = e if isinstance(e, api.APIError) else api.APIError(e.status, str(e))
+            call.error = err.message
             await send(err.body())
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # headers are out: end the stream with an error event, not a dropped socket
             log.exception("stream failed")
-            await send(api.APIError(500, f"internal error: {e!r}").body())
+            call.error = f"internal error: {e!r}"
+            await send(api.APIError(500, call.error).body())
         await resp.write(b"data: [DONE]\n\n")
+        call.complete = True
         await resp.write_eof()
 
 
@@ -592,5 +636,4 @@ async def start_http(server: OpenAIServer, host: str, port: int, reuse_port: boo
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
-    return runner, bound
+    return runner, runner.addresses[0][1]
