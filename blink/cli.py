@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -16,11 +17,12 @@ from typing import Any
 from blink import config as C
 
 _RAY_COMMANDS = ("deploy", "status", "stop")
+log = logging.getLogger("blink")
 
 
 # vLLM's names for the same settings are accepted too (`vllm serve` command lines carry over); the
 # help says where a meaning differs. Flags that ask for what Blink does not do are errors.
-VLLM_NOOP_FLAGS = ("--trust-remote-code", "--disable-log-requests", "--disable-log-stats")
+VLLM_NOOP_FLAGS = ("--trust-remote-code",)
 
 
 def _add_stack_flags(p: argparse.ArgumentParser) -> None:
@@ -58,6 +60,12 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", dest="vllm_dtype", default="auto", help="auto | bfloat16 (the only compute type)")
     for flag in VLLM_NOOP_FLAGS:
         p.add_argument(flag, action="store_true", dest=f"noop_{flag[2:].replace('-', '_')}", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--log-level",
+        dest="server.log_level",
+        choices=("debug", "info", "warning", "error"),
+        help="debug also prints the traceback of start-up errors",
+    )
     p.add_argument("--n-slots", dest="ring.n_slots", type=int)
     p.add_argument("--prompt-arena-tokens", dest="ring.prompt_arena_tokens", type=int)
     p.add_argument("--output-capacity", dest="ring.output_capacity", type=int)
@@ -96,6 +104,27 @@ def build_parser() -> argparse.ArgumentParser:
         dest="server.allowed_origins",
         type=_origins_arg,
         help='CORS origins: "*", a comma list, or a JSON list as vLLM takes it (\'["https://a.example"]\')',
+    )
+    s.add_argument(
+        "--allowed-hosts",
+        dest="server.allowed_hosts",
+        type=_origins_arg,
+        help="Host header values accepted besides loopback names when bound to loopback (DNS rebinding), "
+        '"*" for any; a comma list or a JSON list',
+    )
+    s.add_argument(
+        "--disable-log-requests",
+        dest="server.log_requests",
+        action="store_const",
+        const=False,
+        help="no log line per request",
+    )
+    s.add_argument(
+        "--disable-log-stats",
+        dest="server.log_stats",
+        action="store_const",
+        const=False,
+        help="no stats line every 10 s",
     )
     # --- Ray path (blink.actors): same actors as `blink deploy`, on an embedded local Ray ---
     s.add_argument("--ray", action="store_true", help="run the GPU and frontend actors on an embedded local Ray")
@@ -192,9 +221,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except C.ConfigError as e:
         print(f"blink: config error: {e}", file=sys.stderr)
         return 2
+    setup_logging(cfg.server.log_level)
+    try:
+        from blink.models import registry
+
+        registry.check_model(cfg.model.spec)
+    except FileNotFoundError as e:
+        return _fail(args.command, e)
     if args.command == "serve":
         return _serve(cfg)
     return _generate(cfg, args)
+
+
+def setup_logging(level: str) -> None:
+    """The frontend's log lines (requests, stats, warnings) on stderr."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def _fail(command: str, e: BaseException) -> int:
+    """A start-up error as one line; its traceback only with --log-level debug."""
+    log.debug("%s failed", command, exc_info=e)
+    text = str(e) or type(e).__name__
+    known = (RuntimeError, TimeoutError, OSError, ValueError, KeyError)
+    print(f"blink {command}: {text if isinstance(e, known) else f'{type(e).__name__}: {text}'}", file=sys.stderr)
+    return 1
 
 
 def _ray_command(argv: list[str]) -> int:
@@ -241,9 +296,8 @@ def _serve(cfg: C.BlinkConfig) -> int:
     try:
         stack.start_device()
         _run(_serve_async(stack))
-    except (RuntimeError, TimeoutError, OSError) as e:  # OSError: e.g. the port is in use
-        print(f"blink serve: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # a model that does not load, a port in use, a device that dies: one line
+        return _fail("serve", e)
     finally:
         stack.shutdown()
     return 0
@@ -277,9 +331,8 @@ def _generate(cfg: C.BlinkConfig, args: argparse.Namespace) -> int:
     try:
         stack.start_device()
         return _run(_generate_async(stack, args))
-    except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as e:
-        print(f"blink generate: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:
+        return _fail("generate", e)
     finally:
         stack.shutdown()
 

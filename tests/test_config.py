@@ -109,6 +109,9 @@ def test_vllm_command_lines_carry_over():
     assert c.model.spec == "random:tiny-llama"
     assert (d.max_batch, d.max_tokens, d.max_context, d.kv_block_size) == (8, 512, 1024, 32)
     assert (d.num_kv_blocks, d.kv_cache_fraction) == (300, 0.7)
+    assert (c.server.log_requests, c.server.log_stats) == (False, True)  # --disable-log-requests
+    c = cli.config_from_args(cli.build_parser().parse_args(["serve", "--disable-log-stats", "--allowed-hosts", "a,b"]))
+    assert (c.server.log_requests, c.server.log_stats, c.server.hosts) == (True, False, {"a", "b"})
     a = cli.build_parser().parse_args(["serve", "--ray", "--data-parallel-size", "2", "--api-server-count", "3"])
     assert (getattr(a, "deploy.replicas"), getattr(a, "deploy.frontends")) == (2, 3)
 

@@ -52,3 +52,25 @@ def test_cli_rejects_unknown_pull_target_and_bad_flags():
         [sys.executable, "-m", "blink.cli", "deploy", "--frontends", "-3"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "deploy.frontends" in r.stderr
+
+
+def test_bad_model_is_one_line(tmp_path):
+    """Issue 13.8: a folder with config.json and no weights printed 44 lines ending in "No such file
+    or directory". One line says what is missing and where; the traceback only with debug."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "blink.cli", "serve", *args, "--device", "emulated", "--port", "0"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    r = serve(str(tmp_path))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    line = r.stderr.strip()
+    assert str(tmp_path) in line and "no weights (*.safetensors) and no tokenizer.json" in line
+    assert "it holds config.json" in line
+    r = serve(str(tmp_path / "nowhere"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no such file or folder" in r.stderr
+    r = serve("random:no-such-preset")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "unknown preset" in r.stderr
+    r = serve(str(tmp_path), "--log-level", "debug")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "no weights" in r.stderr.splitlines()[-1]

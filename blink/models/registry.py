@@ -120,6 +120,51 @@ def synthetic_tokenizer(config: ModelConfig) -> Tokenizer:
     return Tokenizer(tok, template, bos, list(config.eos_token_ids) or [eos])
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """A model spec names nothing loadable; the message says what is missing and where it looked."""
+
+
+def check_model(spec: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None = None) -> None:
+    """Check, before anything starts, that `spec` names the files a model needs (not their
+    contents): raise ModelNotFoundError with one line saying what is missing and where."""
+    s = None if spec is None else os.fspath(spec)
+    if s in _DEFAULT_ALIASES:
+        return  # pulled on first use (or `blink pull`)
+    assert s is not None
+    if s.startswith("random:") or (s in PRESET_NAMES and not os.path.exists(s)):
+        name = s.removeprefix("random:")
+        if name not in PRESET_NAMES:
+            raise ModelNotFoundError(f"model {s!r}: unknown preset; known: {', '.join(PRESET_NAMES)}")
+        return
+    p = pathlib.Path(s).expanduser()
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ModelNotFoundError(
+                f"model file {p}: not a .gguf file (a folder of safetensors is given as the folder)"
+            )
+        return
+    if not p.exists():
+        raise ModelNotFoundError(
+            f"model {s!r}: no such file or folder ({p.absolute()}); expected 'default', a .gguf file, "
+            "an HF model folder, or random:<preset>"
+        )
+    if not p.is_dir():
+        raise ModelNotFoundError(f"model {p}: neither a .gguf file nor a folder")
+    missing = [
+        what
+        for what, ok in (
+            ("config.json", (p / "config.json").is_file()),
+            ("weights (*.safetensors)", any(p.glob("*.safetensors"))),
+            ("tokenizer.json", (p / "tokenizer.json").is_file()),
+        )
+        if not ok
+    ]
+    if missing:
+        found = sorted(f.name for f in p.iterdir())[:8]
+        seen = f"; it holds {', '.join(found)}" if found else "; it is empty"
+        raise ModelNotFoundError(f"model folder {p.absolute()}: no {' and no '.join(missing)}{seen}")
+
+
 def resolve_model(
     spec: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
