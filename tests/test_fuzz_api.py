@@ -1,0 +1,174 @@
+"""Property-based fuzzing of /v1/completions and /v1/chat/completions (hypothesis) against
+`blink serve` on the emulated device: whatever the body, the answer is a 200 or an OpenAI-shaped
+4xx, never a 5xx, and afterwards the server is healthy and holds no slot."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_e2e_openai import Server
+
+MODEL = "tiny-llama"
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+json_values = st.recursive(
+    json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+small_ints = st.integers(-3, 12) | st.sampled_from([0, 2**31, 2**32, 2**63, -(2**63)])
+floats = st.floats(allow_nan=True, allow_infinity=True) | st.floats(-1, 3)
+token_ids = st.lists(st.integers(-5, 600) | st.sampled_from([2**31, 2**64]), max_size=12)
+texts = st.text(max_size=40)
+
+common = {
+    "model": st.just(MODEL) | st.just(MODEL) | texts,
+    "max_tokens": small_ints | st.none(),
+    "temperature": floats | st.none(),
+    "top_p": floats,
+    "top_k": small_ints,
+    "seed": st.integers() | st.none(),
+    "n": st.integers(-1, 4) | st.sampled_from([300, 2**40]),
+    "stop": texts | st.lists(texts, max_size=20) | st.none(),
+    "stop_token_ids": token_ids,
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+    )
+    | json_values,
+    "ignore_eos": st.booleans(),
+    "min_tokens": small_ints,
+    "logprobs": st.booleans() | small_ints | st.none(),
+    "presence_penalty": floats,
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "user": texts,
+    "unknown_extension": json_values,
+}
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "bogus"]) | json_values},
+    optional={
+        "content": texts | json_values | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}))
+    },
+)
+chat_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(message, max_size=4) | json_values},
+    optional={**common, "max_completion_tokens": small_ints, "response_format": json_values, "tools": json_values},
+)
+completion_bodies = st.fixed_dictionaries(
+    {"prompt": texts | token_ids | st.lists(texts | token_ids, max_size=4) | json_values},
+    optional={**common, "echo": st.booleans(), "best_of": small_ints, "suffix": texts | st.none()},
+)
+# Bodies a client means to be valid: every value in range, so most of them generate
+sane = {
+    "max_tokens": st.integers(1, 6),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 50),
+    "seed": st.integers(0, 2**64 - 1),
+    "n": st.integers(1, 3),
+    "stop": texts | st.lists(texts, max_size=3),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+    ),
+    "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+}
+sane_chat = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": texts}),
+            min_size=1,
+            max_size=3,
+        ),
+    },
+    optional=sane,
+)
+sane_completion = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "prompt": texts
+        | st.lists(st.integers(3, 500), min_size=1, max_size=12)
+        | st.lists(texts, min_size=1, max_size=3),
+    },
+    optional={**sane, "echo": st.booleans()},
+)
+bodies = st.tuples(st.just("/v1/chat/completions"), sane_chat | chat_bodies | json_values) | st.tuples(
+    st.just("/v1/completions"), sane_completion | completion_bodies | json_values
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(
+        "--model", "random:tiny-llama", "--max-context", "64", "--num-kv-blocks", "64", "--max-batch", "8",
+        "--n-slots", "8", "--max-queue", "16",
+    )  # fmt: skip
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+
+
+def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int, bytes]:
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, r.read()
+
+
+def _check(status: int, raw: bytes, streamed: bool) -> None:
+    assert status < 500, (status, raw[:500])
+    if status != 200:
+        err = json.loads(raw)["error"]
+        assert isinstance(err["message"], str) and err["type"] == "invalid_request_error", err
+        return
+    if streamed:
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        for e in events[:-1]:
+            obj = json.loads(e.removeprefix("data: "))
+            assert "error" not in obj, obj
+    else:
+        assert json.loads(raw)["choices"]
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bodies)
+def test_fuzzed_bodies_get_200_or_an_openai_4xx(server, case):
+    path, body = case
+    url = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        status, raw = _post(conn, path, json.dumps(body).encode())
+    finally:
+        conn.close()
+    _check(status, raw, isinstance(body, dict) and body.get("stream") is True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), st.binary(max_size=200) | texts.map(str.encode))
+def test_fuzzed_bytes_get_a_4xx(server, path, raw_body):
+    url = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        status, raw = _post(conn, path, raw_body)
+    finally:
+        conn.close()
+    assert 400 <= status < 500, (status, raw)
+
+
+def test_after_fuzzing_the_server_is_healthy_and_holds_no_slot(server):
+    t_end = time.monotonic() + 10
+    while True:
+        m = server.metrics()
+        if m["blink_ring_busy_slots"] == 0 and m["blink_device_up"] == 1:
+            break
+        assert time.monotonic() < t_end, m
+        time.sleep(0.05)
+    assert not any(k.startswith('blink_requests_total{endpoint="chat",outcome="error"') for k in m if m[k])
