@@ -915,7 +915,8 @@ def test_streams_read_to_done_count_as_served(tiny):
     before = tiny.metrics()
 
     async def go():
-        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+        msgs = [{"role": "user", "content": "hi"}]
+        body = {"model": "tiny-llama", "messages": msgs, "max_tokens": 5, "stream": True, "ignore_eos": True}
         for _ in range(30):
             async with aiohttp.ClientSession() as sess:
                 h = {"Authorization": f"Bearer {API_KEY}"}
