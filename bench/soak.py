@@ -9,7 +9,7 @@ the client aborts after a few chunks. At `--kill-at` (a fraction of the duration
 process is sent SIGKILL; the server should end the requests then in flight with an error and
 (with self-healing) restart its device and come back to /health 200.
 
-Reported (and written as JSON under bench/results/):
+Reported (and written as JSON to bench/results/soak-<device>-<commit>.json, with the command):
 - requests by outcome: ok, aborted (by the client, on purpose), rejected (4xx), unavailable (503),
   failed (another 5xx or an error event), failed_at_kill (in flight when the device was killed), and lost: no answer at all
   (connection dropped, timeout, a stream without [DONE]). Lost must be 0.
@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     leaked = (leaks["slots_leaked"] or 0) + (leaks["kv_blocks_leaked"] or 0)
     result = {
         "bench": "soak",
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": a.commit or _git_commit(),
         "tree_sha256": tree_digest(),
@@ -333,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         # the device must be serving at the end (after a kill: restarted) for leaks to be measured
         "ok": lost == 0 and measured and leaked == 0,
     }
-    out = pathlib.Path(a.out) if a.out else RESULTS / f"soak-{a.device}-{time.strftime('%Y%m%d-%H%M')}.json"
+    dev = "h200" if a.device == "cuda" else a.device
+    out = pathlib.Path(a.out) if a.out else RESULTS / f"soak-{dev}-{result['commit'][:7] or 'nocommit'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"soak {a.device} {wall:.0f} s, {result['requests']} requests: {tally.counts}")
