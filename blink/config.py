@@ -115,8 +115,10 @@ class DeviceConfig:
     """gpu: the persistent scheduler kernel; host: the host-driven loop (baseline). cuda only."""
     max_batch: int = 32
     """Sequences per decode step."""
-    max_tokens: int = 2048
-    """Packed tokens per step (prefill chunk size)."""
+    max_tokens: int | None = None
+    """Tokens per step: every decode plus prefill chunks (vLLM's max_num_batched_tokens). None =
+    2048 on cuda, 256 on the emulated device: a CPU step of 2048 prompt tokens at a long context runs
+    for tens of seconds, and the heartbeat waits for the step. See step_tokens."""
     kv_block_size: int = 16
     """Tokens per KV cache block."""
     num_kv_blocks: int | None = None
@@ -132,7 +134,8 @@ class DeviceConfig:
         _choice("device", "kind", self.kind, ("auto", "emulated", "cuda"))
         _choice("device", "scheduler", self.scheduler, ("gpu", "host"))
         _bounds("device", "max_batch", self.max_batch, 1, 4096)
-        _bounds("device", "max_tokens", self.max_tokens, 1, 1 << 20)
+        if self.max_tokens is not None:
+            _bounds("device", "max_tokens", self.max_tokens, 1, 1 << 20)
         _bounds("device", "kv_block_size", self.kv_block_size, 1, 1024)
         if self.num_kv_blocks is not None:
             _bounds("device", "num_kv_blocks", self.num_kv_blocks, 1, 1 << 24)
@@ -140,6 +143,12 @@ class DeviceConfig:
         if self.max_context is not None:
             _bounds("device", "max_context", self.max_context, 2, 1 << 24)
         _bounds("device", "ready_timeout_s", self.ready_timeout_s, 1, 24 * 3600)
+
+    def step_tokens(self, kind: str) -> int:
+        """Tokens per step on a device of `kind` ("cuda" | "emulated"): max_tokens or its default,
+        never below max_batch (a step carries one token of every decoding sequence)."""
+        default = 2048 if kind == "cuda" else 256
+        return max(self.max_tokens if self.max_tokens is not None else default, self.max_batch)
 
 
 @dataclass(frozen=True)

@@ -61,13 +61,14 @@ def resolve_kind(kind: str) -> str:
 def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
     """The device process's spec for a server config, on the ring named `ring`."""
     d = cfg.device
+    kind = resolve_kind(d.kind)
     return DeviceSpec(
         ring=ring,
-        kind=resolve_kind(d.kind),
+        kind=kind,
         model=cfg.model.spec,
         scheduler=d.scheduler,
         max_batch=d.max_batch,
-        max_tokens=d.max_tokens,
+        max_tokens=d.step_tokens(kind),
         kv_block_size=d.kv_block_size,
         num_kv_blocks=d.num_kv_blocks or 0,
         kv_cache_fraction=d.kv_cache_fraction,

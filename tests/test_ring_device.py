@@ -315,3 +315,37 @@ def test_slot_tracker_owner_checks():
     finally:
         t.close()
         t.unlink()
+
+
+class _SlowLayers(HashExecutor):
+    """The hash model with a step of 20 'layers' of 25 ms each, reporting progress after each."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.progress = None
+
+    def set_progress(self, fn):
+        self.progress = fn
+
+    def execute(self, batch):
+        for _ in range(20):
+            time.sleep(0.025)
+            if self.progress is not None:
+                self.progress()
+        return super().execute(batch)
+
+
+def test_the_heartbeat_beats_inside_a_long_step(rig_factory):
+    """Issue 13.1: a step of seconds must not look like a dead device. A 0.5 s step beats every 25 ms."""
+    rig = rig_factory(_SlowLayers(VOCAB, num_blocks=64, block_size=16, max_batch=8, max_tokens=64))
+    slot = rig.c.submit(list(range(1, 60)), max_new_tokens=2)
+    gaps, last, t_last = [], rig.c.h("heartbeat"), time.monotonic()
+    while not rig.c.poll(slot).done:
+        hb = rig.c.h("heartbeat")
+        now = time.monotonic()
+        if hb != last:
+            gaps.append(now - t_last)
+            last, t_last = hb, now
+        time.sleep(0.002)
+    rig.c.wait([slot])
+    assert gaps and max(gaps) < 0.25, max(gaps)  # without the hook: one gap of a whole step (0.5 s)

@@ -12,8 +12,10 @@ from blink.device.scheduler import Scheduler, SchedulerConfig, SeqStatus, StepKi
 from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
 
 
-def make(max_batch=4, max_tokens=64, max_context=256, output_capacity=1024, num_blocks=64, block_size=4):
-    cfg = SchedulerConfig(max_batch, max_tokens, max_context, output_capacity)
+def make(
+    max_batch=4, max_tokens=64, max_context=256, output_capacity=1024, num_blocks=64, block_size=4, long_prefill=0
+):
+    cfg = SchedulerConfig(max_batch, max_tokens, max_context, output_capacity, long_prefill)
     return Scheduler(cfg, BlockManager(num_blocks, block_size))
 
 
@@ -79,14 +81,12 @@ def test_batch_capacity_admits_when_sequences_finish():
     plan, ev = step(s)
     assert [c.seq.seq_id for c in plan.chunks] == [0, 1]
     assert ev[0].finish is FinishReason.LENGTH  # seq 0 finished in its prefill step: its place frees
-    plan, _ = step(s)  # decode of seq 1 first (prefill and decode alternate) ...
-    assert plan.kind is StepKind.DECODE
-    plan, _ = step(s)  # ... then seq 2 joins
-    assert plan.kind is StepKind.PREFILL and [c.seq.seq_id for c in plan.chunks] == [2]
+    plan, _ = step(s)  # seq 1 decodes and seq 2 joins in the same step
+    assert plan.kind is StepKind.MIXED and [(c.seq.seq_id, c.n) for c in plan.chunks] == [(1, 1), (2, 2)]
     assert s.num_running <= 2
 
 
-def test_new_arrivals_join_within_one_decode_step():
+def test_new_arrivals_join_the_next_step_without_stalling_decodes():
     s = make()
     s.add(0, [1, 2, 3], max_new_tokens=UNLIMITED)
     kinds = []
@@ -98,7 +98,7 @@ def test_new_arrivals_join_within_one_decode_step():
     assert kinds[:4] == [
         (StepKind.PREFILL, [0]),
         (StepKind.DECODE, [0]),
-        (StepKind.PREFILL, [1]),  # admitted right after one decode step
+        (StepKind.MIXED, [0, 1]),  # admitted at once, seq 0 decodes in the same step
         (StepKind.DECODE, [0, 1]),
     ]
 
@@ -138,7 +138,7 @@ def test_kv_exhaustion_preempts_newest_and_recomputes():
         toks = [e.token for e in events if e.seq_id == sid]
         assert toks == [token_for(sid, k) for k in range(6)]  # nothing lost, nothing repeated
     # a recompute prefill covers prompt + generated and samples the next index
-    recompute = [c for p in plans if p.kind is StepKind.PREFILL for c in p.chunks if c.start == 0 and c.n > 3]
+    recompute = [c for p in plans for c in p.chunks[p.num_decodes :] if c.start == 0 and c.n > 3]
     assert recompute and all(c.sample for c in recompute)
     assert s.blocks.num_free == 6 and not s.seqs
 
@@ -195,7 +195,10 @@ def test_random_workload_keeps_every_invariant(seed):
     blocks are never shared, tokens come out in order without gaps, and everything finishes."""
     rng = np.random.default_rng(seed)
     cfg = dict(
-        max_batch=int(rng.integers(1, 6)), max_tokens=int(rng.integers(4, 40)), output_capacity=int(rng.integers(1, 6))
+        max_batch=int(rng.integers(1, 6)),
+        max_tokens=int(rng.integers(6, 40)),
+        output_capacity=int(rng.integers(1, 6)),
+        long_prefill=int(rng.integers(0, 8)),
     )
     s = make(num_blocks=12, block_size=4, max_context=40, **cfg)
     published: dict[int, list[int]] = {}
@@ -229,7 +232,13 @@ def test_random_workload_keeps_every_invariant(seed):
                 break
             continue
         assert plan.num_seqs <= cfg["max_batch"] and s.num_running <= cfg["max_batch"]
-        assert plan.num_tokens <= (cfg["max_tokens"] if plan.kind is StepKind.PREFILL else cfg["max_batch"])
+        assert plan.num_tokens <= cfg["max_tokens"]
+        assert all(c.n == 1 and c.sample for c in plan.chunks[: plan.num_decodes])
+        assert [c.seq.arrival for c in plan.chunks[: plan.num_decodes]] == sorted(
+            c.seq.arrival for c in plan.chunks[: plan.num_decodes]
+        )
+        assert len({c.seq.seq_id for c in plan.chunks}) == plan.num_seqs  # one chunk per sequence
+        assert not {c.seq.seq_id for c in plan.chunks} & {v.seq_id for v in plan.preempted}
         for c in plan.chunks:
             assert len(s.blocks.table(c.seq.seq_id)) * 4 >= c.start + c.n  # KV room for the chunk
             assert c.start == c.seq.num_computed
@@ -249,3 +258,102 @@ def test_random_workload_keeps_every_invariant(seed):
             assert out[-1] == 7
         if reason is not FinishReason.CANCELLED:
             assert reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTEXT)
+
+
+# -- mixed steps (chunked prefill piggybacked on decode) ------------------------------------------
+
+
+def test_decodes_produce_a_token_every_step_while_a_long_prompt_prefills():
+    s = make(max_batch=4, max_tokens=16, max_context=512, num_blocks=128)
+    for i in range(3):
+        s.add(i, [1, 2], max_new_tokens=UNLIMITED)
+    step(s)  # the three short prompts
+    s.add(3, range(100), max_new_tokens=2)
+    chunks = []
+    while s.seqs[3].num_generated == 0:
+        plan, ev = step(s)
+        assert [c.seq.seq_id for c in plan.chunks[:3]] == [0, 1, 2] and plan.num_decodes == 3
+        assert sorted(e.seq_id for e in ev if e.seq_id != 3) == [0, 1, 2]  # one token each, every step
+        assert plan.num_tokens <= 16 and plan.kind is StepKind.MIXED
+        chunks.append(plan.chunks[3].n)
+    assert chunks == [13] * 7 + [9]  # the budget minus the three decodes
+
+
+def test_token_budget_counts_decodes_and_packs_prompts_fcfs():
+    s = make(max_batch=4, max_tokens=10, max_context=256)
+    s.add(0, [1, 2, 3], max_new_tokens=UNLIMITED)
+    step(s)
+    for i, n in ((1, 4), (2, 6), (3, 2)):
+        s.add(i, range(n), max_new_tokens=UNLIMITED)
+    plan, _ = step(s)
+    # budget 10: the decode (1), then 1's prompt (4), then 2's prompt cut to the rest (5); 3 waits (FCFS)
+    assert [(c.seq.seq_id, c.start, c.n, c.sample) for c in plan.chunks] == [
+        (0, 3, 1, True),
+        (1, 0, 4, True),
+        (2, 0, 5, False),
+    ]
+    plan, _ = step(s)
+    # 0 and 1 decode; 2 still prefills (its last token); 3 admitted behind it
+    assert [(c.seq.seq_id, c.n) for c in plan.chunks] == [(0, 1), (1, 1), (2, 1), (3, 2)]
+    assert plan.num_decodes == 2 and plan.chunks[2].sample
+
+
+def test_a_waiting_request_is_served_while_a_long_prompt_prefills():
+    s = make(max_batch=4, max_tokens=16, max_context=512, num_blocks=128, long_prefill=4)
+    s.add(0, range(200), max_new_tokens=1)
+    plan, _ = step(s)
+    assert [(c.seq.seq_id, c.n) for c in plan.chunks] == [(0, 16)]  # alone: the whole budget
+    s.add(1, [5, 6, 7], max_new_tokens=3)
+    plan, ev = step(s)
+    # a request waits: the long prefill takes long_prefill tokens, the short prompt the rest
+    assert [(c.seq.seq_id, c.start, c.n) for c in plan.chunks] == [(0, 16, 4), (1, 0, 3)]
+    assert [e.seq_id for e in ev] == [1]
+    plan, ev = step(s)
+    assert [(c.seq.seq_id, c.n) for c in plan.chunks] == [(1, 1), (0, 15)]  # nobody waits: full budget again
+    _, events = drain(s)
+    assert [e.finish for e in events if e.seq_id == 1][-1] is FinishReason.LENGTH
+    assert s.blocks.num_free == 128 and not s.seqs
+
+
+def test_a_prefill_chunk_sharing_a_step_is_cut_to_the_free_blocks_never_preempting():
+    # 10 blocks of 4: seq 0 decodes while seq 1's 36-token prompt (9 blocks) prefills in chunks of
+    # up to 7; once 0 holds 2 blocks, 1 gets the 8 left and waits (no preemption for a prefill
+    # chunk) until 0 needs a third block and preempts 1, the newest, as a decode may.
+    s = make(max_batch=4, max_tokens=8, max_context=41, num_blocks=10, block_size=4)
+    s.add(0, [1, 2], max_new_tokens=UNLIMITED)
+    s.add(1, range(36), max_new_tokens=1)
+    events, cut = [], False
+    for _ in range(200):
+        plan, ev = step(s)
+        if plan is None:
+            break
+        events += ev
+        for c in plan.chunks[plan.num_decodes :]:
+            if plan.num_decodes and c.n < min(len(c.seq.tokens) - c.start, 8 - plan.num_decodes):
+                cut = True
+                assert s.blocks.num_free == 0 and not plan.preempted
+        if plan.num_decodes:
+            assert all(v.status is SeqStatus.WAITING for v in plan.preempted)
+    assert cut
+    assert s.blocks.num_free == 10 and not s.seqs
+    for sid in range(2):
+        toks = [e.token for e in events if e.seq_id == sid]
+        assert toks == [token_for(sid, k) for k in range(len(toks))] and toks
+
+
+def test_half_prefilled_prompts_filling_the_pool_still_progress():
+    # Two 30-token prompts over 8 blocks of 4 (32 tokens): 0 takes 12, then 6 while 1 is admitted
+    # with 6; then 0 needs 3 more blocks with 1 free. No decode shares the step, so the older
+    # preempts the newer and completes.
+    s = make(max_batch=2, max_tokens=12, max_context=32, num_blocks=8, block_size=4, long_prefill=6)
+    s.add(0, range(30), max_new_tokens=1)
+    s.add(1, range(30), max_new_tokens=1)
+    plans, events = drain(s)
+    assert [e.seq_id for e in events] == [0, 1]
+    assert any(v.seq_id == 1 for p in plans for v in p.preempted)
+    assert s.blocks.num_free == 8
+
+
+def test_max_tokens_below_max_batch_is_rejected():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SchedulerConfig(8, 4, 64, 16)

@@ -64,3 +64,9 @@ class Executor(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# An executor whose steps can run for seconds (the numpy one on a CPU) may also offer
+# `set_progress(fn)`: it then calls fn at points inside a step (numpy: after every layer). The ring
+# device beats its heartbeat there, as the GPU scheduler beats while it waits for a step's graph,
+# so a long step is not taken for a dead device.

@@ -7,6 +7,7 @@ from the logits of that sequence's last token, and returns them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,11 @@ class NumpyExecutor:
         self.k_cache = np.zeros(shape, dtype=np.float32)
         self.v_cache = np.zeros(shape, dtype=np.float32)
         self.penalty_states: dict[int, PenaltyState] = {}
+        self._progress: Callable[[], None] | None = None
+
+    def set_progress(self, fn: Callable[[], None] | None) -> None:
+        """Call fn after every layer of a step (blink.device.executor: the optional progress hook)."""
+        self._progress = fn
 
     @classmethod
     def from_model(
@@ -99,6 +105,7 @@ class NumpyExecutor:
             self.k_cache,
             self.v_cache,
             logits_rows=rows,
+            progress=self._progress,
         )
 
     def execute(self, batch: StepBatch) -> np.ndarray:

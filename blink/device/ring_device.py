@@ -13,7 +13,9 @@ readers rely on); finish slots; write the header statistics.
 
 Idle polling spins for `spin_s` after the last activity, then sleeps with exponential backoff up
 to `max_sleep_s` (<= 1 ms), so an idle device does not hold a core and still beats every ms.
-During a step the loop is inside the executor, so the heartbeat pauses for the step's length.
+During a step the loop is inside the executor; an executor with a progress hook (`set_progress`,
+the numpy one: after every layer) beats the heartbeat from inside the step, as the GPU scheduler
+beats while it waits for a graph. Prefill is chunked under the step's token budget either way.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ class RingDeviceConfig:
     max_batch: int = 0
     """Sequences per step; 0 = the executor's max_batch (never more than it)."""
     max_tokens: int = 0
-    """Packed tokens per prefill step; 0 = the executor's max_tokens (never more than it)."""
+    """Tokens per step (decodes + prefill chunks); 0 = the executor's max_tokens (never more than it)."""
+    long_prefill_tokens: int = 0
+    """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_tokens."""
     spin_s: float = 200e-6
     """Busy-poll this long after the last activity before sleeping."""
     max_sleep_s: float = 500e-6
@@ -61,8 +65,8 @@ class RingDeviceConfig:
     """Scan the slots this often even when no doorbell moved."""
 
     def __post_init__(self) -> None:
-        if self.max_batch < 0 or self.max_tokens < 0:
-            raise ValueError("max_batch and max_tokens must be >= 0")
+        if self.max_batch < 0 or self.max_tokens < 0 or self.long_prefill_tokens < 0:
+            raise ValueError("max_batch, max_tokens and long_prefill_tokens must be >= 0")
         if not 0 < self.max_sleep_s <= 1e-3:
             raise ValueError(f"max_sleep_s must be in (0, 1 ms], got {self.max_sleep_s}")
         if self.spin_s < 0 or self.rescan_s <= 0:
@@ -192,14 +196,16 @@ class RingDevice:
         self.ex = executor
         self.config = config or RingDeviceConfig()
         cfg = self.config
-        self.max_batch = min(cfg.max_batch or executor.max_batch, executor.max_batch, executor.max_tokens)
         self.max_tokens = min(cfg.max_tokens or executor.max_tokens, executor.max_tokens)
+        self.max_batch = min(cfg.max_batch or executor.max_batch, executor.max_batch, self.max_tokens)
         # A sequence that fits the context must fit the pool alone (never fail it for KV), so the
         # context the device advertises is capped by the pool: L tokens hold L-1 K/V entries.
         self.max_context = min(executor.max_context, executor.num_blocks * executor.block_size + 1)
         self.blocks = BlockManager(executor.num_blocks, executor.block_size)
         self.sched = Scheduler(
-            SchedulerConfig(self.max_batch, self.max_tokens, self.max_context, view.geo.output_capacity),
+            SchedulerConfig(
+                self.max_batch, self.max_tokens, self.max_context, view.geo.output_capacity, cfg.long_prefill_tokens
+            ),
             self.blocks,
         )
         self.table_width = self.blocks.blocks_for(executor.max_context)
@@ -222,6 +228,9 @@ class RingDevice:
         self._last_submit = -1
         self._last_cancel = -1
         self._next_rescan = 0.0
+        set_progress = getattr(executor, "set_progress", None)
+        if set_progress is not None:
+            set_progress(self._beat)
 
     # -- header -----------------------------------------------------------------
     def _beat(self) -> None:
@@ -435,9 +444,9 @@ class RingDevice:
         if batch.ext is not None:
             self._write_prompt_logprobs(plan, batch)
         self.stats["launches"] += 1
-        if plan.kind is StepKind.PREFILL:
+        if plan.kind is not StepKind.DECODE:  # a mixed step counts as a prefill launch
             self.stats["prefill_steps"] += 1
-            self.stats["prompt_tokens"] += plan.num_tokens
+            self.stats["prompt_tokens"] += plan.prefill_tokens
         else:
             self.stats["steps"] += 1
             self.stats["step_ns_total"] += dt

@@ -10,21 +10,29 @@ the end of `tokens`, the logits of its last token give the next generated token.
 case n == 1; prefill, chunked prefill and the recompute of a preempted sequence are the same
 operation with larger n.
 
-Policy (paper §4.2, the same as vLLM / TensorRT-LLM / SGLang so the comparison isolates the
-scheduler's placement):
-- A step is either a prefill step or a decode step, never mixed: the GPU scheduler launches one
-  graph per step, chosen by (batch, tokens).
-- Prefill step: first the running sequences whose prefill is unfinished (chunked prefill), then
-  waiting sequences in arrival order while the batch (max_batch) and the KV pool allow; chunks are
-  packed up to max_tokens, so a prompt longer than max_tokens is prefilled over several steps.
-- While sequences are decoding, prefill and decode steps alternate, so a new request is admitted
-  within one decode step and a decoding sequence waits at most one prefill step.
-- Decode step: every running sequence that has finished its prefill and has room in its output
-  ring. A sequence whose output ring is full (generated - consumed >= output_capacity) sits out
-  until the reader catches up; it keeps its KV blocks and its batch place meanwhile.
-- When the pool runs dry, the newest running sequence is preempted: its blocks are freed and it
-  is recomputed later (prompt + generated re-prefilled). Admission never preempts; a running
-  sequence never fails for lack of KV, because max_context fits the pool (the caller's duty).
+Policy (paper §4.2; chunked prefill piggybacked on decode as Sarathi-Serve and vLLM do, so the
+comparison isolates the scheduler's placement):
+- Every step carries every running sequence that is ready to decode (one token each, arrival
+  order), so a decoding sequence is never stalled by a prompt. When the pool cannot cover them, the
+  newest running sequence is preempted (its blocks are freed, it is recomputed later: prompt +
+  generated re-prefilled).
+- The rest of the step's token budget (max_tokens minus the decodes) goes to prefill chunks: first
+  the running sequences whose prefill is unfinished, then waiting sequences in arrival order while
+  the batch (max_batch) and the KV pool allow. A prompt longer than the budget is prefilled over
+  several steps. The step is DECODE (decodes only), PREFILL (chunks only) or MIXED; a graph is
+  chosen by (batch, tokens), so a MIXED step runs a prefill graph with one-token rows in it.
+- While a request waits for admission, a running prefill takes at most `long_prefill_tokens` of a
+  step (vLLM's long_prefill_token_threshold), so a short request is served while a long prompt is
+  still prefilling; alone, a prefill takes the whole budget.
+- A prefill chunk that shares its step never preempts: it is cut to the blocks that are free (the
+  scheduled rows are older than any victim only for the decodes, which go in arrival order). When
+  not even one token fits, prefill and admission stop for this step (FCFS: nobody overtakes). A
+  chunk that would run alone preempts the newest running sequence, as decodes do, so a pool full
+  of half-prefilled prompts still makes progress.
+- A sequence whose output ring is full (generated - consumed >= output_capacity) sits out until
+  the reader catches up; it keeps its KV blocks and its batch place meanwhile.
+- Admission never preempts; a running sequence never fails for lack of KV, because max_context
+  fits the pool (the caller's duty).
 """
 
 from __future__ import annotations
@@ -52,18 +60,30 @@ class SchedulerConfig:
     max_batch: int
     """Sequences in the batch (running, holding KV), and so per step."""
     max_tokens: int
-    """Packed tokens per prefill step (>= 1); decode steps hold max_batch tokens."""
+    """Tokens per step (>= max_batch: a step carries every decode, the rest goes to prefill chunks)."""
     max_context: int
     """prompt + generated tokens per sequence; must fit the KV pool."""
     output_capacity: int
     """Tokens of a sequence's output ring: generated - consumed never exceeds it."""
+    long_prefill_tokens: int = 0
+    """Most tokens a running prefill takes in one step while a request waits for admission;
+    0 = default_long_prefill(max_tokens)."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_tokens", "max_context", "output_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens < self.max_batch:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be >= max_batch ({self.max_batch})")
+        if self.long_prefill_tokens < 0:
+            raise ValueError("long_prefill_tokens must be >= 0")
         if self.max_context < 2:
             raise ValueError("max_context must be >= 2 (a prompt token and a generated one)")
+
+
+def default_long_prefill(max_tokens: int) -> int:
+    """A quarter of the step budget: a waiting prompt of up to 3/4 of it joins the next step."""
+    return max(1, max_tokens // 4)
 
 
 class SeqStatus(enum.Enum):
@@ -73,8 +93,9 @@ class SeqStatus(enum.Enum):
 
 
 class StepKind(enum.Enum):
-    PREFILL = 0
-    DECODE = 1
+    PREFILL = 0  # prefill chunks only
+    DECODE = 1  # decodes only (one token per sequence)
+    MIXED = 2  # decodes first, then prefill chunks
 
 
 @dataclass(eq=False)
@@ -118,8 +139,13 @@ class ScheduledChunk:
 @dataclass
 class StepPlan:
     kind: StepKind
-    chunks: list[ScheduledChunk]
+    chunks: list[ScheduledChunk]  # the decodes first (arrival order), then the prefill chunks
     preempted: list[Seq] = field(default_factory=list)
+    num_decodes: int = 0  # chunks[:num_decodes] are decodes
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.n for c in self.chunks[self.num_decodes :])
 
     @property
     def num_tokens(self) -> int:
@@ -152,7 +178,6 @@ class Scheduler:
         self.waiting: list[Seq] = []  # arrival order (preempted ones re-inserted in place)
         self.running: list[Seq] = []
         self._arrivals = 0
-        self._last_kind: StepKind | None = None
 
     # -- requests ---------------------------------------------------------------
     def add(
@@ -232,20 +257,21 @@ class Scheduler:
     # -- policy -----------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step, or None when nothing can run now (idle, or every sequence blocked)."""
-        decode_ready, partial = self._split_running()
-        wants_prefill = partial or (
-            len(self.running) < self.config.max_batch and any(not self.output_full(s) for s in self.waiting)
-        )
-        if wants_prefill and (not decode_ready or self._last_kind is StepKind.DECODE):
-            plan = self._schedule_prefill()
-            if plan.chunks:
-                self._last_kind = StepKind.PREFILL
-                return plan
-            decode_ready, _ = self._split_running()  # the attempt may have preempted some
-        if not decode_ready:
+        plan = StepPlan(StepKind.DECODE, [])
+        ready, partial = self._split_running()
+        if ready:
+            self._schedule_decode(ready, plan)
+        plan.num_decodes = len(plan.chunks)
+        if partial or (len(self.running) < self.config.max_batch and self._admissible_waiting()):
+            self._schedule_prefill(plan, self.config.max_tokens - plan.num_decodes)
+        if not plan.chunks:
             return None
-        self._last_kind = StepKind.DECODE
-        return self._schedule_decode(decode_ready)
+        if len(plan.chunks) > plan.num_decodes:
+            plan.kind = StepKind.MIXED if plan.num_decodes else StepKind.PREFILL
+        return plan
+
+    def _admissible_waiting(self) -> bool:
+        return any(not self.output_full(s) for s in self.waiting)
 
     def _split_running(self) -> tuple[list[Seq], bool]:
         """(running sequences ready to decode, whether any running one is still prefilling)."""
@@ -277,33 +303,40 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_decode(self, ready: list[Seq]) -> StepPlan:
-        plan = StepPlan(StepKind.DECODE, [])
+    def _schedule_decode(self, ready: list[Seq], plan: StepPlan) -> None:
         ready.sort(key=lambda s: s.arrival)
         for s in ready:
             if s.status is not SeqStatus.RUNNING:
                 continue  # preempted for an older sequence earlier in this loop
             if self._reserve(s, len(s.tokens), plan):
                 plan.chunks.append(ScheduledChunk(s, len(s.tokens) - 1, 1, True))
-        return plan
 
-    def _schedule_prefill(self) -> StepPlan:
-        plan = StepPlan(StepKind.PREFILL, [])
-        budget = self.config.max_tokens
+    def _schedule_prefill(self, plan: StepPlan, budget: int) -> None:
+        cfg = self.config
+        bs = self.blocks.block_size
+        cap = budget
+        if len(self.running) < cfg.max_batch and self._admissible_waiting():
+            cap = min(budget, cfg.long_prefill_tokens or default_long_prefill(cfg.max_tokens))
         for s in sorted((s for s in self.running if s.prefilling), key=lambda s: s.arrival):
             if budget == 0:
                 break
             if s.status is not SeqStatus.RUNNING:
-                continue
-            n = min(len(s.tokens) - s.num_computed, budget)
-            sample = s.num_computed + n == len(s.tokens)
-            if sample and self.output_full(s):
+                continue  # preempted by an older chunk's reservation in this loop
+            n = min(len(s.tokens) - s.num_computed, budget, cap)
+            if s.num_computed + n == len(s.tokens) and self.output_full(s):
                 continue  # a recompute that would publish into a full output ring waits
-            if self._reserve(s, s.num_computed + n, plan):
-                plan.chunks.append(ScheduledChunk(s, s.num_computed, n, sample))
-                budget -= n
+            if plan.chunks:  # shares the step: never preempt, cut the chunk to the free blocks
+                room = (len(self.blocks.table(s.seq_id)) + self.blocks.num_free) * bs - s.num_computed
+                if room <= 0:
+                    return  # FCFS: nobody overtakes a prefill that cannot go
+                n = min(n, room)
+                self.blocks.grow(s.seq_id, s.num_computed + n)
+            elif not self._reserve(s, s.num_computed + n, plan):
+                continue
+            plan.chunks.append(ScheduledChunk(s, s.num_computed, n, s.num_computed + n == len(s.tokens)))
+            budget -= n
         for s in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_batch:
+            if budget == 0 or len(self.running) >= cfg.max_batch:
                 break
             if s in plan.preempted:
                 break  # preempted by this very step: admitting it back would undo that
@@ -318,7 +351,6 @@ class Scheduler:
             s.status = SeqStatus.RUNNING
             plan.chunks.append(ScheduledChunk(s, 0, n, n == len(s.tokens)))
             budget -= n
-        return plan
 
     # -- results ----------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int] | np.ndarray) -> list[TokenEvent]:

@@ -18,6 +18,7 @@ KV pool layout (the Executor contract): k_cache, v_cache (layers, num_blocks, bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,9 +110,11 @@ class LlamaNumpy:
         k_cache: np.ndarray,
         v_cache: np.ndarray,
         logits_rows: np.ndarray | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> np.ndarray:
         """Run one step; writes K/V into the caches. Returns logits (R, vocab) float32 of the packed
-        rows `logits_rows` (default: the last token of each sequence)."""
+        rows `logits_rows` (default: the last token of each sequence). `progress` is called after
+        every layer (the emulated device beats its heartbeat there)."""
         c = self.config
         ids = np.asarray(input_ids, dtype=np.int64)
         pos = np.asarray(positions, dtype=np.int64)
@@ -169,6 +172,8 @@ class LlamaNumpy:
             with np.errstate(over="ignore"):
                 act = g / (1.0 + np.exp(-g)) * u
             x = x + act @ L.w_down.T
+            if progress is not None:
+                progress()
 
         return rmsnorm(x, self.norm, c.rms_eps) @ self.lm_head.T
 

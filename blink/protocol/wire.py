@@ -106,7 +106,7 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     model: str  # blink.models.registry spec: default, a .gguf, an HF dir, random:<preset>
     scheduler: str  # cuda: "gpu" (persistent scheduler kernel) | "host" (host-driven loop)
     max_batch: int  # sequences per step
-    max_tokens: int  # packed tokens per prefill step
+    max_tokens: int  # tokens per step: every decode + prefill chunks
     kv_block_size: int  # tokens per KV block
     num_kv_blocks: int  # KV pool in blocks; 0 = sized by the device
     kv_cache_fraction: float  # cuda: share of the free GPU memory for the KV pool when num_kv_blocks is 0

@@ -1,0 +1,86 @@
+"""Conformance: mixed steps (chunked prefill piggybacked on decode; blink/device/scheduler.py).
+
+Through the ring only: a decoding request keeps getting a token on every launch while a long
+prompt prefills; the step's token budget bounds how fast a prompt is prefilled; a short request
+submitted during a long prefill is answered before it; admission stays first come, first served.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from conformance.rig import Rig
+
+from blink.protocol.layout import FinishReason, SlotState
+
+SPEC = dict(max_batch=4, max_tokens=32, max_context=1024, kv_blocks=160, output_capacity=512, n_slots=16)
+LONG = 900  # prompt tokens: at least ceil(900 / 31) = 30 launches under a 32-token budget
+
+
+def prompt(rig: Rig, n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, rig.vocab, n).tolist()
+
+
+def wait_tokens(rig: Rig, slot: int, n: int, timeout: float = 60.0) -> None:
+    t_end = time.monotonic() + timeout
+    while len(rig.client.poll(slot).tokens) < n:
+        assert time.monotonic() < t_end, f"slot {slot}: fewer than {n} tokens after {timeout} s"
+
+
+def test_decodes_get_a_token_every_launch_while_a_long_prompt_prefills(make_rig):
+    rig = make_rig(**SPEC)
+    c = rig.client
+    a = c.submit(prompt(rig, 4, 0), max_new_tokens=1000)
+    wait_tokens(rig, a, 2)
+    launches0, tokens0 = c.h("launches"), len(c.poll(a).tokens)
+    b = c.submit(prompt(rig, LONG, 1), max_new_tokens=2)
+    while not c.poll(b).tokens:
+        c.poll(a)  # keep a's output ring drained
+        assert not c.poll(a).done, "the decoding request ended before the long prompt's first token"
+    launches1, tokens1 = c.h("launches"), len(c.poll(a).tokens)
+    launches = launches1 - launches0
+    assert launches >= -(-LONG // (SPEC["max_tokens"] - 1))  # the budget: the decode's token, the rest prefill
+    # a's decode rode on every launch; a GPU device publishes a step's tokens one launch later
+    assert tokens1 - tokens0 >= launches - 2, (tokens1 - tokens0, launches)
+    c.cancel(a)
+    res = c.wait([a, b], timeout=60)
+    assert res[0].finish in (FinishReason.CANCELLED, FinishReason.LENGTH)
+    assert res[1].finish is FinishReason.LENGTH and len(res[1].tokens) == 2
+
+
+def test_a_short_request_is_answered_while_a_long_prompt_prefills(make_rig):
+    rig = make_rig(**SPEC)
+    c = rig.client
+    b = c.submit(prompt(rig, LONG, 2), max_new_tokens=2)
+    t_end = time.monotonic() + 60
+    while c.state(b) == SlotState.PREFILL_PENDING:
+        assert time.monotonic() < t_end
+    s = c.submit(prompt(rig, 6, 3), max_new_tokens=3)
+    short = c.wait([s], timeout=60)[0]
+    assert short.finish is FinishReason.LENGTH and len(short.tokens) == 3
+    assert not c.poll(b).tokens, "the short request waited for the long prompt's whole prefill"
+    (long_,) = c.wait([b], timeout=60)
+    assert long_.finish is FinishReason.LENGTH and short.t_first_ns < long_.t_first_ns
+
+
+def test_admission_stays_fcfs_with_decodes_running(make_rig):
+    rig = make_rig(**SPEC)
+    c = rig.client
+    runners = [c.submit(prompt(rig, 3, 4 + i), max_new_tokens=1000) for i in range(2)]
+    for r in runners:
+        wait_tokens(rig, r, 1)
+    # equal 20-token prompts under a 30-token prefill budget: at most one and a half per step
+    slots = [c.submit(p, max_new_tokens=4) for p in (prompt(rig, 20, 10 + i) for i in range(8))]
+    pending = set(slots)
+    while pending:
+        for r in runners:
+            c.poll(r)
+        pending = {i for i in pending if not c.poll(i).done}
+    results = c.wait(slots)
+    firsts = [r.t_first_ns for r in results]
+    assert firsts == sorted(firsts)
+    assert all(r.finish is FinishReason.LENGTH and len(r.tokens) == 4 for r in results)
+    for r in runners:
+        c.cancel(r)
+    c.wait(runners, timeout=60)
