@@ -259,10 +259,12 @@ class Scheduler:
         """The next step, or None when nothing can run now (idle, or every sequence blocked)."""
         plan = StepPlan(StepKind.DECODE, [])
         ready, partial = self._split_running()
+        # decided before the decodes are planned (their preemptions do not make prefill wanted)
+        wants_prefill = partial or (len(self.running) < self.config.max_batch and self._admissible_waiting())
         if ready:
             self._schedule_decode(ready, plan)
         plan.num_decodes = len(plan.chunks)
-        if partial or (len(self.running) < self.config.max_batch and self._admissible_waiting()):
+        if wants_prefill:
             self._schedule_prefill(plan, self.config.max_tokens - plan.num_decodes)
         if not plan.chunks:
             return None

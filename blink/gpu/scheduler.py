@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from blink.device.scheduler import default_long_prefill
 from blink.protocol.cgen import header_main, struct_lines
 from blink.protocol.layout import SLOT_DTYPE, RingView
 
@@ -64,7 +65,7 @@ SCHED_CTL_DTYPE = np.dtype([
     ("window", "<u4"),               # fire-and-forget launches per scheduler instance (<= 120)
     ("retry_max", "<u4"),            # retries of a launch that returns cudaErrorInvalidValue
     ("flags", "<u4"),                # FLAG_* bits
-    ("_pad0", "<u4"),
+    ("long_prefill", "<u4"),         # most tokens of a running prefill per step while a request waits
     ("self_exec", "<u8"),            # the scheduler's own exec, if cudaGetCurrentGraphExec() gives 0
     # kernel state: zero before the first launch; kept across tail relaunches
     ("seq", "<u8"),                  # last step_seq written
@@ -74,7 +75,7 @@ SCHED_CTL_DTYPE = np.dtype([
     ("fault", "<u4"),                # fault code when FAILED
     ("last_error", "<u4"),           # last cudaError_t of a failed launch
     ("max_retries", "<u4"),          # most retries one launch needed
-    ("last_kind", "<u4"),            # 1 prefill, 2 decode: the alternation rule of the policy
+    ("last_kind", "<u4"),            # 1 prefill (mixed included), 2 decode: the last step's graph family
     ("waitq_head", "<u4"),           # FIFO indices (monotonic, modulo n_slots)
     ("waitq_tail", "<u4"),
     ("kv_free_top", "<i4"),          # free blocks on the stack
@@ -203,7 +204,9 @@ class GpuSchedulerConfig:
     max_batch: int = 0
     """Running sequences; 0 = the engine's max_seqs (never more than it, its max_tokens or MAX_ROWS)."""
     max_tokens: int = 0
-    """Packed prompt tokens per prefill step; 0 = the engine's max_tokens (never more)."""
+    """Tokens per step (decodes + prefill chunks); 0 = the engine's max_tokens (never more)."""
+    long_prefill_tokens: int = 0
+    """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_tokens."""
     window: int = LAUNCH_WINDOW
     """Fire-and-forget launches per scheduler instance before the tail self-relaunch (1..120)."""
     retry_max: int = 1000
@@ -218,8 +221,8 @@ class GpuSchedulerConfig:
     """Scan every slot on every iteration (benchmarks the scan)."""
 
     def __post_init__(self) -> None:
-        if self.max_batch < 0 or self.max_tokens < 0:
-            raise ValueError("max_batch and max_tokens must be >= 0")
+        if self.max_batch < 0 or self.max_tokens < 0 or self.long_prefill_tokens < 0:
+            raise ValueError("max_batch, max_tokens and long_prefill_tokens must be >= 0")
         if not 1 <= self.window <= LAUNCH_WINDOW:
             raise ValueError(f"window must be in [1, {LAUNCH_WINDOW}], got {self.window}")
         if self.retry_max < 0 or self.graph_timeout_s <= 0 or self.rescan_s <= 0:
@@ -256,8 +259,8 @@ class GpuScheduler:
     def _limits(self) -> tuple[int, int, int]:
         d = self.engine.dims
         cfg = self.config
-        max_batch = min(cfg.max_batch or d.max_seqs, d.max_seqs, d.max_tokens, MAX_ROWS)
         max_tokens = min(cfg.max_tokens or d.max_tokens, d.max_tokens)
+        max_batch = min(cfg.max_batch or d.max_seqs, d.max_seqs, max_tokens, MAX_ROWS)
         max_context = min(d.max_context, d.num_blocks * d.block_size + 1)
         return max_batch, max_tokens, max_context
 
@@ -320,6 +323,7 @@ class GpuScheduler:
         c["beat_ns"] = int(cfg.beat_s * 1e9)
         c["rows_cap"], c["max_batch"], c["max_tokens"], c["max_context"] = rows_cap, max_batch, max_tokens, max_context
         c["window"], c["retry_max"] = cfg.window, cfg.retry_max
+        c["long_prefill"] = cfg.long_prefill_tokens or default_long_prefill(max_tokens)
         c["flags"] = FLAG_ALWAYS_SCAN if cfg.always_scan else 0
         b["ctl"] = cp.asarray(np.frombuffer(c.tobytes(), np.uint8))
         ctl_ptr = ctypes.c_uint64(int(b["ctl"].data.ptr))

@@ -3,8 +3,8 @@
 // The host captures `blink_sched` into a graph instantiated with DeviceLaunch and launches it once.
 // Each loop iteration:
 //   plan     pick the next step exactly as blink/device/scheduler.py does (FCFS continuous batching,
-//            prefill and decode alternating, chunked prefill, recompute preemption) and write it into
-//            the engine's step buffers (blink_engine.h);
+//            every decode in every step with prefill chunks in the rest of the token budget,
+//            recompute preemption) and write it into the engine's step buffers (blink_engine.h);
 //   launch   cudaGraphLaunch(exec, FireAndForget) of the tightest graph from the engine's table,
 //            two execs per shape in round robin (an exec relaunched right after its completion token
 //            can still count as running and return cudaErrorInvalidValue: retried, bounded);
@@ -72,7 +72,7 @@ struct Shared {
   const EngineABI* E;
   uint32_t n_slots, cap, arena_tokens, vocab, mbps, bs;
   cudaGraphExec_t self;
-  uint32_t action, shutdown, kind, nseq, ntok, do_scan, do_cancel, launch_ok, fault, dirty;
+  uint32_t action, shutdown, kind, nseq, ntok, n_dec, do_scan, do_cancel, launch_ok, fault, dirty;
   uint32_t beat, tokens, completed, flags;
   u64 t_iter, t_launch, t_launched, t_done, seq;
   uint32_t nclaim, overflow, n_ok, tok_total;

@@ -31,7 +31,7 @@ struct SchedCtl {
   uint32_t window;  // offset 112
   uint32_t retry_max;  // offset 116
   uint32_t flags;  // offset 120
-  uint32_t _pad0;  // offset 124
+  uint32_t long_prefill;  // offset 124
   uint64_t self_exec;  // offset 128
   uint64_t seq;  // offset 136
   uint64_t instances;  // offset 144
@@ -92,7 +92,7 @@ static_assert(offsetof(SchedCtl, max_context) == 108, "SchedCtl.max_context offs
 static_assert(offsetof(SchedCtl, window) == 112, "SchedCtl.window offset");
 static_assert(offsetof(SchedCtl, retry_max) == 116, "SchedCtl.retry_max offset");
 static_assert(offsetof(SchedCtl, flags) == 120, "SchedCtl.flags offset");
-static_assert(offsetof(SchedCtl, _pad0) == 124, "SchedCtl._pad0 offset");
+static_assert(offsetof(SchedCtl, long_prefill) == 124, "SchedCtl.long_prefill offset");
 static_assert(offsetof(SchedCtl, self_exec) == 128, "SchedCtl.self_exec offset");
 static_assert(offsetof(SchedCtl, seq) == 136, "SchedCtl.seq offset");
 static_assert(offsetof(SchedCtl, instances) == 144, "SchedCtl.instances offset");

@@ -97,21 +97,33 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   return r;
 }
 
-// blink/device/scheduler.py: Scheduler._schedule_prefill (thread 0).
+// blink/device/scheduler.py: Scheduler._schedule_prefill (thread 0), after the decodes of the step
+// (sh.nseq of them) are planned: prefill chunks in the rest of the token budget.
 __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
-  uint32_t budget = c->max_tokens;
+  uint32_t budget = c->max_tokens - sh.ntok;  // max_tokens >= max_batch >= the decodes
+  uint32_t* wq = (uint32_t*)c->waitq;
+  while (c->waitq_head != c->waitq_tail && wq[c->waitq_head % sh.n_slots] == DEAD) c->waitq_head++;
+  bool waiting = c->waitq_head != c->waitq_tail;
+  for (uint32_t p = 0; p < c->n_wait && !waiting; ++p) waiting = !output_full(g_rows[g_wait[p]], sh.cap);
+  // a request waits for admission: a running prefill takes at most long_prefill tokens of the step
+  const uint32_t cap = c->n_run < c->max_batch && waiting ? min(budget, c->long_prefill) : budget;
   for (uint32_t p = 0; p < c->n_run && budget > 0; ++p) {
     const uint32_t r = g_run[p];
     Row& R = g_rows[r];
     if (!R.running || !prefilling(R)) continue;
-    const uint32_t n = min(R.len - R.computed, budget);
-    const uint32_t sample = R.computed + n == R.len;
-    if (sample && output_full(R, sh.cap)) continue;
+    uint32_t n = min(min(R.len - R.computed, budget), cap);
+    if (R.computed + n == R.len && output_full(R, sh.cap)) continue;
     const uint32_t start = R.computed;
-    if (reserve(c, sh, r, start + n)) {
-      add_chunk(sh, r, start, n, sample);
-      budget -= n;
+    if (sh.nseq > 0) {  // shares the step: never preempt, cut the chunk to the free blocks
+      const int room = (int)((R.n_blocks + (uint32_t)c->kv_free_top) * sh.bs) - (int)start;
+      if (room <= 0) return;  // FCFS: nobody overtakes a prefill that cannot go
+      n = min(n, (uint32_t)room);
+      kv_grow(c, sh, r, start + n);
+    } else if (!reserve(c, sh, r, start + n)) {
+      continue;
     }
+    add_chunk(sh, r, start, n, start + n == R.len);
+    budget -= n;
     // a preemption removed rows from g_run's tail; p still indexes this row's successors
   }
   bool stop = false;
@@ -133,7 +145,6 @@ __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
     budget -= n;
   }
   if (stop) return;  // FCFS: queued requests never overtake a waiting row that could not go
-  uint32_t* wq = (uint32_t*)c->waitq;
   const RingSlot* copy = (const RingSlot*)c->slot_copy;
   while (c->waitq_head != c->waitq_tail) {
     const uint32_t slot = wq[c->waitq_head % sh.n_slots];

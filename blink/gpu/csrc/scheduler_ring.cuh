@@ -40,7 +40,7 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
   sh.t_iter = now;
   sh.kind = KIND_NONE;
   sh.flags = 0;
-  sh.nseq = sh.ntok = 0;
+  sh.nseq = sh.ntok = sh.n_dec = 0;
   sh.n_preempted = 0;
   sh.completed = sh.tokens = 0;
   sh.launch_ok = 0;
@@ -67,9 +67,10 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
   if (c->here >= c->window) sh.action = ACT_RELAUNCH;
 }
 
-// Scheduler.schedule: prefill when wanted (alternating with decode while both want), else decode.
-// One pass over the running rows and one block scan decide; the common decode step (every block
-// it needs is free) is written into the engine's buffers in the same pass (all threads).
+// Scheduler.schedule: every running row ready to decode (arrival order), then prefill chunks in the
+// rest of the token budget (a MIXED step runs a prefill graph: KIND_PREFILL). One pass over the
+// running rows and one block scan decide; a step of decodes only (no prefill wanted, every block
+// it needs free: the common case) is written into the engine's buffers in the same pass (all threads).
 __device__ void plan(SchedCtl* c, Shared& sh) {
   const uint32_t cnt = c->n_run, per = (cnt + SCHED_THREADS - 1) / SCHED_THREADS;
   const uint32_t lo = min(cnt, threadIdx.x * per), hi = min(cnt, lo + per);
@@ -91,17 +92,14 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
   const uint32_t n_ready = total & 0xFFFFu, n_need = total >> 16;
   const bool wants = (sh.flags & 1) || (cnt < c->max_batch && ((sh.flags & 2) || c->waitq_head != c->waitq_tail));
   const int top = c->kv_free_top;
-  if (wants && (n_ready == 0 || c->last_kind == KIND_DECODE)) {
+  if (wants) {
+    plan_decode(c, sh);  // the decodes (preempting when the pool is short); ends with a barrier
     if (threadIdx.x == 0) {
+      sh.n_dec = sh.nseq;
       plan_prefill(c, sh);
-      if (sh.nseq) sh.kind = KIND_PREFILL;
+      sh.kind = sh.nseq == 0 ? KIND_NONE : sh.nseq > sh.n_dec ? KIND_PREFILL : KIND_DECODE;
     }
     __syncthreads();
-    if (sh.kind != KIND_PREFILL) {
-      plan_decode(c, sh);  // prefill planning may have preempted rows: plan from scratch
-      if (threadIdx.x == 0) sh.kind = sh.nseq ? KIND_DECODE : KIND_NONE;
-      __syncthreads();
-    }
     if (sh.kind == KIND_NONE) return;
     fill_engine(c, sh);
   } else if (n_ready == 0) {
@@ -110,6 +108,7 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
     if (threadIdx.x == 0) {
       plan_decode_seq(c, sh);  // preemption needed: Scheduler._schedule_decode step by step
       sh.kind = sh.nseq ? KIND_DECODE : KIND_NONE;
+      sh.n_dec = sh.nseq;
     }
     __syncthreads();
     if (sh.kind == KIND_NONE) return;
@@ -134,7 +133,7 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
     }
     if (threadIdx.x == 0) {
       c->kv_free_top = top - (int)n_need;
-      sh.nseq = sh.ntok = n_ready;
+      sh.nseq = sh.ntok = sh.n_dec = n_ready;
       ((int32_t*)sh.E->cu_q_lens)[0] = 0;
       *(uint32_t*)sh.E->num_seqs = n_ready;
       *(uint32_t*)sh.E->num_tokens = n_ready;
@@ -389,9 +388,9 @@ __device__ void account(SchedCtl* c, Shared& sh) {
   if (threadIdx.x == 0) {
     g_n_ev = nseq;
     g_ev_ns = unix_ns(c);
-    if (sh.kind == KIND_PREFILL) {
+    if (sh.kind == KIND_PREFILL) {  // a mixed step counts as a prefill launch, its decodes not as prompt
       c->prefill_steps++;
-      c->prompt_tokens += sh.ntok;
+      c->prompt_tokens += sh.ntok - sh.n_dec;
     } else {
       c->steps++;
       c->step_ns_total += sh.t_done - sh.t_launch;
