@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -137,6 +138,28 @@ def test_token_reader_delivers_in_order_and_releases(dev):
     assert got[-1].finish_reason == FinishReason.STOP
     assert dev.v.slots[s]["state"] == SlotState.EMPTY and released == [s]
     assert s not in rd.active and st.find_free() is not None
+
+
+def test_token_reader_stamps_the_first_token_path(dev):
+    """TTFT trace: the reader hands over (submit, admit, launch, first, read) and writes t_read_ns
+    into the slot (a frontend-owned word) when it reads the first token, and only then."""
+    fe = ShmTransport.open(dev.name)
+    st = SlotTracker(fe, RingGeometry.from_header(dev.v.header))
+    rd = TokenReader(st)
+    timing: list[int] = []
+    s = st.claim(_req(7))
+    rd.register(s, 7, lambda e: None, timing=timing)
+    dev.admit(s)
+    rec = dev.v.slots[s]
+    rec["t_admit_ns"], rec["t_launch_ns"], rec["t_first_ns"] = 11, 12, 13
+    dev.publish(s, [100])
+    before = time.time_ns()
+    rd.poll_once()
+    t_read = int(dev.v.slots[s]["t_read_ns"])
+    assert timing[:4] == [int(rec["t_submit_ns"]), 11, 12, 13] and timing[4] == t_read >= before
+    dev.publish(s, [101])
+    rd.poll_once()
+    assert int(dev.v.slots[s]["t_read_ns"]) == t_read  # the first token's, not the latest
 
 
 def test_urgent_slot_first_and_error_finish(dev):

@@ -221,6 +221,7 @@ class RingDevice:
         self._t_submit = slots["t_submit_ns"]
         self._t_admit = slots["t_admit_ns"]
         self._t_first = slots["t_first_ns"]
+        self._t_launch = slots["t_launch_ns"]
         # Counters continue from the header: a device restarted on the same ring keeps them monotonic.
         self.stats = {k: int(self.hdr[k]) for k in DEVICE_COUNTERS}
         self._shown: dict[int, int] = {}  # slot -> state last written by _sync_states
@@ -438,6 +439,7 @@ class RingDevice:
     def _step(self, plan: StepPlan) -> int:
         """Run one step and publish its tokens; returns the executor's time (ns)."""
         batch = build_batch(plan, self.blocks, self.table_width)
+        t_launch = time.time_ns()
         t0 = time.perf_counter_ns()
         sampled = self.ex.execute(batch)
         dt = time.perf_counter_ns() - t0
@@ -454,7 +456,7 @@ class RingDevice:
         if events:
             sids_t, idx_t, toks, fins = zip(*events, strict=True)
             sids, idx = np.array(sids_t), np.array(idx_t)
-            # Publication order per slot: tokens into the arena, t_first, then `generated` (the
+            # Publication order per slot: tokens into the arena, t_launch/t_first, then `generated` (the
             # release the readers acquire), then finish_reason and state. Whole-array stores keep
             # that order (each statement completes before the next; x86 keeps stores in order).
             cap = self.view.geo.output_capacity
@@ -467,6 +469,7 @@ class RingDevice:
             self.view.output_arena[sids, idx % cap] = toks
             first = sids[idx == 0]
             if first.size:
+                self._t_launch[first] = t_launch
                 self._t_first[first] = time.time_ns()
             self._generated[sids] = idx + 1
             self.stats["tokens_generated"] += len(events)

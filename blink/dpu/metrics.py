@@ -163,7 +163,8 @@ class Metrics:
             for name, help_ in (
                 ("submit", "HTTP request received to slot published (parse, tokenize, claim)"),
                 ("admit", "slot published to device admission"),
-                ("device", "device admission to first token in the ring (prefill)"),
+                ("launch", "device admission to the launch of the step that sampled the first token"),
+                ("device", "that launch to the first token in the ring (prefill, publish)"),
                 ("read", "first token in the ring to token reader"),
                 ("write", "token reader to first response byte written"),
             )
@@ -213,8 +214,8 @@ class Metrics:
         self.v_ttft.observe(ttft)
 
     def first_token(self, t_http_ns: int, timing: Sequence[int], t_write_ns: int) -> None:
-        """Record the stages of one request's first token; timing = [submit, admit, first, read] ns."""
-        if len(timing) != 4 or not timing[1] or not timing[2]:
+        """Record the stages of one request's first token; timing = [submit, admit, launch, first, read] ns."""
+        if len(timing) != 5 or not timing[1] or not timing[2] or not timing[3]:
             return
         t = (t_http_ns, *timing, t_write_ns)
         for h, a, b in zip(self.stages, t, t[1:], strict=False):

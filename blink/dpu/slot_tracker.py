@@ -47,6 +47,7 @@ _STATE = SLOT_DTYPE.fields["state"][1]
 _CANCEL = SLOT_DTYPE.fields["cancel"][1]
 _GENERATED = SLOT_DTYPE.fields["generated"][1]
 _CONSUMED = SLOT_DTYPE.fields["consumed"][1]
+_T_READ = SLOT_DTYPE.fields["t_read_ns"][1]
 _SUBMIT_SEQ = HEADER_DTYPE.fields["submit_seq"][1]
 _CANCEL_SEQ = HEADER_DTYPE.fields["cancel_seq"][1]
 
@@ -210,6 +211,11 @@ class SlotTracker:
 
     def store_consumed(self, slot: int, consumed: int) -> None:
         self.t.post([self.consumed_write(slot, consumed)])
+
+    def read_ns_write(self, slot: int, t_ns: int) -> Write:
+        """The store stamping the first token's read into the slot (a frontend-owned word: the
+        TTFT trace; the token reader batches it with the consumed counters)."""
+        return (self.geo.slot_offset(slot) + _T_READ, np.array([t_ns], "<u8"))
 
     def cancel(self, slot: int) -> None:
         """Set the slot's cancel flag and ring the cancel doorbell; the device finishes it CANCELLED."""

@@ -57,7 +57,7 @@ class _Active:
     request_id: int
     sink: Callable[[TokenEvent], None] | None  # None: an orphan slot, drained and released silently
     delivered: int = 0  # tokens read from the output ring
-    timing: list[int] | None = None  # filled at the first token: t_submit, t_admit, t_first (ring), t_read (ns)
+    timing: list[int] | None = None  # filled at the first token: t_submit, t_admit, t_launch, t_first, t_read (ns)
     backlog: Callable[[], int] | None = None  # events delivered but not yet taken by the consumer
     logprobs: int = -1  # alternatives per generated token's record to deliver; -1: no records
     prompt: tuple[int, int, int, int] | None = None  # prompt records: (word offset, prompt_len, n in slot, n wanted)
@@ -253,12 +253,15 @@ class TokenReader:
             gen = int(gens[slot])
             if gen > a.delivered:
                 if a.delivered == 0 and a.timing is not None:
+                    t_read = time.time_ns()
                     a.timing[:] = (
                         int(rec["t_submit_ns"]),
                         int(rec["t_admit_ns"]),
+                        int(rec["t_launch_ns"]),
                         int(rec["t_first_ns"]),
-                        time.time_ns(),
+                        t_read,
                     )
+                    writes.append(self.tracker.read_ns_write(slot, t_read))
                 w, start = win[slot]
                 assert start == a.delivered
                 k = min(gen - a.delivered, w.size)

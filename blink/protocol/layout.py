@@ -36,6 +36,9 @@ host-mapped memory are not atomic with respect to the host):
     slot.generated    device, release-store after the token is in the output arena
     slot.consumed     frontend, after reading tokens (flow control for the output ring)
     logprob arena, prompt logprob records   device (before the `generated` store that covers them)
+    slot.t_submit_ns, t_read_ns     frontend;  t_admit_ns, t_launch_ns, t_first_ns     device
+                 (the first token's path, one wall clock: the GPU scheduler adds a calibrated
+                 offset to %globaltimer, see blink.gpu.scheduler.GpuScheduler._clock_offset)
     header.submit_seq / cancel_seq   frontend doorbells, stored after the slot writes. The one
                  exception to single-writer words: F frontend processes may share a ring, each
                  owning the slots s with s % F == its index. Each stores seq * F + index with its
@@ -57,7 +60,7 @@ import enum
 import numpy as np
 
 RING_MAGIC = 0x474E524B4E494C42  # b"BLINKRNG" little-endian
-RING_VERSION = 2
+RING_VERSION = 3
 MAX_STOP_IDS = 8  # stop token ids carried in a slot (EOS included by the frontend)
 UNLIMITED = 0xFFFFFFFF  # max_new_tokens value meaning "until a stop condition or the context ends"
 HEADER_BYTES = 512
@@ -200,7 +203,11 @@ SLOT_DTYPE = np.dtype([
     ("n_logprobs", "<u4"),           # alternatives per logprob record, <= MAX_LOGPROBS
     ("n_logit_bias", "<u4"),         # LOGIT_BIAS_DTYPE entries after the prompt, <= MAX_LOGIT_BIAS
     ("prompt_logprobs_offset", "<u4"),  # int32 word in the prompt arena of prompt logprob record 0
-    ("_pad1", "<u4", (9,)),
+    ("_pad1", "<u4"),
+    # the first token's path (TTFT trace; one wall clock, see the ownership table)
+    ("t_launch_ns", "<u8"),          # device clock at the launch of the step that sampled the first token
+    ("t_read_ns", "<u8"),            # frontend clock when its token reader read the first token
+    ("_pad2", "<u4", (4,)),
 ], align=True)
 
 # One logprob record: the logprob of the chosen token and its top alternatives (most likely first,

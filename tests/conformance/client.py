@@ -47,6 +47,7 @@ class Result:
     t_submit_ns: int = 0
     t_admit_ns: int = 0
     t_first_ns: int = 0
+    t_launch_ns: int = 0
     done: bool = False
 
 
@@ -177,6 +178,7 @@ class RingClient:
             r.error = SlotError(int(rec["error"]))
             r.t_admit_ns = int(rec["t_admit_ns"])
             r.t_first_ns = int(rec["t_first_ns"])
+            r.t_launch_ns = int(rec["t_launch_ns"])
             if int(rec["request_id"]) != r.request_id:
                 raise AssertionError(f"slot {i}: request_id {int(rec['request_id'])} != {r.request_id}")
             r.done = True

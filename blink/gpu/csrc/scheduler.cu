@@ -2,6 +2,8 @@
 //
 // The host captures `blink_sched` into a graph instantiated with DeviceLaunch and launches it once.
 // Each loop iteration:
+//   claim    when the submit doorbell moved since the last scan: claim the new requests first, so
+//            the step planned now carries them (see iteration_begin);
 //   plan     pick the next step exactly as blink/device/scheduler.py does (FCFS continuous batching,
 //            every decode in every step with prefill chunks in the rest of the token budget,
 //            recompute preemption) and write it into the engine's step buffers (blink_engine.h);
@@ -57,7 +59,8 @@ __device__ uint32_t g_ev_k[SCHED_MAX_ROWS];
 __device__ int32_t g_ev_tok[SCHED_MAX_ROWS];
 __device__ uint32_t g_ev_fin[SCHED_MAX_ROWS];
 __device__ uint32_t g_n_ev;
-__device__ u64 g_ev_ns;
+__device__ u64 g_ev_ns;         // unix ns when the step's results were accounted (t_first_ns)
+__device__ u64 g_ev_launch_ns;  // unix ns of the step's launch (t_launch_ns)
 __device__ uint32_t g_fin_slot[SCHED_MAX_ROWS];
 __device__ uint32_t g_fin_word[SCHED_MAX_ROWS];
 __device__ uint32_t g_n_fin;
@@ -239,6 +242,7 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
   for (;;) {
     if (tid == 0) iteration_begin(c, sh);
     __syncthreads();
+    if (sh.action == ACT_RUN && sh.do_scan) scan_claims(c, sh);  // arrivals during the last step
     if (sh.action != ACT_RUN) flush(c, sh);  // the last step's tokens reach the ring first
     if (sh.action == ACT_EXIT) {
       if (sh.shutdown >= 2 || sh.fault) abort_all(c, sh);

@@ -64,7 +64,25 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
       return;
     }
   }
-  if (c->here >= c->window) sh.action = ACT_RELAUNCH;
+  if (c->here >= c->window) {
+    sh.action = ACT_RELAUNCH;
+    return;
+  }
+  // A request that arrived while the last step ran is claimed now, so the step planned next
+  // carries it. (overlap() scans right after a launch: an arrival later in that step used to wait
+  // for the next step's overlap, then be planned one step after that: a whole extra step of TTFT,
+  // which the host loop, scanning before it schedules, never paid.) On the critical path only
+  // when the doorbell moved: one PCIe read of submit_seq otherwise.
+  sh.do_scan = 0;
+  if (sh.shutdown == 0) {
+    const u64 submit = ld_acq_sys64(&sh.H->submit_seq);
+    if (submit != c->last_submit_seq) {
+      c->last_submit_seq = submit;
+      sh.do_scan = 1;
+      sh.nclaim = 0;
+      sh.overflow = 0;
+    }
+  }
 }
 
 // Scheduler.schedule: every running row ready to decode (arrival order), then prefill chunks in the
@@ -388,6 +406,7 @@ __device__ void account(SchedCtl* c, Shared& sh) {
   if (threadIdx.x == 0) {
     g_n_ev = nseq;
     g_ev_ns = unix_ns(c);
+    g_ev_launch_ns = sh.t_launch + (u64)c->clock_offset_ns;
     if (sh.kind == KIND_PREFILL) {  // a mixed step counts as a prefill launch, its decodes not as prompt
       c->prefill_steps++;
       c->prompt_tokens += sh.ntok - sh.n_dec;
@@ -432,14 +451,17 @@ __device__ void retire(SchedCtl* c, Shared& sh) {
 // and the header statistics.
 __device__ void flush(SchedCtl* c, Shared& sh) {
   const uint32_t n_ev = g_n_ev, n_fin = g_n_fin;
-  const u64 ev_ns = g_ev_ns;
+  const u64 ev_ns = g_ev_ns, ev_launch_ns = g_ev_launch_ns;
   for (uint32_t i = threadIdx.x; i < n_ev; i += SCHED_THREADS) {
     const uint32_t k = g_ev_k[i];
     if (k == DEAD) continue;
     const uint32_t slot = g_ev_slot[i];
     RingSlot* s = &sh.slots[slot];
     st_sys((uint32_t*)&sh.out[(size_t)slot * sh.cap + k % sh.cap], (uint32_t)g_ev_tok[i]);
-    if (k == 0) st_sys64(&s->t_first_ns, ev_ns);
+    if (k == 0) {
+      st_sys64(&s->t_launch_ns, ev_launch_ns);
+      st_sys64(&s->t_first_ns, ev_ns);
+    }
     st_rel_sys(&s->generated, k + 1);
     const uint32_t fin = g_ev_fin[i];
     if (fin != FINISH_NONE) {

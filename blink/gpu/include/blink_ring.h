@@ -7,7 +7,7 @@
 namespace blink {
 
 constexpr uint64_t RING_MAGIC = 0x474E524B4E494C42ull;
-constexpr uint32_t RING_VERSION = 2;
+constexpr uint32_t RING_VERSION = 3;
 constexpr uint32_t MAX_STOP_IDS = 8;
 constexpr uint32_t UNLIMITED = 0xFFFFFFFFu;
 constexpr uint32_t HEADER_BYTES = 512;
@@ -183,7 +183,10 @@ struct RingSlot {
   uint32_t n_logprobs;  // offset 144
   uint32_t n_logit_bias;  // offset 148
   uint32_t prompt_logprobs_offset;  // offset 152
-  uint32_t _pad1[9];  // offset 156
+  uint32_t _pad1;  // offset 156
+  uint64_t t_launch_ns;  // offset 160
+  uint64_t t_read_ns;  // offset 168
+  uint32_t _pad2[4];  // offset 176
 };
 static_assert(offsetof(RingSlot, state) == 0, "RingSlot.state offset");
 static_assert(offsetof(RingSlot, cancel) == 4, "RingSlot.cancel offset");
@@ -214,6 +217,9 @@ static_assert(offsetof(RingSlot, n_logprobs) == 144, "RingSlot.n_logprobs offset
 static_assert(offsetof(RingSlot, n_logit_bias) == 148, "RingSlot.n_logit_bias offset");
 static_assert(offsetof(RingSlot, prompt_logprobs_offset) == 152, "RingSlot.prompt_logprobs_offset offset");
 static_assert(offsetof(RingSlot, _pad1) == 156, "RingSlot._pad1 offset");
+static_assert(offsetof(RingSlot, t_launch_ns) == 160, "RingSlot.t_launch_ns offset");
+static_assert(offsetof(RingSlot, t_read_ns) == 168, "RingSlot.t_read_ns offset");
+static_assert(offsetof(RingSlot, _pad2) == 176, "RingSlot._pad2 offset");
 static_assert(sizeof(RingSlot) == 192, "RingSlot size");
 
 struct LogprobRecord {
