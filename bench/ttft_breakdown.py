@@ -1,0 +1,232 @@
+"""Where a first token's time goes, GPU scheduler vs host loop, under open-loop load (issue 12).
+
+    python bench/ttft_breakdown.py [--schedulers gpu,host] [--rate 24] [--num-prompts 480]
+        [--model random:llama3-8b] [--max-num-seqs 256] [--out bench/results/ttft_breakdown.json]
+
+For each scheduler: a fresh `blink serve --device cuda --scheduler S`; `blink bench serve`'s open-loop
+Poisson load (random prompts, 256 -> 128 tokens) from this process; and meanwhile a tap on the
+server's ring (/dev/shm/<ring>, read only) that reads every slot each 0.2 ms and keeps, per request,
+the first token's path as the slot records it:
+
+    t_submit   frontend: slot published (request written, then PREFILL_PENDING, then the doorbell)
+    t_admit    device:   slot claimed
+    t_launch   device:   launch of the step that sampled the first token
+    t_first    device:   first token published in the output arena
+    t_read     frontend: its token reader read the first token
+
+plus, from /metrics (exact means: histogram sums over counts), HTTP request -> slot published and
+token read -> first SSE byte written. Stages per scheduler: p50 / p90 / p99 / mean in ms.
+
+Clocks: every stamp is this host's time.time_ns(), except the GPU scheduler's (t_admit, t_launch,
+t_first), which are %globaltimer + an offset calibrated when the scheduler starts
+(blink.gpu.scheduler.GpuScheduler._clock_offset: the upper bound of host - device over 20 bracketed
+reads of %globaltimer, so a device stamp never precedes the host stamp of the same instant; its
+error is at most the shortest bracket, a few microseconds).
+
+Prints the bench report, the stage table and the targets (ITL p99 <= 1.5 x ITL p50; TTFT p50 and p99
+of the GPU scheduler <= the host loop's), and writes one JSON with both schedulers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from blink import benchmark  # noqa: E402
+from blink.protocol.transport import ShmTransport  # noqa: E402
+
+STAMPS = ("t_submit_ns", "t_admit_ns", "t_launch_ns", "t_first_ns", "t_read_ns")
+STAGES = (  # (name, from, to) over STAMPS
+    ("queue_to_claim", 0, 1),
+    ("claim_to_launch", 1, 2),
+    ("launch_to_first", 2, 3),
+    ("first_to_read", 3, 4),
+    ("submit_to_read", 0, 4),
+)
+METRIC_STAGES = {
+    "http_to_submit": "blink_first_token_submit_seconds",
+    "read_to_write": "blink_first_token_write_seconds",
+}
+
+
+class Server:
+    def __init__(self, scheduler: str, args: argparse.Namespace):
+        cmd = [sys.executable, "-m", "blink.cli", "serve", "--device", args.device, "--scheduler", scheduler,
+               "--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--port", "0",
+               "--max-model-len", str(args.max_model_len)]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        self.url = self.ring = ""
+        self.log: list[str] = []
+        ready = threading.Event()
+
+        def drain() -> None:
+            for line in self.proc.stderr:  # type: ignore[union-attr]
+                self.log.append(line)
+                if m := re.search(r"ring /dev/shm/(\S+):", line):
+                    self.ring = m.group(1)
+                if m := re.search(r"serving .* on (http://\S+)/v1", line):
+                    self.url = m.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(args.start_timeout) or not self.url or not self.ring:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        out = {}
+        for ln in text.splitlines():
+            if ln and ln[0] != "#":
+                k, v = ln.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class RingTap(threading.Thread):
+    """Reads every slot's first-token stamps each `period_s`; one record per request id, taken once
+    the token reader has stamped t_read (every earlier stamp is written before it)."""
+
+    def __init__(self, ring: str, period_s: float = 2e-4):
+        super().__init__(daemon=True)
+        self.t = ShmTransport.open(ring)
+        self.slots = self.t.view().slots
+        self.period_s = period_s
+        self.seen: dict[int, tuple[int, ...]] = {}
+        self.stale = set(self.slots["request_id"].tolist())  # earlier requests' stamps stay in freed slots
+        self.stop_flag = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_flag.is_set():
+            recs = self.slots.copy()
+            for i in np.flatnonzero(recs["t_read_ns"] != 0):
+                r = recs[i]
+                rid = int(r["request_id"])
+                if rid not in self.seen and rid not in self.stale and int(r["t_read_ns"]) >= int(r["t_submit_ns"]):
+                    self.seen[rid] = tuple(int(r[k]) for k in STAMPS)
+            time.sleep(self.period_s)
+
+    def finish(self) -> np.ndarray:
+        self.stop_flag.set()
+        self.join(5)
+        return np.array(list(self.seen.values()), np.int64).reshape(-1, len(STAMPS))
+
+
+def quantiles_ms(x: np.ndarray) -> dict[str, float]:
+    if x.size == 0:
+        return {}
+    ms = x / 1e6
+    return {
+        "p50": float(np.percentile(ms, 50)),
+        "p90": float(np.percentile(ms, 90)),
+        "p99": float(np.percentile(ms, 99)),
+        "mean": float(ms.mean()),
+    }
+
+
+def metric_mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
+    s = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+    n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    return s / n * 1e3 if n else None
+
+
+def measure(scheduler: str, args: argparse.Namespace) -> dict:
+    srv = Server(scheduler, args)
+    try:
+        bp = argparse.ArgumentParser()
+        benchmark.add_arguments(bp)  # blink bench serve's own defaults for everything not set here
+        bargs = bp.parse_args(
+            ["--base-url", srv.url, "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
+             "--random-output-len", str(args.output_len), "--max-model-len", str(args.max_model_len),
+             "--request-rate", str(args.rate), "--seed", str(args.seed), "--metric-percentiles", "50,90,99"]
+        )  # fmt: skip
+        warm = argparse.Namespace(**{**vars(bargs), "num_prompts": 16, "request_rate": float("inf")})
+        asyncio.run(benchmark.run(warm))  # first graph launches, allocator, tokenizer caches
+        m0 = srv.metrics()
+        tap = RingTap(srv.ring)
+        tap.start()
+        res = asyncio.run(benchmark.run(bargs))
+        stamps = tap.finish()
+        m1 = srv.metrics()
+    finally:
+        srv.stop()
+    res.pop("requests", None)
+    stages = {name: quantiles_ms(stamps[:, b] - stamps[:, a]) for name, a, b in STAGES}
+    for name, metric in METRIC_STAGES.items():
+        stages[name] = {"mean": metric_mean_ms(m0, m1, metric)}
+    return {"scheduler": scheduler, "bench": res, "stages": stages, "traced_requests": int(stamps.shape[0])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schedulers", default="gpu,host")
+    ap.add_argument("--rate", type=float, default=24.0, help="Poisson arrivals per second")
+    ap.add_argument("--num-prompts", type=int, default=480)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--model", default="random:llama3-8b")
+    ap.add_argument("--device", default="cuda", help="cuda; emulated runs the script on a CPU (its own test)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-timeout", type=float, default=420.0)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "ttft_breakdown.json"))
+    args = ap.parse_args(argv)
+    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": os.environ.get("BLINK_COMMIT", "")}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    runs = []
+    for s in args.schedulers.split(","):
+        r = measure(s, args)
+        runs.append(r)
+        with open(args.out, "w") as f:  # after each scheduler: a run cut short keeps what it measured
+            json.dump({**meta, "args": vars(args), "runs": runs}, f, indent=1)
+        print(f"\n### scheduler {s} ({r['traced_requests']} requests traced)")
+        print(benchmark.report(r["bench"]))
+        print(f"{'stage (ms)':<18}" + "".join(f"{k:>9}" for k in ("p50", "p90", "p99", "mean")))
+        for name, q in r["stages"].items():
+            cells = (f"{q[k]:9.3f}" if q.get(k) is not None else f"{'-':>9}" for k in ("p50", "p90", "p99", "mean"))
+            print(f"{name:<18}" + "".join(cells), flush=True)
+    ok = True
+    for r in runs:
+        itl = r["bench"]["itl_ms"]
+        good = itl["p99"] <= 1.5 * itl["median"]
+        ok &= good
+        print(
+            f"target ITL p99 <= 1.5 x p50 [{r['scheduler']}]: {itl['p99']:.2f} vs {itl['median']:.2f} ms: {'OK' if good else 'MISSED'}"
+        )
+    by = {r["scheduler"]: r["bench"]["ttft_ms"] for r in runs}
+    if "gpu" in by and "host" in by:
+        for q in ("median", "p99"):
+            good = by["gpu"][q] <= by["host"][q]
+            ok &= good
+            print(
+                f"target TTFT {q} gpu <= host: {by['gpu'][q]:.2f} vs {by['host'][q]:.2f} ms: {'OK' if good else 'MISSED'}"
+            )
+    print(f"wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
