@@ -65,8 +65,9 @@ METRIC_STAGES = {
 class Server:
     def __init__(self, scheduler: str, args: argparse.Namespace):
         cmd = [sys.executable, "-m", "blink.cli", "serve", "--device", args.device, "--scheduler", scheduler,
-               "--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--port", "0",
-               "--max-model-len", str(args.max_model_len)]  # fmt: skip
+               "--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--port", "0"]  # fmt: skip
+        if args.max_model_len:
+            cmd += ["--max-model-len", str(args.max_model_len)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.url = self.ring = ""
@@ -159,7 +160,7 @@ def measure(scheduler: str, args: argparse.Namespace) -> dict:
         benchmark.add_arguments(bp)  # blink bench serve's own defaults for everything not set here
         bargs = bp.parse_args(
             ["--base-url", srv.url, "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
-             "--random-output-len", str(args.output_len), "--max-model-len", str(args.max_model_len),
+             "--random-output-len", str(args.output_len),
              "--request-rate", str(args.rate), "--seed", str(args.seed), "--metric-percentiles", "50,90,99"]
         )  # fmt: skip
         warm = argparse.Namespace(**{**vars(bargs), "num_prompts": 16, "request_rate": float("inf")})
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="random:llama3-8b")
     ap.add_argument("--device", default="cuda", help="cuda; emulated runs the script on a CPU (its own test)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=0, help="0: the server's default (the model's limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=420.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "ttft_breakdown.json"))
