@@ -263,6 +263,7 @@ async def test_request_log_line_and_stats_line(tok, caplog):
     stats = [ln for ln in lines if ln.startswith("prompt ") and "tok/s" in ln]
     assert stats and "running 0, waiting 0, KV cache 25.0 %" in stats[0]
     assert any("generation 0.0 tok/s" not in ln for ln in stats)  # the first interval saw the tokens
+    assert len([ln for ln in stats if "generation 0.0 tok/s" in ln]) <= 1  # idle: one line, then quiet
 
     caplog.clear()  # --disable-log-requests / --disable-log-stats
     cfg = ServerConfig(log_requests=False, log_stats=False)

@@ -931,3 +931,14 @@ def test_streams_read_to_done_count_as_served(tiny):
     assert delta.get('blink_requests_total{endpoint="chat",outcome="disconnected"}', 0) == 0
     assert delta["blink_cancelled_total"] == 0
     assert delta['vllm:request_success_total{finished_reason="length",model_name="tiny-llama"}'] == 30
+
+
+def test_startup_phases_and_request_lines_are_logged(tiny):
+    """The operator's view on stderr: the device's start-up phases, then a line per request."""
+    tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+    time.sleep(0.2)
+    log = "".join(tiny.log)
+    assert "blink device: loading random:tiny-llama" in log
+    assert "blink device: KV cache: 512 blocks of 16 tokens" in log
+    assert "blink device: serving the ring" in log
+    assert re.search(r"cmpl-\w+ completions ok: prompt \d+ tokens, output 2 tokens, ttft [\d.]+ s, total", log)

@@ -20,7 +20,7 @@ from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import DeviceSpec
 
 from .executor import Executor
-from .process import device_main
+from .process import device_main, kv_gib, phase, progress
 from .ring_device import RingDevice
 
 DEFAULT_CONTEXT = 2048  # sizes the KV pool when neither num_kv_blocks nor max_context is given
@@ -47,7 +47,12 @@ def build_executor(spec: DeviceSpec) -> Executor:
         return getattr(importlib.import_module(mod), fn)(spec.model, **kw)
     from .numpy_executor import NumpyExecutor
 
-    return NumpyExecutor.from_model(spec.model, **kw)
+    phase(f"loading {spec.model}")
+    ex = NumpyExecutor.from_model(spec.model, progress=progress("loading weights", "B"), **kw)
+    c = ex.config
+    gib = kv_gib(c.num_layers, ex.num_blocks, spec.kv_block_size, c.num_kv_heads, c.head_dim, 4)
+    phase(f"KV cache: {ex.num_blocks} blocks of {spec.kv_block_size} tokens, {gib:.2f} GiB (float32, paged in as used)")
+    return ex
 
 
 def run(spec: DeviceSpec) -> DeviceStatus:
@@ -56,6 +61,7 @@ def run(spec: DeviceSpec) -> DeviceStatus:
     executor = build_executor(spec)
     view = transport.view()
     try:
+        phase("serving the ring (scheduler: the emulated device's loop)")
         return RingDevice(view, executor).run()
     finally:
         executor.close()

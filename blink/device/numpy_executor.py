@@ -67,7 +67,7 @@ class NumpyExecutor:
         max_batch: int,
         max_tokens: int,
         max_blocks_per_seq: int | None = None,
-        progress: bool = False,
+        progress: bool | Callable[[int, int], None] = False,
         **resolve_kwargs: Any,
     ) -> NumpyExecutor:
         """Executor for a model spec as `blink.models.registry.resolve_model` accepts it

@@ -5,6 +5,10 @@ with its parent. The parent watch here covers what the death signal cannot: a pa
 between fork and prctl, and a device started some other way. It checks the parent id every
 `PARENT_POLL_S` and kills this process once the parent is gone (a device nobody reads would
 keep the GPU and a core busy forever).
+
+Start-up phases (weights, KV cache, graphs, scheduler) are one stderr line each through
+`phase()`, which the frontend's terminal shows as `blink device: ...`; progress of a long phase
+(`progress()`) at most every PROGRESS_EVERY_S.
 """
 
 from __future__ import annotations
@@ -22,6 +26,36 @@ from blink.protocol.layout import DeviceStatus
 from blink.protocol.wire import DeviceSpec
 
 PARENT_POLL_S = 0.5
+PROGRESS_EVERY_S = 2.0
+
+
+def phase(msg: str) -> None:
+    """One start-up phase of this device process, as a line on stderr."""
+    print(f"blink device: {msg}", file=sys.stderr, flush=True)
+
+
+def progress(what: str, unit: str = "") -> Callable[[int, int], None]:
+    """A progress(done, total) callback reporting `what` by phase() lines: the first call, then at
+    most every PROGRESS_EVERY_S, and the end. unit "B": bytes, shown in MiB."""
+    last = [-1e9]
+
+    def fmt(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB" if unit == "B" else f"{n}{unit}"
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < PROGRESS_EVERY_S:
+            return
+        last[0] = now
+        pct = f" ({100 * done / total:.0f} %)" if total else ""
+        phase(f"{what} {fmt(done)}/{fmt(total)}{pct}")
+
+    return report
+
+
+def kv_gib(layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int, elem_bytes: int) -> float:
+    """GiB of a paged KV cache (K and V)."""
+    return 2 * layers * blocks * block_size * kv_heads * head_dim * elem_bytes / 2**30
 
 
 def watch_parent(parent: int, poll_s: float = PARENT_POLL_S) -> threading.Thread:

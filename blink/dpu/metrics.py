@@ -256,20 +256,26 @@ class Metrics:
 
 class StatsLine:
     """The periodic log line an operator reads (vLLM's "Avg prompt throughput ..."): running,
-    waiting, KV usage, and prompt / generation tokens per second since the previous line."""
+    waiting, KV usage, and prompt / generation tokens per second since the previous line. An idle
+    server logs one idle line, then nothing until something happens."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
         self.t, self.p, self.g = time.monotonic(), metrics.n_prompt, metrics.n_gen
+        self.idle = False
 
-    def line(self, st: LiveState) -> str:
+    def line(self, st: LiveState) -> str | None:
         now = time.monotonic()
         dt = max(now - self.t, 1e-9)
         p, g = (self.m.n_prompt - self.p) / dt, (self.m.n_gen - self.g) / dt
         self.t, self.p, self.g = now, self.m.n_prompt, self.m.n_gen
         dev = st.device
-        waiting = dev.get("waiting", 0) + st.ring.queued
+        running, waiting = dev.get("running", 0), dev.get("waiting", 0) + st.ring.queued
+        idle = st.up and not (p or g or running or waiting)
+        if idle and self.idle:
+            return None
+        self.idle = idle
         return (
-            f"prompt {p:.1f} tok/s, generation {g:.1f} tok/s, running {dev.get('running', 0)}, "
+            f"prompt {p:.1f} tok/s, generation {g:.1f} tok/s, running {running}, "
             f"waiting {waiting}, KV cache {100 * kv_usage(dev):.1f} %" + ("" if st.up else ", device DOWN")
         )

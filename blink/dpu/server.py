@@ -147,7 +147,9 @@ class OpenAIServer:
         stats = StatsLine(self.metrics)
         while True:
             await asyncio.sleep(self.stats_interval_s)
-            log.info("%s", stats.line(self._live()))
+            line = stats.line(self._live())
+            if line is not None:
+                log.info("%s", line)
 
     async def _stats_stop(self, app: web.Application) -> None:
         if self._stats_task is not None:

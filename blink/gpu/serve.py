@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from blink.device.process import device_main
+from blink.device.process import device_main, kv_gib, phase, progress
 from blink.protocol.wire import DeviceSpec
 
 SMALL_RANDOM_PARAMS = 1_000_000_000
@@ -35,7 +35,7 @@ def engine_config(spec: DeviceSpec, max_position: int) -> Any:
         kv_fraction=spec.kv_cache_fraction,
         num_kv_blocks=spec.num_kv_blocks,
         seed=spec.seed,
-        progress=False,
+        progress=True,  # warm-up, GEMM tuning and graph capture bars on stderr
     )
     if spec.decode_attention:
         ecfg = dataclasses.replace(ecfg, decode_attention_table=parse_decode_attention(spec.decode_attention))
@@ -44,19 +44,31 @@ def engine_config(spec: DeviceSpec, max_position: int) -> Any:
 
 def build_engine(spec: DeviceSpec) -> Any:
     """Engine with the model's weights (random presets are generated on the GPU) and its graphs."""
+    import cupy as cp
+
     from blink.gpu.engine import Engine
     from blink.models.config import preset
 
+    dev = cp.cuda.Device()
+    free, total = cp.cuda.runtime.memGetInfo()
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    phase(f"CUDA device {dev.id}: {name}, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
     mcfg = preset(spec.model.removeprefix("random:")) if spec.model.startswith("random:") else None
     if mcfg is not None and mcfg.num_params() > SMALL_RANDOM_PARAMS:
+        phase(f"{spec.model}: {mcfg.num_params() / 1e9:.1f} B parameters generated on the GPU")
         weights = None  # generated on the GPU: a host copy of billions of float32 would take minutes
     else:
         # the registry's weights: a small random preset is then the very model the emulated device runs
         from blink.models.registry import resolve_model
 
-        bundle = resolve_model(spec.model, allow_pull=False, seed=spec.seed)
+        phase(f"loading {spec.model}")
+        bundle = resolve_model(spec.model, allow_pull=False, seed=spec.seed, progress=progress("loading weights", "B"))
         mcfg, weights = bundle.config, bundle.weights
     engine = Engine.create(mcfg, engine_config(spec, mcfg.max_position), weights)
+    d = engine.dims
+    gib = kv_gib(mcfg.num_layers, d.num_blocks, d.block_size, mcfg.num_kv_heads, mcfg.head_dim, 2)
+    phase(f"KV cache: {d.num_blocks} blocks of {d.block_size} tokens, {gib:.2f} GiB (bf16); capturing graphs")
     engine.capture()
     return engine
 
@@ -75,6 +87,7 @@ def run(spec: DeviceSpec) -> int:
 
             sched = GpuScheduler(engine, view, GpuSchedulerConfig(max_batch=spec.max_batch))
             sched.start()
+            phase("persistent scheduler kernel launched")
             try:
                 status = sched.wait()  # header reads and sleeps only: the host is off the token path
             finally:
@@ -83,6 +96,7 @@ def run(spec: DeviceSpec) -> int:
         from blink.device.ring_device import RingDevice, RingDeviceConfig
         from blink.gpu.host_executor import HostExecutor
 
+        phase("serving the ring (scheduler: the host loop)")
         return RingDevice(view, HostExecutor(engine), RingDeviceConfig(max_batch=spec.max_batch)).run()
     except BaseException:
         view.header["device_status"] = DeviceStatus.FAILED

@@ -168,7 +168,7 @@ def check_model(spec: str | os.PathLike[str] | None, cache_dir: str | os.PathLik
 def resolve_model(
     spec: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    progress: bool = False,
+    progress: bool | ProgressFn = False,
     allow_pull: bool = True,
     seed: int = 0,
 ) -> ModelBundle:

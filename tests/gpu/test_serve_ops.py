@@ -1,0 +1,53 @@
+"""`blink serve --device cuda` as an operator sees it: the device's start-up phases on stderr (the
+CUDA device, KV cache, graph capture n/m, scheduler launch), a line per request, /metrics that
+prometheus_client's parser reads, and the vLLM series filled in."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from test_e2e_openai import Server  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("scheduler", ["gpu", "host"])
+def test_cuda_serve_logs_phases_requests_and_metrics(scheduler):
+    s = Server(
+        "--model", "random:tiny-llama", "--device", "cuda", "--scheduler", scheduler, "--num-kv-blocks", "512",
+        "--max-batch", "16", "--max-context", "1024", timeout=600,
+    )  # fmt: skip
+    # the device flag is given twice (Server passes --device emulated first): argparse keeps the last
+    try:
+        log = "".join(s.log)
+        assert re.search(r"blink device: CUDA device \d+: .*GiB free", log), log
+        assert "blink device: KV cache: 512 blocks of 16 tokens" in log, log
+        assert re.search(r"capturing graphs \[#+\] (\d+)/\1", log), log  # graph capture n/m, to the end
+        want = "persistent scheduler kernel launched" if scheduler == "gpu" else "serving the ring (scheduler: the host"
+        assert want in log, log
+        for stream in (False, True):
+            body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8, "stream": stream, "ignore_eos": True}
+            req = urllib.request.Request(
+                s.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            assert urllib.request.urlopen(req, timeout=60).status == 200
+        time.sleep(0.2)
+        assert len(re.findall(r"cmpl-\w+ completions ok: prompt \d+ tokens, output 8 tokens", "".join(s.log))) == 2
+        text = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        lab = {"model_name": "tiny-llama"}
+        count = {s.name: s.value for s in fams["vllm:request_prefill_time_seconds"].samples if s.labels == lab}
+        assert count["vllm:request_prefill_time_seconds_count"] == 2
+        success = fams["vllm:request_success"].samples
+        assert [x.value for x in success if x.labels.get("finished_reason") == "length"] == [2.0]
+    finally:
+        assert s.stop() == 0, "".join(s.log)
