@@ -27,7 +27,8 @@ class ScriptedHandle:
     def __init__(self, backend: ScriptedBackend, req: SubmitRequest):
         self.backend, self.req = backend, req
         now = time.time_ns()
-        self.timing = [now, now + 2_000_000, now + 5_000_000, now + 5_100_000]  # submit, admit, first, read
+        # submit, admit, launch, first, read (RequestHandle.timing)
+        self.timing = [now, now + 2_000_000, now + 3_000_000, now + 5_000_000, now + 5_100_000]
         self.finished = False
         backend.active += 1
 

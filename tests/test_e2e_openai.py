@@ -144,6 +144,8 @@ def test_models_health_metrics(tiny):
         and m['vllm:request_success_total{finished_reason="length",model_name="tiny-llama"}'] >= 1
     )
     assert m["vllm:time_to_first_token_seconds_count" + lab] == m["blink_time_to_first_token_seconds_count"] >= 1
+    for series in ("queue_time", "prefill_time", "decode_time"):  # from the ring's timestamps
+        assert m[f"vllm:request_{series}_seconds_count" + lab] >= 1, series
 
 
 def test_chat_non_streaming_usage(tiny):

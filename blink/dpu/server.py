@@ -464,9 +464,9 @@ class OpenAIServer:
     def _figures(self, call: _Call, now: float, finish: list[str]) -> Finished:
         f = Finished(call.n_prompt, call.n_gen, now - call.t0, finish)
         timing = call.handles[0].timing if call.handles else []
-        if len(timing) == 4 and timing[1] and timing[2]:  # wall-clock ns: [submit, admit, first, read]
+        if len(timing) == 5 and timing[1] and timing[3]:  # wall-clock ns: [submit, admit, launch, first, read]
             f.queue = (timing[1] - call.t_http_ns) * 1e-9
-            f.prefill = (timing[2] - timing[1]) * 1e-9
+            f.prefill = (timing[3] - timing[1]) * 1e-9
             if call.t_last is not None and call.t_first is not None:
                 f.decode = call.t_last - call.t_first
         return f
