@@ -66,6 +66,9 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         choices=("debug", "info", "warning", "error"),
         help="debug also prints the traceback of start-up errors",
     )
+    p.add_argument(
+        "--max-device-restarts", dest="device.max_restarts", type=int, help="restarts of a dead device in a row"
+    )
     p.add_argument("--n-slots", dest="ring.n_slots", type=int)
     p.add_argument("--prompt-arena-tokens", dest="ring.prompt_arena_tokens", type=int)
     p.add_argument("--output-capacity", dest="ring.output_capacity", type=int)
@@ -300,25 +303,25 @@ def _serve(cfg: C.BlinkConfig) -> int:
         return _fail("serve", e)
     finally:
         stack.shutdown()
-    return 0
+    return 1 if stack.gave_up else 0
 
 
 async def _serve_async(stack: Any) -> None:
     from blink.dpu.server import OpenAIServer, start_http
 
     cfg = stack.cfg
-    tracker = await stack.start_frontend()
-    server = OpenAIServer(tracker, stack.tokenizer, cfg.server)
+    stop = asyncio.Event()
+    backend = await stack.start_frontend(on_give_up=stop.set)  # a device that cannot be restarted ends serve
+    server = OpenAIServer(backend, stack.tokenizer, cfg.server)
     runner, port = await start_http(server, cfg.server.host, cfg.server.port)
     # The bound port on its own line: scripts that pass --port 0 read it from here.
     print(f"blink: serving {stack.tokenizer.name} on http://{cfg.server.host}:{port}/v1", file=sys.stderr, flush=True)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        print("blink: shutting down", file=sys.stderr, flush=True)
+        print("blink: " + ("device lost" if stack.gave_up else "shutting down"), file=sys.stderr, flush=True)
     finally:
         await runner.cleanup()
         await stack.stop_frontend()

@@ -129,6 +129,10 @@ class DeviceConfig:
     """Prompt + generated tokens per request; None = the model's own limit."""
     ready_timeout_s: float = 900.0
     """How long start-up (model load, warm-up) may take before the server gives up."""
+    max_restarts: int = 3
+    """`blink serve` restarts a device process that dies, with backoff, up to this many times in a
+    row (a device that then serves for a minute starts the count over); past that it exits non-zero.
+    0: exit at the first death."""
 
     def __post_init__(self) -> None:
         _choice("device", "kind", self.kind, ("auto", "emulated", "cuda"))
@@ -143,6 +147,7 @@ class DeviceConfig:
         if self.max_context is not None:
             _bounds("device", "max_context", self.max_context, 2, 1 << 24)
         _bounds("device", "ready_timeout_s", self.ready_timeout_s, 1, 24 * 3600)
+        _bounds("device", "max_restarts", self.max_restarts, 0, 1000)
 
     def step_tokens(self, kind: str) -> int:
         """Tokens per step on a device of `kind` ("cuda" | "emulated"): max_tokens or its default,

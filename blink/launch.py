@@ -16,9 +16,12 @@ are derived inside the device process from the spec (blink.device.emulated, blin
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,8 +33,8 @@ from collections.abc import Callable
 import msgspec
 
 from blink.config import BlinkConfig, RingConfig
-from blink.protocol.layout import DeviceStatus, RingGeometry
-from blink.protocol.transport import ShmTransport
+from blink.protocol.layout import DEVICE_COUNTERS, DeviceStatus, RingGeometry
+from blink.protocol.transport import SHM_DIR, ShmTransport
 from blink.protocol.wire import DeviceSpec
 
 log = logging.getLogger(__name__)
@@ -81,8 +84,34 @@ def new_ring_name() -> str:
     return f"blink-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+_SERVER_RING = re.compile(r"blink-(\d+)-[0-9a-f]{8}")  # new_ring_name()'s names
+
+
 def create_ring(name: str, rc: RingConfig) -> ShmTransport:
     return ShmTransport.create(name, RingGeometry(rc.n_slots, rc.prompt_arena_tokens, rc.output_capacity))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_rings() -> list[str]:
+    """Remove the rings of servers that are gone (`blink serve` killed with -9 leaves its ring in
+    /dev/shm): those named by new_ring_name() whose pid no longer runs. Returns their names."""
+    out = []
+    for name in sorted(os.listdir(SHM_DIR)):
+        m = _SERVER_RING.fullmatch(name)
+        if m is not None and not _alive(int(m[1])):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                out.append(name)
+    return out
 
 
 # -- the device process --------------------------------------------------------------------------
@@ -243,56 +272,170 @@ def start_device(spec: DeviceSpec, **kwargs) -> DeviceProcess:
 
 
 # -- one serving stack in one process (blink serve, blink generate) -------------------------------
+SUPERVISE_POLL_S = 0.1  # how often the supervisor looks at the device process
+RESTART_BACKOFF_S = (0.5, 30.0)  # wait before the first restart in a row (doubling), and at most
+HEALTHY_AFTER_S = 60.0  # a device that served this long starts the count of restarts in a row over
+
+
 class Stack:
-    """Ring + device + frontend roles of one server (one process besides the device)."""
+    """Ring + device + frontend roles of one server (one process besides the device).
+
+    It is the server's Backend (blink.dpu.generation): it stands in front of the request tracker
+    of the current ring and heals the server when the device process dies. The tracker notices
+    the death within 0.1 s (liveness) and ends the in-flight requests with an error event (/health:
+    503); the supervisor then waits (backoff), starts a new device on a fresh ring, swaps in a new
+    tracker (busy/running gauges start from zero, /health turns 200) and removes the old ring.
+    Device counters continue across rings; `restarts` counts the new devices started. After
+    `device.max_restarts` restarts in a row it gives up: `gave_up` says why and `on_give_up` runs.
+    """
 
     def __init__(self, cfg: BlinkConfig, progress: Progress | None = None):
         self.cfg = cfg
         self.progress = progress
-        self.ring_name = new_ring_name()
-        self.spec = device_spec(cfg, self.ring_name)
+        self.spec = device_spec(cfg, new_ring_name())
         self.kind = self.spec.kind
         self.transport: ShmTransport | None = None
         self.device: DeviceProcess | None = None
         self.tokenizer = None
         self.tracker = None
+        self.restarts = 0
+        self.gave_up: str | None = None
+        self._counters_before: dict[str, int] = {}  # device counters of the rings already replaced
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def ring_name(self) -> str:
+        return self.spec.ring
+
+    def _say(self, msg: str) -> None:
+        if self.progress:
+            self.progress(msg)
+        else:
+            log.warning("%s", msg)
+
+    def _launch(self, spec: DeviceSpec) -> tuple[ShmTransport, DeviceProcess]:
+        transport = create_ring(spec.ring, self.cfg.ring)
+        if self.progress:
+            self.progress(f"ring /dev/shm/{spec.ring}: {self.cfg.ring.n_slots} slots; starting the {spec.kind} device")
+        try:
+            return transport, start_device(spec)
+        except BaseException:
+            transport.unlink()
+            transport.close()
+            raise
 
     def start_device(self) -> None:
-        """Create the ring, start the device, load the tokenizer meanwhile, wait for READY."""
+        """Remove rings of dead servers, create the ring, start the device, load the tokenizer
+        meanwhile, wait for READY."""
         from blink.dpu.tokenizer import load_tokenizer
 
-        self.transport = create_ring(self.ring_name, self.cfg.ring)
-        if self.progress:
-            self.progress(
-                f"ring /dev/shm/{self.ring_name}: {self.cfg.ring.n_slots} slots; starting the {self.kind} device"
-            )
-        self.device = start_device(self.spec)
+        for name in remove_stale_rings():
+            self._say(f"removed stale ring /dev/shm/{name} (the server that made it is gone)")
+        self.transport, self.device = self._launch(self.spec)
         m = self.cfg.model
         self.tokenizer = load_tokenizer(m.spec, m.name, m.chat_template)
         self.device.wait_ready(self.transport, self.cfg.device.ready_timeout_s, self.progress)
 
-    async def start_frontend(self):
+    async def _new_tracker(self, transport: ShmTransport, device: DeviceProcess):
         from blink.dpu.request_tracker import RequestTracker
 
-        assert self.transport is not None
-        s = self.cfg.server
-        device = self.device
-
         def liveness() -> str | None:
-            rc = device.poll() if device is not None else None
-            return None if rc is None else f"device process exited with code {rc}"
+            return None if device.alive() else f"device process exited with code {device.returncode}"
 
-        self.tracker = RequestTracker(self.transport, s.max_queue, s.heartbeat_timeout_s, {"liveness": liveness})
-        await self.tracker.start()
-        return self.tracker
+        s = self.cfg.server
+        tracker = RequestTracker(transport, s.max_queue, s.heartbeat_timeout_s, {"liveness": liveness})
+        await tracker.start()
+        return tracker
 
+    async def start_frontend(self, on_give_up: Callable[[], None] | None = None) -> Stack:
+        assert self.transport is not None and self.device is not None
+        self.tracker = await self._new_tracker(self.transport, self.device)
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(on_give_up), name="supervisor")
+        return self
+
+    async def _supervise(self, on_give_up: Callable[[], None] | None) -> None:
+        limit = self.cfg.device.max_restarts
+        in_a_row, up_since = 0, time.monotonic()
+        while True:
+            await asyncio.sleep(SUPERVISE_POLL_S)
+            if self._stopping or self.device is None or self.device.alive():
+                continue
+            why = f"device process exited with code {self.device.returncode}"
+            self.tracker.fail(why)  # (the tracker's liveness check has most likely done so already)
+            if time.monotonic() - up_since >= HEALTHY_AFTER_S:
+                in_a_row = 0
+            while True:
+                if in_a_row >= limit:
+                    self.gave_up = f"{why}; giving up after {in_a_row} restarts in a row"
+                    self._say(self.gave_up)
+                    if on_give_up is not None:
+                        on_give_up()
+                    return
+                in_a_row += 1
+                delay = min(RESTART_BACKOFF_S[0] * 2 ** (in_a_row - 1), RESTART_BACKOFF_S[1])
+                self._say(f"{why}; restarting the device in {delay:.1f} s (restart {in_a_row} of {limit} in a row)")
+                await asyncio.sleep(delay)
+                self.restarts += 1
+                try:
+                    await self._restart()
+                    break
+                except (RuntimeError, TimeoutError, OSError) as e:
+                    why = f"the restarted device failed: {e}"
+            up_since = time.monotonic()
+            self._say(f"device restarted on /dev/shm/{self.ring_name}; serving again")
+
+    async def _restart(self) -> None:
+        """A new device on a fresh ring, then a new tracker on it; the old ring is removed."""
+        spec = msgspec.structs.replace(self.spec, ring=new_ring_name())
+        transport, device = self._launch(spec)
+        try:
+            await asyncio.to_thread(device.wait_ready, transport, self.cfg.device.ready_timeout_s, self.progress)
+            tracker = await self._new_tracker(transport, device)
+        except BaseException:  # failed, or the server is shutting down meanwhile
+            device.stop(transport, drain=False, timeout=2.0)
+            transport.unlink()
+            transport.close()
+            raise
+        old_tracker, old_transport = self.tracker, self.transport
+        last = old_tracker.device_counters()
+        for k in DEVICE_COUNTERS:
+            self._counters_before[k] = self._counters_before.get(k, 0) + last.get(k, 0)
+        self.spec, self.transport, self.device, self.tracker = spec, transport, device, tracker
+        await old_tracker.close()
+        old_transport.unlink()
+        old_transport.close()
+
+    # -- Backend (blink.dpu.generation): the current ring's tracker --------------------------------
+    def device_counters(self) -> dict[str, int]:
+        out = self.tracker.device_counters()
+        for k, v in self._counters_before.items():
+            out[k] = out.get(k, 0) + v
+        out["restarts"] = self.restarts  # -> blink_device_restarts_total
+        return out
+
+    def __getattr__(self, name: str):
+        # submit, health, stats, check_prompt, new_request_id, max_context, features, ...: whatever
+        # the Backend protocol holds is the current tracker's (looked up per call: it is swapped)
+        if name.startswith("_") or name == "tracker":
+            raise AttributeError(name)
+        return getattr(self.tracker, name)
+
+    # -- shutdown ---------------------------------------------------------------------------------
     async def stop_frontend(self) -> None:
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+            self._supervisor = None
         if self.tracker is not None:
             await self.tracker.close()
             self.tracker = None
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the device to stop (drain), wait, then remove the ring. Safe to call twice."""
+        self._stopping = True
         if self.transport is not None and self.device is not None:
             self.device.stop(self.transport, drain=True, timeout=timeout)
         if self.transport is not None:

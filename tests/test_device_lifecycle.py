@@ -1,0 +1,171 @@
+"""The device process's life under `blink serve` (emulated device; the CUDA device starts and stops
+through the same launch layer, blink/launch.py):
+
+- it dies with its frontend (kill -9 of `blink serve` leaves no device behind), and the ring a
+  dead server left in /dev/shm is removed by the next server that starts;
+- a device that dies is restarted (backoff, a bounded number of tries, counted in /metrics): the
+  requests it had end with an error event, /health comes back to 200 by itself and new requests
+  complete; once the tries are spent, `blink serve` exits non-zero (so an outside supervisor can
+  take over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+from test_e2e_openai import Server, _post, child_pids
+
+TINY = ("--model", "random:tiny-llama", "--num-kv-blocks", "128", "--n-slots", "4")
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (its parent died; whoever adopted it has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    t_end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t_end, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def health(url: str) -> int:
+    try:
+        return urllib.request.urlopen(url + "/health", timeout=5).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def complete(url: str) -> tuple[int, dict]:
+    body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 3, "ignore_eos": True}
+    return _post(url + "/v1/completions", json.dumps(body))
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+# -- the device dies with its parent; stale rings ------------------------------------------------
+
+
+def test_device_dies_with_the_frontend_and_its_ring_is_removed_at_the_next_start():
+    stale = f"/dev/shm/blink-{dead_pid()}-0123abcd"  # as a server killed long ago would leave it
+    live = f"/dev/shm/blink-{os.getpid()}-4567cdef"  # its owner (this process) lives: kept
+    for path in (stale, live):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    try:
+        s = Server(*TINY)
+        (child,) = child_pids(s.proc.pid)
+        s.proc.kill()  # kill -9: no shutdown handler runs
+        s.proc.wait(10)
+        wait_for(lambda: gone(int(child)), 5.0, f"device {child} gone after its frontend was killed")
+        assert s.ring and os.path.exists(f"/dev/shm/{s.ring}")  # nobody unlinked it
+
+        s2 = Server(*TINY)
+        try:
+            assert not os.path.exists(f"/dev/shm/{s.ring}") and not os.path.exists(stale)
+            assert os.path.exists(live)
+            assert any("removed stale ring" in ln for ln in s2.log), "".join(s2.log)
+            assert complete(s2.url)[0] == 200
+        finally:
+            assert s2.stop() == 0
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_device_process_watches_its_parent():
+    """The parent watch alone (no death signal: a device started by some other launcher) ends the
+    device within a second of its parent's death."""
+    code = (
+        "import subprocess, sys, time;"
+        "p = subprocess.Popen([sys.executable, '-c', 'from blink.device.process import watch_parent;"
+        "import os, time; watch_parent(os.getppid(), 0.05); print(os.getpid(), flush=True); time.sleep(60)'],"
+        " stdout=subprocess.PIPE, text=True);"
+        "print(p.stdout.readline().strip(), flush=True)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    wait_for(lambda: gone(int(out.stdout.split()[0])), 3.0, "orphaned device killed by its parent watch")
+
+
+# -- self-healing ----------------------------------------------------------------------------------
+
+
+def test_dead_device_is_restarted_and_the_server_heals():
+    s = Server(*TINY, "--max-device-restarts", "2")
+    try:
+        (child,) = child_pids(s.proc.pid)
+        assert health(s.url) == 200 and s.metrics()["blink_device_restarts_total"] == 0
+
+        async def stream_through_the_kill() -> list[bytes]:
+            async with aiohttp.ClientSession() as sess:
+                body = {"model": "tiny-llama", "prompt": [5], "max_tokens": 5000, "ignore_eos": True, "stream": True}
+                async with sess.post(s.url + "/v1/completions", json=body) as r:
+                    events = []
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            events.append(line[6:].strip())
+                            if len(events) == 2:
+                                os.kill(int(child), signal.SIGKILL)
+                    return events
+
+        events = asyncio.run(stream_through_the_kill())
+        assert events[-1] == b"[DONE]" and "exited" in json.loads(events[-2])["error"]["message"]
+        wait_for(lambda: health(s.url) == 200, 30.0, "/health back to 200")
+        (new_child,) = child_pids(s.proc.pid)
+        assert new_child != child
+        code, js = complete(s.url)
+        assert code == 200 and js["usage"]["completion_tokens"] == 3, js
+        m = s.metrics()
+        assert m["blink_device_restarts_total"] == 1
+        assert m["blink_ring_busy_slots"] == 0 and m["blink_device_running"] == 0
+        assert m["blink_device_up"] == 1
+        assert any("restarting the device" in ln for ln in s.log), "".join(s.log)
+        assert s.proc.poll() is None
+    finally:
+        assert s.stop() == 0, "".join(s.log)
+    assert not os.path.exists(f"/dev/shm/{s.ring}")
+
+
+@pytest.mark.timeout(120)
+def test_server_exits_nonzero_when_the_restarts_are_spent():
+    s = Server(*TINY, "--max-device-restarts", "1")
+    try:
+        (child,) = child_pids(s.proc.pid)
+        os.kill(int(child), signal.SIGKILL)
+        first = child
+
+        def restarted() -> bool:
+            kids = child_pids(s.proc.pid)
+            return len(kids) == 1 and kids != [first] and health(s.url) == 200
+
+        wait_for(restarted, 30.0, "first restart")
+        (child,) = child_pids(s.proc.pid)
+        os.kill(int(child), signal.SIGKILL)  # the second death: no tries left
+        rc = s.proc.wait(30)
+        assert rc != 0
+        assert any("giving up" in ln for ln in s.log), "".join(s.log)
+        rings = [ln.split("/dev/shm/")[1].split(":")[0] for ln in s.log if "ring /dev/shm/" in ln]
+        assert len(rings) == 2 and not any(os.path.exists(f"/dev/shm/{r}") for r in rings)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
