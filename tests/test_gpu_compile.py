@@ -322,3 +322,18 @@ def test_flash_cp_async_ring_order(stages: int, ntiles: int):
         unread.discard(stage)
         stage = stage + 1 if stage + 1 < stages else 0
     wait(0)
+
+
+def test_decode_groups_are_the_instantiated_ones():
+    """The engine accepts exactly the GQA groups whose decode kernels exist (basic and flashq):
+    group 7 (Qwen2.5) was instantiated in the .cu files but refused by a hand-kept list."""
+    import re
+
+    from blink.gpu.attention_launch import DECODE_GROUPS
+
+    basic = {int(g) for g in re.findall(r"^\s*DECODE\(HD, (\d+)\)", (kernels.CSRC / "attention.cu").read_text(), re.M)}
+    flash = {
+        int(g)
+        for g in re.findall(r"^\s*FLASH\(flashq, HD, (\d+),", (kernels.CSRC / "flash_decode.cu").read_text(), re.M)
+    }
+    assert basic == flash == set(DECODE_GROUPS)

@@ -15,7 +15,7 @@ from blink.gpu.cuda_api import Driver
 from blink.gpu.kernels import Kernels
 
 DECODE_HEAD_DIMS = (16, 32, 64, 128)
-DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 8)
+DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 PREFILL_TILE = 64
 # Decode attention kernels. basic: attention.cu, a fixed split count per bucket, merged by the
 # last split. flashq: flash_decode.cu, keys per split chosen at run time, separate combine;
