@@ -76,6 +76,7 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
         num_kv_blocks=d.num_kv_blocks or 0,
         kv_cache_fraction=d.kv_cache_fraction,
         max_context=d.max_context or 0,
+        debug=cfg.server.log_level == "debug",
     )
 
 

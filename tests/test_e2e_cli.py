@@ -72,5 +72,8 @@ def test_bad_model_is_one_line(tmp_path):
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no such file or folder" in r.stderr
     r = serve("random:no-such-preset")
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "unknown preset" in r.stderr
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
+    r = serve(str(tmp_path / "bad.gguf"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "not a GGUF file" in r.stderr, r.stderr
     r = serve(str(tmp_path), "--log-level", "debug")
     assert r.returncode == 1 and "Traceback" in r.stderr and "no weights" in r.stderr.splitlines()[-1]

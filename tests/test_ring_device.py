@@ -349,3 +349,26 @@ def test_the_heartbeat_beats_inside_a_long_step(rig_factory):
         time.sleep(0.002)
     rig.c.wait([slot])
     assert gaps and max(gaps) < 0.25, max(gaps)  # without the hook: one gap of a whole step (0.5 s)
+
+
+def test_device_main_reports_a_model_that_does_not_load_in_one_line(capsys, monkeypatch):
+    """Issue 13.8 in the device process: a loading error is one stderr line (exit 1); with
+    spec.debug (blink serve --log-level debug) its traceback comes first."""
+    import msgspec
+
+    from blink.device import process
+    from blink.protocol.wire import DeviceSpec
+
+    monkeypatch.setattr(process, "watch_parent", lambda parent: None)
+
+    def run(spec):
+        raise ValueError("/models/x.gguf: not a GGUF file")
+
+    base = dict(ring="r", kind="emulated", model="x", scheduler="gpu", max_batch=1, max_tokens=1, kv_block_size=16)
+    base.update(num_kv_blocks=0, kv_cache_fraction=0.5, max_context=0)
+    for debug in (False, True):
+        spec = msgspec.json.encode(DeviceSpec(**base, debug=debug)).decode()
+        assert process.device_main(run, [spec]) == 1
+        err = capsys.readouterr().err
+        assert err.endswith("blink device: ValueError: /models/x.gguf: not a GGUF file\n")
+        assert ("Traceback" in err) == debug and (err.count("\n") == 1) != debug

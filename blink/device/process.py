@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import msgspec
@@ -26,6 +27,9 @@ from blink.protocol.layout import DeviceStatus
 from blink.protocol.wire import DeviceSpec
 
 PARENT_POLL_S = 0.5
+# What loading a model raises (missing or unreadable files, bad formats, unknown presets or
+# architectures): reported as one line unless spec.debug; anything else keeps its traceback.
+LOAD_ERRORS = (OSError, ValueError, KeyError, NotImplementedError)
 PROGRESS_EVERY_S = 2.0
 
 
@@ -82,4 +86,11 @@ def device_main(run: Callable[[DeviceSpec], DeviceStatus], argv: list[str] | Non
         return 2
     spec = msgspec.json.decode(args[0], type=DeviceSpec)
     watch_parent(os.getppid())
-    return 0 if run(spec) == DeviceStatus.STOPPED else 1
+    try:
+        status = run(spec)
+    except LOAD_ERRORS as e:  # a model that does not load: one line (the frontend says it too)
+        if spec.debug:
+            traceback.print_exc()
+        phase(f"{type(e).__name__}: {e}")
+        return 1
+    return 0 if status == DeviceStatus.STOPPED else 1

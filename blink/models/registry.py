@@ -142,6 +142,9 @@ def check_model(spec: str | os.PathLike[str] | None, cache_dir: str | os.PathLik
             raise ModelNotFoundError(
                 f"model file {p}: not a .gguf file (a folder of safetensors is given as the folder)"
             )
+        with open(p, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelNotFoundError(f"model file {p.absolute()}: not a GGUF file (no GGUF magic)")
         return
     if not p.exists():
         raise ModelNotFoundError(

@@ -114,6 +114,7 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     seed: int = 0  # seed of random weights
     decode_attention: str = ""  # cuda: decode attention table ("basic", "1:flashq,64:basic"); "" = the engine's
     executor: str = ""  # emulated: executor factory "module:function" (tests); "" = the numpy model
+    debug: bool = False  # a start-up error with its traceback (blink serve --log-level debug), else one line
 
     def __post_init__(self) -> None:
         if self.kind not in ("emulated", "cuda") or self.scheduler not in ("gpu", "host"):
