@@ -292,5 +292,6 @@ class Forward(AttentionLaunches):
             "sample_tokens", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, V=c.vocab_size,
             temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seeds=a["seeds"],
             sample_pos=a["sample_pos"], out_tokens=self.out_tokens, num_seqs=ns,
+            proc=None, pen_row=None, min_p=None,  # the sampling extensions are not in the graphs yet
         )  # fmt: skip
         self._launch("signal_done", (1, 1, 1), (1, 1, 1), stream, step_seq=a["step_seq"], done_seq=self.done_seq)

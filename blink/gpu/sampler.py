@@ -1,22 +1,43 @@
-"""The on-device sampling kernel on its own: rows of fp32 logits in, one token per row out.
+"""The on-device sampling kernels on their own: rows of fp32 logits in, one token per row out.
 
 The engine's graphs run the same kernel (sample_tokens) on the LM head's output; this wrapper
-exists so tests and tools can check it against blink.device.sampling on fixed logits.
+exists so tests and tools can check the kernels against blink.device.sampling on fixed logits:
+`sample` (temperature, top-k, top-p) and `sample_ext` (the extensions: logprobs, logit_bias,
+penalties with their per-row state, min_p), each kernel launched as the graphs would.
 """
 
 from __future__ import annotations
 
-import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 
 from blink.gpu.cuda_api import Driver
 from blink.gpu.kernels import Kernels
+from blink.protocol.layout import MAX_LOGPROBS
+
+SEEN = np.uint32(0x80000000)  # bit 31 of a penalty-state word (sampling.cu)
+
+
+@dataclass
+class ExtResult:
+    tokens: np.ndarray  # (S,) int32
+    chosen_logprob: np.ndarray  # (S,) float32, rows with n_logprobs >= 0 and emit
+    top_ids: np.ndarray  # (S, MAX_LOGPROBS) int32, the first n_logprobs[s] of each row
+    top_logprobs: np.ndarray  # (S, MAX_LOGPROBS) float32
+    processed: np.ndarray  # (S, V) float32, rows with pen_row >= 0
+    state: np.ndarray  # (rows, V) uint32, after the step
 
 
 class GpuSampler:
     def __init__(self, driver: Driver, kernels: Kernels, stream: object) -> None:
-        self.driver, self.fn, self.stream = driver, kernels["sample_tokens"], stream
+        self.driver, self.k, self.stream = driver, kernels, stream
+        self.fn = kernels["sample_tokens"]
+
+    def _launch(self, name: str, grid: int, block: int, **args: object) -> None:
+        """Launch by parameter name (checked against the kernel's signature: Kernels.args)."""
+        s = int(self.stream.ptr)  # type: ignore[attr-defined]
+        self.driver.launch(self.k[name], (grid, 1, 1), (block, 1, 1), self.k.args(name, args), s, name=name)
 
     def sample(
         self,
@@ -43,16 +64,103 @@ class GpuSampler:
         ]
         out = cp.full(rows, -1, dtype=cp.int32)
         n = cp.asarray(np.array([rows], np.uint32))
-        P = ctypes.c_uint64
-        args = [
-            P(dev[0].data.ptr),
-            ctypes.c_int(vocab),
-            *[P(a.data.ptr) for a in dev[1:]],
-            P(out.data.ptr),
-            P(n.data.ptr),
-        ]
         cp.cuda.Device().synchronize()  # the uploads ran on CuPy's stream, the launch uses ours
-        s = int(self.stream.ptr)  # type: ignore[attr-defined]
-        self.driver.launch(self.fn, (rows, 1, 1), (1024, 1, 1), args, s, name="sample_tokens")
+        lg, t, p, k, sd, ks_ = dev
+        self._launch(
+            "sample_tokens", rows, 1024, logits=lg, V=vocab, temperature=t, top_p=p, top_k=k, seeds=sd,
+            sample_pos=ks_, out_tokens=out, num_seqs=n, proc=None, pen_row=None, min_p=None,
+        )  # fmt: skip
         self.stream.synchronize()  # type: ignore[attr-defined]
         return out.get()
+
+    def sample_ext(
+        self,
+        logits: np.ndarray,
+        temperature: np.ndarray,
+        top_p: np.ndarray,
+        top_k: np.ndarray,
+        seeds: np.ndarray,
+        ks: np.ndarray,
+        *,
+        min_p: np.ndarray,
+        state: np.ndarray,
+        pen_row: np.ndarray,
+        fresh: np.ndarray,
+        input_ids: np.ndarray,
+        cu_q_lens: np.ndarray,
+        presence: np.ndarray,
+        frequency: np.ndarray,
+        repetition: np.ndarray,
+        bias_cu: np.ndarray,
+        bias_ids: np.ndarray,
+        bias_vals: np.ndarray,
+        n_logprobs: np.ndarray,
+        emit: np.ndarray,
+    ) -> ExtResult:
+        """One step's sampling with the extensions: penalty_mark, logits_ext, sample_tokens,
+        sample_post, in the graphs' order. state: (rows, V) uint32 (SEEN | count per id)."""
+        import cupy as cp
+
+        S, V = logits.shape
+
+        def up(a: np.ndarray, dt: type) -> object:
+            a = np.ascontiguousarray(a, dtype=dt)
+            return cp.asarray(a if a.size else np.zeros(1, dt))
+
+        lg = up(logits, np.float32)
+        st = up(state, np.uint32)
+        proc = cp.zeros((S, V), cp.float32)
+        top_ids = cp.full((S, MAX_LOGPROBS), -1, cp.int32)
+        top_lps = cp.zeros((S, MAX_LOGPROBS), cp.float32)
+        stats = cp.zeros(2 * S, cp.float32)
+        chosen = cp.zeros(S, cp.float32)
+        out = cp.full(S, -1, cp.int32)
+        n = cp.asarray(np.array([S], np.uint32))
+        a = {
+            k: up(v, dt)
+            for k, v, dt in (
+                ("temperature", temperature, np.float32),
+                ("top_p", top_p, np.float32),
+                ("top_k", top_k, np.int32),
+                ("seeds", seeds, np.uint64),
+                ("ks", ks, np.uint32),
+                ("min_p", min_p, np.float32),
+                ("pen_row", pen_row, np.int32),
+                ("fresh", fresh, np.int32),
+                ("input_ids", input_ids, np.int32),
+                ("cu", cu_q_lens, np.int32),
+                ("presence", presence, np.float32),
+                ("frequency", frequency, np.float32),
+                ("repetition", repetition, np.float32),
+                ("bias_cu", bias_cu, np.int32),
+                ("bias_ids", bias_ids, np.int32),
+                ("bias_vals", bias_vals, np.float32),
+                ("n_logprobs", n_logprobs, np.int32),
+                ("emit", emit, np.int32),
+            )
+        }
+        cp.cuda.Device().synchronize()
+        pr, nl = a["pen_row"], a["n_logprobs"]
+        self._launch(
+            "penalty_mark", S, 256, state=st, V=V, pen_row=pr, fresh=a["fresh"], input_ids=a["input_ids"],
+            cu_q_lens=a["cu"], num_seqs=n,
+        )  # fmt: skip
+        self._launch(
+            "logits_ext", S, 1024, logits=lg, proc=proc, V=V, state=st, pen_row=pr, presence=a["presence"],
+            frequency=a["frequency"], repetition=a["repetition"], bias_cu=a["bias_cu"], bias_ids=a["bias_ids"],
+            bias_vals=a["bias_vals"], n_logprobs=nl, max_lp=MAX_LOGPROBS, top_ids=top_ids, top_lps=top_lps,
+            stats=stats, num_seqs=n,
+        )  # fmt: skip
+        self._launch(
+            "sample_tokens", S, 1024, logits=lg, V=V, temperature=a["temperature"], top_p=a["top_p"],
+            top_k=a["top_k"], seeds=a["seeds"], sample_pos=a["ks"], out_tokens=out, num_seqs=n, proc=proc,
+            pen_row=pr, min_p=a["min_p"],
+        )  # fmt: skip
+        self._launch(
+            "sample_post", S, 32, logits=lg, V=V, out_tokens=out, emit=a["emit"], n_logprobs=nl, stats=stats,
+            chosen_lp=chosen, state=st, pen_row=pr, num_seqs=n,
+        )  # fmt: skip
+        self.stream.synchronize()  # type: ignore[attr-defined]
+        return ExtResult(
+            out.get(), chosen.get(), top_ids.get(), top_lps.get(), proc.get(), st.get().reshape(state.shape)
+        )

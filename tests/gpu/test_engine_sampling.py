@@ -102,3 +102,124 @@ def test_seeded_sampling_reproducible_and_batch_independent(sampler):
     np.testing.assert_array_equal(c, a[perm])
     d = sampler.sample(logits, t, p, k, seeds + np.uint64(1), ks)
     assert (d != a).mean() > 0.3  # the seed matters
+
+
+# -- the sampling extensions: CUDA (sampling.cu) vs the emulated device's definition vs torch ---------------
+def _ext_case(rng: np.random.Generator, rows: int, vocab: int):
+    """Random rows of everything the extensions take, and a penalty-state table of (rows, vocab)."""
+    t, p, k, seeds, ks = params(rng, rows)
+    min_p = rng.choice(np.array([0.0, 0.0, 0.05, 0.3], np.float32), rows)
+    pen_row = np.where(rng.random(rows) < 0.7, np.arange(rows), -1).astype(np.int32)
+    fresh = (rng.random(rows) < 0.3).astype(np.int32)
+    state = np.zeros((rows, vocab), np.uint32)
+    for r in range(rows):  # an earlier history: seen ids, some with output counts
+        ids = rng.integers(0, vocab, 40)
+        state[r, ids] = sampling_seen_word(rng.integers(0, 4, 40))
+    lens = rng.integers(1, 12, rows)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    input_ids = rng.integers(0, vocab, int(cu[-1])).astype(np.int32)
+    presence = rng.choice(np.array([0.0, 0.5, -1.0, 2.0], np.float32), rows)
+    frequency = rng.choice(np.array([0.0, 0.3, 1.5, -0.5], np.float32), rows)
+    repetition = rng.choice(np.array([1.0, 1.3, 0.7, 2.0], np.float32), rows)
+    nb = np.where(pen_row >= 0, rng.integers(0, 5, rows), 0)
+    bias_cu = np.concatenate([[0], np.cumsum(nb)]).astype(np.int32)
+    bias_ids = np.concatenate([rng.choice(vocab, n, replace=False) for n in nb]).astype(np.int32)
+    bias_vals = rng.uniform(-100, 100, int(bias_cu[-1])).astype(np.float32)
+    n_logprobs = rng.choice(np.array([-1, 0, 1, 5, 20], np.int32), rows)
+    emit = (rng.random(rows) < 0.8).astype(np.int32)
+    return dict(
+        temperature=t, top_p=p, top_k=k, seeds=seeds, ks=ks, min_p=min_p, state=state, pen_row=pen_row,
+        fresh=fresh, input_ids=input_ids, cu_q_lens=cu, presence=presence, frequency=frequency,
+        repetition=repetition, bias_cu=bias_cu, bias_ids=bias_ids, bias_vals=bias_vals, n_logprobs=n_logprobs,
+        emit=emit,
+    )  # fmt: skip
+
+
+def sampling_seen_word(counts: np.ndarray) -> np.ndarray:
+    return np.uint32(0x80000000) | counts.astype(np.uint32)
+
+
+def _reference(logits: np.ndarray, c: dict):
+    """The emulated device's definition (blink.device.sampling), row by row."""
+    rows, vocab = logits.shape
+    toks = np.zeros(rows, np.int32)
+    state = c["state"].copy()
+    processed = {}
+    records = {}
+    for s in range(rows):
+        st = None
+        if c["pen_row"][s] >= 0:
+            st = sampling.PenaltyState(vocab)
+            if not c["fresh"][s]:
+                w = state[s]
+                st.seen[:] = (w & np.uint32(0x80000000)) != 0
+                st.counts[:] = (w & np.uint32(0x7FFFFFFF)).astype(np.int32)
+            st.mark(c["input_ids"][c["cu_q_lens"][s] : c["cu_q_lens"][s + 1]])
+        b0, b1 = c["bias_cu"][s], c["bias_cu"][s + 1]
+        x = sampling.process_logits(
+            logits[s], c["bias_ids"][b0:b1], c["bias_vals"][b0:b1], st,
+            float(c["presence"][s]), float(c["frequency"][s]), float(c["repetition"][s]),
+        )  # fmt: skip
+        toks[s] = sampling.sample_row(
+            x, float(c["temperature"][s]), float(c["top_p"][s]), int(c["top_k"][s]), int(c["seeds"][s]),
+            int(c["ks"][s]), float(c["min_p"][s]),
+        )  # fmt: skip
+        if st is not None:
+            processed[s] = x
+            if c["emit"][s]:
+                st.add(int(toks[s]))
+            state[s] = np.where(st.seen, np.uint32(0x80000000), np.uint32(0)) | st.counts.astype(np.uint32)
+        if c["n_logprobs"][s] >= 0:
+            records[s] = sampling.logprob_record(sampling.logprobs(logits[s]), int(toks[s]), int(c["n_logprobs"][s]))
+    return toks, processed, records, state
+
+
+@pytest.mark.parametrize("vocab,rows", [(1000, 200), (49152, 24), (128256, 8)])
+def test_extensions_match_the_definition_token_for_token(sampler, vocab, rows):
+    rng = np.random.default_rng(vocab + 7 * rows)
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    c = _ext_case(rng, rows, vocab)
+    got = sampler.sample_ext(logits, **c)
+    toks, processed, records, state = _reference(logits, c)
+    for s, x in processed.items():  # logit_bias and penalties: the same float operations, bit for bit
+        np.testing.assert_array_equal(got.processed[s], x, err_msg=f"row {s}")
+    bad = np.flatnonzero(got.tokens != toks)
+    assert bad.size == 0, [(int(i), int(got.tokens[i]), int(toks[i]), float(c["min_p"][i])) for i in bad[:10]]
+    for s, (lp, ids, lps) in records.items():
+        n = ids.size
+        np.testing.assert_array_equal(got.top_ids[s, :n], ids, err_msg=f"row {s}")
+        np.testing.assert_allclose(got.top_logprobs[s, :n], lps, atol=2e-5, err_msg=f"row {s}")
+        if c["emit"][s]:
+            assert got.chosen_logprob[s] == pytest.approx(lp, abs=2e-5)
+    rows_kept = c["pen_row"] >= 0
+    np.testing.assert_array_equal(got.state[rows_kept], state[rows_kept])  # counts and seen bits, on the device
+
+
+def test_extensions_match_torch(sampler):
+    """Both the kernels and the emulated device against torch on the same logits (vLLM V1's order:
+    raw log_softmax for logprobs; logit_bias, repetition on prompt|output, frequency/presence)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    rows, vocab = 32, 4096
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    c = _ext_case(rng, rows, vocab)
+    c["n_logprobs"][:] = 20
+    got = sampler.sample_ext(logits, **c)
+    _, processed, _, _ = _reference(logits, c)
+    lsm = torch.log_softmax(torch.tensor(logits), -1)
+    vals, ids = torch.topk(lsm, 20, -1)
+    np.testing.assert_array_equal(got.top_ids, ids.numpy())
+    np.testing.assert_allclose(got.top_logprobs, vals.numpy(), atol=2e-5)
+    for s in processed:
+        x = torch.tensor(logits[s])
+        b0, b1 = c["bias_cu"][s], c["bias_cu"][s + 1]
+        x[torch.tensor(c["bias_ids"][b0:b1], dtype=torch.long)] += torch.tensor(c["bias_vals"][b0:b1])
+        w = c["state"][s] if not c["fresh"][s] else np.zeros(vocab, np.uint32)
+        seen = torch.tensor((w & np.uint32(0x80000000)) != 0)
+        seen[torch.tensor(c["input_ids"][c["cu_q_lens"][s] : c["cu_q_lens"][s + 1]], dtype=torch.long)] = True
+        counts = torch.tensor((w & np.uint32(0x7FFFFFFF)).astype(np.float32))
+        r = float(c["repetition"][s])
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        x = x - float(c["frequency"][s]) * counts - float(c["presence"][s]) * (counts > 0).float()
+        np.testing.assert_allclose(got.processed[s], x.numpy(), rtol=1e-6, atol=1e-5)
+        np.testing.assert_allclose(processed[s], x.numpy(), rtol=1e-6, atol=1e-5)

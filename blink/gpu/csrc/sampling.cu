@@ -14,6 +14,18 @@
 //   vocabulary range, a block scan of the range sums finds the range that crosses, and its owner
 //   walks it.
 // Sums are fp64 (the reference accumulates in float64), so only the order of additions differs.
+//
+// Sampling extensions (steps 0-2, 5 and 10 of the definition), for the rows that use them:
+//   penalty_mark (before the LM head's logits are read): a fresh sequence's penalty-state row is
+//     zeroed, then the step's input tokens of that sequence are marked seen.
+//   logits_ext: raw logprobs (max, log-sum-exp, the top n by n block argmax passes, each taking the
+//     next element in (value desc, id asc) order: no exclusion list, ties ordered like the
+//     reference); logit_bias and the penalties write the row's processed logits into `proc`.
+//   sample_tokens: samples from `proc` for those rows; min_p is one more threshold on p.
+//   sample_post: the chosen token's raw logprob, and its count (and seen bit) in the state.
+// Penalty state: uint32 per (state row, vocabulary id): bit 31 = seen (prompt or output), the low
+// bits = occurrences in the output. The state row of a sequence is pen_row[s] (-1: no state, no
+// logit_bias: the row is sampled from the raw logits).
 #include "common.cuh"
 
 constexpr int SB = 1024;  // threads per row
@@ -60,15 +72,154 @@ __device__ __forceinline__ uint64_t splitmix64_s(uint64_t x) {
   return z ^ (z >> 31);
 }
 
+constexpr uint32_t SEEN = 0x80000000u;
+
+// The block's (value desc, index asc) maximum of (v, i) pairs; every thread gets it.
+__device__ __forceinline__ void block_argmax(float& bv, int& bi, SampleShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+    const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+  __syncthreads();
+  if (lane == 0) {
+    sh.fscratch[warp] = bv;
+    sh.iscratch[warp] = bi;
+  }
+  __syncthreads();
+  bv = lane < (int)(blockDim.x >> 5) ? sh.fscratch[lane] : -INFINITY;
+  bi = lane < (int)(blockDim.x >> 5) ? sh.iscratch[lane] : 0x7fffffff;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+    const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+}
+
+// Grid (S), block 256. state: [rows, V]; input_ids / cu_q_lens: the step's packed tokens.
+extern "C" __global__ void penalty_mark(uint32_t* __restrict__ state, int V, const int* __restrict__ pen_row,
+                                        const int* __restrict__ fresh, const int* __restrict__ input_ids,
+                                        const int* __restrict__ cu_q_lens, const uint32_t* __restrict__ num_seqs) {
+  const int s = blockIdx.x;
+  if (s >= (int)*num_seqs || pen_row[s] < 0) return;
+  uint32_t* st = state + (size_t)pen_row[s] * V;
+  if (fresh[s]) {
+    for (int i = threadIdx.x; i < V; i += blockDim.x) st[i] = 0u;
+    __syncthreads();
+  }
+  for (int j = cu_q_lens[s] + threadIdx.x; j < cu_q_lens[s + 1]; j += blockDim.x) atomicOr(&st[input_ids[j]], SEEN);
+}
+
+// Grid (S), block SB. Rows with n_logprobs[s] >= 0: top_ids / top_lps [S, max_lp] (the first
+// n_logprobs[s] of each row written) and stats [S, 2] = (max, log-sum-exp of logits - max). Rows with
+// pen_row[s] >= 0: proc[s] = the logits with logit_bias (bias_cu / bias_ids / bias_vals, CSR by
+// row) and the penalties of the state row applied.
+extern "C" __global__ void __launch_bounds__(SB)
+    logits_ext(const float* __restrict__ logits, float* __restrict__ proc, int V, const uint32_t* __restrict__ state,
+               const int* __restrict__ pen_row, const float* __restrict__ presence, const float* __restrict__ frequency,
+               const float* __restrict__ repetition, const int* __restrict__ bias_cu, const int* __restrict__ bias_ids,
+               const float* __restrict__ bias_vals, const int* __restrict__ n_logprobs, int max_lp,
+               int* __restrict__ top_ids, float* __restrict__ top_lps, float* __restrict__ stats,
+               const uint32_t* __restrict__ num_seqs) {
+  __shared__ SampleShared sh;
+  const int s = blockIdx.x;
+  if (s >= (int)*num_seqs) return;
+  const int tid = threadIdx.x;
+  const float* row = logits + (size_t)s * V;
+  const int n = min(n_logprobs[s], max_lp);
+  if (n >= 0) {
+    float m = -INFINITY;
+    for (int i = tid; i < V; i += SB) m = fmaxf(m, row[i]);
+    m = block_max_f(m, sh);
+    double e = 0.0;
+    for (int i = tid; i < V; i += SB) e += (double)expf(row[i] - m);
+    const float lse = (float)log(block_sum_d(e, sh));
+    float pv = INFINITY;  // the previous pick, in (value desc, id asc) order
+    int pi = -1;
+    for (int j = 0; j < n; ++j) {
+      float bv = -INFINITY;
+      int bi = 0x7fffffff;
+      for (int i = tid; i < V; i += SB) {
+        const float v = row[i];
+        const bool after = v < pv || (v == pv && i > pi);
+        if (after && (v > bv || (v == bv && i < bi))) {
+          bv = v;
+          bi = i;
+        }
+      }
+      block_argmax(bv, bi, sh);
+      if (tid == 0) {
+        top_ids[(size_t)s * max_lp + j] = bi;
+        top_lps[(size_t)s * max_lp + j] = (bv - m) - lse;
+      }
+      pv = bv;
+      pi = bi;
+    }
+    if (tid == 0) {
+      stats[2 * s] = m;
+      stats[2 * s + 1] = lse;
+    }
+  }
+  const int r = pen_row[s];
+  if (r < 0) return;
+  float* out = proc + (size_t)s * V;
+  for (int i = tid; i < V; i += SB) out[i] = row[i];
+  __syncthreads();
+  for (int b = bias_cu[s] + tid; b < bias_cu[s + 1]; b += SB) out[bias_ids[b]] += bias_vals[b];  // ids distinct
+  __syncthreads();
+  const float rep = repetition[s], f = frequency[s], p = presence[s];
+  const bool use_rep = rep != 1.f && rep > 0.f, use_fp = f != 0.f || p != 0.f;
+  if (!use_rep && !use_fp) return;
+  const uint32_t* st = state + (size_t)r * V;
+  for (int i = tid; i < V; i += SB) {
+    const uint32_t c = st[i];
+    float x = out[i];
+    if (use_rep && (c & SEEN)) x = x > 0.f ? __fdiv_rn(x, rep) : __fmul_rn(x, rep);
+    if (use_fp) {
+      const uint32_t k = c & ~SEEN;
+      x = __fsub_rn(x, __fadd_rn(__fmul_rn(f, (float)k), __fmul_rn(p, k ? 1.f : 0.f)));
+    }
+    out[i] = x;
+  }
+}
+
+// Grid (S), block 32 (one thread works). After sample_tokens, for rows whose token is published.
+extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, const int* __restrict__ out_tokens,
+                                       const int* __restrict__ emit, const int* __restrict__ n_logprobs,
+                                       const float* __restrict__ stats, float* __restrict__ chosen_lp,
+                                       uint32_t* __restrict__ state, const int* __restrict__ pen_row,
+                                       const uint32_t* __restrict__ num_seqs) {
+  const int s = blockIdx.x;
+  if (s >= (int)*num_seqs || threadIdx.x != 0 || !emit[s]) return;
+  const int tok = out_tokens[s];
+  if (n_logprobs[s] >= 0) chosen_lp[s] = (logits[(size_t)s * V + tok] - stats[2 * s]) - stats[2 * s + 1];
+  if (pen_row[s] >= 0) {
+    uint32_t* c = state + (size_t)pen_row[s] * V + tok;
+    *c = (((*c & ~SEEN) + 1u) & ~SEEN) | SEEN;
+  }
+}
+
+// proc / pen_row: rows with pen_row[s] >= 0 sample from proc (logits_ext's output); both may be
+// null (no row does). min_p: null = 0 for every row.
 extern "C" __global__ void __launch_bounds__(SB)
     sample_tokens(const float* __restrict__ logits, int V, const float* __restrict__ temperature,
                   const float* __restrict__ top_p, const int* __restrict__ top_k, const uint64_t* __restrict__ seeds,
                   const uint32_t* __restrict__ sample_pos, int* __restrict__ out_tokens,
-                  const uint32_t* __restrict__ num_seqs) {
+                  const uint32_t* __restrict__ num_seqs, const float* __restrict__ proc,
+                  const int* __restrict__ pen_row, const float* __restrict__ min_p) {
   __shared__ SampleShared sh;
   const int s = blockIdx.x;
   if (s >= (int)*num_seqs) return;
-  const float* row = logits + (size_t)s * V;
+  const float* row = (pen_row != nullptr && pen_row[s] >= 0 ? proc : logits) + (size_t)s * V;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float T = temperature[s];
   if (!(T > 0.f)) {
@@ -119,6 +270,9 @@ extern "C" __global__ void __launch_bounds__(SB)
   for (int i = tid; i < V; i += SB) esum += (double)expf(row[i] / T - zmax);
   const float denom = (float)block_sum_d(esum, sh);
 #define PROB(i) (expf(row[(i)] / T - zmax) / denom)
+  // min_p: p >= min_p * max p, and max p = expf(0) / denom
+  const float mp = min_p != nullptr ? min_p[s] : 0.f;
+  const float mthr = mp > 0.f ? __fmul_rn(mp, 1.f / denom) : 0.f;
 
   // top-k threshold
   float kth = 0.f;
@@ -162,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(SB)
     double kept = 0.0;
     for (int i = tid; i < V; i += SB) {
       const float p = PROB(i);
-      if (p >= kth) kept += (double)p;
+      if (p >= kth && p >= mthr) kept += (double)p;
     }
     const double target = (double)tp * block_sum_d(kept, sh);
     unsigned int prefix = 0, mask = 0;
@@ -174,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(SB)
       for (int i = tid; i < V; i += SB) {
         const float p = PROB(i);
         const unsigned int bits = __float_as_uint(p);
-        if (p >= kth && (bits & mask) == prefix) atomicAdd(&sh.mhist[(bits >> shift) & 255u], (double)p);
+        if (p >= kth && p >= mthr && (bits & mask) == prefix) atomicAdd(&sh.mhist[(bits >> shift) & 255u], (double)p);
       }
       __syncthreads();
       if (tid == 0) {
@@ -205,7 +359,7 @@ extern "C" __global__ void __launch_bounds__(SB)
     }
     tau = __uint_as_float(prefix);
   }
-  const float thr = fmaxf(kth, tau);
+  const float thr = fmaxf(fmaxf(kth, tau), mthr);
   // draw
   const int per = (V + SB - 1) / SB;
   const int lo = min(V, tid * per), hi = min(V, lo + per);
