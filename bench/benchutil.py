@@ -140,6 +140,8 @@ def kernel_category(name: str) -> str:
         ("swiglu", "swiglu"),
         ("final_norm", "head"),
         ("sample", "sample"),
+        ("penalty_mark", "sample"),  # the sampling extensions (ext_on gated)
+        ("logits_ext", "sample"),
         ("signal", "done"),
     ):
         if name.startswith(prefix):

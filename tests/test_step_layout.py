@@ -83,7 +83,9 @@ def test_load_step_writes_every_field_where_the_arena_has_it():
     buf = np.zeros(nbytes, np.uint8)
     eng = object.__new__(Engine)
     eng.dims, eng.arena = d, SimpleNamespace(host=host_views(buf, layout))
+    eng.fwd = SimpleNamespace(sampling_rows=8)
     b = _batch()
+    buf[layout["ext_on"][0]] = 1  # a previous step's: cleared by a step without extensions
     assert eng.load_step(b, step_seq=77) is False  # 7 tokens for 3 sequences: not a decode step
     for f in STEP_FIELDS:
         off, n = layout[f.name]
@@ -91,9 +93,64 @@ def test_load_step_writes_every_field_where_the_arena_has_it():
         if f.name == "block_tables":
             np.testing.assert_array_equal(got.reshape(4, 5)[:3, :4], b.block_tables)
         elif f.extent == "1":
-            assert int(got[0]) == {"num_seqs": 3, "num_tokens": 7, "step_seq": 77}[f.name]
+            assert int(got[0]) == {"num_seqs": 3, "num_tokens": 7, "step_seq": 77, "ext_on": 0}[f.name]
+        elif f.ext:
+            assert not got.any(), f.name  # not read while ext_on is 0
         else:
             np.testing.assert_array_equal(got[: b.rows(f)], getattr(b, f.name))
+
+
+def _ext(S: int = 3, T: int = 7):
+    from blink.device.executor import SamplingExt
+
+    return SamplingExt(
+        slots=np.array([5, 0, 7], np.int32),
+        fresh=np.array([True, False, True]),
+        emit=np.array([True, True, False]),
+        penalized=np.array([True, False, True]),
+        presence=np.array([0.5, 0, 0], np.float32),
+        frequency=np.array([0, 0, 1.5], np.float32),
+        repetition=np.array([1.0, 1.0, 1.2], np.float32),
+        min_p=np.array([0, 0.1, 0], np.float32),
+        bias_cu=np.array([0, 2, 2, 2], np.int32),
+        bias_ids=np.array([3, 9], np.int32),
+        bias_vals=np.array([1.0, -5.0], np.float32),
+        n_logprobs=np.array([-1, 20, 3], np.int32),
+        targets=np.full(T, -1, np.int32),
+        prompt_n=np.full(S, -1, np.int32),
+    )
+
+
+def test_load_step_writes_the_extension_fields():
+    """A step with SamplingExt: ext_on set, pen_row = the slot for penalized rows (-1 otherwise), the
+    per-row parameters in their fields; slots past the engine's sampling rows and prompt logprobs
+    (not implemented by the CUDA engine) are refused."""
+    d = Dims(max_seqs=4, max_tokens=16, max_blocks_per_seq=5, block_size=16, num_blocks=50, max_context=80)
+    layout, nbytes = arena_layout(d)
+    buf = np.zeros(nbytes, np.uint8)
+    eng = object.__new__(Engine)
+    eng.dims, eng.arena = d, SimpleNamespace(host=host_views(buf, layout))
+    eng.fwd = SimpleNamespace(sampling_rows=8)
+    b = _batch()
+    b.ext = _ext()
+    eng.load_step(b)
+    h = eng.arena.host
+    assert h["ext_on"][0] == 1
+    np.testing.assert_array_equal(h["pen_row"][:3], [5, -1, 7])
+    np.testing.assert_array_equal(h["fresh"][:3], [1, 0, 1])
+    np.testing.assert_array_equal(h["emit"][:3], [1, 1, 0])
+    np.testing.assert_array_equal(h["presence"][:3], [0.5, 0, 0])
+    np.testing.assert_array_equal(h["frequency"][:3], [0, 0, 1.5])
+    np.testing.assert_array_equal(h["repetition"][:3], np.float32([1, 1, 1.2]))
+    np.testing.assert_array_equal(h["min_p"][:3], np.float32([0, 0.1, 0]))
+    np.testing.assert_array_equal(h["n_logprobs"][:3], [-1, 20, 3])
+    eng.fwd.sampling_rows = 7  # slot 7 has no state row
+    with pytest.raises(ValueError, match="sampling rows"):
+        eng.load_step(b)
+    eng.fwd.sampling_rows = 8
+    b.ext.targets[2] = 11
+    with pytest.raises(ValueError, match="prompt logprobs"):
+        eng.load_step(b)
 
 
 def test_engine_record_and_header_point_at_every_field_with_its_type():

@@ -39,11 +39,21 @@ _SCALARS = [
     ("n_batch_buckets", "<u4", ""),
     ("n_token_buckets", "<u4", ""),
     ("execs_per_shape", "<u4", ">= 2: relaunching an exec right after its token can fail"),
+    ("sampling_rows", "<u4", "penalty-state / logit_bias rows (one per ring slot); 0: no extension tables"),
+    ("max_logit_bias", "<u4", "logit_bias entries per row of bias_ids / bias_vals (MAX_LOGIT_BIAS)"),
+    ("max_logprobs", "<u4", "alternatives per row of top_ids / top_lps (MAX_LOGPROBS)"),
 ]
 # device buffers besides the step inputs: (name, element dtype, extent)
 _BUFFERS = [
     ("out_tokens", "<i4", "[max_seqs] sampled token of each sequence (last token of its chunk)"),
     ("done_seq", "<u8", "the graph's last kernel stores *step_seq here (st.release.gpu)"),
+    ("chosen_lp", "<f4", "[max_seqs] raw logprob of out_tokens (rows with n_logprobs >= 0, emitted)"),
+    ("top_ids", "<i4", "[max_seqs][max_logprobs] the row's most likely ids (first n_logprobs valid)"),
+    ("top_lps", "<f4", "[max_seqs][max_logprobs] their raw logprobs"),
+    ("pen_state", "<u4", "[sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)"),
+    ("bias_n", "<i4", "[sampling_rows] logit_bias entries of the row's request (written at admission)"),
+    ("bias_ids", "<i4", "[sampling_rows][max_logit_bias]"),
+    ("bias_vals", "<f4", "[sampling_rows][max_logit_bias]"),
     ("batch_buckets", "<u4", "[n_batch_buckets] sizes, ascending"),
     ("token_buckets", "<u4", "[n_token_buckets] sizes, ascending"),
     ("batch_bucket_of", "<u2", "[max_seqs+1]"),

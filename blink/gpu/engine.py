@@ -51,6 +51,7 @@ from blink.gpu.forward import Dims, Forward
 from blink.gpu.kernels import DEFAULT_CACHE, Kernels
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig
+from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from blink.protocol.step import BATCH_FIELDS, STEP_FIELDS, StepBatch
 
 
@@ -107,7 +108,7 @@ class Engine:
         self.dims = Dims(ecfg.max_seqs, ecfg.max_tokens, mbps, ecfg.block_size, num_blocks, max_context)
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.num_sms = int(sms)
-        self.fwd = Forward(config, weights, self.dims, driver, kernels, self.cublas, sms)
+        self.fwd = Forward(config, weights, self.dims, driver, kernels, self.cublas, sms, sampling_rows=ecfg.sampling_rows)
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
         self.fwd.set_decode_table(ecfg.decode_table)
         self.fwd.set_gemv_fusion(ecfg.gemv_fusions)
@@ -158,6 +159,8 @@ class Engine:
         Tm, Sm = ecfg.max_tokens, ecfg.max_seqs
         act = 2 * Tm * (3 * c.hidden_size + (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size)
         act += 4 * Sm * c.vocab_size + 8 * Sm * 32 * c.q_size * 4
+        if ecfg.sampling_rows:  # processed logits, penalty state, logit_bias tables
+            act += 4 * Sm * c.vocab_size + ecfg.sampling_rows * (4 * c.vocab_size + 8 * MAX_LOGIT_BIAS)
         free = cp.cuda.runtime.memGetInfo()[0] - act - (ecfg.graph_reserve_mib << 20)
         per_block = c.num_layers * 2 * ecfg.block_size * c.kv_size * 2
         n = int(free * ecfg.kv_fraction) // per_block
@@ -295,10 +298,14 @@ class Engine:
         )
         rec["n_batch_buckets"], rec["n_token_buckets"] = len(bb), len(tb)
         rec["execs_per_shape"] = self.ecfg.execs_per_shape
+        rec["sampling_rows"] = self.fwd.sampling_rows
+        rec["max_logit_bias"], rec["max_logprobs"] = MAX_LOGIT_BIAS, MAX_LOGPROBS
         for f in STEP_FIELDS:
             rec[f.name] = a[f.name]
-        rec["out_tokens"] = int(self.fwd.out_tokens.data.ptr)
-        rec["done_seq"] = int(self.fwd.done_seq.data.ptr)
+        for name in ("out_tokens", "done_seq", "chosen_lp", "top_ids", "top_lps", "pen_state", "bias_n"):
+            rec[name] = int(getattr(self.fwd, name).data.ptr)
+        rec["bias_ids"] = int(self.fwd.bias_ids.data.ptr)
+        rec["bias_vals"] = int(self.fwd.bias_vals.data.ptr)
         for name, arr in self._tables.items():
             rec[name] = int(arr.data.ptr)  # type: ignore[attr-defined]
         self._abi_dev = cp.asarray(np.frombuffer(rec.tobytes(), np.uint8))
@@ -346,15 +353,70 @@ class Engine:
         bt = h["block_tables"].reshape(d.max_seqs, d.max_blocks_per_seq)
         w = min(b.block_tables.shape[1], d.max_blocks_per_seq)
         bt[:S, :w] = b.block_tables[:, :w]
+        self._load_ext(b)
         return T == S
 
+    def _load_ext(self, b: StepBatch) -> None:
+        """The sampling extensions' step fields from b.ext (ext_on 0 when the step has none)."""
+        h, x, S = self.arena.host, b.ext, b.num_seqs
+        h["ext_on"][0] = 0 if x is None else 1
+        if x is None:
+            return
+        rows = self.fwd.sampling_rows
+        if x.penalized.any() and int(x.slots[x.penalized].max()) >= rows:
+            raise ValueError(f"penalty state of slot {int(x.slots.max())}: the engine has {rows} sampling rows")
+        if (x.targets >= 0).any():
+            raise ValueError("prompt logprobs are not implemented by the CUDA engine")
+        h["pen_row"][:S] = np.where(x.penalized, x.slots, -1)
+        h["fresh"][:S] = x.fresh
+        h["emit"][:S] = x.emit
+        h["presence"][:S], h["frequency"][:S] = x.presence, x.frequency
+        h["repetition"][:S], h["min_p"][:S] = x.repetition, x.min_p
+        h["n_logprobs"][:S] = np.minimum(x.n_logprobs, MAX_LOGPROBS)
+
+    def _upload_bias(self, b: StepBatch) -> list[np.ndarray]:
+        """logit_bias of the step's new penalized requests into their rows' tables (once per request:
+        their first step). Returns the host arrays the queued copies read from."""
+        x, f, keep = b.ext, self.fwd, []
+        if x is None:
+            return keep
+        import cupy as cp
+
+        for s in np.flatnonzero(x.fresh & x.penalized):
+            r, lo, hi = int(x.slots[s]), int(x.bias_cu[s]), int(x.bias_cu[s + 1])
+            n = np.array([hi - lo], np.int32)
+            ids, vals = x.bias_ids[lo:hi].astype(np.int32), x.bias_vals[lo:hi].astype(np.float32)
+            keep += [n, ids, vals]
+            copies = [(f.bias_n, r * 4, n)]
+            if hi > lo:
+                copies += [(f.bias_ids, r * MAX_LOGIT_BIAS * 4, ids), (f.bias_vals, r * MAX_LOGIT_BIAS * 4, vals)]
+            for dst, off, src in copies:
+                cp.cuda.runtime.memcpyAsync(int(dst.data.ptr) + off, src.ctypes.data, src.nbytes, 1, self.s)
+        return keep
+
     def step(self, b: StepBatch) -> np.ndarray:
-        """Run one step through its graph from the host; returns (S,) int32 sampled tokens."""
+        """Run one step through its graph from the host; returns (S,) int32 sampled tokens. With
+        b.ext, the logprob records of its rows with n_logprobs >= 0 are written into b.ext.logprobs."""
         decode = self.load_step(b)
+        keep = self._upload_bias(b)
         self.arena.upload(self.s, b.num_seqs)
         self.driver.graph_launch(self.pick_exec(b.num_seqs, b.num_tokens, decode), self.s)
-        out = self.fwd.out_tokens[: b.num_seqs].get(stream=self.stream)
+        S, f, x = b.num_seqs, self.fwd, b.ext
+        out = f.out_tokens[:S].get(stream=self.stream)
+        want = None if x is None else np.flatnonzero((x.n_logprobs >= 0) & x.emit)
+        if want is not None and want.size:
+            chosen = f.chosen_lp[:S].get(stream=self.stream)
+            top_ids = f.top_ids[:S].get(stream=self.stream)
+            top_lps = f.top_lps[:S].get(stream=self.stream)
         self.stream.synchronize()  # type: ignore[attr-defined]
+        del keep
+        if want is not None and want.size:
+            for s in want:
+                n = int(min(x.n_logprobs[s], MAX_LOGPROBS))
+                rec = x.logprobs[s]
+                rec["logprob"] = chosen[s]
+                rec["top_ids"][:n] = top_ids[s, :n]
+                rec["top_logprobs"][:n] = top_lps[s, :n]
         return out
 
     def logits(self, num_seqs: int) -> np.ndarray:

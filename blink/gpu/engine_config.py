@@ -118,6 +118,10 @@ class EngineConfig:
     """Memory kept free for graph execs and cuBLAS when sizing the KV pool."""
     seed: int = 0
     """Seed of random weights."""
+    sampling_rows: int = 0
+    """Rows of the sampling extensions' device tables (penalty state, logit_bias), one per ring slot
+    (the ring's n_slots); 0: the extensions are off (the device does not advertise them). Costs
+    sampling_rows * (4 * vocab + 8 * MAX_LOGIT_BIAS) bytes, plus a processed-logits buffer of max_seqs rows."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -139,6 +143,8 @@ class EngineConfig:
         if self.decode_attention and self.decode_attention not in DECODE_VARIANTS:
             raise ValueError(f"decode_attention {self.decode_attention!r} not in {DECODE_VARIANTS}")
         parse_gemv_fusion(self.gemv_fusion)
+        if not 0 <= self.sampling_rows <= 1 << 16:
+            raise ValueError("sampling_rows must be in [0, 65536]")
 
     @property
     def gemv_fusions(self) -> frozenset[str]:

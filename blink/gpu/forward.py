@@ -45,6 +45,7 @@ from blink.gpu.kernels import Kernels
 from blink.gpu.step_arena import Dims, StepArena
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig, rope_inv_freq
+from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 GEMV_BUCKETS = (1, 2, 4, 8)
 GEMV_ROWS_PER_WARP = {1: 1, 2: 4, 4: 4, 8: 4}  # must match GEMV(NT, R) in model_kernels.cu
@@ -85,6 +86,7 @@ class Forward(AttentionLaunches):
         cublas: Cublas,
         num_sms: int,
         max_splits: int = 32,
+        sampling_rows: int = 0,
     ) -> None:
         import cupy as cp
 
@@ -110,6 +112,19 @@ class Forward(AttentionLaunches):
         self.last = z(Sm, H)
         self.logits = z(Sm, c.vocab_size, dt=cp.float32)
         self.out_tokens = z(Sm, dt=cp.int32)
+        # Sampling extensions (sampling.cu): outputs of the step, and the per-row tables (one row per
+        # ring slot; one dummy row when they are off, so the graphs' pointers stay valid).
+        self.sampling_rows = sampling_rows
+        rows, V = max(1, sampling_rows), c.vocab_size
+        self.proc = z(Sm if sampling_rows else 1, V, dt=cp.float32)
+        self.chosen_lp = z(Sm, dt=cp.float32)
+        self.top_ids = z(Sm, MAX_LOGPROBS, dt=cp.int32)
+        self.top_lps = z(Sm, MAX_LOGPROBS, dt=cp.float32)
+        self.lp_stats = z(2 * Sm, dt=cp.float32)
+        self.pen_state = z(rows, V if sampling_rows else 1, dt=cp.uint32)
+        self.bias_n = z(rows, dt=cp.int32)
+        self.bias_ids = z(rows, MAX_LOGIT_BIAS, dt=cp.int32)
+        self.bias_vals = z(rows, MAX_LOGIT_BIAS, dt=cp.float32)
         self.done_seq = z(1, dt=cp.uint64)
         ws = max(s * max(self.splits(s), *(self.flash_splits(s, v) for v in FLASH_VARIANTS)) for s in range(1, Sm + 1))
         self.part_o = z(ws * c.num_heads * c.head_dim, dt=cp.float32)
@@ -214,6 +229,36 @@ class Forward(AttentionLaunches):
             d.max_blocks_per_seq,
         )
 
+    def record_sampling(self, stream: int, S: int) -> None:
+        """Sampling over self.logits: the extension kernels (each returns at once unless the step's
+        ext_on is set, and then works only on the rows that use an extension), sample_tokens."""
+        V, a, ns = self.c.vocab_size, self.arena.ptr, self.arena.ptr["num_seqs"]
+        on = a["ext_on"] if self.sampling_rows else None
+        if on is not None:
+            self._launch(
+                "penalty_mark", (S, 1, 1), (256, 1, 1), stream, state=self.pen_state, V=V, pen_row=a["pen_row"],
+                fresh=a["fresh"], input_ids=a["input_ids"], cu_q_lens=a["cu_q_lens"], num_seqs=ns, ext_on=on,
+            )  # fmt: skip
+            self._launch(
+                "logits_ext", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, proc=self.proc, V=V,
+                state=self.pen_state, pen_row=a["pen_row"], presence=a["presence"], frequency=a["frequency"],
+                repetition=a["repetition"], bias_n=self.bias_n, bias_ids=self.bias_ids, bias_vals=self.bias_vals,
+                max_bias=MAX_LOGIT_BIAS, n_logprobs=a["n_logprobs"], max_lp=MAX_LOGPROBS, top_ids=self.top_ids,
+                top_lps=self.top_lps, stats=self.lp_stats, num_seqs=ns, ext_on=on,
+            )  # fmt: skip
+        self._launch(
+            "sample_tokens", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, V=V,
+            temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seeds=a["seeds"],
+            sample_pos=a["sample_pos"], out_tokens=self.out_tokens, num_seqs=ns, proc=self.proc,
+            pen_row=a["pen_row"], min_p=a["min_p"], ext_on=on,
+        )  # fmt: skip
+        if on is not None:
+            self._launch(
+                "sample_post", (S, 1, 1), (32, 1, 1), stream, logits=self.logits, V=V, out_tokens=self.out_tokens,
+                emit=a["emit"], n_logprobs=a["n_logprobs"], stats=self.lp_stats, chosen_lp=self.chosen_lp,
+                state=self.pen_state, pen_row=a["pen_row"], num_seqs=ns, ext_on=on,
+            )  # fmt: skip
+
     def record(self, stream: int, S: int, T: int, decode: bool) -> None:
         """Issue every launch of one step for the bucket (S sequences, T tokens)."""
         c, d, a = self.c, self.d, self.arena.ptr
@@ -288,10 +333,5 @@ class Forward(AttentionLaunches):
             num_seqs=ns, H=H, eps=eps,
         )  # fmt: skip
         self.linear(self.last, self.w.lm_head, self.logits, S, stream, out_f32=True)
-        self._launch(
-            "sample_tokens", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, V=c.vocab_size,
-            temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seeds=a["seeds"],
-            sample_pos=a["sample_pos"], out_tokens=self.out_tokens, num_seqs=ns,
-            proc=None, pen_row=None, min_p=None,  # the sampling extensions are not in the graphs yet
-        )  # fmt: skip
+        self.record_sampling(stream, S)
         self._launch("signal_done", (1, 1, 1), (1, 1, 1), stream, step_seq=a["step_seq"], done_seq=self.done_seq)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from blink.device.executor import StepBatch
+from blink.protocol.layout import DeviceFeatures
 from blink.gpu.engine import Engine, EngineConfig
 from blink.models.config import ModelConfig
 
@@ -25,6 +26,11 @@ class HostExecutor:
         self.num_blocks = d.num_blocks
         self.max_batch = d.max_seqs
         self.max_tokens = d.max_tokens
+        # Logprobs, penalties, min_p and logit_bias run in the graphs when the engine has the tables
+        # (EngineConfig.sampling_rows = the ring's n_slots); prompt logprobs need the LM head over
+        # every prefill token, which the CUDA engine does not compute: those requests get the 400.
+        on = engine.fwd.sampling_rows > 0
+        self.features = DeviceFeatures.LOGPROBS | DeviceFeatures.PENALTIES if on else DeviceFeatures.NONE
 
     @classmethod
     def create(

@@ -68,7 +68,7 @@ class GpuSampler:
         lg, t, p, k, sd, ks_ = dev
         self._launch(
             "sample_tokens", rows, 1024, logits=lg, V=vocab, temperature=t, top_p=p, top_k=k, seeds=sd,
-            sample_pos=ks_, out_tokens=out, num_seqs=n, proc=None, pen_row=None, min_p=None,
+            sample_pos=ks_, out_tokens=out, num_seqs=n, proc=None, pen_row=None, min_p=None, ext_on=None,
         )  # fmt: skip
         self.stream.synchronize()  # type: ignore[attr-defined]
         return out.get()
@@ -116,6 +116,22 @@ class GpuSampler:
         chosen = cp.zeros(S, cp.float32)
         out = cp.full(S, -1, cp.int32)
         n = cp.asarray(np.array([S], np.uint32))
+        on = cp.asarray(np.array([1], np.uint32))
+        # logit_bias: the CSR rows of the step into the state rows' tables (the engine copies a
+        # request's entries there when it is admitted)
+        rows = state.shape[0]
+        nb = np.diff(np.asarray(bias_cu, np.int64))
+        max_bias = max(1, int(nb.max(initial=0)))
+        b_n = np.zeros(max(rows, 1), np.int32)
+        b_ids = np.zeros((max(rows, 1), max_bias), np.int32)
+        b_vals = np.zeros((max(rows, 1), max_bias), np.float32)
+        for s in range(S):
+            if nb[s]:
+                r, lo = int(pen_row[s]), int(bias_cu[s])
+                assert r >= 0, "logit_bias needs a state row"
+                b_n[r] = nb[s]
+                b_ids[r, : nb[s]] = bias_ids[lo : lo + nb[s]]
+                b_vals[r, : nb[s]] = bias_vals[lo : lo + nb[s]]
         a = {
             k: up(v, dt)
             for k, v, dt in (
@@ -132,9 +148,9 @@ class GpuSampler:
                 ("presence", presence, np.float32),
                 ("frequency", frequency, np.float32),
                 ("repetition", repetition, np.float32),
-                ("bias_cu", bias_cu, np.int32),
-                ("bias_ids", bias_ids, np.int32),
-                ("bias_vals", bias_vals, np.float32),
+                ("bias_n", b_n, np.int32),
+                ("bias_ids", b_ids, np.int32),
+                ("bias_vals", b_vals, np.float32),
                 ("n_logprobs", n_logprobs, np.int32),
                 ("emit", emit, np.int32),
             )
@@ -143,22 +159,22 @@ class GpuSampler:
         pr, nl = a["pen_row"], a["n_logprobs"]
         self._launch(
             "penalty_mark", S, 256, state=st, V=V, pen_row=pr, fresh=a["fresh"], input_ids=a["input_ids"],
-            cu_q_lens=a["cu"], num_seqs=n,
+            cu_q_lens=a["cu"], num_seqs=n, ext_on=on,
         )  # fmt: skip
         self._launch(
             "logits_ext", S, 1024, logits=lg, proc=proc, V=V, state=st, pen_row=pr, presence=a["presence"],
-            frequency=a["frequency"], repetition=a["repetition"], bias_cu=a["bias_cu"], bias_ids=a["bias_ids"],
-            bias_vals=a["bias_vals"], n_logprobs=nl, max_lp=MAX_LOGPROBS, top_ids=top_ids, top_lps=top_lps,
-            stats=stats, num_seqs=n,
+            frequency=a["frequency"], repetition=a["repetition"], bias_n=a["bias_n"], bias_ids=a["bias_ids"],
+            bias_vals=a["bias_vals"], max_bias=max_bias, n_logprobs=nl, max_lp=MAX_LOGPROBS, top_ids=top_ids,
+            top_lps=top_lps, stats=stats, num_seqs=n, ext_on=on,
         )  # fmt: skip
         self._launch(
             "sample_tokens", S, 1024, logits=lg, V=V, temperature=a["temperature"], top_p=a["top_p"],
             top_k=a["top_k"], seeds=a["seeds"], sample_pos=a["ks"], out_tokens=out, num_seqs=n, proc=proc,
-            pen_row=pr, min_p=a["min_p"],
+            pen_row=pr, min_p=a["min_p"], ext_on=on,
         )  # fmt: skip
         self._launch(
             "sample_post", S, 32, logits=lg, V=V, out_tokens=out, emit=a["emit"], n_logprobs=nl, stats=stats,
-            chosen_lp=chosen, state=st, pen_row=pr, num_seqs=n,
+            chosen_lp=chosen, state=st, pen_row=pr, num_seqs=n, ext_on=on,
         )  # fmt: skip
         self.stream.synchronize()  # type: ignore[attr-defined]
         return ExtResult(

@@ -20,7 +20,7 @@ SMALL_RANDOM_PARAMS = 1_000_000_000
 DEFAULT_MAX_CONTEXT = 8192  # when neither the spec nor a smaller model limit says otherwise
 
 
-def engine_config(spec: DeviceSpec, max_position: int) -> Any:
+def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -> Any:
     """The engine's settings for a spec: the one place they are derived. A step packs at least one
     token per sequence, so the token budget is raised to max_batch; the context is the model's
     (at most DEFAULT_MAX_CONTEXT) unless given, rounded down to whole KV blocks."""
@@ -35,6 +35,7 @@ def engine_config(spec: DeviceSpec, max_position: int) -> Any:
         kv_fraction=spec.kv_cache_fraction,
         num_kv_blocks=spec.num_kv_blocks,
         seed=spec.seed,
+        sampling_rows=sampling_rows,
         progress=True,  # warm-up, GEMM tuning and graph capture bars on stderr
     )
     if spec.decode_attention:
@@ -42,8 +43,9 @@ def engine_config(spec: DeviceSpec, max_position: int) -> Any:
     return ecfg
 
 
-def build_engine(spec: DeviceSpec) -> Any:
-    """Engine with the model's weights (random presets are generated on the GPU) and its graphs."""
+def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
+    """Engine with the model's weights (random presets are generated on the GPU) and its graphs;
+    sampling_rows: the sampling extensions' tables, one row per ring slot (0: off)."""
     import cupy as cp
 
     from blink.gpu.engine import Engine
@@ -65,7 +67,7 @@ def build_engine(spec: DeviceSpec) -> Any:
         phase(f"loading {spec.model}")
         bundle = resolve_model(spec.model, allow_pull=False, seed=spec.seed, progress=progress("loading weights", "B"))
         mcfg, weights = bundle.config, bundle.weights
-    engine = Engine.create(mcfg, engine_config(spec, mcfg.max_position), weights)
+    engine = Engine.create(mcfg, engine_config(spec, mcfg.max_position, sampling_rows), weights)
     d = engine.dims
     gib = kv_gib(mcfg.num_layers, d.num_blocks, d.block_size, mcfg.num_kv_heads, mcfg.head_dim, 2)
     phase(f"KV cache: {d.num_blocks} blocks of {d.block_size} tokens, {gib:.2f} GiB (bf16); capturing graphs")
@@ -80,7 +82,8 @@ def run(spec: DeviceSpec) -> int:
 
     transport = ShmTransport.open(spec.ring)
     view = transport.view()
-    engine = build_engine(spec)
+    # The sampling extensions run on the host loop's steps (the GPU scheduler does not fill them yet)
+    engine = build_engine(spec, view.geo.n_slots if spec.scheduler != "gpu" else 0)
     try:
         if spec.scheduler == "gpu":
             from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig

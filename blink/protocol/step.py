@@ -28,10 +28,11 @@ class StepField(NamedTuple):
     dtype: np.dtype
     extent: str  # "1" | "T" | "S" | "S+1" | "S,W"
     doc: str
+    ext: bool = False  # a sampling-extension field: filled from StepBatch.ext, not a StepBatch array
 
 
-def _f(name: str, dtype: str, extent: str, doc: str) -> StepField:
-    return StepField(name, np.dtype(dtype), extent, doc)
+def _f(name: str, dtype: str, extent: str, doc: str, ext: bool = False) -> StepField:
+    return StepField(name, np.dtype(dtype), extent, doc, ext)
 
 
 # fmt: off
@@ -48,20 +49,35 @@ STEP_FIELDS: tuple[StepField, ...] = (
     _f("top_k", "<i4", "S", "0 = off"),
     _f("seeds", "<u8", "S", "per-request seed"),
     _f("sample_pos", "<u4", "S", "index k of the token being sampled (the RNG counter)"),
+    # sampling extensions (blink.device.sampling steps 0-2, 5, 10; kernels in sampling.cu)
+    _f("ext_on", "<u4", "1", "nonzero: some row uses an extension; else the extension kernels return at once and "
+       "the fields below are not read", ext=True),
+    _f("pen_row", "<i4", "S", "penalty-state / logit_bias row (the ring slot), -1: sampled from the raw logits",
+       ext=True),
+    _f("fresh", "<i4", "S", "1: a new request on that row: its penalty state is cleared first", ext=True),
+    _f("emit", "<i4", "S", "1: the row's sample is published (a mid-prompt chunk's is not)", ext=True),
+    _f("presence", "<f4", "S", "presence penalty", ext=True),
+    _f("frequency", "<f4", "S", "frequency penalty", ext=True),
+    _f("repetition", "<f4", "S", "repetition penalty (1 = off)", ext=True),
+    _f("min_p", "<f4", "S", "min_p (0 = off)", ext=True),
+    _f("n_logprobs", "<i4", "S", "-1: no logprob record; else alternatives in the record (<= MAX_LOGPROBS)",
+       ext=True),
     _f("block_tables", "<i4", "S,W", "physical KV block of each logical block"),
 )
 # fmt: on
 assert STEP_FIELDS[-1].name == "block_tables"  # a host-launched step copies the arena's prefix
 FIELDS = {f.name: f for f in STEP_FIELDS}
 # The arrays of a StepBatch: the per-token and per-sequence fields (S and T are their lengths;
-# step_seq belongs to whoever launches the step).
-BATCH_FIELDS = tuple(f for f in STEP_FIELDS if f.extent != "1")
+# step_seq belongs to whoever launches the step). The extension fields come from StepBatch.ext.
+BATCH_FIELDS = tuple(f for f in STEP_FIELDS if f.extent != "1" and not f.ext)
+EXT_FIELDS = tuple(f for f in STEP_FIELDS if f.ext)
 
 
 class StepBatch:
     """One step's inputs: an array per BATCH_FIELDS entry, by keyword, converted to its dtype.
     `ext`: the step's sampling extensions (blink.device.executor.SamplingExt: penalties, logit_bias,
-    logprob requests), None when no sequence uses one; not part of the CUDA step layout."""
+    logprob requests), None when no sequence uses one; the CUDA engine loads its per-row values into
+    the EXT_FIELDS of the step layout."""
 
     __slots__ = (*(f.name for f in BATCH_FIELDS), "ext")
 

@@ -108,9 +108,10 @@ __device__ __forceinline__ void block_argmax(float& bv, int& bi, SampleShared& s
 // Grid (S), block 256. state: [rows, V]; input_ids / cu_q_lens: the step's packed tokens.
 extern "C" __global__ void penalty_mark(uint32_t* __restrict__ state, int V, const int* __restrict__ pen_row,
                                         const int* __restrict__ fresh, const int* __restrict__ input_ids,
-                                        const int* __restrict__ cu_q_lens, const uint32_t* __restrict__ num_seqs) {
+                                        const int* __restrict__ cu_q_lens, const uint32_t* __restrict__ num_seqs,
+                                        const uint32_t* __restrict__ ext_on) {
   const int s = blockIdx.x;
-  if (s >= (int)*num_seqs || pen_row[s] < 0) return;
+  if (!*ext_on || s >= (int)*num_seqs || pen_row[s] < 0) return;
   uint32_t* st = state + (size_t)pen_row[s] * V;
   if (fresh[s]) {
     for (int i = threadIdx.x; i < V; i += blockDim.x) st[i] = 0u;
@@ -121,18 +122,19 @@ extern "C" __global__ void penalty_mark(uint32_t* __restrict__ state, int V, con
 
 // Grid (S), block SB. Rows with n_logprobs[s] >= 0: top_ids / top_lps [S, max_lp] (the first
 // n_logprobs[s] of each row written) and stats [S, 2] = (max, log-sum-exp of logits - max). Rows with
-// pen_row[s] >= 0: proc[s] = the logits with logit_bias (bias_cu / bias_ids / bias_vals, CSR by
-// row) and the penalties of the state row applied.
+// pen_row[s] = r >= 0: proc[s] = the logits with logit_bias (the state row's table: bias_n[r] entries
+// at bias_ids / bias_vals [r * max_bias ...], copied there when the request was admitted) and the
+// penalties of the state row applied.
 extern "C" __global__ void __launch_bounds__(SB)
     logits_ext(const float* __restrict__ logits, float* __restrict__ proc, int V, const uint32_t* __restrict__ state,
                const int* __restrict__ pen_row, const float* __restrict__ presence, const float* __restrict__ frequency,
-               const float* __restrict__ repetition, const int* __restrict__ bias_cu, const int* __restrict__ bias_ids,
-               const float* __restrict__ bias_vals, const int* __restrict__ n_logprobs, int max_lp,
+               const float* __restrict__ repetition, const int* __restrict__ bias_n, const int* __restrict__ bias_ids,
+               const float* __restrict__ bias_vals, int max_bias, const int* __restrict__ n_logprobs, int max_lp,
                int* __restrict__ top_ids, float* __restrict__ top_lps, float* __restrict__ stats,
-               const uint32_t* __restrict__ num_seqs) {
+               const uint32_t* __restrict__ num_seqs, const uint32_t* __restrict__ ext_on) {
   __shared__ SampleShared sh;
   const int s = blockIdx.x;
-  if (s >= (int)*num_seqs) return;
+  if (!*ext_on || s >= (int)*num_seqs) return;
   const int tid = threadIdx.x;
   const float* row = logits + (size_t)s * V;
   const int n = min(n_logprobs[s], max_lp);
@@ -174,7 +176,8 @@ extern "C" __global__ void __launch_bounds__(SB)
   float* out = proc + (size_t)s * V;
   for (int i = tid; i < V; i += SB) out[i] = row[i];
   __syncthreads();
-  for (int b = bias_cu[s] + tid; b < bias_cu[s + 1]; b += SB) out[bias_ids[b]] += bias_vals[b];  // ids distinct
+  const size_t b0 = (size_t)r * max_bias;
+  for (int b = tid; b < bias_n[r]; b += SB) out[bias_ids[b0 + b]] += bias_vals[b0 + b];  // ids distinct
   __syncthreads();
   const float rep = repetition[s], f = frequency[s], p = presence[s];
   const bool use_rep = rep != 1.f && rep > 0.f, use_fp = f != 0.f || p != 0.f;
@@ -197,9 +200,9 @@ extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, 
                                        const int* __restrict__ emit, const int* __restrict__ n_logprobs,
                                        const float* __restrict__ stats, float* __restrict__ chosen_lp,
                                        uint32_t* __restrict__ state, const int* __restrict__ pen_row,
-                                       const uint32_t* __restrict__ num_seqs) {
+                                       const uint32_t* __restrict__ num_seqs, const uint32_t* __restrict__ ext_on) {
   const int s = blockIdx.x;
-  if (s >= (int)*num_seqs || threadIdx.x != 0 || !emit[s]) return;
+  if (!*ext_on || s >= (int)*num_seqs || threadIdx.x != 0 || !emit[s]) return;
   const int tok = out_tokens[s];
   if (n_logprobs[s] >= 0) chosen_lp[s] = (logits[(size_t)s * V + tok] - stats[2 * s]) - stats[2 * s + 1];
   if (pen_row[s] >= 0) {
@@ -208,18 +211,21 @@ extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, 
   }
 }
 
-// proc / pen_row: rows with pen_row[s] >= 0 sample from proc (logits_ext's output); both may be
-// null (no row does). min_p: null = 0 for every row.
+// proc / pen_row / min_p: read only when ext_on is non-null and *ext_on (the step uses an extension):
+// rows with pen_row[s] >= 0 then sample from proc (logits_ext's output), min_p applies; otherwise
+// every row samples from the logits with min_p 0.
 extern "C" __global__ void __launch_bounds__(SB)
     sample_tokens(const float* __restrict__ logits, int V, const float* __restrict__ temperature,
                   const float* __restrict__ top_p, const int* __restrict__ top_k, const uint64_t* __restrict__ seeds,
                   const uint32_t* __restrict__ sample_pos, int* __restrict__ out_tokens,
                   const uint32_t* __restrict__ num_seqs, const float* __restrict__ proc,
-                  const int* __restrict__ pen_row, const float* __restrict__ min_p) {
+                  const int* __restrict__ pen_row, const float* __restrict__ min_p,
+                  const uint32_t* __restrict__ ext_on) {
   __shared__ SampleShared sh;
   const int s = blockIdx.x;
   if (s >= (int)*num_seqs) return;
-  const float* row = (pen_row != nullptr && pen_row[s] >= 0 ? proc : logits) + (size_t)s * V;
+  const bool ext = ext_on != nullptr && *ext_on;
+  const float* row = (ext && pen_row[s] >= 0 ? proc : logits) + (size_t)s * V;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float T = temperature[s];
   if (!(T > 0.f)) {
@@ -271,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(SB)
   const float denom = (float)block_sum_d(esum, sh);
 #define PROB(i) (expf(row[(i)] / T - zmax) / denom)
   // min_p: p >= min_p * max p, and max p = expf(0) / denom
-  const float mp = min_p != nullptr ? min_p[s] : 0.f;
+  const float mp = ext ? min_p[s] : 0.f;
   const float mthr = mp > 0.f ? __fmul_rn(mp, 1.f / denom) : 0.f;
 
   // top-k threshold

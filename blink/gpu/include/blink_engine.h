@@ -18,27 +18,46 @@ struct EngineABI {
   uint32_t n_batch_buckets;  // offset 28
   uint32_t n_token_buckets;  // offset 32
   uint32_t execs_per_shape;  // offset 36  >= 2: relaunching an exec right after its token can fail
-  uint32_t* num_seqs;  // offset 40  live sequences S of this step (<= the graph's batch bucket)
-  uint32_t* num_tokens;  // offset 48  packed tokens T of this step (<= the graph's token bucket)
-  uint64_t* step_seq;  // offset 56  written by the driver before the launch; the graph's last kernel stores it in *done_seq
-  int32_t* input_ids;  // offset 64  [T] packed token ids
-  int32_t* positions;  // offset 72  [T] position of each token in its sequence
-  int32_t* cu_q_lens;  // offset 80  [S+1] prefix sums of the tokens per sequence (decode: 0, 1, 2, ...)
-  int32_t* seq_lens;  // offset 88  [S] context length of each sequence after this step
-  float* temperature;  // offset 96  [S] sampling temperature (0 = greedy)
-  float* top_p;  // offset 104  [S] nucleus mass, (0, 1]
-  int32_t* top_k;  // offset 112  [S] 0 = off
-  uint64_t* seeds;  // offset 120  [S] per-request seed
-  uint32_t* sample_pos;  // offset 128  [S] index k of the token being sampled (the RNG counter)
-  int32_t* block_tables;  // offset 136  [S,W] physical KV block of each logical block
-  int32_t* out_tokens;  // offset 144  [max_seqs] sampled token of each sequence (last token of its chunk)
-  uint64_t* done_seq;  // offset 152  the graph's last kernel stores *step_seq here (st.release.gpu)
-  uint32_t* batch_buckets;  // offset 160  [n_batch_buckets] sizes, ascending
-  uint32_t* token_buckets;  // offset 168  [n_token_buckets] sizes, ascending
-  uint16_t* batch_bucket_of;  // offset 176  [max_seqs+1]
-  uint16_t* token_bucket_of;  // offset 184  [max_tokens+1]
-  uint64_t* decode_execs;  // offset 192  [n_batch_buckets][execs_per_shape]
-  uint64_t* prefill_execs;  // offset 200  [n_batch_buckets][n_token_buckets][execs_per_shape]
+  uint32_t sampling_rows;  // offset 40  penalty-state / logit_bias rows (one per ring slot); 0: no extension tables
+  uint32_t max_logit_bias;  // offset 44  logit_bias entries per row of bias_ids / bias_vals (MAX_LOGIT_BIAS)
+  uint32_t max_logprobs;  // offset 48  alternatives per row of top_ids / top_lps (MAX_LOGPROBS)
+  uint32_t* num_seqs;  // offset 56  live sequences S of this step (<= the graph's batch bucket)
+  uint32_t* num_tokens;  // offset 64  packed tokens T of this step (<= the graph's token bucket)
+  uint64_t* step_seq;  // offset 72  written by the driver before the launch; the graph's last kernel stores it in *done_seq
+  int32_t* input_ids;  // offset 80  [T] packed token ids
+  int32_t* positions;  // offset 88  [T] position of each token in its sequence
+  int32_t* cu_q_lens;  // offset 96  [S+1] prefix sums of the tokens per sequence (decode: 0, 1, 2, ...)
+  int32_t* seq_lens;  // offset 104  [S] context length of each sequence after this step
+  float* temperature;  // offset 112  [S] sampling temperature (0 = greedy)
+  float* top_p;  // offset 120  [S] nucleus mass, (0, 1]
+  int32_t* top_k;  // offset 128  [S] 0 = off
+  uint64_t* seeds;  // offset 136  [S] per-request seed
+  uint32_t* sample_pos;  // offset 144  [S] index k of the token being sampled (the RNG counter)
+  uint32_t* ext_on;  // offset 152  nonzero: some row uses an extension; else the extension kernels return at once and the fields below are not read
+  int32_t* pen_row;  // offset 160  [S] penalty-state / logit_bias row (the ring slot), -1: sampled from the raw logits
+  int32_t* fresh;  // offset 168  [S] 1: a new request on that row: its penalty state is cleared first
+  int32_t* emit;  // offset 176  [S] 1: the row's sample is published (a mid-prompt chunk's is not)
+  float* presence;  // offset 184  [S] presence penalty
+  float* frequency;  // offset 192  [S] frequency penalty
+  float* repetition;  // offset 200  [S] repetition penalty (1 = off)
+  float* min_p;  // offset 208  [S] min_p (0 = off)
+  int32_t* n_logprobs;  // offset 216  [S] -1: no logprob record; else alternatives in the record (<= MAX_LOGPROBS)
+  int32_t* block_tables;  // offset 224  [S,W] physical KV block of each logical block
+  int32_t* out_tokens;  // offset 232  [max_seqs] sampled token of each sequence (last token of its chunk)
+  uint64_t* done_seq;  // offset 240  the graph's last kernel stores *step_seq here (st.release.gpu)
+  float* chosen_lp;  // offset 248  [max_seqs] raw logprob of out_tokens (rows with n_logprobs >= 0, emitted)
+  int32_t* top_ids;  // offset 256  [max_seqs][max_logprobs] the row's most likely ids (first n_logprobs valid)
+  float* top_lps;  // offset 264  [max_seqs][max_logprobs] their raw logprobs
+  uint32_t* pen_state;  // offset 272  [sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)
+  int32_t* bias_n;  // offset 280  [sampling_rows] logit_bias entries of the row's request (written at admission)
+  int32_t* bias_ids;  // offset 288  [sampling_rows][max_logit_bias]
+  float* bias_vals;  // offset 296  [sampling_rows][max_logit_bias]
+  uint32_t* batch_buckets;  // offset 304  [n_batch_buckets] sizes, ascending
+  uint32_t* token_buckets;  // offset 312  [n_token_buckets] sizes, ascending
+  uint16_t* batch_bucket_of;  // offset 320  [max_seqs+1]
+  uint16_t* token_bucket_of;  // offset 328  [max_tokens+1]
+  uint64_t* decode_execs;  // offset 336  [n_batch_buckets][execs_per_shape]
+  uint64_t* prefill_execs;  // offset 344  [n_batch_buckets][n_token_buckets][execs_per_shape]
 };
 static_assert(offsetof(EngineABI, max_seqs) == 0, "EngineABI.max_seqs offset");
 static_assert(offsetof(EngineABI, max_tokens) == 4, "EngineABI.max_tokens offset");
@@ -50,27 +69,46 @@ static_assert(offsetof(EngineABI, max_context) == 24, "EngineABI.max_context off
 static_assert(offsetof(EngineABI, n_batch_buckets) == 28, "EngineABI.n_batch_buckets offset");
 static_assert(offsetof(EngineABI, n_token_buckets) == 32, "EngineABI.n_token_buckets offset");
 static_assert(offsetof(EngineABI, execs_per_shape) == 36, "EngineABI.execs_per_shape offset");
-static_assert(offsetof(EngineABI, num_seqs) == 40, "EngineABI.num_seqs offset");
-static_assert(offsetof(EngineABI, num_tokens) == 48, "EngineABI.num_tokens offset");
-static_assert(offsetof(EngineABI, step_seq) == 56, "EngineABI.step_seq offset");
-static_assert(offsetof(EngineABI, input_ids) == 64, "EngineABI.input_ids offset");
-static_assert(offsetof(EngineABI, positions) == 72, "EngineABI.positions offset");
-static_assert(offsetof(EngineABI, cu_q_lens) == 80, "EngineABI.cu_q_lens offset");
-static_assert(offsetof(EngineABI, seq_lens) == 88, "EngineABI.seq_lens offset");
-static_assert(offsetof(EngineABI, temperature) == 96, "EngineABI.temperature offset");
-static_assert(offsetof(EngineABI, top_p) == 104, "EngineABI.top_p offset");
-static_assert(offsetof(EngineABI, top_k) == 112, "EngineABI.top_k offset");
-static_assert(offsetof(EngineABI, seeds) == 120, "EngineABI.seeds offset");
-static_assert(offsetof(EngineABI, sample_pos) == 128, "EngineABI.sample_pos offset");
-static_assert(offsetof(EngineABI, block_tables) == 136, "EngineABI.block_tables offset");
-static_assert(offsetof(EngineABI, out_tokens) == 144, "EngineABI.out_tokens offset");
-static_assert(offsetof(EngineABI, done_seq) == 152, "EngineABI.done_seq offset");
-static_assert(offsetof(EngineABI, batch_buckets) == 160, "EngineABI.batch_buckets offset");
-static_assert(offsetof(EngineABI, token_buckets) == 168, "EngineABI.token_buckets offset");
-static_assert(offsetof(EngineABI, batch_bucket_of) == 176, "EngineABI.batch_bucket_of offset");
-static_assert(offsetof(EngineABI, token_bucket_of) == 184, "EngineABI.token_bucket_of offset");
-static_assert(offsetof(EngineABI, decode_execs) == 192, "EngineABI.decode_execs offset");
-static_assert(offsetof(EngineABI, prefill_execs) == 200, "EngineABI.prefill_execs offset");
-static_assert(sizeof(EngineABI) == 208, "EngineABI size");
+static_assert(offsetof(EngineABI, sampling_rows) == 40, "EngineABI.sampling_rows offset");
+static_assert(offsetof(EngineABI, max_logit_bias) == 44, "EngineABI.max_logit_bias offset");
+static_assert(offsetof(EngineABI, max_logprobs) == 48, "EngineABI.max_logprobs offset");
+static_assert(offsetof(EngineABI, num_seqs) == 56, "EngineABI.num_seqs offset");
+static_assert(offsetof(EngineABI, num_tokens) == 64, "EngineABI.num_tokens offset");
+static_assert(offsetof(EngineABI, step_seq) == 72, "EngineABI.step_seq offset");
+static_assert(offsetof(EngineABI, input_ids) == 80, "EngineABI.input_ids offset");
+static_assert(offsetof(EngineABI, positions) == 88, "EngineABI.positions offset");
+static_assert(offsetof(EngineABI, cu_q_lens) == 96, "EngineABI.cu_q_lens offset");
+static_assert(offsetof(EngineABI, seq_lens) == 104, "EngineABI.seq_lens offset");
+static_assert(offsetof(EngineABI, temperature) == 112, "EngineABI.temperature offset");
+static_assert(offsetof(EngineABI, top_p) == 120, "EngineABI.top_p offset");
+static_assert(offsetof(EngineABI, top_k) == 128, "EngineABI.top_k offset");
+static_assert(offsetof(EngineABI, seeds) == 136, "EngineABI.seeds offset");
+static_assert(offsetof(EngineABI, sample_pos) == 144, "EngineABI.sample_pos offset");
+static_assert(offsetof(EngineABI, ext_on) == 152, "EngineABI.ext_on offset");
+static_assert(offsetof(EngineABI, pen_row) == 160, "EngineABI.pen_row offset");
+static_assert(offsetof(EngineABI, fresh) == 168, "EngineABI.fresh offset");
+static_assert(offsetof(EngineABI, emit) == 176, "EngineABI.emit offset");
+static_assert(offsetof(EngineABI, presence) == 184, "EngineABI.presence offset");
+static_assert(offsetof(EngineABI, frequency) == 192, "EngineABI.frequency offset");
+static_assert(offsetof(EngineABI, repetition) == 200, "EngineABI.repetition offset");
+static_assert(offsetof(EngineABI, min_p) == 208, "EngineABI.min_p offset");
+static_assert(offsetof(EngineABI, n_logprobs) == 216, "EngineABI.n_logprobs offset");
+static_assert(offsetof(EngineABI, block_tables) == 224, "EngineABI.block_tables offset");
+static_assert(offsetof(EngineABI, out_tokens) == 232, "EngineABI.out_tokens offset");
+static_assert(offsetof(EngineABI, done_seq) == 240, "EngineABI.done_seq offset");
+static_assert(offsetof(EngineABI, chosen_lp) == 248, "EngineABI.chosen_lp offset");
+static_assert(offsetof(EngineABI, top_ids) == 256, "EngineABI.top_ids offset");
+static_assert(offsetof(EngineABI, top_lps) == 264, "EngineABI.top_lps offset");
+static_assert(offsetof(EngineABI, pen_state) == 272, "EngineABI.pen_state offset");
+static_assert(offsetof(EngineABI, bias_n) == 280, "EngineABI.bias_n offset");
+static_assert(offsetof(EngineABI, bias_ids) == 288, "EngineABI.bias_ids offset");
+static_assert(offsetof(EngineABI, bias_vals) == 296, "EngineABI.bias_vals offset");
+static_assert(offsetof(EngineABI, batch_buckets) == 304, "EngineABI.batch_buckets offset");
+static_assert(offsetof(EngineABI, token_buckets) == 312, "EngineABI.token_buckets offset");
+static_assert(offsetof(EngineABI, batch_bucket_of) == 320, "EngineABI.batch_bucket_of offset");
+static_assert(offsetof(EngineABI, token_bucket_of) == 328, "EngineABI.token_bucket_of offset");
+static_assert(offsetof(EngineABI, decode_execs) == 336, "EngineABI.decode_execs offset");
+static_assert(offsetof(EngineABI, prefill_execs) == 344, "EngineABI.prefill_execs offset");
+static_assert(sizeof(EngineABI) == 352, "EngineABI size");
 
 }  // namespace blink
