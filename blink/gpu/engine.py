@@ -108,7 +108,9 @@ class Engine:
         self.dims = Dims(ecfg.max_seqs, ecfg.max_tokens, mbps, ecfg.block_size, num_blocks, max_context)
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.num_sms = int(sms)
-        self.fwd = Forward(config, weights, self.dims, driver, kernels, self.cublas, sms, sampling_rows=ecfg.sampling_rows)
+        self.fwd = Forward(
+            config, weights, self.dims, driver, kernels, self.cublas, sms, sampling_rows=ecfg.sampling_rows
+        )
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
         self.fwd.set_decode_table(ecfg.decode_table)
         self.fwd.set_gemv_fusion(ecfg.gemv_fusions)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from blink.device.executor import StepBatch
-from blink.protocol.layout import DeviceFeatures
 from blink.gpu.engine import Engine, EngineConfig
 from blink.models.config import ModelConfig
+from blink.protocol.layout import DeviceFeatures
 
 
 class HostExecutor:

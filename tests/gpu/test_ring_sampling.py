@@ -1,0 +1,194 @@
+"""Logprobs, penalties, min_p and logit_bias on `--device cuda` with the host loop (RingDevice +
+HostExecutor), through the ring and the frontend's RequestTracker: every step's raw logits (the LM
+head's fp32 output, read back after the graph) are replayed through the emulated device's
+definition (blink/device/sampling.py, its per-slot PenaltyState included) and must give the tokens
+the graphs sampled and the logprob records the ring delivered. A step without extensions keeps
+ext_on 0 (the extension kernels return at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from blink.device.sampling import PenaltyState, logprob_record, logprobs, process_logits, sample_row
+from blink.dpu.request_tracker import RequestTracker
+from blink.protocol.layout import MAX_LOGPROBS, DeviceFeatures, DeviceStatus, FinishReason, RingGeometry
+from blink.protocol.transport import ShmTransport
+from blink.protocol.wire import SubmitRequest
+
+pytestmark = pytest.mark.gpu
+
+N_SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from blink.gpu.engine import Engine, EngineConfig
+    from blink.models.config import preset
+
+    ecfg = EngineConfig(
+        max_seqs=4, max_tokens=64, block_size=16, max_context=512, num_kv_blocks=64, batch_buckets=(1, 2, 4),
+        token_buckets=(16, 32, 64), progress=False, sampling_rows=N_SLOTS,
+    )  # fmt: skip
+    eng = Engine.create(preset("tiny-llama"), ecfg)
+    eng.capture()
+    yield eng
+    eng.close()
+
+
+def _recording_executor(engine):
+    from blink.gpu.host_executor import HostExecutor
+
+    class Recording(HostExecutor):
+        def __init__(self, e):
+            super().__init__(e)
+            self.steps = []
+
+        def execute(self, batch):
+            toks = super().execute(batch)
+            self.steps.append((batch, self.engine.logits(batch.num_seqs).copy(), toks.copy()))
+            return toks
+
+    return Recording(engine)
+
+
+def _serve(engine, reqs, max_tokens=64):
+    from blink.device.ring_device import RingDevice, RingDeviceConfig
+
+    name = f"blink-gpu-rs-{os.getpid()}-{id(reqs)}"
+    t = ShmTransport.create(name, RingGeometry(N_SLOTS, N_SLOTS * 2048, 16))
+    ex = _recording_executor(engine)
+    dev = RingDevice(t.view(), ex, RingDeviceConfig(max_tokens=max_tokens))
+    th = threading.Thread(target=dev.run, daemon=True)
+    th.start()
+
+    async def run():
+        tr = RequestTracker(t)
+        await tr.start()
+        try:
+            for _ in range(1000):
+                if int(tr.reader.header["device_status"]) == DeviceStatus.READY:
+                    break
+                await asyncio.sleep(0.01)
+            feats = DeviceFeatures(int(tr.reader.header["features"]))
+
+            async def one(r):
+                ids, lps, fin = [], [], None
+                async for ev in await tr.submit(r):
+                    ids += ev.token_ids
+                    lps += ev.logprobs
+                    fin = ev.finish_reason
+                return ids, lps, fin
+
+            return feats, await asyncio.gather(*(one(r) for r in reqs))
+        finally:
+            await tr.close()
+
+    try:
+        feats, outs = asyncio.run(run())
+    finally:
+        t.view().header["shutdown"] = 2
+        th.join(30)
+        t.close()
+        t.unlink()
+    return feats, outs, ex.steps
+
+
+def _replay(steps, vocab):
+    """The definition over the recorded raw logits; asserts each sampled token, returns the logprob
+    records (logprob, ids, lps) of the published rows that asked for them."""
+    states: dict[int, PenaltyState] = {}
+    records = []
+    for batch, logits, toks in steps:
+        x = batch.ext
+        for s in range(batch.num_seqs):
+            if x is None:
+                assert toks[s] == sample_row(
+                    logits[s], float(batch.temperature[s]), float(batch.top_p[s]), int(batch.top_k[s]),
+                    int(batch.seeds[s]), int(batch.sample_pos[s]),
+                )  # fmt: skip
+                continue
+            slot = int(x.slots[s])
+            st = None
+            if x.penalized[s]:
+                if x.fresh[s] or slot not in states:
+                    states[slot] = PenaltyState(vocab)
+                st = states[slot]
+                st.mark(batch.input_ids[batch.cu_q_lens[s] : batch.cu_q_lens[s + 1]])
+            lo, hi = int(x.bias_cu[s]), int(x.bias_cu[s + 1])
+            proc = process_logits(
+                logits[s], x.bias_ids[lo:hi], x.bias_vals[lo:hi], st, float(x.presence[s]), float(x.frequency[s]),
+                float(x.repetition[s]),
+            )  # fmt: skip
+            want = sample_row(
+                proc, float(batch.temperature[s]), float(batch.top_p[s]), int(batch.top_k[s]), int(batch.seeds[s]),
+                int(batch.sample_pos[s]), float(x.min_p[s]),
+            )  # fmt: skip
+            assert toks[s] == want, (slot, int(batch.sample_pos[s]))
+            if x.emit[s]:
+                if st is not None:
+                    st.add(int(toks[s]))
+                if x.n_logprobs[s] >= 0:
+                    records.append(logprob_record(logprobs(logits[s]), int(toks[s]), int(x.n_logprobs[s])))
+    return records
+
+
+def test_features_and_plain_steps_keep_ext_off(engine):
+    reqs = [SubmitRequest(i, [5, 6, 7, 8 + i], 6, temperature=0.8, seed=i) for i in range(3)]
+    feats, outs, steps = _serve(engine, reqs)
+    assert feats == DeviceFeatures.LOGPROBS | DeviceFeatures.PENALTIES  # no PROMPT_LOGPROBS on CUDA
+    assert all(fin == FinishReason.LENGTH and len(ids) == 6 for ids, _, fin in outs)
+    assert all(b.ext is None for b, _, _ in steps)
+    assert int(engine.arena.host["ext_on"][0]) == 0
+    _replay(steps, engine.config.vocab_size)
+
+
+@pytest.mark.parametrize("max_tokens", [64, 7])  # 7: prompts prefilled in chunks (fresh only on the first)
+def test_extensions_match_the_definition_on_the_engines_logits(engine, max_tokens):
+    rng = np.random.default_rng(11)
+    V = engine.config.vocab_size
+    prompt = rng.integers(3, V, 19).tolist()
+    cases = [
+        dict(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.4, logit_bias=[(44, 2.5), (90, -3.0)],
+             logprobs=5),
+        dict(repetition_penalty=3.0, temperature=1.0, seed=3, logprobs=20),
+        dict(frequency_penalty=2.0, temperature=0.9, top_p=0.9, min_p=0.05, seed=4),
+        dict(presence_penalty=-2.0, temperature=1.0, top_k=30),
+        dict(logit_bias=[(300, 100.0)], logprobs=0),
+        dict(min_p=0.3, temperature=1.0, seed=7, logprobs=2),
+        dict(temperature=0.7, seed=9),  # no extension, batched with rows that have them
+    ]  # fmt: skip
+    reqs = []
+    for i, c in enumerate(cases):
+        c = dict(c)
+        t = c.pop("temperature", 0.0)
+        reqs.append(SubmitRequest(i, prompt, 14, temperature=t, greedy=t == 0.0, stop_ids=[], **c))
+    # two rounds: the second runs on slots the first used (penalty state and logit_bias are reset)
+    feats, outs, steps = _serve(engine, reqs + reqs[::-1], max_tokens=max_tokens)
+    assert any(b.ext is not None for b, _, _ in steps)
+    records = _replay(steps, V)  # every sampled token equals the definition's on the same logits
+    assert outs[4][0] == [300] * 14  # logit_bias reaches the graph
+    n_with = 0
+    for c, (ids, lps, fin) in zip(cases + cases[::-1], outs, strict=True):
+        assert fin == FinishReason.LENGTH and len(ids) == 14
+        if "logprobs" not in c:
+            assert not lps
+            continue
+        n = c["logprobs"]
+        assert len(lps) == 14
+        for k, rec in enumerate(lps):
+            # the replayed record of this token (same alternatives, same logprob)
+            match = [
+                v for v in records if v[1].tolist() == rec.top_ids and v[0] == pytest.approx(rec.logprob, abs=1e-4)
+            ]
+            assert match, (c, k, rec)
+            _, top, top_lp = match[0]
+            assert len(rec.top_ids) == n
+            np.testing.assert_allclose(rec.top_logprobs, top_lp[:n], atol=1e-4)
+            assert rec.logprob <= 0.0 and (n == 0 or rec.top_logprobs[0] >= rec.logprob - 1e-6)
+            n_with += 1
+    assert n_with == 2 * 14 * 4 and MAX_LOGPROBS == 20
