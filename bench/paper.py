@@ -8,8 +8,8 @@ Servers are real `blink serve` processes driven over HTTP by the one load genera
 frontend (the `blink serve` process) on the first two, the load generator on the last two, the
 device process (the child of `blink serve` that owns the ring's device side) on the rest; the hogs
 go on the device process's cores. With the GPU scheduler that process only launched the
-persistent kernel; with the host loop it runs the scheduler. Per scheduler (gpu, host), on the
-same server (same model, same captured graphs):
+persistent kernel; with the host loop it runs the scheduler. Per scheduler (gpu, host), one server
+(same model and engine settings, so the same CUDA graphs, captured by each server):
 
   interference   closed loop (streams x fixed lengths, --duration) and open loop (Poisson at each
                  of the rates, 256 -> 128), each idle and with bench/hogs.py on the device cores:
@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -290,6 +291,18 @@ def summary(res: dict, keep_timeline: bool = False) -> dict:
     return out
 
 
+def finite(x: Any) -> Any:
+    """x with every NaN or infinite float replaced by None (strict JSON; a reader sees "no value",
+    never a made-up number)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [finite(v) for v in x]
+    return x
+
+
 def window_rate(res: dict, t0: float, t1: float) -> float:
     """Output tokens per second received in [t0, t1) s after the start (timeline bins)."""
     tl = res["timeline"]
@@ -359,7 +372,7 @@ class Run:
     def save(self, part: str, body: dict) -> str:
         path = os.path.join(self.a.out, f"{part}-{self.label}-{self.commit}.json")
         with open(path, "w") as f:
-            json.dump({"what": part, **self.meta, **body}, f, indent=1, allow_nan=False)
+            json.dump(finite({"what": part, **self.meta, **body}), f, indent=1, allow_nan=False)
         print(f"paper: wrote {os.path.relpath(path)}", flush=True)
         return path
 

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="BLAS threads per process (emulated replicas: 1 = one core per replica, the CPU analogue of one GPU each)",
     )
-    ap.add_argument("--out", default="", help="JSON path (default bench/results/scaleout-<device>-<date>.json)")
+    ap.add_argument("--out", default="", help="JSON path (default bench/results/scaleout-<device>-<commit>.json)")
     a = ap.parse_args(argv)
     counts = [int(x) for x in a.replicas.split(",")]
 

@@ -156,3 +156,16 @@ def test_paper_quick_end_to_end_on_the_emulated_device(tmp_path):
     assert len(docs["ablation"]["ratio_host_over_gpu"]) == 2
     written = plots.draw(sorted(str(p) for p in out.glob("*.json")), str(tmp_path / "fig"))
     assert len(written) == 6  # interference, latency_cdf, cpu, sigstop, sweep, ablation
+
+
+def test_paper_json_has_no_nan_or_infinity():
+    """A part's numbers go through paper.finite before the strict dump: NaN and inf become null."""
+    import paper
+
+    doc = paper.finite({"a": float("nan"), "b": [1.0, float("inf"), {"c": -float("inf")}], "d": "inf", "e": 2})
+    assert json.loads(json.dumps(doc, allow_nan=False)) == {
+        "a": None,
+        "b": [1.0, None, {"c": None}],
+        "d": "inf",
+        "e": 2,
+    }
