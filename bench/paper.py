@@ -48,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,8 +240,9 @@ class Server:
                 self.__exit__()
                 raise TimeoutError(f"server not up after {self.timeout_s:.0f} s (log: {self.log_path})")
         if not self.url:
+            rc = self.proc.wait()
             self.__exit__()
-            raise RuntimeError(f"server exited with {self.proc.wait()} (log: {self.log_path})")
+            raise RuntimeError(f"server exited with {rc} (log: {self.log_path})")
         self.device_pid = self._find_device()
         pin(self.proc.pid, self.cores.frontend)
         pin(self.device_pid, self.cores.device)
@@ -365,9 +367,23 @@ class Run:
     def server_argv(self, sched: str, model: str | None = None) -> list[str]:
         return ["--model", model or self.s.model, "--device", self.a.device, "--scheduler", sched, *self.s.server]
 
-    def server(self, sched: str, model: str | None = None) -> Server:
-        log = os.path.join(self.a.out, f"server-{sched}.log")
-        return Server(self.server_argv(sched, model), self.cores, log)
+    @contextlib.contextmanager
+    def serving(self, sched: str, model: str | None = None) -> Iterator[Server | None]:
+        """A running server for `sched`, or None when it did not start (recorded as a failure: the
+        other scheduler's parts still run)."""
+        log = os.path.join(self.a.out, f"server-{sched}{'-smol' if model else ''}.log")
+        srv = Server(self.server_argv(sched, model), self.cores, log)
+        try:
+            srv.__enter__()
+        except (RuntimeError, TimeoutError, OSError) as e:
+            self.failed.append(f"{sched} server ({model or self.s.model}): {e}")
+            print(f"paper: {self.failed[-1]}", flush=True)
+            yield None
+            return
+        try:
+            yield srv
+        finally:
+            srv.__exit__()
 
     def save(self, part: str, body: dict) -> str:
         path = os.path.join(self.a.out, f"{part}-{self.label}-{self.commit}.json")
@@ -647,7 +663,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if not run.fits(f"{sched} server", 60):
             continue
-        with run.server(sched) as srv:
+        with run.serving(sched) as srv:
+            if srv is None:
+                continue
             servers[sched] = run.server_argv(sched)
             for part in server_parts:
                 if run.fits(f"{part}/{sched}", _need(run, part)):
@@ -663,7 +681,9 @@ def main(argv: list[str] | None = None) -> int:
         for sched in scheds:
             if not run.fits(f"smol/{sched}", 2 * run.s.closed_s + run.s.stop_pre_s + run.s.stop_s + 40):
                 continue
-            with run.server(sched, a.smol_model) as srv:
+            with run.serving(sched, a.smol_model) as srv:
+                if srv is None:
+                    continue
                 smol[sched] = {
                     "argv": run.server_argv(sched, a.smol_model),
                     "interference": run.attempt(f"smol/{sched}", run.interference, srv, sched, False),

@@ -169,3 +169,15 @@ def test_paper_json_has_no_nan_or_infinity():
         "d": "inf",
         "e": 2,
     }
+
+
+def test_paper_server_that_does_not_start_is_a_failure_not_a_crash(tmp_path):
+    """A server that exits at start is recorded (summary, exit code 1), and the other scheduler's
+    server is still tried: one bad start must not lose the rest of a GPU call."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "paper.py"), "--device", "emulated", "--quick",
+           "--parts", "ablation", "--model", "random:no-such-preset", "--out", str(tmp_path)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 1, r.stdout + r.stderr
+    failed = r.stdout.split("FAILED: ", 1)[1]
+    assert "gpu server (random:no-such-preset)" in failed and "host server (random:no-such-preset)" in failed
+    assert not list(tmp_path.glob("*.json"))
