@@ -1,8 +1,9 @@
 """Shared by the scheduler benchmarks: build an engine once, serve one workload on a fresh ring.
 
 The device (GPU-resident scheduler or the host-driven loop, over the same engine and graphs) runs
-in this process; the load generator (bench/sched_load.py) runs in a child process, so the two
-never share an interpreter lock. The child stores header.shutdown when its workload is done.
+in this process; the load (bench/sched_load.py: blink's frontend roles on the ring, no HTTP) runs in
+a child process, so the two never share an interpreter lock. The child stores header.shutdown when
+its workload is done.
 """
 
 from __future__ import annotations

@@ -1,20 +1,27 @@
-"""A fast ring load generator for the scheduler benchmarks (frontend side of layout.py's rules).
+"""Ring-level load for the scheduler benchmarks: blink's own frontend roles, without HTTP.
 
-Vectorised over the slots with numpy, so one Python process keeps thousands of requests in flight:
-fill EMPTY slots (prompt into the slot's arena region, fields, then state PREFILL_PENDING, then
-the submit doorbell), advance `consumed` to `generated` (the output ring never fills), and free
-DECODE_COMPLETED slots after counting their tokens. It imports blink.protocol only (no msgspec),
-so it runs on the GPU machine as it is.
+Requests go through blink.dpu.RequestTracker (the slot tracker and token reader `blink serve`
+runs), on an event loop in a thread of its own, so a benchmark can run timed phases back to back
+(and SIGSTOP the device between them) while requests stay in flight: what a phase leaves running
+the next one reads on, and counts. Used where a benchmark owns the device in its own process
+(bench/sched_common.py, bench/sched_overhead.py, tests/gpu/test_sigstop.py); a served endpoint is
+loaded with `blink bench serve` (blink/benchmark.py) instead.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from blink.protocol.layout import DeviceStatus, RingView, SlotState
+from blink.dpu.request_tracker import RequestTracker
+from blink.protocol.layout import DeviceStatus
+from blink.protocol.transport import Transport
+from blink.protocol.wire import SubmitRequest
 
 
 @dataclass
@@ -31,7 +38,7 @@ class LoadResult:
     completed: int = 0
     tokens: int = 0
     makespan_s: float = 0.0
-    t_first: list[float] = field(default_factory=list)  # seconds from submit to first token (device clocks)
+    t_first: list[float] = field(default_factory=list)  # seconds from slot published to first token in the ring
     finish: dict[int, int] = field(default_factory=dict)  # FinishReason -> count
     outputs: dict[int, list[int]] = field(default_factory=dict)  # request index -> tokens (keep_tokens)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (t, tokens read so far)
@@ -42,33 +49,32 @@ class LoadResult:
 
 
 class LoadGen:
-    def __init__(self, view: RingView):
-        self.v = view
-        g = view.geo
-        self.region = g.prompt_arena_tokens // g.n_slots
-        self.slots = view.slots
-        self.hdr = view.header
-        self.req_of = np.full(g.n_slots, -1, np.int64)  # request index held by each slot
-        self.read = np.zeros(g.n_slots, np.int64)  # tokens read of each slot's request
-        self._stamp = 0
+    """Load on the ring behind `transport` (its device READY). Counters are totals over the
+    LoadGen's life; each run() reports the change over its own time."""
 
-    def _submit(self, slot: int, idx: int, r: Request) -> None:
-        n = int(r.prompt.size)
-        if n > self.region:
-            raise ValueError(f"prompt of {n} tokens exceeds the per-slot arena region {self.region}")
-        off = slot * self.region
-        self.v.prompt_arena[off : off + n] = r.prompt
-        s = self.slots[slot]
-        s["cancel"] = 0
-        s["request_id"] = idx + 1
-        s["prompt_offset"], s["prompt_len"] = off, n
-        s["max_new_tokens"], s["min_new_tokens"] = r.max_new_tokens, 0
-        s["temperature"], s["top_p"], s["top_k"], s["seed"] = r.temperature, 1.0, 0, r.seed
-        s["n_stop"], s["flags"], s["generated"], s["consumed"] = 0, 0, 0, 0
-        self._stamp = max(time.time_ns(), self._stamp + 1)
-        s["t_submit_ns"] = self._stamp
-        self.slots["state"][slot] = SlotState.PREFILL_PENDING  # x86-64 TSO: after every field
-        self.req_of[slot] = idx
+    def __init__(self, transport: Transport):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sched-load", daemon=True)
+        self._thread.start()
+        self.tracker = RequestTracker(transport, max_queue=1 << 20)
+        self._call(self.tracker.start())
+        self.n_slots = self.tracker.slots.n_owned
+        self.tokens = 0
+        self.completed = 0
+        self.in_flight = 0
+        self.finish: collections.Counter[int] = collections.Counter()
+        self.t_first: list[float] = []
+        self._changed: asyncio.Event | None = None
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        """Stop reading (requests still in flight end with an error event) and the thread."""
+        self._call(self.tracker.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
 
     def run(
         self,
@@ -82,60 +88,73 @@ class LoadGen:
         """Submit every request (at most `concurrency` in flight), read all tokens; returns counts.
         With deadline_s, cycle through `requests` for that long instead (in-flight requests are
         left running: a later run on the same LoadGen reads them on)."""
+        return self._call(self._run(requests, concurrency, keep_tokens, timeout_s, sample_every_s, deadline_s))
+
+    async def _one(self, idx: int, r: Request, out: dict[int, list[int]] | None) -> None:
+        try:
+            req = SubmitRequest(
+                request_id=self.tracker.new_request_id(),
+                prompt_ids=r.prompt.tolist(),
+                max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                seed=r.seed,
+            )
+            h = await self.tracker.submit(req)
+            async for ev in h:
+                self.tokens += len(ev.token_ids)
+                if out is not None:
+                    out.setdefault(idx, []).extend(ev.token_ids)
+                if ev.finished:
+                    self.finish[int(ev.finish_reason)] += 1
+            if len(h.timing) >= 3 and h.timing[2]:
+                self.t_first.append((h.timing[2] - h.timing[0]) * 1e-9)
+        finally:
+            self.in_flight -= 1
+            self.completed += 1
+            assert self._changed is not None
+            self._changed.set()
+
+    async def _run(self, requests, concurrency, keep_tokens, timeout_s, sample_every_s, deadline_s) -> LoadResult:
+        if self._changed is None:
+            self._changed = asyncio.Event()
         res = LoadResult()
-        st, gen = self.slots["state"], self.slots["generated"]
-        cap = self.v.geo.output_capacity
-        limit = concurrency or self.v.geo.n_slots
+        limit = concurrency or self.n_slots
+        tok0, done0, t_first0, finish0 = self.tokens, self.completed, len(self.t_first), self.finish.copy()
+        out = res.outputs if keep_tokens else None
+        tasks: list[asyncio.Task] = []
         nxt = 0
         t0 = time.perf_counter()
         t_sample = t0
-        while deadline_s or res.completed < len(requests):
-            busy = self.req_of >= 0
-            free = np.flatnonzero(~busy & (st == SlotState.EMPTY))
-            left = len(free) if deadline_s else len(requests) - nxt
-            n_new = min(len(free), limit - int(busy.sum()), left)
-            for slot in free[: max(n_new, 0)]:
-                self._submit(int(slot), nxt, requests[nxt % len(requests)])
-                self.read[slot] = 0
+        while True:
+            while self.in_flight < limit and (deadline_s or nxt < len(requests)):
+                self.in_flight += 1
+                tasks.append(asyncio.ensure_future(self._one(nxt, requests[nxt % len(requests)], out)))
                 nxt += 1
-                res.submitted += 1
-            if n_new > 0:
-                self.hdr["submit_seq"] = int(self.hdr["submit_seq"]) + 1
-            act = np.flatnonzero(self.req_of >= 0)
-            if act.size:
-                states = st[act].copy()  # state before generated (acquire order on x86-64)
-                g = gen[act].astype(np.int64)
-                if keep_tokens:
-                    for j, slot in enumerate(act):
-                        k0, k1 = int(self.read[slot]), int(g[j])
-                        if k1 > k0:
-                            out = res.outputs.setdefault(int(self.req_of[slot]), [])
-                            row = self.v.output_arena[slot]
-                            out += [int(row[k % cap]) for k in range(k0, k1)]
-                res.tokens += int((g - self.read[act]).sum())
-                self.read[act] = g
-                self.slots["consumed"][act] = g.astype(np.uint32)
-                done = act[states == SlotState.DECODE_COMPLETED]
-                for slot in done:
-                    if int(gen[slot]) != self.read[slot]:
-                        continue  # its last tokens arrive with the next poll
-                    rec = self.slots[slot]
-                    f = int(rec["finish_reason"])
-                    res.finish[f] = res.finish.get(f, 0) + 1
-                    if int(rec["t_first_ns"]):
-                        res.t_first.append((int(rec["t_first_ns"]) - int(rec["t_submit_ns"])) * 1e-9)
-                    self.req_of[slot] = -1
-                    st[slot] = SlotState.EMPTY
-                    res.completed += 1
             now = time.perf_counter()
             if sample_every_s and now - t_sample >= sample_every_s:
-                res.timeline.append((now - t0, res.tokens))
+                res.timeline.append((now - t0, self.tokens - tok0))
                 t_sample = now
             if deadline_s and now - t0 >= deadline_s:
                 break
+            if not deadline_s and nxt == len(requests) and all(t.done() for t in tasks):
+                break
             if now - t0 > timeout_s:
-                raise TimeoutError(f"{res.completed}/{len(requests)} requests done after {timeout_s} s")
+                raise TimeoutError(f"{self.completed - done0}/{len(requests)} requests done after {timeout_s} s")
+            self._changed.clear()
+            wait = min(x for x in (0.05, sample_every_s or 1.0, (deadline_s or 1e9) - (now - t0)) if x > 0)
+            try:
+                await asyncio.wait_for(self._changed.wait(), max(wait, 1e-4))
+            except TimeoutError:
+                pass
+        for t in tasks:  # a failed request (device down, bad prompt) fails the run
+            if t.done() and t.exception() is not None:
+                raise t.exception()
         res.makespan_s = time.perf_counter() - t0
+        res.submitted = nxt
+        res.tokens = self.tokens - tok0
+        res.completed = self.completed - done0
+        res.t_first = self.t_first[t_first0:]
+        res.finish = dict(self.finish - finish0)
         return res
 
 
@@ -182,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.001)
     vocab = int(view.header["vocab_size"])
     out: dict = {}
+    gen = LoadGen(t)
     if a.sigstop_pid:
         conc = a.concurrency or a.n
-        gen = LoadGen(view)
         warm = steady(gen, a.prompt, a.new, conc, 2.0, vocab, a.seed)
         base = steady(gen, a.prompt, a.new, conc, a.phase, vocab, a.seed + 1)
         os.kill(a.sigstop_pid, signal.SIGSTOP)
@@ -203,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         out["ratio"] = out["stopped_tok_per_s"] / max(out["running_tok_per_s"], 1e-9)
     else:
         reqs = random_requests(a.n, a.prompt, a.new, vocab, a.seed)
-        res = LoadGen(view).run(reqs, concurrency=a.concurrency or None)
+        res = gen.run(reqs, concurrency=a.concurrency or None)
         tf = sorted(res.t_first)
         out = {
             "n": a.n,
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             "ttft_p50_ms": 1e3 * tf[len(tf) // 2] if tf else None,
             "finish": res.finish,
         }
+    gen.close()
     if a.shutdown:
         view.header["shutdown"] = a.shutdown
     print(json.dumps(out))

@@ -98,7 +98,11 @@ def serve(eng, n_slots: int, **cfg):
 def decode_overhead(eng, batch: int, new_tokens: int) -> dict:
     t, view, s = serve(eng, max(batch, 16))
     try:
-        res = LoadGen(view).run(random_requests(batch, 8, new_tokens, eng.config.vocab_size), timeout_s=120)
+        gen = LoadGen(t)
+        try:
+            res = gen.run(random_requests(batch, 8, new_tokens, eng.config.vocab_size), timeout_s=120)
+        finally:
+            gen.close()
         assert res.tokens == batch * new_tokens, res
         s.stop()
         d = s.diagnostics()

@@ -1,5 +1,6 @@
-"""CPU freedom: with the device process (CUDA context owner) SIGSTOPped for 10 s, a load generator
-in this process keeps submitting and reading through the ring, at the unstopped rate."""
+"""CPU freedom: with the device process (CUDA context owner) SIGSTOPped for 10 s, blink's frontend
+roles in this process (bench/sched_load.py) keep submitting and reading through the ring, at the
+unstopped rate."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_tokens_keep_flowing_while_the_device_process_is_stopped():
     try:
         proc.wait_ready(t, timeout=120)
         vocab = int(view.header["vocab_size"])
-        gen = LoadGen(view)
+        gen = LoadGen(t)
         steady(gen, 16, 64, 32, 1.0, vocab, seed=0)  # warm up
         running = steady(gen, 16, 64, 32, PHASE_S, vocab, seed=1)
         os.kill(proc.pid, signal.SIGSTOP)
@@ -49,6 +50,7 @@ def test_tokens_keep_flowing_while_the_device_process_is_stopped():
         ratio = stopped.tokens / running.tokens
         print(f"running {running.tokens / PHASE_S:.0f} tok/s, stopped {stopped.tokens / PHASE_S:.0f} tok/s")
         assert 0.9 < ratio < 1.1, ratio  # bench/sigstop.py measures the 30 s version precisely
+        gen.close()
         view.header["shutdown"] = 2
         assert proc.wait(60) == 0
     finally:
