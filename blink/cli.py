@@ -72,6 +72,27 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-slots", dest="ring.n_slots", type=int)
     p.add_argument("--prompt-arena-tokens", dest="ring.prompt_arena_tokens", type=int)
     p.add_argument("--output-capacity", dest="ring.output_capacity", type=int)
+    p.add_argument(
+        "--transport",
+        dest="ring.transport",
+        choices=("auto", "shm", "tcp", "rdma"),
+        help="how the frontend reaches the ring: shm (same host), tcp (ring agent on the GPU host; costs its CPU), "
+        "rdma (pyverbs), auto (shm on the ring's host, else rdma where both ends have a device, else tcp)",
+    )
+    p.add_argument(
+        "--ring-address",
+        dest="ring.address",
+        metavar="HOST:PORT",
+        help="serve as a frontend only, of the ring behind the ring agent at HOST:PORT (a GPU host run with "
+        "--ring-listen); no device starts here",
+    )
+    p.add_argument(
+        "--ring-listen",
+        dest="ring.listen",
+        metavar="HOST:PORT",
+        help="also serve this server's ring to frontends on other hosts through a ring agent (port 0: any)",
+    )
+    p.add_argument("--rdma-device", dest="ring.rdma_device", help="RDMA device name (ibv_devices); default: the first")
 
 
 def _origins_arg(v: str) -> str:

@@ -96,11 +96,37 @@ class RingConfig:
     """Prompt arena size in tokens; each slot owns prompt_arena_tokens // n_slots of it."""
     output_capacity: int = 1024
     """Output ring tokens per slot; the device pauses a slot whose reader falls this far behind."""
+    transport: str = "auto"
+    """How the frontend reaches the ring: shm (a /dev/shm mapping: same host) | tcp (through a ring
+    agent on the GPU host, which costs that host's CPU per round trip) | rdma (one-sided READ/WRITE,
+    pyverbs) | auto (shm when the frontend shares the ring's host, rdma when both ends have an RDMA
+    device and pyverbs, tcp otherwise)."""
+    address: str | None = None
+    """host:port of a ring agent: set, this server is a frontend only (no device here); it serves the
+    ring that agent serves (a GPU host running with ring.listen)."""
+    listen: str | None = None
+    """host:port: also serve this server's ring to frontends on other hosts through a ring agent
+    (port 0 picks one; the chosen address is printed)."""
+    rdma_device: str = ""
+    """RDMA device to use (ibv_devices name); "" = the first one."""
 
     def __post_init__(self) -> None:
         _bounds("ring", "n_slots", self.n_slots, 1, 1 << 16)
         _bounds("ring", "output_capacity", self.output_capacity, 1, 1 << 20)
         _bounds("ring", "prompt_arena_tokens", self.prompt_arena_tokens, self.n_slots, 1 << 28)
+        _choice("ring", "transport", self.transport, ("auto", "shm", "tcp", "rdma"))
+        for f in ("address", "listen"):
+            v = getattr(self, f)
+            if v is not None:
+                host, sep, port = v.rpartition(":")
+                if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                    raise ConfigError(f"ring.{f} = {v!r}; expected host:port")
+        if self.address is not None and self.address.rpartition(":")[2] == "0":
+            raise ConfigError("ring.address needs the agent's port, not 0")
+        if self.address is not None and self.listen is not None:
+            raise ConfigError(
+                "ring.address (a frontend of a remote ring) and ring.listen (serve the local ring) exclude each other"
+            )
 
     @property
     def prompt_tokens_per_slot(self) -> int:

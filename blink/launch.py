@@ -273,6 +273,43 @@ def start_device(spec: DeviceSpec, **kwargs) -> DeviceProcess:
 
 
 # -- one serving stack in one process (blink serve, blink generate) -------------------------------
+def start_ring_agent(ring: str, listen: str, rdma_device: str = "") -> tuple[subprocess.Popen, str]:
+    """The ring agent (blink.protocol.ring_agent) for a local ring, as a child process that dies with
+    this one; returns (process, bound address). Its own process: its CPU cost per round trip is
+    visible as such, and it never holds the frontend's GIL."""
+    from blink.protocol.ring_agent import start_agent_process
+
+    extra = ["--rdma-device", rdma_device] if rdma_device else []
+    return start_agent_process(ring, listen, extra_args=extra, preexec_fn=_die_with(os.getpid()))
+
+
+def stop_ring_agent(agent: subprocess.Popen) -> None:
+    agent.terminate()
+    try:
+        agent.wait(5)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait()
+
+
+def wait_ready_remote(transport, timeout: float, progress: Progress | None = None) -> None:
+    """Block until the remote ring's device says READY (a frontend only: no device process here)."""
+    from blink.dpu.slot_tracker import read_header
+
+    t0 = time.monotonic()
+    last = -1.0
+    while (status := int(read_header(transport)["device_status"])) != DeviceStatus.READY:
+        if status in (DeviceStatus.FAILED, DeviceStatus.STOPPED):
+            raise RuntimeError(f"the remote device is {DeviceStatus(status).name}")
+        el = time.monotonic() - t0
+        if el > timeout:
+            raise TimeoutError(f"remote device not ready after {timeout:.0f} s")
+        if progress and el - last >= 1.0:
+            last = el
+            progress(f"waiting for the remote device: {DeviceStatus(status).name.lower()} ({el:.0f} s)")
+        time.sleep(0.02)
+
+
 SUPERVISE_POLL_S = 0.1  # how often the supervisor looks at the device process
 RESTART_BACKOFF_S = (0.5, 30.0)  # wait before the first restart in a row (doubling), and at most
 HEALTHY_AFTER_S = 60.0  # a device that served this long starts the count of restarts in a row over
@@ -288,14 +325,26 @@ class Stack:
     tracker (busy/running gauges start from zero, /health turns 200) and removes the old ring.
     Device counters continue across rings; `restarts` counts the new devices started. After
     `device.max_restarts` restarts in a row it gives up: `gave_up` says why and `on_give_up` runs.
+
+    The frontend reads the ring through `link` (blink.dpu.ring_link, ring.transport): the ring itself
+    (shm), or the ring agent. ring.listen serves the ring to frontends on other hosts through a ring
+    agent (restarted on the same address with each new ring); ring.transport tcp/rdma makes this
+    frontend go through that agent too (how bench/transport.py measures the remote path on one
+    host). ring.address set: a frontend only, of the ring behind that agent; no ring, device or
+    supervisor here (the remote device is not this server's to restart).
     """
 
     def __init__(self, cfg: BlinkConfig, progress: Progress | None = None):
         self.cfg = cfg
         self.progress = progress
-        self.spec = device_spec(cfg, new_ring_name())
-        self.kind = self.spec.kind
-        self.transport: ShmTransport | None = None
+        self.remote = cfg.ring.address is not None
+        self.spec = None if self.remote else device_spec(cfg, new_ring_name())
+        self.kind = "remote" if self.spec is None else self.spec.kind
+        self.transport: ShmTransport | None = None  # the ring this process created (not when remote)
+        self.link = None  # what the frontend reads the ring through (the ring itself, or via an agent)
+        self.link_why = ""
+        self.agent: subprocess.Popen | None = None
+        self.agent_address = ""
         self.device: DeviceProcess | None = None
         self.tokenizer = None
         self.tracker = None
@@ -307,7 +356,7 @@ class Stack:
 
     @property
     def ring_name(self) -> str:
-        return self.spec.ring
+        return self.spec.ring if self.spec is not None else ""
 
     def _say(self, msg: str) -> None:
         if self.progress:
@@ -327,32 +376,68 @@ class Stack:
             raise
 
     def start_device(self) -> None:
-        """Remove rings of dead servers, create the ring, start the device, load the tokenizer
-        meanwhile, wait for READY."""
+        """Remove rings of dead servers, create the ring, start the device (and the ring agent if
+        asked), load the tokenizer meanwhile, wait for READY, open the frontend's link. A frontend
+        only: load the tokenizer, attach to the remote ring, wait for its READY."""
         from blink.dpu.tokenizer import load_tokenizer
 
-        for name in remove_stale_rings():
-            self._say(f"removed stale ring /dev/shm/{name} (the server that made it is gone)")
-        self.transport, self.device = self._launch(self.spec)
+        if not self.remote:
+            for name in remove_stale_rings():
+                self._say(f"removed stale ring /dev/shm/{name} (the server that made it is gone)")
+            self.transport, self.device = self._launch(self.spec)
         m = self.cfg.model
         self.tokenizer = load_tokenizer(m.spec, m.name, m.chat_template)
+        if self.remote:
+            self._open_link()
+            wait_ready_remote(self.link, self.cfg.device.ready_timeout_s, self.progress)
+            return
         self.device.wait_ready(self.transport, self.cfg.device.ready_timeout_s, self.progress)
+        self._start_agent()
+        self._open_link()
 
-    async def _new_tracker(self, transport: ShmTransport, device: DeviceProcess):
+    def _start_agent(self) -> None:
+        rc = self.cfg.ring
+        listen = rc.listen or ("127.0.0.1:0" if rc.transport in ("tcp", "rdma") else None)
+        if listen is None:
+            return
+        # a restarted device's ring is served on the address the frontends already know
+        self.agent, self.agent_address = start_ring_agent(self.ring_name, self.agent_address or listen, rc.rdma_device)
+        self._say(f"ring agent for /dev/shm/{self.ring_name} listening on {self.agent_address}")
+
+    def _open_link(self) -> None:
+        from blink.dpu.ring_link import open_link
+
+        rc = self.cfg.ring
+        address = rc.address or (self.agent_address if rc.transport in ("tcp", "rdma") else None)
+        if address is None:
+            self.link, self.link_why = self.transport, f"shm: /dev/shm/{self.ring_name} on this host"
+        else:
+            link = open_link(None, address, rc.transport, rc.rdma_device)
+            self.link, self.link_why = link.transport, link.why
+        self._say(f"ring transport {self.link_why}")
+
+    def _close_link(self) -> None:
+        if self.link is not None and self.link is not self.transport:
+            self.link.close()
+        self.link = None
+
+    async def _new_tracker(self, transport, device: DeviceProcess | None):
         from blink.dpu.request_tracker import RequestTracker
 
         def liveness() -> str | None:
             return None if device.alive() else f"device process exited with code {device.returncode}"
 
         s = self.cfg.server
-        tracker = RequestTracker(transport, s.max_queue, s.heartbeat_timeout_s, {"liveness": liveness})
+        kw = {"liveness": liveness} if device is not None else {}
+        tracker = RequestTracker(transport, s.max_queue, s.heartbeat_timeout_s, kw)
         await tracker.start()
         return tracker
 
     async def start_frontend(self, on_give_up: Callable[[], None] | None = None) -> Stack:
-        assert self.transport is not None and self.device is not None
-        self.tracker = await self._new_tracker(self.transport, self.device)
-        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(on_give_up), name="supervisor")
+        assert self.link is not None
+        self.tracker = await self._new_tracker(self.link, self.device)
+        if not self.remote:
+            self._supervisor = asyncio.get_running_loop().create_task(self._supervise(on_give_up), name="supervisor")
         return self
 
     async def _supervise(self, on_give_up: Callable[[], None] | None) -> None:
@@ -392,18 +477,25 @@ class Stack:
         transport, device = self._launch(spec)
         try:
             await asyncio.to_thread(device.wait_ready, transport, self.cfg.device.ready_timeout_s, self.progress)
-            tracker = await self._new_tracker(transport, device)
         except BaseException:  # failed, or the server is shutting down meanwhile
             device.stop(transport, drain=False, timeout=2.0)
             transport.unlink()
             transport.close()
             raise
-        old_tracker, old_transport = self.tracker, self.transport
+        old_tracker, old_transport, old_link = self.tracker, self.transport, self.link
+        if self.agent is not None:  # the agent served the old ring: the new one gets a new agent
+            stop_ring_agent(self.agent)
+            self.agent = None
+        self.spec, self.transport, self.device = spec, transport, device
+        self._start_agent()
+        self._open_link()
+        self.tracker = await self._new_tracker(self.link, device)
         last = old_tracker.device_counters()
         for k in DEVICE_COUNTERS:
             self._counters_before[k] = self._counters_before.get(k, 0) + last.get(k, 0)
-        self.spec, self.transport, self.device, self.tracker = spec, transport, device, tracker
         await old_tracker.close()
+        if old_link is not old_transport:
+            old_link.close()
         old_transport.unlink()
         old_transport.close()
 
@@ -435,10 +527,15 @@ class Stack:
             self.tracker = None
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the device to stop (drain), wait, then remove the ring. Safe to call twice."""
+        """Ask the device to stop (drain), wait, then remove the ring. Safe to call twice. A frontend
+        only closes its link: the remote device is not its to stop."""
         self._stopping = True
+        self._close_link()
         if self.transport is not None and self.device is not None:
             self.device.stop(self.transport, drain=True, timeout=timeout)
+        if self.agent is not None:
+            stop_ring_agent(self.agent)
+            self.agent = None
         if self.transport is not None:
             self.transport.unlink()
             self.transport.close()

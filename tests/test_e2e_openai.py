@@ -1,11 +1,14 @@
 """End to end: `blink serve` in a subprocess with the emulated device, driven by the official
 `openai` client and raw HTTP. Two servers per module: a tiny random model (fast: shapes, errors,
 concurrency) and the default SmolLM2 with a 2-slot ring (real text; slow enough that a full
-ring and a mid-stream disconnect can be observed)."""
+ring and a mid-stream disconnect can be observed). Each runs twice: as one `blink serve`
+(frontend beside the device, shared memory), and split (RemoteServer: the frontend in another
+process, with its own /dev/shm, reaching the ring over TCP through the GPU host's ring agent)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import glob
 import json
 import os
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 import aiohttp
 import openai
@@ -24,11 +28,22 @@ API_KEY = "sk-test-blink"
 QUESTION = "What is the capital of France?"
 
 
+# A process with its own /dev/shm: a mount namespace with a fresh tmpfs there (root only). A frontend
+# started this way cannot map the GPU host's ring file even by accident; it shares the network.
+OWN_SHM = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" "$@"']
+
+
+@functools.cache
+def own_shm_available() -> bool:
+    r = subprocess.run([*OWN_SHM, "true"], capture_output=True)
+    return r.returncode == 0
+
+
 class Server:
-    def __init__(self, *args: str, timeout: float = 180.0):
+    def __init__(self, *args: str, timeout: float = 180.0, prefix: Sequence[str] = ()):
         self.log: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "blink.cli", "serve", "--port", "0", "--device", "emulated", *args],
+            [*prefix, sys.executable, "-m", "blink.cli", "serve", "--port", "0", "--device", "emulated", *args],
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
@@ -36,12 +51,15 @@ class Server:
         ready = threading.Event()
         self.url = ""
         self.ring = ""
+        self.agent = ""
 
         def drain() -> None:
             for line in self.proc.stderr:
                 self.log.append(line)
                 if m := re.search(r"ring /dev/shm/(\S+):", line):
                     self.ring = m.group(1)
+                if m := re.search(r"blink: ring agent for \S+ listening on (\S+)", line):
+                    self.agent = m.group(1)
                 if m := re.search(r"serving .* on (http://\S+)/v1", line):
                     self.url = m.group(1)
                     ready.set()
@@ -73,9 +91,44 @@ class Server:
             return -9
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    s = Server(
+class RemoteServer(Server):
+    """The GPU host (ring, device, ring agent: `blink serve --ring-listen`) and, in another process
+    with its own /dev/shm, the frontend that serves HTTP and reaches the ring over TCP only
+    (`blink serve --ring-address A`, transport auto: it cannot see the ring's file and there is no
+    RDMA device, so it must choose tcp by itself). The tests talk to the frontend."""
+
+    def __init__(self, *args: str, timeout: float = 180.0):
+        self.gpu = Server(*args, "--ring-listen", "127.0.0.1:0", timeout=timeout)
+        assert self.gpu.agent, "".join(self.gpu.log)
+        try:
+            self.fe = Server(*args, "--ring-address", self.gpu.agent, prefix=OWN_SHM)
+        except BaseException:
+            self.gpu.stop()
+            raise
+        self.proc, self.url, self.ring = self.fe.proc, self.fe.url, self.gpu.ring
+        assert any("ring transport tcp" in ln for ln in self.fe.log), "".join(self.fe.log)
+
+    @property
+    def log(self) -> list[str]:
+        return self.fe.log + self.gpu.log
+
+    def stop(self) -> int:
+        return self.fe.stop() or self.gpu.stop()
+
+
+SERVERS = [
+    pytest.param(Server, id="shm"),
+    pytest.param(
+        RemoteServer,
+        id="tcp-frontend-elsewhere",
+        marks=pytest.mark.skipif(not own_shm_available(), reason="needs root for a mount namespace"),
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=SERVERS)
+def tiny(request):
+    s = request.param(
         "--model", "random:tiny-llama", "--num-kv-blocks", "512", "--max-batch", "16",
         "--n-slots", "16", "--max-queue", "128", "--api-key", API_KEY, "--max-body-bytes", "65536",
     )  # fmt: skip
@@ -86,9 +139,9 @@ def tiny():
     assert any("shutting down" in ln for ln in s.log)
 
 
-@pytest.fixture(scope="module")
-def smol():
-    s = Server("--n-slots", "2", "--max-queue", "1", "--max-batch", "4", "--num-kv-blocks", "256")
+@pytest.fixture(scope="module", params=SERVERS)
+def smol(request):
+    s = request.param("--n-slots", "2", "--max-queue", "1", "--max-batch", "4", "--num-kv-blocks", "256")
     yield s
     assert s.stop() == 0, "".join(s.log)
 
@@ -878,6 +931,21 @@ def test_device_crash_is_seen_at_once():
         assert time.monotonic() - t0 < 5
     finally:
         s.stop()
+
+
+def test_remote_frontend_never_maps_the_ring(tiny):
+    if not isinstance(tiny, RemoteServer):
+        pytest.skip("the frontend beside the device maps the ring by design")
+    out = tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=4)
+    assert out.usage.completion_tokens == 4
+    pid = tiny.fe.proc.pid
+    with open(f"/proc/{pid}/maps") as f:
+        shm_maps = [ln for ln in f if "/dev/shm/" in ln]
+    assert shm_maps == []  # nothing of any /dev/shm mapped by the frontend
+    # ... and it could not have: its /dev/shm is another file system, without the ring
+    assert os.path.exists(f"/dev/shm/{tiny.ring}")
+    assert not os.path.exists(f"/proc/{pid}/root/dev/shm/{tiny.ring}")
+    assert os.stat(f"/proc/{pid}/root/dev/shm").st_dev != os.stat("/dev/shm").st_dev
 
 
 def test_random_bodies_never_500(tiny):

@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 
 from .tcp_transport import MAX_FRAME, parse_address
-from .transport import RangeError, ShmTransport
+from .transport import RangeError, ShmTransport, file_id, host_id
 from .wire import AGENT_PROTOCOL, AgentFrame, AgentHello, AgentWelcome, RdmaHello, RingBatch, RingReply
 
 log = logging.getLogger("blink.ring_agent")
@@ -50,7 +50,12 @@ class RingAgent:
     def __init__(self, ring: str, listen: str = "127.0.0.1:0", rdma_device: str = ""):
         self.ring = ring
         self.listen = listen
-        self.rdma_device = rdma_device
+        from .rdma_transport import rdma_devices  # [] without pyverbs or without a device
+
+        devs = rdma_devices()
+        if rdma_device and rdma_device not in devs:
+            raise ValueError(f"RDMA device {rdma_device!r} not found (this host has: {', '.join(devs) or 'none'})")
+        self.rdma_device = rdma_device or (devs[0] if devs else "")  # offered to frontends in the welcome
         self.t = ShmTransport.open(ring)
         self.identity = secrets.randbits(63)  # new per opening: a restarted agent is a new ring to clients
         self.address = ""
@@ -148,7 +153,15 @@ class RingAgent:
                     if frame.version != AGENT_PROTOCOL:
                         log.warning("client %s speaks protocol %d, not %d", peer, frame.version, AGENT_PROTOCOL)
                         return
-                    reply = AgentWelcome(AGENT_PROTOCOL, self.t.size, self.identity, self.ring, self.rdma_device)
+                    reply = AgentWelcome(
+                        AGENT_PROTOCOL,
+                        self.t.size,
+                        self.identity,
+                        self.ring,
+                        self.rdma_device,
+                        host_id(),
+                        file_id(self.t.path),
+                    )
                 elif isinstance(frame, RdmaHello):
                     if qp is not None:
                         reply = RingReply(error="this connection already has a queue pair")
@@ -221,13 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def start_agent_process(ring: str, listen: str = "127.0.0.1:0", timeout_s: float = 30.0, **popen_kw):
+def start_agent_process(
+    ring: str, listen: str = "127.0.0.1:0", timeout_s: float = 30.0, extra_args: list[str] | None = None, **popen_kw
+):
     """The agent as a child process; returns (Popen, address) once it listens."""
     import selectors
     import subprocess
     import time
 
-    cmd = [sys.executable, "-m", "blink.protocol.ring_agent", "--ring", ring, "--listen", listen]
+    cmd = [sys.executable, "-m", "blink.protocol.ring_agent", "--ring", ring, "--listen", listen, *(extra_args or [])]
     cmd = popen_kw.pop("prefix", []) + cmd  # e.g. ["nsenter", ...] to run it in another namespace
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **popen_kw)
     assert proc.stdout is not None

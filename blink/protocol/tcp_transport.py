@@ -111,7 +111,7 @@ class TcpTransport:
         self.size = w.size
         self.identity = w.identity
         self.ring = w.ring
-        self.agent_rdma = w.rdma
+        self.welcome = w
 
     def reconnect(self) -> int:
         """Close and connect again (the agent may have been restarted). Returns the ring identity,

@@ -101,6 +101,25 @@ def check_word(size: int, offset: int, width: int) -> None:
     check_range(size, offset, width)
 
 
+def host_id() -> str:
+    """This machine's boot id: equal on both ends only when they run on one kernel."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def file_id(path: str) -> str:
+    """A file's identity (device and inode): two mount namespaces with their own /dev/shm tmpfs see
+    different files under one name, which is what keeps `auto` from picking shm across them."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 def shm_path(name: str) -> str:
     if "/" in name or not name:
         raise ValueError(f"bad ring name {name!r}")

@@ -150,6 +150,9 @@ class AgentWelcome(msgspec.Struct, tag="welcome", **_FRAME):
     identity: int
     ring: str  # the ring's name on the GPU host (for logs)
     rdma: str = ""  # RDMA device the agent can register the ring with ("" = none)
+    host: str = ""  # the GPU host's boot id (transport.host_id)
+    file: str = ""  # the ring file's identity there (transport.file_id): a frontend that sees the
+    # same file under /dev/shm/<ring> on the same host can map it instead (auto -> shm)
 
 
 class RingBatch(msgspec.Struct, tag="batch", **_FRAME):
