@@ -54,13 +54,15 @@ def test_overrides_apply_after_file(tmp_path: Path) -> None:
     assert (cfg.deploy.replicas, cfg.name) == (3, "a")
 
 
-def _cfg(device: str = "auto", **deploy) -> DeployConfig:
-    return from_mapping({"deploy": deploy, "device": {"kind": device}})
+def _cfg(device: str = "auto", transport: str = "auto", **deploy) -> DeployConfig:
+    return from_mapping({"deploy": deploy, "device": {"kind": device}, "ring": {"transport": transport}})
 
 
 def test_plan_frontend_beside_gpus_without_dpu() -> None:
-    plan = plan_placement(_cfg(replicas=2), [{"CPU": 16, "GPU": 2}])
+    plan = plan_placement(_cfg(replicas=2, transport="shm"), [{"CPU": 16, "GPU": 2}])
     assert plan.use_gpu and not plan.use_dpu and plan.strategy == "STRICT_PACK"
+    # a transport that reaches other hosts lets the bundles spread (on one node PACK packs them anyway)
+    assert plan_placement(_cfg(replicas=2), [{"CPU": 16, "GPU": 2}]).strategy == "PACK"
     assert plan.bundles == ({"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0})
     assert plan.gpu_bundle(1) == 2 and plan.frontend_bundle == 0
 
@@ -70,7 +72,7 @@ def test_plan_frontend_on_dpu_node() -> None:
     assert plan.use_dpu and plan.strategy == "PACK"
     assert plan.bundles[0] == {"CPU": 1.0, "dpu": 1.0}
     assert all("dpu" not in b for b in plan.bundles[1:])
-    off = plan_placement(_cfg(replicas=2, dpu="off"), [{"CPU": 16, "GPU": 2}, {"CPU": 4, "dpu": 2}])
+    off = plan_placement(_cfg(replicas=2, dpu="off", transport="shm"), [{"CPU": 16, "GPU": 2}, {"CPU": 4, "dpu": 2}])
     assert not off.use_dpu and off.strategy == "STRICT_PACK"
 
 
@@ -100,9 +102,12 @@ def test_plan_auto_device_falls_back_to_emulated_without_gpus() -> None:
 
 
 def test_plan_rejects_what_cannot_fit() -> None:
-    # GPUs on two hosts and no dpu node: the shm ring needs one host, so refuse up front.
+    # GPUs on two hosts and no dpu node: shm rings need one host, so refuse up front ...
+    two = [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}]
     with pytest.raises(ConfigError, match="one host"):
-        plan_placement(_cfg("cuda", replicas=2), [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}])
+        plan_placement(_cfg("cuda", replicas=2, transport="shm"), two)
+    # ... while tcp / rdma (auto) reach the ring of the other host: the bundles spread
+    assert plan_placement(_cfg("cuda", replicas=2), two).strategy == "PACK"
     with pytest.raises(ConfigError, match="require"):
         plan_placement(_cfg(dpu="require"), [{"CPU": 8, "GPU": 1}])
     with pytest.raises(ConfigError, match="room for the frontend"):

@@ -41,7 +41,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cfg(name: str, port: int, max_batch: int = 8, replicas: int = 2, frontends: int = 1) -> DeployConfig:
+def _cfg(
+    name: str, port: int, max_batch: int = 8, replicas: int = 2, frontends: int = 1, transport: str = "auto"
+) -> DeployConfig:
     return from_mapping(
         {
             "deploy": {
@@ -53,7 +55,7 @@ def _cfg(name: str, port: int, max_batch: int = 8, replicas: int = 2, frontends:
             },
             "device": {"kind": "emulated", "num_kv_blocks": 512, "max_batch": max_batch, "max_tokens": 128},
             "model": {"spec": f"random:{MODEL}"},
-            "ring": {"n_slots": 8, "prompt_arena_tokens": 8192, "output_capacity": 64},
+            "ring": {"n_slots": 8, "prompt_arena_tokens": 8192, "output_capacity": 64, "transport": transport},
             "server": {"port": port, "heartbeat_timeout_s": 1.0},
         }
     )
@@ -214,7 +216,8 @@ def test_deploy_again_reuses_placement_group_and_actors(dp: deploy.Deployment) -
     assert again.url == dp.url
     named = [p for p in placement_group_table().values() if p["name"] == dp.cfg.placement_group_name]
     assert len([p for p in named if p["state"] != "REMOVED"]) == 1
-    assert dp.plan.strategy == "STRICT_PACK" and not dp.plan.use_dpu  # no dpu node: beside the GPU actors
+    # no dpu node: beside the GPU actors; ring.transport auto lets the bundles spread over hosts (PACK)
+    assert dp.plan.strategy == "PACK" and not dp.plan.use_dpu
 
 
 def _all_counts(d: deploy.Deployment) -> dict[str, dict[str, int]]:
@@ -350,6 +353,61 @@ def test_killed_gpu_actor_marks_replica_down_and_restarts(cluster) -> None:
         with cf.ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda i: _complete(d.url, 4, f"after{i}"), range(4)))
         assert _fe_replicas(d)[victim]["requests"] > before  # routed to again
+    finally:
+        deploy.stop(cfg)
+
+
+def test_frontend_over_tcp_reconnects_after_either_side_restarts(cluster) -> None:
+    """ring.transport = tcp: the frontend reaches each ring through its GPU actor's ring agent (as
+    from another host). A killed GPU actor ends its requests with an error event and is reached
+    again at its new agent; a killed frontend, restarted by Ray, connects again."""
+    cfg = _cfg("tcp", _free_port(), max_batch=1, transport="tcp")
+    d = deploy.deploy(cfg, detached=False)
+    try:
+        wait_http(d.url, 30)
+        reps = _fe_replicas(d)
+        assert all(r["link"].startswith("tcp: ") for r in reps), reps
+        agents = [ray.get(a.ring_info.remote())["agent"] for a in d.gpu_actors]
+        assert all(a for a in agents)
+        assert _complete(d.url, 8)["usage"]["completion_tokens"] == 8
+        fe_pid = ray.get(d.frontend.pid.remote())
+        with open(f"/proc/{fe_pid}/maps") as f:  # the frontend process never mapped a ring
+            assert not [ln for ln in f if "/dev/shm/" + cfg.ring_name(0)[:-1] in ln]
+        # the GPU actor dies mid-stream: error events, then the replica is attached again over tcp
+        victim = 0
+        with cf.ThreadPoolExecutor(6) as pool:
+            futs = [pool.submit(_stream, d.url, 1000, f"t{i}") for i in range(6)]
+            t_end = time.monotonic() + 10
+            while _fe_replicas(d)[victim].get("busy_slots", 0) < 2:
+                assert time.monotonic() < t_end
+                time.sleep(0.01)
+            ray.kill(d.gpu_actors[victim], no_restart=False)
+            results = [f.result(timeout=60) for f in futs]
+        errors = [ev["error"] for evs in results for ev in evs if "error" in ev]
+        assert errors and all("unreachable" in e["message"] or "heartbeat" in e["message"] for e in errors), errors
+        t_end = time.monotonic() + 60
+        while (r := _fe_replicas(d)[victim])["attaches"] < 2 or not r["up"]:
+            assert time.monotonic() < t_end, r
+            time.sleep(0.05)
+        assert r["link"].startswith("tcp: ")
+        assert ray.get(d.gpu_actors[victim].ring_info.remote())["agent"] != agents[victim]
+        # the frontend dies: Ray restarts it and it connects to both agents again
+        ray.kill(d.frontend, no_restart=False)
+        t_end = time.monotonic() + 60
+        while True:
+            try:
+                st = ray.get(d.frontend.status.remote(), timeout=5)
+                if st["pid"] != fe_pid and st["state"] == "SERVING" and all(x["up"] for x in st["replicas"]):
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # restarting
+            assert time.monotonic() < t_end, "frontend not back"
+            time.sleep(0.1)
+        assert all(x["link"].startswith("tcp: ") for x in st["replicas"])
+        wait_http(d.url, 30)
+        with cf.ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda i: _complete(d.url, 4, f"u{i}"), range(4)))
+        assert all(o["usage"]["completion_tokens"] == 4 for o in outs)
     finally:
         deploy.stop(cfg)
 

@@ -113,7 +113,13 @@ class FrontendActor:
             )
 
         self._stop_event = asyncio.Event()
-        self._router = Router([self.cfg.ring_name(i) for i in range(self.replicas)], make_tracker)
+        rc = self.cfg.serving.ring
+        locate = None
+        ray = sys.modules.get("ray")
+        if rc.transport != "shm" and ray is not None and ray.is_initialized():
+            locate = self._locate  # the rings may be on other hosts: ask their GPU actors where
+        rings = [self.cfg.ring_name(i) for i in range(self.replicas)]
+        self._router = Router(rings, make_tracker, locate=locate, transport=rc.transport, rdma_device=rc.rdma_device)
         await self._router.start()
         metrics_dir = None
         try:
@@ -137,6 +143,13 @@ class FrontendActor:
             await self._router.close()
             if metrics_dir is not None:  # a clean stop: nothing to carry over
                 dpu_metrics.remove_files(metrics_dir, str(self.index))
+
+    def _locate(self, replica: int) -> dict[str, Any]:
+        """Replica `replica`'s ring_info(), from its GPU actor (a Ray call, at attach time only)."""
+        import ray
+
+        gpu = ray.get_actor(self.cfg.gpu_actor_name(replica), namespace=self.cfg.namespace)
+        return ray.get(gpu.ring_info.remote(), timeout=10)
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         raycount.note_incoming("stop")

@@ -8,6 +8,13 @@ Lifecycle: the constructor is cheap; the deployer calls `start()` under a timeou
 restarts a killed GPU actor (max_restarts), the new incarnation starts itself from the
 constructor: it replaces the dead ring with a fresh one (new inode, same name), which is how the
 frontend, watching the heartbeat and the file identity, sees the replica come back.
+
+Unless ring.transport is shm, the actor also serves its ring to frontends on other hosts: a ring
+agent (blink.protocol.ring_agent) on a thread of this process, bound to this node's address
+(port: ring.listen's, else any), reported by ring_info() as "agent". Over TCP every round trip of
+a remote frontend runs on that thread (this host's CPU); over RDMA the agent only bootstraps each
+frontend's queue pair. The agent has no authentication: the node's address must be on a network
+only the cluster reaches.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class GpuActor:
         self._device = ""
         self._start_error: str = ""
         self._incarnation = 0
+        self._agent = None  # RingAgent serving the ring to other hosts (ring.transport != shm)
         self._serving = False  # the engine reached READY (an exit after that is a crash)
         self._stopping = False
         if reconstructed():
@@ -78,11 +86,25 @@ class GpuActor:
                     # The deployer bounds start() with its own timeout; this one only ends the wait early
                     # when the engine died (bad model path, out of memory) so its error reaches the caller.
                     self._engine.wait_ready(self._transport, timeout=float("inf"))
+                    self._start_agent()
                 except BaseException:
                     self._teardown(drain=False, timeout_s=5.0)  # a retried start() begins afresh
                     raise
                 self._serving = True
         return self.ring_info()
+
+    def _start_agent(self) -> None:
+        rc = self.cfg.serving.ring
+        if rc.transport == "shm":
+            return
+        import ray
+
+        from blink.protocol.ring_agent import RingAgent
+
+        port = rc.listen.rpartition(":")[2] if rc.listen else "0"
+        self._agent = RingAgent(self.ring_name, f"{ray.util.get_node_ip_address()}:{port}", rc.rdma_device)
+        self._agent.start_thread()
+        log.info("replica %d: ring agent on %s", self.replica, self._agent.address)
 
     def _engine_exited(self, returncode: int, incarnation: int) -> None:
         # An engine that dies while serving takes its actor down with it, so Ray restarts the
@@ -106,6 +128,7 @@ class GpuActor:
             "engine_pid": getattr(self._engine, "pid", None),
             "engine_log": getattr(self._engine, "log_path", ""),
             "incarnation": self._incarnation,
+            "agent": self._agent.address if self._agent is not None else None,
         }
 
     def status(self) -> dict[str, Any]:
@@ -132,6 +155,9 @@ class GpuActor:
 
     def _teardown(self, drain: bool, timeout_s: float) -> dict[str, Any]:
         self._stopping = True
+        if self._agent is not None:
+            self._agent.stop_thread()
+            self._agent = None
         if self._engine is not None and self._transport is not None:
             self._engine.stop(self._transport, drain, timeout_s)
         st = self.status()

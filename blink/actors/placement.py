@@ -5,10 +5,11 @@ driver reuses it instead of reserving the resources twice). Bundle 0 holds the f
 (deploy.frontends of them, sharing one port); bundle 1 + i is the GPU actor of replica i.
 
 Where the frontend goes: on a node with the custom `dpu` resource when the cluster has one
-(the SmartNIC in the design), else beside the GPU actors. The rings are /dev/shm files today,
-so without a `dpu` node every bundle must share one node (STRICT_PACK); with one, the `dpu`
-bundle pins the frontend and PACK places the GPU bundles where the GPUs are (a test cluster's
-`dpu` node shares this machine's /dev/shm; an RDMA transport lifts the one-host limit).
+(the SmartNIC in the design), else beside the GPU actors. The rings are /dev/shm files on their
+GPU actors' hosts; a frontend on another host reaches them over tcp or rdma through each GPU
+actor's ring agent (ring.transport auto, tcp, rdma). So the bundles may spread (PACK): with a
+`dpu` node the `dpu` bundle pins the frontend there and the GPU bundles go where the GPUs are.
+Only ring.transport = shm keeps every bundle on one node (STRICT_PACK).
 
 `plan_placement` is pure (testable without Ray); `ensure_placement_group` talks to Ray.
 """
@@ -93,9 +94,10 @@ def plan_placement(cfg: DeployConfig, nodes: list[dict[str, float]]) -> Placemen
         raise ConfigError("every bundle needs a resource: set deploy.*_cpus > 0 (or use GPUs)")
     bundles = (frontend,) + tuple(dict(gpu) for _ in range(replicas))
 
-    if use_dpu:
+    remote_ok = cfg.serving.ring.transport != "shm"  # a frontend may reach rings on other hosts
+    if use_dpu or remote_ok:
         strategy = "PACK"
-        if not any(_fits(frontend, n) for n in dpu_nodes):
+        if use_dpu and not any(_fits(frontend, n) for n in dpu_nodes):
             raise ConfigError(f"no `{DPU_RESOURCE}` node has room for the frontend bundle {frontend}")
         if not _fits(_add(list(bundles)), _add(nodes)):
             raise ConfigError(f"the cluster cannot hold {list(bundles)}")
@@ -105,7 +107,7 @@ def plan_placement(cfg: DeployConfig, nodes: list[dict[str, float]]) -> Placemen
         if not any(_fits(need, n) for n in nodes):
             raise ConfigError(
                 f"no node can hold the frontend and {replicas} GPU actor(s) together ({need}); "
-                "the shared-memory ring needs one host without a `dpu` node"
+                "ring.transport = shm needs one host for all of them (auto, tcp or rdma lift this)"
             )
     return PlacementPlan(cfg.placement_group_name, bundles, strategy, replicas, use_gpu, use_dpu)
 

@@ -12,6 +12,14 @@ from routing; its in-flight requests have already ended with an error event. A w
 each ring file every `watch_interval_s`: when the GPU actor is restarted it creates a fresh ring
 under the same name (a new inode); the old ring is then failed at once (without waiting for the
 heartbeat timeout), and once the new ring says READY the replica is attached again.
+
+A ring on another host (the frontend on a `dpu` node of another machine): `locate(i)` asks the
+replica's GPU actor, once per attach, for its ring agent's address (a Ray call: control plane,
+never per request or token), and blink.dpu.ring_link opens the transport ring.transport asks for
+(auto: shm when this host holds that very file, rdma where both ends have a device, else tcp). A
+remote ring has no file to watch: a GPU actor that dies takes its agent (and, over RDMA, its queue
+pair) with it, the next round trip fails, the token reader fails the replica's requests with an
+error event, and the watcher attaches again to whatever the restarted actor reports.
 """
 
 from __future__ import annotations
@@ -23,13 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blink.dpu.request_tracker import DeviceDownError, RequestHandle, RequestTracker
+from blink.dpu.ring_link import RingLinkError, open_link
+from blink.dpu.slot_tracker import read_header
 from blink.protocol.layout import RING_MAGIC, DeviceStatus
-from blink.protocol.transport import ShmTransport, shm_path
+from blink.protocol.transport import ShmTransport, Transport, TransportError, shm_path
 from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest
 
 log = logging.getLogger(__name__)
 
-MakeTracker = Callable[[ShmTransport], RequestTracker]
+MakeTracker = Callable[[Transport], RequestTracker]
+Locate = Callable[[int], dict]  # replica -> its GPU actor's ring_info() ("agent": host:port when served)
 
 
 @dataclass
@@ -37,8 +48,9 @@ class Replica:
     index: int
     ring: str  # shm name
     tracker: RequestTracker | None = None
-    transport: ShmTransport | None = None
-    inode: int = 0  # identity of the ring file attached (0: none)
+    transport: Transport | None = None
+    inode: int = 0  # identity of the ring file attached (0: none; a remote ring: its agent's incarnation)
+    link: str = ""  # which transport, and why (ring_link)
     down_reason: str = "not attached yet"
     attaches: int = 0  # times a ring was attached (1 = never restarted)
     requests: int = 0  # requests routed here
@@ -75,11 +87,24 @@ def _ring_ready(path: str) -> tuple[int, bool]:
 
 
 class Router:
-    def __init__(self, rings: list[str], make_tracker: MakeTracker, watch_interval_s: float = 0.25):
+    def __init__(
+        self,
+        rings: list[str],
+        make_tracker: MakeTracker,
+        watch_interval_s: float = 0.25,
+        locate: Locate | None = None,
+        transport: str = "auto",
+        rdma_device: str = "",
+    ):
+        """locate: where each replica's ring is (None: every ring is a /dev/shm file on this host);
+        transport / rdma_device: ring.transport and ring.rdma_device (blink.dpu.ring_link)."""
         if not rings:
             raise ValueError("a router needs at least one ring")
         self.replicas = [Replica(i, name) for i, name in enumerate(rings)]
         self._make_tracker = make_tracker
+        self._locate = locate
+        self._kind = transport
+        self._rdma_device = rdma_device
         self.watch_interval_s = watch_interval_s
         self._watch: asyncio.Task[None] | None = None
         self._last = -1
@@ -103,6 +128,8 @@ class Router:
             await self._detach(r, "frontend closed")
 
     async def _try_attach(self, r: Replica) -> bool:
+        if self._locate is not None:
+            return await self._try_attach_located(r)
         path = shm_path(r.ring)
         inode, ready = _ring_ready(path)
         if not ready or inode == r.inode:
@@ -111,10 +138,51 @@ class Router:
         tracker = self._make_tracker(transport)
         await tracker.start()
         r.tracker, r.transport, r.inode = tracker, transport, inode
+        r.link = f"shm: {path}"
         r.attaches += 1
         r.down_reason = ""
         r.history.append("up")
         log.info("replica %d attached to ring %s (inode %d)", r.index, r.ring, inode)
+        return True
+
+    async def _try_attach_located(self, r: Replica) -> bool:
+        """Ask the replica's GPU actor where its ring is, open the transport ring.transport asks for,
+        attach once the device says READY. Blocking work (a Ray call, a connect) runs off the loop."""
+        loop = asyncio.get_running_loop()
+
+        def connect():
+            info = self._locate(r.index)
+            link = open_link(r.ring, info.get("agent"), self._kind, self._rdma_device)
+            try:
+                hdr = read_header(link.transport)
+                ready = int(hdr["magic"]) == RING_MAGIC and int(hdr["device_status"]) == DeviceStatus.READY
+            except TransportError:
+                ready = False
+            if not ready:
+                link.transport.close()
+                return None, info
+            return link, info
+
+        try:
+            link, info = await loop.run_in_executor(None, connect)
+        except (RingLinkError, TransportError, TimeoutError, OSError) as e:
+            r.down_reason = f"cannot reach the ring: {e}"
+            return False
+        except Exception as e:  # the Ray call failed (the GPU actor is restarting, or gone)
+            r.down_reason = f"ring location unknown: {type(e).__name__}: {e}"
+            return False
+        if link is None:
+            r.down_reason = "the ring's device is not READY yet"
+            return False
+        tracker = self._make_tracker(link.transport)
+        await tracker.start()
+        # A ring mapped here is watched by its file, as without `locate`; a remote one by its link.
+        ident = _inode(shm_path(r.ring)) if link.kind == "shm" else int(info.get("incarnation", 0))
+        r.tracker, r.transport, r.inode, r.link = tracker, link.transport, ident, link.why
+        r.attaches += 1
+        r.down_reason = ""
+        r.history.append("up")
+        log.info("replica %d attached: %s", r.index, link.why)
         return True
 
     async def _detach(self, r: Replica, why: str) -> None:
@@ -131,7 +199,13 @@ class Router:
     async def _watcher(self) -> None:
         while not self._closing:
             for r in self.replicas:
-                if r.tracker is not None and not r.tracker.reader.failed and _inode(shm_path(r.ring)) != r.inode:
+                local = self._locate is None or r.link.startswith("shm")
+                if (
+                    local
+                    and r.tracker is not None
+                    and not r.tracker.reader.failed
+                    and _inode(shm_path(r.ring)) != r.inode
+                ):
                     # The GPU actor restarted and replaced the ring: the old one is dead even if
                     # its heartbeat has not timed out yet. Fail its requests now (error events),
                     # rather than after server.heartbeat_timeout_s.
@@ -223,7 +297,7 @@ class Router:
     def replica_status(self) -> list[dict]:
         out = []
         for r in self.replicas:
-            d = {"replica": r.index, "ring": r.ring, "up": r.up, "down_reason": r.down_reason}
+            d = {"replica": r.index, "ring": r.ring, "up": r.up, "down_reason": r.down_reason, "link": r.link}
             d.update(attaches=r.attaches, requests=r.requests, history=list(r.history[-8:]))
             if r.up:
                 s = r.tracker.stats()
