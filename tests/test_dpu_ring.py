@@ -111,12 +111,13 @@ def test_free_slot_scan_is_circular_and_respects_ring_state(dev):
     assert st.find_free() is None
 
 
-def test_token_reader_delivers_in_order_and_releases(dev):
+@pytest.mark.parametrize("window", [None, 3])  # shm default: no read-ahead; 3: windows that wrap
+def test_token_reader_delivers_in_order_and_releases(dev, window):
     fe = ShmTransport.open(dev.name)
     st = SlotTracker(fe, RingGeometry.from_header(dev.v.header))
     got: list[TokenEvent] = []
     released: list[int] = []
-    rd = TokenReader(st, on_release=released.append)
+    rd = TokenReader(st, on_release=released.append, window=window)
     s = st.claim(_req(5))
     rd.register(s, 5, got.append)
     assert rd.poll_once() == 0 and got == []

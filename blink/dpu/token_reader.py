@@ -75,7 +75,7 @@ class TokenReader:
         liveness: Callable[[], str | None] | None = None,
         on_fail: Callable[[str], None] | None = None,
         on_release: Callable[[int], None] | None = None,
-        window: int = 16,
+        window: int | None = None,
     ):
         self.tracker = tracker
         self.t = tracker.t
@@ -91,7 +91,9 @@ class TokenReader:
         self._liveness_at = 0.0
         self.max_backlog = max_backlog  # undelivered events per request before its slot is left unread
         self.on_release = on_release  # called with the slot after it became EMPTY (wakes queued submits)
-        self.window = window  # tokens read per active slot with the records (one round trip per cycle)
+        # Tokens read per active slot with the records, so that a cycle is one round trip. Over shared
+        # memory a read costs no round trip: none are read ahead, only the slots with news are read.
+        self.window = window if window is not None else (0 if getattr(tracker.t, "kind", "") == "shm" else 16)
         self.active: dict[int, _Active] = {}
         self._active_mask = np.zeros(self.geo.n_slots, bool)  # slots in self.active
         self._delivered = np.zeros(self.geo.n_slots, np.int64)  # tokens read per slot (mirror of _Active)
@@ -319,7 +321,8 @@ class TokenReader:
         for i, s in enumerate(slots):
             d = int(self._delivered[s])
             w = out[i, : min(self.window, cap - d % cap)]
-            reads.append((self.geo.output_offset(s, d), w))
+            if w.size:
+                reads.append((self.geo.output_offset(s, d), w))
             spans.append((w, d))
         return spans
 
