@@ -313,6 +313,7 @@ def wait_ready_remote(transport, timeout: float, progress: Progress | None = Non
 SUPERVISE_POLL_S = 0.1  # how often the supervisor looks at the device process
 RESTART_BACKOFF_S = (0.5, 30.0)  # wait before the first restart in a row (doubling), and at most
 HEALTHY_AFTER_S = 60.0  # a device that served this long starts the count of restarts in a row over
+RECONNECT_S = 1.0  # a frontend only: how often it tries to reach a ring it lost
 
 
 class Stack:
@@ -330,8 +331,11 @@ class Stack:
     (shm), or the ring agent. ring.listen serves the ring to frontends on other hosts through a ring
     agent (restarted on the same address with each new ring); ring.transport tcp/rdma makes this
     frontend go through that agent too (how bench/transport.py measures the remote path on one
-    host). ring.address set: a frontend only, of the ring behind that agent; no ring, device or
-    supervisor here (the remote device is not this server's to restart).
+    host). ring.address set: a frontend only, of the ring behind that agent; no ring or device
+    here (the remote device is not this server's to restart): when the ring becomes unreachable (the
+    agent, the link or the GPU host went away) the in-flight requests end with an error event and
+    /health says 503, and the supervisor connects again, every RECONNECT_S, until the ring answers
+    READY; then it swaps in a new tracker and /health turns 200.
     """
 
     def __init__(self, cfg: BlinkConfig, progress: Progress | None = None):
@@ -436,9 +440,43 @@ class Stack:
     async def start_frontend(self, on_give_up: Callable[[], None] | None = None) -> Stack:
         assert self.link is not None
         self.tracker = await self._new_tracker(self.link, self.device)
-        if not self.remote:
-            self._supervisor = asyncio.get_running_loop().create_task(self._supervise(on_give_up), name="supervisor")
+        task = self._supervise_remote() if self.remote else self._supervise(on_give_up)
+        self._supervisor = asyncio.get_running_loop().create_task(task, name="supervisor")
         return self
+
+    async def _supervise_remote(self) -> None:
+        """A frontend only: reconnect to the remote ring after it became unreachable."""
+        while True:
+            await asyncio.sleep(SUPERVISE_POLL_S)
+            why = self.tracker.reader.failed
+            if self._stopping or not why or "unreachable" not in why:
+                continue  # serving, or a device-side failure the remote host heals (heartbeat resumes)
+            old_tracker, old_link = self.tracker, self.link
+            while not self._stopping:
+                try:
+                    await asyncio.to_thread(self._reconnect)
+                    break
+                except (RuntimeError, TimeoutError, OSError) as e:
+                    log.info("ring still unreachable: %s", e)
+                    await asyncio.sleep(RECONNECT_S)
+            if self._stopping:
+                return
+            self.tracker = await self._new_tracker(self.link, None)
+            await old_tracker.close()
+            old_link.close()
+            self._say(f"ring reachable again ({self.link_why}); serving again")
+
+    def _reconnect(self) -> None:
+        from blink.dpu.ring_link import open_link
+
+        rc = self.cfg.ring
+        link = open_link(None, rc.address, rc.transport, rc.rdma_device, timeout_s=5.0)
+        try:
+            wait_ready_remote(link.transport, RECONNECT_S * 5)
+        except BaseException:
+            link.transport.close()
+            raise
+        self.link, self.link_why = link.transport, link.why
 
     async def _supervise(self, on_give_up: Callable[[], None] | None) -> None:
         limit = self.cfg.device.max_restarts

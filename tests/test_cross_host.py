@@ -2,7 +2,8 @@
 a veth pair. The GPU host holds the ring in its own /dev/shm, the device and the ring agent; the DPU
 host runs `blink serve --ring-address` (transport auto) and its HTTP clients. Nothing is shared but
 the link, so the frontend can only work over TCP, and killing the agent or the link must end the
-requests in flight with an error event and turn /health to 503, without hanging."""
+requests in flight with an error event and turn /health to 503, without hanging; once the link is
+back the frontend connects again by itself."""
 
 from __future__ import annotations
 
@@ -136,6 +137,15 @@ def test_cutting_the_link_ends_the_stream_with_an_error_and_health_503(hosts):
         assert "unreachable" in err["message"] and err["type"] == "server_error"
         assert took < 15  # the transport's 5 s deadline, not TCP's minutes of retransmission
         assert _client(dpu, "health", url).strip() == "503"
+        # the link comes back: the frontend connects again by itself and serves
+        set_link(gpu, up=True)
+        t_end = time.monotonic() + 30
+        while _client(dpu, "health", url).strip() != "200":
+            assert time.monotonic() < t_end, "".join(f.log[-20:])
+            time.sleep(0.5)
+        out = json.loads(_client(dpu, "complete", url, "5", "SmolLM2-135M-Instruct"))
+        assert out["usage"]["completion_tokens"] == 5
+        assert any("ring reachable again" in ln for ln in f.log)
     finally:
         set_link(gpu, up=True)
         f.stop()
