@@ -82,8 +82,8 @@ def run(spec: DeviceSpec) -> int:
 
     transport = ShmTransport.open(spec.ring)
     view = transport.view()
-    # The sampling extensions run on the host loop's steps (the GPU scheduler does not fill them yet)
-    engine = build_engine(spec, view.geo.n_slots if spec.scheduler != "gpu" else 0)
+    # the sampling extensions' tables: a row per ring slot (both schedulers fill the extension fields)
+    engine = build_engine(spec, view.geo.n_slots)
     try:
         if spec.scheduler == "gpu":
             from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig

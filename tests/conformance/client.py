@@ -115,9 +115,11 @@ class RingClient:
         slot: int | None = None,
         cancel: bool = False,
         doorbell: bool = True,
+        fields: dict | None = None,
     ) -> int:
         """Publish a request; returns its slot. prompt_offset / prompt_len / n_stop override the
-        honest values (to build malformed requests); doorbell=False skips the submit_seq bump."""
+        honest values (to build malformed requests); doorbell=False skips the submit_seq bump; `fields`
+        sets further slot fields by name (the sampling extensions)."""
         i = self._free_slot() if slot is None else slot
         tokens = np.asarray(list(prompt), np.int32)
         if tokens.size > self.region:
@@ -141,6 +143,8 @@ class RingClient:
         rec["n_stop"] = len(stops) if n_stop is None else n_stop
         rec["stop_ids"][0, : len(stops)] = stops
         rec["flags"] = flags
+        for k, v in (fields or {}).items():
+            rec[k] = v
         stamp = max(time.time_ns(), self._last_stamp + 1)  # strictly increasing: FCFS is by this clock
         self._last_stamp = stamp
         rec["t_submit_ns"] = stamp

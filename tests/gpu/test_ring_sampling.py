@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+from conformance.client import RingClient
 
 from blink.device.sampling import PenaltyState, logprob_record, logprobs, process_logits, sample_row
 from blink.dpu.request_tracker import RequestTracker
@@ -56,15 +57,24 @@ def _recording_executor(engine):
     return Recording(engine)
 
 
-def _serve(engine, reqs, max_tokens=64):
+def _serve(engine, reqs, max_tokens=64, scheduler="host", sequential=False):
+    """reqs through the frontend's RequestTracker on a fresh ring served by the host loop (with every
+    step recorded) or the GPU-resident scheduler. Returns (features, [(ids, logprobs, finish)], steps)."""
     from blink.device.ring_device import RingDevice, RingDeviceConfig
 
     name = f"blink-gpu-rs-{os.getpid()}-{id(reqs)}"
     t = ShmTransport.create(name, RingGeometry(N_SLOTS, N_SLOTS * 2048, 16))
-    ex = _recording_executor(engine)
-    dev = RingDevice(t.view(), ex, RingDeviceConfig(max_tokens=max_tokens))
-    th = threading.Thread(target=dev.run, daemon=True)
-    th.start()
+    ex, gpu, th = None, None, None
+    if scheduler == "host":
+        ex = _recording_executor(engine)
+        dev = RingDevice(t.view(), ex, RingDeviceConfig(max_tokens=max_tokens))
+        th = threading.Thread(target=dev.run, daemon=True)
+        th.start()
+    else:
+        from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+
+        gpu = GpuScheduler(engine, t.view(), GpuSchedulerConfig(max_tokens=max_tokens))
+        gpu.start()
 
     async def run():
         tr = RequestTracker(t)
@@ -84,6 +94,8 @@ def _serve(engine, reqs, max_tokens=64):
                     fin = ev.finish_reason
                 return ids, lps, fin
 
+            if sequential:  # one request at a time: every step has one row, the same in both loops
+                return feats, [await one(r) for r in reqs]
             return feats, await asyncio.gather(*(one(r) for r in reqs))
         finally:
             await tr.close()
@@ -91,11 +103,14 @@ def _serve(engine, reqs, max_tokens=64):
     try:
         feats, outs = asyncio.run(run())
     finally:
-        t.view().header["shutdown"] = 2
-        th.join(30)
+        if gpu is not None:
+            assert gpu.stop() == DeviceStatus.STOPPED
+        else:
+            t.view().header["shutdown"] = 2
+            th.join(30)
         t.close()
         t.unlink()
-    return feats, outs, ex.steps
+    return feats, outs, ex.steps if ex is not None else None
 
 
 def _replay(steps, vocab):
@@ -149,24 +164,9 @@ def test_features_and_plain_steps_keep_ext_off(engine):
 
 @pytest.mark.parametrize("max_tokens", [64, 7])  # 7: prompts prefilled in chunks (fresh only on the first)
 def test_extensions_match_the_definition_on_the_engines_logits(engine, max_tokens):
-    rng = np.random.default_rng(11)
     V = engine.config.vocab_size
-    prompt = rng.integers(3, V, 19).tolist()
-    cases = [
-        dict(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.4, logit_bias=[(44, 2.5), (90, -3.0)],
-             logprobs=5),
-        dict(repetition_penalty=3.0, temperature=1.0, seed=3, logprobs=20),
-        dict(frequency_penalty=2.0, temperature=0.9, top_p=0.9, min_p=0.05, seed=4),
-        dict(presence_penalty=-2.0, temperature=1.0, top_k=30),
-        dict(logit_bias=[(300, 100.0)], logprobs=0),
-        dict(min_p=0.3, temperature=1.0, seed=7, logprobs=2),
-        dict(temperature=0.7, seed=9),  # no extension, batched with rows that have them
-    ]  # fmt: skip
-    reqs = []
-    for i, c in enumerate(cases):
-        c = dict(c)
-        t = c.pop("temperature", 0.0)
-        reqs.append(SubmitRequest(i, prompt, 14, temperature=t, greedy=t == 0.0, stop_ids=[], **c))
+    _, cases = _cases(V)
+    reqs = _requests(V)
     # two rounds: the second runs on slots the first used (penalty state and logit_bias are reset)
     feats, outs, steps = _serve(engine, reqs + reqs[::-1], max_tokens=max_tokens)
     assert any(b.ext is not None for b, _, _ in steps)
@@ -192,3 +192,80 @@ def test_extensions_match_the_definition_on_the_engines_logits(engine, max_token
             assert rec.logprob <= 0.0 and (n == 0 or rec.top_logprobs[0] >= rec.logprob - 1e-6)
             n_with += 1
     assert n_with == 2 * 14 * 4 and MAX_LOGPROBS == 20
+
+
+def _requests(V):
+    prompt, cases = _cases(V)
+    reqs = []
+    for i, c in enumerate(cases):
+        c = dict(c)
+        t = c.pop("temperature", 0.0)
+        reqs.append(SubmitRequest(i, prompt, 14, temperature=t, greedy=t == 0.0, stop_ids=[], **c))
+    return reqs
+
+
+@pytest.mark.parametrize("max_tokens", [64, 7])
+def test_gpu_scheduler_gives_the_host_loops_tokens_and_records(engine, max_tokens):
+    """The GPU-resident scheduler fills the extension fields, copies logit_bias at claim and writes the
+    logprob arena itself: one request at a time (the same one-row steps in both loops), every token
+    and every logprob record equals the host loop's (which test_extensions_match_... ties to the
+    definition). Twice through: the second round reuses the slots."""
+    reqs = _requests(engine.config.vocab_size)
+    reqs = reqs + reqs[::-1]
+    f_host, host, steps = _serve(engine, reqs, max_tokens, "host", sequential=True)
+    _replay(steps, engine.config.vocab_size)
+    f_gpu, gpu, _ = _serve(engine, reqs, max_tokens, "gpu", sequential=True)
+    assert f_gpu == f_host == DeviceFeatures.LOGPROBS | DeviceFeatures.PENALTIES
+    assert gpu[4][0] == [300] * 14
+    for (ids_h, lps_h, fin_h), (ids_g, lps_g, fin_g) in zip(host, gpu, strict=True):
+        assert ids_g == ids_h and fin_g == fin_h
+        assert len(lps_g) == len(lps_h)
+        for a, b in zip(lps_g, lps_h, strict=True):
+            assert a.top_ids == b.top_ids
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-6)
+            np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, atol=1e-6)
+    assert sum(len(x[1]) for x in gpu) == 2 * 14 * 4
+
+
+def test_gpu_scheduler_refuses_prompt_logprobs_and_bad_bias(engine):
+    """What the frontend would refuse reaches the device only from a broken client: the scheduler
+    finishes it with an error instead of reading out of bounds."""
+    from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+    from blink.protocol.layout import SlotError, SlotFlags
+
+    name = f"blink-gpu-rs-bad-{os.getpid()}"
+    t = ShmTransport.create(name, RingGeometry(N_SLOTS, N_SLOTS * 2048, 16))
+    gpu = GpuScheduler(engine, t.view(), GpuSchedulerConfig())
+    gpu.start()
+    try:
+        c = RingClient(t)
+        c.wait_status(DeviceStatus.READY, 10)
+        assert DeviceFeatures(int(t.view().header["features"])) == DeviceFeatures.LOGPROBS | DeviceFeatures.PENALTIES
+        r = c.generate([5, 6, 7], max_new_tokens=3, flags=SlotFlags.PROMPT_LOGPROBS)
+        assert r.finish is FinishReason.ERROR and r.error is SlotError.BAD_PARAMS
+        bad = [5, 6, 7, engine.config.vocab_size + 5, int(np.float32(1.0).view(np.int32))]  # prompt, bias entry
+        i = c.submit(bad, prompt_len=3, max_new_tokens=3, fields={"n_logit_bias": 1})
+        (r,) = c.wait([i], 10)
+        assert r.finish is FinishReason.ERROR and r.error is SlotError.BAD_PARAMS
+        ok = c.generate([5, 6, 7], max_new_tokens=3, flags=SlotFlags.LOGPROBS)  # and it still serves
+        assert ok.finish is FinishReason.LENGTH and len(ok.tokens) == 3
+    finally:
+        assert gpu.stop() == DeviceStatus.STOPPED
+        t.close()
+        t.unlink()
+
+
+def _cases(V):
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(3, V, 19).tolist()
+    cases = [
+        dict(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.4, logit_bias=[(44, 2.5), (90, -3.0)],
+             logprobs=5),
+        dict(repetition_penalty=3.0, temperature=1.0, seed=3, logprobs=20),
+        dict(frequency_penalty=2.0, temperature=0.9, top_p=0.9, min_p=0.05, seed=4),
+        dict(presence_penalty=-2.0, temperature=1.0, top_k=30),
+        dict(logit_bias=[(300, 100.0)], logprobs=0),
+        dict(min_p=0.3, temperature=1.0, seed=7, logprobs=2),
+        dict(temperature=0.7, seed=9),  # no extension, batched with rows that have them
+    ]  # fmt: skip
+    return prompt, cases

@@ -59,6 +59,8 @@ __device__ uint32_t g_ev_k[SCHED_MAX_ROWS];
 __device__ int32_t g_ev_tok[SCHED_MAX_ROWS];
 __device__ uint32_t g_ev_fin[SCHED_MAX_ROWS];
 __device__ uint32_t g_n_ev;
+__device__ int32_t g_ev_nlp[SCHED_MAX_ROWS];         // the row's n_logprobs (-1: no record)
+__device__ LogprobRecord g_ev_lp[SCHED_MAX_ROWS];    // its logprob record (engine outputs, copied in account)
 __device__ u64 g_ev_ns;         // unix ns when the step's results were accounted (t_first_ns)
 __device__ u64 g_ev_launch_ns;  // unix ns of the step's launch (t_launch_ns)
 __device__ uint32_t g_fin_slot[SCHED_MAX_ROWS];
@@ -72,6 +74,7 @@ struct Shared {
   RingSlot* slots;
   const int32_t* arena;
   int32_t* out;
+  LogprobRecord* lp;  // the ring's logprob arena [n_slots][cap]
   const EngineABI* E;
   uint32_t n_slots, cap, arena_tokens, vocab, mbps, bs;
   cudaGraphExec_t self;
@@ -221,6 +224,7 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
     sh.slots = (RingSlot*)((char*)sh.H + sh.H->slots_offset);
     sh.arena = (const int32_t*)((const char*)sh.H + sh.H->prompt_arena_offset);
     sh.out = (int32_t*)((char*)sh.H + sh.H->output_arena_offset);
+    sh.lp = (LogprobRecord*)((char*)sh.H + sh.H->logprob_arena_offset);
     sh.vocab = sh.E->vocab_size;
     sh.mbps = sh.E->max_blocks_per_seq;
     sh.bs = sh.E->block_size;

@@ -86,6 +86,11 @@ struct Row {
   uint32_t need_copy;    // prompt still to be copied from the arena into row_tokens
   uint32_t cancel;       // cancel flag seen
   uint32_t kv_gen;       // bumped whenever the row's blocks are freed (engine table copies go stale)
+  // sampling extensions (blink/device/sampling.py), from the slot at claim time
+  float presence, frequency, repetition, min_p;
+  int32_t n_logprobs;    // -1: no logprob records
+  uint32_t pen;          // keeps a penalty state (any penalty or logit_bias): engine pen_row = slot
+  uint32_t ext;          // uses an extension (pen, logprobs or min_p): the step's ext_on
   u64 seed;
   u64 arrival;           // FCFS order (claim order)
   int32_t stop_ids[MAX_STOP_IDS];

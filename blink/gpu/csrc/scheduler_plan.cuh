@@ -93,6 +93,13 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   R.cancel = 0;
   R.seed = q.seed;
   R.arrival = arrival;
+  R.presence = q.presence_penalty;
+  R.frequency = q.frequency_penalty;
+  R.repetition = q.repetition_penalty == 0.0f ? 1.0f : q.repetition_penalty;  // 0 reads as off
+  R.min_p = q.min_p;
+  R.n_logprobs = (q.flags & SLOTFLAG_LOGPROBS) ? (int32_t)min(q.n_logprobs, MAX_LOGPROBS) : -1;
+  R.pen = R.presence != 0.0f || R.frequency != 0.0f || R.repetition != 1.0f || q.n_logit_bias != 0;
+  R.ext = R.pen || R.n_logprobs >= 0 || R.min_p != 0.0f;
   for (uint32_t i = 0; i < MAX_STOP_IDS; ++i) R.stop_ids[i] = q.stop_ids[i];
   return r;
 }
@@ -222,7 +229,9 @@ __device__ void plan_decode(SchedCtl* c, Shared& sh) {
 
 // Engine row i of the step: chunk [start, start + n) of row r, packed at token offset cu.
 // A decode chunk (n == 1) also writes its input token here; prefill tokens are packed separately.
-__device__ void fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, uint32_t start, uint32_t n, uint32_t cu,
+// Returns whether the row uses a sampling extension (its fields are written when the engine has
+// the extension tables; the step's ext_on says whether the kernels read them).
+__device__ bool fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, uint32_t start, uint32_t n, uint32_t cu,
                          bool decode) {
   const EngineABI* E = sh.E;
   const Row& R = g_rows[r];
@@ -244,6 +253,17 @@ __device__ void fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, uint32
     ((int32_t*)E->input_ids)[i] = row_tokens(c, r)[start];
     ((int32_t*)E->positions)[i] = (int32_t)start;
   }
+  if (E->sampling_rows) {  // blink/device/ring_device.py _build_ext
+    E->pen_row[i] = R.pen ? (int32_t)R.slot : -1;
+    E->fresh[i] = start == 0 && generated(R) == 0;  // a new request: its penalty state is cleared
+    E->emit[i] = (int32_t)g_plan_sample[i];
+    E->presence[i] = R.presence;
+    E->frequency[i] = R.frequency;
+    E->repetition[i] = R.repetition;
+    E->min_p[i] = R.min_p;
+    E->n_logprobs[i] = R.n_logprobs;
+  }
+  return R.ext && E->sampling_rows;
 }
 
 // Copy the prompts of newly admitted rows from the ring's arena, then write the plan into the
@@ -282,8 +302,10 @@ __device__ void fill_engine(SchedCtl* c, Shared& sh) {
   int32_t* input_ids = (int32_t*)E->input_ids;
   int32_t* positions = (int32_t*)E->positions;
   int32_t* cu_q = (int32_t*)E->cu_q_lens;
+  bool ext = false;
   for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS)
-    fill_seq(c, sh, i, g_plan_row[i], g_plan_start[i], g_plan_n[i], g_plan_cu[i], sh.kind == KIND_DECODE);
+    ext |= fill_seq(c, sh, i, g_plan_row[i], g_plan_start[i], g_plan_n[i], g_plan_cu[i], sh.kind == KIND_DECODE);
+  const int ext_on = __syncthreads_or(ext);  // the extension kernels return at once without one
   if (sh.kind == KIND_PREFILL) {
     for (uint32_t j = threadIdx.x; j < ntok; j += SCHED_THREADS) {
       uint32_t a = 0, b = nseq;
@@ -297,5 +319,6 @@ __device__ void fill_engine(SchedCtl* c, Shared& sh) {
     cu_q[0] = 0;
     *(uint32_t*)E->num_seqs = nseq;
     *(uint32_t*)E->num_tokens = ntok;
+    *E->ext_on = (uint32_t)ext_on;
   }
 }

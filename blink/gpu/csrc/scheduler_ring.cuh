@@ -12,6 +12,9 @@ __device__ void describe(SchedCtl* c, Shared& sh) {
   st_sys(&H->kv_block_size, sh.bs);
   st_sys(&H->kv_blocks_total, sh.E->num_kv_blocks);
   st_sys(&H->kv_blocks_free, (uint32_t)c->kv_free_top);
+  // logprobs, penalties, min_p and logit_bias when the engine has a table row per slot; prompt
+  // logprobs need the LM head over every prompt token, which the graphs do not compute
+  st_sys(&H->features, sh.E->sampling_rows >= sh.n_slots ? FEATURE_LOGPROBS | FEATURE_PENALTIES : 0u);
   st_sys(&H->fault, 0);
   beat(c, sh, gtime());
   set_status(c, sh, DEV_READY);  // release: the description is visible before READY
@@ -161,6 +164,36 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
   __syncthreads();
 }
 
+// RingDevice._validate_ext (one thread per claim): the sampling extensions' fields, then the
+// request's logit_bias entries (after its prompt in the arena) checked and copied into the engine's
+// table row of the slot (logits_ext reads them there while the request runs).
+__device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
+  const EngineABI* E = sh.E;
+  const bool feats = E->sampling_rows >= sh.n_slots;
+  const float pres = r.presence_penalty, freq = r.frequency_penalty, rep = r.repetition_penalty, mp = r.min_p;
+  const uint32_t nb = r.n_logit_bias;
+  const bool pen = pres != 0.0f || freq != 0.0f || (rep != 0.0f && rep != 1.0f) || mp != 0.0f || nb != 0;
+  if ((r.flags & SLOTFLAG_PROMPT_LOGPROBS) || (!feats && ((r.flags & SLOTFLAG_LOGPROBS) || pen)))
+    return SLOTERR_BAD_PARAMS;
+  if (!isfinite(pres) || !isfinite(freq) || !isfinite(rep) || !isfinite(mp) || rep < 0.0f || !(mp >= 0.0f && mp <= 1.0f))
+    return SLOTERR_BAD_PARAMS;
+  if (r.n_logprobs > MAX_LOGPROBS || nb > MAX_LOGIT_BIAS) return SLOTERR_BAD_PARAMS;
+  if ((u64)r.prompt_offset + r.prompt_len + 2ull * nb > sh.arena_tokens) return SLOTERR_BAD_PARAMS;
+  if (!feats) return 0;
+  const uint32_t* src = (const uint32_t*)&sh.arena[r.prompt_offset + r.prompt_len];
+  int32_t* ids = E->bias_ids + (size_t)s * E->max_logit_bias;
+  float* vals = E->bias_vals + (size_t)s * E->max_logit_bias;
+  for (uint32_t j = 0; j < nb; ++j) {
+    const int32_t id = (int32_t)ld_sys(src + 2 * j);
+    const float v = __uint_as_float(ld_sys(src + 2 * j + 1));
+    if (id < 0 || (uint32_t)id >= sh.vocab || !isfinite(v)) return SLOTERR_BAD_PARAMS;
+    ids[j] = id;
+    vals[j] = v;
+  }
+  E->bias_n[s] = (int32_t)nb;
+  return 0;
+}
+
 // RingDevice._scan + _admit + _validate: claim every PREFILL_PENDING slot, FCFS by t_submit_ns.
 __device__ void scan_claims(SchedCtl* c, Shared& sh) {
   const u64 t0 = gtime();
@@ -276,6 +309,8 @@ __device__ void scan_claims(SchedCtl* c, Shared& sh) {
       if (!(isfinite(t) && t >= 0.0f) || !(p > 0.0f && p <= 1.0f) || r.n_stop > MAX_STOP_IDS ||
           r.max_new_tokens == 0)
         e = SLOTERR_BAD_PARAMS;
+      else
+        e = claim_ext(sh, s, r);
     } else if (e == 0x100) {
       e = SLOTERR_BAD_PROMPT;
     }
@@ -383,6 +418,16 @@ __device__ void account(SchedCtl* c, Shared& sh) {
       }
       const int32_t tok = out_tokens[i];
       const uint32_t k = generated(R);
+      g_ev_nlp[i] = R.n_logprobs;
+      if (R.n_logprobs >= 0) {  // the step's logprob record: flush() publishes it after the next launch
+        const EngineABI* E = sh.E;
+        LogprobRecord& rec = g_ev_lp[i];
+        rec.logprob = E->chosen_lp[i];
+        for (int32_t j = 0; j < R.n_logprobs; ++j) {
+          rec.top_ids[j] = E->top_ids[(size_t)i * E->max_logprobs + j];
+          rec.top_logprobs[j] = E->top_lps[(size_t)i * E->max_logprobs + j];
+        }
+      }
       row_tokens(c, r)[R.len] = tok;
       R.len++;
       uint32_t fin = FINISH_NONE;
@@ -458,6 +503,16 @@ __device__ void flush(SchedCtl* c, Shared& sh) {
     const uint32_t slot = g_ev_slot[i];
     RingSlot* s = &sh.slots[slot];
     st_sys((uint32_t*)&sh.out[(size_t)slot * sh.cap + k % sh.cap], (uint32_t)g_ev_tok[i]);
+    const int32_t nlp = g_ev_nlp[i];
+    if (nlp >= 0) {  // the logprob record before `generated` covers it
+      const LogprobRecord& rec = g_ev_lp[i];
+      LogprobRecord* dst = sh.lp + (size_t)slot * sh.cap + k % sh.cap;
+      st_sys((uint32_t*)&dst->logprob, __float_as_uint(rec.logprob));
+      for (int32_t j = 0; j < nlp; ++j) {
+        st_sys((uint32_t*)&dst->top_ids[j], (uint32_t)rec.top_ids[j]);
+        st_sys((uint32_t*)&dst->top_logprobs[j], __float_as_uint(rec.top_logprobs[j]));
+      }
+    }
     if (k == 0) {
       st_sys64(&s->t_launch_ns, ev_launch_ns);
       st_sys64(&s->t_first_ns, ev_ns);
