@@ -69,9 +69,6 @@ fi
 if has prefill; then
   part prefill 200 $PY bench/prefill.py --commit "$COMMIT" --out "$OUT/prefill.json"
 fi
-if has kernelvariants; then  # the decode attention variants kept in bench/kernels/, checked and timed against flashq
-  part kernelvariants 200 $PY bench/kernels/decode_attention.py --batches 1,8,64,256 --out "$OUT/kernelvariants.json"
-fi
 if has hf; then
   part hf 400 $PY bench/hf_baseline.py --commit "$COMMIT" --batch-requests "${HF_BATCH_REQUESTS:-0}" --out "$OUT/hf.json"
 fi
@@ -80,6 +77,9 @@ if has sched; then  # the GPU-resident scheduler: tests, conformance, overhead, 
 fi
 if has schedtests; then  # the scheduler's tests, conformance through the ring, overhead, SIGSTOP, small benchmarks
   part schedtests 420 env OUT="$OUT/sched" DECODE_ATTENTION="$DECODE_ATTENTION" bash bench/sched_run.sh tests
+fi
+if has kernelvariants; then  # the decode attention variants kept in bench/kernels/, checked and timed against flashq
+  part kernelvariants 200 $PY bench/kernels/decode_attention.py --batches 1,8,64,256 --out "$OUT/kernelvariants.json"
 fi
 # The scheduler benchmarks one by one (each is also part of `sched` above), for a call short on time:
 if has tput8b; then  # 256 x (256 -> 128) on Llama-3-8B: GPU scheduler vs host loop, idle and under CPU load
