@@ -24,11 +24,11 @@ comparison isolates the scheduler's placement):
 - While a request waits for admission, a running prefill takes at most `long_prefill_tokens` of a
   step (vLLM's long_prefill_token_threshold), so a short request is served while a long prompt is
   still prefilling; alone, a prefill takes the whole budget.
-- A prefill chunk that shares its step never preempts: it is cut to the blocks that are free (the
-  scheduled rows are older than any victim only for the decodes, which go in arrival order). When
-  not even one token fits, prefill and admission stop for this step (FCFS: nobody overtakes). A
-  chunk that would run alone preempts the newest running sequence, as decodes do, so a pool full
-  of half-prefilled prompts still makes progress.
+- A prefill chunk that shares its step never preempts (the victim, the newest running sequence,
+  could be in the step already): it is cut to the blocks that are free. When not even one token
+  fits, prefill and admission stop for this step (FCFS: nobody overtakes). A chunk that would run
+  alone preempts the newest running sequence, as decodes do, so a pool full of half-prefilled
+  prompts still makes progress.
 - A sequence whose output ring is full (generated - consumed >= output_capacity) sits out until
   the reader catches up; it keeps its KV blocks and its batch place meanwhile.
 - Admission never preempts; a running sequence never fails for lack of KV, because max_context
