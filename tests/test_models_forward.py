@@ -1,4 +1,4 @@
-"""Numpy paged forward vs the float64 naive reference on tiny random Llama, Qwen3 and Qwen2 models."""
+"""Numpy paged forward vs the float64 naive reference on tiny random Llama, Qwen3, Qwen2 and Phi-3 models."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen2"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-phi3"])
 def model(request):
     config = preset(request.param)
     return config, random_weights(config, seed=7)
@@ -124,6 +124,9 @@ def test_qk_norm_and_rope_scaling_matter(model):
             if k.endswith(("q_norm.weight", "k_proj.bias", "v_proj.bias")):
                 w2[k] = w2[k] * 2.0
         other = make_exec((config, w2)).forward_logits(PagedDriver(NB, BS, WIDTH).step([(0, ids)]), all_tokens=True)
+    elif config.arch == "phi3":  # plain RoPE: its theta (250000) must reach the engine
+        c2 = config.replace(rope_theta=10000.0)
+        other = make_exec((c2, weights)).forward_logits(PagedDriver(NB, BS, WIDTH).step([(0, ids)]), all_tokens=True)
     else:
         assert config.rope_scaling.type == "llama3"
         c2 = config.replace(rope_scaling=type(config.rope_scaling)())

@@ -1,8 +1,9 @@
 """GGUF files written the way llama.cpp's converter writes them load back into the canonical weights.
 
 Covers what the SmolLM2 file does not: an untied output.weight, Qwen3 (q/k norms, no rope
-permutation, key_length != hidden/heads), Qwen2 (q/k/v biases), Llama-3 rope_freqs, and
-quantised + F16 + F32 tensors.
+permutation, key_length != hidden/heads), Qwen2 (q/k/v biases), Phi-3 (llama.cpp's arch "phi3":
+fused attn_qkv, ffn_up holding [gate; up], no ffn_gate), Llama-3 rope_freqs, and quantised + F16 +
+F32 tensors.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 
 from blink.models.config import UnsupportedModelError, preset
 from blink.models.registry import resolve_model
-from blink.models.weights import load_gguf, random_weights, rope_inv_freq
+from blink.models.weights import load_gguf, random_weights, rope_inv_freq, split_fused
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -20,6 +21,7 @@ Q = gguf.GGMLQuantizationType
 _TO_GGUF = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
+    "self_attn.qkv_proj": "attn_qkv",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
@@ -28,6 +30,7 @@ _TO_GGUF = {
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # phi3
     "mlp.down_proj": "ffn_down",
 }
 
@@ -67,10 +70,13 @@ def write_gguf(
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_eps)
     w.add_vocab_size(config.vocab_size)
+    if arch == "phi3":
+        w.add_rope_dimension_count(config.head_dim)
+        w.add_sliding_window(0)  # what llama.cpp writes for Phi-4 (no window)
     if tokenizer is None:
         tokens = [f"<t{i}>" for i in range(config.vocab_size)]
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "llama-bpe")
+        w.add_tokenizer_pre({"qwen2": "qwen2", "qwen3": "qwen2", "phi3": "dbrx"}.get(arch, "llama-bpe"))
         w.add_token_list(tokens)
         w.add_token_merges([])
         w.add_token_types([3 if i < 3 else 1 for i in range(config.vocab_size)])
@@ -87,6 +93,8 @@ def write_gguf(
         w.add_eos_token_id(tokenizer["tokenizer.ggml.eos_token_id"])
         w.add_unk_token_id(tokenizer["tokenizer.ggml.unknown_token_id"])
     stored = {}
+    if arch == "phi3":
+        weights = fuse_phi3(config, weights)
     if config.rope_scaling.type == "llama3":
         d = config.head_dim
         base = 1.0 / (config.rope_theta ** (np.arange(0, d, 2) / d))
@@ -104,6 +112,8 @@ def write_gguf(
             continue
         q = gguf.quants.quantize(t, Q.Q8_0)
         stored[name] = gguf.quants.dequantize(q, Q.Q8_0)
+        if arch == "phi3":
+            stored.update(split_fused(config, name, stored.pop(name)))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = config.num_heads if "q_proj" in name else config.num_kv_heads
             q = gguf.quants.quantize(llama_cpp_permute(t, n), Q.Q8_0)
@@ -116,6 +126,18 @@ def write_gguf(
     return stored
 
 
+def fuse_phi3(config, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Canonical weights as a Phi-3 checkpoint holds them: qkv_proj = [q; k; v], gate_up_proj = [gate; up]."""
+    out = dict(weights)
+    for i in range(config.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[a + "qkv_proj.weight"] = np.concatenate([out.pop(a + f"{x}_proj.weight") for x in "qkv"])
+        out[m + "gate_up_proj.weight"] = np.concatenate(
+            [out.pop(m + "gate_proj.weight"), out.pop(m + "up_proj.weight")]
+        )
+    return out
+
+
 def llama_cpp_permute_inverse_ref(w: np.ndarray, n_head: int) -> np.ndarray:
     # Independent inverse: index map of the forward permutation, inverted with argsort.
     rows = np.arange(w.shape[0])
@@ -123,7 +145,7 @@ def llama_cpp_permute_inverse_ref(w: np.ndarray, n_head: int) -> np.ndarray:
     return w[np.argsort(fwd)]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-phi3"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_roundtrip(tmp_path, name, tied):
     config = preset(name).replace(tie_word_embeddings=tied)
@@ -152,6 +174,39 @@ def test_gguf_roundtrip(tmp_path, name, tied):
         assert np.abs(got["model.layers.0.self_attn.q_proj.weight"] - q).max() < 0.02 * np.abs(q).max()
     bundle = resolve_model(path)
     assert bundle.tokenizer.special_tokens == {"<t0>": 0, "<t1>": 1, "<t2>": 2}
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"sliding_window": 64}, "sliding-window"),
+        ({"rope_dims": 8}, "partial rotary"),
+        ({"rope_factors": True}, "LongRoPE"),
+    ],
+)
+def test_gguf_phi3_refuses_what_phi4_lacks(tmp_path, extra, match):
+    """Phi-3.x GGUFs (sliding window, partial rotary, LongRoPE factor tensors) are refused, not run wrong."""
+    config = preset("tiny-phi3")
+    w = gguf.GGUFWriter(str(tmp_path / "p.gguf"), "phi3")
+    w.add_block_count(1)
+    w.add_context_length(1024)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_heads)
+    w.add_head_count_kv(config.num_kv_heads)
+    w.add_rope_dimension_count(extra.get("rope_dims", config.head_dim))
+    w.add_sliding_window(extra.get("sliding_window", 0))
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(config.vocab_size)
+    w.add_tensor("token_embd.weight", np.zeros((config.vocab_size, config.hidden_size), dtype=np.float32))
+    if extra.get("rope_factors"):
+        w.add_tensor("rope_factors_long.weight", np.ones(config.head_dim // 2, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match=match):
+        load_gguf(tmp_path / "p.gguf")
 
 
 def test_gguf_rope_freqs_mismatch_is_rejected(tmp_path):

@@ -114,6 +114,64 @@ def test_hf_config_qwen2_5_7b_equals_preset():
         from_hf_config({**LLAMA31_CONFIG, "attention_bias": True})
 
 
+PHI4_CONFIG = {  # microsoft/phi-4 config.json
+    "architectures": ["Phi3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 100257,
+    "embd_pdrop": 0.0,
+    "eos_token_id": 100265,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "initializer_range": 0.02,
+    "intermediate_size": 17920,
+    "max_position_embeddings": 16384,
+    "model_type": "phi3",
+    "num_attention_heads": 40,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 10,
+    "original_max_position_embeddings": 16384,
+    "pad_token_id": 100349,
+    "resid_pdrop": 0.0,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 250000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 100352,
+}
+
+
+def test_hf_config_phi4_equals_preset():
+    c = from_hf_config(PHI4_CONFIG, name="phi-4")
+    assert c == preset("phi-4")
+    assert abs(c.num_params() - 14.66e9) / 14.66e9 < 0.01
+    # transformers >= 5 spelling of the same rope
+    d5 = {k: v for k, v in PHI4_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    d5["rope_parameters"] = {"rope_theta": 250000.0, "rope_type": "default", "partial_rotary_factor": 1.0}
+    assert from_hf_config(d5, name="phi-4") == c
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 64, "long_factor": [1.0] * 64}}, "LongRoPE"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "LongRoPE"),
+        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+        ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5}}, "partial"),
+        ({"sliding_window": 2047}, "sliding-window"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_hf_config_phi3_refuses_what_phi4_lacks(change, match):
+    """Phi-3.x features Phi-4 does not use are refused with a clear error, not run wrong."""
+    with pytest.raises(UnsupportedModelError, match=match):
+        from_hf_config({**PHI4_CONFIG, **change})
+    from_hf_config({**PHI4_CONFIG, "sliding_window": 16384})  # a window as long as the context is no window
+
+
 def test_unknown_architecture_is_a_clear_error():
     with pytest.raises(UnsupportedModelError, match="unsupported architecture.*GPT2"):
         from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})

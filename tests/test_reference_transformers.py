@@ -18,7 +18,7 @@ import pytest
 from blink.device.numpy_executor import NumpyExecutor
 from blink.models import registry
 from blink.models.config import rope_inv_freq
-from blink.models.reference import PagedDriver
+from blink.models.reference import PagedDriver, reference_logits
 from blink.models.weights import load_hf_dir
 
 pytestmark = pytest.mark.slow
@@ -165,12 +165,15 @@ def test_rope_llama3_scaling_matches_transformers():
         ("qwen3", True, "float32"),
         ("qwen2", True, "bfloat16"),
         ("qwen2", False, "float32"),
+        ("phi3", False, "float32"),
+        ("phi3", False, "bfloat16"),
+        ("phi3", True, "float32"),
     ],
 )
 def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
     """transformers' own Llama (llama3 rope scaling, GQA), Qwen3 (qk-norm, head_dim != hidden/heads)
-    and Qwen2 (q/k/v biases), saved with save_pretrained and read back by our HF-directory loader
-    (bf16 checkpoints too)."""
+    Qwen2 (q/k/v biases) and Phi-3 (Phi-4's fused qkv_proj / gate_up_proj, split at load), saved with
+    save_pretrained and read back by our HF-directory loader (bf16 checkpoints too)."""
     common = dict(
         vocab_size=300,
         hidden_size=64,
@@ -190,6 +193,9 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
     elif arch == "qwen2":
         hf_config = transformers.Qwen2Config(**common, rope_theta=1e6)
         cls = transformers.Qwen2ForCausalLM
+    elif arch == "phi3":
+        hf_config = transformers.Phi3Config(**common, rope_theta=250000.0, pad_token_id=0)
+        cls = transformers.Phi3ForCausalLM
     else:
         hf_config = transformers.Qwen3Config(**common, head_dim=24, rope_theta=1e6)
         cls = transformers.Qwen3ForCausalLM
@@ -209,8 +215,19 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16" if dtype == "bfloat16" else "F32"}
     assert config.tie_word_embeddings == tied and config.qk_norm == (arch == "qwen3")
     assert config.attn_bias == (arch == "qwen2") and (arch != "qwen2" or any(k.endswith("_proj.bias") for k in weights))
+    sd = model.state_dict()
+    if arch == "phi3":  # ours holds the fused tensors split into the canonical pieces
+        assert not any("qkv_proj" in k or "gate_up_proj" in k for k in weights)
+        for i in range(hf_config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"] = (
+                sd.pop(p + "self_attn.qkv_proj.weight").split([config.q_size, config.kv_size, config.kv_size])
+            )
+            sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = sd.pop(p + "mlp.gate_up_proj.weight").chunk(
+                2
+            )
     for k, v in weights.items():
-        assert np.array_equal(v, model.state_dict()[k].numpy()), k
+        assert np.array_equal(v, sd[k].numpy()), k
     ids = np.random.default_rng(0).integers(0, 300, 60).tolist()
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0].numpy()
@@ -221,3 +238,17 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
         + [ex.forward_logits(drv.step([(0, [t])])) for t in ids[40:]]
     )
     assert rel_err(mine, theirs) < 1e-5
+    assert rel_err(reference_logits(config, weights, ids), theirs) < 1e-5
+    # Greedy: transformers' generate (its KV cache) and our batched decode pick the same 32 tokens.
+    prompt = ids[:17]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    theirs_toks = out[0, len(prompt) :].tolist()
+    drv = PagedDriver(32, 8, 16)
+    ex = NumpyExecutor(config, weights, num_blocks=32, block_size=8, max_batch=2, max_tokens=128)
+    toks = [int(ex.forward_logits(drv.step([(0, prompt)]))[0].argmax())]
+    while len(toks) < NEW_TOKENS:
+        toks.append(int(ex.forward_logits(drv.step([(0, [toks[-1]])]))[0].argmax()))
+    assert toks == theirs_toks

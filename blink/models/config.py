@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass for the Llama family (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3).
+"""Model configuration: one frozen dataclass for the Llama family (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Phi-3/Phi-4).
 
 Built once at the edge from an HF `config.json` dict, from GGUF metadata, or from a named
 preset (random weights, real shapes) and then passed around read-only. Every engine (numpy,
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "phi3")
 
 # HF `architectures` / `model_type` -> our arch.  Mistral-style models are plain Llama here.
 _HF_ARCH = {
@@ -23,9 +23,10 @@ _HF_ARCH = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
-_HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 
 class UnsupportedModelError(ValueError):
@@ -49,7 +50,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "qwen2" | "qwen3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "phi3" (Phi-3/Phi-4: a Llama whose checkpoints fuse qkv and gate_up)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -163,6 +164,8 @@ def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
         raise UnsupportedModelError("attention_bias / mlp_bias on a Llama-style model is not supported")
     if d.get("use_sliding_window"):
         raise UnsupportedModelError("sliding-window attention is not supported")
+    if arch == "phi3":
+        _check_phi3(d, rope_params, scaling)
     return ModelConfig(
         arch=arch,
         vocab_size=int(d["vocab_size"]),
@@ -183,6 +186,24 @@ def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
         eos_token_ids=_eos_tuple(d.get("eos_token_id")),
         name=name or str(d.get("_name_or_path", "") or arch),
     )
+
+
+def _check_phi3(d: Mapping[str, Any], rope_params: Mapping[str, Any], scaling: Mapping[str, Any] | None) -> None:
+    """Refuse what Phi-3.x checkpoints add over Phi-4's plain RoPE: LongRoPE (su/yarn/longrope, the
+    128k models), partial rotary, a sliding window shorter than the context, another activation."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind != "default":
+        raise UnsupportedModelError(f"Phi-3 rope scaling {kind!r} (LongRoPE) is not supported; only plain RoPE (Phi-4)")
+    partial = float(d.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise UnsupportedModelError(f"Phi-3 partial_rotary_factor {partial} is not supported (only 1.0)")
+    window = d.get("sliding_window")
+    if window and int(window) < int(d.get("max_position_embeddings", 4096)):
+        raise UnsupportedModelError(
+            f"sliding-window attention (window {window} < context {d.get('max_position_embeddings')}) is not supported"
+        )
+    if d.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"Phi-3 hidden_act {d.get('hidden_act')!r} is not supported (silu)")
 
 
 def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: set[str], name: str = "") -> ModelConfig:
@@ -209,6 +230,18 @@ def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: set[str], name: st
     stype = meta.get(f"{ga}.rope.scaling.type", "none")
     if stype != "none":
         raise UnsupportedModelError(f"GGUF rope scaling {stype!r} is not supported")
+    if ga == "phi3":
+        if head_dim != hidden // heads:  # llama.cpp writes rope.dimension_count = head_dim * partial_rotary_factor
+            raise UnsupportedModelError(
+                f"Phi-3 partial rotary (rope dims {head_dim} of {hidden // heads}) is not supported"
+            )
+        if "rope_factors_long.weight" in tensor_names or "rope_factors_short.weight" in tensor_names:
+            raise UnsupportedModelError(
+                "Phi-3 LongRoPE (rope_factors_long/short) is not supported; only plain RoPE (Phi-4)"
+            )
+        window = int(meta.get("phi3.attention.sliding_window", 0) or 0)
+        if window and window < int(key("context_length")):
+            raise UnsupportedModelError(f"sliding-window attention (window {window}) is not supported")
     if "rope_freqs.weight" in tensor_names:
         # llama.cpp stores Llama-3 scaling only as a rope_freqs tensor (per-frequency divisors):
         # Llama 3.1's parameters here; `weights.load_gguf` derives the exact ones from the tensor.
@@ -269,6 +302,13 @@ _PRESETS: dict[str, ModelConfig] = {
         max_position=40960, tie_word_embeddings=False, qk_norm=True,
         bos_token_id=151643, eos_token_ids=(151645, 151643), name="qwen3-32b",
     ),
+    # microsoft/phi-4: head_dim 128, GQA group 4, plain RoPE (theta 250000), untied head; eos <|im_end|>.
+    "phi-4": ModelConfig(
+        arch="phi3", vocab_size=100352, hidden_size=5120, intermediate_size=17920, num_layers=40,
+        num_heads=40, num_kv_heads=10, head_dim=128, rope_theta=250000.0, rms_eps=1e-5,
+        max_position=16384, tie_word_embeddings=False, qk_norm=False,
+        bos_token_id=100257, eos_token_ids=(100265,), name="phi-4",
+    ),
     "smollm2-135m": ModelConfig(
         arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_eps=1e-5,
@@ -293,6 +333,12 @@ _PRESETS: dict[str, ModelConfig] = {
         num_heads=6, num_kv_heads=2, head_dim=32, rope_theta=1000000.0, rms_eps=1e-6,
         max_position=1024, tie_word_embeddings=False, qk_norm=True,
         bos_token_id=1, eos_token_ids=(2,), name="tiny-qwen3",
+    ),
+    "tiny-phi3": ModelConfig(
+        arch="phi3", vocab_size=512, hidden_size=128, intermediate_size=192, num_layers=2,
+        num_heads=8, num_kv_heads=2, head_dim=16, rope_theta=250000.0, rms_eps=1e-5,
+        max_position=1024, tie_word_embeddings=False, qk_norm=False,
+        bos_token_id=1, eos_token_ids=(2,), name="tiny-phi3",
     ),
 }
 # fmt: on

@@ -16,6 +16,11 @@
     model.norm.weight                               (hidden,)
     lm_head.weight                                  (vocab, hidden)   absent when tied
 
+Phi-3/Phi-4 checkpoints fuse `self_attn.qkv_proj` ([q; k; v] rows) and `mlp.gate_up_proj`
+([gate; up] rows; llama.cpp: `attn_qkv`, and `ffn_up` holding both halves). The loaders split
+them into the names above, so every engine sees one layout; the numpy and CUDA engines fuse
+[q; k; v] and [gate; up] again for their single GEMMs, which gives back exactly the checkpoint's rows.
+
 Loaders: GGUF (dequantised to float32; llama.cpp's q/k row permutation undone so RoPE is the
 HF rotate-half form), an HF directory (config.json + *.safetensors, bf16 widened to float32),
 and `random_weights` for tests and benchmarks.
@@ -49,6 +54,7 @@ Weights = dict[str, np.ndarray]
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
@@ -93,6 +99,38 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return shapes
+
+
+def fused_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Phi-3's fused checkpoint tensors and their shapes (empty for the other archs)."""
+    c = config
+    if c.arch != "phi3":
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = (c.q_size + 2 * c.kv_size, c.hidden_size)
+        out[p + "mlp.gate_up_proj.weight"] = (2 * c.intermediate_size, c.hidden_size)
+    return out
+
+
+def split_fused(config: ModelConfig, name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A fused Phi-3 tensor as its canonical pieces (row views); any other tensor as itself."""
+    c = config
+    if name.endswith("self_attn.qkv_proj.weight"):
+        parts = {"q_proj": c.q_size, "k_proj": c.kv_size, "v_proj": c.kv_size}
+    elif name.endswith("mlp.gate_up_proj.weight"):
+        parts = {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}
+    else:
+        return [(name, w)]
+    if w.shape != (sum(parts.values()), c.hidden_size):
+        raise ValueError(f"{name}: shape {w.shape} != {(sum(parts.values()), c.hidden_size)}")
+    base = name.rsplit(".", 2)[0]  # model.layers.{i}.self_attn | model.layers.{i}.mlp
+    out, row = [], 0
+    for piece, n in parts.items():
+        out.append((f"{base}.{piece}.weight", w[row : row + n]))
+        row += n
+    return out
 
 
 def check_weights(config: ModelConfig, weights: Weights) -> None:
@@ -181,7 +219,10 @@ def load_gguf_weights(
                 w = _unpermute_rope_rows(w, config.num_heads)
             elif config.arch == "llama" and name.endswith("k_proj.weight"):
                 w = _unpermute_rope_rows(w, config.num_kv_heads)
-            out[name] = w.astype(dtype, copy=False)
+            elif config.arch == "phi3" and name.endswith("mlp.up_proj.weight"):
+                name = name.replace("up_proj", "gate_up_proj")  # llama.cpp's phi3 ffn_up is [gate; up]
+            for piece, pw in split_fused(config, name, w):
+                out[piece] = pw.astype(dtype, copy=False)
         done += int(t.n_bytes)
         if report:
             report(done, total)
@@ -284,12 +325,12 @@ def load_hf_dir(path: str | os.PathLike[str], progress: bool | ProgressFn | None
     total = sum(b - a for f in files for a, b in (t["data_offsets"] for t in _safetensors_header(f)[0].values()))
     done = 0
     # Anything else (rotary inv_freq buffers, a duplicate tied lm_head) is skipped unread.
-    expected = weight_shapes(config)
+    expected = weight_shapes(config) | fused_shapes(config)
     out: Weights = {}
     for f in files:
         for name, w, nbytes in _read_safetensors(f, expected):
             if w is not None:
-                out[name] = w
+                out.update(split_fused(config, name, w))
             done += nbytes
             if report:
                 report(done, total)

@@ -1,6 +1,6 @@
 """The CUDA engine against transformers (same bf16 weights) and against the numpy executor.
 
-Random weights of real shapes (Llama-3-8B and Qwen3-8B layer shapes and vocabularies, 2 layers)
+Random weights of real shapes (Llama-3-8B, Qwen3-8B, Qwen2.5-7B and Phi-4 layer shapes and vocabularies, 2 layers)
 are made on the GPU and copied into transformers' model. One prefill step packs a whole prompt
 and the first chunk of a second prompt; the next step prefills the second chunk on top of its
 cached context; then 32 greedy decode steps. transformers sees each sequence once, teacher-forced
@@ -83,6 +83,9 @@ def hf_model(cfg: ModelConfig, eng):
     elif cfg.arch == "qwen2":
         hf_cfg = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif cfg.arch == "phi3":
+        hf_cfg = transformers.Phi3Config(**common, pad_token_id=0)
+        cls = transformers.Phi3ForCausalLM
     else:
         hf_cfg = transformers.Qwen3Config(**common)
         cls = transformers.Qwen3ForCausalLM
@@ -93,9 +96,19 @@ def hf_model(cfg: ModelConfig, eng):
     finally:
         torch.set_default_dtype(torch.float32)
     sd = model.state_dict()
+    ours = {
+        name: torch.from_dlpack(cp.ascontiguousarray(arr).view(cp.int16)).view(torch.bfloat16)
+        for name, arr in eng.weights.hf_tensors()
+    }
+    if cfg.arch == "phi3":  # Phi3ForCausalLM holds [q; k; v] and [gate; up] fused
+        for i in range(cfg.num_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            ours[a + "qkv_proj.weight"] = torch.cat([ours.pop(a + f"{x}_proj.weight") for x in "qkv"])
+            ours[m + "gate_up_proj.weight"] = torch.cat(
+                [ours.pop(m + "gate_proj.weight"), ours.pop(m + "up_proj.weight")]
+            )
     with torch.no_grad():
-        for name, arr in eng.weights.hf_tensors():
-            src = torch.from_dlpack(cp.ascontiguousarray(arr).view(cp.int16)).view(torch.bfloat16)
+        for name, src in ours.items():
             assert sd[name].shape == src.shape, name
             sd[name].copy_(src)
     return model
@@ -145,6 +158,8 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
         ("llama3-8b", ("flashq", "fa2")),
         ("qwen3-8b", ("flashq", "fa2")),
         ("qwen2.5-7b", ("flashq", "rego")),
+        ("phi-4", ("basic", "rego")),
+        ("phi-4", ("flashq", "fa2")),
     ],
     ids=lambda x: "-".join(x) if isinstance(x, tuple) else x,
 )
