@@ -399,3 +399,88 @@ def test_pull_returns_an_installed_model_without_network(tmp_path, monkeypatch):
     monkeypatch.setattr(registry.subprocess, "run", no_network)
     path = registry.pull(cache, progress=False)
     assert path.name == registry.DEFAULT_FILE and path.stat().st_size == 98_362_432
+
+
+# microsoft/phi-4's tokenizer_config.json chat template and tokenizer.json split regex (cl100k_base).
+PHI4_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'system') %}"
+    "{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'assistant') %}"
+    "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"
+)
+PHI4_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+PHI4_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>"]
+
+
+def test_phi4_tokenizer_and_chat_template_hf_dir_and_gguf(tmp_path):
+    """A Phi-4-style tokenizer (byte-level BPE, cl100k split, <|im_start|>role<|im_sep|> template) from an HF
+    folder matches transformers' AutoTokenizer token for token, and the same vocabulary written as llama.cpp's
+    GGUF metadata (pre "dbrx") gives the same ids."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from blink.models.tokenizer import from_gguf_metadata
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PHI4_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The capital of France is Paris. 12345 apples, 67 pears!\n\nIt's héllo wörld; don't   stop."] * 50
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=PHI4_SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": PHI4_TEMPLATE,
+                "bos_token": "<|endoftext|>",
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+                # phi-4 names GPT2Tokenizer, which transformers 5 rebuilds with GPT-2's own split (not
+                # tokenizer.json's cl100k one); vLLM's transformers 4 loads tokenizer.json as is, as this does.
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    ours = from_hf_dir(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    msgs = [
+        {"role": "system", "content": "You are a medieval knight."},
+        {"role": "user", "content": "What's 12345 + 67?\n\n  Paris, héllo!"},
+        {"role": "assistant", "content": "It's 12412 pears!\n\nIt's Paris."},
+        {"role": "user", "content": "don't stop"},
+    ]
+    text = ours.apply_chat_template(msgs, add_generation_prompt=True)
+    assert text == hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_end|><|im_start|>assistant<|im_sep|>")
+    ids = ours.encode_chat(msgs)
+    assert ids == hf(text, add_special_tokens=False)["input_ids"]
+    assert ours.eos_token_ids == (tok.token_to_id("<|im_end|>"),)
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "dbrx",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in merges],
+        "tokenizer.ggml.token_type": [3 if t in PHI4_SPECIAL else 1 for t in tokens],
+        "tokenizer.ggml.bos_token_id": vocab["<|endoftext|>"],
+        "tokenizer.ggml.eos_token_id": vocab["<|im_end|>"],
+        "tokenizer.chat_template": PHI4_TEMPLATE,
+    }
+    g = from_gguf_metadata(meta)
+    assert g.encode_chat(msgs) == ids and g.eos_token_ids == ours.eos_token_ids and not g.add_bos
