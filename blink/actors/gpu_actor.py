@@ -11,7 +11,8 @@ frontend, watching the heartbeat and the file identity, sees the replica come ba
 
 Unless ring.transport is shm, the actor also serves its ring to frontends on other hosts: a ring
 agent (blink.protocol.ring_agent) on a thread of this process, bound to this node's address
-(port: ring.listen's, else any), reported by ring_info() as "agent". Over TCP every round trip of
+(port: ring.listen's, else any; loopback only on a one-node cluster), reported by ring_info() as
+"agent". Over TCP every round trip of
 a remote frontend runs on that thread (this host's CPU); over RDMA the agent only bootstraps each
 frontend's queue pair. The agent has no authentication: the node's address must be on a network
 only the cluster reaches.
@@ -102,7 +103,11 @@ class GpuActor:
         from blink.protocol.ring_agent import RingAgent
 
         port = rc.listen.rpartition(":")[2] if rc.listen else "0"
-        self._agent = RingAgent(self.ring_name, f"{ray.util.get_node_ip_address()}:{port}", rc.rdma_device)
+        # The agent has no authentication: on a one-node cluster (blink serve --ray) nobody outside
+        # this host needs it, so it listens on loopback only; otherwise on the node's address.
+        alone = sum(1 for n in ray.nodes() if n.get("Alive")) <= 1
+        host = "127.0.0.1" if alone else ray.util.get_node_ip_address()
+        self._agent = RingAgent(self.ring_name, f"{host}:{port}", rc.rdma_device)
         self._agent.start_thread()
         log.info("replica %d: ring agent on %s", self.replica, self._agent.address)
 
