@@ -247,10 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging(cfg.server.log_level)
     try:
+        from blink.launch import resolve_kind
         from blink.models import registry
 
         registry.check_model(cfg.model.spec)
-    except FileNotFoundError as e:
+        registry.check_device(cfg.model.spec, resolve_kind(cfg.device.kind))
+    except (FileNotFoundError, registry.UnsupportedModelError) as e:
         return _fail(args.command, e)
     if args.command == "serve":
         return _serve(cfg)

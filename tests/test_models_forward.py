@@ -19,7 +19,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-phi3"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-phi3", "tiny-qwen3-moe"])
 def model(request):
     config = preset(request.param)
     return config, random_weights(config, seed=7)
@@ -132,6 +132,27 @@ def test_qk_norm_and_rope_scaling_matter(model):
         c2 = config.replace(rope_scaling=type(config.rope_scaling)())
         other = make_exec((c2, weights)).forward_logits(PagedDriver(NB, BS, WIDTH).step([(0, ids)]), all_tokens=True)
     assert rel_err(other, base) > 1e-3
+
+
+def test_moe_routing_matters(model):
+    """MoE: top-k, its renormalisation and the expert weights each change the logits, in the engine and the
+    reference alike (neither ignores them); the dense layer of mlp_only_layers is dense."""
+    config, weights = model
+    if not config.is_moe:
+        pytest.skip("dense model")
+    assert [config.layer_is_moe(i) for i in range(config.num_layers)] == [True, False, True]
+    (ids,) = prompts(config.vocab_size, [24], seed=4)
+    base = reference_logits(config, weights, ids)
+    w2 = dict(weights)
+    w2["model.layers.2.mlp.experts.5.down_proj.weight"] = 2 * w2["model.layers.2.mlp.experts.5.down_proj.weight"]
+    for c2, w in [
+        (config.replace(num_experts_per_tok=3), weights),
+        (config.replace(norm_topk_prob=False), weights),
+        (config, w2),
+    ]:
+        ours = make_exec((c2, w)).forward_logits(PagedDriver(NB, BS, WIDTH).step([(0, ids)]), all_tokens=True)
+        ref = reference_logits(c2, w, ids)
+        assert rel_err(ours, ref) < 1e-5 and rel_err(ref, base) > 1e-3
 
 
 def test_random_weights_keep_logits_in_a_sane_range(model):

@@ -172,6 +172,56 @@ def test_hf_config_phi3_refuses_what_phi4_lacks(change, match):
     from_hf_config({**PHI4_CONFIG, "sliding_window": 16384})  # a window as long as the context is no window
 
 
+QWEN3_30B_A3B_CONFIG = {  # Qwen/Qwen3-30B-A3B config.json
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_hf_config_qwen3_30b_a3b_equals_preset():
+    c, p = from_hf_config(QWEN3_30B_A3B_CONFIG, name="qwen3-30b-a3b"), preset("qwen3-30b-a3b")
+    assert c.replace(eos_token_ids=p.eos_token_ids) == p and c.eos_token_ids == (151645,)
+    assert all(c.layer_is_moe(i) for i in range(48)) and c.qk_norm
+    assert abs(c.num_params() - 30.5e9) / 30.5e9 < 0.01  # "30.5B in total, 3.3B activated"
+    assert abs(c.num_params(active=True) - 3.3e9) / 3.3e9 < 0.02
+    # transformers 5 writes num_local_experts; layers of mlp_only_layers and off the sparse step are dense
+    d = {k: v for k, v in QWEN3_30B_A3B_CONFIG.items() if k != "num_experts"}
+    d5 = from_hf_config({**d, "num_local_experts": 128, "mlp_only_layers": [0], "decoder_sparse_step": 2})
+    assert d5.num_experts == 128 and [d5.layer_is_moe(i) for i in range(4)] == [False, True, False, True]
+    with pytest.raises(UnsupportedModelError, match="shared expert"):
+        from_hf_config({**QWEN3_30B_A3B_CONFIG, "shared_expert_intermediate_size": 5632})
+    shapes = weight_shapes(preset("tiny-qwen3-moe"))
+    assert "model.layers.1.mlp.down_proj.weight" in shapes and "model.layers.0.mlp.down_proj.weight" not in shapes
+    assert shapes["model.layers.2.mlp.experts.7.down_proj.weight"] == (64, 48)
+
+
 def test_unknown_architecture_is_a_clear_error():
     with pytest.raises(UnsupportedModelError, match="unsupported architecture.*GPT2"):
         from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})

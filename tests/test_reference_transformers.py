@@ -168,6 +168,9 @@ def test_rope_llama3_scaling_matches_transformers():
         ("phi3", False, "float32"),
         ("phi3", False, "bfloat16"),
         ("phi3", True, "float32"),
+        ("qwen3_moe", False, "float32"),
+        ("qwen3_moe", False, "bfloat16"),
+        ("qwen3_moe_step2", True, "float32"),
     ],
 )
 def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
@@ -193,6 +196,15 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
     elif arch == "qwen2":
         hf_config = transformers.Qwen2Config(**common, rope_theta=1e6)
         cls = transformers.Qwen2ForCausalLM
+    elif arch.startswith("qwen3_moe"):
+        # qwen3_moe: layer 1 dense (mlp_only_layers), top-2 of 8 renormalised; _step2: every 2nd layer sparse, raw top-k
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=24, rope_theta=1e6)
+        if arch == "qwen3_moe":
+            moe |= dict(norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3)
+        else:
+            moe |= dict(norm_topk_prob=False, decoder_sparse_step=2, num_hidden_layers=4)
+        hf_config = transformers.Qwen3MoeConfig(**{**common, **moe})
+        cls = transformers.Qwen3MoeForCausalLM
     elif arch == "phi3":
         hf_config = transformers.Phi3Config(**common, rope_theta=250000.0, pad_token_id=0)
         cls = transformers.Phi3ForCausalLM
@@ -205,6 +217,9 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
         for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.2 * torch.randn_like(p))
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # decisive routing: no near-ties between the k-th and next expert
+                p.normal_(0.0, 0.5)
         for p in model.parameters():
             p.copy_(p.to(getattr(torch, dtype)).float())  # the values a bf16 checkpoint holds
     # Save a converted copy: converting `model` itself would also round its rotary inv_freq buffer.
@@ -213,7 +228,11 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
     (shard,) = tmp_path.glob("*.safetensors")
     header = json.loads(shard.read_bytes()[8 : 8 + int.from_bytes(shard.read_bytes()[:8], "little")])
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16" if dtype == "bfloat16" else "F32"}
-    assert config.tie_word_embeddings == tied and config.qk_norm == (arch == "qwen3")
+    assert config.tie_word_embeddings == tied and config.qk_norm == arch.startswith("qwen3")
+    if arch.startswith("qwen3_moe"):
+        moe_layers = [i for i in range(config.num_layers) if config.layer_is_moe(i)]
+        assert moe_layers == ([0, 2] if arch == "qwen3_moe" else [1, 3])
+        assert config.norm_topk_prob == (arch == "qwen3_moe") and config.num_experts == 8
     assert config.attn_bias == (arch == "qwen2") and (arch != "qwen2" or any(k.endswith("_proj.bias") for k in weights))
     sd = model.state_dict()
     if arch == "phi3":  # ours holds the fused tensors split into the canonical pieces
@@ -226,6 +245,12 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
             sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = sd.pop(p + "mlp.gate_up_proj.weight").chunk(
                 2
             )
+    for p in [k.removesuffix("gate_up_proj") for k in list(sd) if k.endswith("mlp.experts.gate_up_proj")]:
+        # transformers 5 holds the experts stacked (its checkpoints, like the Hub's, name each one)
+        gate_up, down = sd.pop(p + "gate_up_proj"), sd.pop(p + "down_proj")
+        for e in range(config.num_experts):
+            sd[f"{p}{e}.gate_proj.weight"], sd[f"{p}{e}.up_proj.weight"] = gate_up[e].chunk(2)
+            sd[f"{p}{e}.down_proj.weight"] = down[e]
     for k, v in weights.items():
         assert np.array_equal(v, sd[k].numpy()), k
     ids = np.random.default_rng(0).integers(0, 300, 60).tolist()

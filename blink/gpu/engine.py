@@ -50,7 +50,7 @@ from blink.gpu.engine_config import (  # noqa: F401 (the engine's public names, 
 from blink.gpu.forward import Dims, Forward
 from blink.gpu.kernels import DEFAULT_CACHE, Kernels
 from blink.gpu.weights import GpuWeights
-from blink.models.config import ModelConfig
+from blink.models.config import ModelConfig, UnsupportedModelError
 from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from blink.protocol.step import BATCH_FIELDS, STEP_FIELDS, StepBatch
 
@@ -140,6 +140,9 @@ class Engine:
     ) -> Engine:
         """Engine over `host_weights` (HF names, float arrays) or random weights made on the GPU."""
         import cupy as cp
+
+        if config.is_moe:
+            raise UnsupportedModelError(f"{config.name}: mixture-of-experts models do not run on the CUDA engine yet")
 
         cp.cuda.Device().use()
         cp.zeros(1)  # creates the primary context the driver API calls run in

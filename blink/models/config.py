@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe")
 
 # HF `architectures` / `model_type` -> our arch.  Mistral-style models are plain Llama here.
 _HF_ARCH = {
@@ -24,8 +24,16 @@ _HF_ARCH = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-_HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_HF_MODEL_TYPE = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "qwen3_moe": "qwen3_moe",
+}
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 
@@ -51,6 +59,7 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # "llama" | "qwen2" | "qwen3" | "phi3" (Phi-3/Phi-4: a Llama whose checkpoints fuse qkv and gate_up)
+    # | "qwen3_moe" (Qwen3 attention; sparse layers route each token to num_experts_per_tok of num_experts MLPs)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -68,10 +77,29 @@ class ModelConfig:
     name: str
     rope_scaling: RopeScaling = RopeScaling()
     attn_bias: bool = False  # Qwen2: the q, k and v projections add a bias (o_proj has none)
+    # Mixture of experts (qwen3_moe; 0 experts = dense). Layer i is sparse iff i is not in mlp_only_layers and
+    # (i + 1) % decoder_sparse_step == 0 (transformers' rule); the other layers run the dense MLP of
+    # intermediate_size. Router: softmax over the experts' logits, top num_experts_per_tok, renormalised to sum 1
+    # when norm_topk_prob; each expert is a SwiGLU MLP of moe_intermediate_size; no shared expert.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise UnsupportedModelError(f"arch {self.arch!r} is not supported ({', '.join(ARCHS)})")
+        if self.num_experts and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                f"MoE needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts ({self.num_experts}) "
+                f"and moe_intermediate_size > 0 ({self.moe_intermediate_size})"
+            )
+        if self.num_experts and self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
@@ -89,14 +117,26 @@ class ModelConfig:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    def num_params(self) -> int:
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Layer i routes to experts (transformers' Qwen3MoeDecoderLayer rule)."""
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count; `active`: only the num_experts_per_tok experts a token reads (MoE)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         if self.qk_norm:
-            per_layer += 2 * self.head_dim
+            attn += 2 * self.head_dim
         if self.attn_bias:
-            per_layer += self.q_size + 2 * self.kv_size
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+            attn += self.q_size + 2 * self.kv_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
+        mlp = sum(moe if self.layer_is_moe(li) else 3 * h * i for li in range(self.num_layers))
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * attn + mlp + h
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -166,6 +206,18 @@ def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
         raise UnsupportedModelError("sliding-window attention is not supported")
     if arch == "phi3":
         _check_phi3(d, rope_params, scaling)
+    moe: dict[str, Any] = {}
+    if arch == "qwen3_moe":
+        if d.get("shared_expert_intermediate_size"):
+            raise UnsupportedModelError("a shared expert (Qwen2-MoE style) is not supported")
+        moe = dict(
+            num_experts=int(d.get("num_experts", d.get("num_local_experts", 0))),
+            num_experts_per_tok=int(d["num_experts_per_tok"]),
+            moe_intermediate_size=int(d["moe_intermediate_size"]),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(x) for x in d.get("mlp_only_layers") or ()),
+        )
     return ModelConfig(
         arch=arch,
         vocab_size=int(d["vocab_size"]),
@@ -180,11 +232,12 @@ def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
         rms_eps=float(d.get("rms_norm_eps", 1e-6)),
         max_position=int(d.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         attn_bias=arch == "qwen2",
         bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
         eos_token_ids=_eos_tuple(d.get("eos_token_id")),
         name=name or str(d.get("_name_or_path", "") or arch),
+        **moe,
     )
 
 
@@ -309,6 +362,14 @@ _PRESETS: dict[str, ModelConfig] = {
         max_position=16384, tie_word_embeddings=False, qk_norm=False,
         bos_token_id=100257, eos_token_ids=(100265,), name="phi-4",
     ),
+    # Qwen/Qwen3-30B-A3B: 48 layers, all sparse; 128 experts of 768, top-8 renormalised; 3.3B of 30.5B active.
+    "qwen3-30b-a3b": ModelConfig(
+        arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_eps=1e-6,
+        max_position=40960, tie_word_embeddings=False, qk_norm=True,
+        bos_token_id=151643, eos_token_ids=(151645, 151643), name="qwen3-30b-a3b",
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    ),
     "smollm2-135m": ModelConfig(
         arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_eps=1e-5,
@@ -339,6 +400,15 @@ _PRESETS: dict[str, ModelConfig] = {
         num_heads=8, num_kv_heads=2, head_dim=16, rope_theta=250000.0, rms_eps=1e-5,
         max_position=1024, tie_word_embeddings=False, qk_norm=False,
         bos_token_id=1, eos_token_ids=(2,), name="tiny-phi3",
+    ),
+    # Layer 1 dense (mlp_only_layers), layers 0 and 2 sparse: 8 experts, top-2.
+    "tiny-qwen3-moe": ModelConfig(
+        arch="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3,
+        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1000000.0, rms_eps=1e-6,
+        max_position=1024, tie_word_embeddings=False, qk_norm=True,
+        bos_token_id=1, eos_token_ids=(2,), name="tiny-qwen3-moe",
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+        mlp_only_layers=(1,),
     ),
 }
 # fmt: on

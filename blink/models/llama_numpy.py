@@ -1,4 +1,4 @@
-"""Float32 numpy forward of the Llama family (Llama 3.x, SmolLM2, Qwen3) over a paged KV cache.
+"""Float32 numpy forward of the Llama family (Llama 3.x, SmolLM2, Qwen2/3, Phi-4, Qwen3-MoE) over a paged KV cache.
 
 One call runs a packed varlen batch: T tokens of S sequences (prefill chunks and decode rows
 mixed), every token at its own position. Per layer:
@@ -8,6 +8,9 @@ mixed), every token at its own position. Per layer:
     K/V of every token -> cache[block_tables[s, pos // bs], pos % bs]
     attention: each query at position p sees cached keys 0..p of its own sequence (GQA groups)
     x += attn @ W_o;  x += silu(g) * u @ W_down with [g|u] = rmsnorm(x) @ W_gate_up
+    MoE layers instead: p = softmax(h @ W_router) with h = rmsnorm(x); each token's top-k experts, their
+    p renormalised (norm_topk_prob); x += sum_e p_e * silu(g_e) * u_e @ W_down[e], one GEMM per hit expert
+    over the rows routed to it (sorted by expert, as a grouped GEMM would see them)
 
 Writing K/V before attending makes a chunk see itself causally and earlier chunks through the
 cache, so prefill, chunked prefill and decode are the same code. Decode rows (one query each)
@@ -38,8 +41,9 @@ class _Layer:
     k_norm: np.ndarray | None  # (head_dim,)
     w_o: np.ndarray  # (hidden, q_size)
     ln2: np.ndarray  # (hidden,)
-    w_gate_up: np.ndarray  # (2*intermediate, hidden)
-    w_down: np.ndarray  # (hidden, intermediate)
+    w_gate_up: np.ndarray  # (2*intermediate, hidden); MoE: (experts, 2*moe_intermediate, hidden)
+    w_down: np.ndarray  # (hidden, intermediate); MoE: (experts, hidden, moe_intermediate)
+    w_router: np.ndarray | None = None  # (experts, hidden)  MoE layers only
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -52,6 +56,14 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _swiglu(gu: np.ndarray) -> np.ndarray:
+    # [g | u] (rows, 2n) -> silu(g) * u (rows, n)
+    n = gu.shape[-1] // 2
+    g, u = gu[:, :n], gu[:, n:]
+    with np.errstate(over="ignore"):
+        return g / (1.0 + np.exp(-g)) * u
 
 
 def _softmax_rows(s: np.ndarray) -> np.ndarray:
@@ -81,7 +93,17 @@ class LlamaNumpy:
             p = f"model.layers.{i}."
             a = p + "self_attn."
             qkv = np.concatenate([weights[a + n + "_proj.weight"] for n in "qkv"], axis=0)
-            gu = np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], axis=0)
+            router = None
+            if c.layer_is_moe(i):
+                ex = [f"{p}mlp.experts.{e}." for e in range(c.num_experts)]
+                gu = np.stack(
+                    [np.concatenate([weights[x + "gate_proj.weight"], weights[x + "up_proj.weight"]]) for x in ex]
+                )
+                down = np.stack([weights[x + "down_proj.weight"] for x in ex])
+                router = f32(weights[p + "mlp.gate.weight"])
+            else:
+                gu = np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], axis=0)
+                down = weights[p + "mlp.down_proj.weight"]
             self.layers.append(
                 _Layer(
                     ln1=f32(weights[p + "input_layernorm.weight"]),
@@ -92,7 +114,8 @@ class LlamaNumpy:
                     w_o=f32(weights[a + "o_proj.weight"]),
                     ln2=f32(weights[p + "post_attention_layernorm.weight"]),
                     w_gate_up=f32(gu),
-                    w_down=f32(weights[p + "mlp.down_proj.weight"]),
+                    w_down=f32(down),
+                    w_router=router,
                 )
             )
         self.inv_freq = rope_inv_freq(c)  # (head_dim/2,) float64
@@ -167,15 +190,32 @@ class LlamaNumpy:
                 x, attn = x[rows], attn[rows]
             x = x + attn @ L.w_o.T
 
-            gu = rmsnorm(x, L.ln2, c.rms_eps) @ L.w_gate_up.T
-            g, u = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
-            with np.errstate(over="ignore"):
-                act = g / (1.0 + np.exp(-g)) * u
-            x = x + act @ L.w_down.T
+            h = rmsnorm(x, L.ln2, c.rms_eps)
+            x = x + (_swiglu(h @ L.w_gate_up.T) @ L.w_down.T if L.w_router is None else self._moe(h, L))
             if progress is not None:
                 progress()
 
         return rmsnorm(x, self.norm, c.rms_eps) @ self.lm_head.T
+
+    def _moe(self, h: np.ndarray, L: _Layer) -> np.ndarray:
+        """Routed experts of h (T, hidden): top-k of the router's softmax, each hit expert once over its rows."""
+        c = self.config
+        k, E = c.num_experts_per_tok, c.num_experts
+        probs = _softmax_rows(h @ L.w_router.T)  # (T, E)
+        top = np.argpartition(-probs, k - 1, axis=-1)[:, :k]  # (T, k), unordered: the sum does not care
+        w = np.take_along_axis(probs, top, axis=-1)
+        if c.norm_topk_prob:
+            w /= w.sum(axis=-1, keepdims=True)
+        flat = top.ravel()
+        order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
+        bounds = np.searchsorted(flat[order], np.arange(E + 1))
+        out = np.zeros_like(h)
+        for e in np.flatnonzero(np.diff(bounds)):
+            pairs = order[bounds[e] : bounds[e + 1]]
+            rows = pairs // k  # a token picks an expert at most once: rows are distinct
+            y = _swiglu(h[rows] @ L.w_gate_up[e].T) @ L.w_down[e].T
+            out[rows] += y * w.ravel()[pairs, None]
+        return out
 
     # Attention loops over kv heads and hands numpy strided 2-D views (row stride KVH*D): each
     # product is then one BLAS call with no transposed copy of the gathered keys/values, which

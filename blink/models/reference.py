@@ -29,6 +29,25 @@ def _rope64(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.nd
     return np.concatenate([x[:, :h] * c - x[:, h:] * s, x[:, h:] * c + x[:, :h] * s], axis=-1)
 
 
+def _mlp64(W: Weights, p: str, h: np.ndarray) -> np.ndarray:
+    g, u = h @ W[p + "gate_proj.weight"].T, h @ W[p + "up_proj.weight"].T
+    return (g / (1 + np.exp(-g)) * u) @ W[p + "down_proj.weight"].T
+
+
+def _moe64(c: ModelConfig, W: Weights, p: str, h: np.ndarray) -> np.ndarray:
+    # Token by token: softmax over all experts, the k largest (renormalised if norm_topk_prob), their MLPs summed.
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        z = h[t] @ W[p + "gate.weight"].T
+        prob = np.exp(z - z.max())
+        prob /= prob.sum()
+        top = np.argsort(-prob)[: c.num_experts_per_tok]
+        wt = prob[top] / (prob[top].sum() if c.norm_topk_prob else 1.0)
+        for e, we in zip(top, wt, strict=True):
+            out[t] += we * _mlp64(W, f"{p}experts.{e}.", h[t : t + 1])[0]
+    return out
+
+
 def reference_logits(config: ModelConfig, weights: Weights, ids: Sequence[int]) -> np.ndarray:
     """(n, vocab) float64 logits of every position of one sequence, computed from scratch."""
     c = config
@@ -62,9 +81,10 @@ def reference_logits(config: ModelConfig, weights: Weights, ids: Sequence[int]) 
             heads.append((s / s.sum(axis=1, keepdims=True)) @ vh)
         x = x + np.concatenate(heads, axis=1) @ W[p + "self_attn.o_proj.weight"].T
         h = _rms64(x, W[p + "post_attention_layernorm.weight"], c.rms_eps)
-        g = h @ W[p + "mlp.gate_proj.weight"].T
-        u = h @ W[p + "mlp.up_proj.weight"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ W[p + "mlp.down_proj.weight"].T
+        if c.layer_is_moe(i):
+            x = x + _moe64(c, W, p + "mlp.", h)
+        else:
+            x = x + _mlp64(W, p + "mlp.", h)
     head = W["model.embed_tokens.weight"] if c.tie_word_embeddings else W["lm_head.weight"]
     return _rms64(x, W["model.norm.weight"], c.rms_eps) @ head.T
 

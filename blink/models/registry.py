@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-from blink.models.config import PRESET_NAMES, ModelConfig, preset
+from blink.models.config import PRESET_NAMES, ModelConfig, UnsupportedModelError, preset
 from blink.models.progress import ProgressFn, make_progress
 from blink.models.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
 from blink.models.weights import Weights, load_gguf, load_hf_dir, random_weights
@@ -166,6 +166,41 @@ def check_model(spec: str | os.PathLike[str] | None, cache_dir: str | os.PathLik
         found = sorted(f.name for f in p.iterdir())[:8]
         seen = f"; it holds {', '.join(found)}" if found else "; it is empty"
         raise ModelNotFoundError(f"model folder {p.absolute()}: no {' and no '.join(missing)}{seen}")
+
+
+def model_config(spec: str | os.PathLike[str] | None) -> ModelConfig | None:
+    """The config a spec names, read without its weights (a preset, config.json, or GGUF metadata);
+    None for the default model (SmolLM2, a dense Llama, possibly not pulled yet)."""
+    s = None if spec is None else os.fspath(spec)
+    if s in _DEFAULT_ALIASES:
+        return None
+    assert s is not None
+    if s.startswith("random:") or (s in PRESET_NAMES and not os.path.exists(s)):
+        return preset(s.removeprefix("random:"))
+    p = pathlib.Path(s).expanduser()
+    if p.is_file():
+        from blink.models.config import from_gguf_metadata as config_from_gguf
+        from blink.models.gguf_file import GGUFFile
+
+        reader = GGUFFile(p)
+        return config_from_gguf(reader.metadata, {t.name for t in reader.tensors}, name=p.stem)
+    import json
+
+    from blink.models.config import from_hf_config
+
+    return from_hf_config(json.loads((p / "config.json").read_text()), name=p.name)
+
+
+def check_device(spec: str | os.PathLike[str] | None, kind: str) -> None:
+    """Refuse, before anything starts, a model the device `kind` ("cuda" | "emulated") cannot run."""
+    if kind != "cuda":
+        return
+    config = model_config(spec)
+    if config is not None and config.is_moe:
+        raise UnsupportedModelError(
+            f"model {config.name} is a mixture of experts ({config.arch}): it runs on --device emulated only; "
+            "the CUDA device's MoE kernels are not written"
+        )
 
 
 def resolve_model(

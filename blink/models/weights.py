@@ -13,6 +13,9 @@
     model.layers.{i}.mlp.gate_proj.weight           (intermediate, hidden)
     model.layers.{i}.mlp.up_proj.weight             (intermediate, hidden)
     model.layers.{i}.mlp.down_proj.weight           (hidden, intermediate)
+    model.layers.{i}.mlp.gate.weight                (experts, hidden)                  MoE layers (qwen3_moe),
+    model.layers.{i}.mlp.experts.{e}.{gate,up}_proj.weight  (moe_intermediate, hidden) instead of the three
+    model.layers.{i}.mlp.experts.{e}.down_proj.weight (hidden, moe_intermediate)       dense MLP tensors
     model.norm.weight                               (hidden,)
     lm_head.weight                                  (vocab, hidden)   absent when tied
 
@@ -92,6 +95,14 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        if c.layer_is_moe(i):
+            shapes[p + "mlp.gate.weight"] = (c.num_experts, c.hidden_size)
+            for e in range(c.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                shapes[x + "gate_proj.weight"] = (c.moe_intermediate_size, c.hidden_size)
+                shapes[x + "up_proj.weight"] = (c.moe_intermediate_size, c.hidden_size)
+                shapes[x + "down_proj.weight"] = (c.hidden_size, c.moe_intermediate_size)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)

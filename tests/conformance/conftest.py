@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from conformance.rig import DEVICE_NAME, TRANSPORTS, Rig, RigSpec, open_rig
+from conformance.rig import DEVICE_FIELDS, DEVICE_NAME, TINY, TINY_MOE, TRANSPORTS, Rig, RigSpec, open_rig
 
 from blink.protocol.layout import DeviceStatus
 
@@ -17,10 +17,18 @@ def ring_transport(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module")
-def rig(ring_transport: str) -> Iterator[Rig]:
+# The shared rig's (transport, model): the tiny dense model over each transport, and the tiny MoE model
+# (routed experts in every step the device runs) over shared memory.
+RIG_CASES = [(t, TINY) for t in TRANSPORTS] + [("shm", TINY_MOE)]
+
+
+@pytest.fixture(scope="module", params=RIG_CASES, ids=lambda c: f"{c[0]}-{c[1].removeprefix('random:')}")
+def rig(request) -> Iterator[Rig]:
     """The shared device of a test module (tiny model). Every test must leave it clean."""
-    yield from open_rig(RigSpec(), ring_transport)
+    transport, model = request.param
+    if model == TINY_MOE and DEVICE_FIELDS.get("kind") == "cuda":
+        pytest.skip("the CUDA device does not run MoE models (its MoE kernels are not written)")
+    yield from open_rig(RigSpec(model=model), transport)
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ each test's RigSpec gives, e.g. '{"kind": "cuda", "scheduler": "host"}' (the hos
 (blink.launch.start_device) after the test created the ring /dev/shm/<ring> (geometry chosen by the
 test); the suite waits for device_status READY, runs, sets header.shutdown and waits for STOPPED
 and for the process to exit. `model` is a spec of blink.models.registry: "random:tiny-llama" (most
-cases) or "default" (SmolLM2-135M, cases marked `slow`).
+cases; the shared rig also runs "random:tiny-qwen3-moe", the MoE model) or "default" (SmolLM2-135M,
+cases marked `slow`).
 
 The client reaches the ring over shared memory, and again over TCP through a ring agent in its
 own process (blink.protocol.ring_agent, as on a GPU host serving a frontend on another host):
@@ -43,6 +44,7 @@ from blink.protocol.wire import DeviceSpec
 
 TRANSPORTS = ("shm", "tcp")
 TINY = "random:tiny-llama"
+TINY_MOE = "random:tiny-qwen3-moe"
 SMOLLM2 = "default"
 DEVICE_ENV = "BLINK_CONFORMANCE_DEVICE"
 
