@@ -134,12 +134,11 @@ def test_qk_norm_and_rope_scaling_matter(model):
     assert rel_err(other, base) > 1e-3
 
 
-def test_moe_routing_matters(model):
+def test_moe_routing_matters():
     """MoE: top-k, its renormalisation and the expert weights each change the logits, in the engine and the
     reference alike (neither ignores them); the dense layer of mlp_only_layers is dense."""
-    config, weights = model
-    if not config.is_moe:
-        pytest.skip("dense model")
+    config = preset("tiny-qwen3-moe")
+    weights = random_weights(config, seed=7)
     assert [config.layer_is_moe(i) for i in range(config.num_layers)] == [True, False, True]
     (ids,) = prompts(config.vocab_size, [24], seed=4)
     base = reference_logits(config, weights, ids)
