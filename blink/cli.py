@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
+import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -26,7 +29,12 @@ VLLM_NOOP_FLAGS = ("--trust-remote-code",)
 
 
 def _add_stack_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="JSON/TOML (YAML with pyyaml) file with server/ring/device/model sections")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML/JSON/YAML file with server/ring/device/model/deploy sections, or a vLLM-style YAML whose keys "
+        "are this command's flag names (model: ..., max-model-len: ...); flags given here win",
+    )
     p.add_argument("--model", dest="model.spec", help="default | FILE.gguf | HF_DIR | random:<preset>")
     p.add_argument("--served-model-name", dest="model.name", help="model name served by the API")
     p.add_argument(
@@ -55,9 +63,16 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         dest="vllm_tp",
         type=int,
         default=1,
+        metavar="N",
         help="1 only: a replica is one GPU (use --data-parallel-size with --ray for more GPUs)",
     )
-    p.add_argument("--dtype", dest="vllm_dtype", default="auto", help="auto | bfloat16 (the only compute type)")
+    p.add_argument(
+        "--dtype",
+        dest="vllm_dtype",
+        default="auto",
+        metavar="DTYPE",
+        help="auto | bfloat16, the only compute type",
+    )
     for flag in VLLM_NOOP_FLAGS:
         p.add_argument(flag, action="store_true", dest=f"noop_{flag[2:].replace('-', '_')}", help=argparse.SUPPRESS)
     p.add_argument(
@@ -69,6 +84,7 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-device-restarts", dest="device.max_restarts", type=int, help="restarts of a dead device in a row"
     )
+    p.add_argument("--kernel-cache-dir", dest="device.kernel_cache", metavar="DIR")
     p.add_argument("--n-slots", dest="ring.n_slots", type=int)
     p.add_argument("--prompt-arena-tokens", dest="ring.prompt_arena_tokens", type=int)
     p.add_argument("--output-capacity", dest="ring.output_capacity", type=int)
@@ -99,8 +115,6 @@ def _origins_arg(v: str) -> str:
     """vLLM's JSON list ('["*"]') or a comma-separated list -> the comma-separated config value."""
     v = v.strip()
     if v.startswith("["):
-        import json
-
         try:
             items = json.loads(v)
         except ValueError as e:
@@ -111,11 +125,24 @@ def _origins_arg(v: str) -> str:
     return v
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help unless its default is unset or already stated."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        h = action.help or ""
+        if "(default" in h or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return h
+        return f"{h} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from blink import __version__
+
     ap = argparse.ArgumentParser(prog="blink", description="LLM serving with a GPU-resident scheduler")
+    ap.add_argument("--version", action="version", version=f"blink {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API", formatter_class=HelpFormatter)
     s.add_argument("model_arg", nargs="?", metavar="MODEL", help="as --model (`vllm serve MODEL`)")
     _add_stack_flags(s)
     s.add_argument("--host", dest="server.host")
@@ -167,28 +194,61 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --ray: frontend processes on the one port (like vLLM's --api-server-count; 0 = one per replica)",
     )
 
-    g = sub.add_parser("generate", help="print one completion (same stack, no HTTP)")
+    g = sub.add_parser("generate", help="print one completion (same stack, no HTTP)", formatter_class=HelpFormatter)
     _add_stack_flags(g)
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="X", help="0 = greedy")
+    g.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
 
     b = sub.add_parser("bench", help="benchmark a running server (as `vllm bench serve`)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     from blink import benchmark
 
-    benchmark.add_arguments(bsub.add_parser("serve", help="streamed completions against an OpenAI endpoint"))
+    benchmark.add_arguments(
+        bsub.add_parser(
+            "serve",
+            help="streamed completions against an OpenAI endpoint",
+            formatter_class=HelpFormatter,
+        )
+    )
 
-    p = sub.add_parser("pull", help="download the default model (SmolLM2-135M-Instruct) if missing")
-    p.add_argument("model", nargs="?", default="default")
-    p.add_argument("--cache-dir", help="where to put it (default ~/.cache/blink/models)")
+    p = sub.add_parser(
+        "pull", help="download the default model (SmolLM2-135M-Instruct) if missing", formatter_class=HelpFormatter
+    )
+    p.add_argument("model", nargs="?", default="default", help="the model to fetch")
+    p.add_argument("--cache-dir", metavar="DIR", help="where to put it (default: ~/.cache/blink/models)")
 
     for name in _RAY_COMMANDS:
         r = sub.add_parser(name, help=f"{name} on a Ray cluster (blink.actors.cli)", add_help=False)
         r.add_argument("rest", nargs=argparse.REMAINDER)
+    for p in (s, g):
+        describe_config_flags(p)
     return ap
+
+
+_METAVARS = {int: "N", float: "X"}
+
+
+def describe_config_flags(p: argparse.ArgumentParser) -> None:
+    """Every flag that sets a config field (dest "section.field") gets the field's docstring as
+    help when it has none, its default, and a metavar that reads as a value (N, X, HOST, ...)."""
+    from blink.actors.config import DeploySection  # plain dataclasses: no Ray import
+
+    sections = {**C.SECTIONS, "deploy": DeploySection}
+    docs = C.field_docs(sections)
+    for action in p._actions:
+        if "." not in action.dest or not action.option_strings:
+            continue
+        section, name = action.dest.split(".", 1)
+        default = getattr(sections[section](), name)
+        if action.help is None:
+            action.help = docs.get((section, name), "")
+        if action.help is not argparse.SUPPRESS:
+            action.help = f"{action.help} (default: {'unset' if default is None else default})".lstrip()
+        if action.metavar is None and not action.choices:
+            action.metavar = _METAVARS.get(action.type, name.rsplit("_", 1)[-1].upper())  # type: ignore[arg-type]
 
 
 def vllm_compat(args: argparse.Namespace) -> None:
@@ -208,20 +268,70 @@ def vllm_compat(args: argparse.Namespace) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> C.BlinkConfig:
+    """The serving config. A [deploy] section in the file is checked too (the same file serves
+    `blink serve` and `blink deploy`) and applies with --ray only."""
+    from blink.actors.config import build as build_with_deploy  # plain dataclasses: no Ray import
+
     vllm_compat(args)
     overrides: dict[str, dict[str, Any]] = {}
     for key, value in vars(args).items():
         if "." in key and value is not None:
             section, field = key.split(".", 1)
             overrides.setdefault(section, {})[field] = value
-    return C.build(args.config, overrides)
+    return build_with_deploy(args.config, overrides).serving
+
+
+def flag_style_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """A vLLM-style config file (a flat mapping whose keys are flag names: `model: X`,
+    `max-model-len: 4096`, `port: 8000`) becomes those flags, placed before the command line's own
+    so that these win, as in vLLM. A sectioned file ([server], [device], ...) is left to C.build."""
+    if len(argv) < 2 or argv[0] not in ("serve", "generate"):
+        return argv
+    for i, tok in enumerate(argv):
+        if tok == "--config" and i + 1 < len(argv):
+            path, span = argv[i + 1], 2
+            break
+        if tok.startswith("--config="):
+            path, span = tok.split("=", 1)[1], 1
+            break
+    else:
+        return argv
+    data = C.load_file(path)
+    sections = {*C.SECTIONS, "deploy"}
+    if isinstance(data, dict) and all(k in sections and isinstance(v, dict) for k, v in data.items()):
+        return argv
+    if not isinstance(data, dict):
+        raise C.ConfigError(f"{path}: expected a mapping of sections or of flag names")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[argv[0]]
+    by_flag = {opt: a for a in sub._actions for opt in a.option_strings}
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = by_flag.get(flag)
+        if action is None or flag in ("--config", "--help"):
+            raise C.ConfigError(f"{path}: unknown key {key!r} (not a flag of `blink {argv[0]}`)")
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise C.ConfigError(f"{path}: {key} must be true or false")
+            flags += [flag] if value else []
+        elif isinstance(value, (dict, bool)) or value is None:
+            raise C.ConfigError(f"{path}: {key} = {value!r} is not a flag value")
+        else:
+            flags += [flag, json.dumps(value) if isinstance(value, list) else str(value)]
+    return [argv[0], *flags, *argv[1:i], *argv[i + span :]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _RAY_COMMANDS:
         return _ray_command(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        argv = flag_style_config(argv, parser)
+    except C.ConfigError as e:
+        print(f"blink: config error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if args.command == "bench":
         from blink import benchmark
 
@@ -242,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "pull":
             return _pull(args)
         cfg = config_from_args(args)
+        cfg = check_device(cfg)
     except C.ConfigError as e:
         print(f"blink: config error: {e}", file=sys.stderr)
         return 2
@@ -278,16 +389,26 @@ def _fail(command: str, e: BaseException) -> int:
     return 1
 
 
+RAY_HINT = "Ray is not installed: pip install 'blink[ray]'"
+
+
+def ray_installed() -> bool:
+    return importlib.util.find_spec("ray") is not None
+
+
 def _ray_command(argv: list[str]) -> int:
-    try:
-        from blink.actors import cli as actors_cli
-    except ImportError as e:
-        print(f"blink {argv[0]}: Ray deployment is not available ({e})", file=sys.stderr)
+    if "-h" not in argv and "--help" not in argv and not ray_installed():
+        print(f"blink {argv[0]}: {RAY_HINT}", file=sys.stderr)
         return 2
+    from blink.actors import cli as actors_cli
+
     return int(actors_cli.main(argv) or 0)
 
 
 def _ray_serve(args: argparse.Namespace) -> int:
+    if not ray_installed():
+        print(f"blink serve --ray: {RAY_HINT}", file=sys.stderr)
+        return 2
     from blink.actors import cli as actors_cli
 
     overrides: dict[str, dict[str, Any]] = {}
@@ -307,6 +428,26 @@ def _pull(args: argparse.Namespace) -> int:
     path = registry.pull(args.cache_dir, progress=True)
     print(path)
     return 0
+
+
+def check_device(cfg: C.BlinkConfig) -> C.BlinkConfig:
+    """For --device cuda: CuPy and NVRTC must be installed (else a ConfigError naming the pip
+    command). The kernel cache directory is settled here, where the environment is read
+    ($XDG_CACHE_HOME); `auto` itself is resolved by the launch layer."""
+    from blink.gpu import build
+
+    if cfg.device.kind == "cuda":
+        have = (("CuPy", cupy_installed()), ("NVRTC", build.find_nvrtc() is not None))
+        missing = [name for name, ok in have if not ok]
+        if missing:
+            raise C.ConfigError(f"--device cuda needs {' and '.join(missing)}: {build.INSTALL_HINT}")
+    if cfg.device.kernel_cache:
+        return cfg
+    return cfg.replace(device={"kernel_cache": str(build.default_cache_dir(os.environ.get("XDG_CACHE_HOME")))})
+
+
+def cupy_installed() -> bool:
+    return importlib.util.find_spec("cupy") is not None
 
 
 def _run(coro: Any) -> Any:

@@ -159,6 +159,9 @@ class DeviceConfig:
     """`blink serve` restarts a device process that dies, with backoff, up to this many times in a
     row (a device that then serves for a minute starts the count over); past that it exits non-zero.
     0: exit at the first death."""
+    kernel_cache: str | None = None
+    """Directory of the compiled CUDA kernels (cuda only); None = build/kernels in a source checkout,
+    else $XDG_CACHE_HOME/blink/kernels (~/.cache/blink/kernels)."""
 
     def __post_init__(self) -> None:
         _choice("device", "kind", self.kind, ("auto", "emulated", "cuda"))
@@ -219,6 +222,26 @@ class BlinkConfig:
 
 
 SECTIONS: dict[str, type] = {"server": ServerConfig, "ring": RingConfig, "device": DeviceConfig, "model": ModelConfig}
+
+
+def field_docs(sections: Mapping[str, type] = SECTIONS) -> dict[tuple[str, str], str]:
+    """{(section, field): the docstring under the field in this file}, for --help: the one place a
+    setting is described is its dataclass."""
+    import ast
+    import inspect
+
+    out = {}
+    for section, cls in sections.items():
+        body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:], strict=False):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if (
+                    isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)
+                ):
+                    out[(section, node.target.id)] = " ".join(nxt.value.value.split())
+    return out
 
 
 def coerce(where: str, value: Any, annotation: Any) -> Any:

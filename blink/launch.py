@@ -77,6 +77,7 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
         kv_cache_fraction=d.kv_cache_fraction,
         max_context=d.max_context or 0,
         debug=cfg.server.log_level == "debug",
+        kernel_cache=d.kernel_cache or "",
     )
 
 

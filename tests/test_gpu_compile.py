@@ -1,45 +1,53 @@
-"""Every CUDA source of the engine compiles for sm_90 (CPU-only: needs nvcc, no GPU)."""
+"""Every CUDA source of the engine and the scheduler compiles with NVRTC (no toolkit, no GPU) for
+every target architecture; the engine's kernel names are in the cubins."""
 
 from __future__ import annotations
 
 import pathlib
-import subprocess
 
 import numpy as np
 import pytest
 
+from blink.gpu import build as B
 from blink.gpu import kernels
+from blink.gpu import scheduler as S
 from blink.gpu.attention_launch import FLASH_VARIANTS
 from blink.gpu.engine import EngineConfig, _buckets, bucket_of
 from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
 
 CU_FILES = sorted(kernels.CSRC.glob("*.cu"))
+needs_nvrtc = pytest.mark.skipif(B.find_nvrtc() is None, reason="NVRTC not installed (pip install 'blink[cu13]')")
 
 
 def test_engine_sources_exist():
-    assert set(kernels.SOURCES) <= {p.name for p in CU_FILES}
+    assert {*kernels.SOURCES, S.UNIT.source} == {p.name for p in CU_FILES}
 
 
-@pytest.mark.skipif(kernels.nvcc_path() is None, reason="nvcc not installed")
+def _unit(name: str) -> B.Unit:
+    return S.UNIT if name == S.UNIT.source else kernels.UNITS[name]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", B.TARGET_ARCHS)
 @pytest.mark.parametrize("src", CU_FILES, ids=lambda p: p.name)
-def test_compiles_for_sm90(src: pathlib.Path, tmp_path: pathlib.Path):
-    if src.name == "flash_decode.cu":  # the engine's flags plus ptxas's register report
-        out = tmp_path / "flash_decode.cubin"
-        cmd = [kernels.nvcc_path(), *kernels.NVCC_FLAGS, "-Xptxas", "-v", "-I", str(kernels.CSRC)]
-        res = subprocess.run([*cmd, "-o", str(out), str(src)], capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
-        _assert_no_spills(res.stderr)
-    elif src.name in kernels.SOURCES:
-        out = kernels.build(src.name, tmp_path)
-    else:  # other roles' sources (the scheduler): relocatable device code, device-side launches
+def test_compiles_for_every_target(src: pathlib.Path, arch: int, tmp_path: pathlib.Path):
+    """The production build (B.build: the options, headers and cache the server uses) of each
+    source for each target architecture; at sm_90 also ptxas's register report of flash decode."""
+    unit = _unit(src.name)
+    if src.name in ("flash_decode.cu", S.UNIT.source) and arch == 90:  # the same build, with ptxas's report
+        rtc = B.nvrtc()
+        image = rtc.compile(src, "sm_90", (*unit.options, "--ptxas-options=-v"))
+        if src.name == "flash_decode.cu":
+            _assert_no_spills(rtc.last_log)
+        else:
+            _assert_scheduler_fits_one_block(rtc.last_log)
         out = tmp_path / (src.stem + ".cubin")
-        inc = kernels.CSRC.parent / "include"
-        cmd = [kernels.nvcc_path(), "-arch=sm_90", "-rdc=true", "-cubin", "-I", str(kernels.CSRC), "-I", str(inc)]
-        res = subprocess.run([*cmd, "-o", str(out), str(src)], capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
-    assert out.exists() and out.read_bytes()[:4] == b"\x7fELF"
-    # every extern "C" kernel the engine launches is in the cubin
-    names = subprocess.run(["strings", str(out)], capture_output=True, text=True).stdout
+        out.write_bytes(image)
+    else:
+        out = B.build(unit, f"sm_{arch}", tmp_path)
+    data = out.read_bytes()
+    assert data[:4] == b"\x7fELF"
+    names = data.decode("latin-1")
     if src.name == "attention.cu":
         for hd in (16, 32, 64, 128):
             assert f"attn_decode_hd{hd}_g4" in names and f"attn_decode_hd{hd}_g7" in names
@@ -56,6 +64,23 @@ def test_compiles_for_sm90(src: pathlib.Path, tmp_path: pathlib.Path):
         for hd in (16, 32, 64, 128):
             for v in FLASH_VARIANTS:
                 assert f"attn_{v}_hd{hd}_g4" in names and f"attn_{v}_combine_hd{hd}" in names
+    if src.name == S.UNIT.source:
+        for sym in (S.KERNEL, S.INIT_KERNEL, "blink_sched_clock"):
+            assert sym in names, sym
+        # the device runtime's launch is left for the driver to resolve at load time, and nothing
+        # else: a relocatable cubin with unresolved unified-function tables fails to load
+        assert "cudaGraphLaunch" in names and "__UFT" not in names
+        assert data[16] == 2  # ELF e_type ET_EXEC: a whole-program image, not relocatable code
+
+
+def _assert_scheduler_fits_one_block(ptxas_log: str) -> None:
+    lines = ptxas_log.splitlines()
+    start = next(i for i, ln in enumerate(lines) if f"entry function '{S.KERNEL}'" in ln)
+    line = next(ln for ln in lines[start:] if "Used" in ln and "registers" in ln)
+    regs = int(line.split("Used")[1].split("registers")[0])
+    smem = int(line.split("bytes smem")[0].split(",")[-1].strip()) if "bytes smem" in line else 0
+    assert smem <= 48 * 1024  # static shared memory of one block
+    assert regs * S.THREADS <= 65536
 
 
 @pytest.mark.skipif(kernels.nvcc_path() is None, reason="nvcc not installed")
@@ -89,11 +114,39 @@ def _assert_no_spills(ptxas_log: str) -> None:
     assert not {k: v for k, v in g4.items() if v}, g4
 
 
-@pytest.mark.skipif(kernels.nvcc_path() is None, reason="nvcc not installed")
-def test_cache_key_tracks_source(tmp_path: pathlib.Path):
-    a = kernels.build("sampling.cu", tmp_path)
-    assert kernels.build("sampling.cu", tmp_path) == a  # cached
-    assert kernels.cubin_key("sampling.cu") != kernels.cubin_key("attention.cu")
+@needs_nvrtc
+def test_cache_key_tracks_source_arch_and_options(tmp_path: pathlib.Path):
+    a = kernels.build("sampling.cu", tmp_path, 90)
+    assert kernels.build("sampling.cu", tmp_path, 90) == a  # cached
+    assert a.name.startswith("sampling-sm_90-")
+    v = B.nvrtc().version
+    u = kernels.UNITS["sampling.cu"]
+    assert u.key("sm_90", v) != kernels.UNITS["attention.cu"].key("sm_90", v)
+    assert u.key("sm_90", v) != u.key("sm_80", v) != B.Unit(u.source, u.deps, ("-lineinfo",)).key("sm_80", v)
+
+
+@needs_nvrtc
+def test_gpu_newer_than_nvrtc_gets_ptx_older_ones_a_message(tmp_path: pathlib.Path):
+    archs = B.nvrtc().archs
+    assert B.target_for(90, archs) == "sm_90" and B.target_for(86, archs) == "sm_86"
+    assert B.target_for(999, archs) == f"compute_{max(archs)}"
+    ptx = B.build(kernels.UNITS["sampling.cu"], "compute_80", tmp_path)
+    assert ptx.suffix == ".ptx" and b".entry sample_tokens" in ptx.read_bytes()
+    with pytest.raises(B.BuildError, match="compute capability 7.5; Blink needs 8.0"):
+        B.target_for(75, archs)
+
+
+def test_missing_nvrtc_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(B, "find_nvrtc", lambda: None)
+    with pytest.raises(B.BuildError, match=r"pip install 'blink\[cu13\]'"):
+        kernels.build("sampling.cu", "/nonexistent", 90)
+
+
+def test_default_cache_is_the_checkout_or_the_user_cache(monkeypatch, tmp_path: pathlib.Path):
+    assert B.default_cache_dir() == B.GPU_DIR.parents[1] / "build" / "kernels"  # a source checkout
+    monkeypatch.setattr(B, "GPU_DIR", tmp_path / "site-packages" / "blink" / "gpu")  # an installed wheel
+    assert B.default_cache_dir("/xdg") == pathlib.Path("/xdg/blink/kernels")
+    assert B.default_cache_dir(None) == pathlib.Path.home() / ".cache" / "blink" / "kernels"
 
 
 def test_bf16_rounding_is_nearest_even():

@@ -1,71 +1,52 @@
-"""Build (nvcc -cubin, cached by content hash) and load the engine's CUDA kernels, and launch them
-by parameter name.
+"""Build (NVRTC, cached by content hash: blink.gpu.build) and load the engine's CUDA kernels, and
+launch them by parameter name.
 
-Sources live in blink/gpu/csrc/. A cubin is rebuilt only when its source, the shared headers or
-the flags change; the cache can be filled on a machine without a GPU and carried along.
+Sources live in blink/gpu/csrc/. A cubin is rebuilt only when its source, the shared headers, the
+options, the architecture or the NVRTC version change; the cache can be filled on a machine
+without a GPU (`python -m blink.gpu.kernels --arch 90 --cache-dir DIR`) and carried along.
 
-Launch arguments are checked against the kernels' own signatures: next to each cubin the build
-keeps the parameter list of every `extern "C"` kernel, read from nvcc's preprocessor output (so
-kernels defined by macros are listed under their real names). `Kernels.args(name, kwargs)` orders
-keyword arguments by that list and converts each to the ctypes value its C type takes; a missing,
-unknown or mistyped argument is an error at the launch (during graph capture), not a wrong read.
+Launch arguments are checked against the kernels' own signatures: PARAMS_FILE lists the parameters
+of every `extern "C"` kernel, read from nvcc's preprocessor output (so kernels defined by macros are
+listed under their real names) when a source changes (`python -m blink.gpu.kernels --params`; a
+test fails while it is stale). `Kernels.args(name, kwargs)` orders keyword arguments by that list
+and converts each to the ctypes value its C type takes; a missing, unknown or mistyped argument is
+an error at the launch (during graph capture), not a wrong read.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
-import hashlib
 import json
 import os
 import pathlib
 import re
-import shutil
-import subprocess
 
+from blink.gpu import build as B
 from blink.gpu.cuda_api import Driver
 
-CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
+CSRC = B.CSRC
 SOURCES = ("model_kernels.cu", "attention.cu", "prefill_attention.cu", "flash_decode.cu", "sampling.cu")
 HEADERS = ("common.cuh",)
-NVCC_FLAGS = ("-arch=sm_90", "-O3", "-std=c++17", "-cubin", "--expt-relaxed-constexpr")
-DEFAULT_CACHE = pathlib.Path(__file__).resolve().parents[2] / "build" / "kernels"
+UNITS = {s: B.Unit(s, HEADERS) for s in SOURCES}
+PARAMS_FILE = CSRC / "kernel_params.json"
+DEFAULT_CACHE = B.default_cache_dir()
 
 
-def nvcc_path() -> str | None:
-    return shutil.which("nvcc") or (
-        "/usr/local/cuda/bin/nvcc" if pathlib.Path("/usr/local/cuda/bin/nvcc").exists() else None
-    )
+def build(source: str, cache_dir: str | os.PathLike[str] = DEFAULT_CACHE, arch: int = 90) -> pathlib.Path:
+    """The cubin of csrc/<source> for compute capability `arch`, compiled if the cache lacks it."""
+    return B.build(UNITS[source], B.target_for(arch, B.nvrtc().archs), cache_dir)
 
 
-def cubin_key(source: str) -> str:
-    h = hashlib.sha256()
-    for name in HEADERS:
-        h.update((CSRC / name).read_bytes())
-    h.update((CSRC / source).read_bytes())
-    h.update(" ".join(NVCC_FLAGS).encode())
-    return h.hexdigest()[:16]
+def build_all(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE, arch: int = 90) -> list[pathlib.Path]:
+    return [build(s, cache_dir, arch) for s in SOURCES]
 
 
-def build(source: str, cache_dir: pathlib.Path = DEFAULT_CACHE) -> pathlib.Path:
-    """Return the cubin of csrc/<source>, compiling it if the cache lacks this version."""
-    out = cache_dir / f"{pathlib.Path(source).stem}-{cubin_key(source)}.cubin"
-    if out.exists():
-        return out
-    nvcc = nvcc_path()
-    if nvcc is None:
-        raise RuntimeError(f"no cached {out.name} and no nvcc to build it")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    cmd = [nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-o", str(tmp), str(CSRC / source)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"nvcc failed for {source}:\n{res.stderr}")
-    tmp.replace(out)
-    return out
+def device_arch() -> int:
+    """Compute capability of the current CUDA device as an int (9.0 -> 90)."""
+    import cupy as cp
 
-
-def build_all(cache_dir: pathlib.Path = DEFAULT_CACHE) -> list[pathlib.Path]:
-    return [build(s, cache_dir) for s in SOURCES]
+    return int(cp.cuda.Device().compute_capability)
 
 
 Params = tuple[tuple[str, str], ...]  # ((C type, parameter name), ...)
@@ -89,28 +70,45 @@ def parse_signatures(preprocessed: str) -> dict[str, Params]:
     return out
 
 
-def signatures(source: str, cache_dir: pathlib.Path = DEFAULT_CACHE) -> dict[str, Params]:
-    """The kernels of csrc/<source> and their parameters, cached beside its cubin (same key)."""
-    out = cache_dir / f"{pathlib.Path(source).stem}-{cubin_key(source)}.params.json"
-    if out.exists():
-        return {k: tuple(map(tuple, v)) for k, v in json.loads(out.read_text()).items()}  # type: ignore[misc]
-    nvcc = nvcc_path()
+def source_key(source: str) -> str:
+    """Hash of csrc/<source> and the headers it includes: what its kernels' signatures depend on."""
+    return UNITS[source].key("any", (0, 0))
+
+
+def nvcc_signatures(source: str) -> dict[str, Params]:
+    """The kernels of csrc/<source> as nvcc's preprocessor sees them (NVRTC cannot preprocess
+    alone; this runs on development machines only, to make PARAMS_FILE)."""
+    import shutil
+    import subprocess
+
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
-        raise RuntimeError(f"no cached {out.name} and no nvcc to build it")
-    flags = [f for f in NVCC_FLAGS if f != "-cubin"]
-    res = subprocess.run([nvcc, *flags, "-E", "-I", str(CSRC), str(CSRC / source)], capture_output=True, text=True)
+        raise RuntimeError("nvcc is needed to regenerate the kernel signatures")
+    cmd = [nvcc, "-arch=sm_90", "-std=c++17", "--expt-relaxed-constexpr", "-E", "-I", str(CSRC), str(CSRC / source)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"nvcc -E failed for {source}:\n{res.stderr}")
-    sigs = parse_signatures(res.stdout)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")  # another process may be reading it
-    tmp.write_text(json.dumps(sigs))
-    tmp.replace(out)
-    return sigs
+    return parse_signatures(res.stdout)
 
 
-def all_signatures(cache_dir: pathlib.Path = DEFAULT_CACHE) -> dict[str, Params]:
-    return {k: v for s in SOURCES for k, v in signatures(s, cache_dir).items()}
+def render_params() -> str:
+    """PARAMS_FILE's text: every engine kernel's parameters, per source, with the source's key."""
+    data = {s: {"key": source_key(s), "kernels": nvcc_signatures(s)} for s in SOURCES}
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def signatures(source: str) -> dict[str, Params]:
+    """The kernels of csrc/<source> and their parameters, from PARAMS_FILE (generated from nvcc's
+    preprocessor output and shipped in the package, so serving needs no nvcc). An entry whose
+    source changed since is an error naming the command that regenerates it."""
+    entry = json.loads(PARAMS_FILE.read_text()).get(source)
+    if entry is None or entry["key"] != source_key(source):
+        raise RuntimeError(f"{PARAMS_FILE.name} is stale for {source}: run `python -m blink.gpu.kernels --params`")
+    return {k: tuple(tuple(p) for p in v) for k, v in entry["kernels"].items()}  # type: ignore[misc]
+
+
+def all_signatures() -> dict[str, Params]:
+    return {k: v for s in SOURCES for k, v in signatures(s).items()}
 
 
 _SCALARS = {
@@ -154,10 +152,12 @@ def pack_args(kernel: str, params: Params, kwargs: dict[str, object]) -> list:
 class Kernels:
     """Function handles of every engine kernel, by name (`kernels["add_rmsnorm"]`)."""
 
-    def __init__(self, driver: Driver, cache_dir: pathlib.Path = DEFAULT_CACHE) -> None:
+    def __init__(self, driver: Driver, cache_dir: str | os.PathLike[str] = DEFAULT_CACHE) -> None:
         self.driver = driver
-        self.modules = [driver.module_load(str(p)) for p in build_all(cache_dir)]
-        self.params = all_signatures(cache_dir)
+        self.arch = device_arch()
+        self.cache_dir = pathlib.Path(cache_dir)
+        self.modules = [driver.module_load(str(p)) for p in build_all(cache_dir, self.arch)]
+        self.params = all_signatures()
         self._fns: dict[str, int] = {}
 
     def args(self, name: str, kwargs: dict[str, object]) -> list:
@@ -179,7 +179,25 @@ class Kernels:
         return fn
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Fill a kernel cache ahead of time (no GPU needed): every engine kernel and the scheduler;
+    or, with --params, regenerate the kernels' signature file (needs nvcc)."""
+    from blink.gpu import scheduler
+
+    ap = argparse.ArgumentParser(prog="python -m blink.gpu.kernels", description=main.__doc__)
+    ap.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 (repeatable; default 90)")
+    ap.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="where the cubins go (default: %(default)s)")
+    ap.add_argument("--params", action="store_true", help=f"regenerate {PARAMS_FILE.name} (nvcc -E) and exit")
+    args = ap.parse_args(argv)
+    if args.params:
+        PARAMS_FILE.write_text(render_params())
+        print(PARAMS_FILE)
+        return 0
+    for arch in args.arch or [90]:
+        for p in [*build_all(args.cache_dir, arch), scheduler.build_cubin(args.cache_dir, arch)]:
+            print(p)
+    return 0
+
+
 if __name__ == "__main__":
-    for p in build_all():
-        print(p)
-    print(f"{len(all_signatures())} kernel signatures")
+    raise SystemExit(main())

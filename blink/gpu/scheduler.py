@@ -15,17 +15,15 @@ Everything else the kernel keeps (rows, plan) lives in module globals no host co
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
-import shutil
-import subprocess
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from blink.device.scheduler import default_long_prefill
+from blink.gpu.build import Unit, build, default_cache_dir, nvrtc, target_for
 from blink.protocol.cgen import header_main, struct_lines
 from blink.protocol.layout import SLOT_DTYPE, RingView
 
@@ -38,7 +36,7 @@ INIT_KERNEL = "blink_sched_init"
 THREADS = 256  # one block; the kernel's scan partition and row mapping assume exactly this
 MAX_ROWS = 1024  # decode batch capacity compiled into the kernel (rows per step <= this)
 LAUNCH_WINDOW = 120  # fire-and-forget launches one graph execution may issue
-DEFAULT_CACHE = pathlib.Path(__file__).resolve().parents[2] / "build" / "kernels"  # beside the engine's cubins
+DEFAULT_CACHE = default_cache_dir()  # beside the engine's cubins
 
 # ctl.flags bits
 FLAG_ALWAYS_SCAN = 1  # scan every slot on every iteration (benchmarks the scan; no doorbell gating)
@@ -136,49 +134,18 @@ def render_ctl_header() -> str:
 
 # -- build -------------------------------------------------------------------------------------
 
-
-def find_nvcc() -> str | None:
-    for cand in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc"):
-        if cand and os.path.exists(cand):
-            return cand
-    return None
-
-
-def source_hash() -> str:
-    h = hashlib.sha256()
-    for name in SOURCES:
-        h.update((CSRC / name).read_bytes())
-    for name in ("blink_ring.h", "blink_engine.h"):
-        h.update((INCLUDE / name).read_bytes())
-    h.update(" ".join(nvcc_command("nvcc", pathlib.Path("out"))).encode())  # flags are part of the key
-    return h.hexdigest()[:16]
+# -ewp (extensible whole program): NVRTC declares the device runtime's cudaGraphLaunch and
+# cudaGetCurrentGraphExec only for separately compiled code; -ewp declares them while keeping one
+# whole-program cubin. The only external symbol left is cudaGraphLaunch, which the driver resolves
+# at load time (probe REPORT.md, Q2). A relocatable cubin (-rdc without a device link) would fail
+# cuModuleGetFunction with CUDA_ERROR_INVALID_IMAGE: its unified function tables stay unresolved.
+UNIT = Unit(SOURCES[0], (*SOURCES[1:], "blink_ring.h", "blink_engine.h"), ("-ewp", "-lineinfo"))
 
 
-def nvcc_command(nvcc: str, out: pathlib.Path, arch: str = "sm_90") -> list[str]:
-    # No -rdc: every device function stays in this module, and the only external symbol left is
-    # cudaGraphLaunch, which the driver resolves at load time (seen on the H200). A relocatable
-    # cubin (-rdc without a device link) fails cuModuleGetFunction with CUDA_ERROR_INVALID_IMAGE:
-    # its unified function tables (__UFT/__UDT) stay unresolved.
-    return [nvcc, f"-arch={arch}", "-O3", "-cubin", "-std=c++17", "-lineinfo",
-            f"-I{INCLUDE}", "-o", str(out), str(CSRC / "scheduler.cu")]  # fmt: skip
-
-
-def build_cubin(cache_dir: str | os.PathLike | None = None, nvcc: str | None = None) -> pathlib.Path:
-    """The scheduler module's cubin, compiled unless the cache holds this version (by source hash).
-    Raises if it must be compiled and nvcc is missing or fails."""
-    cache = pathlib.Path(cache_dir) if cache_dir else DEFAULT_CACHE
-    out = cache / f"scheduler-{source_hash()}.cubin"
-    if not out.exists():
-        nvcc = nvcc or find_nvcc()
-        if nvcc is None:
-            raise FileNotFoundError(f"no cached {out.name} and no nvcc to build it")
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
-        r = subprocess.run(nvcc_command(nvcc, tmp), capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
-        os.replace(tmp, out)
-    return out
+def build_cubin(cache_dir: str | os.PathLike | None = None, arch: int = 90) -> pathlib.Path:
+    """The scheduler module's cubin for compute capability `arch`, compiled (NVRTC) unless the
+    cache holds this version. Raises blink.gpu.build.BuildError when it cannot be built."""
+    return build(UNIT, target_for(arch, nvrtc().archs), cache_dir or DEFAULT_CACHE)
 
 
 # -- launcher ----------------------------------------------------------------------------------
@@ -299,7 +266,8 @@ class GpuScheduler:
         geo = self.view.geo
         max_batch, max_tokens, max_context = self._limits()
         rows_cap = min(MAX_ROWS, 2 * max_batch + 8)  # running + preempted rows
-        cubin = build_cubin(cache_dir)
+        kernels = eng.kernels
+        cubin = build_cubin(cache_dir or kernels.cache_dir, kernels.arch)
         self.module = self.drv.module_load(str(cubin))
         fn = self.drv.get_function(self.module, KERNEL)
         fn_init = self.drv.get_function(self.module, INIT_KERNEL)

@@ -11,6 +11,7 @@ host (the ablation baseline). Exit code 0 after a clean stop, 1 after a fault.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 from blink.device.process import device_main, kv_gib, phase, progress
@@ -49,6 +50,7 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
     import cupy as cp
 
     from blink.gpu.engine import Engine
+    from blink.gpu.kernels import DEFAULT_CACHE
     from blink.models.config import preset
 
     dev = cp.cuda.Device()
@@ -67,7 +69,9 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
         phase(f"loading {spec.model}")
         bundle = resolve_model(spec.model, allow_pull=False, seed=spec.seed, progress=progress("loading weights", "B"))
         mcfg, weights = bundle.config, bundle.weights
-    engine = Engine.create(mcfg, engine_config(spec, mcfg.max_position, sampling_rows), weights)
+    engine = Engine.create(
+        mcfg, engine_config(spec, mcfg.max_position, sampling_rows), weights, spec.kernel_cache or DEFAULT_CACHE
+    )
     d = engine.dims
     gib = kv_gib(mcfg.num_layers, d.num_blocks, d.block_size, mcfg.num_kv_heads, mcfg.head_dim, 2)
     phase(f"KV cache: {d.num_blocks} blocks of {d.block_size} tokens, {gib:.2f} GiB (bf16); capturing graphs")
@@ -77,13 +81,19 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
 
 def run(spec: DeviceSpec) -> int:
     """Serve the ring in this process until told to stop. Returns the final DeviceStatus."""
+    from blink.gpu.build import BuildError
     from blink.protocol.layout import DeviceStatus
     from blink.protocol.transport import ShmTransport
 
     transport = ShmTransport.open(spec.ring)
     view = transport.view()
-    # the sampling extensions' tables: a row per ring slot (both schedulers fill the extension fields)
-    engine = build_engine(spec, view.geo.n_slots)
+    try:
+        # the sampling extensions' tables: a row per ring slot (both schedulers fill the extension fields)
+        engine = build_engine(spec, view.geo.n_slots)
+    except BuildError as e:  # no NVRTC, a GPU too old, a compile error: one message, no traceback
+        print(f"blink: {e}", file=sys.stderr, flush=True)
+        view.header["device_status"] = DeviceStatus.FAILED
+        return DeviceStatus.FAILED
     try:
         if spec.scheduler == "gpu":
             from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
