@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from blink import config as C
+from blink.models import hub
 
 _RAY_COMMANDS = ("deploy", "status", "stop")
 log = logging.getLogger("blink")
@@ -217,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "pull", help="download the default model (SmolLM2-135M-Instruct) if missing", formatter_class=HelpFormatter
     )
-    p.add_argument("model", nargs="?", default="default", help="the model to fetch")
+    p.add_argument("model", nargs="?", default="default", help="the model to fetch: default, or a Hugging Face name")
     p.add_argument("--cache-dir", metavar="DIR", help="where to put it (default: ~/.cache/blink/models)")
 
     for name in _RAY_COMMANDS:
@@ -351,11 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "pull":
             return _pull(args)
-        cfg = config_from_args(args)
-        cfg = check_device(cfg)
+        cfg = check_device(resolve_model_name(config_from_args(args)))
     except C.ConfigError as e:
         print(f"blink: config error: {e}", file=sys.stderr)
         return 2
+    except hub.HubError as e:
+        print(f"blink: {e}", file=sys.stderr)
+        return 1
     setup_logging(cfg.server.log_level)
     try:
         from blink.launch import resolve_kind
@@ -416,18 +419,51 @@ def _ray_serve(args: argparse.Namespace) -> int:
         if "." in key and value is not None:
             section, field = key.split(".", 1)
             overrides.setdefault(section, {})[field] = value
+    spec = overrides.get("model", {}).get("spec")
+    if spec and hub.is_repo_id(spec):
+        try:
+            overrides["model"]["spec"] = str(hub.resolve(spec, hf_offline()))
+        except hub.HubError as e:
+            print(f"blink: {e}", file=sys.stderr)
+            return 1
+        overrides["model"].setdefault("name", spec)
     return actors_cli.serve_command(args.config, overrides)
 
 
 def _pull(args: argparse.Namespace) -> int:
     from blink.models import registry
 
+    if hub.is_repo_id(args.model):
+        try:
+            print(hub.resolve(args.model, hf_offline(), args.cache_dir))
+        except hub.HubError as e:
+            print(f"blink pull: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.model not in ("default", registry.DEFAULT_NAME):
-        print(f"blink pull: only the default model ({registry.DEFAULT_NAME}) can be pulled", file=sys.stderr)
+        print(
+            f"blink pull: expected the default model ({registry.DEFAULT_NAME}) or a Hugging Face name (org/model)",
+            file=sys.stderr,
+        )
         return 2
     path = registry.pull(args.cache_dir, progress=True)
     print(path)
     return 0
+
+
+def hf_offline() -> bool:
+    """HF_HUB_OFFLINE, read here at the edge (huggingface_hub's own truthy values)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def resolve_model_name(cfg: C.BlinkConfig) -> C.BlinkConfig:
+    """A Hugging Face name (`org/model`) -> its local snapshot directory, once, here; the API then
+    serves the model under that name (as vLLM does) unless --served-model-name says otherwise."""
+    spec = cfg.model.spec
+    if not hub.is_repo_id(spec):
+        return cfg
+    path = hub.resolve(spec, hf_offline())
+    return cfg.replace(model={"spec": str(path), "name": cfg.model.name or spec})
 
 
 def check_device(cfg: C.BlinkConfig) -> C.BlinkConfig:

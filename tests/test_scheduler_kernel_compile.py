@@ -49,7 +49,7 @@ def test_engine_settings_derive_from_the_blink_serve_spec():
     e = engine_config(device_spec(cfg, "ring-x"), max_position=100_000)
     assert (e.max_seqs, e.num_kv_blocks, e.block_size) == (64, 900, cfg.device.kv_block_size)
     assert e.max_tokens == 64  # a step holds at least one token per sequence
-    assert e.max_context == 8192  # the model's limit, capped
+    assert e.max_context == 100_000 - 100_000 % 16  # the model's max_position_embeddings: no 8192 cap
     assert e.kv_fraction == cfg.device.kv_cache_fraction == 0.9  # one default, in blink/config.py
 
 

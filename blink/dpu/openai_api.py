@@ -6,15 +6,17 @@ are rejected with a 400 when set to a non-default value, never silently ignored.
 penalties, min_p and logit_bias are computed on the device (blink/device/sampling.py); a device
 that lacks one (header.features) gets those requests refused with a 400 too. `n` choices per
 prompt and lists of prompts (completions) become one ring request per choice, as in vLLM:
-choice index = prompt index * n + i. Unknown
-fields are ignored (clients send vendor extensions). Extensions follow vLLM: top_k,
-stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, skip_special_tokens.
+choice index = prompt index * n + i. A field no struct here declares is a 400 naming it (a
+silently ignored field would change the output without a word). Extensions follow vLLM: top_k,
+stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, skip_special_tokens,
+request_id, and for chat add_generation_prompt and chat_template_kwargs (passed to the template).
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -43,14 +45,14 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     # vLLM's extension: every chunk carries the usage so far, and a chunk goes out for every
     # token batch even when it decodes to no text yet (clients can time tokens, not text).
     continuous_usage_stats: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -72,6 +74,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    request_id: str | None = None  # extension: the response id (an X-Request-Id header wins)
     min_p: float | None = None  # extension
     repetition_penalty: float | None = None  # extension
     prompt_logprobs: int | None = None  # extension
@@ -86,6 +89,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[Any]
     max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True  # extension
+    chat_template_kwargs: dict[str, Any] | None = None  # extension: extra variables of the chat template
     # Declared so that asking for them is a 400, not silently unconstrained output:
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
@@ -100,16 +105,18 @@ class CompletionRequest(_Sampling, kw_only=True):
     suffix: str | None = None
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's /tokenize: a completion prompt, or chat messages through the chat template."""
 
     model: str
     prompt: str | None = None
     messages: list[Any] | None = None
     add_special_tokens: bool = True  # prompt only: the BOS the model's tokenizer adds
+    add_generation_prompt: bool = True  # messages only
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     tokens: list[int]
 
@@ -119,12 +126,30 @@ _decoders = {
 }
 
 
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
+
+
+def chat_template_kwargs(r: ChatRequest | TokenizeRequest) -> dict[str, Any]:
+    """The request's extra chat-template variables, checked: they may not replace what the
+    template is given by Blink (messages, the special tokens, add_generation_prompt)."""
+    kw = dict(r.chat_template_kwargs or {})
+    taken = sorted(set(kw) & {"messages", "bos_token", "eos_token", "add_generation_prompt"})
+    if taken:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
+    return kw
+
+
 def parse(cls: type[msgspec.Struct], body: bytes) -> Any:
     try:
         return _decoders[cls].decode(body)
     except msgspec.ValidationError as e:
         msg = str(e)
         param = msg.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in msg else None
+        unknown = _UNKNOWN_FIELD.search(msg)
+        if unknown:
+            where = f"{param}." if param else ""
+            param = where + unknown.group(1)
+            msg = f"unknown request field {param!r}: Blink does not implement it (remove it from the request)"
         raise APIError(400, msg, param) from e
     except msgspec.DecodeError as e:
         raise APIError(400, f"malformed JSON body: {e}") from e
@@ -522,10 +547,18 @@ def completion_response(
 class ChunkMaker:
     """Streaming chunks of one response (chat.completion.chunk or text_completion)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, continuous_usage: int | None = None):
-        """continuous_usage: the prompt's token count when every chunk carries usage so far."""
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        include_usage: bool,
+        continuous_usage: int | None = None,
+        rid: str | None = None,
+    ):
+        """continuous_usage: the prompt's token count when every chunk carries usage so far;
+        rid: the response id (default: a new one)."""
         self.chat = chat
-        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.id = rid or new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage

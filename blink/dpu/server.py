@@ -127,6 +127,7 @@ class OpenAIServer:
         )
         if self.config.allowed_origins:
             app.on_response_prepare.append(self._cors_headers)
+        app.on_response_prepare.append(_echo_request_id)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -257,7 +258,7 @@ class OpenAIServer:
             raise api.APIError(400, "give either prompt or messages", "prompt")
         try:
             if r.messages is not None:
-                ids = self.tok.chat_prompt(r.messages)
+                ids = self.tok.chat_prompt(r.messages, r.add_generation_prompt, api.chat_template_kwargs(r))
             else:
                 ids = self.tok.text_ids(r.prompt or "", r.add_special_tokens)
         except PromptError as e:
@@ -309,7 +310,7 @@ class OpenAIServer:
             rid=api.new_id("chatcmpl" if chat else "cmpl"),
         )
         try:
-            await self._prepare(call, await request.read())
+            await self._prepare(call, await request.read(), request.headers.get("X-Request-Id"))
         except (api.APIError, web.HTTPException):
             self._end(call, "rejected")
             raise
@@ -339,10 +340,13 @@ class OpenAIServer:
             for g in call.gens:  # frees the slot of every choice still generating (the pumps are gone)
                 await g.aclose()
 
-    async def _prepare(self, call: _Call, body: bytes) -> None:
-        """Parse, validate and tokenize; one generation per choice in call.gens (not yet started)."""
+    async def _prepare(self, call: _Call, body: bytes, request_id: str | None = None) -> None:
+        """Parse, validate and tokenize; one generation per choice in call.gens (not yet started).
+        request_id: the X-Request-Id header, which names the response as in vLLM."""
         chat = call.chat
         r = api.parse(api.ChatRequest if chat else api.CompletionRequest, body)
+        if request_id or r.request_id:  # vLLM's response id: chatcmpl-<X-Request-Id | request_id>
+            call.rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or r.request_id}"
         self._check_model(r.model)
         if not chat and r.suffix:
             raise api.APIError(400, "suffix is not supported", "suffix")
@@ -350,11 +354,22 @@ class OpenAIServer:
             raise api.APIError(400, "best_of is not supported (as in vLLM V1); use n", "best_of")
         prompts = [r.messages] if chat else api.completion_prompts(r)
         n = api.choices_per_prompt(r, len(prompts))
-        encoded = [await self._encode(chat, p, len(body)) for p in prompts]
+        encoded = [await self._encode(chat, p, len(body), r) for p in prompts]
         for ids in encoded:
             why = self.backend.check_prompt(len(ids))
             if why:
                 raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
+        asked = r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens
+        limit, n_in = self.backend.max_context, max(len(ids) for ids in encoded)
+        if asked is not None and limit and n_in + asked > limit:  # an explicit max_tokens: vLLM's 400
+            raise api.APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_in + asked} tokens ({n_in} in the {'messages' if chat else 'prompt'}, {asked} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         try:
             stop_ids = self.tok.stop_ids(r.stop_token_ids or [], r.ignore_eos)
         except PromptError as e:
@@ -406,10 +421,11 @@ class OpenAIServer:
             for j, sub in enumerate(subs)
         ]
 
-    async def _encode(self, chat: bool, prompt: Any, body_bytes: int) -> list[int]:
+    async def _encode(self, chat: bool, prompt: Any, body_bytes: int, r: Any = None) -> list[int]:
         try:
             if chat:
-                encode = functools.partial(self.tok.chat_prompt, prompt)
+                extra = (r.add_generation_prompt, api.chat_template_kwargs(r)) if r is not None else ()
+                encode = functools.partial(self.tok.chat_prompt, prompt, *extra)
             else:
                 encode = functools.partial(self.tok.completion_prompt, prompt)
             # A long prompt would stall every stream on this event loop while it is encoded;
@@ -620,6 +636,13 @@ class OpenAIServer:
         await resp.write(b"data: [DONE]\n\n")
         call.complete = True
         await resp.write_eof()
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """A client's X-Request-Id comes back on the response (every endpoint, errors and streams too)."""
+    rid = request.headers.get("X-Request-Id")
+    if rid:
+        response.headers["X-Request-Id"] = rid
 
 
 def _json_response(obj: Any, status: int = 200) -> web.Response:

@@ -62,7 +62,14 @@ class FrontendTokenizer:
     def name(self) -> str:
         return self.info.name
 
-    def chat_prompt(self, messages: Sequence[Any]) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt ids of chat messages through the chat template; template_kwargs: extra
+        variables for the template (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise PromptError("messages must be a non-empty list", "messages")
         clean = []
@@ -76,7 +83,7 @@ class FrontendTokenizer:
                 {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
             )
         try:
-            text = self.tok.apply_chat_template(clean, add_generation_prompt=True)
+            text = self.tok.apply_chat_template(clean, add_generation_prompt, **(template_kwargs or {}))
         except ValueError as e:
             raise PromptError(str(e), "messages") from e
         return self.tok.encode(text, add_bos=False)

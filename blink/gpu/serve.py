@@ -18,16 +18,15 @@ from blink.device.process import device_main, kv_gib, phase, progress
 from blink.protocol.wire import DeviceSpec
 
 SMALL_RANDOM_PARAMS = 1_000_000_000
-DEFAULT_MAX_CONTEXT = 8192  # when neither the spec nor a smaller model limit says otherwise
 
 
 def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -> Any:
     """The engine's settings for a spec: the one place they are derived. A step packs at least one
     token per sequence, so the token budget is raised to max_batch; the context is the model's
-    (at most DEFAULT_MAX_CONTEXT) unless given, rounded down to whole KV blocks."""
+    (max_position_embeddings, as vLLM's max_model_len) unless given, rounded down to whole KV blocks."""
     from blink.gpu.engine import EngineConfig, parse_decode_attention
 
-    ctx = spec.max_context or min(max_position, DEFAULT_MAX_CONTEXT)
+    ctx = spec.max_context or max_position
     ecfg = EngineConfig(
         max_seqs=spec.max_batch,
         max_tokens=max(spec.max_tokens, spec.max_batch),
