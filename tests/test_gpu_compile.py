@@ -4,6 +4,7 @@ every target architecture; the engine's kernel names are in the cubins."""
 from __future__ import annotations
 
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -118,6 +119,15 @@ def _assert_no_spills(ptxas_log: str) -> None:
     g4 = {k: v for k, v in spills.items() if re.search(r"_g[1-4]$", k)}
     assert len(g4) == len(FLASH_VARIANTS) * 4 * 4, sorted(spills)
     assert not {k: v for k, v in g4.items() if v}, g4
+
+
+def test_kernel_signatures_file_is_fresh():
+    """kernel_params.json (what launches are checked against; serving needs no nvcc) matches the
+    sources: each entry's key, and, where nvcc exists, its preprocessor's view of every kernel."""
+    for s in kernels.SOURCES:
+        assert kernels.signatures(s), s  # raises when the source changed since the file was made
+    if shutil.which("nvcc") or pathlib.Path("/usr/local/cuda/bin/nvcc").exists():
+        assert kernels.PARAMS_FILE.read_text() == kernels.render_params(), "run python -m blink.gpu.kernels --params"
 
 
 @needs_nvrtc

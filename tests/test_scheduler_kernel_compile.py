@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import msgspec
 import numpy as np
 import pytest

@@ -39,7 +39,12 @@ def build(source: str, cache_dir: str | os.PathLike[str] = DEFAULT_CACHE, arch: 
 
 
 def build_all(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE, arch: int = 90) -> list[pathlib.Path]:
-    return [build(s, cache_dir, arch) for s in SOURCES]
+    """Every engine cubin, the missing ones compiled at once (NVRTC runs without the GIL: a first
+    start takes as long as the slowest source, flash_decode.cu, not the sum)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(SOURCES)) as pool:
+        return list(pool.map(lambda s: build(s, cache_dir, arch), SOURCES))
 
 
 def device_arch() -> int:
