@@ -139,6 +139,9 @@ def test_cache_key_tracks_source_arch_and_options(tmp_path: pathlib.Path):
     u = kernels.UNITS["sampling.cu"]
     assert u.key("sm_90", v) != kernels.UNITS["attention.cu"].key("sm_90", v)
     assert u.key("sm_90", v) != u.key("sm_80", v) != B.Unit(u.source, u.deps, ("-lineinfo",)).key("sm_80", v)
+    assert (
+        u.key("sm_90", (13, 0)) == u.key("sm_90", (13, 5)) != u.key("sm_90", (12, 9))
+    )  # a cache carries across minors
 
 
 @needs_nvrtc

@@ -12,7 +12,7 @@ architecture it does know, which the driver compiles at load. TARGET_ARCHS are t
 compiles every kernel for (tests/test_gpu_compile.py).
 
 Cache: <cache_dir>/<stem>-<arch>-<key>.cubin (or .ptx), key = hash of the sources, headers,
-options and NVRTC version; written to a temporary name and renamed, so processes building the same
+options and NVRTC's major version; written to a temporary name and renamed, so processes building the same
 kernel at once do not see half a file. The directory comes from the caller (`blink serve`: the
 config's device.kernel_cache, default default_cache_dir()).
 """
@@ -230,7 +230,9 @@ class Unit:
             h.update(name.encode() + b"\0" + p.read_bytes())
         for text in RTC_HEADERS.values():
             h.update(text.encode())
-        h.update(f"{target} {version} {' '.join(self.options)}".encode())
+        # NVRTC's major version only: a cubin from 13.5 loads wherever one from 13.0 does, so a cache
+        # filled on one machine serves another with a different minor release
+        h.update(f"{target} cuda{version[0]} {' '.join(self.options)}".encode())
         return h.hexdigest()[:16]
 
 
