@@ -34,8 +34,11 @@ export XDG_CACHE_HOME=/tmp/blink-xdg
 rm -rf "$T" "$XDG_CACHE_HOME"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$T" .whl/*.whl || fail "pip install"
 # no CUDA toolkit on PATH, and not the checkout: blink comes from the wheel
-PATH=$(printf %s "$PATH" | tr : '\n' | grep -v -i cuda | paste -sd: -)
-export PATH PYTHONPATH="$T"
+P=""
+for d in $(printf %s "$PATH" | tr : ' '); do
+  [ -x "$d/nvcc" ] || [ -x "$d/ptxas" ] || case "$d" in *cuda*) ;; *) P="$P${P:+:}$d" ;; esac
+done
+export PATH="$P" PYTHONPATH="$T"
 command -v nvcc >/dev/null && fail "nvcc is still on PATH"
 echo "PASS no nvcc on PATH"
 cd /tmp || fail "cd"
