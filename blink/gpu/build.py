@@ -185,7 +185,7 @@ def find_nvrtc() -> Nvrtc | None:
             try:
                 _nvrtc = Nvrtc(cand)
                 break
-            except (OSError, AttributeError):
+            except (OSError, AttributeError, BuildError):  # not loadable, or too old an NVRTC
                 continue
     return _nvrtc
 
