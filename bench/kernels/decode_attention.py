@@ -9,7 +9,7 @@ float64 numpy reference at batch 1), and times every kernel with its combine.
 
     python bench/kernels/decode_attention.py [--batches 1,8,64,256] [--context 1024] [--out F.json]
 
-Needs an NVIDIA GPU, CuPy and nvcc. Shape: Llama-3-8B (32 query heads, 8 KV heads, head dim 128).
+Needs an NVIDIA GPU, CuPy and NVRTC. Shape: Llama-3-8B (32 query heads, 8 KV heads, head dim 128).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import json
 import pathlib
-import subprocess
 import time
 
 import numpy as np
@@ -35,12 +34,16 @@ NQ, NKV, HD, BS = 32, 8, 128, 16
 
 
 def build() -> pathlib.Path:
-    key = hashlib.sha256((kernels.cubin_key("flash_decode.cu")).encode() + SOURCE.read_bytes()).hexdigest()[:16]
-    out = kernels.DEFAULT_CACHE / f"flash_decode_variants-{key}.cubin"
+    """The variants' cubin for this GPU (NVRTC, as the engine's), cached beside the engine's."""
+    from blink.gpu import build as B
+
+    rtc = B.nvrtc()
+    target = B.target_for(kernels.device_arch(), rtc.archs)
+    key = hashlib.sha256(kernels.source_key("flash_decode.cu").encode() + SOURCE.read_bytes()).hexdigest()[:16]
+    out = kernels.DEFAULT_CACHE / f"flash_decode_variants-{target}-{key}.cubin"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [kernels.nvcc_path() or "nvcc", *kernels.NVCC_FLAGS, "-I", str(kernels.CSRC), "-o", str(out), str(SOURCE)]
-        subprocess.run(cmd, check=True)
+        out.write_bytes(rtc.compile(SOURCE, target, (f"-I{kernels.CSRC}",)))
     return out
 
 
