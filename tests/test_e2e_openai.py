@@ -360,7 +360,8 @@ def test_echo(tiny):
     assert [ch.text for ch in r.choices] == ["Once upon" + plain] * 2  # greedy: both choices alike
     ev = _sse(
         tiny.url + "/v1/completions",
-        {"model": "tiny-llama", "prompt": ["Once upon", "x"], "echo": True, "stream": True, **kw, **kw["extra_body"]},
+        {"model": "tiny-llama", "prompt": ["Once upon", "x"], "echo": True, "stream": True, "max_tokens": 5}
+        | {"temperature": 0, **kw["extra_body"]},
     )
     first = {}
     for e in ev[:-1]:
@@ -646,9 +647,10 @@ def test_body_too_large_auth_and_still_serving(tiny):
         tiny.client(api_key="nope").models.list()
     code, js = _post(tiny.url + "/v1/nothing", "{}")
     assert code == 404 and "error" in js
-    # a huge max_tokens is clamped (the device stops at the context), not an overflow
-    r = tiny.client().completions.create(model="tiny-llama", prompt="ok", max_tokens=2**40, stop=["\n"], seed=1)
-    assert r.choices[0].finish_reason in ("stop", "length")
+    # a max_tokens beyond the context is vLLM's 400 naming it, not an overflow
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client().completions.create(model="tiny-llama", prompt="ok", max_tokens=2**40, stop=["\n"], seed=1)
+    assert e.value.body["param"] == "max_tokens" and "maximum context length is" in e.value.body["message"]
     # after all the bad requests the server still serves
     r = tiny.client().completions.create(model="tiny-llama", prompt="ok", max_tokens=2, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2
