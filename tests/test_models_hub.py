@@ -167,14 +167,18 @@ def test_serve_by_name_uses_the_models_context_length(hf_cache):
         card = models["data"][0]
         assert card["id"] == REPO and card["max_model_len"] == MAX_POSITION
         body = {"model": REPO, "prompt": "hello", "max_tokens": MAX_POSITION}
-        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+        req = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=30)
         err = json.loads(e.value.read())["error"]
         assert e.value.code == 400 and err["param"] == "max_tokens"
         assert f"maximum context length is {MAX_POSITION} tokens" in err["message"]
         body["max_tokens"] = 3
-        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+        req = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
         out = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert out["model"] == REPO and out["usage"]["completion_tokens"] >= 1
     finally:
