@@ -231,9 +231,10 @@ async def drive(served: Served, a: argparse.Namespace, tally: Tally, model: str,
         tally.t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         kill["done"] = True
-        # how long until the server notices (/health 503), and until it serves again (200)
+        # how long until the server notices (/health 503), and until it serves again (200); a restart
+        # that ends after the load is still timed (up to RECOVERY_WAIT_S past the end)
         kill["noticed_after_s"] = kill["recovered_after_s"] = None
-        while time.monotonic() < t_end:
+        while time.monotonic() < t_end + RECOVERY_WAIT_S:
             status, _ = await asyncio.to_thread(served.get, "/health")
             el = round(time.monotonic() - tally.t_kill, 2)
             if status != 200 and kill["noticed_after_s"] is None:
@@ -245,6 +246,9 @@ async def drive(served: Served, a: argparse.Namespace, tally: Tally, model: str,
 
     await asyncio.gather(killer(), *(worker(i) for i in range(a.concurrency)))
     return kill
+
+
+RECOVERY_WAIT_S = 60.0
 
 
 def idle_leaks(served: Served, wait_s: float) -> dict:

@@ -30,7 +30,6 @@ def test_soak_with_a_device_kill(tmp_path):
     kill = res["kill"]
     assert kill["done"] and kill["pid"] and kill["noticed_after_s"] is not None, kill
     assert res["lost"] == 0, res["lost_examples"]
-    if kill["recovered_after_s"] is not None:  # the device was restarted: then nothing may leak
-        assert rc == 0 and res["leaks"]["slots_leaked"] == 0 and res["leaks"]["kv_blocks_leaked"] == 0
-    else:  # no self-healing: the server says so (503), and the run is not ok
-        assert rc == 1 and res["outcomes"].get("unavailable", 0) > 0
+    # blink serve restarts its device (tests/test_device_lifecycle.py): it serves again, nothing leaks
+    assert kill["recovered_after_s"] is not None, kill
+    assert rc == 0 and res["leaks"]["slots_leaked"] == 0 and res["leaks"]["kv_blocks_leaked"] == 0
