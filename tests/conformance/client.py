@@ -152,10 +152,14 @@ class RingClient:
         self.t.write(base, rec)
         self.t.store_u32(base + _soff("state"), SlotState.PREFILL_PENDING)  # release: after every field
         if doorbell:
-            self.t.store_u64(_hoff("submit_seq"), self.t.load_u64(_hoff("submit_seq")) + 1)
+            self.doorbell()
         self.active[i] = Result(i, self._next_id, t_submit_ns=stamp)
         self._next_id += 1
         return i
+
+    def doorbell(self) -> None:
+        """Bump submit_seq: tells the device that slots became PREFILL_PENDING."""
+        self.t.store_u64(_hoff("submit_seq"), self.t.load_u64(_hoff("submit_seq")) + 1)
 
     def cancel(self, i: int) -> None:
         self.t.store_u32(self.geo.slot_offset(i) + _soff("cancel"), 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from blink.gpu.attention_launch import PREFILL_VARIANTS
 from blink.models.config import ModelConfig, preset
 from blink.models.reference import PagedDriver
 
@@ -322,7 +323,7 @@ def _check_numpy_executor(name: str, **ecfg_kw) -> None:
     eng.close()
 
 
-@pytest.mark.parametrize("prefill", ["rego", "smem", "fa2"])
+@pytest.mark.parametrize("prefill", PREFILL_VARIANTS)  # blink.gpu.engine_config validates against it
 @pytest.mark.parametrize("name", ["tiny-llama", "smollm2-135m"])
 def test_mixed_steps_match_numpy_executor(name, prefill):
     """Mixed steps (blink/device/scheduler.py): one-token decode rows with cached context first,
