@@ -229,3 +229,31 @@ def test_only_launches_records_one_category(signatures: dict):
             f.record(0, 4, 4, True)
         assert [n for n, *_ in calls] == [n for n in full if (kernel_category(n) if n != "cublas" else "gemm") == cat]
     assert (f.drv, f.blas) == (drv, blas)
+
+
+@pytest.mark.parametrize("decode", ["flashq", "basic"])
+@pytest.mark.parametrize("prefill", ["rego", "fa2"])
+def test_prefill_graph_runs_decode_attention_first(decode: str, prefill: str, signatures: dict):
+    """A prefill graph may carry one-token decode rows (mixed steps): in every layer the decode
+    attention of the graph's bucket (one CTA column per sequence, splits by that bucket) comes before
+    the prefill kernel, which skips one-token rows (prefill_tile_of_block) and rewrites the others."""
+    f, calls = _forward("llama3-8b", 8, "none", signatures)
+    f.decode_table = ((1, decode),)
+    f.set_prefill_attention(prefill)
+    S, T = 5, 64
+    f.record(0, S, T, False)
+    attn = [(n, grid) for n, grid, *_ in calls if n.startswith("attn_")]
+    dec = f.decode_kernels[decode]
+    splits = f.flash_splits(S, decode) if decode == "flashq" else f.splits(S)
+    per_layer = [(dec, (splits, f.c.num_kv_heads, S))]
+    if decode == "flashq" and splits > 1:
+        per_layer.append((f.flash_combine[decode], (-(-f.c.num_heads // 4), S, 1)))
+    per_layer.append((f.prefill_kernels[prefill], (T // 64 + S, f.c.num_heads, 1)))
+    names = [n for n, _ in attn]
+    assert names == [n for n, _ in per_layer] * 2, names
+    assert attn[0][1] == per_layer[0][1]
+    assert attn[len(per_layer) - 1][1] == per_layer[-1][1]
+    # a decode graph is unchanged: the decode kernel alone
+    calls.clear()
+    f.record(0, S, S, True)
+    assert [n for n, *_ in calls if n.startswith("attn_")] == [n for n, _ in per_layer[:-1]] * 2

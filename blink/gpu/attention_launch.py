@@ -117,20 +117,26 @@ class AttentionLaunches:
 
     def _record_attention(self, stream: int, S: int, T: int, decode: bool, kc: int, vc: int, scale_log2: float) -> None:
         """One layer's attention: q and the paged KV (kc, vc) -> attn."""
-        c = self.c
-        variant = self.decode_variant(S) if decode else ""
+        # Every sequence's last token through the decode kernel, in decode and prefill graphs alike: a
+        # prefill graph may carry one-token decode rows (mixed steps, blink/device/scheduler.py), which
+        # the prefill kernel skips so that their numerics match a pure decode step. The prefill kernel
+        # then rewrites every row of the multi-token rows (their last token included).
+        self._record_decode_attention(stream, S, kc, vc, scale_log2)
+        if not decode:
+            grid = (T // PREFILL_TILE + S, self.c.num_heads, 1)
+            args = self._attn_args(kc, vc, scale_log2)
+            self._launch(self.fn_prefill, grid, (128, 1, 1), stream, self.prefill_smem, **args)
+
+    def _record_decode_attention(self, stream: int, S: int, kc: int, vc: int, scale_log2: float) -> None:
+        """The decode kernel for a bucket of S sequences: one query (the last row) per sequence."""
+        variant = self.decode_variant(S)
         if variant in FLASH_VARIANTS:
             self._record_flash(stream, S, variant, kc, vc, scale_log2)
             return
-        args = self._attn_args(kc, vc, scale_log2)
-        if decode:
-            self._launch(
-                self.decode_kernels[variant], (self.splits(S), c.num_kv_heads, S), (128, 1, 1), stream,
-                po=self.part_o, pml=self.part_ml, cnt=self.split_counters, **args,
-            )  # fmt: skip
-        else:
-            grid = (T // PREFILL_TILE + S, c.num_heads, 1)
-            self._launch(self.fn_prefill, grid, (128, 1, 1), stream, self.prefill_smem, **args)
+        self._launch(
+            self.decode_kernels[variant], (self.splits(S), self.c.num_kv_heads, S), (128, 1, 1), stream,
+            po=self.part_o, pml=self.part_ml, cnt=self.split_counters, **self._attn_args(kc, vc, scale_log2),
+        )  # fmt: skip
 
     def _attn_args(self, kc: int, vc: int, scale_log2: float) -> dict[str, object]:
         """The arguments every attention kernel takes: q, the paged KV, the output, the batch's

@@ -32,7 +32,9 @@ using namespace nvcuda;
 
 // The (sequence, BM-query tile) a prefill block works on: tiles are numbered sequence after
 // sequence, so warp 0 scans the tile counts of cu_q_lens (a warp prefix sum per 32 sequences) for
-// the one holding blockIdx.x; sh_s = -1 when the block is past the live tiles. Ends in a barrier.
+// the one holding blockIdx.x; sh_s = -1 when the block is past the live tiles. One-token rows get no
+// tile: the decode kernel, launched before this one in every prefill graph, computes them exactly as
+// in a decode step (a decode row's numerics must not depend on what shares its step). Ends in a barrier.
 template <int BM>
 __device__ __forceinline__ void prefill_tile_of_block(const int* __restrict__ cu_q_lens,
                                                       const uint32_t* __restrict__ num_seqs, int& sh_s,
@@ -46,7 +48,10 @@ __device__ __forceinline__ void prefill_tile_of_block(const int* __restrict__ cu
     for (int s0 = 0; s0 < ns && base <= (int)blockIdx.x; s0 += 32) {
       const int s = s0 + lane;
       int nt = 0;
-      if (s < ns) nt = (cu_q_lens[s + 1] - cu_q_lens[s] + BM - 1) / BM;
+      if (s < ns) {
+        const int ql = cu_q_lens[s + 1] - cu_q_lens[s];
+        nt = ql > 1 ? (ql + BM - 1) / BM : 0;  // one-token rows: the decode kernel (launched first) owns them
+      }
       int inc = nt;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
