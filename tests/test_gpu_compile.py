@@ -407,3 +407,24 @@ def test_decode_groups_are_the_instantiated_ones():
         for g in re.findall(r"^\s*FLASH\(flashq, HD, (\d+),", (kernels.CSRC / "flash_decode.cu").read_text(), re.M)
     }
     assert basic == flash == set(DECODE_GROUPS)
+
+
+def test_offset_asserts_are_skipped_only_without_offsetof():
+    """NVRTC 13.0 (the H200's CUDA 13.0) has no __builtin_offsetof: scheduler.cu failed to build there
+    ("identifier __builtin_offsetof is undefined"). Its <stddef.h> then lacks offsetof, and every
+    generated offset assert sits under `#ifdef offsetof`; sizes are always asserted."""
+    import re
+
+    from blink.gpu import build
+
+    assert "offsetof" not in build.rtc_headers((13, 0))["stddef.h"]
+    assert "__builtin_offsetof" in build.rtc_headers((13, 5))["stddef.h"]
+    for path in [*build.INCLUDE.glob("*.h"), *build.CSRC.glob("*.cu*")]:
+        depth = 0
+        for line in path.read_text().splitlines():
+            if line.startswith("#ifdef offsetof"):
+                depth += 1
+            elif line.startswith("#endif") and depth:
+                depth -= 1
+            elif re.search(r"static_assert\(offsetof", line):
+                assert depth, f"{path.name}: an offsetof assert outside #ifdef offsetof: {line}"

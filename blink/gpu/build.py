@@ -35,6 +35,11 @@ TARGET_ARCHS = (80, 89, 90, 100)  # Ampere, Ada, Hopper, Blackwell: compiled in 
 
 INSTALL_HINT = "pip install 'blink[cu13]' (CUDA 13 driver) or 'blink[cu12]' (CUDA 12 driver)"
 
+# NVRTC 13.0 (the H200's CUDA 13.0) knows no __builtin_offsetof ("identifier is undefined"); 13.5
+# does. Below this version <stddef.h> has no offsetof and the generated headers skip their offset
+# asserts (their `#ifdef offsetof`).
+OFFSETOF_NVRTC = (13, 5)
+
 RTC_HEADERS = {
     "stdint.h": """#pragma once
 typedef signed char int8_t;
@@ -56,7 +61,6 @@ typedef unsigned long long uintptr_t;
     "stddef.h": """#pragma once
 typedef unsigned long size_t;
 typedef long ptrdiff_t;
-#define offsetof(t, m) __builtin_offsetof(t, m)
 """,
 }
 
@@ -103,6 +107,14 @@ def _include_candidates(major: int) -> list[pathlib.Path]:
     return [toolkit] if (toolkit / "cuda_runtime.h").is_file() else []
 
 
+def rtc_headers(version: tuple[int, int]) -> dict[str, str]:
+    """The in-memory C headers for an NVRTC of this version (offsetof only where it has the builtin)."""
+    headers = dict(RTC_HEADERS)
+    if version >= OFFSETOF_NVRTC:
+        headers["stddef.h"] += "#define offsetof(t, m) __builtin_offsetof(t, m)\n"
+    return headers
+
+
 class Nvrtc:
     """libnvrtc through ctypes: compile one source for one architecture (no GPU needed)."""
 
@@ -126,8 +138,9 @@ class Nvrtc:
 
     def compile(self, source: pathlib.Path, target: str, options: Sequence[str] = ()) -> bytes:
         """cubin (target sm_XX) or PTX (compute_XX) of `source`; raises BuildError with NVRTC's log."""
-        names = list(RTC_HEADERS)
-        hdr = (ctypes.c_char_p * len(names))(*[RTC_HEADERS[k].encode() for k in names])
+        headers = rtc_headers(self.version)
+        names = list(headers)
+        hdr = (ctypes.c_char_p * len(names))(*[headers[k].encode() for k in names])
         hnames = (ctypes.c_char_p * len(names))(*[k.encode() for k in names])
         prog = ctypes.c_void_p()
         self._check(

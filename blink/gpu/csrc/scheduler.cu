@@ -34,7 +34,9 @@ enum : uint32_t { ACT_RUN = 0, ACT_RELAUNCH = 1, ACT_EXIT = 2 };
 // fault codes in header.fault (CUDA errors are stored as themselves, below 0x10000)
 constexpr uint32_t FAULT_GRAPH_TIMEOUT = 0x10001u;
 constexpr uint32_t FAULT_NO_GRAPH = 0x10002u;
+#ifdef offsetof  // (NVRTC before 13.5 has none: see build.py)
 static_assert(offsetof(RingSlot, error) == offsetof(RingSlot, finish_reason) + 2, "finish word");
+#endif
 
 __device__ Row g_rows[SCHED_MAX_ROWS];
 __device__ uint32_t g_run[SCHED_MAX_ROWS];        // running rows, arrival order

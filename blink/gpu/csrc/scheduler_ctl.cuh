@@ -73,6 +73,7 @@ struct SchedCtl {
   uint64_t publish_ns_total;  // offset 384
   uint64_t busy_iters;  // offset 392
 };
+#ifdef offsetof
 static_assert(offsetof(SchedCtl, ring) == 0, "SchedCtl.ring offset");
 static_assert(offsetof(SchedCtl, engine) == 8, "SchedCtl.engine offset");
 static_assert(offsetof(SchedCtl, claim) == 16, "SchedCtl.claim offset");
@@ -133,6 +134,7 @@ static_assert(offsetof(SchedCtl, launch_ns_total) == 368, "SchedCtl.launch_ns_to
 static_assert(offsetof(SchedCtl, wait_ns_total) == 376, "SchedCtl.wait_ns_total offset");
 static_assert(offsetof(SchedCtl, publish_ns_total) == 384, "SchedCtl.publish_ns_total offset");
 static_assert(offsetof(SchedCtl, busy_iters) == 392, "SchedCtl.busy_iters offset");
+#endif
 static_assert(sizeof(SchedCtl) == 400, "SchedCtl size");
 
 }  // namespace blink

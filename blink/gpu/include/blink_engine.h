@@ -59,6 +59,7 @@ struct EngineABI {
   uint64_t* decode_execs;  // offset 336  [n_batch_buckets][execs_per_shape]
   uint64_t* prefill_execs;  // offset 344  [n_batch_buckets][n_token_buckets][execs_per_shape]
 };
+#ifdef offsetof
 static_assert(offsetof(EngineABI, max_seqs) == 0, "EngineABI.max_seqs offset");
 static_assert(offsetof(EngineABI, max_tokens) == 4, "EngineABI.max_tokens offset");
 static_assert(offsetof(EngineABI, max_blocks_per_seq) == 8, "EngineABI.max_blocks_per_seq offset");
@@ -109,6 +110,7 @@ static_assert(offsetof(EngineABI, batch_bucket_of) == 320, "EngineABI.batch_buck
 static_assert(offsetof(EngineABI, token_bucket_of) == 328, "EngineABI.token_bucket_of offset");
 static_assert(offsetof(EngineABI, decode_execs) == 336, "EngineABI.decode_execs offset");
 static_assert(offsetof(EngineABI, prefill_execs) == 344, "EngineABI.prefill_execs offset");
+#endif
 static_assert(sizeof(EngineABI) == 352, "EngineABI size");
 
 }  // namespace blink

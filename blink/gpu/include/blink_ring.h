@@ -109,6 +109,7 @@ struct RingHeader {
   uint64_t logprob_arena_offset;  // offset 256
   uint8_t _tail[248];
 };
+#ifdef offsetof
 static_assert(offsetof(RingHeader, magic) == 0, "RingHeader.magic offset");
 static_assert(offsetof(RingHeader, version) == 8, "RingHeader.version offset");
 static_assert(offsetof(RingHeader, header_bytes) == 12, "RingHeader.header_bytes offset");
@@ -152,6 +153,7 @@ static_assert(offsetof(RingHeader, scans) == 240, "RingHeader.scans offset");
 static_assert(offsetof(RingHeader, features) == 248, "RingHeader.features offset");
 static_assert(offsetof(RingHeader, logprob_top) == 252, "RingHeader.logprob_top offset");
 static_assert(offsetof(RingHeader, logprob_arena_offset) == 256, "RingHeader.logprob_arena_offset offset");
+#endif
 static_assert(sizeof(RingHeader) == 512, "RingHeader size");
 
 struct RingSlot {
@@ -188,6 +190,7 @@ struct RingSlot {
   uint64_t t_read_ns;  // offset 168
   uint32_t _pad2[4];  // offset 176
 };
+#ifdef offsetof
 static_assert(offsetof(RingSlot, state) == 0, "RingSlot.state offset");
 static_assert(offsetof(RingSlot, cancel) == 4, "RingSlot.cancel offset");
 static_assert(offsetof(RingSlot, request_id) == 8, "RingSlot.request_id offset");
@@ -220,6 +223,7 @@ static_assert(offsetof(RingSlot, _pad1) == 156, "RingSlot._pad1 offset");
 static_assert(offsetof(RingSlot, t_launch_ns) == 160, "RingSlot.t_launch_ns offset");
 static_assert(offsetof(RingSlot, t_read_ns) == 168, "RingSlot.t_read_ns offset");
 static_assert(offsetof(RingSlot, _pad2) == 176, "RingSlot._pad2 offset");
+#endif
 static_assert(sizeof(RingSlot) == 192, "RingSlot size");
 
 struct LogprobRecord {
@@ -227,17 +231,21 @@ struct LogprobRecord {
   int32_t top_ids[20];  // offset 4
   float top_logprobs[20];  // offset 84
 };
+#ifdef offsetof
 static_assert(offsetof(LogprobRecord, logprob) == 0, "LogprobRecord.logprob offset");
 static_assert(offsetof(LogprobRecord, top_ids) == 4, "LogprobRecord.top_ids offset");
 static_assert(offsetof(LogprobRecord, top_logprobs) == 84, "LogprobRecord.top_logprobs offset");
+#endif
 static_assert(sizeof(LogprobRecord) == 164, "LogprobRecord size");
 
 struct LogitBias {
   int32_t token;  // offset 0
   float bias;  // offset 4
 };
+#ifdef offsetof
 static_assert(offsetof(LogitBias, token) == 0, "LogitBias.token offset");
 static_assert(offsetof(LogitBias, bias) == 4, "LogitBias.bias offset");
+#endif
 static_assert(sizeof(LogitBias) == 8, "LogitBias size");
 
 }  // namespace blink
