@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "pull":
             return _pull(args)
-        cfg = check_device(resolve_model_name(config_from_args(args)))
+        cfg = resolve_model_name(config_from_args(args))
     except C.ConfigError as e:
         print(f"blink: config error: {e}", file=sys.stderr)
         return 2
@@ -368,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry.check_device(cfg.model.spec, resolve_kind(cfg.device.kind))
     except (FileNotFoundError, registry.UnsupportedModelError) as e:
         return _fail(args.command, e)
+    try:  # after the model's checks: a model the GPU cannot run is said first, whatever is installed
+        cfg = check_device(cfg)
+    except C.ConfigError as e:
+        print(f"blink: config error: {e}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return _serve(cfg)
     return _generate(cfg, args)

@@ -94,7 +94,7 @@ def _stream_until_cut(dpu: Host, url: str, cut) -> tuple[list, float]:
     """Start a long stream in the DPU host, call `cut()` after its first tokens, return every event
     and how long the stream took to end after the cut."""
     p = subprocess.Popen(
-        dpu.cmd([sys.executable, CLIENT, "stream", url, "100000", "SmolLM2-135M-Instruct"]),
+        dpu.cmd([sys.executable, CLIENT, "stream", url, "8000", "SmolLM2-135M-Instruct"]),
         stdout=subprocess.PIPE,
         text=True,
     )
