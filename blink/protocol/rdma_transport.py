@@ -77,7 +77,16 @@ from typing import Any
 import numpy as np
 
 from .tcp_transport import connect, recv_frame, send_frame
-from .transport import Data, RangeError, Read, TransportError, Write, as_bytes, check_range, check_word, out_bytes
+from .transport import (
+    BatchOfOne,
+    RangeError,
+    Read,
+    TransportError,
+    Write,
+    as_bytes,
+    check_range,
+    out_bytes,
+)
 from .wire import RdmaHello, RdmaWelcome, RingReply
 
 INSTALL_HINT = (
@@ -284,7 +293,7 @@ class RdmaRing:
         self.v.close()
 
 
-class RdmaTransport:
+class RdmaTransport(BatchOfOne):
     """Frontend half: the ring reached with RDMA READ/WRITE; bootstrap through the ring agent at
     `address` ('host:port'), once."""
 
@@ -485,39 +494,6 @@ class RdmaTransport:
             elif time.monotonic() > t_end:
                 self._broken = f"no completion within {self.timeout_s:g} s"
                 raise TransportError(f"RDMA to {self.address}: {self._broken}")
-
-    # -- single accesses: a batch of one -------------------------------------------------
-    def read(self, offset: int, n: int) -> bytes:
-        out = np.empty(n, np.uint8)
-        self.transact((), [(offset, out)])
-        return out.tobytes()
-
-    def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
-        self.transact((), [(offset, out)])
-        return out
-
-    def write(self, offset: int, data: Data) -> None:
-        self.transact([(offset, data)])
-
-    def load_u32(self, offset: int) -> int:
-        check_word(self.size, offset, 4)
-        out = np.empty(1, "<u4")
-        self.transact((), [(offset, out)])
-        return int(out[0])
-
-    def load_u64(self, offset: int) -> int:
-        check_word(self.size, offset, 8)
-        out = np.empty(1, "<u8")
-        self.transact((), [(offset, out)])
-        return int(out[0])
-
-    def store_u32(self, offset: int, value: int) -> None:
-        check_word(self.size, offset, 4)
-        self.transact([(offset, np.array([value], "<u4"))])
-
-    def store_u64(self, offset: int, value: int) -> None:
-        check_word(self.size, offset, 8)
-        self.transact([(offset, np.array([value], "<u8"))])
 
     def close_qp(self) -> None:
         with self._lock:

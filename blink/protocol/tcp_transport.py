@@ -30,7 +30,16 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from .transport import Data, RangeError, Read, TransportError, Write, as_bytes, check_range, check_word, out_bytes
+from .transport import (
+    BatchOfOne,
+    RangeError,
+    Read,
+    TransportError,
+    Write,
+    as_bytes,
+    check_range,
+    out_bytes,
+)
 from .wire import AGENT_PROTOCOL, AgentFrame, AgentHello, AgentWelcome, RingBatch, RingReply
 
 _LEN = struct.Struct("<I")
@@ -92,7 +101,7 @@ def connect(address: str, timeout_s: float) -> tuple[socket.socket, AgentWelcome
     return sock, w
 
 
-class TcpTransport:
+class TcpTransport(BatchOfOne):
     """A ring reached through the ring agent at `address` ('host:port')."""
 
     kind = "tcp"
@@ -181,39 +190,6 @@ class TcpTransport:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-    # -- single accesses: a batch of one -------------------------------------------------
-    def read(self, offset: int, n: int) -> bytes:
-        out = np.empty(n, np.uint8)
-        self.transact((), [(offset, out)])
-        return out.tobytes()
-
-    def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
-        self.transact((), [(offset, out)])
-        return out
-
-    def write(self, offset: int, data: Data) -> None:
-        self.transact([(offset, data)])
-
-    def load_u32(self, offset: int) -> int:
-        check_word(self.size, offset, 4)
-        out = np.empty(1, "<u4")
-        self.transact((), [(offset, out)])
-        return int(out[0])
-
-    def load_u64(self, offset: int) -> int:
-        check_word(self.size, offset, 8)
-        out = np.empty(1, "<u8")
-        self.transact((), [(offset, out)])
-        return int(out[0])
-
-    def store_u32(self, offset: int, value: int) -> None:
-        check_word(self.size, offset, 4)
-        self.transact([(offset, struct.pack("<I", value))])
-
-    def store_u64(self, offset: int, value: int) -> None:
-        check_word(self.size, offset, 8)
-        self.transact([(offset, struct.pack("<Q", value))])
 
     def close(self) -> None:
         with self._lock:

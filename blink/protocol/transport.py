@@ -126,6 +126,45 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+class BatchOfOne:
+    """Single accesses as batches of one `transact` (a remote transport's round trip); the class
+    supplies `size` and `transact(writes, reads)`."""
+
+    size: int
+
+    def read(self, offset: int, n: int) -> bytes:
+        out = np.empty(n, np.uint8)
+        self.transact((), [(offset, out)])
+        return out.tobytes()
+
+    def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
+        self.transact((), [(offset, out)])
+        return out
+
+    def write(self, offset: int, data: Data) -> None:
+        self.transact([(offset, data)])
+
+    def _load(self, offset: int, dtype: str) -> int:
+        out = np.empty(1, dtype)
+        check_word(self.size, offset, out.itemsize)
+        self.transact((), [(offset, out)])
+        return int(out[0])
+
+    def load_u32(self, offset: int) -> int:
+        return self._load(offset, "<u4")
+
+    def load_u64(self, offset: int) -> int:
+        return self._load(offset, "<u8")
+
+    def store_u32(self, offset: int, value: int) -> None:
+        check_word(self.size, offset, 4)
+        self.transact([(offset, np.array([value], "<u4"))])
+
+    def store_u64(self, offset: int, value: int) -> None:
+        check_word(self.size, offset, 8)
+        self.transact([(offset, np.array([value], "<u8"))])
+
+
 class ShmTransport:
     """A ring in a /dev/shm file, mapped MAP_SHARED by every process that opens it."""
 
