@@ -121,7 +121,7 @@ def _assert_no_spills(ptxas_log: str) -> None:
 def test_kernel_signatures_file_is_fresh():
     """kernel_params.json (what launches are checked against; serving needs no nvcc) matches the
     sources: each entry's key, and, where nvcc exists, its preprocessor's view of every kernel."""
-    for s in kernels.SOURCES:
+    for s in kernels.PARAM_SOURCES:
         assert kernels.signatures(s), s  # raises when the source changed since the file was made
     if shutil.which("nvcc") or pathlib.Path("/usr/local/cuda/bin/nvcc").exists():
         assert kernels.PARAMS_FILE.read_text() == kernels.render_params(), "run python -m blink.gpu.kernels --params"

@@ -76,3 +76,17 @@ def test_slot_copy_holds_one_ring_slot_per_slot():
     assert n * np.dtype(dtype).itemsize == 7 * slot_bytes
     # every buffer pointer of SchedCtl that the host allocates is in the table
     assert set(bufs) == {"claim", "waitq", "kv_free", "row_blocks", "row_tokens", "slot_copy"}
+
+
+def test_scheduler_launches_are_checked_against_the_kernels_signatures():
+    """The scheduler's three kernels are launched by parameter name, packed from their signatures in
+    kernel_params.json (was: positional ctypes lists kept by hand)."""
+    import ctypes
+
+    args = S.launch_args(S.INIT_KERNEL, c=0x1000, n_slots=7, num_kv_blocks=9)
+    assert [type(a) for a in args] == [ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32]
+    assert [a.value for a in args] == [0x1000, 7, 9]
+    assert [a.value for a in S.launch_args(S.KERNEL, c=0x2000)] == [0x2000]
+    assert [a.value for a in S.launch_args("blink_sched_clock", out=0x3000)] == [0x3000]
+    with pytest.raises(TypeError, match="missing"):
+        S.launch_args(S.INIT_KERNEL, c=0x1000, n_slots=7)

@@ -271,9 +271,9 @@ def test_pyverbs_is_optional_and_rdma_without_a_device_says_how_to_fix_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "python3-pyverbs" in out.stdout
-    from blink.protocol.rdma_transport import RdmaUnavailable, rdma_devices
-
     import importlib.util
+
+    from blink.protocol.rdma_transport import RdmaUnavailable, rdma_devices
 
     if importlib.util.find_spec("pyverbs") is not None and not rdma_devices():  # pyverbs present, no device
         from blink.protocol.rdma_transport import RdmaTransport

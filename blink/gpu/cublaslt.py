@@ -304,14 +304,14 @@ def _bf16_to_f32(a: object) -> object:
     return (a.astype(cp.uint32) << 16).view(cp.float32)  # type: ignore[attr-defined]
 
 
-def gpu_time_ms(driver: Driver, spin_fn: int, stream: Any, fn: Callable[[], None], iters: int = 6) -> float:
+def gpu_time_ms(driver: Driver, kernels: Any, stream: Any, fn: Callable[[], None], iters: int = 6) -> float:
     """GPU milliseconds per fn() (work enqueued on `stream`, a CuPy stream), behind the spin_ns
     kernel, so that the launch calls are all enqueued before the timed work starts."""
     import cupy as cp
 
     fn()
     a, b = cp.cuda.Event(), cp.cuda.Event()
-    driver.launch(spin_fn, (1, 1, 1), (1, 1, 1), [ctypes.c_uint64(300_000)], int(stream.ptr))
+    driver.launch(kernels["spin_ns"], (1, 1, 1), (1, 1, 1), kernels.args("spin_ns", {"ns": 300_000}), int(stream.ptr))
     a.record(stream)
     for _ in range(iters):
         fn()
@@ -341,7 +341,7 @@ def tune_engine(eng: Any, rows: list[int], progress: Callable[..., None] | None 
     cp.cuda.Device().synchronize()  # CuPy wrote on its own stream; the GEMMs run on the engine's
 
     def timer(fn: Callable[[], None]) -> float:
-        return gpu_time_ms(eng.driver, eng.kernels["spin_ns"], eng.stream, fn)
+        return gpu_time_ms(eng.driver, eng.kernels, eng.stream, fn)
 
     for n, (x, w, y, rows_, f32) in enumerate(jobs):
         n_out, k = int(w.shape[0]), int(w.shape[1])

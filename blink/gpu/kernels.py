@@ -29,6 +29,7 @@ CSRC = B.CSRC
 SOURCES = ("model_kernels.cu", "attention.cu", "prefill_attention.cu", "flash_decode.cu", "sampling.cu")
 HEADERS = ("common.cuh",)
 UNITS = {s: B.Unit(s, HEADERS) for s in SOURCES}
+PARAM_SOURCES = (*SOURCES, "scheduler.cu")  # every kernel Python launches: the engine's and the scheduler's
 PARAMS_FILE = CSRC / "kernel_params.json"
 DEFAULT_CACHE = B.default_cache_dir()
 
@@ -94,7 +95,18 @@ def nvcc_signatures(source: str) -> dict[str, Params]:
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
         raise RuntimeError("nvcc is needed to regenerate the kernel signatures")
-    cmd = [nvcc, "-arch=sm_90", "-std=c++17", "--expt-relaxed-constexpr", "-E", "-I", str(CSRC), str(CSRC / source)]
+    cmd = [
+        nvcc,
+        "-arch=sm_90",
+        "-std=c++17",
+        "--expt-relaxed-constexpr",
+        "-E",
+        "-I",
+        str(CSRC),
+        "-I",
+        str(B.INCLUDE),
+        str(CSRC / source),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"nvcc -E failed for {source}:\n{res.stderr}")
@@ -103,7 +115,7 @@ def nvcc_signatures(source: str) -> dict[str, Params]:
 
 def render_params() -> str:
     """PARAMS_FILE's text: every engine kernel's parameters, per source, with the source's key."""
-    data = {s: {"key": source_key(s), "kernels": nvcc_signatures(s)} for s in SOURCES}
+    data = {s: {"key": source_key(s), "kernels": nvcc_signatures(s)} for s in PARAM_SOURCES}
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 

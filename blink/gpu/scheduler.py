@@ -151,6 +151,14 @@ def build_cubin(cache_dir: str | os.PathLike | None = None, arch: int = 90) -> p
 # -- launcher ----------------------------------------------------------------------------------
 
 
+def launch_args(kernel: str, **kwargs: object) -> list:
+    """The ctypes arguments of a scheduler kernel, checked against its signature in
+    csrc/kernel_params.json (as the engine's launches are)."""
+    from blink.gpu.kernels import pack_args, signatures
+
+    return pack_args(kernel, signatures("scheduler.cu")[kernel], kwargs)
+
+
 def device_buffers(
     n_slots: int, num_blocks: int, max_blocks_per_seq: int, rows_cap: int, max_context: int
 ) -> dict[str, tuple[int, type]]:
@@ -234,7 +242,6 @@ class GpuScheduler:
     def _clock_offset(self, fn_clock: int) -> int:
         """ns to add to %globaltimer to get time.time_ns(), never too small: the upper bound of
         the offset over several bracketed reads, so device stamps never precede host stamps."""
-        import ctypes
         import time
 
         import cupy as cp
@@ -243,7 +250,7 @@ class GpuScheduler:
         best = None
         for _ in range(20):
             t0 = time.time_ns()
-            self.drv.launch(fn_clock, (1, 1, 1), (1, 1, 1), [ctypes.c_uint64(int(out.data.ptr))], self._stream.ptr)
+            self.drv.launch(fn_clock, (1, 1, 1), (1, 1, 1), launch_args("blink_sched_clock", out=out), self._stream.ptr)
             self._stream.synchronize()
             t1 = time.time_ns()
             g = int(out.get()[0])
@@ -254,7 +261,6 @@ class GpuScheduler:
         return best
 
     def start(self, cache_dir: str | None = None) -> None:
-        import ctypes
 
         import cupy as cp
 
@@ -294,18 +300,16 @@ class GpuScheduler:
         c["long_prefill"] = cfg.long_prefill_tokens or default_long_prefill(max_tokens)
         c["flags"] = FLAG_ALWAYS_SCAN if cfg.always_scan else 0
         b["ctl"] = cp.asarray(np.frombuffer(c.tobytes(), np.uint8))
-        ctl_ptr = ctypes.c_uint64(int(b["ctl"].data.ptr))
         s = self._stream.ptr
         cp.cuda.Device().synchronize()  # the buffers were filled on CuPy's stream; ours does not wait for it
-        self.drv.launch(
-            fn_init, (4, 1, 1), (256, 1, 1), [ctl_ptr, ctypes.c_uint32(geo.n_slots), ctypes.c_uint32(d.num_blocks)], s
-        )
+        init_args = launch_args(INIT_KERNEL, c=b["ctl"], n_slots=geo.n_slots, num_kv_blocks=d.num_blocks)
+        self.drv.launch(fn_init, (4, 1, 1), (256, 1, 1), init_args, s)
         self._stream.synchronize()
         # The kernel must run as a device graph: only then can it launch graphs fire-and-forget
         # and tail-launch itself (a plain launch of it fails with CUDA_ERROR_NOT_SUPPORTED).
         self.drv.begin_capture(s)
         try:
-            self.drv.launch(fn, (1, 1, 1), (THREADS, 1, 1), [ctl_ptr], s, name=KERNEL)
+            self.drv.launch(fn, (1, 1, 1), (THREADS, 1, 1), launch_args(KERNEL, c=b["ctl"]), s, name=KERNEL)
         finally:
             self._graph = self.drv.end_capture(s)
         self.exec = self.drv.instantiate_device_launch(self._graph)

@@ -12,7 +12,6 @@ safetensors) rounded to bf16, or random weights generated on the GPU by a counte
 
 from __future__ import annotations
 
-import ctypes
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -141,13 +140,7 @@ class GpuWeights:
                 fn,
                 (min(65535, (n + 255) // 256), 1, 1),
                 (256, 1, 1),
-                [
-                    ctypes.c_uint64(a.data.ptr),
-                    ctypes.c_uint64(n),
-                    ctypes.c_uint64(s),
-                    ctypes.c_float(std * 3.0**0.5),
-                    ctypes.c_float(bias),
-                ],
+                kernels.args("fill_random_bf16", {"out": a, "n": n, "seed": s, "scale": std * 3.0**0.5, "bias": bias}),
                 stream,
                 name="fill_random_bf16",
             )
