@@ -938,7 +938,9 @@ def test_device_crash_is_seen_at_once():
 def test_remote_frontend_never_maps_the_ring(tiny):
     if not isinstance(tiny, RemoteServer):
         pytest.skip("the frontend beside the device maps the ring by design")
-    out = tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=4)
+    out = tiny.client().completions.create(
+        model="tiny-llama", prompt="x", max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 4
     pid = tiny.fe.proc.pid
     with open(f"/proc/{pid}/maps") as f:
