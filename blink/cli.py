@@ -498,7 +498,7 @@ def _run(coro: Any) -> Any:
 
 
 def _serve(cfg: C.BlinkConfig) -> int:
-    from blink.launch import Stack, stderr_progress
+    from blink.stack import Stack, stderr_progress
 
     stack = Stack(cfg, stderr_progress)
     try:
@@ -533,7 +533,7 @@ async def _serve_async(stack: Any) -> None:
 
 
 def _generate(cfg: C.BlinkConfig, args: argparse.Namespace) -> int:
-    from blink.launch import Stack
+    from blink.stack import Stack
 
     stack = Stack(cfg, progress=None)
     try:
