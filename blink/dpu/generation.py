@@ -1,7 +1,7 @@
 """One generation as text: submit a request through the backend (the request tracker, or the
 data-parallel router), turn its token events into text deltas with the incremental detokenizer,
 stop strings included, and cancel its ring slot whenever the consumer stops early. The HTTP
-server (server.py) runs one of these per choice of a request."""
+server (completions.py) runs one of these per choice of a request."""
 
 from __future__ import annotations
 

@@ -350,6 +350,12 @@ def completion_prompts(r: CompletionRequest) -> list[str | list[int]]:
 # -- responses ---------------------------------------------------------------------------
 
 
+def check_model(model: str, served: str) -> None:
+    """The request names the model this server serves, or 404 (as OpenAI and vLLM)."""
+    if model != served:
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
