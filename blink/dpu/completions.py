@@ -28,6 +28,8 @@ from . import openai_api as api
 from .generation import Backend, GenerationError, TextEvent, stream_text
 from .metrics import Finished, Metrics
 from .middleware import json_response
+from .openai_logprobs import ChoiceLogprobs
+from .openai_responses import ChunkMaker, chat_response, completion_response, new_id
 from .request_tracker import RequestHandle
 from .slot_tracker import region_words
 from .tokenizer import FrontendTokenizer, PromptError
@@ -51,7 +53,7 @@ class Call:
     n_prompt: int = 0  # each prompt counts once, whatever n (as OpenAI's usage)
     gens: list[AsyncIterator[TextEvent]] = field(default_factory=list)  # one per choice
     prefixes: list[str] | None = None  # echo: the text each choice starts with
-    lps: list[api.ChoiceLogprobs] = field(default_factory=list)  # per choice
+    lps: list[ChoiceLogprobs] = field(default_factory=list)  # per choice
     prompt_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) only
     stream: bool = False
     include_usage: bool = False
@@ -90,7 +92,7 @@ class CompletionHandler:
             chat=chat,
             t0=time.perf_counter(),
             t_http_ns=time.time_ns(),
-            rid=api.new_id("chatcmpl" if chat else "cmpl"),
+            rid=new_id("chatcmpl" if chat else "cmpl"),
         )
         try:
             await self._prepare(call, await request.read(), request.headers.get("X-Request-Id"))
@@ -172,7 +174,7 @@ class CompletionHandler:
                 raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
         call.prompt_only = max_tokens == 0
         call.lps = [
-            api.ChoiceLogprobs(
+            ChoiceLogprobs(
                 chat,
                 sub.logprobs,
                 self._decode_one,
@@ -297,7 +299,7 @@ class CompletionHandler:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-        make = api.chat_response if call.chat else api.completion_response
+        make = chat_response if call.chat else completion_response
         pre = call.prefixes or [""] * len(texts)
         choices = [(p + text, f or "stop") for p, text, f in zip(pre, texts, call.finish, strict=True)]
         lps = call.lps
@@ -359,7 +361,7 @@ class CompletionHandler:
             await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
 
         chat, n_choices = call.chat, len(call.gens)
-        chunks = api.ChunkMaker(chat, self.tok.name, call.include_usage, call.n_prompt if call.continuous else None)
+        chunks = ChunkMaker(chat, self.tok.name, call.include_usage, call.n_prompt if call.continuous else None)
         chunks.id = call.rid
         done = 0
         lps, prefixes, prompt_only = call.lps, call.prefixes, call.prompt_only

@@ -1,0 +1,132 @@
+"""OpenAI response objects: a whole chat.completion / text_completion, and the streamed chunks of
+one (chat.completion.chunk / text_completion), with usage as OpenAI and vLLM give it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(n_prompt: int, n_gen: int) -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+
+def chat_response(
+    rid: str,
+    model: str,
+    choices: list[tuple[str, str]],
+    n_prompt: int,
+    n_gen: int,
+    logprobs: list[Any] | None = None,
+    prompt_logprobs: list[Any] | None = None,
+) -> dict[str, Any]:
+    """choices: (text, finish_reason) per choice index; logprobs: each choice's `logprobs` object."""
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs[i] if logprobs else None,
+                "finish_reason": finish,
+            }
+            for i, (text, finish) in enumerate(choices)
+        ],
+        "usage": usage(n_prompt, n_gen),
+        **({"prompt_logprobs": prompt_logprobs[0]} if prompt_logprobs else {}),
+    }
+
+
+def completion_response(
+    rid: str,
+    model: str,
+    choices: list[tuple[str, str]],
+    n_prompt: int,
+    n_gen: int,
+    logprobs: list[Any] | None = None,
+    prompt_logprobs: list[Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "text": text,
+                "logprobs": logprobs[i] if logprobs else None,
+                "finish_reason": finish,
+                **({"prompt_logprobs": prompt_logprobs[i]} if prompt_logprobs else {}),
+            }
+            for i, (text, finish) in enumerate(choices)
+        ],
+        "usage": usage(n_prompt, n_gen),
+    }
+
+
+class ChunkMaker:
+    """Streaming chunks of one response (chat.completion.chunk or text_completion)."""
+
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        include_usage: bool,
+        continuous_usage: int | None = None,
+        rid: str | None = None,
+    ):
+        """continuous_usage: the prompt's token count when every chunk carries usage so far;
+        rid: the response id (default: a new one)."""
+        self.chat = chat
+        self.id = rid or new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        c = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if self.include_usage:
+            c["usage"] = None
+        return c
+
+    def role(self, index: int = 0) -> dict[str, Any]:
+        return self._chunk(
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        )
+
+    def text(
+        self, text: str, finish: str | None = None, n_gen: int = 0, index: int = 0, logprobs: Any = None
+    ) -> dict[str, Any]:
+        """n_gen: the tokens generated so far (all choices), for continuous usage; logprobs: the
+        chunk's `logprobs` object (its tokens')."""
+        if self.chat:
+            delta = {"content": text} if text else {}
+            c = self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+        else:
+            c = self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        if self.continuous_usage is not None:
+            c["usage"] = usage(self.continuous_usage, n_gen)
+        return c
+
+    def usage(self, n_prompt: int, n_gen: int) -> dict[str, Any]:
+        c = self._chunk({})
+        c["choices"] = []
+        c["usage"] = usage(n_prompt, n_gen)
+        return c
