@@ -66,6 +66,7 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict) -> 
     f.arena = SimpleNamespace(ptr=dict.fromkeys([f.name for f in STEP_FIELDS], 8192))
     names = "resid hid delta qkv q attn gu act last logits out_tokens done_seq kv cos sin part_o part_ml"
     names += " proc chosen_lp top_ids top_lps lp_stats pen_state bias_n bias_ids bias_vals"
+    names += " plp_hid plp_logits plp_lp plp_ids plp_lps"
     for b in names.split():
         setattr(f, b, _Arr(1))
     f.sampling_rows = 4
@@ -117,6 +118,26 @@ def test_fused_decode_launches(name: str, T: int, fusion: str, signatures: dict)
     # the final norm adds delta only when the GEMVs did not add into the residual
     final = next(a for n, _, a, _ in calls if n == "final_norm_gather")
     assert (final[1].value == 0) == ("norm" in fuse)
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_prefill_graphs_score_prompt_tokens(T: int, signatures: dict):
+    """Prefill graphs end with the prompt-logprob kernels (final norm, LM head, records; each gated by
+    ext_on and plp_count), after sampling; decode graphs and engines without the extension tables
+    launch none. The norm adds delta unless the GEMVs added into the residual."""
+    f, calls = _forward("llama3-8b", 8, "all", signatures)
+    f.record(0, 1, T, False)
+    names = [c[0] for c in calls]
+    assert names[-5:] == ["sample_post", "plp_norm", "plp_lm_head", "plp_records", "signal_done"]
+    norm = next(a for n, _, a, _ in calls if n == "plp_norm")
+    assert (norm[1].value == 0) == ("norm" in f.fusions_for(T))
+    calls.clear()
+    f.record(0, 8, 8, True)
+    assert not [n for n, *_ in calls if n.startswith("plp_")]
+    f.sampling_rows = 0
+    calls.clear()
+    f.record(0, 1, T, False)
+    assert not [n for n, *_ in calls if n.startswith("plp_")]
 
 
 @pytest.mark.parametrize("fusion", ["none", "all"])

@@ -93,7 +93,7 @@ def test_load_step_writes_every_field_where_the_arena_has_it():
         if f.name == "block_tables":
             np.testing.assert_array_equal(got.reshape(4, 5)[:3, :4], b.block_tables)
         elif f.extent == "1":
-            assert int(got[0]) == {"num_seqs": 3, "num_tokens": 7, "step_seq": 77, "ext_on": 0}[f.name]
+            assert int(got[0]) == {"num_seqs": 3, "num_tokens": 7, "step_seq": 77, "ext_on": 0, "plp_count": 0}[f.name]
         elif f.ext:
             assert not got.any(), f.name  # not read while ext_on is 0
         else:
@@ -123,8 +123,9 @@ def _ext(S: int = 3, T: int = 7):
 
 def test_load_step_writes_the_extension_fields():
     """A step with SamplingExt: ext_on set, pen_row = the slot for penalized rows (-1 otherwise), the
-    per-row parameters in their fields; slots past the engine's sampling rows and prompt logprobs
-    (not implemented by the CUDA engine) are refused."""
+    per-row parameters in their fields, the scored prompt tokens (targets >= 0) as plp rows with
+    their sequence's alternatives (capped at MAX_LOGPROBS); slots past the engine's sampling rows are
+    refused."""
     d = Dims(max_seqs=4, max_tokens=16, max_blocks_per_seq=5, block_size=16, num_blocks=50, max_context=80)
     layout, nbytes = arena_layout(d)
     buf = np.zeros(nbytes, np.uint8)
@@ -144,12 +145,16 @@ def test_load_step_writes_the_extension_fields():
     np.testing.assert_array_equal(h["repetition"][:3], np.float32([1, 1, 1.2]))
     np.testing.assert_array_equal(h["min_p"][:3], np.float32([0, 0.1, 0]))
     np.testing.assert_array_equal(h["n_logprobs"][:3], [-1, 20, 3])
+    assert h["plp_count"][0] == 0
+    b.ext.targets[[0, 3, 5]] = [11, 12, 13]  # token 0 of sequence 0, tokens 1 and 3 of sequence 2
+    b.ext.prompt_n[:] = [4, -1, 30]
+    eng.load_step(b)
+    assert h["plp_count"][0] == 3
+    np.testing.assert_array_equal(h["plp_tok"][:3], [0, 3, 5])
+    np.testing.assert_array_equal(h["plp_target"][:3], [11, 12, 13])
+    np.testing.assert_array_equal(h["plp_n"][:3], [4, 20, 20])
     eng.fwd.sampling_rows = 7  # slot 7 has no state row
     with pytest.raises(ValueError, match="sampling rows"):
-        eng.load_step(b)
-    eng.fwd.sampling_rows = 8
-    b.ext.targets[2] = 11
-    with pytest.raises(ValueError, match="prompt logprobs"):
         eng.load_step(b)
 
 

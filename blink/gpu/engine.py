@@ -164,8 +164,9 @@ class Engine:
         Tm, Sm = ecfg.max_tokens, ecfg.max_seqs
         act = 2 * Tm * (3 * c.hidden_size + (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size)
         act += 4 * Sm * c.vocab_size + 8 * Sm * 32 * c.q_size * 4
-        if ecfg.sampling_rows:  # processed logits, penalty state, logit_bias tables
+        if ecfg.sampling_rows:  # processed logits, penalty state, logit_bias tables, prompt logprob rows
             act += 4 * Sm * c.vocab_size + ecfg.sampling_rows * (4 * c.vocab_size + 8 * MAX_LOGIT_BIAS)
+            act += Tm * (4 * c.vocab_size + 2 * c.hidden_size + 4 + 8 * MAX_LOGPROBS)
         free = cp.cuda.runtime.memGetInfo()[0] - act - (ecfg.graph_reserve_mib << 20)
         per_block = c.num_layers * 2 * ecfg.block_size * c.kv_size * 2
         n = int(free * ecfg.kv_fraction) // per_block
@@ -307,7 +308,9 @@ class Engine:
         rec["max_logit_bias"], rec["max_logprobs"] = MAX_LOGIT_BIAS, MAX_LOGPROBS
         for f in STEP_FIELDS:
             rec[f.name] = a[f.name]
-        for name in ("out_tokens", "done_seq", "chosen_lp", "top_ids", "top_lps", "pen_state", "bias_n"):
+        for name in ("out_tokens", "done_seq", "chosen_lp", "top_ids", "top_lps", "plp_lp", "plp_ids", "plp_lps"):
+            rec[name] = int(getattr(self.fwd, name).data.ptr)
+        for name in ("pen_state", "bias_n"):
             rec[name] = int(getattr(self.fwd, name).data.ptr)
         rec["bias_ids"] = int(self.fwd.bias_ids.data.ptr)
         rec["bias_vals"] = int(self.fwd.bias_vals.data.ptr)
@@ -370,14 +373,20 @@ class Engine:
         rows = self.fwd.sampling_rows
         if x.penalized.any() and int(x.slots[x.penalized].max()) >= rows:
             raise ValueError(f"penalty state of slot {int(x.slots.max())}: the engine has {rows} sampling rows")
-        if (x.targets >= 0).any():
-            raise ValueError("prompt logprobs are not implemented by the CUDA engine")
         h["pen_row"][:S] = np.where(x.penalized, x.slots, -1)
         h["fresh"][:S] = x.fresh
         h["emit"][:S] = x.emit
         h["presence"][:S], h["frequency"][:S] = x.presence, x.frequency
         h["repetition"][:S], h["min_p"][:S] = x.repetition, x.min_p
         h["n_logprobs"][:S] = np.minimum(x.n_logprobs, MAX_LOGPROBS)
+        scored = np.flatnonzero(x.targets >= 0)  # packed tokens whose logits score a prompt token
+        P = scored.size
+        h["plp_count"][0] = P
+        if P:
+            seq_of = np.repeat(np.arange(S), np.diff(b.cu_q_lens))
+            h["plp_tok"][:P] = scored
+            h["plp_target"][:P] = x.targets[scored]
+            h["plp_n"][:P] = np.clip(x.prompt_n[seq_of[scored]], 0, MAX_LOGPROBS)
 
     def _upload_bias(self, b: StepBatch) -> list[np.ndarray]:
         """logit_bias of the step's new penalized requests into their rows' tables (once per request:
@@ -401,8 +410,11 @@ class Engine:
 
     def step(self, b: StepBatch) -> np.ndarray:
         """Run one step through its graph from the host; returns (S,) int32 sampled tokens. With
-        b.ext, the logprob records of its rows with n_logprobs >= 0 are written into b.ext.logprobs."""
+        b.ext, the logprob records of its rows with n_logprobs >= 0 are written into b.ext.logprobs,
+        and those of its scored prompt tokens (targets >= 0) into b.ext.prompt_logprobs."""
         decode = self.load_step(b)
+        P = int(self.arena.host["plp_count"][0]) if b.ext is not None else 0
+        decode = decode and not P  # prompt logprobs are computed by the prefill graphs only
         keep = self._upload_bias(b)
         self.arena.upload(self.s, b.num_seqs)
         self.driver.graph_launch(self.pick_exec(b.num_seqs, b.num_tokens, decode), self.s)
@@ -413,6 +425,10 @@ class Engine:
             chosen = f.chosen_lp[:S].get(stream=self.stream)
             top_ids = f.top_ids[:S].get(stream=self.stream)
             top_lps = f.top_lps[:S].get(stream=self.stream)
+        if P:
+            p_lp = f.plp_lp[:P].get(stream=self.stream)
+            p_ids = f.plp_ids[:P].get(stream=self.stream)
+            p_lps = f.plp_lps[:P].get(stream=self.stream)
         self.stream.synchronize()  # type: ignore[attr-defined]
         del keep
         if want is not None and want.size:
@@ -422,6 +438,10 @@ class Engine:
                 rec["logprob"] = chosen[s]
                 rec["top_ids"][:n] = top_ids[s, :n]
                 rec["top_logprobs"][:n] = top_lps[s, :n]
+        if P:  # the kernels wrote the first plp_n[j] alternatives of each; the rest are not read
+            rec = x.prompt_logprobs[self.arena.host["plp_tok"][:P]]
+            rec["logprob"], rec["top_ids"], rec["top_logprobs"] = p_lp, p_ids, p_lps
+            x.prompt_logprobs[self.arena.host["plp_tok"][:P]] = rec
         return out
 
     def logits(self, num_seqs: int) -> np.ndarray:

@@ -125,6 +125,15 @@ class Forward(AttentionLaunches):
         self.bias_n = z(rows, dt=cp.int32)
         self.bias_ids = z(rows, MAX_LOGIT_BIAS, dt=cp.int32)
         self.bias_vals = z(rows, MAX_LOGIT_BIAS, dt=cp.float32)
+        # Prompt logprobs (plp_* in sampling.cu): the final-normed hidden state, the fp32 logits and
+        # the record of every scored row; up to max_tokens rows (max_tokens * vocab * 4 bytes of
+        # logits), allocated with the extension tables.
+        P = Tm if sampling_rows else 1
+        self.plp_hid = z(P, H)
+        self.plp_logits = z(P, V if sampling_rows else 1, dt=cp.float32)
+        self.plp_lp = z(P, dt=cp.float32)
+        self.plp_ids = z(P, MAX_LOGPROBS, dt=cp.int32)
+        self.plp_lps = z(P, MAX_LOGPROBS, dt=cp.float32)
         self.done_seq = z(1, dt=cp.uint64)
         ws = max(s * max(self.splits(s), *(self.flash_splits(s, v) for v in FLASH_VARIANTS)) for s in range(1, Sm + 1))
         self.part_o = z(ws * c.num_heads * c.head_dim, dt=cp.float32)
@@ -259,6 +268,27 @@ class Forward(AttentionLaunches):
                 state=self.pen_state, pen_row=a["pen_row"], num_seqs=ns, ext_on=on,
             )  # fmt: skip
 
+    def record_prompt_logprobs(self, stream: int, T: int, delta: object) -> None:
+        """Prompt logprob records of the step's scored rows (prefill graphs only: a step that scores
+        prompt tokens is launched on one): final norm, LM head and records over rows j < plp_count,
+        each kernel returning at once unless ext_on and plp_count are set."""
+        c, a = self.c, self.arena.ptr
+        V, H, on, cnt = c.vocab_size, c.hidden_size, a["ext_on"], a["plp_count"]
+        g = min(T, self.num_sms)
+        self._launch(
+            "plp_norm", (g, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=delta, w=self.w.final_norm,
+            hid=self.plp_hid, plp_tok=a["plp_tok"], plp_count=cnt, ext_on=on, H=H, eps=c.rms_eps,
+        )  # fmt: skip
+        self._launch(
+            "plp_lm_head", (-(-V // 64), 1, 1), (256, 1, 1), stream, hid=self.plp_hid, W=self.w.lm_head,
+            logits=self.plp_logits, V=V, K=H, plp_count=cnt, ext_on=on,
+        )  # fmt: skip
+        self._launch(
+            "plp_records", (g, 1, 1), (1024, 1, 1), stream, logits=self.plp_logits, V=V, plp_target=a["plp_target"],
+            plp_n=a["plp_n"], max_lp=MAX_LOGPROBS, plp_lp=self.plp_lp, plp_ids=self.plp_ids, plp_lps=self.plp_lps,
+            plp_count=cnt, ext_on=on,
+        )  # fmt: skip
+
     def record(self, stream: int, S: int, T: int, decode: bool) -> None:
         """Issue every launch of one step for the bucket (S sequences, T tokens)."""
         c, d, a = self.c, self.d, self.arena.ptr
@@ -334,4 +364,6 @@ class Forward(AttentionLaunches):
         )  # fmt: skip
         self.linear(self.last, self.w.lm_head, self.logits, S, stream, out_f32=True)
         self.record_sampling(stream, S)
+        if self.sampling_rows and not decode:
+            self.record_prompt_logprobs(stream, T, None if fuse_norm else self.delta)
         self._launch("signal_done", (1, 1, 1), (1, 1, 1), stream, step_seq=a["step_seq"], done_seq=self.done_seq)

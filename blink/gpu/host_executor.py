@@ -26,11 +26,11 @@ class HostExecutor:
         self.num_blocks = d.num_blocks
         self.max_batch = d.max_seqs
         self.max_tokens = d.max_tokens
-        # Logprobs, penalties, min_p and logit_bias run in the graphs when the engine has the tables
-        # (EngineConfig.sampling_rows = the ring's n_slots); prompt logprobs need the LM head over
-        # every prefill token, which the CUDA engine does not compute: those requests get the 400.
+        # Logprobs, prompt logprobs, penalties, min_p and logit_bias run in the graphs when the engine
+        # has the tables (EngineConfig.sampling_rows = the ring's n_slots).
         on = engine.fwd.sampling_rows > 0
-        self.features = DeviceFeatures.LOGPROBS | DeviceFeatures.PENALTIES if on else DeviceFeatures.NONE
+        every = DeviceFeatures.LOGPROBS | DeviceFeatures.PROMPT_LOGPROBS | DeviceFeatures.PENALTIES
+        self.features = every if on else DeviceFeatures.NONE
 
     @classmethod
     def create(

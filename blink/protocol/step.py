@@ -62,6 +62,13 @@ STEP_FIELDS: tuple[StepField, ...] = (
     _f("min_p", "<f4", "S", "min_p (0 = off)", ext=True),
     _f("n_logprobs", "<i4", "S", "-1: no logprob record; else alternatives in the record (<= MAX_LOGPROBS)",
        ext=True),
+    # prompt logprobs (SlotFlags.PROMPT_LOGPROBS; kernels plp_* in sampling.cu): scored row j < plp_count is
+    # packed token plp_tok[j], whose logits score the prompt token plp_target[j]
+    _f("plp_count", "<u4", "1", "scored rows of the step (read only when ext_on; 0: the plp kernels return at once)",
+       ext=True),
+    _f("plp_tok", "<i4", "T", "packed token of scored row j", ext=True),
+    _f("plp_target", "<i4", "T", "prompt token id scored row j's logits score", ext=True),
+    _f("plp_n", "<i4", "T", "alternatives in scored row j's record (<= MAX_LOGPROBS)", ext=True),
     _f("block_tables", "<i4", "S,W", "physical KV block of each logical block"),
 )
 # fmt: on

@@ -1,9 +1,11 @@
-"""Logprobs, penalties, min_p and logit_bias on `--device cuda` with the host loop (RingDevice +
+"""Logprobs, prompt logprobs, penalties, min_p and logit_bias on `--device cuda` with the host loop (RingDevice +
 HostExecutor), through the ring and the frontend's RequestTracker: every step's raw logits (the LM
 head's fp32 output, read back after the graph) are replayed through the emulated device's
 definition (blink/device/sampling.py, its per-slot PenaltyState included) and must give the tokens
 the graphs sampled and the logprob records the ring delivered. A step without extensions keeps
-ext_on 0 (the extension kernels return at once)."""
+ext_on 0 (the extension kernels return at once). Prompt logprob records are checked against the
+definition on the logits the graph computed for the scored rows (plp_logits), and the GPU-resident
+scheduler must deliver the host loop's records."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from blink.protocol.wire import SubmitRequest
 pytestmark = pytest.mark.gpu
 
 N_SLOTS = 4
+EVERY = DeviceFeatures.LOGPROBS | DeviceFeatures.PROMPT_LOGPROBS | DeviceFeatures.PENALTIES
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +51,24 @@ def _recording_executor(engine):
         def __init__(self, e):
             super().__init__(e)
             self.steps = []
+            self.scored = []  # (batch, logits of its scored rows) of the steps with prompt logprob rows
 
         def execute(self, batch):
             toks = super().execute(batch)
             self.steps.append((batch, self.engine.logits(batch.num_seqs).copy(), toks.copy()))
+            P = 0 if batch.ext is None else int((batch.ext.targets >= 0).sum())
+            if P:
+                self.scored.append((batch, self.engine.fwd.plp_logits[:P].get()))
             return toks
 
     return Recording(engine)
 
 
-def _serve(engine, reqs, max_tokens=64, scheduler="host", sequential=False):
+def _serve(engine, reqs, max_tokens=64, scheduler="host", sequential=False, prompt=False, recorder=None):
     """reqs through the frontend's RequestTracker on a fresh ring served by the host loop (with every
-    step recorded) or the GPU-resident scheduler. Returns (features, [(ids, logprobs, finish)], steps)."""
+    step recorded) or the GPU-resident scheduler. Returns (features, [(ids, logprobs, finish)], steps);
+    with `prompt`, each result also holds the prompt logprob records; `recorder`: a list that gets
+    the host loop's executor."""
     from blink.device.ring_device import RingDevice, RingDeviceConfig
 
     name = f"blink-gpu-rs-{os.getpid()}-{id(reqs)}"
@@ -67,6 +76,8 @@ def _serve(engine, reqs, max_tokens=64, scheduler="host", sequential=False):
     ex, gpu, th = None, None, None
     if scheduler == "host":
         ex = _recording_executor(engine)
+        if recorder is not None:
+            recorder.append(ex)
         dev = RingDevice(t.view(), ex, RingDeviceConfig(max_tokens=max_tokens))
         th = threading.Thread(target=dev.run, daemon=True)
         th.start()
@@ -87,12 +98,13 @@ def _serve(engine, reqs, max_tokens=64, scheduler="host", sequential=False):
             feats = DeviceFeatures(int(tr.reader.header["features"]))
 
             async def one(r):
-                ids, lps, fin = [], [], None
+                ids, lps, fin, plps = [], [], None, None
                 async for ev in await tr.submit(r):
                     ids += ev.token_ids
                     lps += ev.logprobs
                     fin = ev.finish_reason
-                return ids, lps, fin
+                    plps = ev.prompt_logprobs if plps is None else plps
+                return (ids, lps, fin, plps) if prompt else (ids, lps, fin)
 
             if sequential:  # one request at a time: every step has one row, the same in both loops
                 return feats, [await one(r) for r in reqs]
@@ -161,7 +173,7 @@ def _replay(steps, vocab):
 def test_features_and_plain_steps_keep_ext_off(engine):
     reqs = [SubmitRequest(i, [5, 6, 7, 8 + i], 6, temperature=0.8, seed=i) for i in range(3)]
     feats, outs, steps = _serve(engine, reqs)
-    assert feats == DeviceFeatures.LOGPROBS | DeviceFeatures.PENALTIES  # no PROMPT_LOGPROBS on CUDA
+    assert feats == EVERY
     assert all(fin == FinishReason.LENGTH and len(ids) == 6 for ids, _, fin in outs)
     assert all(b.ext is None for b, _, _ in steps)
     assert int(engine.arena.host["ext_on"][0]) == 0
@@ -234,7 +246,7 @@ def test_gpu_scheduler_gives_the_host_loops_tokens_and_records(engine, max_token
     f_host, host, steps = _serve(engine, reqs, max_tokens, "host", sequential=True)
     _replay(steps, engine.config.vocab_size)
     f_gpu, gpu, _ = _serve(engine, reqs, max_tokens, "gpu", sequential=True)
-    assert f_gpu == f_host == DeviceFeatures.LOGPROBS | DeviceFeatures.PENALTIES
+    assert f_gpu == f_host == EVERY
     assert gpu[4][0] == [300] * 14
     for (ids_h, lps_h, fin_h), (ids_g, lps_g, fin_g) in zip(host, gpu, strict=True):
         assert ids_g == ids_h and fin_g == fin_h
@@ -246,9 +258,9 @@ def test_gpu_scheduler_gives_the_host_loops_tokens_and_records(engine, max_token
     assert sum(len(x[1]) for x in gpu) == 2 * 14 * 4
 
 
-def test_gpu_scheduler_refuses_prompt_logprobs_and_bad_bias(engine):
+def test_gpu_scheduler_refuses_bad_prompt_records_and_bad_bias(engine):
     """What the frontend would refuse reaches the device only from a broken client: the scheduler
-    finishes it with an error instead of reading out of bounds."""
+    finishes it with an error instead of reading (or writing) out of bounds."""
     from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
     from blink.protocol.layout import SlotError, SlotFlags
 
@@ -259,8 +271,10 @@ def test_gpu_scheduler_refuses_prompt_logprobs_and_bad_bias(engine):
     try:
         c = RingClient(t)
         c.wait_status(DeviceStatus.READY, 10)
-        assert DeviceFeatures(int(t.view().header["features"])) == DeviceFeatures.LOGPROBS | DeviceFeatures.PENALTIES
-        r = c.generate([5, 6, 7], max_new_tokens=3, flags=SlotFlags.PROMPT_LOGPROBS)
+        assert DeviceFeatures(int(t.view().header["features"])) == EVERY
+        arena = t.view().geo.prompt_arena_tokens
+        fields = {"n_logprobs": 3, "prompt_logprobs_offset": arena - 10}  # 3 records of 7 words do not fit
+        r = c.generate([5, 6, 7], max_new_tokens=3, flags=SlotFlags.PROMPT_LOGPROBS, fields=fields)
         assert r.finish is FinishReason.ERROR and r.error is SlotError.BAD_PARAMS
         bad = [5, 6, 7, engine.config.vocab_size + 5, int(np.float32(1.0).view(np.int32))]  # prompt, bias entry
         i = c.submit(bad, prompt_len=3, max_new_tokens=3, fields={"n_logit_bias": 1})
@@ -288,3 +302,71 @@ def _cases(V):
         dict(temperature=0.7, seed=9),  # no extension, batched with rows that have them
     ]  # fmt: skip
     return prompt, cases
+
+
+def _prompt_requests(V):
+    """Prompt logprob requests of every shape: alternatives 0, 5 and 20 (one with generated logprobs
+    too, one sampled), and a request without, to share steps with them."""
+    prompt, _ = _cases(V)
+    rng = np.random.default_rng(12)
+    long = rng.integers(3, V, 45).tolist()
+    return [
+        SubmitRequest(0, prompt, 4, temperature=0.0, greedy=True, stop_ids=[], prompt_logprobs=5),
+        SubmitRequest(1, long, 3, temperature=0.9, seed=2, stop_ids=[], logprobs=2, prompt_logprobs=0),
+        SubmitRequest(2, prompt[:7], 2, temperature=0.0, greedy=True, stop_ids=[], prompt_logprobs=20),
+        SubmitRequest(3, long[:30], 3, temperature=0.7, seed=5, stop_ids=[]),
+        SubmitRequest(4, [prompt[0]], 2, temperature=0.0, greedy=True, stop_ids=[], prompt_logprobs=3),  # none
+    ]
+
+
+def _check_scored_steps(scored) -> int:
+    """Every recorded step's prompt records equal the definition on the graph's logits of its scored
+    rows (blink.device.sampling.logprob_record). Returns the rows checked."""
+    n_rows = 0
+    for batch, logits in scored:
+        x = batch.ext
+        seq_of = np.repeat(np.arange(batch.num_seqs), np.diff(batch.cu_q_lens))
+        for j, i in enumerate(np.flatnonzero(x.targets >= 0)):
+            n = int(x.prompt_n[seq_of[i]])
+            lp, ids, top = logprob_record(logprobs(logits[j]), int(x.targets[i]), n)
+            rec = x.prompt_logprobs[i]
+            assert abs(float(rec["logprob"]) - lp) <= 1e-5, (i, float(rec["logprob"]), lp)
+            assert rec["top_ids"][:n].tolist() == ids.tolist()
+            np.testing.assert_allclose(rec["top_logprobs"][:n], top, rtol=0, atol=1e-5)
+            n_rows += 1
+    return n_rows
+
+
+@pytest.mark.parametrize("max_tokens", [64, 7])  # 7: prompts prefilled in chunks, each chunk scoring its rows
+def test_prompt_logprobs_host_loop_and_gpu_scheduler(engine, max_tokens):
+    """Prompt logprob records through the ring on both CUDA loops: the host loop's equal the definition
+    on the graph's logits of the scored rows and reach the frontend (one per prompt token but the
+    first, with the alternatives asked); the GPU-resident scheduler, which builds the scored rows
+    and writes the records into the prompt arena itself, delivers the same records and tokens (one
+    request at a time: the same steps in both loops). Batched, the host loop's records are those of
+    the sequential run up to rounding (other step shapes)."""
+    reqs = _prompt_requests(engine.config.vocab_size)
+    rec: list = []
+    f_host, host, _ = _serve(engine, reqs, max_tokens, "host", sequential=True, prompt=True, recorder=rec)
+    assert f_host == EVERY
+    assert _check_scored_steps(rec[0].scored) == 18 + 44 + 6
+    for r, (ids, _, fin, plps) in zip(reqs, host, strict=True):
+        assert fin == FinishReason.LENGTH and len(ids) == r.max_new_tokens
+        if r.prompt_logprobs < 0:
+            assert not plps
+            continue
+        assert len(plps) == len(r.prompt_ids) - 1
+        assert all(len(p.top_ids) == r.prompt_logprobs and p.logprob <= 0.0 for p in plps)
+    _, gpu, _ = _serve(engine, reqs, max_tokens, "gpu", sequential=True, prompt=True)
+    for (ids_h, lps_h, fin_h, plps_h), (ids_g, lps_g, fin_g, plps_g) in zip(host, gpu, strict=True):
+        assert ids_g == ids_h and fin_g == fin_h and len(lps_g) == len(lps_h)
+        assert len(plps_g or []) == len(plps_h or [])
+        for a, b in zip(plps_g or [], plps_h or [], strict=True):
+            assert a.top_ids == b.top_ids
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-6)
+            np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, atol=1e-6)
+    _, batched, _ = _serve(engine, reqs, max_tokens, "gpu", prompt=True)
+    for (_, _, _, plps_h), (_, _, _, plps_b) in zip(host, batched, strict=True):
+        assert len(plps_b or []) == len(plps_h or [])
+        for a, b in zip(plps_b or [], plps_h or [], strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=2e-2)

@@ -23,6 +23,13 @@
 //     reference); logit_bias and the penalties write the row's processed logits into `proc`.
 //   sample_tokens: samples from `proc` for those rows; min_p is one more threshold on p.
 //   sample_post: the chosen token's raw logprob, and its count (and seen bit) in the state.
+// Prompt logprobs (SlotFlags.PROMPT_LOGPROBS), for the step's scored rows j < *plp_count (packed
+//   token plp_tok[j] scores prompt token plp_target[j]); each kernel returns at once unless ext_on
+//   and plp_count are set, so a step without such rows pays three empty launches:
+//   plp_norm: the final RMSNorm of each scored row (final_norm_gather's arithmetic) -> hid [P, H];
+//   plp_lm_head: logits [P, V] fp32 = hid Wlm^T (a tiled bf16 GEMM with fp32 accumulation; its grid
+//     covers the vocabulary and each block loops over the live rows only);
+//   plp_records: per row, logits_ext's raw logprob record: lp[target] and the top plp_n[j].
 // Penalty state: uint32 per (state row, vocabulary id): bit 31 = seen (prompt or output), the low
 // bits = occurrences in the output. The state row of a sequence is pen_row[s] (-1: no state, no
 // logit_bias: the row is sampled from the raw logits).
@@ -192,6 +199,153 @@ extern "C" __global__ void __launch_bounds__(SB)
       x = __fsub_rn(x, __fadd_rn(__fmul_rn(f, (float)k), __fmul_rn(p, k ? 1.f : 0.f)));
     }
     out[i] = x;
+  }
+}
+
+// The raw logprob record of one row of fp32 logits (every thread of the SB-thread block calls it):
+// *lp = lp[target]; ids / lps [n] the n most likely, in (value desc, id asc) order.
+__device__ void logprob_record_row(const float* __restrict__ row, int V, int target, int n, float* __restrict__ lp,
+                                   int* __restrict__ ids, float* __restrict__ lps, SampleShared& sh) {
+  const int tid = threadIdx.x;
+  float m = -INFINITY;
+  for (int i = tid; i < V; i += SB) m = fmaxf(m, row[i]);
+  m = block_max_f(m, sh);
+  double e = 0.0;
+  for (int i = tid; i < V; i += SB) e += (double)expf(row[i] - m);
+  const float lse = (float)log(block_sum_d(e, sh));
+  float pv = INFINITY;
+  int pi = -1;
+  for (int j = 0; j < n; ++j) {
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = tid; i < V; i += SB) {
+      const float v = row[i];
+      const bool after = v < pv || (v == pv && i > pi);
+      if (after && (v > bv || (v == bv && i < bi))) {
+        bv = v;
+        bi = i;
+      }
+    }
+    block_argmax(bv, bi, sh);
+    if (tid == 0) {
+      ids[j] = bi;
+      lps[j] = (bv - m) - lse;
+    }
+    pv = bv;
+    pi = bi;
+  }
+  if (tid == 0) *lp = (row[target] - m) - lse;
+}
+
+// Grid (G), block 256, rows j = blockIdx.x, blockIdx.x + G, ... < *plp_count: hid[j] = the final
+// RMSNorm of packed token plp_tok[j] (delta: null when the last projection added into residual).
+extern "C" __global__ void plp_norm(const bf16* __restrict__ residual, const bf16* __restrict__ delta,
+                                    const bf16* __restrict__ w, bf16* __restrict__ hid,
+                                    const int* __restrict__ plp_tok, const uint32_t* __restrict__ plp_count,
+                                    const uint32_t* __restrict__ ext_on, int H, float eps) {
+  __shared__ float scratch[32];
+  if (!*ext_on) return;
+  const int P = (int)*plp_count;
+  for (int j = blockIdx.x; j < P; j += gridDim.x) {
+    const size_t row = (size_t)plp_tok[j] * H;
+    float ss = 0.f;
+    for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+      float x[8], d[8] = {};
+      load8(residual + row + v * 8, x);
+      if (delta != nullptr) load8(delta + row + v * 8, d);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        x[i] = rbf(x[i] + d[i]);
+        ss += x[i] * x[i];
+      }
+    }
+    const float rs = rsqrtf(block_sum(ss, scratch) / H + eps);
+    for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+      float x[8], d[8] = {}, g[8];
+      load8(residual + row + v * 8, x);
+      if (delta != nullptr) load8(delta + row + v * 8, d);
+      load8(w + v * 8, g);
+      bf16x8 o;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(rbf(x[i] + d[i]) * rs));
+      *reinterpret_cast<bf16x8*>(hid + (size_t)j * H + v * 8) = o;
+    }
+    __syncthreads();  // scratch is reused by the next row's block_sum
+  }
+}
+
+// logits [P, V] fp32 = hid [P, K] x W [V, K]^T, bf16 inputs, fp32 accumulation. Grid (ceil(V / 64)),
+// block 256: a block owns 64 vocabulary columns and walks the live rows in tiles of 32; each thread
+// accumulates 2 rows x 4 columns over K in steps of 32 staged in shared memory. K % 8 == 0.
+constexpr int PLP_BM = 32, PLP_BN = 64, PLP_BK = 32;
+extern "C" __global__ void __launch_bounds__(256)
+    plp_lm_head(const bf16* __restrict__ hid, const bf16* __restrict__ W, float* __restrict__ logits, int V, int K,
+                const uint32_t* __restrict__ plp_count, const uint32_t* __restrict__ ext_on) {
+  __shared__ float xs[PLP_BK][PLP_BM + 1];
+  __shared__ float ws[PLP_BK][PLP_BN + 1];
+  if (!*ext_on) return;
+  const int P = (int)*plp_count;
+  const int n0 = blockIdx.x * PLP_BN, tid = threadIdx.x;
+  const int tr = tid / 16, tc = tid % 16;  // rows tr, tr + 16; columns tc + 16 c
+  for (int m0 = 0; m0 < P; m0 += PLP_BM) {
+    float acc[2][4] = {};
+    for (int k0 = 0; k0 < K; k0 += PLP_BK) {
+      // stage X [32 rows][32 k] (4 bf16 per thread) and W [64 cols][32 k] (8 per thread), transposed
+      {
+        const int r = tid / 8, k = (tid % 8) * 4;
+        const int gr = m0 + r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          xs[k + i][r] = (gr < P && k0 + k + i < K) ? bf(hid[(size_t)gr * K + k0 + k + i]) : 0.f;
+      }
+      {
+        const int c = tid / 4, k = (tid % 4) * 8;
+        const int gc = n0 + c;
+        float t[8] = {};
+        if (gc < V && k0 + k < K) load8(W + (size_t)gc * K + k0 + k, t);  // K % 8 == 0: all 8 in range
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ws[k + i][c] = t[i];
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int k = 0; k < PLP_BK; ++k) {
+        const float a0 = xs[k][tr], a1 = xs[k][tr + 16];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float b = ws[k][tc + 16 * c];
+          acc[0][c] = fmaf(a0, b, acc[0][c]);
+          acc[1][c] = fmaf(a1, b, acc[1][c]);
+        }
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int gr = m0 + tr + 16 * i;
+      if (gr >= P) continue;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int gc = n0 + tc + 16 * c;
+        if (gc < V) logits[(size_t)gr * V + gc] = acc[i][c];
+      }
+    }
+  }
+}
+
+// Grid (G), block SB, rows j = blockIdx.x, blockIdx.x + G, ... < *plp_count: the record of row j
+// (plp_lp[j], plp_ids / plp_lps [j][max_lp], the first plp_n[j] written) from logits [P, V].
+extern "C" __global__ void __launch_bounds__(SB)
+    plp_records(const float* __restrict__ logits, int V, const int* __restrict__ plp_target,
+                const int* __restrict__ plp_n, int max_lp, float* __restrict__ plp_lp, int* __restrict__ plp_ids,
+                float* __restrict__ plp_lps, const uint32_t* __restrict__ plp_count,
+                const uint32_t* __restrict__ ext_on) {
+  __shared__ SampleShared sh;
+  if (!*ext_on) return;
+  const int P = (int)*plp_count;
+  for (int j = blockIdx.x; j < P; j += gridDim.x) {
+    logprob_record_row(logits + (size_t)j * V, V, plp_target[j], min(plp_n[j], max_lp), plp_lp + j,
+                       plp_ids + (size_t)j * max_lp, plp_lps + (size_t)j * max_lp, sh);
+    __syncthreads();
   }
 }
 

@@ -89,8 +89,10 @@ struct Row {
   // sampling extensions (blink/device/sampling.py), from the slot at claim time
   float presence, frequency, repetition, min_p;
   int32_t n_logprobs;    // -1: no logprob records
+  int32_t prompt_n;      // -1: no prompt logprob records; else their alternatives
+  uint32_t prompt_lp_off;  // int32 word of prompt record 0 in the prompt arena
   uint32_t pen;          // keeps a penalty state (any penalty or logit_bias): engine pen_row = slot
-  uint32_t ext;          // uses an extension (pen, logprobs or min_p): the step's ext_on
+  uint32_t ext;          // uses an extension (pen, logprobs, prompt logprobs or min_p): the step's ext_on
   u64 seed;
   u64 arrival;           // FCFS order (claim order)
   int32_t stop_ids[MAX_STOP_IDS];

@@ -99,7 +99,9 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   R.min_p = q.min_p;
   R.n_logprobs = (q.flags & SLOTFLAG_LOGPROBS) ? (int32_t)min(q.n_logprobs, MAX_LOGPROBS) : -1;
   R.pen = R.presence != 0.0f || R.frequency != 0.0f || R.repetition != 1.0f || q.n_logit_bias != 0;
-  R.ext = R.pen || R.n_logprobs >= 0 || R.min_p != 0.0f;
+  R.prompt_n = (q.flags & SLOTFLAG_PROMPT_LOGPROBS) ? (int32_t)min(q.n_logprobs, MAX_LOGPROBS) : -1;
+  R.prompt_lp_off = q.prompt_logprobs_offset;
+  R.ext = R.pen || R.n_logprobs >= 0 || R.prompt_n >= 0 || R.min_p != 0.0f;
   for (uint32_t i = 0; i < MAX_STOP_IDS; ++i) R.stop_ids[i] = q.stop_ids[i];
   return r;
 }
@@ -266,6 +268,40 @@ __device__ bool fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, uint32
   return R.ext && E->sampling_rows;
 }
 
+// Prompt tokens of chunk i scored by this step (ring_device._build_ext): the packed token at position
+// p scores prompt token p + 1, for p < prompt_len - 1, while the row has generated nothing (a
+// recompute after preemption with output does not score again).
+__device__ __forceinline__ uint32_t plp_rows(const Row& R, uint32_t start, uint32_t n) {
+  if (R.prompt_n < 0 || generated(R) != 0) return 0;
+  const uint32_t hi = min(start + n, R.prompt_len - 1);
+  return hi > start ? hi - start : 0;
+}
+
+// The step's scored rows into plp_count / plp_tok / plp_target / plp_n (all threads; the prompts
+// are in row_tokens already).
+__device__ void fill_prompt_logprobs(SchedCtl* c, Shared& sh) {
+  const EngineABI* E = sh.E;
+  const uint32_t nseq = sh.nseq;
+  const uint32_t per = (nseq + SCHED_THREADS - 1) / SCHED_THREADS;
+  const uint32_t lo = min(nseq, threadIdx.x * per), hi = min(nseq, lo + per);
+  uint32_t mine = 0;
+  for (uint32_t i = lo; i < hi; ++i) mine += plp_rows(g_rows[g_plan_row[i]], g_plan_start[i], g_plan_n[i]);
+  uint32_t total;
+  uint32_t o = block_scan(mine, &total, sh.warp_sums);
+  for (uint32_t i = lo; i < hi; ++i) {
+    const uint32_t r = g_plan_row[i];
+    const Row& R = g_rows[r];
+    const uint32_t n = plp_rows(R, g_plan_start[i], g_plan_n[i]);
+    const int32_t* toks = row_tokens(c, r);
+    for (uint32_t k = 0; k < n; ++k, ++o) {
+      E->plp_tok[o] = (int32_t)(g_plan_cu[i] + k);
+      E->plp_target[o] = toks[g_plan_start[i] + k + 1];
+      E->plp_n[o] = R.prompt_n;
+    }
+  }
+  if (threadIdx.x == 0) *E->plp_count = total;
+}
+
 // Copy the prompts of newly admitted rows from the ring's arena, then write the plan into the
 // engine's step buffers (all threads).
 __device__ void fill_engine(SchedCtl* c, Shared& sh) {
@@ -315,6 +351,7 @@ __device__ void fill_engine(SchedCtl* c, Shared& sh) {
       positions[j] = (int32_t)pos;
     }
   }
+  if (sh.kind == KIND_PREFILL && ext_on) fill_prompt_logprobs(c, sh);
   if (threadIdx.x == 0) {
     cu_q[0] = 0;
     *(uint32_t*)E->num_seqs = nseq;

@@ -12,9 +12,9 @@ __device__ void describe(SchedCtl* c, Shared& sh) {
   st_sys(&H->kv_block_size, sh.bs);
   st_sys(&H->kv_blocks_total, sh.E->num_kv_blocks);
   st_sys(&H->kv_blocks_free, (uint32_t)c->kv_free_top);
-  // logprobs, penalties, min_p and logit_bias when the engine has a table row per slot; prompt
-  // logprobs need the LM head over every prompt token, which the graphs do not compute
-  st_sys(&H->features, sh.E->sampling_rows >= sh.n_slots ? FEATURE_LOGPROBS | FEATURE_PENALTIES : 0u);
+  // logprobs, prompt logprobs, penalties, min_p and logit_bias when the engine has a table row per slot
+  const uint32_t every = FEATURE_LOGPROBS | FEATURE_PROMPT_LOGPROBS | FEATURE_PENALTIES;
+  st_sys(&H->features, sh.E->sampling_rows >= sh.n_slots ? every : 0u);
   st_sys(&H->fault, 0);
   beat(c, sh, gtime());
   set_status(c, sh, DEV_READY);  // release: the description is visible before READY
@@ -173,12 +173,14 @@ __device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
   const float pres = r.presence_penalty, freq = r.frequency_penalty, rep = r.repetition_penalty, mp = r.min_p;
   const uint32_t nb = r.n_logit_bias;
   const bool pen = pres != 0.0f || freq != 0.0f || (rep != 0.0f && rep != 1.0f) || mp != 0.0f || nb != 0;
-  if ((r.flags & SLOTFLAG_PROMPT_LOGPROBS) || (!feats && ((r.flags & SLOTFLAG_LOGPROBS) || pen)))
-    return SLOTERR_BAD_PARAMS;
+  if (!feats && ((r.flags & (SLOTFLAG_LOGPROBS | SLOTFLAG_PROMPT_LOGPROBS)) || pen)) return SLOTERR_BAD_PARAMS;
   if (!isfinite(pres) || !isfinite(freq) || !isfinite(rep) || !isfinite(mp) || rep < 0.0f || !(mp >= 0.0f && mp <= 1.0f))
     return SLOTERR_BAD_PARAMS;
   if (r.n_logprobs > MAX_LOGPROBS || nb > MAX_LOGIT_BIAS) return SLOTERR_BAD_PARAMS;
   if ((u64)r.prompt_offset + r.prompt_len + 2ull * nb > sh.arena_tokens) return SLOTERR_BAD_PARAMS;
+  if ((r.flags & SLOTFLAG_PROMPT_LOGPROBS) &&
+      (u64)r.prompt_logprobs_offset + (u64)r.prompt_len * (1ull + 2ull * r.n_logprobs) > sh.arena_tokens)
+    return SLOTERR_BAD_PARAMS;
   if (!feats) return 0;
   const uint32_t* src = (const uint32_t*)&sh.arena[r.prompt_offset + r.prompt_len];
   int32_t* ids = E->bias_ids + (size_t)s * E->max_logit_bias;
@@ -396,6 +398,29 @@ __device__ void wait_done(SchedCtl* c, Shared& sh) {
   sh.t_done = gtime();
 }
 
+// RingDevice._write_prompt_logprobs: the records of the step's scored prompt tokens into their slots'
+// prompt regions (record p + 1 for the packed token at position p), fenced before any later
+// `generated` store (flush, after a barrier) can cover them.
+__device__ void publish_prompt_logprobs(Shared& sh) {
+  const EngineABI* E = sh.E;
+  const uint32_t P = *E->plp_count;
+  for (uint32_t j = threadIdx.x; j < P; j += SCHED_THREADS) {
+    const uint32_t t = (uint32_t)E->plp_tok[j];
+    uint32_t a = 0, b = sh.nseq;  // the chunk holding packed token t: last a with g_plan_cu[a] <= t
+    while (b - a > 1) { const uint32_t m = (a + b) / 2; if (g_plan_cu[m] <= t) a = m; else b = m; }
+    const Row& R = g_rows[g_plan_row[a]];
+    const uint32_t p = g_plan_start[a] + (t - g_plan_cu[a]);
+    const uint32_t n = (uint32_t)R.prompt_n;
+    uint32_t* dst = (uint32_t*)sh.arena + R.prompt_lp_off + (size_t)(p + 1) * (1 + 2 * n);
+    st_sys(dst, __float_as_uint(E->plp_lp[j]));
+    for (uint32_t k = 0; k < n; ++k) {
+      st_sys(dst + 1 + k, (uint32_t)E->plp_ids[(size_t)j * E->max_logprobs + k]);
+      st_sys(dst + 1 + n + k, __float_as_uint(E->plp_lps[(size_t)j * E->max_logprobs + k]));
+    }
+  }
+  if (threadIdx.x < P) __threadfence_system();
+}
+
 // Scheduler.update, device side: each sampled token into its row, finish decisions, rows freed.
 // The ring sees these in flush(), after the next step is launched (off the critical path).
 __device__ void account(SchedCtl* c, Shared& sh) {
@@ -406,6 +431,7 @@ __device__ void account(SchedCtl* c, Shared& sh) {
       if (g_rows[g_plan_row[i]].used) retire_row(c, sh, g_plan_row[i], FINISH_ERROR, SLOTERR_DEVICE_FAULT);
     }
   } else {
+    if (sh.kind == KIND_PREFILL && sh.E->sampling_rows && *sh.E->ext_on) publish_prompt_logprobs(sh);
     const int32_t* out_tokens = (const int32_t*)sh.E->out_tokens;
     uint32_t mine = 0;
     for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS) {
