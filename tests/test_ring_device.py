@@ -15,8 +15,9 @@ from conformance.client import RingClient
 from conformance.hash_executor import HashExecutor, reference_greedy
 
 from blink.device.kv_blocks import BlockManager
-from blink.device.ring_device import RingDevice, build_batch
+from blink.device.ring_device import RingDevice
 from blink.device.scheduler import Scheduler, SchedulerConfig
+from blink.device.step_batch import build_batch
 from blink.launch import start_device
 from blink.protocol.layout import DeviceStatus, FinishReason, RingGeometry, SlotError
 from blink.protocol.transport import ShmTransport

@@ -1,5 +1,5 @@
 """The step batch layout (blink/protocol/step.py) is the one definition its users follow: StepBatch,
-the ring interpreter's build_batch, the CUDA engine's arena, load_step and ABI record, and the
+build_batch (blink/device/step_batch.py), the CUDA engine's arena, load_step and ABI record, and the
 generated C header; a change to a field makes the header check fail. No GPU needed."""
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def test_step_batch_fields_are_the_layouts():
 
 def test_build_batch_gives_the_field_dtypes():
     from blink.device.kv_blocks import BlockManager
-    from blink.device.ring_device import build_batch
     from blink.device.scheduler import ScheduledChunk, Seq, StepKind, StepPlan
+    from blink.device.step_batch import build_batch
 
     blocks = BlockManager(16, 4)
     seqs = []

@@ -9,7 +9,8 @@ One iteration: beat; read the doorbells (submit_seq, cancel_seq) and, when one m
 is due, scan the slots (claim PREFILL_PENDING, validate, hand to the scheduler; apply cancel
 flags); refresh `consumed` of sequences whose output ring is full; schedule; run the step; publish
 each sampled token (token into the output arena first, then `generated`: the release order the
-readers rely on); finish slots; write the header statistics.
+readers rely on); finish slots; write the header statistics. A claimed slot's request is read
+and checked by slot_request.py; a plan is packed into the executor's StepBatch by step_batch.py.
 
 Idle polling spins for `spin_s` after the last activity, then sleeps with exponential backoff up
 to `max_sleep_s` (<= 1 ms), so an idle device does not hold a core and still beats every ms.
@@ -20,8 +21,6 @@ beats while it waits for a graph. Prefill is chunked under the step's token budg
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 from dataclasses import dataclass
 
@@ -29,10 +28,6 @@ import numpy as np
 
 from blink.protocol.layout import (
     DEVICE_COUNTERS,
-    LOGIT_BIAS_DTYPE,
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_STOP_IDS,
     DeviceFeatures,
     DeviceStatus,
     FinishReason,
@@ -41,12 +36,13 @@ from blink.protocol.layout import (
     SlotFlags,
     SlotState,
     prompt_logprob_record,
-    prompt_region_words,
 )
 
-from .executor import Executor, SamplingExt, StepBatch
+from .executor import Executor, StepBatch
 from .kv_blocks import BlockManager
 from .scheduler import Scheduler, SchedulerConfig, StepKind, StepPlan
+from .slot_request import seq_sampling, validate
+from .step_batch import build_batch
 
 
 @dataclass(frozen=True)
@@ -71,121 +67,6 @@ class RingDeviceConfig:
             raise ValueError(f"max_sleep_s must be in (0, 1 ms], got {self.max_sleep_s}")
         if self.spin_s < 0 or self.rescan_s <= 0:
             raise ValueError("spin_s must be >= 0 and rescan_s > 0")
-
-
-@dataclass(frozen=True)
-class SeqSampling:
-    """A request's sampling extensions, read from its slot at admission (Seq.ext)."""
-
-    presence: float
-    frequency: float
-    repetition: float
-    min_p: float
-    bias_ids: np.ndarray  # int32
-    bias_vals: np.ndarray  # float32
-    n_logprobs: int  # -1: no logprob records
-    prompt_n: int  # -1: no prompt logprob records
-    prompt_lp_offset: int  # int32 word of prompt record 0 in the prompt arena
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.bias_ids.size)
-
-
-def _build_ext(plan: StepPlan, T: int) -> SamplingExt | None:
-    """The step's SamplingExt, or None when no sequence of the plan uses an extension."""
-    chunks = plan.chunks
-    if all(c.seq.ext is None for c in chunks):
-        return None
-
-    def per_seq(name: str, default: float, dtype: type) -> np.ndarray:
-        return np.array([default if c.seq.ext is None else getattr(c.seq.ext, name) for c in chunks], dtype)
-
-    bias_ids, bias_vals, cu = [], [], [0]
-    targets = np.full(T, -1, np.int32)
-    fresh, emit, pen, prompt_n = [], [], [], []
-    t0 = 0
-    for c in chunks:
-        s, e = c.seq, c.seq.ext
-        fresh.append(c.start == 0 and s.num_generated == 0)
-        emit.append(c.sample)
-        pen.append(e is not None and e.penalized)
-        prompt_n.append(-1 if e is None else e.prompt_n)
-        if e is not None:
-            bias_ids.append(e.bias_ids)
-            bias_vals.append(e.bias_vals)
-            cu.append(cu[-1] + e.bias_ids.size)
-            if e.prompt_n >= 0 and s.num_generated == 0:
-                # packed token at position p scores prompt token p + 1 (prompt records 1 .. prompt_len - 1)
-                hi = min(c.start + c.n, s.prompt_len - 1)
-                if hi > c.start:
-                    targets[t0 : t0 + hi - c.start] = s.tokens[c.start + 1 : hi + 1]
-        else:
-            cu.append(cu[-1])
-        t0 += c.n
-    return SamplingExt(
-        slots=np.array([c.seq.seq_id for c in chunks], np.int32),
-        fresh=np.array(fresh, bool),
-        emit=np.array(emit, bool),
-        penalized=np.array(pen, bool),
-        presence=per_seq("presence", 0.0, np.float32),
-        frequency=per_seq("frequency", 0.0, np.float32),
-        repetition=per_seq("repetition", 1.0, np.float32),
-        min_p=per_seq("min_p", 0.0, np.float32),
-        bias_cu=np.array(cu, np.int32),
-        bias_ids=np.concatenate(bias_ids).astype(np.int32) if bias_ids else np.zeros(0, np.int32),
-        bias_vals=np.concatenate(bias_vals).astype(np.float32) if bias_vals else np.zeros(0, np.float32),
-        n_logprobs=per_seq("n_logprobs", -1, np.int32),
-        targets=targets,
-        prompt_n=np.array(prompt_n, np.int32),
-    )
-
-
-def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepBatch:
-    """Pack a plan into a StepBatch (Python lists first: one numpy conversion per field is much
-    cheaper than per-element stores at decode batch sizes)."""
-    S = plan.num_seqs
-    ids: list[int] = []
-    pos: list[int] = []
-    cu = [0]
-    seq_lens, temperature, top_p, top_k, seeds, sample_pos = [], [], [], [], [], []
-    tables = np.zeros((S, table_width), np.int32)
-    tabs: list[list[int]] = []
-    for c in plan.chunks:
-        s = c.seq
-        end = c.start + c.n
-        if c.n == 1:
-            ids.append(s.tokens[c.start])
-            pos.append(c.start)
-        else:
-            ids += s.tokens[c.start : end]
-            pos += range(c.start, end)
-        cu.append(cu[-1] + c.n)
-        seq_lens.append(end)
-        tabs.append(blocks.table(s.seq_id))
-        temperature.append(s.temperature)
-        top_p.append(s.top_p)
-        top_k.append(s.top_k)
-        seeds.append(s.seed)
-        sample_pos.append(s.num_generated)
-    # Scatter every block table in one indexed store (row-by-row stores cost ~1 us each).
-    lens = np.fromiter(map(len, tabs), np.int64, S)
-    flat = np.fromiter(itertools.chain.from_iterable(tabs), np.int32, int(lens.sum()))
-    starts = np.repeat(np.cumsum(lens) - lens, lens)
-    tables[np.repeat(np.arange(S), lens), np.arange(flat.size) - starts] = flat
-    return StepBatch(  # lists: StepBatch converts each to its field's dtype
-        input_ids=ids,
-        positions=pos,
-        cu_q_lens=cu,
-        seq_lens=seq_lens,
-        block_tables=tables,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seeds=seeds,
-        sample_pos=sample_pos,
-        ext=_build_ext(plan, len(ids)),
-    )
 
 
 class RingDevice:
@@ -277,85 +158,6 @@ class RingDevice:
         self._state[slot] = SlotState.DECODE_COMPLETED
         self.stats["requests_completed"] += 1
 
-    def _validate(self, rec: np.void) -> SlotError:
-        n, off = int(rec["prompt_len"]), int(rec["prompt_offset"])
-        if n == 0 or off + n > self.view.geo.prompt_arena_tokens:
-            return SlotError.BAD_PROMPT
-        if n + 1 > self.max_context:
-            return SlotError.PROMPT_TOO_LONG
-        ids = self.view.prompt_arena[off : off + n]
-        if int(ids.min()) < 0 or int(ids.max()) >= self.ex.vocab_size:
-            return SlotError.BAD_PROMPT
-        t, p = float(rec["temperature"]), float(rec["top_p"])
-        if not (math.isfinite(t) and t >= 0.0) or not (0.0 < p <= 1.0) or int(rec["n_stop"]) > MAX_STOP_IDS:
-            return SlotError.BAD_PARAMS
-        if int(rec["max_new_tokens"]) == 0:
-            return SlotError.BAD_PARAMS
-        return self._validate_ext(rec)
-
-    def _validate_ext(self, rec: np.void) -> SlotError:
-        """The sampling extensions' fields (blink/protocol/layout.py): values, and every region they
-        name inside the slot's prompt arena."""
-        flags, feats = int(rec["flags"]), self.features
-        if flags & SlotFlags.LOGPROBS and not feats & DeviceFeatures.LOGPROBS:
-            return SlotError.BAD_PARAMS
-        if flags & SlotFlags.PROMPT_LOGPROBS and not feats & DeviceFeatures.PROMPT_LOGPROBS:
-            return SlotError.BAD_PARAMS
-        pres, freq, rep, mp = (
-            float(rec[f]) for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
-        )
-        nb = int(rec["n_logit_bias"])
-        penalized = pres != 0.0 or freq != 0.0 or rep not in (0.0, 1.0) or mp != 0.0 or nb
-        if penalized and not feats & DeviceFeatures.PENALTIES:
-            return SlotError.BAD_PARAMS
-        if not all(math.isfinite(v) for v in (pres, freq, rep, mp)) or rep < 0.0 or not 0.0 <= mp <= 1.0:
-            return SlotError.BAD_PARAMS
-        if int(rec["n_logprobs"]) > MAX_LOGPROBS or nb > MAX_LOGIT_BIAS:
-            return SlotError.BAD_PARAMS
-        n, off = int(rec["prompt_len"]), int(rec["prompt_offset"])
-        prompt_n = int(rec["n_logprobs"]) if flags & SlotFlags.PROMPT_LOGPROBS else None
-        arena = self.view.geo.prompt_arena_tokens
-        if off + prompt_region_words(n, nb, None) > arena:
-            return SlotError.BAD_PARAMS
-        if nb:
-            bias = self.view.prompt_arena[off + n : off + n + 2 * nb].view(LOGIT_BIAS_DTYPE)
-            if int(bias["token"].min()) < 0 or int(bias["token"].max()) >= self.ex.vocab_size:
-                return SlotError.BAD_PARAMS
-            if not np.all(np.isfinite(bias["bias"])):
-                return SlotError.BAD_PARAMS
-        if prompt_n is not None:
-            lo = int(rec["prompt_logprobs_offset"])
-            if lo + n * prompt_logprob_record(prompt_n).itemsize // 4 > arena:
-                return SlotError.BAD_PARAMS
-        return SlotError.NONE
-
-    def _ext(self, rec: np.void) -> SeqSampling | None:
-        """The request's SeqSampling, or None when it uses none of the extensions."""
-        flags, n, off, nb = (
-            int(rec["flags"]),
-            int(rec["prompt_len"]),
-            int(rec["prompt_offset"]),
-            int(rec["n_logit_bias"]),
-        )
-        rep = float(rec["repetition_penalty"]) or 1.0
-        pres, freq, mp = float(rec["presence_penalty"]), float(rec["frequency_penalty"]), float(rec["min_p"])
-        want = flags & (SlotFlags.LOGPROBS | SlotFlags.PROMPT_LOGPROBS)
-        if not (want or nb or pres or freq or mp or rep != 1.0):
-            return None
-        bias = self.view.prompt_arena[off + n : off + n + 2 * nb].view(LOGIT_BIAS_DTYPE).copy()
-        nl = int(rec["n_logprobs"])
-        return SeqSampling(
-            presence=pres,
-            frequency=freq,
-            repetition=rep,
-            min_p=mp,
-            bias_ids=bias["token"].astype(np.int32),
-            bias_vals=bias["bias"].astype(np.float32),
-            n_logprobs=nl if flags & SlotFlags.LOGPROBS else -1,
-            prompt_n=nl if flags & SlotFlags.PROMPT_LOGPROBS else -1,
-            prompt_lp_offset=int(rec["prompt_logprobs_offset"]),
-        )
-
     def _admit(self, slot: int) -> None:
         """Claim a PREFILL_PENDING slot and hand its request to the scheduler (or finish it)."""
         self._state[slot] = SlotState.PREFILL_PROCESSING
@@ -366,7 +168,7 @@ class RingDevice:
         if rec["cancel"]:
             self._finish(slot, FinishReason.CANCELLED)
             return
-        err = self._validate(rec)
+        err = validate(rec, self.view, self.max_context, self.ex.vocab_size, self.features)
         if err is not SlotError.NONE:
             self._finish(slot, FinishReason.ERROR, err)
             return
@@ -382,7 +184,7 @@ class RingDevice:
             top_p=float(rec["top_p"]),
             top_k=int(rec["top_k"]),
             seed=int(rec["seed"]),
-        ).ext = self._ext(rec)
+        ).ext = seq_sampling(rec, self.view)
 
     def _scan(self) -> bool:
         t0 = time.perf_counter_ns()

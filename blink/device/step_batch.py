@@ -1,0 +1,110 @@
+"""A scheduler plan packed into the executor's StepBatch (blink/protocol/step.py): the step's
+tokens, positions, block tables and sampling parameters, and its SamplingExt when a sequence of
+the plan uses a sampling extension.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from .executor import SamplingExt, StepBatch
+from .kv_blocks import BlockManager
+from .scheduler import StepPlan
+
+
+def _build_ext(plan: StepPlan, T: int) -> SamplingExt | None:
+    """The step's SamplingExt, or None when no sequence of the plan uses an extension."""
+    chunks = plan.chunks
+    if all(c.seq.ext is None for c in chunks):
+        return None
+
+    def per_seq(name: str, default: float, dtype: type) -> np.ndarray:
+        return np.array([default if c.seq.ext is None else getattr(c.seq.ext, name) for c in chunks], dtype)
+
+    bias_ids, bias_vals, cu = [], [], [0]
+    targets = np.full(T, -1, np.int32)
+    fresh, emit, pen, prompt_n = [], [], [], []
+    t0 = 0
+    for c in chunks:
+        s, e = c.seq, c.seq.ext
+        fresh.append(c.start == 0 and s.num_generated == 0)
+        emit.append(c.sample)
+        pen.append(e is not None and e.penalized)
+        prompt_n.append(-1 if e is None else e.prompt_n)
+        if e is not None:
+            bias_ids.append(e.bias_ids)
+            bias_vals.append(e.bias_vals)
+            cu.append(cu[-1] + e.bias_ids.size)
+            if e.prompt_n >= 0 and s.num_generated == 0:
+                # packed token at position p scores prompt token p + 1 (prompt records 1 .. prompt_len - 1)
+                hi = min(c.start + c.n, s.prompt_len - 1)
+                if hi > c.start:
+                    targets[t0 : t0 + hi - c.start] = s.tokens[c.start + 1 : hi + 1]
+        else:
+            cu.append(cu[-1])
+        t0 += c.n
+    return SamplingExt(
+        slots=np.array([c.seq.seq_id for c in chunks], np.int32),
+        fresh=np.array(fresh, bool),
+        emit=np.array(emit, bool),
+        penalized=np.array(pen, bool),
+        presence=per_seq("presence", 0.0, np.float32),
+        frequency=per_seq("frequency", 0.0, np.float32),
+        repetition=per_seq("repetition", 1.0, np.float32),
+        min_p=per_seq("min_p", 0.0, np.float32),
+        bias_cu=np.array(cu, np.int32),
+        bias_ids=np.concatenate(bias_ids).astype(np.int32) if bias_ids else np.zeros(0, np.int32),
+        bias_vals=np.concatenate(bias_vals).astype(np.float32) if bias_vals else np.zeros(0, np.float32),
+        n_logprobs=per_seq("n_logprobs", -1, np.int32),
+        targets=targets,
+        prompt_n=np.array(prompt_n, np.int32),
+    )
+
+
+def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepBatch:
+    """Pack a plan into a StepBatch (Python lists first: one numpy conversion per field is much
+    cheaper than per-element stores at decode batch sizes)."""
+    S = plan.num_seqs
+    ids: list[int] = []
+    pos: list[int] = []
+    cu = [0]
+    seq_lens, temperature, top_p, top_k, seeds, sample_pos = [], [], [], [], [], []
+    tables = np.zeros((S, table_width), np.int32)
+    tabs: list[list[int]] = []
+    for c in plan.chunks:
+        s = c.seq
+        end = c.start + c.n
+        if c.n == 1:
+            ids.append(s.tokens[c.start])
+            pos.append(c.start)
+        else:
+            ids += s.tokens[c.start : end]
+            pos += range(c.start, end)
+        cu.append(cu[-1] + c.n)
+        seq_lens.append(end)
+        tabs.append(blocks.table(s.seq_id))
+        temperature.append(s.temperature)
+        top_p.append(s.top_p)
+        top_k.append(s.top_k)
+        seeds.append(s.seed)
+        sample_pos.append(s.num_generated)
+    # Scatter every block table in one indexed store (row-by-row stores cost ~1 us each).
+    lens = np.fromiter(map(len, tabs), np.int64, S)
+    flat = np.fromiter(itertools.chain.from_iterable(tabs), np.int32, int(lens.sum()))
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    tables[np.repeat(np.arange(S), lens), np.arange(flat.size) - starts] = flat
+    return StepBatch(  # lists: StepBatch converts each to its field's dtype
+        input_ids=ids,
+        positions=pos,
+        cu_q_lens=cu,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seeds=seeds,
+        sample_pos=sample_pos,
+        ext=_build_ext(plan, len(ids)),
+    )
