@@ -3,7 +3,8 @@
 Covers what the SmolLM2 file does not: an untied output.weight, Qwen3 (q/k norms, no rope
 permutation, key_length != hidden/heads), Qwen2 (q/k/v biases), Phi-3 (llama.cpp's arch "phi3":
 fused attn_qkv, ffn_up holding [gate; up], no ffn_gate), Llama-3 rope_freqs, and quantised + F16 +
-F32 tensors.
+F32 tensors, and Qwen3-MoE (llama.cpp's arch "qwen3moe": router ffn_gate_inp, each layer's experts
+stacked in ffn_{gate,up,down}_exps, expert_* metadata).
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ _TO_GGUF = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",  # phi3
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # qwen3moe router
 }
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe"}  # ours -> llama.cpp's, where they differ
 
 
 def gguf_name(name: str) -> str:
+    if name.startswith("blk."):  # already llama.cpp's (stacked experts)
+        return name
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if name in fixed:
         return fixed[name]
@@ -51,13 +56,36 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def stack_experts(config, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Canonical per-expert tensors stacked as llama.cpp's converter writes them: one (experts, out, in)
+    tensor per projection and MoE layer, named by its GGUF name (no canonical name exists)."""
+    out = dict(weights)
+    for i in range(config.num_layers):
+        if not config.layer_is_moe(i):
+            continue
+        p = f"model.layers.{i}.mlp.experts."
+        for proj, gname in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            out[f"blk.{i}.{gname}.weight"] = np.stack(
+                [out.pop(f"{p}{e}.{proj}.weight") for e in range(config.num_experts)]
+            )
+    return out
+
+
+def unstack_experts(config, name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """The canonical pieces of a stacked GGUF expert tensor (the inverse of stack_experts)."""
+    i, gname = name.split(".")[1:3]
+    proj = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}[gname]
+    return [(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", w[e]) for e in range(config.num_experts)]
+
+
 def write_gguf(
-    path, config, weights, rope_factors: np.ndarray | None = None, tokenizer: dict | None = None
+    path, config, weights, rope_factors: np.ndarray | None = None, tokenizer: dict | None = None, quantize: bool = True
 ) -> dict[str, np.ndarray]:
-    """Write a GGUF (2-D weights Q8_0, embeddings F16, norms F32); return the weights as stored
-    values, i.e. what a loader must give back after dequantisation. `tokenizer`: tokenizer.ggml.*
-    metadata to write instead of a synthetic byte-level vocabulary."""
-    arch = config.arch
+    """Write a GGUF (2-D and stacked-expert weights Q8_0, embeddings F16, norms F32; all F32 when not
+    `quantize`); return the weights as stored values, i.e. what a loader must give back after
+    dequantisation. `tokenizer`: tokenizer.ggml.* metadata to write instead of a synthetic byte-level
+    vocabulary."""
+    arch = _GGUF_ARCH.get(config.arch, config.arch)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)
     w.add_context_length(config.max_position)
@@ -73,10 +101,18 @@ def write_gguf(
     if arch == "phi3":
         w.add_rope_dimension_count(config.head_dim)
         w.add_sliding_window(0)  # what llama.cpp writes for Phi-4 (no window)
+    if arch == "qwen3moe":  # convert_hf_to_gguf.py Qwen2MoeModel.set_gguf_parameters
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if not config.norm_topk_prob:  # llama.cpp renormalises qwen3moe's top-k unless told otherwise
+            w.add_expert_weights_norm(False)
     if tokenizer is None:
         tokens = [f"<t{i}>" for i in range(config.vocab_size)]
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre({"qwen2": "qwen2", "qwen3": "qwen2", "phi3": "dbrx"}.get(arch, "llama-bpe"))
+        w.add_tokenizer_pre(
+            {"qwen2": "qwen2", "qwen3": "qwen2", "qwen3moe": "qwen2", "phi3": "dbrx"}.get(arch, "llama-bpe")
+        )
         w.add_token_list(tokens)
         w.add_token_merges([])
         w.add_token_types([3 if i < 3 else 1 for i in range(config.vocab_size)])
@@ -95,30 +131,31 @@ def write_gguf(
     stored = {}
     if arch == "phi3":
         weights = fuse_phi3(config, weights)
+    if arch == "qwen3moe":
+        weights = stack_experts(config, weights)
     if config.rope_scaling.type == "llama3":
         d = config.head_dim
         base = 1.0 / (config.rope_theta ** (np.arange(0, d, 2) / d))
         factors = base / rope_inv_freq(config) if rope_factors is None else rope_factors
         w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
     for name, t in weights.items():
-        if t.ndim == 1:
-            stored[name] = t
-            w.add_tensor(gguf_name(name), t)
-            continue
-        if name == "model.embed_tokens.weight":
-            h = t.astype(np.float16)
-            stored[name] = h.astype(np.float32)
-            w.add_tensor(gguf_name(name), h)
-            continue
-        q = gguf.quants.quantize(t, Q.Q8_0)
-        stored[name] = gguf.quants.dequantize(q, Q.Q8_0)
-        if arch == "phi3":
-            stored.update(split_fused(config, name, stored.pop(name)))
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            n = config.num_heads if "q_proj" in name else config.num_kv_heads
-            q = gguf.quants.quantize(llama_cpp_permute(t, n), Q.Q8_0)
-            stored[name] = llama_cpp_permute_inverse_ref(gguf.quants.dequantize(q, Q.Q8_0), n)
-        w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=Q.Q8_0)
+        n_rope = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2], 0)
+        permute = arch == "llama" and n_rope  # llama.cpp's converter interleaves q/k rows for its RoPE
+        src = llama_cpp_permute(t, n_rope) if permute else t
+        kw = {}
+        if t.ndim == 1 or not quantize:
+            raw = val = src
+        elif name == "model.embed_tokens.weight" or t.shape[-1] % 32:  # F16, as llama.cpp where Q8_0 blocks do not fit
+            raw = src.astype(np.float16)
+            val = raw.astype(np.float32)
+        else:
+            raw = gguf.quants.quantize(src, Q.Q8_0)
+            val = gguf.quants.dequantize(raw, Q.Q8_0)
+            kw = dict(raw_shape=raw.shape, raw_dtype=Q.Q8_0)
+        if permute:
+            val = llama_cpp_permute_inverse_ref(val, n_rope)
+        stored.update(unstack_experts(config, name, val) if "_exps." in name else split_fused(config, name, val))
+        w.add_tensor(gguf_name(name), raw, **kw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -145,7 +182,7 @@ def llama_cpp_permute_inverse_ref(w: np.ndarray, n_head: int) -> np.ndarray:
     return w[np.argsort(fwd)]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-phi3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-phi3", "tiny-qwen3-moe"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_roundtrip(tmp_path, name, tied):
     config = preset(name).replace(tie_word_embeddings=tied)
@@ -165,6 +202,10 @@ def test_gguf_roundtrip(tmp_path, name, tied):
     assert got_config.eos_token_ids == config.eos_token_ids and got_config.rope_theta == pytest.approx(
         config.rope_theta
     )
+    moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+    assert [getattr(got_config, f) for f in moe] == [getattr(config, f) for f in moe]
+    layers = range(config.num_layers)
+    assert [got_config.layer_is_moe(i) for i in layers] == [config.layer_is_moe(i) for i in layers]
     assert set(got) == set(stored)
     for k, v in stored.items():
         assert np.array_equal(got[k], v), k
@@ -227,3 +268,52 @@ def test_llama3_scaling_recovered_from_rope_freqs(orig):
     base = 1.0 / (c.rope_theta ** (np.arange(0, 128, 2) / 128))
     got = llama3_scaling_from_factors(c, (base / rope_inv_freq(c)).astype(np.float32))
     np.testing.assert_allclose(rope_inv_freq(c.replace(rope_scaling=got)), rope_inv_freq(c), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mlp_only", [(), (1,)], ids=["all-sparse", "layer1-dense"])
+def test_qwen3moe_gguf_matches_hf_safetensors(tmp_path, mlp_only):
+    """A tiny Qwen3MoeForCausalLM saved by transformers (safetensors) and the same weights written as a
+    llama.cpp `qwen3moe` GGUF (F32, experts stacked) load to the same config and weights, and the numpy
+    engine gives the same logits from both, equal to transformers' own."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from blink.device.numpy_executor import NumpyExecutor
+    from blink.models.reference import PagedDriver
+    from blink.models.weights import load_hf_dir
+
+    hf_config = transformers.Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6, max_position_embeddings=512, rope_theta=1e6,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=list(mlp_only), tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(hf_config).eval()
+    with torch.no_grad():  # perturbed norms; decisive routing (no near-ties between the k-th and next expert)
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "hf")
+    hf_cfg, hf_w = load_hf_dir(tmp_path / "hf")
+    write_gguf(tmp_path / "m.gguf", hf_cfg, hf_w, quantize=False)
+    cfg, w, _ = load_gguf(tmp_path / "m.gguf")
+    assert cfg.arch == "qwen3_moe" and cfg.qk_norm and cfg.norm_topk_prob
+    assert [cfg.layer_is_moe(i) for i in range(3)] == [i not in mlp_only for i in range(3)]
+    same = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "head_dim", "num_kv_heads", "vocab_size")
+    assert [getattr(cfg, f) for f in same] == [getattr(hf_cfg, f) for f in same]
+    assert set(w) == set(hf_w) and all(np.array_equal(w[k], hf_w[k]) for k in w)
+
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+
+    def logits(c, weights):
+        ex = NumpyExecutor(c, weights, num_blocks=16, block_size=8, max_batch=2, max_tokens=64)
+        return ex.forward_logits(PagedDriver(16, 8, 8).step([(0, ids)]), all_tokens=True)
+
+    ours_gguf, ours_hf = logits(cfg, w), logits(hf_cfg, hf_w)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.linalg.norm(ours_gguf - ours_hf) / np.linalg.norm(ours_hf) < 1e-6  # only rms_eps's f32 rounding differs
+    assert np.linalg.norm(ours_gguf - theirs) / np.linalg.norm(theirs) < 1e-5
+    assert (ours_gguf.argmax(-1) == theirs.argmax(-1)).all()

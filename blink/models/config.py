@@ -34,7 +34,7 @@ _HF_MODEL_TYPE = {
     "phi3": "phi3",
     "qwen3_moe": "qwen3_moe",
 }
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen3moe": "qwen3_moe"}
 
 
 class UnsupportedModelError(ValueError):
@@ -299,6 +299,13 @@ def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: set[str], name: st
         # llama.cpp stores Llama-3 scaling only as a rope_freqs tensor (per-frequency divisors):
         # Llama 3.1's parameters here; `weights.load_gguf` derives the exact ones from the tensor.
         scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    moe: dict[str, Any] = {}
+    if ga == "qwen3moe":
+        moe = _gguf_moe(meta, tensor_names, int(key("block_count")))
+    # a qwen3moe file whose every layer is sparse need not carry the dense length (then unused)
+    intermediate = (
+        meta.get(f"{ga}.feed_forward_length") or moe.get("moe_intermediate_size") or key("feed_forward_length")
+    )
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
     eos_ids = _eos_tuple(eos) + tuple(x for x in _eos_tuple(eot) if x not in _eos_tuple(eos))
@@ -306,7 +313,7 @@ def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: set[str], name: st
         arch=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(intermediate),
         num_layers=int(key("block_count")),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{ga}.attention.head_count_kv", heads)),
@@ -316,13 +323,33 @@ def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: set[str], name: st
         rms_eps=float(np.float32(key("attention.layer_norm_rms_epsilon"))),
         max_position=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         attn_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=None
         if meta.get("tokenizer.ggml.bos_token_id") is None
         else int(meta["tokenizer.ggml.bos_token_id"]),
         eos_token_ids=eos_ids,
         name=name or str(meta.get("general.name", ga)),
+        **moe,
+    )
+
+
+def _gguf_moe(meta: Mapping[str, Any], tensor_names: set[str], num_layers: int) -> dict[str, Any]:
+    """ModelConfig's MoE fields of a llama.cpp `qwen3moe` file. llama.cpp renormalises the top-k
+    router weights for this arch unless `expert_weights_norm` says otherwise (Qwen3-MoE's
+    norm_topk_prob is true); a block without `ffn_gate_inp` runs the dense MLP (mlp_only_layers)."""
+    ga = "qwen3moe"
+    for k in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
+        if meta.get(f"{ga}.{k}") is None:
+            raise UnsupportedModelError(f"GGUF metadata lacks {ga}.{k}")
+    if meta.get(f"{ga}.expert_shared_count") or meta.get(f"{ga}.expert_shared_feed_forward_length"):
+        raise UnsupportedModelError("a shared expert (Qwen2-MoE style) is not supported")
+    return dict(
+        num_experts=int(meta[f"{ga}.expert_count"]),
+        num_experts_per_tok=int(meta[f"{ga}.expert_used_count"]),
+        moe_intermediate_size=int(meta[f"{ga}.expert_feed_forward_length"]),
+        norm_topk_prob=bool(meta.get(f"{ga}.expert_weights_norm", True)),
+        mlp_only_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
     )
 
 

@@ -25,8 +25,9 @@ them into the names above, so every engine sees one layout; the numpy and CUDA e
 [q; k; v] and [gate; up] again for their single GEMMs, which gives back exactly the checkpoint's rows.
 
 Loaders: GGUF (dequantised to float32; llama.cpp's q/k row permutation undone so RoPE is the
-HF rotate-half form), an HF directory (config.json + *.safetensors, bf16 widened to float32),
-and `random_weights` for tests and benchmarks.
+HF rotate-half form; `qwen3moe`'s stacked ffn_{gate,up,down}_exps split per expert, ffn_gate_inp
+the router), an HF directory (config.json + *.safetensors, bf16 widened to float32), and
+`random_weights` for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ _GGUF_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
+# llama.cpp stacks a MoE layer's experts: ffn_{gate,up,down}_exps (experts, out, in) -> one canonical tensor each
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -220,6 +224,12 @@ def load_gguf_weights(
             _check_rope_freqs(config, w)
         else:
             m = _GGUF_BLK.match(t.name)
+            if m and m.group(2) in _GGUF_EXPERTS:
+                out.update(_split_experts(config, int(m.group(1)), _GGUF_EXPERTS[m.group(2)], w, dtype))
+                done += int(t.n_bytes)
+                if report:
+                    report(done, total)
+                continue
             if m and m.group(2) in _GGUF_LAYER:
                 name = f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
             elif t.name in _GGUF_GLOBAL:
@@ -239,6 +249,15 @@ def load_gguf_weights(
             report(done, total)
     check_weights(config, out)
     return out
+
+
+def _split_experts(config: ModelConfig, layer: int, proj: str, w: np.ndarray, dtype: Any) -> Weights:
+    """A stacked (experts, out, in) GGUF expert tensor as the canonical per-expert tensors (views when
+    `dtype` is float32: no copy)."""
+    if w.ndim != 3 or w.shape[0] != config.num_experts:
+        raise ValueError(f"layer {layer} {proj} experts: shape {w.shape}, expected ({config.num_experts}, out, in)")
+    p = f"model.layers.{layer}.mlp.experts."
+    return {f"{p}{e}.{proj}.weight": w[e].astype(dtype, copy=False) for e in range(config.num_experts)}
 
 
 def _base_inv_freq(config: ModelConfig) -> np.ndarray:
