@@ -86,6 +86,28 @@ def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> dict[str, float]:
     return {"bytes": nbytes, "ms": ms, "read_plus_write_GBps": 2 * nbytes / ms / 1e6, "read_GBps": nbytes / ms / 1e6}
 
 
+def decode_bytes(config: Any, batch: int, context: int, elem_bytes: int = 2) -> dict[str, int]:
+    """Bytes one decode step of `batch` sequences at `context` tokens reads from device memory (bf16):
+    every weight once, except that the embedding table contributes only its `batch` gathered rows
+    (all of it when it doubles as the LM head), and a MoE layer only its router and the experts the
+    step routes to: exactly num_experts_per_tok at batch 1, at most min(num_experts, batch * top-k)
+    above (an upper bound); plus the K and V of every sequence's context. For a dense model "weights"
+    equals the CUDA engine's GpuWeights.bytes_per_step plus the gathered rows (checked on the GPU)."""
+    c = config
+    h = c.hidden_size
+    attn = h * (c.q_size + 2 * c.kv_size) + c.q_size * h + 2 * h  # qkv, o, the two norms
+    attn += 2 * c.head_dim if c.qk_norm else 0
+    attn += c.q_size + 2 * c.kv_size if c.attn_bias else 0
+    experts_read = min(c.num_experts, batch * c.num_experts_per_tok)
+    moe = c.num_experts * h + experts_read * 3 * h * c.moe_intermediate_size
+    mlp = sum(moe if c.layer_is_moe(i) else 3 * h * c.intermediate_size for i in range(c.num_layers))
+    head = c.vocab_size * h + h  # LM head (or the tied table) and the final norm
+    rows = 0 if c.tie_word_embeddings else batch * h
+    weights = elem_bytes * (c.num_layers * attn + mlp + head + rows)
+    kv = elem_bytes * batch * context * c.num_layers * 2 * c.kv_size
+    return {"weights": weights, "kv": kv, "total": weights + kv, "experts_read_per_layer": experts_read}
+
+
 def write_json(path: str, result: dict[str, Any]) -> None:
     p = pathlib.Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Decode step time of the CUDA engine at context 1024 (Llama-3-8B shape, all 32 layers, random
 bf16 weights) for batch 1..256, against this GPU's device-to-device copy bandwidth.
 
-Bytes per step = every weight once + the K/V of every sequence's context. Graphs are launched
+Bytes per step (benchutil.decode_bytes) = every weight once (of the embedding table only the gathered
+rows) + the K/V of every sequence's context. Graphs are launched
 from the host back to back and timed with CUDA events (so host launch overhead overlaps).
 Every decode attention variant (--variants) is timed at every batch, as a whole step and as a
 graph of its attention launches alone; the best per batch is printed as a table for
@@ -24,6 +25,7 @@ from benchutil import (
     CATEGORIES,
     category_times,
     copy_bandwidth,
+    decode_bytes,
     load_synthetic,
     metadata,
     only_launches,
@@ -99,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     rep = eng.capture(decode=True, prefill=False)
     bw = copy_bandwidth()
     weight_bytes = eng.weights.bytes_per_step
-    kv_per_token = cfg.num_layers * 2 * cfg.kv_size * 2
     rows = []
     breakdown: dict[str, dict[str, float]] = {}
     attn_only: dict[str, dict[str, float]] = {}
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         for name, fn in variants.items():
             ms = time_ms(fn, eng.stream, iters=a.iters)
-            moved = weight_bytes + b * ctx * kv_per_token
+            moved = decode_bytes(cfg, b, ctx)["total"]
             rows.append(
                 {
                     "batch": b,

@@ -31,7 +31,9 @@ def make_engine(
     gemm_candidates: int = -1,
     gemm_sm_reserve: int = -1,
     prefill_attention: str = "",
+    layers: int = 0,
 ):
+    """An engine over random weights of `preset_name` (`layers`: that many of its layers; 0: all), captured."""
     from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
     from blink.models.config import preset
 
@@ -53,7 +55,8 @@ def make_engine(
         else DEFAULT_DECODE_ATTENTION,
     )
     t0 = time.perf_counter()
-    eng = Engine.create(preset(preset_name), ecfg)
+    cfg = preset(preset_name)
+    eng = Engine.create(cfg.replace(num_layers=layers) if layers else cfg, ecfg)
     rep = eng.capture()
     print(
         f"engine {preset_name}: {rep.graphs} graphs / {rep.execs} execs, {eng.dims.num_blocks} KV blocks, "

@@ -1,7 +1,15 @@
-"""End-to-end throughput through the ring: 256 requests x (256 prompt -> 128 output) on a random
-Llama-3-8B (bf16), GPU-resident scheduler (and the host-driven loop for comparison).
+"""End-to-end throughput through the ring: 256 requests x (256 prompt -> 128 output) on random bf16
+weights of a preset's real shape, GPU-resident scheduler (and the host-driven loop for comparison).
 
-    python bench/throughput.py --out bench/results/throughput_h200.json
+    python bench/throughput.py --out bench/results/throughput_h200.json            # Llama-3-8B, both schedulers
+
+With --presets, each model runs in its own process (one model's weights on the GPU at a time, its
+memory given back when the process ends), and each also reports its batch-1 decode step against this
+GPU's copy bandwidth (bytes read per step as benchutil.decode_bytes counts them: for a MoE model only
+the experts a step routes to). A model the CUDA engine refuses is recorded as skipped with the reason.
+
+    python bench/throughput.py --presets llama3-8b,phi-4,qwen3-32b,qwen3-30b-a3b --schedulers gpu \\
+        --commit $(git rev-parse --short HEAD) --out bench/results/models-h200-<commit>.json
 """
 
 from __future__ import annotations
@@ -9,11 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import copy_bandwidth, decode_bytes, load_synthetic, metadata, time_ms, write_json  # noqa: E402
 from sched_common import device_name, make_engine, serve_workload  # noqa: E402
+
+DECODE_CONTEXT = 1024  # bench/decode.py's
 
 
 def run(eng, n: int = 256, prompt: int = 256, new: int = 128, schedulers=("gpu", "host")) -> dict:
@@ -27,17 +40,138 @@ def run(eng, n: int = 256, prompt: int = 256, new: int = 128, schedulers=("gpu",
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def decode_b1(eng, bandwidth: dict, context: int = DECODE_CONTEXT, iters: int = 50) -> dict:
+    """One sequence at `context` tokens: ms per decode step (its captured graph launched back to back)
+    and the bytes it reads against the copy bandwidth (read + write, as bench/decode.py)."""
+    import numpy as np
+
+    cfg = eng.config
+    moved = decode_bytes(cfg, 1, context)
+    if not cfg.is_moe:  # one count of a step's bytes: the engine's own weights say the same
+        assert moved["weights"] == eng.weights.bytes_per_step + 2 * cfg.hidden_size * (not cfg.tie_word_embeddings)
+    load_synthetic(eng, 1, 1, context, np.random.default_rng(0))
+    ms = time_ms(lambda: eng.driver.graph_launch(eng.pick_exec(1, 1, True), eng.s), eng.stream, iters=iters)
+    gbps = moved["total"] / ms / 1e6
+    return {
+        "context": context,
+        "ms_per_step": ms,
+        "tokens_per_s": 1e3 / ms,
+        "bytes_per_step": moved,
+        "GBps": gbps,
+        "frac_of_copy_bw": gbps / bandwidth["read_plus_write_GBps"],
+        "frac_of_read_bw": gbps / bandwidth["read_GBps"],
+    }
+
+
+def one_model(preset_name: str, layers: int, schedulers: tuple[str, ...], n: int, prompt: int, new: int) -> dict:
+    """Everything measured on one preset (in this process); `skipped` when the CUDA engine refuses it."""
+    from blink.models.config import UnsupportedModelError, preset
+    from blink.models.registry import check_device
+
+    cfg = preset(preset_name)
+    if layers:
+        cfg = cfg.replace(num_layers=layers)
+    res: dict = {
+        "preset": preset_name,
+        "layers": cfg.num_layers,
+        "decode_bytes_b1": decode_bytes(cfg, 1, DECODE_CONTEXT),
+    }
+    res["params"], res["active_params"] = cfg.num_params(), cfg.num_params(active=True)
+    t0 = time.perf_counter()
+    try:
+        check_device(f"random:{preset_name}", "cuda")  # what `blink serve --device cuda` refuses, before any CUDA
+        eng = make_engine(preset_name, 256, 4096, 2048, layers=layers)
+    except UnsupportedModelError as e:
+        return {**res, "skipped": str(e)}
+    build_s = time.perf_counter() - t0
+    import cupy as cp
+
+    bw = copy_bandwidth(1 << 30)  # 2 x 1 GB: what the KV pool (85% of the free memory) leaves room for
+    cp.get_default_memory_pool().free_all_blocks()
+    res["device"] = device_name()
+    res["copy_bandwidth"] = bw
+    res["engine"] = {
+        "build_s": build_s,
+        "kv_blocks": eng.dims.num_blocks,
+        "weight_bytes": eng.weights.nbytes,
+        "graphs": eng.report.graphs,
+        "capture_s": eng.report.seconds,
+        "gemm_tune_s": eng.report.tune_seconds,
+    }
+    res["decode_b1"] = d = decode_b1(eng, bw)
+    print(
+        f"{preset_name}: batch-1 decode {d['ms_per_step']:.3f} ms/step, {d['GBps']:.0f} GB/s = "
+        f"{d['frac_of_copy_bw']:.1%} of copy bandwidth",
+        flush=True,
+    )
+    res["throughput"] = run(eng, n, prompt, new, schedulers)
+    eng.close()
+    res["total_s"] = time.perf_counter() - t0
+    return res
+
+
+def all_models(a: argparse.Namespace, argv: list[str]) -> int:
+    """One child process per preset, one after the other; the JSON gathers them."""
+    out = {"bench": "models", **metadata(a.commit, argv), "models": {}}
+    out["device"] = out["gpu"]
+    failed = 0
+    for name in a.presets.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            cmd = [sys.executable, os.path.abspath(__file__), "--preset", name, "--json-out", tmp.name]
+            cmd += ["--schedulers", a.schedulers, "--layers", str(a.layers)]
+            cmd += ["--requests", str(a.requests), "--prompt", str(a.prompt), "--new", str(a.new)]
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run(cmd, timeout=a.timeout, stderr=subprocess.PIPE, text=True)
+                ok = p.returncode == 0 and os.path.getsize(tmp.name) > 0
+                res = json.load(open(tmp.name)) if ok else {"failed": f"rc {p.returncode}: {p.stderr[-2000:]}"}
+            except subprocess.TimeoutExpired as e:
+                res = {"failed": f"timed out after {a.timeout} s: {(e.stderr or b'')[-2000:]!r}"}
+            res["wall_s"] = time.perf_counter() - t0
+        sys.stderr.write(p.stderr if "failed" not in res and p.stderr else "")
+        failed += "failed" in res
+        out["models"][name] = res
+    write_json(a.out, out)
+    print(f"\n{'model':>15} {'b1 ms/step':>10} {'GB/s':>6} {'of copy':>7} {'gpu tok/s':>10}  (256 x 256->128)")
+    for name, r in out["models"].items():
+        if "decode_b1" in r:
+            d, t = r["decode_b1"], r["throughput"].get("gpu", {}).get("tok_per_s", float("nan"))
+            print(f"{name:>15} {d['ms_per_step']:10.3f} {d['GBps']:6.0f} {d['frac_of_copy_bw']:7.1%} {t:10.0f}")
+        else:
+            print(f"{name:>15} {'skipped' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r.get('failed')}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--presets", default="", help="comma-separated: each in its own process, with batch-1 decode")
+    ap.add_argument("--schedulers", default="gpu,host")
+    ap.add_argument("--layers", type=int, default=0, help="0: the preset's (fewer: a quick check of the script)")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per model (--presets)")
+    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
+    ap.add_argument("--json-out", default="", help="(the child of --presets) where one model's result goes")
     ap.add_argument("--out", default="")
-    a = ap.parse_args()
-    eng = make_engine(a.preset, 256, 4096, 2048)
+    a = ap.parse_args(argv[1:])
+    schedulers = tuple(s for s in a.schedulers.split(",") if s)
+    if a.presets:
+        if not a.out:
+            ap.error("--presets needs --out")
+        return all_models(a, argv)
+    if a.json_out:
+        res = one_model(a.preset, a.layers, schedulers, a.requests, a.prompt, a.new)
+        with open(a.json_out, "w") as f:
+            json.dump(res, f)
+        return 0
+    eng = make_engine(a.preset, 256, 4096, 2048, layers=a.layers)
     res = {"bench": "throughput", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device_name(),
-           "preset": a.preset, "command": " ".join(sys.argv), **run(eng)}  # fmt: skip
+           "preset": a.preset, "command": " ".join(argv), **run(eng, a.requests, a.prompt, a.new, schedulers)}  # fmt: skip
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.out, res)
     eng.close()
     return 0
 

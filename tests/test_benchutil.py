@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from benchutil import synthetic_step  # noqa: E402
+from benchutil import decode_bytes, synthetic_step  # noqa: E402
 
 
 def test_prefill_step_layout():
@@ -56,3 +56,48 @@ def test_reference_engine_runs_synthetic_steps():
         b = synthetic_step(S, new, ctx, 8, cfg.vocab_size, rng)
         lg = ex.forward_logits(b)
         assert lg.shape == (S, cfg.vocab_size) and np.isfinite(lg).all()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_decode_bytes_counts_the_tensors_a_step_reads(name, batch):
+    """decode_bytes against the tensors themselves (random_weights in fp16 = bf16's 2 bytes): all of them,
+    less the embedding table but its `batch` gathered rows (unless tied to the LM head), less the
+    experts a MoE layer's step does not route to (all but top-k at batch 1; min(E, batch * top-k) read)."""
+    from blink.models.config import preset
+    from blink.models.weights import random_weights
+
+    c = preset(name)
+    w = random_weights(c, dtype=np.float16)
+    expect = sum(a.nbytes for a in w.values())
+    if not c.tie_word_embeddings:
+        expect -= w["model.embed_tokens.weight"].nbytes - batch * c.hidden_size * 2
+    read = min(c.num_experts, batch * c.num_experts_per_tok)
+    for i in range(c.num_layers):
+        if c.layer_is_moe(i):
+            per_expert = sum(
+                w[f"model.layers.{i}.mlp.experts.0.{p}_proj.weight"].nbytes for p in ("gate", "up", "down")
+            )
+            expect -= (c.num_experts - read) * per_expert
+    got = decode_bytes(c, batch, 100)
+    assert got["weights"] == expect
+    assert got["kv"] == batch * 100 * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+    assert got["total"] == got["weights"] + got["kv"]
+    assert got["experts_read_per_layer"] == read
+
+
+def test_decode_bytes_of_qwen3_30b_a3b_counts_only_the_active_experts():
+    """Batch 1 of the real shape reads 8 of 128 experts per layer: ~3.3 B active parameters less the
+    embedding table (6.7 GB), not the 30.5 B (61 GB) of every expert."""
+    from blink.models.config import preset
+
+    c = preset("qwen3-30b-a3b")
+    b = decode_bytes(c, 1, 0)
+    assert b["experts_read_per_layer"] == 8 and b["kv"] == 0
+    embed = c.vocab_size * c.hidden_size
+    assert b["weights"] == 2 * (c.num_params(active=True) - embed + c.hidden_size)
+    assert 6.0e9 < b["weights"] < 6.4e9 and 60e9 < 2 * c.num_params() < 62e9
+    dense = preset("qwen3-32b")
+    assert decode_bytes(dense, 1, 0)["weights"] == 2 * (
+        dense.num_params() - dense.vocab_size * dense.hidden_size + dense.hidden_size
+    )

@@ -1,6 +1,6 @@
 """The CUDA engine against transformers (same bf16 weights) and against the numpy executor.
 
-Random weights of real shapes (Llama-3-8B, Qwen3-8B, Qwen2.5-7B and Phi-4 layer shapes and vocabularies, 2 layers)
+Random weights of real shapes (Llama-3-8B, Qwen3-8B, Qwen3-32B, Qwen2.5-7B and Phi-4 layer shapes and vocabularies, 2 layers)
 are made on the GPU and copied into transformers' model. One prefill step packs a whole prompt
 and the first chunk of a second prompt; the next step prefills the second chunk on top of its
 cached context; then 32 greedy decode steps. transformers sees each sequence once, teacher-forced
@@ -161,6 +161,8 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
         ("qwen2.5-7b", ("flashq", "rego")),
         ("phi-4", ("basic", "rego")),
         ("phi-4", ("flashq", "fa2")),
+        ("qwen3-32b", ("basic", "rego")),  # q_size 8192 > hidden 5120, GQA group 8, intermediate 25600
+        ("qwen3-32b", ("flashq", "fa2")),
     ],
     ids=lambda x: "-".join(x) if isinstance(x, tuple) else x,
 )
