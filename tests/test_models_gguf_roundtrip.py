@@ -274,7 +274,8 @@ def test_llama3_scaling_recovered_from_rope_freqs(orig):
 def test_qwen3moe_gguf_matches_hf_safetensors(tmp_path, mlp_only):
     """A tiny Qwen3MoeForCausalLM saved by transformers (safetensors) and the same weights written as a
     llama.cpp `qwen3moe` GGUF (F32, experts stacked) load to the same config and weights, and the numpy
-    engine gives the same logits from both, equal to transformers' own."""
+    engine gives the same logits from both, equal to transformers' own; transformers' GGUF reader, an
+    independent reading of llama.cpp's layout, gives them too from the same file."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from blink.device.numpy_executor import NumpyExecutor
@@ -317,3 +318,11 @@ def test_qwen3moe_gguf_matches_hf_safetensors(tmp_path, mlp_only):
     assert np.linalg.norm(ours_gguf - ours_hf) / np.linalg.norm(ours_hf) < 1e-6  # only rms_eps's f32 rounding differs
     assert np.linalg.norm(ours_gguf - theirs) / np.linalg.norm(theirs) < 1e-5
     assert (ours_gguf.argmax(-1) == theirs.argmax(-1)).all()
+    if not mlp_only:  # transformers' own GGUF reader (llama.cpp's layout, not ours) on the same file
+        (tmp_path / "m.gguf").rename(tmp_path / "hf" / "m.gguf")
+        cls = transformers.Qwen3MoeForCausalLM
+        # its qwen3moe key map lacks expert_feed_forward_length: the shapes come from the config
+        gguf_model = cls.from_pretrained(tmp_path / "hf", gguf_file="m.gguf", config=hf_config, dtype=torch.float32)
+        with torch.no_grad():
+            from_gguf = gguf_model.eval()(torch.tensor([ids])).logits[0].numpy()
+        assert np.linalg.norm(ours_gguf - from_gguf) / np.linalg.norm(from_gguf) < 1e-5
