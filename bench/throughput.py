@@ -123,16 +123,19 @@ def all_models(a: argparse.Namespace, argv: list[str]) -> int:
             t0 = time.perf_counter()
             try:
                 p = subprocess.run(cmd, timeout=a.timeout, stderr=subprocess.PIPE, text=True)
+                sys.stderr.write(p.stderr)
                 ok = p.returncode == 0 and os.path.getsize(tmp.name) > 0
                 res = json.load(open(tmp.name)) if ok else {"failed": f"rc {p.returncode}: {p.stderr[-2000:]}"}
             except subprocess.TimeoutExpired as e:
                 res = {"failed": f"timed out after {a.timeout} s: {(e.stderr or b'')[-2000:]!r}"}
             res["wall_s"] = time.perf_counter() - t0
-        sys.stderr.write(p.stderr if "failed" not in res and p.stderr else "")
         failed += "failed" in res
         out["models"][name] = res
     write_json(a.out, out)
-    print(f"\n{'model':>15} {'b1 ms/step':>10} {'GB/s':>6} {'of copy':>7} {'gpu tok/s':>10}  (256 x 256->128)")
+    work = f"{a.requests} x ({a.prompt} -> {a.new})"
+    print(
+        f"\n{'model':>15} {'b1 ms/step':>10} {'GB/s':>6} {'of copy':>7} {'gpu tok/s':>10}  ({work}, {a.layers or 'all'} layers)"
+    )
     for name, r in out["models"].items():
         if "decode_b1" in r:
             d, t = r["decode_b1"], r["throughput"].get("gpu", {}).get("tok_per_s", float("nan"))
