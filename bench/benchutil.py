@@ -171,19 +171,61 @@ def kernel_category(name: str) -> str:
     raise KeyError(name)
 
 
+def gemm_roles(cfg: Any) -> dict[str, tuple[int, int]]:
+    """(n_out, k) of each cuBLAS GEMM of a dense model's step, by role (the lm head once per step)."""
+    H = cfg.hidden_size
+    return {
+        "qkv": (cfg.q_size + 2 * cfg.kv_size, H),
+        "o": (H, cfg.q_size),
+        "gate_up": (2 * cfg.intermediate_size, H),
+        "down": (H, cfg.intermediate_size),
+        "lm_head": (cfg.vocab_size, H),
+    }
+
+
+def decode_traffic(cfg: Any, batch: int, context: int) -> dict[str, dict[str, float]]:
+    """Bytes moved and FLOPs of each kernel category of a decode step (bf16 weights, activations and
+    KV; f32 logits): batch sequences, each attending over `context` cached tokens. GEMMs by role
+    (gemm_<role>: weights once + inputs + outputs); attention reads each sequence's K and V; the
+    pointwise kernels read and write their activations once (the floor of what they must move)."""
+    B, L, H, q, kv, inter, V = (
+        batch, cfg.num_layers, cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size,
+    )  # fmt: skip
+    out: dict[str, dict[str, float]] = {}
+    for role, (n, k) in gemm_roles(cfg).items():
+        times = 1 if role == "lm_head" else L
+        ob = 4 if role == "lm_head" else 2
+        out[f"gemm_{role}"] = {"bytes": times * (2 * n * k + 2 * B * k + ob * B * n), "flops": times * 2.0 * B * n * k}
+    out["attn"] = {"bytes": L * (B * context * 2 * kv * 2 + 2 * B * q * 2), "flops": L * 4.0 * B * context * q}
+    out["norm"] = {"bytes": L * 2 * 4 * B * H * 2, "flops": L * 2 * 5.0 * B * H}
+    out["rope"] = {"bytes": L * B * (2 * q + 4 * kv) * 2, "flops": L * 6.0 * B * (q + kv)}
+    out["swiglu"] = {"bytes": L * B * 3 * inter * 2, "flops": L * 5.0 * B * inter}
+    out["embed"] = {"bytes": 2 * B * H * 2, "flops": 0.0}
+    out["head"] = {"bytes": 3 * B * H * 2, "flops": 5.0 * B * H}
+    out["sample"] = {"bytes": B * V * 4, "flops": 2.0 * B * V}
+    return out
+
+
 @contextlib.contextmanager
-def only_launches(fwd: Any, categories: set[str]) -> Iterator[None]:
+def only_launches(fwd: Any, categories: set[str], roles: set[tuple[int, int]] | None = None) -> Iterator[None]:
     """While a step is recorded, issue only the kernel launches (and cuBLAS GEMMs: "gemm") of these
-    categories, in the step's order: the engine's Forward with its driver and cuBLAS wrapped."""
+    categories, in the step's order: the engine's Forward with its driver and cuBLAS wrapped.
+    `roles`: with "gemm", only the cuBLAS GEMMs of these (n_out, k) shapes (gemm_roles)."""
     drv, blas = fwd.drv, fwd.blas
 
     def launch(fn: int, grid: Any, block: Any, args: Any, stream: int, smem: int = 0, name: str = "") -> None:
         if kernel_category(name) in categories:
             drv.launch(fn, grid, block, args, stream, smem, name)
 
+    def linear(x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False) -> None:
+        if (n_out, k) in roles:  # type: ignore[operator]
+            blas.linear(x, w, y, rows, n_out, k, out_f32)
+
     fwd.drv = SimpleNamespace(launch=launch)
     if "gemm" not in categories:
         fwd.blas = SimpleNamespace(linear=lambda *a, **k: None)
+    elif roles is not None:
+        fwd.blas = SimpleNamespace(linear=linear)
     try:
         yield
     finally:

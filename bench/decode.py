@@ -13,6 +13,19 @@ EngineConfig.decode_attention_table (`--decode-attention` of the benchmarks).
 GEMV fusions (EngineConfig.gemv_fusion): --gemv-fusion sets the engine's, --compare-fusion times
 other settings as extra rows ("fusion_<spec>") in the same process, --gemv-max-tokens moves batches
 2-8 onto the GEMV path (the only steps that fuse).
+
+`--role-breakdown` (issue 12, item 3: where the batch-128/256 decode step's time goes) times only,
+for each batch of --batches and each context of --contexts: the whole captured decode step, and each
+kernel category captured as a graph of its own launches (the step's order and shapes; CUDA events
+around graph launches, outside the graphs): the cuBLAS GEMMs by layer role (qkv, o, gate_up, down,
+lm_head), attention, norms, RoPE + KV write, SwiGLU, embedding, final norm, sampling. Each category
+gets its bytes and FLOPs (benchutil.decode_traffic), achieved GB/s and TFLOP/s, and an ideal time
+max(bytes / copy bandwidth, FLOPs / --peak-tflops); the step gets the issue's bandwidth fraction
+(weights + every sequence's K/V, over the measured copy bandwidth) and the time no category covers
+(the gaps between kernels in the graph).
+
+    python bench/decode.py --role-breakdown --batches 128,256 --contexts 320,1024 \
+        --out bench/results/decode_breakdown-h200-<commit>.json --commit <commit>
 """
 
 from __future__ import annotations
@@ -26,6 +39,8 @@ from benchutil import (
     category_times,
     copy_bandwidth,
     decode_bytes,
+    decode_traffic,
+    gemm_roles,
     load_synthetic,
     metadata,
     only_launches,
@@ -66,12 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         help='also time each step with every cuBLAS GEMM on cublasGemmEx (row "gemmex"; the engine tunes them)',
     )
     ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
+    ap.add_argument("--role-breakdown", action="store_true", help="only the per-role breakdown (docstring)")
+    ap.add_argument("--contexts", default="320,1024", help="contexts of --role-breakdown")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak for ideal times (H200: ~790)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
     cfg = preset(a.model)
     if a.layers:
         cfg = cfg.replace(num_layers=a.layers)
+    if a.role_breakdown:
+        return role_breakdown(a, cfg, argv)
     batches = [int(x) for x in a.batches.split(",")]
     bmax, ctx, bs = max(batches), a.context, 16
     per_seq = -(-ctx // bs) + 1
@@ -235,6 +255,119 @@ def main(argv: list[str] | None = None) -> int:
     for b, (v, ms) in sorted(best.items()):
         print(f"best at batch {b}: {v} {ms:.3f} ms/step ({b / ms * 1e3:.0f} tok/s)")
     print(f"best table: --decode-attention {res['best_decode_attention_table']}")
+    eng.close()
+    return 0
+
+
+def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
+    """--role-breakdown: whole decode step and each kernel category, by batch and context."""
+    batches = [int(x) for x in a.batches.split(",")]
+    contexts = [int(x) for x in a.contexts.split(",")]
+    bmax, bs = max(batches), 16
+    per_seq = -(-max(contexts) // bs) + 1
+    ecfg = EngineConfig(
+        max_seqs=bmax,
+        max_tokens=bmax,
+        max_context=max(contexts) + bs * 2,
+        block_size=bs,
+        num_kv_blocks=bmax * per_seq,
+        batch_buckets=tuple(batches),
+        token_buckets=(bmax,),
+        **({"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}),
+    )
+    eng = Engine.create(cfg, ecfg)
+    rep = eng.capture(decode=True, prefill=False)
+    bw = copy_bandwidth()
+    bw_Bps = bw["read_plus_write_GBps"] * 1e9
+    peak = a.peak_tflops * 1e12
+    weight_bytes = eng.weights.bytes_per_step
+    kv_per_token = cfg.num_layers * 2 * cfg.kv_size * 2
+    roles = gemm_roles(cfg)
+    rng = np.random.default_rng(0)
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            load_synthetic(eng, b, 1, ctx, rng)
+            step_ms = time_ms(
+                lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s), eng.stream, a.iters
+            )
+            traffic = decode_traffic(cfg, b, ctx)
+            cats: dict[str, dict[str, float]] = {}
+            gemv = eng.fwd.uses_gemv(b)  # GEMVs are launches of category "gemm", not split by role here
+            fused = eng.fwd.fusions_for(b)
+            names = (["gemm"] if gemv else [f"gemm_{r}" for r in roles]) + [
+                c for c in CATEGORIES if c != "gemm" and c not in fused
+            ]
+            for name in names:
+                if name.startswith("gemm_"):
+                    with only_launches(eng.fwd, {"gemm"}, {roles[name.removeprefix("gemm_")]}):
+                        execs = eng.capture_variant(b, b, True)
+                else:
+                    with only_launches(eng.fwd, {name}):
+                        execs = eng.capture_variant(b, b, True)
+                it = iter(range(10**9))
+                ms = time_ms(
+                    lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s), eng.stream, a.iters
+                )
+                if name == "gemm":  # every GEMM together (the GEMV path)
+                    g = [v for k, v in traffic.items() if k.startswith("gemm_")]
+                    t = {"bytes": sum(v["bytes"] for v in g), "flops": sum(v["flops"] for v in g)}
+                else:
+                    t = traffic.get(name, {"bytes": 0.0, "flops": 0.0})
+                ideal = max(t["bytes"] / bw_Bps, t["flops"] / peak) * 1e3
+                cats[name] = {
+                    "ms": ms,
+                    "bytes": t["bytes"],
+                    "flops": t["flops"],
+                    "GBps": t["bytes"] / ms / 1e6,
+                    "TFLOPs": t["flops"] / ms / 1e9,
+                    "ideal_ms": ideal,
+                    "ideal_over_ms": ideal / ms if ms else 0.0,
+                }
+            moved = decode_bytes(cfg, b, ctx)["total"]  # the issue's (and the table's) bytes per step
+            total_cat = sum(c["ms"] for c in cats.values())
+            ideal_total = sum(c["ideal_ms"] for c in cats.values())
+            rows.append(
+                {
+                    "batch": b,
+                    "context": ctx,
+                    "step_ms": step_ms,
+                    "tokens_per_s": b / step_ms * 1e3,
+                    "bytes_per_step": moved,
+                    "frac_of_copy_bw": moved / step_ms / 1e6 / bw["read_plus_write_GBps"],
+                    "categories_sum_ms": total_cat,
+                    "uncovered_ms": step_ms - total_cat,
+                    "ideal_sum_ms": ideal_total,
+                    "categories": cats,
+                }
+            )
+            print(
+                f"\nbatch {b} context {ctx}: step {step_ms:.3f} ms, {moved / 1e9:.2f} GB = "
+                f"{rows[-1]['frac_of_copy_bw']:.1%} of copy bandwidth; categories {total_cat:.3f} ms "
+                f"(ideal {ideal_total:.3f}), not covered {step_ms - total_cat:.3f} ms",
+                flush=True,
+            )
+            print(f"  {'category':<14}{'ms':>8}{'ideal':>8}{'ideal/ms':>9}{'GB/s':>8}{'TFLOP/s':>9}")
+            for name, c in cats.items():
+                print(
+                    f"  {name:<14}{c['ms']:8.3f}{c['ideal_ms']:8.3f}{c['ideal_over_ms']:9.1%}"
+                    f"{c['GBps']:8.0f}{c['TFLOPs']:9.1f}"
+                )
+    res = {
+        **metadata(a.commit, argv if argv is not None else sys.argv),
+        "model": cfg.name,
+        "layers": cfg.num_layers,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_per_token,
+        "copy_bandwidth": bw,
+        "peak_tflops": a.peak_tflops,
+        "decode_attention": {str(b): eng.fwd.decode_variant(b) for b in batches},
+        "gemv_max_tokens": ecfg.gemv_max_tokens,
+        "capture": {"graphs": rep.graphs, "seconds": rep.seconds},
+        "rows": rows,
+    }
+    write_json(a.out, res)
+    print(f"copy bandwidth (read+write) {bw['read_plus_write_GBps']:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
     eng.close()
     return 0
 

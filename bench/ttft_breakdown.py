@@ -23,8 +23,15 @@ t_first), which are %globaltimer + an offset calibrated when the scheduler start
 reads of %globaltimer, so a device stamp never precedes the host stamp of the same instant; its
 error is at most the shortest bracket, a few microseconds).
 
+Then, the load over and the server idle, `--alone` requests of the same prompt length (one output
+token, 0.2 s apart) time the prefill of one prompt alone (t_first - t_launch on the ring), and the
+ring header's decode-step counters over the load phase give the mean decode step at the running
+batch (the tap samples header.running): issue 12's bound TTFT p50 <= prefill alone + one decode
+step + 2 ms.
+
 Prints the bench report, the stage table and the targets (ITL p99 <= 1.5 x ITL p50; TTFT p50 and p99
-of the GPU scheduler <= the host loop's), and writes one JSON with both schedulers.
+of the GPU scheduler <= the host loop's; the bound above), and writes one JSON with both schedulers.
+`--mixed-step-tokens N` passes the server its mixed-step token budget (-1: the server's default).
 """
 
 from __future__ import annotations
@@ -68,6 +75,8 @@ class Server:
                "--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--port", "0"]  # fmt: skip
         if args.max_model_len:
             cmd += ["--max-model-len", str(args.max_model_len)]
+        if args.mixed_step_tokens >= 0:
+            cmd += ["--mixed-step-tokens", str(args.mixed_step_tokens)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.url = self.ring = ""
@@ -113,7 +122,10 @@ class RingTap(threading.Thread):
     def __init__(self, ring: str, period_s: float = 2e-4):
         super().__init__(daemon=True)
         self.t = ShmTransport.open(ring)
-        self.slots = self.t.view().slots
+        view = self.t.view()
+        self.slots = view.slots
+        self.header = view.header
+        self.running: list[int] = []  # header.running at each sample where something ran
         self.period_s = period_s
         self.seen: dict[int, tuple[int, ...]] = {}
         self.stale = set(self.slots["request_id"].tolist())  # earlier requests' stamps stay in freed slots
@@ -122,6 +134,8 @@ class RingTap(threading.Thread):
     def run(self) -> None:
         while not self.stop_flag.is_set():
             recs = self.slots.copy()
+            if run := int(self.header["running"]):
+                self.running.append(run)
             for i in np.flatnonzero(recs["t_read_ns"] != 0):
                 r = recs[i]
                 rid = int(r["request_id"])
@@ -153,6 +167,15 @@ def metric_mean_ms(before: dict[str, float], after: dict[str, float], name: str)
     return s / n * 1e3 if n else None
 
 
+def header_counts(ring: str) -> dict[str, int]:
+    t = ShmTransport.open(ring)
+    h = t.view().header
+    out = {k: int(h[k]) for k in ("steps", "step_ns_total", "prefill_steps", "launches", "prompt_tokens")}
+    del h
+    t.close()
+    return out
+
+
 def measure(scheduler: str, args: argparse.Namespace) -> dict:
     srv = Server(scheduler, args)
     try:
@@ -166,18 +189,43 @@ def measure(scheduler: str, args: argparse.Namespace) -> dict:
         warm = argparse.Namespace(**{**vars(bargs), "num_prompts": 16, "request_rate": float("inf")})
         asyncio.run(benchmark.run(warm))  # first graph launches, allocator, tokenizer caches
         m0 = srv.metrics()
+        h0 = header_counts(srv.ring)
         tap = RingTap(srv.ring)
         tap.start()
         res = asyncio.run(benchmark.run(bargs))
         stamps = tap.finish()
+        h1 = header_counts(srv.ring)
         m1 = srv.metrics()
+        # the same prompt length alone on the idle server: its prefill step, launch to first token
+        alone_args = argparse.Namespace(
+            **{**vars(bargs), "num_prompts": args.alone, "request_rate": 5.0, "random_output_len": 1, "seed": 1}
+        )
+        alone_tap = RingTap(srv.ring)
+        alone_tap.start()
+        asyncio.run(benchmark.run(alone_args))
+        alone = alone_tap.finish()
     finally:
         srv.stop()
     res.pop("requests", None)
     stages = {name: quantiles_ms(stamps[:, b] - stamps[:, a]) for name, a, b in STAGES}
     for name, metric in METRIC_STAGES.items():
         stages[name] = {"mean": metric_mean_ms(m0, m1, metric)}
-    return {"scheduler": scheduler, "bench": res, "stages": stages, "traced_requests": int(stamps.shape[0])}
+    steps = h1["steps"] - h0["steps"]
+    bound = {
+        "prefill_alone_ms": quantiles_ms(alone[:, 3] - alone[:, 2]),  # t_first - t_launch
+        "alone_requests": int(alone.shape[0]),
+        "decode_step_ms_mean": (h1["step_ns_total"] - h0["step_ns_total"]) / steps / 1e6 if steps else None,
+        "decode_steps": steps,
+        "mixed_or_prefill_launches": h1["prefill_steps"] - h0["prefill_steps"],
+        "running_mean": float(np.mean(tap.running)) if tap.running else 0.0,
+    }
+    return {
+        "scheduler": scheduler,
+        "bench": res,
+        "stages": stages,
+        "traced_requests": int(stamps.shape[0]),
+        "ttft_bound": bound,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=0, help="0: the server's default (the model's limit)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--alone", type=int, default=8, help="requests timed alone after the load (prefill alone)")
+    ap.add_argument(
+        "--mixed-step-tokens", type=int, default=-1, help="the server's --mixed-step-tokens (-1: its default)"
+    )
     ap.add_argument("--start-timeout", type=float, default=420.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "ttft_breakdown.json"))
     args = ap.parse_args(argv)
@@ -216,6 +268,20 @@ def main(argv: list[str] | None = None) -> int:
         ok &= good
         print(
             f"target ITL p99 <= 1.5 x p50 [{r['scheduler']}]: {itl['p99']:.2f} vs {itl['median']:.2f} ms: {'OK' if good else 'MISSED'}"
+        )
+    for r in runs:
+        b = r["ttft_bound"]
+        if not b["prefill_alone_ms"] or b["decode_step_ms_mean"] is None:
+            print(f"TTFT bound [{r['scheduler']}]: not measured ({b})")
+            continue
+        lim = b["prefill_alone_ms"]["p50"] + b["decode_step_ms_mean"] + 2.0
+        ttft = r["bench"]["ttft_ms"]["median"]
+        good = ttft <= lim
+        ok &= good
+        print(
+            f"target TTFT p50 <= prefill alone + decode step + 2 ms [{r['scheduler']}]: {ttft:.2f} vs "
+            f"{b['prefill_alone_ms']['p50']:.2f} + {b['decode_step_ms_mean']:.2f} (mean batch "
+            f"{b['running_mean']:.1f}) + 2 = {lim:.2f} ms: {'OK' if good else 'MISSED'}"
         )
     by = {r["scheduler"]: r["bench"]["ttft_ms"] for r in runs}
     if "gpu" in by and "host" in by:

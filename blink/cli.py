@@ -47,6 +47,13 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-tokens-per-step", "--max-num-batched-tokens", dest="device.max_tokens", type=int, help="tokens per step"
     )
+    p.add_argument(
+        "--mixed-step-tokens",
+        dest="device.mixed_tokens",
+        type=int,
+        help="token budget of a step that carries decodes (decodes + prefill chunk, doubled while it leaves the "
+        "prompt under half of it); 0 = --max-num-batched-tokens",
+    )
     p.add_argument("--max-context", "--max-model-len", dest="device.max_context", type=int)
     p.add_argument("--kv-block-size", "--block-size", dest="device.kv_block_size", type=int)
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="device.num_kv_blocks", type=int)

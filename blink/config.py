@@ -20,6 +20,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# The cuda default of DeviceConfig.mixed_tokens, from step costs measured on the H200 (random
+# Llama-3-8B bf16, bench/results/archive/SUMMARY.md and diag_h200_ed68643_prefill.json): a step's
+# GEMMs read the 16 GB of weights (~4.2 ms at the copy bandwidth) and do 14 GFLOP per token
+# (~20 us per token at the measured 700 TFLOP/s), so a step stays memory-bound up to ~200 tokens:
+# the non-attention part of a step is 4.4 ms at 1 row, 5.9 at 128, 7.9 at 256, ~12 at 512. A 256-token
+# prompt arriving while ~20 requests decode (24 req/s of 256 -> 128) made one step of 276 tokens,
+# padded to the 512-token graph (~15 ms: the ITL p99); 192 keeps every mixed step at <= 192 tokens
+# (~7 ms, <= 1.35x the ~5.4 ms decode step at that batch) and prefills the prompt in two steps
+# (172 + 84 tokens, ~7.2 + ~6.3 ms), sooner than the one 512-token step it replaces.
+DEFAULT_MIXED_TOKENS = 192
+
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names it."""
@@ -145,6 +156,11 @@ class DeviceConfig:
     """Tokens per step: every decode plus prefill chunks (vLLM's max_num_batched_tokens). None =
     2048 on cuda, 256 on the emulated device: a CPU step of 2048 prompt tokens at a long context runs
     for tens of seconds, and the heartbeat waits for the step. See step_tokens."""
+    mixed_tokens: int | None = None
+    """Token budget of a step that carries decodes, the running decodes included (Sarathi-Serve's
+    token budget), doubled while it leaves a prompt less than half of itself (never above
+    max_tokens; blink/device/scheduler.py step_budget); 0 = max_tokens. None = DEFAULT_MIXED_TOKENS
+    on cuda, 0 on the emulated device (no graphs there, so no bucket to fill). See mixed_step_tokens."""
     kv_block_size: int = 16
     """Tokens per KV cache block."""
     num_kv_blocks: int | None = None
@@ -169,6 +185,8 @@ class DeviceConfig:
         _bounds("device", "max_batch", self.max_batch, 1, 4096)
         if self.max_tokens is not None:
             _bounds("device", "max_tokens", self.max_tokens, 1, 1 << 20)
+        if self.mixed_tokens is not None:
+            _bounds("device", "mixed_tokens", self.mixed_tokens, 0, 1 << 20)
         _bounds("device", "kv_block_size", self.kv_block_size, 1, 1024)
         if self.num_kv_blocks is not None:
             _bounds("device", "num_kv_blocks", self.num_kv_blocks, 1, 1 << 24)
@@ -183,6 +201,12 @@ class DeviceConfig:
         never below max_batch (a step carries one token of every decoding sequence)."""
         default = 2048 if kind == "cuda" else 256
         return max(self.max_tokens if self.max_tokens is not None else default, self.max_batch)
+
+    def mixed_step_tokens(self, kind: str) -> int:
+        """Token budget of a step with decodes on a device of `kind`: mixed_tokens or its default,
+        0 (off: max_tokens) when it is 0 or not below step_tokens."""
+        m = self.mixed_tokens if self.mixed_tokens is not None else (DEFAULT_MIXED_TOKENS if kind == "cuda" else 0)
+        return m if m < self.step_tokens(kind) else 0
 
 
 @dataclass(frozen=True)

@@ -101,3 +101,42 @@ def test_decode_bytes_of_qwen3_30b_a3b_counts_only_the_active_experts():
     assert decode_bytes(dense, 1, 0)["weights"] == 2 * (
         dense.num_params() - dense.vocab_size * dense.hidden_size + dense.hidden_size
     )
+
+
+def test_decode_traffic_gemm_weights_and_kv_match_the_model():
+    """The breakdown's bytes (bench/decode.py --role-breakdown): the GEMMs' weights are the model's
+    matmul weights once per step, attention reads every sequence's K and V of every layer."""
+    from benchutil import decode_traffic, gemm_roles
+
+    from blink.models.config import preset
+
+    cfg = preset("llama3-8b")
+    t = decode_traffic(cfg, 256, 320)
+    roles = gemm_roles(cfg)
+    assert roles["qkv"] == (6144, 4096) and roles["gate_up"] == (28672, 4096) and roles["down"] == (4096, 14336)
+    weights = sum(n * k * 2 * (1 if r == "lm_head" else cfg.num_layers) for r, (n, k) in roles.items())
+    assert 15.0e9 < weights < 15.1e9  # Llama-3-8B without the embedding table, bf16
+    acts = sum(v["bytes"] for k, v in t.items() if k.startswith("gemm_")) - weights
+    assert 0 < acts < 0.1 * weights  # batch 256: 1.27 GB of activations in and out
+    kv = 256 * 320 * cfg.num_layers * 2 * cfg.kv_size * 2
+    assert kv <= t["attn"]["bytes"] < 1.02 * kv  # + the queries in and the outputs out
+    assert t["gemm_down"]["flops"] == 32 * 2.0 * 256 * 4096 * 14336
+
+
+def test_only_launches_with_roles_keeps_the_gemms_of_those_shapes():
+    from types import SimpleNamespace
+
+    from benchutil import only_launches
+
+    calls = []
+    fwd = SimpleNamespace(
+        drv=SimpleNamespace(launch=lambda *a, **k: calls.append("kernel")),
+        blas=SimpleNamespace(linear=lambda x, w, y, rows, n, k, f32=False: calls.append((n, k))),
+    )
+    with only_launches(fwd, {"gemm"}, {(6144, 4096)}):
+        fwd.blas.linear(0, 0, 0, 8, 6144, 4096, False)
+        fwd.blas.linear(0, 0, 0, 8, 4096, 4096, False)
+        fwd.drv.launch(0, (1, 1, 1), (1, 1, 1), (), 0, 0, "rope_kv_write")
+    assert calls == [(6144, 4096)]
+    fwd.blas.linear(0, 0, 0, 8, 4096, 4096, False)  # restored
+    assert calls[-1] == (4096, 4096)

@@ -64,6 +64,25 @@ def test_engine_context_is_whole_kv_blocks_and_decode_attention_is_passed():
     assert engine_config(msgspec.structs.replace(spec, max_context=0), max_position=500).max_context == 496
 
 
+def test_the_mixed_step_budget_reaches_the_spec_and_its_budgets_are_token_buckets():
+    """blink serve on cuda: mixed steps get DEFAULT_MIXED_TOKENS, and every budget a mixed step of
+    up to max_batch decodes can fill is a captured token bucket (no padding to the next power of 2)."""
+    from blink.config import DEFAULT_MIXED_TOKENS, build
+    from blink.device.scheduler import step_budget
+    from blink.gpu.serve import engine_config
+    from blink.launch import device_spec
+
+    spec = device_spec(build(None, {"device": {"kind": "cuda", "max_batch": 256}}), "r")
+    assert (spec.max_tokens, spec.mixed_tokens) == (2048, DEFAULT_MIXED_TOKENS)
+    e = engine_config(spec, max_position=8192)
+    assert {step_budget(2048, spec.mixed_tokens, d) for d in range(1, 257)} <= set(e.token_buckets)
+    assert {192, 384} <= set(e.token_buckets) and 768 not in e.token_buckets
+    off = device_spec(build(None, {"device": {"kind": "cuda", "mixed_tokens": 0}}), "r")
+    assert off.mixed_tokens == 0 and 192 not in engine_config(off, max_position=8192).token_buckets
+    emulated = device_spec(build(None, {"device": {"kind": "emulated"}}), "r")
+    assert emulated.mixed_tokens == 0  # no graphs to fill: the whole max_tokens
+
+
 def test_slot_copy_holds_one_ring_slot_per_slot():
     """slot_copy is a RingSlot[n_slots] on the device: sized from the ring layout, never by hand
     (a hand-written 128 overflowed it when slots grew to 192 bytes and hung the GPU scheduler)."""

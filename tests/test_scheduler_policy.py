@@ -8,14 +8,28 @@ import numpy as np
 import pytest
 
 from blink.device.kv_blocks import BlockManager
-from blink.device.scheduler import Scheduler, SchedulerConfig, SeqStatus, StepKind
+from blink.device.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SeqStatus,
+    StepKind,
+    mixed_budgets,
+    step_budget,
+)
 from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
 
 
 def make(
-    max_batch=4, max_tokens=64, max_context=256, output_capacity=1024, num_blocks=64, block_size=4, long_prefill=0
+    max_batch=4,
+    max_tokens=64,
+    max_context=256,
+    output_capacity=1024,
+    num_blocks=64,
+    block_size=4,
+    long_prefill=0,
+    mixed_tokens=0,
 ):
-    cfg = SchedulerConfig(max_batch, max_tokens, max_context, output_capacity, long_prefill)
+    cfg = SchedulerConfig(max_batch, max_tokens, max_context, output_capacity, long_prefill, mixed_tokens)
     return Scheduler(cfg, BlockManager(num_blocks, block_size))
 
 
@@ -199,6 +213,7 @@ def test_random_workload_keeps_every_invariant(seed):
         max_tokens=int(rng.integers(6, 40)),
         output_capacity=int(rng.integers(1, 6)),
         long_prefill=int(rng.integers(0, 8)),
+        mixed_tokens=int(rng.integers(0, 12)),
     )
     s = make(num_blocks=12, block_size=4, max_context=40, **cfg)
     published: dict[int, list[int]] = {}
@@ -233,6 +248,7 @@ def test_random_workload_keeps_every_invariant(seed):
             continue
         assert plan.num_seqs <= cfg["max_batch"] and s.num_running <= cfg["max_batch"]
         assert plan.num_tokens <= cfg["max_tokens"]
+        assert plan.num_tokens <= step_budget(cfg["max_tokens"], cfg["mixed_tokens"], plan.num_decodes)
         assert all(c.n == 1 and c.sample for c in plan.chunks[: plan.num_decodes])
         assert [c.seq.arrival for c in plan.chunks[: plan.num_decodes]] == sorted(
             c.seq.arrival for c in plan.chunks[: plan.num_decodes]
@@ -357,3 +373,61 @@ def test_half_prefilled_prompts_filling_the_pool_still_progress():
 def test_max_tokens_below_max_batch_is_rejected():
     with pytest.raises(ValueError, match="max_tokens"):
         SchedulerConfig(8, 4, 64, 16)
+
+
+# -- the token budget of a mixed step (mixed_tokens; Sarathi-Serve's budget) ----------------------
+
+
+def test_step_budget_doubles_until_the_prompt_gets_half_and_lists_its_values():
+    assert step_budget(2048, 0, 20) == 2048  # off
+    assert step_budget(2048, 192, 0) == 2048  # no decodes: the whole step
+    assert [step_budget(2048, 192, d) for d in (1, 96, 97, 256, 288, 289)] == [192, 192, 384, 384, 384, 768]
+    assert step_budget(256, 192, 200) == 256  # never above max_tokens
+    assert mixed_budgets(2048, 192, 256) == (192, 384)
+    assert mixed_budgets(2048, 192, 1024) == (192, 384, 768, 1536)
+    assert mixed_budgets(2048, 0, 256) == (2048,) and mixed_budgets(256, 256, 256) == (256,)
+    for d in range(1, 257):
+        assert step_budget(2048, 192, d) in mixed_budgets(2048, 192, 256)
+        assert step_budget(2048, 192, d) - d >= 96
+
+
+def test_a_long_prompt_under_a_mixed_budget_fills_it_exactly_while_every_decode_advances():
+    """Many decodes run, a long prompt arrives: every step carries every decode and exactly the
+    budget's remainder of the prompt (the step fills its token bucket), so the prompt finishes in
+    ceil(len / (budget - decodes)) steps; without decodes a step may take max_tokens."""
+    s = make(max_batch=16, max_tokens=128, max_context=512, num_blocks=512, mixed_tokens=32)
+    for i in range(10):
+        s.add(i, [1, 2], max_new_tokens=UNLIMITED)
+    plan, _ = step(s)
+    assert plan.kind is StepKind.PREFILL and plan.num_tokens == 20  # no decodes yet: max_tokens applies
+    s.add(10, range(300), max_new_tokens=2)
+    steps = 0
+    while s.seqs[10].num_generated == 0:
+        plan, ev = step(s)
+        steps += 1
+        assert plan.num_decodes == 10 and sorted(e.seq_id for e in ev if e.seq_id != 10) == list(range(10))
+        # 10 decodes leave 22 of 32 (>= 16): the budget stays 32 and the step fills it
+        assert plan.num_tokens == 32 or plan.chunks[-1].sample
+        assert plan.num_tokens <= 32
+    assert steps == -(-300 // 22)
+
+
+def test_a_mixed_budget_doubles_when_decodes_would_starve_the_prompt():
+    s = make(max_batch=40, max_tokens=256, max_context=512, num_blocks=1024, mixed_tokens=32)
+    for i in range(20):
+        s.add(i, [1, 2], max_new_tokens=UNLIMITED)
+    step(s)
+    s.add(20, range(200), max_new_tokens=2)
+    plan, _ = step(s)
+    # 20 decodes would leave 12 of 32 (< 16): the budget doubles to 64, the prompt gets 44
+    assert plan.num_decodes == 20 and plan.num_tokens == 64 and plan.chunks[-1].n == 44
+
+
+def test_a_burst_while_idle_takes_the_whole_step_then_mixed_steps_take_the_budget():
+    s = make(max_batch=8, max_tokens=128, max_context=512, num_blocks=512, mixed_tokens=32)
+    for i in range(4):
+        s.add(i, range(40), max_new_tokens=UNLIMITED)
+    plan, _ = step(s)
+    assert plan.kind is StepKind.PREFILL and plan.num_tokens == 128  # 3 prompts + 8 tokens of the 4th
+    plan, _ = step(s)
+    assert plan.kind is StepKind.MIXED and plan.num_decodes == 3 and plan.num_tokens == 32

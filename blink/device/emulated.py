@@ -21,7 +21,7 @@ from blink.protocol.wire import DeviceSpec
 
 from .executor import Executor
 from .process import device_main, kv_gib, phase, progress
-from .ring_device import RingDevice
+from .ring_device import RingDevice, RingDeviceConfig
 
 DEFAULT_CONTEXT = 2048  # sizes the KV pool when neither num_kv_blocks nor max_context is given
 
@@ -62,7 +62,7 @@ def run(spec: DeviceSpec) -> DeviceStatus:
     view = transport.view()
     try:
         phase("serving the ring (scheduler: the emulated device's loop)")
-        return RingDevice(view, executor).run()
+        return RingDevice(view, executor, RingDeviceConfig(mixed_tokens=spec.mixed_tokens)).run()
     finally:
         executor.close()
         del view

@@ -53,6 +53,8 @@ class RingDeviceConfig:
     """Tokens per step (decodes + prefill chunks); 0 = the executor's max_tokens (never more than it)."""
     long_prefill_tokens: int = 0
     """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_tokens."""
+    mixed_tokens: int = 0
+    """Token budget of a step that carries decodes (blink.device.scheduler.step_budget); 0 = max_tokens."""
     spin_s: float = 200e-6
     """Busy-poll this long after the last activity before sleeping."""
     max_sleep_s: float = 500e-6
@@ -61,8 +63,8 @@ class RingDeviceConfig:
     """Scan the slots this often even when no doorbell moved."""
 
     def __post_init__(self) -> None:
-        if self.max_batch < 0 or self.max_tokens < 0 or self.long_prefill_tokens < 0:
-            raise ValueError("max_batch, max_tokens and long_prefill_tokens must be >= 0")
+        if min(self.max_batch, self.max_tokens, self.long_prefill_tokens, self.mixed_tokens) < 0:
+            raise ValueError("max_batch, max_tokens, long_prefill_tokens and mixed_tokens must be >= 0")
         if not 0 < self.max_sleep_s <= 1e-3:
             raise ValueError(f"max_sleep_s must be in (0, 1 ms], got {self.max_sleep_s}")
         if self.spin_s < 0 or self.rescan_s <= 0:
@@ -85,7 +87,12 @@ class RingDevice:
         self.blocks = BlockManager(executor.num_blocks, executor.block_size)
         self.sched = Scheduler(
             SchedulerConfig(
-                self.max_batch, self.max_tokens, self.max_context, view.geo.output_capacity, cfg.long_prefill_tokens
+                self.max_batch,
+                self.max_tokens,
+                self.max_context,
+                view.geo.output_capacity,
+                cfg.long_prefill_tokens,
+                min(cfg.mixed_tokens, self.max_tokens),
             ),
             self.blocks,
         )

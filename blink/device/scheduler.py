@@ -16,11 +16,17 @@ comparison isolates the scheduler's placement):
   order), so a decoding sequence is never stalled by a prompt. When the pool cannot cover them, the
   newest running sequence is preempted (its blocks are freed, it is recomputed later: prompt +
   generated re-prefilled).
-- The rest of the step's token budget (max_tokens minus the decodes) goes to prefill chunks: first
+- The rest of the step's token budget (step_budget() minus the decodes) goes to prefill chunks: first
   the running sequences whose prefill is unfinished, then waiting sequences in arrival order while
   the batch (max_batch) and the KV pool allow. A prompt longer than the budget is prefilled over
   several steps. The step is DECODE (decodes only), PREFILL (chunks only) or MIXED; a graph is
   chosen by (batch, tokens), so a MIXED step runs a prefill graph with one-token rows in it.
+- A step that carries decodes has the smaller budget `mixed_tokens` (Sarathi-Serve's token budget;
+  0 = max_tokens), doubled until it leaves prefill at least half of mixed_tokens (never above
+  max_tokens): a mixed step fills a budget that is one of the engine's token buckets exactly (no
+  graph padded to the next power of two), it costs little more than a decode step of the same
+  batch, and a prompt advances by at least mixed_tokens / 2 per step however many decodes run.
+  A step without decodes takes up to max_tokens.
 - While a request waits for admission, a running prefill takes at most `long_prefill_tokens` of a
   step (vLLM's long_prefill_token_threshold), so a short request is served while a long prompt is
   still prefilling; alone, a prefill takes the whole budget.
@@ -68,6 +74,9 @@ class SchedulerConfig:
     long_prefill_tokens: int = 0
     """Most tokens a running prefill takes in one step while a request waits for admission;
     0 = default_long_prefill(max_tokens)."""
+    mixed_tokens: int = 0
+    """Token budget of a step that carries decodes (decodes + prefill chunks), doubled while it
+    leaves prefill less than half of itself; 0 = max_tokens. See step_budget."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_tokens", "max_context", "output_capacity"):
@@ -75,10 +84,30 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tokens < self.max_batch:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be >= max_batch ({self.max_batch})")
-        if self.long_prefill_tokens < 0:
-            raise ValueError("long_prefill_tokens must be >= 0")
+        if self.long_prefill_tokens < 0 or self.mixed_tokens < 0:
+            raise ValueError("long_prefill_tokens and mixed_tokens must be >= 0")
         if self.max_context < 2:
             raise ValueError("max_context must be >= 2 (a prompt token and a generated one)")
+
+
+def step_budget(max_tokens: int, mixed_tokens: int, num_decodes: int) -> int:
+    """Tokens a step with `num_decodes` decodes may carry: max_tokens without decodes or without a
+    mixed budget; else mixed_tokens * 2**k for the smallest k that leaves prefill at least
+    mixed_tokens // 2 (k = 0 while num_decodes <= mixed_tokens / 2), at most max_tokens
+    (>= max_batch >= num_decodes). The CUDA scheduler has the same function (scheduler_plan.cuh
+    step_budget); mixed_budgets() lists every value it can return."""
+    if mixed_tokens == 0 or num_decodes == 0 or mixed_tokens >= max_tokens:
+        return max_tokens
+    b = mixed_tokens
+    while b < num_decodes + mixed_tokens // 2 and b < max_tokens:
+        b *= 2
+    return min(b, max_tokens)
+
+
+def mixed_budgets(max_tokens: int, mixed_tokens: int, max_batch: int) -> tuple[int, ...]:
+    """Every budget step_budget gives a step of 1..max_batch decodes (the token buckets an engine
+    should capture so that a mixed step filling its budget runs a graph of exactly its size)."""
+    return tuple(sorted({step_budget(max_tokens, mixed_tokens, d) for d in range(1, max_batch + 1)}))
 
 
 def default_long_prefill(max_tokens: int) -> int:
@@ -265,7 +294,10 @@ class Scheduler:
             self._schedule_decode(ready, plan)
         plan.num_decodes = len(plan.chunks)
         if wants_prefill:
-            self._schedule_prefill(plan, self.config.max_tokens - plan.num_decodes)
+            cfg = self.config
+            self._schedule_prefill(
+                plan, step_budget(cfg.max_tokens, cfg.mixed_tokens, plan.num_decodes) - plan.num_decodes
+            )
         if not plan.chunks:
             return None
         if len(plan.chunks) > plan.num_decodes:

@@ -64,6 +64,7 @@ SCHED_CTL_DTYPE = np.dtype([
     ("retry_max", "<u4"),            # retries of a launch that returns cudaErrorInvalidValue
     ("flags", "<u4"),                # FLAG_* bits
     ("long_prefill", "<u4"),         # most tokens of a running prefill per step while a request waits
+    ("mixed_tokens", "<u4"),         # token budget of a step with decodes (step_budget); 0 = max_tokens
     ("self_exec", "<u8"),            # the scheduler's own exec, if cudaGetCurrentGraphExec() gives 0
     # kernel state: zero before the first launch; kept across tail relaunches
     ("seq", "<u8"),                  # last step_seq written
@@ -182,6 +183,8 @@ class GpuSchedulerConfig:
     """Tokens per step (decodes + prefill chunks); 0 = the engine's max_tokens (never more)."""
     long_prefill_tokens: int = 0
     """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_tokens."""
+    mixed_tokens: int = 0
+    """Token budget of a step that carries decodes (blink.device.scheduler.step_budget); 0 = max_tokens."""
     window: int = LAUNCH_WINDOW
     """Fire-and-forget launches per scheduler instance before the tail self-relaunch (1..120)."""
     retry_max: int = 1000
@@ -196,8 +199,8 @@ class GpuSchedulerConfig:
     """Scan every slot on every iteration (benchmarks the scan)."""
 
     def __post_init__(self) -> None:
-        if self.max_batch < 0 or self.max_tokens < 0 or self.long_prefill_tokens < 0:
-            raise ValueError("max_batch, max_tokens and long_prefill_tokens must be >= 0")
+        if min(self.max_batch, self.max_tokens, self.long_prefill_tokens, self.mixed_tokens) < 0:
+            raise ValueError("max_batch, max_tokens, long_prefill_tokens and mixed_tokens must be >= 0")
         if not 1 <= self.window <= LAUNCH_WINDOW:
             raise ValueError(f"window must be in [1, {LAUNCH_WINDOW}], got {self.window}")
         if self.retry_max < 0 or self.graph_timeout_s <= 0 or self.rescan_s <= 0:
@@ -298,6 +301,7 @@ class GpuScheduler:
         c["rows_cap"], c["max_batch"], c["max_tokens"], c["max_context"] = rows_cap, max_batch, max_tokens, max_context
         c["window"], c["retry_max"] = cfg.window, cfg.retry_max
         c["long_prefill"] = cfg.long_prefill_tokens or default_long_prefill(max_tokens)
+        c["mixed_tokens"] = cfg.mixed_tokens if cfg.mixed_tokens < max_tokens else 0
         c["flags"] = FLAG_ALWAYS_SCAN if cfg.always_scan else 0
         b["ctl"] = cp.asarray(np.frombuffer(c.tobytes(), np.uint8))
         s = self._stream.ptr

@@ -23,13 +23,19 @@ SMALL_RANDOM_PARAMS = 1_000_000_000
 def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -> Any:
     """The engine's settings for a spec: the one place they are derived. A step packs at least one
     token per sequence, so the token budget is raised to max_batch; the context is the model's
-    (max_position_embeddings, as vLLM's max_model_len) unless given, rounded down to whole KV blocks."""
-    from blink.gpu.engine import EngineConfig, parse_decode_attention
+    (max_position_embeddings, as vLLM's max_model_len) unless given, rounded down to whole KV blocks.
+    The token buckets include every budget of a mixed step (mixed_budgets), so a mixed step that
+    fills its budget runs a graph of exactly its size."""
+    from blink.device.scheduler import mixed_budgets
+    from blink.gpu.engine import DEFAULT_TOKEN_BUCKETS, EngineConfig, parse_decode_attention
 
     ctx = spec.max_context or max_position
+    max_tokens = max(spec.max_tokens, spec.max_batch)
+    buckets = set(DEFAULT_TOKEN_BUCKETS) | set(mixed_budgets(max_tokens, spec.mixed_tokens, spec.max_batch))
     ecfg = EngineConfig(
         max_seqs=spec.max_batch,
-        max_tokens=max(spec.max_tokens, spec.max_batch),
+        max_tokens=max_tokens,
+        token_buckets=tuple(sorted(buckets)),
         block_size=spec.kv_block_size,
         max_context=ctx - ctx % spec.kv_block_size,
         kv_fraction=spec.kv_cache_fraction,
@@ -97,7 +103,9 @@ def run(spec: DeviceSpec) -> int:
         if spec.scheduler == "gpu":
             from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
 
-            sched = GpuScheduler(engine, view, GpuSchedulerConfig(max_batch=spec.max_batch))
+            sched = GpuScheduler(
+                engine, view, GpuSchedulerConfig(max_batch=spec.max_batch, mixed_tokens=spec.mixed_tokens)
+            )
             sched.start()
             phase("persistent scheduler kernel launched")
             try:
@@ -109,7 +117,8 @@ def run(spec: DeviceSpec) -> int:
         from blink.gpu.host_executor import HostExecutor
 
         phase("serving the ring (scheduler: the host loop)")
-        return RingDevice(view, HostExecutor(engine), RingDeviceConfig(max_batch=spec.max_batch)).run()
+        rcfg = RingDeviceConfig(max_batch=spec.max_batch, mixed_tokens=spec.mixed_tokens)
+        return RingDevice(view, HostExecutor(engine), rcfg).run()
     except BaseException:
         view.header["device_status"] = DeviceStatus.FAILED
         raise

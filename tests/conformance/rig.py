@@ -74,6 +74,7 @@ class RigSpec:
     max_batch: int = 8
     max_tokens: int = 128
     max_context: int = 1024
+    mixed_tokens: int = 0
 
 
 _counter = itertools.count()
@@ -114,6 +115,7 @@ class Rig:
                 "max_batch": s.max_batch,
                 "max_tokens": s.max_tokens,
                 "max_context": s.max_context,
+                "mixed_tokens": s.mixed_tokens,
             },
         )
         return msgspec.structs.replace(device_spec(cfg, self.name), **DEVICE_FIELDS)

@@ -2,7 +2,9 @@
 
 Through the ring only: a decoding request keeps getting a token on every launch while a long
 prompt prefills; the step's token budget bounds how fast a prompt is prefilled; a short request
-submitted during a long prefill is answered before it; admission stays first come, first served.
+submitted during a long prefill is answered before it; admission stays first come, first served;
+under a mixed-step budget (mixed_tokens) a long prompt arriving while many requests decode is
+prefilled in exactly ceil(len / (budget - decodes)) steps, every decode advancing on each.
 """
 
 from __future__ import annotations
@@ -81,3 +83,45 @@ def test_admission_stays_fcfs_with_decodes_running(make_rig):
     for r in runners:
         c.cancel(r)
     c.wait(runners, timeout=60)
+
+
+MIXED_SPEC = dict(
+    max_batch=16, max_tokens=64, mixed_tokens=16, max_context=1024, kv_blocks=256, output_capacity=512, n_slots=16
+)
+DECODERS = 8
+MIXED_LONG = 240  # 8 decodes leave 8 of the 16-token budget (>= 16 / 2: it does not double): 30 steps
+
+
+def test_a_long_prompt_among_many_decodes_fills_the_mixed_budget_exactly(make_rig):
+    rig = make_rig(**MIXED_SPEC)
+    c = rig.client
+    runners = [c.submit(prompt(rig, 3, 20 + i), max_new_tokens=1000) for i in range(DECODERS)]
+    for r in runners:
+        wait_tokens(rig, r, 2)
+    prompt0 = c.h("prompt_tokens")
+    tokens0 = [len(c.poll(r).tokens) for r in runners]
+    b = c.submit(prompt(rig, MIXED_LONG, 30), max_new_tokens=2)
+    # the launch counter as the prefill starts and as it ends (two header reads per sample, far
+    # faster than a step, so each end is seen within a launch or two; the output rings hold 512)
+    first = last = None
+    t_end = time.monotonic() + 60
+    while last is None:
+        assert time.monotonic() < t_end, "the long prompt did not prefill in 60 s"
+        launches, done = c.h("launches"), c.h("prompt_tokens") - prompt0
+        if first is None and done > 0:
+            first = launches
+        if done >= MIXED_LONG:
+            last = launches
+    wait_tokens(rig, b, 1)
+    tokens = [len(c.poll(r).tokens) - t0 for r, t0 in zip(runners, tokens0, strict=True)]
+    assert c.h("prompt_tokens") - prompt0 == MIXED_LONG
+    chunk = MIXED_SPEC["mixed_tokens"] - DECODERS
+    steps = -(-MIXED_LONG // chunk)
+    # at most the budget per step, and the budget filled: max_tokens alone (64) would take 5 steps,
+    # a half-filled budget 60
+    assert abs((last - first + 1) - steps) <= 3, (last - first + 1, steps)
+    assert all(t >= last - first - 1 for t in tokens), (tokens, last - first)  # every decode on every launch
+    for r in runners:
+        c.cancel(r)
+    res = c.wait([*runners, b], timeout=60)
+    assert res[-1].finish is FinishReason.LENGTH and len(res[-1].tokens) == 2

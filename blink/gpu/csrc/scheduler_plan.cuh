@@ -106,10 +106,19 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   return r;
 }
 
+// blink/device/scheduler.py step_budget: tokens a step with n_dec decodes may carry.
+__device__ uint32_t step_budget(const SchedCtl* c, uint32_t n_dec) {
+  const uint32_t m = c->mixed_tokens;
+  if (m == 0 || n_dec == 0 || m >= c->max_tokens) return c->max_tokens;
+  uint32_t b = m;
+  while (b < n_dec + m / 2 && b < c->max_tokens) b *= 2;
+  return min(b, c->max_tokens);
+}
+
 // blink/device/scheduler.py: Scheduler._schedule_prefill (thread 0), after the decodes of the step
 // (sh.nseq of them) are planned: prefill chunks in the rest of the token budget.
 __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
-  uint32_t budget = c->max_tokens - sh.ntok;  // max_tokens >= max_batch >= the decodes
+  uint32_t budget = step_budget(c, sh.ntok) - sh.ntok;  // max_tokens >= max_batch >= the decodes
   uint32_t* wq = (uint32_t*)c->waitq;
   while (c->waitq_head != c->waitq_tail && wq[c->waitq_head % sh.n_slots] == DEAD) c->waitq_head++;
   bool waiting = c->waitq_head != c->waitq_tail;
