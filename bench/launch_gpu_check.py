@@ -12,21 +12,17 @@ first failure. (tests/test_device_lifecycle.py checks the same on the emulated d
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 
-
-def children(pid: int) -> list[int]:
-    return [int(c) for t in glob.glob(f"/proc/{pid}/task/*/children") for c in open(t).read().split()]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from blink.testing import ServeProcess  # noqa: E402
 
 
 def gone(pid: int) -> bool:
@@ -35,16 +31,6 @@ def gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError as e:
-        return 0, str(e)
 
 
 def complete(url: str, model: str) -> int:
@@ -64,48 +50,31 @@ def until(cond, timeout: float) -> float:
 
 
 def check(device: str, scheduler: str, model: str) -> None:
-    cmd = [sys.executable, "-m", "blink.cli", "serve", "--device", device, "--scheduler", scheduler, "--model", model]
-    cmd += ["--port", "0", "--max-device-restarts", "1"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    log: list[str] = []
-    url: list[str] = []
-    started = threading.Event()
-
-    def drain() -> None:
-        for line in proc.stderr:
-            log.append(line)
-            if m := re.search(r"serving (\S+) on (http://\S+)/v1", line):
-                url[:] = [m.group(2), m.group(1)]
-                started.set()
-        started.set()
-
-    threading.Thread(target=drain, daemon=True).start()
+    argv = ["--device", device, "--scheduler", scheduler, "--model", model, "--max-device-restarts", "1"]
+    s = ServeProcess(argv, timeout=600)
     try:
-        if not started.wait(600) or not url:
-            raise RuntimeError("server did not start:\n" + "".join(log[-20:]))
-        base, name = url
-        n = complete(base, name)
+        n = complete(s.url, s.model)
         print(f"[{scheduler}] serving; completion tokens: {n}", flush=True)
         assert n == 8
-        (dev,) = children(proc.pid)
+        (dev,) = s.children()
         os.kill(dev, signal.SIGKILL)
-        dt = until(lambda: children(proc.pid) not in ([], [dev]) and get(base + "/health")[0] == 200, 600)
-        restarts = re.search(r"^blink_device_restarts_total (\S+)$", get(base + "/metrics")[1], re.M)
+        dt = until(lambda: s.children() not in ([], [dev]) and s.get("/health")[0] == 200, 600)
+        restarts = re.search(r"^blink_device_restarts_total (\S+)$", s.get("/metrics")[1], re.M)
         print(f"[{scheduler}] device killed: /health 200 again after {dt:.1f} s, restarts {restarts and restarts[1]}")
         assert restarts and float(restarts[1]) == 1
-        n = complete(base, name)
+        n = complete(s.url, s.model)
         print(f"[{scheduler}] after the restart, completion tokens: {n}", flush=True)
         assert n == 8
-        (dev,) = children(proc.pid)
-        proc.kill()
-        proc.wait(30)
+        (dev,) = s.children()
+        s.proc.kill()
+        s.proc.wait(30)
         print(f"[{scheduler}] frontend killed (-9): device gone after {until(lambda: gone(dev), 5):.1f} s", flush=True)
     except BaseException:
-        print("".join(log[-30:]), file=sys.stderr)
+        print("".join(s.log[-30:]), file=sys.stderr)
         raise
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if s.proc.poll() is None:
+            s.proc.kill()
 
 
 def main() -> int:

@@ -41,12 +41,10 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +58,7 @@ from benchutil import cpu_seconds  # noqa: E402
 from hogs import Hogs, parse_cores  # noqa: E402
 
 from blink import benchmark  # noqa: E402
+from blink.testing import ServeProcess, cmdline  # noqa: E402
 from blink.treedigest import tree_digest  # noqa: E402
 
 PARTS = ("interference", "cpu", "sigstop", "sweep", "ablation", "peer")
@@ -167,27 +166,6 @@ class Cores:
         return Cores(cores[:2], cores[2:-2], cores[-2:])
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def pin(pid: int, cores: list[int]) -> None:
     """Every thread of pid onto `cores` (sched_setaffinity acts on one thread)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -196,80 +174,45 @@ def pin(pid: int, cores: list[int]) -> None:
 
 
 class Server:
-    """`blink serve` in a child process: the frontend pinned to cores.frontend, its device process
-    (the child that runs blink.gpu.serve or blink.device.*) to cores.device."""
+    """`blink serve` in a child process (blink.testing.ServeProcess): the frontend pinned to
+    cores.frontend, its device process (the child that runs blink.gpu.serve or blink.device.*) to
+    cores.device."""
 
     def __init__(self, argv: list[str], cores: Cores, log_path: str, timeout_s: float = 300.0):
         self.argv, self.cores, self.log_path, self.timeout_s = argv, cores, log_path, timeout_s
         self.url = ""
+        self.served: ServeProcess | None = None
         self.proc: subprocess.Popen | None = None
         self.device_pid = 0
 
     def __enter__(self) -> Server:
-        cmd = [sys.executable, "-m", "blink.cli", "serve", "--port", "0", *self.argv]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
         fe = set(self.cores.frontend)
-        self.proc = subprocess.Popen(
-            cmd,
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
+        self.served = s = ServeProcess(
+            self.argv,
+            timeout=self.timeout_s,
             cwd=ROOT,
-            env=env,
+            log_path=self.log_path,
             preexec_fn=lambda: os.sched_setaffinity(0, fe),
         )
-        found = threading.Event()
-        log = open(self.log_path, "a")  # noqa: SIM115 (closed by the drain thread)
-        log.write(f"$ {' '.join(cmd)}\n")
-
-        def drain() -> None:
-            assert self.proc is not None and self.proc.stderr is not None
-            with log:
-                for line in self.proc.stderr:
-                    log.write(line)
-                    log.flush()
-                    if m := re.search(r"serving .* on (http://\S+)/v1", line):
-                        self.url = m.group(1)
-                        found.set()
-            found.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        t_end = time.monotonic() + self.timeout_s
-        while not found.wait(1.0):
-            if time.monotonic() > t_end:
-                self.__exit__()
-                raise TimeoutError(f"server not up after {self.timeout_s:.0f} s (log: {self.log_path})")
-        if not self.url:
-            rc = self.proc.wait()
+        self.proc, self.url = s.proc, s.url
+        pid = s.device_pid()
+        if pid is None:
+            kids = [(k, cmdline(k)) for k in s.children()]
             self.__exit__()
-            raise RuntimeError(f"server exited with {rc} (log: {self.log_path})")
-        self.device_pid = self._find_device()
+            raise RuntimeError(f"cannot tell the device process among {kids}")
+        self.device_pid = pid
         pin(self.proc.pid, self.cores.frontend)
         pin(self.device_pid, self.cores.device)
         return self
 
-    def _find_device(self) -> int:
-        assert self.proc is not None
-        kids = [k for k in children(self.proc.pid) if "resource_tracker" not in cmdline(k)]
-        named = [k for k in kids if re.search(r"blink[./](gpu[./]serve|device)", cmdline(k))]
-        if len(named) == 1 or len(kids) == 1:
-            return (named or kids)[0]
-        raise RuntimeError(f"cannot tell the device process among {[(k, cmdline(k)) for k in kids]}")
-
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None:
+        if self.served is None:
             return
         if self.device_pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.device_pid, signal.SIGCONT)  # never leave it stopped
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        self.served.stop(signal.SIGINT, timeout=60)
+        self.served = self.proc = None
 
 
 def _arun(coro: Any) -> Any:

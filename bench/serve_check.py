@@ -22,15 +22,16 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchutil import metadata, write_json  # noqa: E402
-from launch_gpu_check import children, get  # noqa: E402
+
+from blink.testing import ServeProcess  # noqa: E402
 
 
 def post(url: str, body: dict) -> dict:
@@ -99,9 +100,10 @@ class Checks:
         print(f"ok  {what}" + (f"  ({note})" if note else ""), flush=True)
 
 
-def check_requests(base: str, name: str, n_tokens: int, ok: Checks) -> dict:
+def check_requests(srv: ServeProcess, n_tokens: int, ok: Checks) -> dict:
+    base, name = srv.url, srv.model
     v1 = base + "/v1"
-    models = json.loads(get(v1 + "/models")[1])
+    models = json.loads(srv.get("/v1/models")[1])
     ok("/v1/models lists the model", [m["id"] for m in models["data"]] == [name], models, name)
 
     prompt = "The capital of France is"
@@ -159,38 +161,25 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("serve_args", nargs="*", help="more `blink serve` flags (after --)")
     a = ap.parse_args()
-    cmd = [sys.executable, "-m", "blink.cli", "serve", "--device", a.device, "--scheduler", a.scheduler]
-    cmd += ["--model", a.model, "--port", "0", "--max-num-seqs", "64", "--max-model-len", "4096", *a.serve_args]
+    argv = ["--device", a.device, "--scheduler", a.scheduler, "--model", a.model]
+    argv += ["--max-num-seqs", "64", "--max-model-len", "4096", *a.serve_args]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    log: list[str] = []
-    url: list[str] = []
-    started = threading.Event()
-
-    def drain() -> None:
-        for line in proc.stderr:
-            log.append(line)
-            if m := re.search(r"serving (\S+) on (http://\S+)/v1", line):
-                url[:] = [m.group(2), m.group(1)]
-                started.set()
-        started.set()
-
-    threading.Thread(target=drain, daemon=True).start()
+    srv = ServeProcess(argv, timeout=a.timeout)
+    listen_s = time.monotonic() - t0
+    proc, log = srv.proc, srv.log
     ok = Checks()
     res: dict = {"bench": "serve_check", **metadata(a.commit), "model": a.model, "device_kind": a.device}
-    res["scheduler"], res["server_command"] = a.scheduler, " ".join(cmd[1:])
+    res["scheduler"], res["server_command"] = a.scheduler, " ".join(srv.command[1:])
     try:
-        ok("server listens", started.wait(a.timeout) and bool(url), "".join(log[-20:]))
-        base, name = url
-        listen_s = time.monotonic() - t0
-        while get(base + "/health")[0] != 200 and time.monotonic() - t0 < a.timeout and proc.poll() is None:
+        ok("server listens", True, note=f"{listen_s:.1f} s")
+        while srv.get("/health")[0] != 200 and time.monotonic() - t0 < a.timeout and proc.poll() is None:
             time.sleep(0.2)
         health_s = time.monotonic() - t0
-        ok("/health 200 (device ready)", get(base + "/health")[0] == 200, "".join(log[-20:]), f"{health_s:.1f} s")
-        timing = check_requests(base, name, a.tokens, ok)
+        ok("/health 200 (device ready)", srv.get("/health")[0] == 200, "".join(log[-20:]), f"{health_s:.1f} s")
+        timing = check_requests(srv, a.tokens, ok)
         res["startup_s"] = {"listening": listen_s, "health_200": health_s, "first_completion": health_s + timing["first_completion_s"]}  # fmt: skip
         res["timing_s"] = timing
-        devs = children(proc.pid)
+        devs = srv.children()
         res["memory_mib"] = {
             "gpu": gpu_memory_mib(),
             "frontend_rss": rss_mib(proc.pid),
@@ -200,8 +189,7 @@ def main() -> int:
         want = "persistent scheduler kernel launched" if a.scheduler == "gpu" else "serving the ring"
         if a.device == "cuda":
             ok(f"device log says '{want}'", any(want in ln for ln in log), res["phases"])
-        proc.terminate()
-        ok("clean shutdown (SIGTERM -> rc 0)", proc.wait(60) == 0, "".join(log[-10:]))
+        ok("clean shutdown (SIGTERM -> rc 0)", srv.stop(timeout=60) == 0, "".join(log[-10:]))
     except BaseException:
         print("".join(log[-40:]), file=sys.stderr)
         raise

@@ -28,105 +28,20 @@ import json
 import os
 import pathlib
 import random
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from blink.testing import ServeProcess  # noqa: E402
 from blink.treedigest import tree_digest  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-# -- the server and its processes ------------------------------------------------------------
-class Served:
-    def __init__(self, argv: list[str], timeout: float):
-        self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "blink.cli", "serve", "--port", "0", "--disable-log-requests", *argv],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-        )
-        ready = threading.Event()
-        self.url = ""
-
-        def drain() -> None:
-            for line in self.proc.stderr:
-                self.log.append(line)
-                if m := re.search(r"serving .* on (http://\S+)/v1", line):
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(timeout) or not self.url:
-            self.proc.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.log[-30:]))
-
-    def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-        except OSError as e:
-            return 0, str(e)
-
-    def metrics(self) -> dict[str, float]:
-        status, text = self.get("/metrics")
-        if status != 200:
-            return {}
-        out = {}
-        for ln in text.splitlines():
-            if ln and ln[0] != "#":
-                k, v = ln.rsplit(" ", 1)
-                out[k] = float(v)
-        return out
-
-    def device_pid(self) -> int | None:
-        """The device process: a child of the server running blink's device (emulated or CUDA)."""
-        kids = children(self.proc.pid)
-        for pid in kids:
-            cmd = cmdline(pid)
-            if "blink.device" in cmd or "blink.gpu" in cmd or "blink.launch" in cmd:
-                return pid
-        return kids[0] if kids else None
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = pathlib.Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d))
-    return sorted(out)
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
+# -- the server's processes --------------------------------------------------------------------
 def rss_mb(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -202,7 +117,7 @@ async def one_request(session, url: str, model: str, max_context: int, rng: rand
         return kind, "lost", f"{type(e).__name__}: {e}"
 
 
-async def drive(served: Served, a: argparse.Namespace, tally: Tally, model: str, max_context: int) -> dict:
+async def drive(served: ServeProcess, a: argparse.Namespace, tally: Tally, model: str, max_context: int) -> dict:
     import aiohttp
 
     t_end = time.monotonic() + a.duration_s
@@ -251,7 +166,7 @@ async def drive(served: Served, a: argparse.Namespace, tally: Tally, model: str,
 RECOVERY_WAIT_S = 60.0
 
 
-def idle_leaks(served: Served, wait_s: float) -> dict:
+def idle_leaks(served: ServeProcess, wait_s: float) -> dict:
     """After the load: slots and KV blocks still in use once everything had time to settle."""
     t_end = time.monotonic() + wait_s
     m: dict[str, float] = {}
@@ -287,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("serve_args", nargs="*", help="more `blink serve` flags (after --)")
     a = ap.parse_args(argv)
 
-    served = Served(
-        ["--device", a.device, "--model", a.model, "--max-context", str(a.max_context), *a.serve_args], timeout=900
+    served = ServeProcess(
+        ["--disable-log-requests", "--device", a.device, "--model", a.model, "--max-context", str(a.max_context)]
+        + a.serve_args,
+        timeout=900,
     )
     try:
         model = json.loads(served.get("/v1/models")[1])["data"][0]["id"]
@@ -312,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         if rss.get("server_mb_after_warmup") and rss["server_mb_end"]:
             rss["server_growth_mb"] = round(rss["server_mb_end"] - rss["server_mb_after_warmup"], 1)
     finally:
-        rc = served.stop()
+        rc = served.stop(timeout=30)
     lost = tally.counts.get("lost", 0)
     measured = leaks["slots_leaked"] is not None
     leaked = (leaks["slots_leaked"] or 0) + (leaks["kv_blocks_leaked"] or 0)

@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -42,6 +40,7 @@ from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, RingGeometry  # noqa
 from blink.protocol.ring_agent import start_agent_process  # noqa: E402
 from blink.protocol.tcp_transport import TcpTransport  # noqa: E402
 from blink.protocol.transport import ShmTransport  # noqa: E402
+from blink.testing import ServeProcess, cmdline  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -116,59 +115,14 @@ def ops_part(streams: int, iters: int) -> dict:
 
 
 # -- part 2: serving over shm vs tcp -------------------------------------------------------------
-class Served:
-    """`blink serve` in a subprocess; the URL, the ring agent's pid (tcp) read from its log."""
-
-    def __init__(self, argv: list[str], timeout: float = 900.0):
-        self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "blink.cli", "serve", "--port", "0", "--disable-log-requests", *argv],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-        )
-        ready = threading.Event()
-        self.url = ""
-
-        def drain() -> None:
-            for line in self.proc.stderr:
-                self.log.append(line)
-                if m := re.search(r"serving .* on (http://\S+)/v1", line):
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(timeout) or not self.url:
-            self.proc.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.log[-30:]))
-
-    def children(self) -> dict[int, str]:
-        out = {}
-        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
-            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
-                for c in f.read().split():
-                    with open(f"/proc/{c}/cmdline") as g:
-                        out[int(c)] = g.read().replace("\0", " ")
-        return out
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def serve_part(a: argparse.Namespace) -> dict:
     common = ["--device", a.device, "--model", a.model, "--n-slots", str(max(a.streams * 2, 64))]
     common += ["--max-batch", str(a.max_batch)] + (["--num-kv-blocks", str(a.kv_blocks)] if a.kv_blocks else [])
     out = {}
     for kind in a.transports:
-        s = Served([*common, "--transport", kind])
+        s = ServeProcess(["--disable-log-requests", *common, "--transport", kind], timeout=900)
         try:
-            agent = next((p for p, cmd in s.children().items() if "blink.protocol.ring_agent" in cmd), None)
+            agent = next((p for p in s.children() if "blink.protocol.ring_agent" in cmdline(p)), None)
             link = next((ln.strip() for ln in s.log if "ring transport" in ln), "")
             fe_cpu0 = cpu_seconds(s.proc.pid)
             agent_cpu0 = cpu_seconds(agent) if agent else 0.0

@@ -40,12 +40,9 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import numpy as np
 
@@ -54,6 +51,7 @@ sys.path.insert(0, ROOT)
 
 from blink import benchmark  # noqa: E402
 from blink.protocol.transport import ShmTransport  # noqa: E402
+from blink.testing import ServeProcess  # noqa: E402
 
 STAMPS = ("t_submit_ns", "t_admit_ns", "t_launch_ns", "t_first_ns", "t_read_ns")
 STAGES = (  # (name, from, to) over STAMPS
@@ -69,50 +67,18 @@ METRIC_STAGES = {
 }
 
 
-class Server:
-    def __init__(self, scheduler: str, args: argparse.Namespace):
-        cmd = [sys.executable, "-m", "blink.cli", "serve", "--device", args.device, "--scheduler", scheduler,
-               "--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--port", "0"]  # fmt: skip
-        if args.max_model_len:
-            cmd += ["--max-model-len", str(args.max_model_len)]
-        if args.mixed_step_tokens >= 0:
-            cmd += ["--mixed-step-tokens", str(args.mixed_step_tokens)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-        self.url = self.ring = ""
-        self.log: list[str] = []
-        ready = threading.Event()
-
-        def drain() -> None:
-            for line in self.proc.stderr:  # type: ignore[union-attr]
-                self.log.append(line)
-                if m := re.search(r"ring /dev/shm/(\S+):", line):
-                    self.ring = m.group(1)
-                if m := re.search(r"serving .* on (http://\S+)/v1", line):
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(args.start_timeout) or not self.url or not self.ring:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
-
-    def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
-        out = {}
-        for ln in text.splitlines():
-            if ln and ln[0] != "#":
-                k, v = ln.rsplit(" ", 1)
-                out[k] = float(v)
-        return out
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def start_server(scheduler: str, args: argparse.Namespace) -> ServeProcess:
+    argv = ["--device", args.device, "--scheduler", scheduler, "--model", args.model]
+    argv += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    if args.mixed_step_tokens >= 0:
+        argv += ["--mixed-step-tokens", str(args.mixed_step_tokens)]
+    srv = ServeProcess(argv, timeout=args.start_timeout)
+    if not srv.ring:
+        srv.stop()
+        raise RuntimeError("the server named no ring:\n" + "".join(srv.log[-40:]))
+    return srv
 
 
 class RingTap(threading.Thread):
@@ -177,7 +143,7 @@ def header_counts(ring: str) -> dict[str, int]:
 
 
 def measure(scheduler: str, args: argparse.Namespace) -> dict:
-    srv = Server(scheduler, args)
+    srv = start_server(scheduler, args)
     try:
         bp = argparse.ArgumentParser()
         benchmark.add_arguments(bp)  # blink bench serve's own defaults for everything not set here

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import glob
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
 import aiohttp
 import openai
 import pytest
+
+from blink.testing import ServeProcess, child_pids
 
 API_KEY = "sk-test-blink"
 QUESTION = "What is the capital of France?"
@@ -39,56 +39,17 @@ def own_shm_available() -> bool:
     return r.returncode == 0
 
 
-class Server:
+class Server(ServeProcess):
+    """`blink serve` with the emulated device (blink.testing), and clients for it."""
+
     def __init__(self, *args: str, timeout: float = 180.0, prefix: Sequence[str] = ()):
-        self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "blink.cli", "serve", "--port", "0", "--device", "emulated", *args],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-        )
-        ready = threading.Event()
-        self.url = ""
-        self.ring = ""
-        self.agent = ""
-
-        def drain() -> None:
-            for line in self.proc.stderr:
-                self.log.append(line)
-                if m := re.search(r"ring /dev/shm/(\S+):", line):
-                    self.ring = m.group(1)
-                if m := re.search(r"blink: ring agent for \S+ listening on (\S+)", line):
-                    self.agent = m.group(1)
-                if m := re.search(r"serving .* on (http://\S+)/v1", line):
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(timeout) or not self.url:
-            self.proc.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.log))
+        super().__init__(["--device", "emulated", *args], timeout=timeout, prefix=prefix)
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", API_KEY), max_retries=0, **kw)
 
     def aclient(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-    def metrics(self) -> dict[str, float]:
-        import urllib.request
-
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
-        return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and ln[0] != "#")}
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
 
 
 class RemoteServer(Server):
@@ -853,11 +814,6 @@ def test_n_choices_over_a_full_ring(smol):
 
 
 # -- device failure ---------------------------------------------------------------------------
-
-
-def child_pids(pid: int) -> list[str]:
-    """The children of every thread of `pid` (the device is forked from a thread that owns it)."""
-    return [c for t in glob.glob(f"/proc/{pid}/task/*/children") for c in open(t).read().split()]
 
 
 def test_device_hang_ends_stream_with_error_health_503_then_recovers(tmp_path):

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import numpy as np
 import pytest
 
 from blink.models import hub
+from blink.testing import ServeProcess
 
 REPO = "test-org/tiny-chat"
 MAX_POSITION = 600  # not a power of two, not 8192: the served context must be exactly this
@@ -142,27 +141,9 @@ def test_cli_offline_missing_model_is_one_line_without_traceback(hf_cache):
 def test_serve_by_name_uses_the_models_context_length(hf_cache):
     """`blink serve org/model` from the cache: served under that name, max_model_len = the
     model's max_position_embeddings, and max_tokens beyond it a 400 in vLLM's words."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "blink.cli", "serve", REPO, "--device", "emulated", "--port", "0"],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=_env(hf_cache),
-    )
-    url, log, ready = "", [], threading.Event()
-
-    def drain() -> None:
-        nonlocal url
-        for line in proc.stderr:
-            log.append(line)
-            if m := re.search(r"serving .* on (http://\S+)/v1", line):
-                url = m.group(1)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
+    s = ServeProcess([REPO, "--device", "emulated"], timeout=180, env=_env(hf_cache))
+    url = s.url
     try:
-        assert ready.wait(180) and url, "".join(log)
         models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())
         card = models["data"][0]
         assert card["id"] == REPO and card["max_model_len"] == MAX_POSITION
@@ -182,5 +163,4 @@ def test_serve_by_name_uses_the_models_context_length(hf_cache):
         out = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert out["model"] == REPO and out["usage"]["completion_tokens"] >= 1
     finally:
-        proc.terminate()
-        proc.wait(30)
+        s.stop(timeout=30)
