@@ -20,15 +20,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# The cuda default of DeviceConfig.mixed_tokens, from step costs measured on the H200 (random
-# Llama-3-8B bf16, bench/results/archive/SUMMARY.md and diag_h200_ed68643_prefill.json): a step's
-# GEMMs read the 16 GB of weights (~4.2 ms at the copy bandwidth) and do 14 GFLOP per token
-# (~20 us per token at the measured 700 TFLOP/s), so a step stays memory-bound up to ~200 tokens:
-# the non-attention part of a step is 4.4 ms at 1 row, 5.9 at 128, 7.9 at 256, ~12 at 512. A 256-token
-# prompt arriving while ~20 requests decode (24 req/s of 256 -> 128) made one step of 276 tokens,
-# padded to the 512-token graph (~15 ms: the ITL p99); 192 keeps every mixed step at <= 192 tokens
-# (~7 ms, <= 1.35x the ~5.4 ms decode step at that batch) and prefills the prompt in two steps
-# (172 + 84 tokens, ~7.2 + ~6.3 ms), sooner than the one 512-token step it replaces.
+# The cuda default of DeviceConfig.mixed_tokens, by arithmetic on step costs measured on the H200
+# (random Llama-3-8B bf16; the cost model and its sources: bench/mixed_budget_model.py). A step's
+# GEMMs read the 16 GB of weights (~4.2 ms) and do 14 GFLOP per token (~20 us at 700 TFLOP/s), so a
+# step stays memory-bound to ~200 tokens: the non-attention part is 4.4 ms at 1 row, 5.9 at 128,
+# 7.9 at 256, ~12 at 512. At 24 req/s of 256 -> 128 about 20 requests decode; a prompt arriving was
+# admitted whole, 276 tokens run by the 512-token graph: the ITL p99. Replayed through the policy
+# (mixed_budget_model.py, 24 req/s): off, ITL p99/p50 4.0, TPOT p50 6.64 ms (measured: 2.8, 6.68);
+# 128: 1.19, but TTFT p50 +5.5 ms (3 steps per prompt); 192: 1.41, TPOT 5.80, TTFT p50 within
+# 0.6 ms (2 steps: 172 + 84 tokens); 256: 1.60 (a full 256-row step costs 1.6 decode steps).
 DEFAULT_MIXED_TOKENS = 192
 
 
