@@ -22,15 +22,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from blink.testing import ServeProcess  # noqa: E402
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+from blink.testing import ServeProcess, gone  # noqa: E402
 
 
 def complete(url: str, model: str) -> int:

@@ -233,22 +233,16 @@ class DeviceProcess:
     def wait_ready(self, transport: ShmTransport, timeout: float, progress: Progress | None = None) -> None:
         """Block until READY, reporting the status about once a second; raise if the device fails."""
         hdr = transport.view().header
-        t0 = time.monotonic()
-        last = -1.0
-        while (status := int(hdr["device_status"])) != DeviceStatus.READY:
+
+        def check(status: int) -> None:
             if status == DeviceStatus.FAILED:
                 raise RuntimeError(f"device failed during start-up (fault {int(hdr['fault'])})")
             if not self.alive():
                 raise RuntimeError(f"device exited before it was ready ({self.error})")
-            el = time.monotonic() - t0
-            if el > timeout:
-                raise TimeoutError(f"device not ready after {timeout:.0f} s")
-            if progress and el - last >= 1.0:
-                last = el
-                progress(f"waiting for the device: {DeviceStatus(status).name.lower()} ({el:.0f} s)")
-            time.sleep(0.01)
+
+        waited = wait_for_ready(lambda: int(hdr["device_status"]), check, timeout, progress)
         if progress:
-            progress(f"device ready after {time.monotonic() - t0:.1f} s")
+            progress(f"device ready after {waited:.1f} s")
 
     def stop(self, transport: ShmTransport, drain: bool = True, timeout: float = 10.0) -> int:
         """Ask the device to stop (1: finish in-flight requests, 2: cancel them), wait, escalate to
@@ -268,6 +262,30 @@ class DeviceProcess:
         if rc == 0 and self.log_path and os.path.exists(self.log_path):
             os.unlink(self.log_path)
         return rc
+
+
+def wait_for_ready(
+    status: Callable[[], int],
+    check: Callable[[int], None],
+    timeout: float,
+    progress: Progress | None = None,
+    what: str = "device",
+    poll_s: float = 0.01,
+) -> float:
+    """Poll a device's status until READY; `check(status)` raises when it never will be, and a
+    TimeoutError after `timeout` s. Reports the status about once a second; returns the seconds waited."""
+    t0 = time.monotonic()
+    last = -1.0
+    while (s := status()) != DeviceStatus.READY:
+        check(s)
+        el = time.monotonic() - t0
+        if el > timeout:
+            raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
+        if progress and el - last >= 1.0:
+            last = el
+            progress(f"waiting for the {what}: {DeviceStatus(s).name.lower()} ({el:.0f} s)")
+        time.sleep(poll_s)
+    return time.monotonic() - t0
 
 
 def start_device(spec: DeviceSpec, **kwargs) -> DeviceProcess:

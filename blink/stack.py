@@ -30,6 +30,7 @@ from blink.launch import (
     new_ring_name,
     remove_stale_rings,
     start_device,
+    wait_for_ready,
 )
 from blink.protocol.layout import DEVICE_COUNTERS, DeviceStatus
 from blink.protocol.transport import ShmTransport
@@ -62,18 +63,14 @@ def wait_ready_remote(transport, timeout: float, progress: Progress | None = Non
     """Block until the remote ring's device says READY (a frontend only: no device process here)."""
     from blink.dpu.slot_tracker import read_header
 
-    t0 = time.monotonic()
-    last = -1.0
-    while (status := int(read_header(transport)["device_status"])) != DeviceStatus.READY:
+    def check(status: int) -> None:
         if status in (DeviceStatus.FAILED, DeviceStatus.STOPPED):
             raise RuntimeError(f"the remote device is {DeviceStatus(status).name}")
-        el = time.monotonic() - t0
-        if el > timeout:
-            raise TimeoutError(f"remote device not ready after {timeout:.0f} s")
-        if progress and el - last >= 1.0:
-            last = el
-            progress(f"waiting for the remote device: {DeviceStatus(status).name.lower()} ({el:.0f} s)")
-        time.sleep(0.02)
+
+    def status() -> int:  # the remote ring's header, read anew on every poll
+        return int(read_header(transport)["device_status"])
+
+    wait_for_ready(status, check, timeout, progress, "remote device", poll_s=0.02)
 
 
 SUPERVISE_POLL_S = 0.1  # how often the supervisor looks at the device process

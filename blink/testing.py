@@ -47,6 +47,15 @@ def child_pids(pid: int) -> list[int]:
     return sorted(out)
 
 
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (its parent died; whoever adopted it has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -23,18 +23,13 @@ import urllib.request
 
 import aiohttp
 import pytest
-from test_e2e_openai import Server, _post, child_pids
+from test_e2e_openai import Server, _post
+
+from blink.launch import wait_for_ready
+from blink.protocol.layout import DeviceStatus
+from blink.testing import child_pids, gone
 
 TINY = ("--model", "random:tiny-llama", "--num-kv-blocks", "128", "--n-slots", "4")
-
-
-def gone(pid: int) -> bool:
-    """No such process, or a zombie (its parent died; whoever adopted it has not reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
@@ -169,3 +164,22 @@ def test_server_exits_nonzero_when_the_restarts_are_spent():
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+
+
+def test_wait_for_ready_polls_until_ready_and_raises_when_it_never_will():
+    """The one start-up wait of a local device (DeviceProcess.wait_ready) and a remote one
+    (blink.stack.wait_ready_remote): READY ends it, `check` fails it, and the timeout ends it."""
+    said: list[str] = []
+    seq = iter([DeviceStatus.STARTING] * 3 + [DeviceStatus.READY])
+    assert wait_for_ready(lambda: int(next(seq)), lambda s: None, 5.0, said.append, poll_s=0) >= 0
+    assert said == ["waiting for the device: starting (0 s)"]
+
+    def check(status: int) -> None:
+        if status == DeviceStatus.FAILED:
+            raise RuntimeError("failed")
+
+    seq = iter([DeviceStatus.STARTING, DeviceStatus.FAILED])
+    with pytest.raises(RuntimeError, match="failed"):
+        wait_for_ready(lambda: int(next(seq)), check, 5.0, poll_s=0)
+    with pytest.raises(TimeoutError, match="remote device not ready after 0 s"):
+        wait_for_ready(lambda: int(DeviceStatus.STARTING), check, 0.05, what="remote device", poll_s=0.01)
