@@ -63,7 +63,7 @@ def step_ms(plan, token_buckets: tuple[int, ...]) -> float:
 def simulate(rate: float, mixed: int, n_req: int, prompt: int, out: int, max_batch: int, max_tokens: int, seed: int):
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1e3 / rate, n_req))  # ms
-    tb = tuple(sorted(set(TOKEN_BUCKETS) | set(mixed_budgets(max_tokens, mixed, max_batch))))
+    tb = tuple(sorted(set(TOKEN_BUCKETS) | set(mixed_budgets(max_tokens, mixed))))
     cfg = SchedulerConfig(max_batch, max_tokens, 4096, 1 << 20, 0, mixed)
     s = Scheduler(cfg, BlockManager(40000, 16))
     t, nxt = 0.0, 0

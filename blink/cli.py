@@ -52,7 +52,7 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         dest="device.mixed_tokens",
         type=int,
         help="token budget of a step that carries decodes (decodes + prefill chunk, doubled while it leaves the "
-        "prompt under half of it); 0 = --max-num-batched-tokens",
+        "prompt under half of it or prompts queue behind it); 0 = --max-num-batched-tokens",
     )
     p.add_argument("--max-context", "--max-model-len", dest="device.max_context", type=int)
     p.add_argument("--kv-block-size", "--block-size", dest="device.kv_block_size", type=int)

@@ -75,8 +75,8 @@ def test_the_mixed_step_budget_reaches_the_spec_and_its_budgets_are_token_bucket
     spec = device_spec(build(None, {"device": {"kind": "cuda", "max_batch": 256}}), "r")
     assert (spec.max_tokens, spec.mixed_tokens) == (2048, DEFAULT_MIXED_TOKENS)
     e = engine_config(spec, max_position=8192)
-    assert {step_budget(2048, spec.mixed_tokens, d) for d in range(1, 257)} <= set(e.token_buckets)
-    assert {192, 384} <= set(e.token_buckets) and 768 not in e.token_buckets
+    budgets = {step_budget(2048, spec.mixed_tokens, d, n) for d in range(1, 257) for n in (0, 300, 3000, 30_000)}
+    assert budgets <= set(e.token_buckets) and {192, 384, 768, 1536} <= budgets
     off = device_spec(build(None, {"device": {"kind": "cuda", "mixed_tokens": 0}}), "r")
     assert off.mixed_tokens == 0 and 192 not in engine_config(off, max_position=8192).token_buckets
     emulated = device_spec(build(None, {"device": {"kind": "emulated"}}), "r")

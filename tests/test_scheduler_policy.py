@@ -248,7 +248,8 @@ def test_random_workload_keeps_every_invariant(seed):
             continue
         assert plan.num_seqs <= cfg["max_batch"] and s.num_running <= cfg["max_batch"]
         assert plan.num_tokens <= cfg["max_tokens"]
-        assert plan.num_tokens <= step_budget(cfg["max_tokens"], cfg["mixed_tokens"], plan.num_decodes)
+        queued = sum(len(x.tokens) for x in s.seqs.values())  # >= the queue the step saw (its bound is monotone)
+        assert plan.num_tokens <= step_budget(cfg["max_tokens"], cfg["mixed_tokens"], plan.num_decodes, queued)
         assert all(c.n == 1 and c.sample for c in plan.chunks[: plan.num_decodes])
         assert [c.seq.arrival for c in plan.chunks[: plan.num_decodes]] == sorted(
             c.seq.arrival for c in plan.chunks[: plan.num_decodes]
@@ -383,12 +384,16 @@ def test_step_budget_doubles_until_the_prompt_gets_half_and_lists_its_values():
     assert step_budget(2048, 192, 0) == 2048  # no decodes: the whole step
     assert [step_budget(2048, 192, d) for d in (1, 96, 97, 256, 288, 289)] == [192, 192, 384, 384, 384, 768]
     assert step_budget(256, 192, 200) == 256  # never above max_tokens
-    assert mixed_budgets(2048, 192, 256) == (192, 384)
-    assert mixed_budgets(2048, 192, 1024) == (192, 384, 768, 1536)
-    assert mixed_budgets(2048, 0, 256) == (2048,) and mixed_budgets(256, 256, 256) == (256,)
+    assert mixed_budgets(2048, 192) == (192, 384, 768, 1536, 2048)
+    assert mixed_budgets(2048, 0) == (2048,) and mixed_budgets(256, 256) == (256,)
     for d in range(1, 257):
-        assert step_budget(2048, 192, d) in mixed_budgets(2048, 192, 256)
-        assert step_budget(2048, 192, d) - d >= 96
+        for backlog in (0, 256, 1000, 5000, 100_000):
+            assert step_budget(2048, 192, d, backlog) in mixed_budgets(2048, 192)
+            assert step_budget(2048, 192, d, backlog) - d >= 96
+    # one 256-token prompt among 20 decodes: 192; a queue: larger steps, up to max_tokens
+    assert [step_budget(2048, 192, 20, n) for n in (256, 687, 688, 1455, 1456, 65536)] == [
+        192, 192, 384, 384, 768, 2048,
+    ]  # fmt: skip
 
 
 def test_a_long_prompt_under_a_mixed_budget_fills_it_exactly_while_every_decode_advances():
@@ -431,3 +436,20 @@ def test_a_burst_while_idle_takes_the_whole_step_then_mixed_steps_take_the_budge
     assert plan.kind is StepKind.PREFILL and plan.num_tokens == 128  # 3 prompts + 8 tokens of the 4th
     plan, _ = step(s)
     assert plan.kind is StepKind.MIXED and plan.num_decodes == 3 and plan.num_tokens == 32
+
+
+def test_a_queue_of_prompts_gets_large_steps_while_decodes_run():
+    """The prefill backlog doubles a mixed budget while it holds BACKLOG_FACTOR of its prefill
+    share: a burst of prompts behind running decodes is prefilled about as fast as without a
+    mixed budget, and the steps shrink back to mixed_tokens as the queue drains."""
+    s = make(max_batch=64, max_tokens=256, max_context=512, num_blocks=4096, mixed_tokens=16)
+    s.add(0, [1, 2], max_new_tokens=UNLIMITED)
+    step(s)
+    for i in range(1, 41):
+        s.add(i, range(20), max_new_tokens=UNLIMITED)
+    sizes = []
+    while any(x.status is SeqStatus.WAITING for x in s.seqs.values()) or any(x.prefilling for x in s.running):
+        plan, _ = step(s)
+        sizes.append(plan.num_tokens)
+    # 40 x 20 = 800 prompt tokens: 780 queued behind the first >= 4 x (128 - 1), so max_tokens at once
+    assert sizes == [256, 256, 128, 128, 64, 64, 64, 60]  # then down as the queue drains

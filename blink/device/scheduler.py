@@ -22,11 +22,12 @@ comparison isolates the scheduler's placement):
   several steps. The step is DECODE (decodes only), PREFILL (chunks only) or MIXED; a graph is
   chosen by (batch, tokens), so a MIXED step runs a prefill graph with one-token rows in it.
 - A step that carries decodes has the smaller budget `mixed_tokens` (Sarathi-Serve's token budget;
-  0 = max_tokens), doubled until it leaves prefill at least half of mixed_tokens (never above
-  max_tokens): a mixed step fills a budget that is one of the engine's token buckets exactly (no
-  graph padded to the next power of two), it costs little more than a decode step of the same
-  batch, and a prompt advances by at least mixed_tokens / 2 per step however many decodes run.
-  A step without decodes takes up to max_tokens.
+  0 = max_tokens), doubled until it leaves prefill at least half of mixed_tokens and a fair share
+  of the queue of waiting prompts (step_budget; never above max_tokens): a mixed step fills a budget that
+  is one of the engine's token buckets exactly (no graph padded to the next power of two), a lone
+  prompt among decodes makes steps little slower than decode steps, a prompt advances by at least
+  mixed_tokens / 2 per step however many decodes run, and a queue of prompts waiting behind the
+  one admitted gets larger steps. A step without decodes takes up to max_tokens.
 - While a request waits for admission, a running prefill takes at most `long_prefill_tokens` of a
   step (vLLM's long_prefill_token_threshold), so a short request is served while a long prompt is
   still prefilling; alone, a prefill takes the whole budget.
@@ -76,7 +77,7 @@ class SchedulerConfig:
     0 = default_long_prefill(max_tokens)."""
     mixed_tokens: int = 0
     """Token budget of a step that carries decodes (decodes + prefill chunks), doubled while it
-    leaves prefill less than half of itself; 0 = max_tokens. See step_budget."""
+    leaves prefill less than half of itself or prompts queue; 0 = max_tokens. See step_budget."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_tokens", "max_context", "output_capacity"):
@@ -90,24 +91,40 @@ class SchedulerConfig:
             raise ValueError("max_context must be >= 2 (a prompt token and a generated one)")
 
 
-def step_budget(max_tokens: int, mixed_tokens: int, num_decodes: int) -> int:
+BACKLOG_SCAN = 64
+"""Waiting sequences behind the first whose tokens count in a step's prefill backlog (step_budget)."""
+BACKLOG_FACTOR = 4
+"""A mixed budget doubles while the prefill backlog is at least this many times its prefill share."""
+
+
+def step_budget(max_tokens: int, mixed_tokens: int, num_decodes: int, backlog: int = 0) -> int:
     """Tokens a step with `num_decodes` decodes may carry: max_tokens without decodes or without a
     mixed budget; else mixed_tokens * 2**k for the smallest k that leaves prefill at least
-    mixed_tokens // 2 (k = 0 while num_decodes <= mixed_tokens / 2), at most max_tokens
-    (>= max_batch >= num_decodes). The CUDA scheduler has the same function (scheduler_plan.cuh
-    step_budget); mixed_budgets() lists every value it can return."""
+    mixed_tokens // 2 and, unless that reaches max_tokens, more than a BACKLOG_FACTOR-th of
+    `backlog`: the tokens queued behind the first waiting sequence (Scheduler._backlog). A prompt
+    arriving among decodes, however long, gets mixed_tokens per step (steps little slower than a
+    decode step); a queue of prompts gets larger steps, up to max_tokens, as a whole-prompt policy
+    would (throughput under saturation). The CUDA scheduler has the same function
+    (scheduler_plan.cuh step_budget); mixed_budgets() lists every value it returns."""
     if mixed_tokens == 0 or num_decodes == 0 or mixed_tokens >= max_tokens:
         return max_tokens
     b = mixed_tokens
-    while b < num_decodes + mixed_tokens // 2 and b < max_tokens:
+    while b < max_tokens and (b < num_decodes + mixed_tokens // 2 or backlog >= BACKLOG_FACTOR * (b - num_decodes)):
         b *= 2
     return min(b, max_tokens)
 
 
-def mixed_budgets(max_tokens: int, mixed_tokens: int, max_batch: int) -> tuple[int, ...]:
-    """Every budget step_budget gives a step of 1..max_batch decodes (the token buckets an engine
-    should capture so that a mixed step filling its budget runs a graph of exactly its size)."""
-    return tuple(sorted({step_budget(max_tokens, mixed_tokens, d) for d in range(1, max_batch + 1)}))
+def mixed_budgets(max_tokens: int, mixed_tokens: int) -> tuple[int, ...]:
+    """Every budget step_budget can give a mixed step (the token buckets an engine should capture so
+    that a mixed step filling its budget runs a graph of exactly its size)."""
+    if mixed_tokens == 0 or mixed_tokens >= max_tokens:
+        return (max_tokens,)
+    out = [max_tokens]
+    b = mixed_tokens
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    return tuple(sorted(out))
 
 
 def default_long_prefill(max_tokens: int) -> int:
@@ -295,14 +312,20 @@ class Scheduler:
         plan.num_decodes = len(plan.chunks)
         if wants_prefill:
             cfg = self.config
-            self._schedule_prefill(
-                plan, step_budget(cfg.max_tokens, cfg.mixed_tokens, plan.num_decodes) - plan.num_decodes
-            )
+            budget = cfg.max_tokens
+            if cfg.mixed_tokens and plan.num_decodes:
+                budget = step_budget(cfg.max_tokens, cfg.mixed_tokens, plan.num_decodes, self._backlog())
+            self._schedule_prefill(plan, budget - plan.num_decodes)
         if not plan.chunks:
             return None
         if len(plan.chunks) > plan.num_decodes:
             plan.kind = StepKind.MIXED if plan.num_decodes else StepKind.PREFILL
         return plan
+
+    def _backlog(self) -> int:
+        """The queue behind the first waiting sequence: the tokens of the next BACKLOG_SCAN waiting
+        ones (step_budget)."""
+        return sum(len(s.tokens) for s in self.waiting[1 : 1 + BACKLOG_SCAN])
 
     def _admissible_waiting(self) -> bool:
         return any(not self.output_full(s) for s in self.waiting)

@@ -31,7 +31,7 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
 
     ctx = spec.max_context or max_position
     max_tokens = max(spec.max_tokens, spec.max_batch)
-    buckets = set(DEFAULT_TOKEN_BUCKETS) | set(mixed_budgets(max_tokens, spec.mixed_tokens, spec.max_batch))
+    buckets = set(DEFAULT_TOKEN_BUCKETS) | set(mixed_budgets(max_tokens, spec.mixed_tokens))
     ecfg = EngineConfig(
         max_seqs=spec.max_batch,
         max_tokens=max_tokens,

@@ -106,19 +106,39 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   return r;
 }
 
-// blink/device/scheduler.py step_budget: tokens a step with n_dec decodes may carry.
-__device__ uint32_t step_budget(const SchedCtl* c, uint32_t n_dec) {
+// blink/device/scheduler.py BACKLOG_SCAN, BACKLOG_FACTOR, step_budget: tokens a step with n_dec
+// decodes may carry, given the prompt tokens waiting for prefill (backlog).
+constexpr uint32_t BACKLOG_SCAN = 64, BACKLOG_FACTOR = 4;
+__device__ uint32_t step_budget(const SchedCtl* c, uint32_t n_dec, uint32_t backlog) {
   const uint32_t m = c->mixed_tokens;
   if (m == 0 || n_dec == 0 || m >= c->max_tokens) return c->max_tokens;
   uint32_t b = m;
-  while (b < n_dec + m / 2 && b < c->max_tokens) b *= 2;
+  while (b < c->max_tokens && (b < n_dec + m / 2 || backlog >= BACKLOG_FACTOR * (b - n_dec))) b *= 2;
   return min(b, c->max_tokens);
+}
+
+// Scheduler._backlog (thread 0): the tokens of the BACKLOG_SCAN waiting sequences behind the first,
+// in arrival order (the preempted rows, then the claimed slots).
+__device__ uint32_t prefill_backlog(const SchedCtl* c, const Shared& sh) {
+  uint32_t n = 0, seen = 0;
+  for (uint32_t p = 0; p < c->n_wait && seen <= BACKLOG_SCAN; ++p, ++seen)
+    if (seen) n += g_rows[g_wait[p]].len;
+  const uint32_t* wq = (const uint32_t*)c->waitq;
+  const RingSlot* copy = (const RingSlot*)c->slot_copy;
+  for (uint32_t i = c->waitq_head; i != c->waitq_tail && seen <= BACKLOG_SCAN; ++i) {
+    const uint32_t slot = wq[i % sh.n_slots];
+    if (slot == DEAD) continue;
+    if (seen) n += copy[slot].prompt_len;
+    ++seen;
+  }
+  return n;
 }
 
 // blink/device/scheduler.py: Scheduler._schedule_prefill (thread 0), after the decodes of the step
 // (sh.nseq of them) are planned: prefill chunks in the rest of the token budget.
 __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
-  uint32_t budget = step_budget(c, sh.ntok) - sh.ntok;  // max_tokens >= max_batch >= the decodes
+  uint32_t budget = c->max_tokens - sh.ntok;  // max_tokens >= max_batch >= the decodes
+  if (c->mixed_tokens && sh.ntok) budget = step_budget(c, sh.ntok, prefill_backlog(c, sh)) - sh.ntok;
   uint32_t* wq = (uint32_t*)c->waitq;
   while (c->waitq_head != c->waitq_tail && wq[c->waitq_head % sh.n_slots] == DEAD) c->waitq_head++;
   bool waiting = c->waitq_head != c->waitq_tail;
