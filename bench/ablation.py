@@ -14,7 +14,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sched_common import device_name, make_engine, serve_workload  # noqa: E402
+from benchutil import gpu_name  # noqa: E402
+from sched_common import make_engine, serve_workload  # noqa: E402
 
 WORKLOADS = {  # name: (prompt tokens, output tokens)
     "short-prompt/short-output": (128, 32),
@@ -55,7 +56,7 @@ def main() -> int:
     a = ap.parse_args()
     eng = make_engine(a.preset, 64, 4096, 2048)
     rows = run(eng)
-    res = {"bench": "ablation", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device_name(),
+    res = {"bench": "ablation", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": gpu_name(),
            "preset": a.preset, "command": " ".join(sys.argv), "rows": rows}  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:

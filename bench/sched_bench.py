@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ablation  # noqa: E402
 import sigstop  # noqa: E402
 import throughput  # noqa: E402
-from sched_common import device_name, make_engine  # noqa: E402
+from benchutil import gpu_name  # noqa: E402
+from sched_common import make_engine  # noqa: E402
 
 from blink.treedigest import tree_digest  # noqa: E402
 
@@ -69,7 +70,7 @@ def main() -> int:
         prefill_attention=a.prefill_attention,
     )
     tput = (lambda: throughput.run(eng, 64, 64, 32)) if a.small else (lambda: throughput.run(eng))
-    meta["device"] = device_name()
+    meta["device"] = gpu_name()
     meta["engine"] = {
         "kv_blocks": eng.dims.num_blocks,
         "graphs": eng.report.graphs,

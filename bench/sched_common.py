@@ -68,12 +68,6 @@ def make_engine(
     return eng
 
 
-def device_name() -> str:
-    import cupy as cp
-
-    return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-
-
 def serve_workload(
     eng,
     scheduler: str,

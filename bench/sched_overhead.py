@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import gpu_name  # noqa: E402
 from sched_load import LoadGen, random_requests  # noqa: E402
 
 from blink.protocol.layout import DeviceStatus, RingGeometry  # noqa: E402
@@ -164,7 +165,7 @@ def main() -> int:
     out = {
         "bench": "sched_overhead",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": _device_name(),
+        "device": gpu_name(),
         "preset": a.preset,
         "command": " ".join(sys.argv),
         "decode": rows,
@@ -184,12 +185,6 @@ def main() -> int:
             json.dump(out, f, indent=1)
     eng.close()
     return 0
-
-
-def _device_name() -> str:
-    import cupy as cp
-
-    return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
 
 
 if __name__ == "__main__":

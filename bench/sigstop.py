@@ -16,7 +16,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sched_common import device_name, make_engine, serve_workload  # noqa: E402
+from benchutil import gpu_name  # noqa: E402
+from sched_common import make_engine, serve_workload  # noqa: E402
 
 
 def run(eng, phase_s: float = 30.0, concurrency: int = 64, prompt: int = 128, new: int = 128) -> dict:
@@ -40,7 +41,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     eng = make_engine(a.preset, 64, 1024, 1024)
-    res = {"bench": "sigstop", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device_name(),
+    res = {"bench": "sigstop", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": gpu_name(),
            "preset": a.preset, "command": " ".join(sys.argv), **run(eng, a.phase)}  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:

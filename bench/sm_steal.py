@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import load_synthetic, time_ms, write_json  # noqa: E402
-from sched_common import device_name, make_engine  # noqa: E402
+from benchutil import gpu_name, load_synthetic, time_ms, write_json  # noqa: E402
+from sched_common import make_engine  # noqa: E402
 
 
 def measure(eng, iters: int) -> dict[str, float]:
@@ -91,7 +91,7 @@ def main() -> int:
         {
             "bench": "sm_steal",
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "device": device_name(),
+            "device": gpu_name(),
             "commit": a.commit,
             "command": " ".join(sys.argv),
             "runs": runs,

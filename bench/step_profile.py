@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import write_json  # noqa: E402
-from sched_common import device_name, make_engine, serve_workload  # noqa: E402
+from benchutil import gpu_name, write_json  # noqa: E402
+from sched_common import make_engine, serve_workload  # noqa: E402
 
 from blink.gpu.host_executor import HostExecutor  # noqa: E402
 
@@ -83,7 +83,7 @@ def main() -> int:
     res = {
         "bench": "step_profile",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": device_name(),
+        "device": gpu_name(),
         "commit": a.commit,
         "command": " ".join(sys.argv),
         "tok_per_s": r["tok_per_s"],

@@ -23,8 +23,16 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import copy_bandwidth, decode_bytes, load_synthetic, metadata, time_ms, write_json  # noqa: E402
-from sched_common import device_name, make_engine, serve_workload  # noqa: E402
+from benchutil import (  # noqa: E402
+    copy_bandwidth,
+    decode_bytes,
+    gpu_name,
+    load_synthetic,
+    metadata,
+    time_ms,
+    write_json,
+)
+from sched_common import make_engine, serve_workload  # noqa: E402
 
 DECODE_CONTEXT = 1024  # bench/decode.py's
 
@@ -88,7 +96,7 @@ def one_model(preset_name: str, layers: int, schedulers: tuple[str, ...], n: int
 
     bw = copy_bandwidth(1 << 30)  # 2 x 1 GB: what the KV pool (85% of the free memory) leaves room for
     cp.get_default_memory_pool().free_all_blocks()
-    res["device"] = device_name()
+    res["device"] = gpu_name()
     res["copy_bandwidth"] = bw
     res["engine"] = {
         "build_s": build_s,
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(res, f)
         return 0
     eng = make_engine(a.preset, 256, 4096, 2048, layers=a.layers)
-    res = {"bench": "throughput", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device_name(),
+    res = {"bench": "throughput", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": gpu_name(),
            "preset": a.preset, "command": " ".join(argv), **run(eng, a.requests, a.prompt, a.new, schedulers)}  # fmt: skip
     if a.out:
         write_json(a.out, res)
