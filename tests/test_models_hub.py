@@ -26,29 +26,13 @@ def write_hf_model(d: Path) -> None:
     """config.json + model.safetensors + tokenizer files of the tiny-llama shape."""
     from safetensors.numpy import save_file
 
-    from blink.models.config import preset
+    from blink.models.config import preset, to_hf_config
     from blink.models.registry import synthetic_tokenizer
     from blink.models.weights import random_weights
 
     c = preset("tiny-llama")
     d.mkdir(parents=True, exist_ok=True)
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_eps,
-        "rope_theta": c.rope_theta,
-        "max_position_embeddings": MAX_POSITION,
-        "tie_word_embeddings": True,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
+    hf = to_hf_config(c) | {"max_position_embeddings": MAX_POSITION}
     (d / "config.json").write_text(json.dumps(hf))
     w = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in random_weights(c).items()}
     save_file(w, str(d / "model.safetensors"))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from blink.models import registry
-from blink.models.config import UnsupportedModelError, from_hf_config, preset
+from blink.models.config import PRESET_NAMES, UnsupportedModelError, from_hf_config, preset, to_hf_config
 from blink.models.progress import TextProgress
 from blink.models.tokenizer import from_hf_dir
 from blink.models.weights import check_weights, load_hf_dir, random_weights, weight_shapes
@@ -312,23 +312,23 @@ def _write_safetensors(path, tensors: dict[str, tuple[str, tuple[int, ...], byte
     path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_to_hf_config_reads_back_to_the_same_config(name):
+    """The config.json tests and benchmarks write for a preset (to_hf_config), through JSON, is
+    that preset again for from_hf_config: rope scaling, tied head, eos lists and MoE fields included."""
+    c = preset(name)
+    assert from_hf_config(json.loads(json.dumps(to_hf_config(c)))) == c
+
+
+def test_to_hf_config_refuses_what_hf_cannot_say():
+    with pytest.raises(UnsupportedModelError, match="qk_norm"):
+        to_hf_config(preset("tiny-llama").replace(qk_norm=True))
+
+
 def test_hf_directory_with_bf16_and_f32(tmp_path):
     c = preset("tiny-qwen3")
     w = random_weights(c, seed=3)
-    hf = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rope_theta": c.rope_theta,
-        "rms_norm_eps": c.rms_eps,
-        "max_position_embeddings": c.max_position,
-        "tie_word_embeddings": False,
-    }
+    hf = to_hf_config(c)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     names = sorted(w)
     half = len(names) // 2

@@ -241,6 +241,55 @@ def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
     )
 
 
+_ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+
+
+def to_hf_config(c: ModelConfig) -> dict[str, Any]:
+    """The HF config.json of a ModelConfig, which from_hf_config reads back to an equal one (the
+    checkpoints tests and benchmarks write). qk_norm and attn_bias have no key of their own there:
+    they follow from the architecture, so a config where they do not cannot be written."""
+    if c.qk_norm != (c.arch in ("qwen3", "qwen3_moe")) or c.attn_bias != (c.arch == "qwen2"):
+        raise UnsupportedModelError(f"{c.name}: qk_norm / attn_bias other than {c.arch}'s have no HF config")
+    d: dict[str, Any] = {
+        "architectures": [_ARCH_TO_HF[c.arch]],
+        "model_type": c.arch,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rope_theta": c.rope_theta,
+        "rms_norm_eps": c.rms_eps,
+        "max_position_embeddings": c.max_position,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else list(c.eos_token_ids) or None,
+        "_name_or_path": c.name,
+    }
+    rs = c.rope_scaling
+    if rs.type == "llama3":
+        d["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position,
+        }
+    if c.arch == "qwen3_moe":
+        d |= {
+            "num_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok,
+            "moe_intermediate_size": c.moe_intermediate_size,
+            "norm_topk_prob": c.norm_topk_prob,
+            "decoder_sparse_step": c.decoder_sparse_step,
+            "mlp_only_layers": list(c.mlp_only_layers),
+        }
+    return d
+
+
 def _check_phi3(d: Mapping[str, Any], rope_params: Mapping[str, Any], scaling: Mapping[str, Any] | None) -> None:
     """Refuse what Phi-3.x checkpoints add over Phi-4's plain RoPE: LongRoPE (su/yarn/longrope, the
     128k models), partial rotary, a sliding window shorter than the context, another activation."""
