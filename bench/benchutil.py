@@ -147,7 +147,7 @@ def load_synthetic(eng: Any, num_seqs: int, new_tokens: int, context: int, rng: 
     return decode
 
 
-CATEGORIES = ("embed", "norm", "gemm", "rope", "attn", "swiglu", "head", "sample", "done")
+CATEGORIES = ("embed", "norm", "gemm", "rope", "attn", "swiglu", "moe", "head", "sample", "done")
 
 
 def kernel_category(name: str) -> str:
@@ -160,6 +160,7 @@ def kernel_category(name: str) -> str:
         ("rope", "rope"),
         ("attn", "attn"),
         ("swiglu", "swiglu"),
+        ("moe_", "moe"),  # route, align, expert GEMVs, combine (the router GEMM is "gemm")
         ("final_norm", "head"),
         ("sample", "sample"),
         ("penalty_mark", "sample"),  # the sampling extensions (ext_on gated)

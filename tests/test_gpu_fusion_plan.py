@@ -12,6 +12,7 @@ import pytest
 from blink.gpu import kernels
 from blink.gpu.engine import EngineConfig, parse_gemv_fusion
 from blink.gpu.forward import GEMV_FUSIONS, Dims, Forward, RopeArgs
+from blink.gpu.moe_launch import TILE_M, MoeLaunches, max_tiles
 from blink.models.config import preset
 from blink.protocol.step import STEP_FIELDS
 
@@ -42,33 +43,52 @@ class _Arr:
             self.nbytes *= n
 
 
-def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict) -> tuple[Forward, list]:
-    c = preset(name).replace(num_layers=2)
+def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict, layers: int = 2) -> tuple[Forward, list]:
+    c = preset(name).replace(num_layers=layers)
     f = object.__new__(Forward)
     f.c, f.num_sms, f.max_splits = c, 132, 32
     f.d = Dims(8, 64, 66, 16, 1000, 1056)
     H, nqkv = c.hidden_size, c.q_size + 2 * c.kv_size
-    qn = _Arr(c.head_dim) if c.arch == "qwen3" else None
-    layer = SimpleNamespace(
-        attn_norm=_Arr(H),
-        qkv=_Arr(nqkv, H),
-        q_norm=qn,
-        k_norm=qn,
-        o=_Arr(H, c.q_size),
-        mlp_norm=_Arr(H),
-        gate_up=_Arr(2 * c.intermediate_size, H),
-        down=_Arr(H, c.intermediate_size),
-        qkv_bias=_Arr(nqkv) if c.attn_bias else None,
-    )
-    f.w = SimpleNamespace(
-        embed=_Arr(c.vocab_size, H), final_norm=_Arr(H), lm_head=_Arr(c.vocab_size, H), layers=[layer, layer]
-    )
+    qn = _Arr(c.head_dim) if c.qk_norm else None
+    layers = []
+    for li in range(c.num_layers):
+        moe = c.layer_is_moe(li)
+        E, im = c.num_experts, c.moe_intermediate_size
+        layers.append(_layer(c, H, nqkv, qn, moe, E, im))
+    f.w = SimpleNamespace(embed=_Arr(c.vocab_size, H), final_norm=_Arr(H), lm_head=_Arr(c.vocab_size, H), layers=layers)
     f.arena = SimpleNamespace(ptr=dict.fromkeys([f.name for f in STEP_FIELDS], 8192))
     names = "resid hid delta qkv q attn gu act last logits out_tokens done_seq kv cos sin part_o part_ml"
     names += " proc chosen_lp top_ids top_lps lp_stats pen_state bias_n bias_ids bias_vals"
     names += " plp_hid plp_logits plp_lp plp_ids plp_lps"
     for b in names.split():
         setattr(f, b, _Arr(1))
+    f.moe = None
+    if c.is_moe:
+        f.moe = object.__new__(MoeLaunches)
+        f.moe.c = c
+        for b in "logits topk_ids topk_w expert_off expert_cnt sorted_pair pair_pos act y".split():
+            setattr(f.moe, b, _Arr(1))
+    return _finish(f, gemv_max_tokens, fusion, signatures)
+
+
+def _layer(c, H: int, nqkv: int, qn, moe: bool, E: int, im: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        attn_norm=_Arr(H),
+        qkv=_Arr(nqkv, H),
+        q_norm=qn,
+        k_norm=qn,
+        o=_Arr(H, c.q_size),
+        mlp_norm=_Arr(H),
+        gate_up=None if moe else _Arr(2 * c.intermediate_size, H),
+        down=None if moe else _Arr(H, c.intermediate_size),
+        qkv_bias=_Arr(nqkv) if c.attn_bias else None,
+        router=_Arr(E, H) if moe else None,
+        experts_gate_up=_Arr(E, 2 * im, H) if moe else None,
+        experts_down=_Arr(E, H, im) if moe else None,
+    )
+
+
+def _finish(f: Forward, gemv_max_tokens: int, fusion: str, signatures: dict) -> tuple[Forward, list]:
     f.sampling_rows = 4
     f.split_counters = _Arr(1)
     f.kv_layer_stride, f.kv_half = 1 << 20, 1 << 19
@@ -242,7 +262,7 @@ def test_only_launches_records_one_category(signatures: dict):
     f, calls = _forward("qwen2.5-7b", 1, "all", signatures)
     f.record(0, 4, 4, True)  # cuBLAS bucket: GEMMs, add_bias and every other category
     full = [n for n, *_ in calls]
-    assert {kernel_category(n) for n in full if n != "cublas"} | {"gemm"} == set(CATEGORIES)
+    assert {kernel_category(n) for n in full if n != "cublas"} | {"gemm"} == set(CATEGORIES) - {"moe"}
     drv, blas = f.drv, f.blas
     for cat in CATEGORIES:
         calls.clear()
@@ -278,3 +298,31 @@ def test_prefill_graph_runs_decode_attention_first(decode: str, prefill: str, si
     calls.clear()
     f.record(0, S, S, True)
     assert [n for n, *_ in calls if n.startswith("attn_")] == [n for n, _ in per_layer[:-1]] * 2
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("T,decode", [(1, True), (8, True), (64, False)])
+@pytest.mark.parametrize("fusion", ["none", "all"])
+def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signatures: dict):
+    """A MoE layer's launches (blink/gpu/moe_launch.py): after the o projection and the MLP norm, the
+    router projection (fp32 out), then route, align, the two expert GEMVs sized for the bucket's worst
+    case, and the combine into delta; dense layers (mlp_only_layers) keep swiglu; no GEMV fusion."""
+    f, calls = _forward(name, 8, fusion, signatures, layers=3)
+    c = f.c
+    f.record(0, min(T, 8), T, decode)
+    names = [n for n, *_ in calls]
+    moe_layers = [li for li in range(3) if c.layer_is_moe(li)]
+    assert names.count("moe_route") == len(moe_layers) and names.count("swiglu") == 3 - len(moe_layers)
+    assert f.fusions_for(T) == frozenset()
+    moe_seq = ["moe_route", f"moe_align_m{TILE_M}", f"moe_gate_up_m{TILE_M}", f"moe_down_m{TILE_M}", "moe_combine"]
+    starts = [i for i, n in enumerate(names) if n == "moe_route"]
+    for i in starts:
+        assert names[i : i + 5] == moe_seq
+        router = calls[i - 1]  # the router projection, fp32 out, right before moe_route
+        assert router[0] in ("cublas", f"gemv_f32_t{T}"), router[0]
+        assert names[i - 2] == "add_rmsnorm"
+        gu, dn = calls[i + 2], calls[i + 3]
+        tiles = max_tiles(T, c.num_experts_per_tok, c.num_experts)
+        assert gu[1][1] == dn[1][1] == tiles
+        assert gu[3] == TILE_M * c.hidden_size * 2 and dn[3] == TILE_M * c.moe_intermediate_size * 2
+        assert calls[i + 4][1] == (T, 1, 1)

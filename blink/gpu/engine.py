@@ -49,8 +49,9 @@ from blink.gpu.engine_config import (  # noqa: F401 (the engine's public names, 
 )
 from blink.gpu.forward import Dims, Forward
 from blink.gpu.kernels import DEFAULT_CACHE, Kernels
+from blink.gpu.moe_launch import MoeLaunches
 from blink.gpu.weights import GpuWeights
-from blink.models.config import ModelConfig, UnsupportedModelError
+from blink.models.config import ModelConfig
 from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from blink.protocol.step import BATCH_FIELDS, STEP_FIELDS, StepBatch
 
@@ -141,9 +142,6 @@ class Engine:
         """Engine over `host_weights` (HF names, float arrays) or random weights made on the GPU."""
         import cupy as cp
 
-        if config.is_moe:
-            raise UnsupportedModelError(f"{config.name}: mixture-of-experts models do not run on the CUDA engine yet")
-
         cp.cuda.Device().use()
         cp.zeros(1)  # creates the primary context the driver API calls run in
         driver = Driver()
@@ -164,6 +162,8 @@ class Engine:
         Tm, Sm = ecfg.max_tokens, ecfg.max_seqs
         act = 2 * Tm * (3 * c.hidden_size + (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size)
         act += 4 * Sm * c.vocab_size + 8 * Sm * 32 * c.q_size * 4
+        if c.is_moe:
+            act += MoeLaunches.device_bytes(c, Tm)
         if ecfg.sampling_rows:  # processed logits, penalty state, logit_bias tables, prompt logprob rows
             act += 4 * Sm * c.vocab_size + ecfg.sampling_rows * (4 * c.vocab_size + 8 * MAX_LOGIT_BIAS)
             act += Tm * (4 * c.vocab_size + 2 * c.hidden_size + 4 + 8 * MAX_LOGPROBS)
@@ -204,10 +204,15 @@ class Engine:
         """Every cuBLAS-or-GEMV projection of a step at each row count, as (x, w, y, rows, fp32
         output) on layer 0's weights and the activation buffers: what warm-up runs and tuning times."""
         f, lw = self.fwd, self.weights.layers[0]
+        dense = next((x for x in self.weights.layers if x.router is None), None)
+        sparse = next((x for x in self.weights.layers if x.router is not None), None)
         jobs: list[tuple[object, object, object, int, bool]] = []
         for r in rows:
             jobs += [(f.hid, lw.qkv, f.qkv, r, False), (f.attn, lw.o, f.delta, r, False)]
-            jobs += [(f.hid, lw.gate_up, f.gu, r, False), (f.act, lw.down, f.delta, r, False)]
+            if dense is not None:
+                jobs += [(f.hid, dense.gate_up, f.gu, r, False), (f.act, dense.down, f.delta, r, False)]
+            if sparse is not None:
+                jobs.append((f.hid, sparse.router, f.moe.logits, r, True))  # type: ignore[union-attr]
             if r <= self.dims.max_seqs:
                 jobs.append((f.last, self.weights.lm_head, f.logits, r, True))
         return jobs

@@ -9,6 +9,8 @@ Step (T tokens, S sequences; delta = the output of the last projection, added la
     per layer:  add_rmsnorm(resid += delta) -> hid;  qkv = hid Wqkv^T;  rope/qk-norm/KV write -> q
                 attention(q, paged KV) -> attn;  delta = attn Wo^T;  add_rmsnorm(resid += delta) -> hid
                 gate_up = hid Wgu^T;  act = swiglu(gate_up);  delta = act Wdown^T
+                (MoE layers: delta = the routed experts of hid, blink/gpu/moe_launch.py; MoE models
+                take no GEMV fusions, their layers hand the MLP's output on as delta)
     final_norm_gather(resid + delta at each sequence's last token) -> last [S, H]
     logits = last Wlm^T (fp32);  sample -> out_tokens;  signal_done (st.release of *step_seq)
 Buffers are sized for the largest shape and shared by all graphs: one step runs at a time.
@@ -42,6 +44,7 @@ from blink.gpu.attention_launch import (
 )
 from blink.gpu.cuda_api import Cublas, Driver
 from blink.gpu.kernels import Kernels
+from blink.gpu.moe_launch import MoeLaunches
 from blink.gpu.step_arena import Dims, StepArena
 from blink.gpu.weights import GpuWeights
 from blink.models.config import ModelConfig, rope_inv_freq
@@ -158,6 +161,7 @@ class Forward(AttentionLaunches):
             smem = self.gemv_smem("norm_rope", nt, c.hidden_size)
             if smem <= GEMV_NORM_SMEM_MAX:
                 driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
+        self.moe = MoeLaunches(c, dims.max_tokens, driver, kernels) if c.is_moe else None
         self.gemv_fusion: frozenset[str] = frozenset()
         self.gemv_max_tokens = 1
 
@@ -173,7 +177,7 @@ class Forward(AttentionLaunches):
 
     def fusions_for(self, T: int) -> frozenset[str]:
         """The fusions a step of T tokens gets: none unless its projections run on the GEMV."""
-        if not self.uses_gemv(T):
+        if not self.uses_gemv(T) or self.moe is not None:  # MoE layers take the unfused path's delta
             return frozenset()
         out = set(self.gemv_fusion)
         if self.gemv_smem("norm", T, self.c.hidden_size) > GEMV_NORM_SMEM_MAX:
@@ -344,6 +348,12 @@ class Forward(AttentionLaunches):
                     "add_rmsnorm", (T, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=self.delta,
                     w=lw.mlp_norm, **norm,
                 )  # fmt: skip
+                if lw.router is not None:  # MoE layer (no fusions: fusions_for); its output is delta
+                    self.moe.record(  # type: ignore[union-attr]
+                        self, stream, T, self.hid, lw.router, lw.experts_gate_up, lw.experts_down,
+                        self.delta, nt,
+                    )  # fmt: skip
+                    continue
                 if fuse_swiglu:
                     self.fused_linear("swiglu", self.hid, lw.gate_up, self.act, T, stream)
                 else:

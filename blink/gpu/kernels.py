@@ -26,7 +26,7 @@ from blink.gpu import build as B
 from blink.gpu.cuda_api import Driver
 
 CSRC = B.CSRC
-SOURCES = ("model_kernels.cu", "attention.cu", "prefill_attention.cu", "flash_decode.cu", "sampling.cu")
+SOURCES = ("model_kernels.cu", "attention.cu", "prefill_attention.cu", "flash_decode.cu", "sampling.cu", "moe.cu")
 HEADERS = ("common.cuh",)
 UNITS = {s: B.Unit(s, HEADERS) for s in SOURCES}
 PARAM_SOURCES = (*SOURCES, "scheduler.cu")  # every kernel Python launches: the engine's and the scheduler's

@@ -5,6 +5,9 @@ Per layer (H hidden, I intermediate, hd head_dim, nq/nkv heads, shapes (out, in)
     attn_norm (H,)  qkv (nq*hd + 2*nkv*hd, H) = [q_proj; k_proj; v_proj]  q_norm, k_norm (hd,)
     qkv_bias (nq*hd + 2*nkv*hd,) = [q; k; v] projection biases (qwen2)
     o (H, nq*hd)  mlp_norm (H,)  gate_up (2*I, H) = [gate_proj; up_proj]  down (H, I)
+MoE layers (qwen3_moe; E experts of intermediate size Im) instead of gate_up and down:
+    router (E, H)  experts_gate_up (E, 2*Im, H) = [gate_proj; up_proj] per expert  experts_down (E, H, Im)
+    (transformers 5's Qwen3MoeExperts layout: each expert's rows contiguous, what blink/gpu/csrc/moe.cu streams)
 Sources: HF-named float32 host dicts (blink.models.weights loaders: GGUF dequantised, HF
 safetensors) rounded to bf16, or random weights generated on the GPU by a counter-based kernel
 (an 8B model in seconds, no host copy).
@@ -41,9 +44,12 @@ class LayerWeights:
     k_norm: object | None
     o: object
     mlp_norm: object
-    gate_up: object
-    down: object
+    gate_up: object | None  # None in MoE layers
+    down: object | None
     qkv_bias: object | None = None  # (nq*hd + 2*nkv*hd,) = [q; k; v] biases (qwen2)
+    router: object | None = None  # (E, H)  MoE layers only
+    experts_gate_up: object | None = None  # (E, 2*Im, H)
+    experts_down: object | None = None  # (E, H, Im)
 
 
 class GpuWeights:
@@ -74,10 +80,26 @@ class GpuWeights:
         gathered rows are read) unless it doubles as the LM head."""
         return self.nbytes - (0 if self.lm_head is self.embed else int(self.embed.nbytes))  # type: ignore[attr-defined]
 
+    def active_bytes_per_step(self, experts_read: int | None = None) -> int:
+        """bytes_per_step with each MoE layer counting only `experts_read` of its experts (default
+        num_experts_per_tok: what a batch-1 decode step reads); equal to it for dense models."""
+        c = self.config
+        n = c.num_experts_per_tok if experts_read is None else experts_read
+        unread = 0
+        for lw in self.layers:
+            if lw.router is not None:
+                per = (int(lw.experts_gate_up.nbytes) + int(lw.experts_down.nbytes)) // c.num_experts  # type: ignore[attr-defined]
+                unread += (c.num_experts - n) * per
+        return self.bytes_per_step - unread
+
     @staticmethod
     def shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         h, i = c.hidden_size, c.intermediate_size
+        E, im = c.num_experts, c.moe_intermediate_size
         return {
+            "router": (E, h),
+            "experts_gate_up": (E, 2 * im, h),
+            "experts_down": (E, h, im),
             "attn_norm": (h,),
             "qkv": (c.q_size + 2 * c.kv_size, h),
             "qkv_bias": (c.q_size + 2 * c.kv_size,),
@@ -97,6 +119,23 @@ class GpuWeights:
         def up(a: np.ndarray) -> object:
             return cp.asarray(f32_to_bf16_bits(a))
 
+        def experts(li: int, p: str) -> dict[str, object]:
+            """A MoE layer's router and experts, uploaded expert by expert (no host copy of the stack)."""
+            if not config.layer_is_moe(li):
+                return {
+                    "gate_up": up(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], 0)),
+                    "down": up(w[p + "mlp.down_proj.weight"]),
+                }
+            sh = cls.shapes(config)
+            gu = cp.empty(sh["experts_gate_up"], dtype=cp.uint16)
+            dn = cp.empty(sh["experts_down"], dtype=cp.uint16)
+            for e in range(config.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                gu[e] = up(np.concatenate([w[x + "gate_proj.weight"], w[x + "up_proj.weight"]], axis=0))
+                dn[e] = up(w[x + "down_proj.weight"])
+            return {"gate_up": None, "down": None, "router": up(w[p + "mlp.gate.weight"]),
+                    "experts_gate_up": gu, "experts_down": dn}  # fmt: skip
+
         layers = []
         for li in range(config.num_layers):
             p = f"model.layers.{li}."
@@ -108,11 +147,10 @@ class GpuWeights:
                     k_norm=up(w[p + "self_attn.k_norm.weight"]) if config.qk_norm else None,
                     o=up(w[p + "self_attn.o_proj.weight"]),
                     mlp_norm=up(w[p + "post_attention_layernorm.weight"]),
-                    gate_up=up(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)),
-                    down=up(w[p + "mlp.down_proj.weight"]),
                     qkv_bias=up(np.concatenate([w[p + f"self_attn.{x}_proj.bias"] for x in "qkv"]))
                     if config.attn_bias
                     else None,
+                    **experts(li, p),  # type: ignore[arg-type]
                 )
             )
         embed = up(w["model.embed_tokens.weight"])
@@ -147,6 +185,19 @@ class GpuWeights:
             return a
 
         c, sh = config, cls.shapes(config)
+
+        def mlp(li: int, p: str) -> dict[str, object]:
+            if not c.layer_is_moe(li):
+                return {
+                    "gate_up": rnd(p + "gate_up", sh["gate_up"], c.hidden_size**-0.5),
+                    "down": rnd(p + "down", sh["down"], c.intermediate_size**-0.5),
+                }
+            # Router logits of std ~2 (a peaked but not degenerate top-k), experts as dense MLPs.
+            return {"gate_up": None, "down": None,
+                    "router": rnd(p + "router", sh["router"], 2.0 * c.hidden_size**-0.5),
+                    "experts_gate_up": rnd(p + "experts_gate_up", sh["experts_gate_up"], c.hidden_size**-0.5),
+                    "experts_down": rnd(p + "experts_down", sh["experts_down"], c.moe_intermediate_size**-0.5)}  # fmt: skip
+
         layers = []
         for li in range(c.num_layers):
             p = f"L{li}."
@@ -158,9 +209,8 @@ class GpuWeights:
                     k_norm=rnd(p + "k_norm", sh["k_norm"], 0.1 / 3**0.5, 1.0) if c.qk_norm else None,
                     o=rnd(p + "o", sh["o"], c.q_size**-0.5),
                     mlp_norm=rnd(p + "mlp_norm", sh["mlp_norm"], 0.1 / 3**0.5, 1.0),
-                    gate_up=rnd(p + "gate_up", sh["gate_up"], c.hidden_size**-0.5),
-                    down=rnd(p + "down", sh["down"], c.intermediate_size**-0.5),
                     qkv_bias=rnd(p + "qkv_bias", sh["qkv_bias"], 0.5) if c.attn_bias else None,
+                    **mlp(li, p),  # type: ignore[arg-type]
                 )
             )
         embed = rnd("embed", (c.vocab_size, c.hidden_size), 1.0)
@@ -195,6 +245,15 @@ class GpuWeights:
                 yield p + "self_attn.k_norm.weight", lw.k_norm
             yield p + "self_attn.o_proj.weight", lw.o
             yield p + "post_attention_layernorm.weight", lw.mlp_norm
+            if lw.router is not None:
+                yield p + "mlp.gate.weight", lw.router
+                im = c.moe_intermediate_size
+                for e in range(c.num_experts):
+                    x = f"{p}mlp.experts.{e}."
+                    yield x + "gate_proj.weight", lw.experts_gate_up[e, :im]  # type: ignore[index]
+                    yield x + "up_proj.weight", lw.experts_gate_up[e, im:]  # type: ignore[index]
+                    yield x + "down_proj.weight", lw.experts_down[e]  # type: ignore[index]
+                continue
             i = c.intermediate_size
             yield p + "mlp.gate_proj.weight", lw.gate_up[:i]
             yield p + "mlp.up_proj.weight", lw.gate_up[i:]

@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-from blink.models.config import PRESET_NAMES, ModelConfig, UnsupportedModelError, preset
+from blink.models.config import PRESET_NAMES, ModelConfig, UnsupportedModelError, preset  # noqa: F401 (the CLI catches registry.UnsupportedModelError)
 from blink.models.progress import ProgressFn, make_progress
 from blink.models.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
 from blink.models.weights import Weights, load_gguf, load_hf_dir, random_weights
@@ -189,18 +189,6 @@ def model_config(spec: str | os.PathLike[str] | None) -> ModelConfig | None:
     from blink.models.config import from_hf_config
 
     return from_hf_config(json.loads((p / "config.json").read_text()), name=p.name)
-
-
-def check_device(spec: str | os.PathLike[str] | None, kind: str) -> None:
-    """Refuse, before anything starts, a model the device `kind` ("cuda" | "emulated") cannot run."""
-    if kind != "cuda":
-        return
-    config = model_config(spec)
-    if config is not None and config.is_moe:
-        raise UnsupportedModelError(
-            f"model {config.name} is a mixture of experts ({config.arch}): it runs on --device emulated only; "
-            "the CUDA device's MoE kernels are not written"
-        )
 
 
 def resolve_model(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from conformance.rig import DEVICE_FIELDS, DEVICE_NAME, TINY, TINY_MOE, TRANSPORTS, Rig, RigSpec, open_rig
+from conformance.rig import DEVICE_NAME, TINY, TINY_MOE, TRANSPORTS, Rig, RigSpec, open_rig
 
 from blink.protocol.layout import DeviceStatus
 
@@ -26,8 +26,6 @@ RIG_CASES = [(t, TINY) for t in TRANSPORTS] + [("shm", TINY_MOE)]
 def rig(request) -> Iterator[Rig]:
     """The shared device of a test module (tiny model). Every test must leave it clean."""
     transport, model = request.param
-    if model == TINY_MOE and DEVICE_FIELDS.get("kind") == "cuda":
-        pytest.skip("the CUDA device does not run MoE models (its MoE kernels are not written)")
     yield from open_rig(RigSpec(model=model), transport)
 
 

@@ -87,6 +87,17 @@ def hf_model(cfg: ModelConfig, eng):
     elif cfg.arch == "phi3":
         hf_cfg = transformers.Phi3Config(**common, pad_token_id=0)
         cls = transformers.Phi3ForCausalLM
+    elif cfg.arch == "qwen3_moe":
+        hf_cfg = transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+        )
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         hf_cfg = transformers.Qwen3Config(**common)
         cls = transformers.Qwen3ForCausalLM
@@ -108,6 +119,16 @@ def hf_model(cfg: ModelConfig, eng):
             ours[m + "gate_up_proj.weight"] = torch.cat(
                 [ours.pop(m + "gate_proj.weight"), ours.pop(m + "up_proj.weight")]
             )
+    if cfg.arch == "qwen3_moe" and any(k.endswith("mlp.experts.gate_up_proj") for k in sd):
+        # transformers >= 5 holds each layer's experts as two 3-D tensors, our own layout
+        bf = lambda a: torch.from_dlpack(a.view(cp.int16)).view(torch.bfloat16)  # noqa: E731
+        for i, lw in enumerate(eng.weights.layers):
+            if lw.router is None:
+                continue
+            m = f"model.layers.{i}.mlp.experts."
+            for name in [n for n in ours if n.startswith(m)]:
+                del ours[name]
+            ours[m + "gate_up_proj"], ours[m + "down_proj"] = bf(lw.experts_gate_up), bf(lw.experts_down)
     with torch.no_grad():
         for name, src in ours.items():
             assert sd[name].shape == src.shape, name

@@ -1,0 +1,119 @@
+"""Decode step time of Qwen3-30B-A3B on the CUDA engine (all 48 layers, random bf16 weights, context
+1024) as a fraction of this GPU's copy bandwidth, counting only the bytes a step reads: attention,
+router, the experts the step's tokens picked (k = 8 per layer at batch 1), final norm and LM head
+(the embedding's gathered rows are not counted, as bench/decode.py does not count them), and the
+K/V of every sequence's context.
+
+    python bench/moe_decode.py --out bench/results/moe_decode_h200.json [--batches 1,8,32] [--layers 48]
+
+Experts read at batch b > 1: the distinct experts of the last MoE layer in the timed step
+(expert_cnt on the device after the step), taken for every layer. The per-category breakdown at
+batch 1 times each kernel category's launches as a graph of their own ("moe": route, align, the two
+expert GEMVs and the combine; the router projection is in "gemm").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+from benchutil import CATEGORIES, category_times, copy_bandwidth, load_synthetic, metadata, time_ms, write_json
+
+from blink.gpu.engine import Engine, EngineConfig
+from blink.models.config import preset
+
+
+def experts_hit(eng: Engine) -> int:
+    """Distinct experts of the last MoE layer in the last step."""
+    eng.stream.synchronize()  # type: ignore[attr-defined]
+    return int((eng.fwd.moe.expert_cnt.get() > 0).sum())  # type: ignore[union-attr]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=0, help="0 = the preset's")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--breakdown", default="1", help="batches whose kernel categories are timed one by one")
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--out", default="bench/results/moe_decode.json")
+    a = ap.parse_args(argv)
+    cfg = preset(a.model)
+    if a.layers:
+        cfg = cfg.replace(num_layers=a.layers)
+    if not cfg.is_moe:
+        raise SystemExit(f"{cfg.name} is not a mixture of experts (bench/decode.py times dense models)")
+    batches = [int(x) for x in a.batches.split(",")]
+    bmax, ctx, bs = max(batches), a.context, 16
+    per_seq = -(-ctx // bs) + 1
+    ecfg = EngineConfig(
+        max_seqs=bmax,
+        max_tokens=bmax,
+        max_context=ctx + bs * 2,
+        block_size=bs,
+        num_kv_blocks=bmax * per_seq,
+        batch_buckets=tuple(batches),
+        token_buckets=(bmax,),
+    )
+    eng = Engine.create(cfg, ecfg)
+    rep = eng.capture(decode=True, prefill=False)
+    bw = copy_bandwidth()
+    kv_per_token = cfg.num_layers * 2 * cfg.kv_size * 2
+    rng = np.random.default_rng(0)
+    rows, breakdown = [], {}
+    for b in batches:
+        load_synthetic(eng, b, 1, ctx, rng)
+        ms = time_ms(lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s), eng.stream, iters=a.iters)
+        hit = experts_hit(eng)
+        moved = eng.weights.active_bytes_per_step(hit) + b * ctx * kv_per_token
+        rows.append(
+            {
+                "batch": b,
+                "ms_per_step": ms,
+                "tokens_per_s": b / ms * 1e3,
+                "experts_read_per_layer": hit,
+                "bytes_per_step": moved,
+                "GBps": moved / ms / 1e6,
+                "frac_of_copy_bw": moved / ms / 1e6 / bw["read_plus_write_GBps"],
+            }
+        )
+        if str(b) in a.breakdown.split(","):
+            breakdown[str(b)] = category_times(eng, b, b, True, [c for c in CATEGORIES if c != "swiglu"], a.iters)
+    res = {
+        **metadata(a.commit, argv if argv is not None else sys.argv),
+        "model": cfg.name,
+        "layers": cfg.num_layers,
+        "context": ctx,
+        "all_weight_bytes": eng.weights.nbytes,
+        "active_weight_bytes_batch1": eng.weights.active_bytes_per_step(),
+        "copy_bandwidth": bw,
+        "capture": {"graphs": rep.graphs, "seconds": rep.seconds, "decode_graph_nodes_max": rep.nodes_decode_max},
+        "rows": rows,
+        "breakdown_ms": breakdown,
+    }
+    write_json(a.out, res)
+    print(
+        f"\n{cfg.name} x{cfg.num_layers} layers: weights {eng.weights.nbytes / 1e9:.1f} GB, read at batch 1 "
+        f"{eng.weights.active_bytes_per_step() / 1e9:.2f} GB; copy bandwidth {bw['read_plus_write_GBps']:.0f} GB/s"
+    )
+    print(f"{'batch':>5} {'ms/step':>8} {'tok/s':>9} {'experts':>7} {'GB/step':>8} {'GB/s':>7} {'of copy':>7}")
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['ms_per_step']:8.3f} {r['tokens_per_s']:9.0f} {r['experts_read_per_layer']:>7} "
+            f"{r['bytes_per_step'] / 1e9:8.2f} {r['GBps']:7.0f} {r['frac_of_copy_bw']:7.1%}"
+        )
+    for b, parts in breakdown.items():
+        print(
+            f"batch {b} by kernel category (ms): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+            + f"; sum {sum(parts.values()):.3f}"
+        )
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

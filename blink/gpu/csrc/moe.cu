@@ -1,0 +1,271 @@
+// Mixture-of-experts layer (Qwen3-MoE): router top-k, token -> expert permutation, grouped expert
+// GEMMs and the weighted combine, all sized on the device so a captured graph serves any routing.
+//
+// One MoE layer of a step of T live tokens (*num_tokens), E experts, k picked per token, H hidden,
+// I the expert's intermediate size; a "pair" is (token t, slot j), index p = t*k + j:
+//
+//   logits  [T, E] fp32      router GEMM output (cuBLAS / GEMV, as every other projection)
+//   moe_route        -> ids [T*k] int32, w [T*k] fp32: softmax over the bf16-rounded logits in fp32,
+//                       the k largest in descending order, renormalised to sum 1 when norm_topk_prob,
+//                       rounded to bf16 (transformers' Qwen3MoeTopKRouter, step for step)
+//   moe_align        -> per expert its pair count cnt[e] and its first row off[e] in the sorted order,
+//                       each expert's segment padded to a multiple of TILE_M rows (vLLM's
+//                       moe_align_block_size); off[E] = rows in use; sorted[row] = pair; pos[pair] = row
+//   moe_gate_up_m*   -> act [rows, I] bf16 = swiglu(x[token(row)] @ W_gu[e]^T) for real rows
+//   moe_down_m*      -> y   [rows, H] bf16 = act[row] @ W_down[e]^T
+//   moe_combine      -> out [T, H] bf16 = sum_j bf16(y[pos[t*k+j]] * w[t*k+j]), j = 0..k-1 in order
+//
+// Worst-case sizing (the Python side, blink/gpu/moe_launch.py, allocates and launches with it): a
+// tile is TILE_M consecutive rows of one expert, and the tiles of a step number at most
+// min(T*k, (T*k + E*(TILE_M-1)) / TILE_M); the expert kernels' grid.y is that bound for the graph's
+// token bucket and a block whose first row is >= off[E] returns at once.
+//
+// The expert kernels are "tile GEMVs": a block stages its tile's (at most TILE_M) input rows in
+// shared memory, and each warp streams whole weight rows of its expert with 16-byte loads, one
+// weight row times every real row of the tile (fp32 accumulate, warp-shuffle reduction). So every
+// selected expert's weights are read once per tile: at decode (one row per tile) this is the
+// bandwidth-bound GEMV over the k experts. Rows past the tile's real count are neither computed
+// nor written. Within an expert, the row order of pairs depends on atomics, but each row's result
+// depends only on its own input row, and the combine sums a token's k slots in slot order: the
+// output is bit-identical whatever the batch composition.
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------- router
+// One warp per token; E <= 32 * ROUTE_MAX_PER_LANE.
+#define ROUTE_MAX_PER_LANE 8
+
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __restrict__ topk_ids,
+                                     float* __restrict__ topk_w, const uint32_t* __restrict__ num_tokens, int E,
+                                     int k, int norm_topk) {
+  const int lane = threadIdx.x & 31;
+  const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= (int)*num_tokens) return;
+  float v[ROUTE_MAX_PER_LANE];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+    const int e = i * 32 + lane;
+    v[i] = e < E ? rbf(logits[(size_t)t * E + e]) : -INFINITY;  // the router's bf16 output
+    mx = fmaxf(mx, v[i]);
+  }
+  mx = warp_max(mx);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+    v[i] = (i * 32 + lane) < E ? expf(v[i] - mx) : -1.f;  // -1: never picked (probabilities are >= 0)
+    s += v[i] > 0.f ? v[i] : 0.f;
+  }
+  s = warp_sum(s);
+  const float inv = 1.f / s;
+#pragma unroll
+  for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) v[i] = v[i] >= 0.f ? v[i] * inv : -1.f;
+  float picked_sum = 0.f, my_p = 0.f;
+  int my_id = 0;
+  for (int j = 0; j < k; ++j) {
+    float best = -2.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i)
+      if (v[i] > best) best = v[i], bi = i * 32 + lane;  // ascending e per lane: ties keep the lower index
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(FULL_MASK, best, o);
+      const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+      if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
+    }
+    picked_sum += best;  // same order in every lane
+    if (lane == j) my_p = best, my_id = bi;
+    if ((bi & 31) == lane) {
+#pragma unroll
+      for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i)
+        if (i == (bi >> 5)) v[i] = -1.f;
+    }
+  }
+  if (lane < k) {
+    const float w = norm_topk ? my_p / picked_sum : my_p;
+    topk_ids[(size_t)t * k + lane] = my_id;
+    topk_w[(size_t)t * k + lane] = rbf(w);  // transformers casts the routing weights to the model dtype
+  }
+}
+
+// ---------------------------------------------------------------------------------- permutation
+// One block of 1024 threads; E <= 1024. Counts by shared-memory atomics, padded exclusive scan,
+// then the scatter (each pair takes the next row of its expert's segment).
+template <int TM>
+__device__ __forceinline__ void moe_align_impl(const int* __restrict__ topk_ids, const uint32_t* __restrict__ num_tokens,
+                                               int k, int E, int* __restrict__ expert_off, int* __restrict__ expert_cnt,
+                                               int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+  __shared__ int cnt[1024];
+  __shared__ int cur[1024];
+  __shared__ int warp_tot[32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n = (int)*num_tokens * k;
+  for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < n; i += blockDim.x) atomicAdd(&cnt[topk_ids[i]], 1);
+  __syncthreads();
+  // Exclusive scan of the padded counts over E (one value per thread, blockDim.x >= E).
+  const int c = tid < E ? cnt[tid] : 0;
+  const int padded = (c + TM - 1) / TM * TM;
+  int incl = padded;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL_MASK, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) warp_tot[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int wt = warp_tot[lane];
+    int wi = wt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(FULL_MASK, wi, o);
+      if (lane >= o) wi += y;
+    }
+    warp_tot[lane] = wi - wt;  // exclusive prefix of the warps' totals
+  }
+  __syncthreads();
+  const int excl = warp_tot[warp] + incl - padded;
+  if (tid < E) {
+    cur[tid] = excl;
+    expert_off[tid] = excl;
+    expert_cnt[tid] = c;
+    if (tid == E - 1) expert_off[E] = excl + padded;
+  }
+  __syncthreads();
+  for (int i = tid; i < n; i += blockDim.x) {
+    const int r = atomicAdd(&cur[topk_ids[i]], 1);
+    sorted_pair[r] = i;
+    pair_pos[i] = r;
+  }
+}
+
+// --------------------------------------------------------------------------------- expert GEMVs
+// Block: 8 warps, each owning COLS consecutive output columns (BN = 8 * COLS per block); grid
+// (ceil(N / BN), max tiles). Dynamic shared memory: the tile's input rows, TM * K bf16.
+#define MOE_WARPS 8
+#define MOE_COLS 4
+
+// Expert e of the tile starting at row0: the last e with off[e] <= row0 (empty experts share their
+// successor's offset, so the last such e is the one whose segment holds row0).
+__device__ __forceinline__ int expert_of_row(const int* __restrict__ off, int E, int row0) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (off[mid] <= row0) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// SWIGLU: W is [E, 2N, K] = [gate; up] per expert and the output is swiglu (N columns);
+// otherwise W is [E, N, K]. gather: the tile's input row r is X[sorted[row0 + r] / k] (tokens);
+// else X[row0 + r] (the rows of the previous expert GEMM).
+template <int TM, bool SWIGLU>
+__device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, const int* __restrict__ sorted_pair,
+                                                const bf16* __restrict__ W, bf16* __restrict__ Y,
+                                                const int* __restrict__ expert_off,
+                                                const int* __restrict__ expert_cnt, int E, int k, int N, int K) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_raw);  // [TM, K]
+  const int row0 = blockIdx.y * TM;
+  if (row0 >= expert_off[E]) return;
+  const int e = expert_of_row(expert_off, E, row0);
+  const int nr = min(TM, expert_off[e] + expert_cnt[e] - row0);
+  if (nr <= 0) return;
+  const int kv = K / 8;
+  for (int i = threadIdx.x; i < nr * kv; i += blockDim.x) {
+    const int r = i / kv, v = i - r * kv;
+    const int src = sorted_pair ? sorted_pair[row0 + r] / k : row0 + r;
+    reinterpret_cast<bf16x8*>(xs + r * K)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)src * K)[v];
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bf16* We = W + (size_t)e * (SWIGLU ? 2 : 1) * N * K;
+  for (int ci = 0; ci < MOE_COLS; ++ci) {
+    const int col = (blockIdx.x * MOE_WARPS + warp) * MOE_COLS + ci;
+    if (col >= N) break;
+    const bf16* wa = We + (size_t)col * K;
+    const bf16* wb = We + (size_t)(col + N) * K;  // the up row (SWIGLU only)
+    float acc_a[TM], acc_b[TM];
+#pragma unroll
+    for (int r = 0; r < TM; ++r) acc_a[r] = acc_b[r] = 0.f;
+#pragma unroll 2
+    for (int v = lane; v < kv; v += 32) {
+      float a[8], b[8];
+      load8(wa + v * 8, a);
+      if (SWIGLU) load8(wb + v * 8, b);
+#pragma unroll
+      for (int r = 0; r < TM; ++r) {
+        if (r < nr) {
+          float x[8];
+          load8(xs + r * K + v * 8, x);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            acc_a[r] += a[i] * x[i];
+            if (SWIGLU) acc_b[r] += b[i] * x[i];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < TM; ++r) {
+      if (r < nr) {
+        const float ya = warp_sum(acc_a[r]);
+        if (SWIGLU) {
+          const float yb = warp_sum(acc_b[r]);
+          if (lane == 0) {
+            const float g = rbf(ya), u = rbf(yb);  // the gate_up GEMM's bf16 output
+            Y[(size_t)(row0 + r) * N + col] = tobf(rbf(g / (1.f + expf(-g))) * u);
+          }
+        } else if (lane == 0) {
+          Y[(size_t)(row0 + r) * N + col] = tobf(ya);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------- combine
+// Block per token: out[t] = sum over slots j in order of bf16(y[pos[t*k+j]] * w[t*k+j]) (fp32 sum).
+extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos,
+                                       const float* __restrict__ topk_w, bf16* __restrict__ out,
+                                       const uint32_t* __restrict__ num_tokens, int k, int H) {
+  const int t = blockIdx.x;
+  if (t >= (int)*num_tokens) return;
+  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < k; ++j) {
+      const int row = pair_pos[t * k + j];
+      const float w = topk_w[t * k + j];
+      float x[8];
+      load8(y + (size_t)row * H + v * 8, x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += rbf(x[i] * w);
+    }
+    bf16x8 o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.v[i] = tobf(acc[i]);
+    reinterpret_cast<bf16x8*>(out + (size_t)t * H)[v] = o;
+  }
+}
+
+// One set of kernels per tile height (the name carries it: Python launches moe_*_m<TILE_M>).
+#define MOE_KERNELS(TM)                                                                                          \
+  extern "C" __global__ void __launch_bounds__(1024) moe_align_m##TM(                                           \
+      const int* topk_ids, const uint32_t* num_tokens, int k, int E, int* expert_off, int* expert_cnt,          \
+      int* sorted_pair, int* pair_pos) {                                                                        \
+    moe_align_impl<TM>(topk_ids, num_tokens, k, E, expert_off, expert_cnt, sorted_pair, pair_pos);              \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_m##TM(                               \
+      const bf16* X, const int* sorted_pair, const bf16* W, bf16* Y, const int* expert_off,                     \
+      const int* expert_cnt, int E, int k, int N, int K) {                                                      \
+    moe_expert_impl<TM, true>(X, sorted_pair, W, Y, expert_off, expert_cnt, E, k, N, K);                        \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_m##TM(                                  \
+      const bf16* X, const bf16* W, bf16* Y, const int* expert_off, const int* expert_cnt, int E, int N,       \
+      int K) {                                                                                                   \
+    moe_expert_impl<TM, false>(X, nullptr, W, Y, expert_off, expert_cnt, E, 1, N, K);                           \
+  }
+
+MOE_KERNELS(16)

@@ -1,0 +1,131 @@
+"""The MoE layer's launches and buffers (kernels: blink/gpu/csrc/moe.cu, whose header describes the algorithm).
+
+Everything a step's routing decides (expert counts, offsets, which tile belongs to which expert)
+is computed on the device; the host only sizes buffers and grids for the worst case of a token
+bucket, so one captured graph serves every routing:
+
+    pairs    T*k                                   (token, slot) pairs of a step of T tokens
+    tiles    min(T*k, (T*k + E*(TILE_M-1)) // TILE_M)   upper bound of sum_e ceil(cnt_e / TILE_M):
+             each expert's segment is padded to TILE_M rows, and a used expert holds >= 1 pair
+    rows     tiles * TILE_M                         rows of the permuted activations
+
+`align_reference` is the permutation in numpy (the kernel's contract, for CPU tests).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blink.gpu.cuda_api import Driver
+from blink.gpu.kernels import Kernels
+from blink.models.config import ModelConfig
+
+TILE_M = 16  # rows per expert tile; the kernels are compiled per height: moe_*_m16 (moe.cu MOE_KERNELS)
+WARPS, COLS = 8, 4  # moe.cu MOE_WARPS, MOE_COLS: output columns per block = WARPS * COLS
+ROUTE_WARPS = 4  # tokens per moe_route block (a warp each)
+MAX_EXPERTS = 256  # moe_route: 32 lanes x ROUTE_MAX_PER_LANE; moe_align needs <= 1024
+MAX_TOPK = 32  # moe_route: slot j is kept by lane j
+
+
+def max_tiles(tokens: int, k: int, experts: int, tile_m: int = TILE_M) -> int:
+    """Upper bound of the expert tiles of a step of `tokens` tokens (the expert kernels' grid.y)."""
+    p = tokens * k
+    return min(p, (p + experts * (tile_m - 1)) // tile_m)
+
+
+def check_moe(c: ModelConfig) -> None:
+    """The compiled kernels' limits (raised at engine construction)."""
+    if c.num_experts > MAX_EXPERTS or c.num_experts_per_tok > MAX_TOPK:
+        raise ValueError(
+            f"MoE kernels take <= {MAX_EXPERTS} experts and top-k <= {MAX_TOPK} "
+            f"(got {c.num_experts}, {c.num_experts_per_tok})"
+        )
+    if c.moe_intermediate_size % 8 or c.hidden_size % 8:
+        raise ValueError("moe_intermediate_size and hidden_size must be multiples of 8 (16-byte vectors)")
+
+
+def align_reference(topk_ids: np.ndarray, experts: int, tile_m: int = TILE_M) -> dict[str, np.ndarray]:
+    """moe_align in numpy: topk_ids (T, k) -> cnt (E,), off (E+1,) padded, sorted_pair (off[E],)
+    with -1 in padding rows, pair_pos (T*k,) (pairs in ascending order within an expert; the
+    kernel's order within an expert is arbitrary)."""
+    flat = np.asarray(topk_ids, dtype=np.int64).ravel()
+    cnt = np.bincount(flat, minlength=experts)
+    padded = -(-cnt // tile_m) * tile_m
+    off = np.concatenate([[0], np.cumsum(padded)])
+    sorted_pair = np.full(int(off[-1]), -1, np.int64)
+    pair_pos = np.empty(flat.size, np.int64)
+    order = np.argsort(flat, kind="stable")
+    first = np.searchsorted(flat[order], np.arange(experts))
+    for rank, p in enumerate(order):
+        e = flat[p]
+        row = off[e] + rank - first[e]
+        sorted_pair[row] = p
+        pair_pos[p] = row
+    return {"cnt": cnt, "off": off, "sorted_pair": sorted_pair, "pair_pos": pair_pos}
+
+
+class MoeLaunches:
+    """Buffers for `max_tokens` and the launches of one MoE layer (Forward.record calls `record`)."""
+
+    def __init__(self, c: ModelConfig, max_tokens: int, driver: Driver, kernels: Kernels) -> None:
+        import cupy as cp
+
+        check_moe(c)
+        self.c = c
+        E, k, H, inter = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+        rows = max_tiles(max_tokens, k, E) * TILE_M
+        z = lambda *shape, dt=cp.uint16: cp.zeros(shape, dtype=dt)  # noqa: E731
+        self.logits = z(max_tokens, E, dt=cp.float32)  # router output
+        self.topk_ids = z(max_tokens * k, dt=cp.int32)
+        self.topk_w = z(max_tokens * k, dt=cp.float32)
+        self.expert_off = z(E + 1, dt=cp.int32)
+        self.expert_cnt = z(E, dt=cp.int32)
+        self.sorted_pair = z(rows, dt=cp.int32)
+        self.pair_pos = z(max_tokens * k, dt=cp.int32)
+        self.act = z(rows, inter)  # swiglu of the permuted rows
+        self.y = z(rows, H)  # expert outputs, permuted rows
+        for name, K in ((f"moe_gate_up_m{TILE_M}", H), (f"moe_down_m{TILE_M}", inter)):
+            driver.set_max_dynamic_smem(kernels[name], TILE_M * K * 2)
+
+    @staticmethod
+    def device_bytes(c: ModelConfig, max_tokens: int) -> int:
+        """What the buffers take (the engine's KV pool sizing leaves room for it)."""
+        E, k = c.num_experts, c.num_experts_per_tok
+        rows = max_tiles(max_tokens, k, E) * TILE_M
+        return (
+            max_tokens * (4 * E + 12 * k)
+            + 4 * (2 * E + 1 + rows)
+            + 2 * rows * (c.moe_intermediate_size + c.hidden_size)
+        )
+
+    def record(self, fwd, stream: int, T: int, hid: object, router: object, gate_up: object, down: object,
+               out: object, num_tokens: int) -> None:  # fmt: skip
+        """One MoE layer over hid [T, H] (normed) into out [T, H], launched through the Forward `fwd`
+        (its _launch and linear: the router GEMM goes where every other projection goes, cuBLAS or
+        the GEMV, and the benchmarks' launch filters see every MoE launch)."""
+        c = self.c
+        E, k, H, inter = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+        fwd.linear(hid, router, self.logits, T, stream, out_f32=True)
+        fwd._launch(
+            "moe_route", (-(-T // ROUTE_WARPS), 1, 1), (32 * ROUTE_WARPS, 1, 1), stream, logits=self.logits,
+            topk_ids=self.topk_ids, topk_w=self.topk_w, num_tokens=num_tokens, E=E, k=k, norm_topk=int(c.norm_topk_prob),
+        )  # fmt: skip
+        fwd._launch(
+            f"moe_align_m{TILE_M}", (1, 1, 1), (1024, 1, 1), stream, topk_ids=self.topk_ids, num_tokens=num_tokens,
+            k=k, E=E, expert_off=self.expert_off, expert_cnt=self.expert_cnt, sorted_pair=self.sorted_pair,
+            pair_pos=self.pair_pos,
+        )  # fmt: skip
+        tiles, bn = max_tiles(T, k, E), WARPS * COLS
+        fwd._launch(
+            f"moe_gate_up_m{TILE_M}", (-(-inter // bn), tiles, 1), (32 * WARPS, 1, 1), stream, TILE_M * H * 2,
+            X=hid, sorted_pair=self.sorted_pair, W=gate_up, Y=self.act, expert_off=self.expert_off,
+            expert_cnt=self.expert_cnt, E=E, k=k, N=inter, K=H,
+        )  # fmt: skip
+        fwd._launch(
+            f"moe_down_m{TILE_M}", (-(-H // bn), tiles, 1), (32 * WARPS, 1, 1), stream, TILE_M * inter * 2,
+            X=self.act, W=down, Y=self.y, expert_off=self.expert_off, expert_cnt=self.expert_cnt, E=E, N=H, K=inter,
+        )  # fmt: skip
+        fwd._launch(
+            "moe_combine", (T, 1, 1), (128, 1, 1), stream, y=self.y, pair_pos=self.pair_pos, topk_w=self.topk_w,
+            out=out, num_tokens=num_tokens, k=k, H=H,
+        )  # fmt: skip

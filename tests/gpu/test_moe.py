@@ -1,0 +1,285 @@
+"""The CUDA MoE layer (blink/gpu/csrc/moe.cu via blink/gpu/moe_launch.py) kernel by kernel against
+numpy on the same bf16 inputs, then through the engine: the tiny MoE preset against the numpy
+executor (prefill, decode, mixed steps), and Qwen3-30B-A3B's real layer shapes (random weights, a
+few layers) against transformers' Qwen3MoeForCausalLM. Each check prints its maximum differences
+and the first differing token, so a failure can be read from the log alone."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from blink.gpu.moe_launch import align_reference, max_tiles
+from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
+from blink.models.config import preset
+
+pytestmark = pytest.mark.gpu
+
+
+def _rbf(a: np.ndarray) -> np.ndarray:
+    return bf16_bits_to_f32(f32_to_bf16_bits(a))
+
+
+class _Rig:
+    """The MoE launches of one layer on a live GPU, outside any graph: MoeLaunches with a stand-in
+    Forward whose linear is a CuPy fp32 GEMM of the bf16 bits (the router's logits)."""
+
+    def __init__(self, cfg, max_tokens: int, seed: int = 0) -> None:
+        import cupy as cp
+
+        from blink.gpu.cuda_api import Driver
+        from blink.gpu.kernels import DEFAULT_CACHE, Kernels
+        from blink.gpu.moe_launch import MoeLaunches
+
+        cp.cuda.Device().use()
+        cp.zeros(1)
+        self.cfg = cfg
+        self.drv = Driver()
+        self.k = Kernels(self.drv, DEFAULT_CACHE)
+        self.moe = MoeLaunches(cfg, max_tokens, self.drv, self.k)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        rng = np.random.default_rng(seed)
+        E, H, im = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        u = lambda *s, sc: _rbf(rng.uniform(-sc, sc, s).astype(np.float32))  # noqa: E731
+        self.router = u(E, H, sc=2.0 * (3 / H) ** 0.5)
+        self.gu = u(E, 2 * im, H, sc=(3 / H) ** 0.5)
+        self.down = u(E, H, im, sc=(3 / im) ** 0.5)
+        up = lambda a: cp.asarray(f32_to_bf16_bits(a))  # noqa: E731
+        self.d_router, self.d_gu, self.d_down = up(self.router), up(self.gu), up(self.down)
+        self.num_tokens = cp.zeros(1, cp.uint32)
+        self.out = cp.zeros((max_tokens, H), cp.uint16)
+        self.fwd = SimpleNamespace(_launch=self._launch, linear=self._linear)
+
+    def _launch(self, name, grid, block, stream, smem=0, **args) -> None:
+        self.drv.launch(self.k[name], grid, block, self.k.args(name, args), stream, smem, name)
+
+    def _linear(self, x, w, y, rows, stream, out_f32=False) -> None:
+        """Router logits in float64 on the host, row by row the same whatever the batch (cuBLAS picks
+        other kernels for other row counts: the batch-invariance test is about the MoE kernels)."""
+        import cupy as cp
+
+        xh = bf16_bits_to_f32(cp.asnumpy(x[:rows])).astype(np.float64)
+        wh = bf16_bits_to_f32(cp.asnumpy(w)).astype(np.float64)
+        y[:rows] = cp.asarray((xh @ wh.T).astype(np.float32))
+        cp.cuda.Device().synchronize()
+
+    def run(self, h: np.ndarray, bucket: int) -> dict[str, np.ndarray]:
+        """The layer over h [T, H] (bf16-exact) in a graph-sized bucket; every intermediate buffer back."""
+        import cupy as cp
+
+        T = h.shape[0]
+        m = self.moe
+        x = cp.zeros((bucket, self.cfg.hidden_size), cp.uint16)
+        x[:T] = cp.asarray(f32_to_bf16_bits(h))
+        self.num_tokens[0] = T
+        cp.cuda.Device().synchronize()
+        m.record(self.fwd, int(self.stream.ptr), bucket, x, self.d_router, self.d_gu, self.d_down, self.out,
+                 int(self.num_tokens.data.ptr))  # fmt: skip
+        self.stream.synchronize()
+        k = self.cfg.num_experts_per_tok
+        get = lambda a, n: cp.asnumpy(a[:n])  # noqa: E731
+        off = get(m.expert_off, self.cfg.num_experts + 1)
+        rows = int(off[-1])
+        return {
+            "logits": get(m.logits, T),
+            "ids": get(m.topk_ids, T * k).reshape(T, k),
+            "w": get(m.topk_w, T * k).reshape(T, k),
+            "off": off,
+            "cnt": get(m.expert_cnt, self.cfg.num_experts),
+            "sorted": get(m.sorted_pair, rows),
+            "pos": get(m.pair_pos, T * k),
+            "act": bf16_bits_to_f32(get(m.act, rows)),
+            "y": bf16_bits_to_f32(get(m.y, rows)),
+            "out": bf16_bits_to_f32(get(self.out, T)),
+        }
+
+
+def _check_layer(rig: _Rig, h: np.ndarray, bucket: int) -> dict[str, np.ndarray]:
+    """Every kernel's output against numpy on that kernel's own inputs; prints the differences."""
+    c = rig.cfg
+    k, E, im = c.num_experts_per_tok, c.num_experts, c.moe_intermediate_size
+    T = h.shape[0]
+    g = rig.run(h, bucket)
+    tag = f"[{c.name} T={T} bucket={bucket}]"
+    # moe_route: on the kernel's own logits (the GEMM is CuPy's), rounded to bf16 as transformers' router output
+    lg = _rbf(g["logits"]).astype(np.float64)
+    p = np.exp(lg - lg.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    top = np.take_along_axis(p, g["ids"], 1)
+    ranks = np.sort(p, 1)[:, ::-1][:, :k]
+    bad = ~np.isclose(top, ranks, rtol=1e-5, atol=1e-7)
+    print(f"{tag} moe_route: picked-prob mismatches {int(bad.sum())}, first at {np.argwhere(bad)[:1].tolist()}")
+    assert not bad.any(), "moe_route: the picked experts are not the top-k (in descending order)"
+    assert all(len(set(r)) == k for r in g["ids"].tolist()), "moe_route: an expert picked twice"
+    wref = top / top.sum(1, keepdims=True) if c.norm_topk_prob else top
+    werr = float(np.abs(g["w"] - wref).max())
+    print(f"{tag} moe_route: routing weights max abs diff {werr:.2e}")
+    assert werr < 8e-3  # bf16 rounding of a weight <= 1
+    # moe_align
+    ref = align_reference(g["ids"], E)
+    print(
+        f"{tag} moe_align: rows {int(g['off'][-1])} (ref {int(ref['off'][-1])}), tiles bound {max_tiles(bucket, k, E)}"
+    )
+    np.testing.assert_array_equal(g["cnt"], ref["cnt"], err_msg="moe_align counts")
+    np.testing.assert_array_equal(g["off"], ref["off"], err_msg="moe_align padded offsets")
+    for e in np.flatnonzero(ref["cnt"]):
+        a, n = int(ref["off"][e]), int(ref["cnt"][e])
+        assert sorted(g["sorted"][a : a + n].tolist()) == np.flatnonzero(g["ids"].ravel() == e).tolist(), (
+            f"moe_align: expert {e}'s segment"
+        )
+    assert (g["sorted"][g["pos"]] == np.arange(T * k)).all(), "moe_align: pair_pos is not sorted_pair's inverse"
+    # moe_gate_up (each real row from its own token), moe_down (from the kernel's act), moe_combine (from its y)
+    rows_e = np.searchsorted(g["off"], np.arange(int(g["off"][-1])), side="right") - 1
+    real = np.zeros(int(g["off"][-1]), bool)
+    for e in range(E):
+        real[g["off"][e] : g["off"][e] + g["cnt"][e]] = True
+    err_act = err_y = 0.0
+    for r in np.flatnonzero(real):
+        e, t = rows_e[r], g["sorted"][r] // k
+        gu = _rbf(rig.gu[e] @ h[t])
+        gate, upv = gu[:im], gu[im:]
+        act = _rbf(_rbf(gate / (1 + np.exp(-gate))) * upv)
+        err_act = max(err_act, float(np.abs(g["act"][r] - act).max() / (np.abs(act).max() + 1e-6)))
+        y = rig.down[e] @ g["act"][r]
+        err_y = max(err_y, float(np.abs(g["y"][r] - y).max() / (np.abs(y).max() + 1e-6)))
+    print(f"{tag} moe_gate_up: max rel diff {err_act:.2e}; moe_down: max rel diff {err_y:.2e}")
+    assert err_act < 1e-2 and err_y < 1e-2
+    comb = np.zeros((T, c.hidden_size), np.float64)
+    for j in range(k):
+        comb += _rbf(g["y"][g["pos"].reshape(T, k)[:, j]] * g["w"][:, j : j + 1])
+    err_c = float(np.abs(g["out"] - comb).max() / np.abs(comb).max())
+    print(f"{tag} moe_combine: max rel diff {err_c:.2e}")
+    assert err_c < 1e-2
+    return g
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("T,bucket", [(1, 1), (3, 4), (8, 8), (70, 128), (256, 256)])
+def test_moe_kernels_match_numpy(name: str, T: int, bucket: int):
+    cfg = preset(name)
+    rig = _Rig(cfg, 256, seed=T)
+    h = _rbf(np.random.default_rng(T).standard_normal((T, cfg.hidden_size)).astype(np.float32))
+    _check_layer(rig, h, bucket)
+
+
+def test_moe_rows_do_not_depend_on_the_batch():
+    """A token's MoE output is bit-identical alone, in a batch of 8 and among 200 other tokens (the
+    permutation's order within an expert is set by atomics; each row's result must not care)."""
+    cfg = preset("qwen3-30b-a3b")
+    rig = _Rig(cfg, 256, seed=1)
+    rng = np.random.default_rng(5)
+    h = _rbf(rng.standard_normal((201, cfg.hidden_size)).astype(np.float32))
+    alone = rig.run(h[:1], 1)["out"][0]
+    in8 = rig.run(h[:8], 8)["out"][0]
+    in201 = rig.run(h[::-1].copy(), 256)["out"][-1]
+    print(
+        f"batch invariance: max |alone - in 8| {np.abs(alone - in8).max():.3e}, |alone - in 201| {np.abs(alone - in201).max():.3e}"
+    )
+    np.testing.assert_array_equal(alone, in8)
+    np.testing.assert_array_equal(alone, in201)
+
+
+# ---------------------------------------------------------------------------------- the engine
+
+
+def _numpy_pair(cfg, seed: int, **ecfg_kw):
+    from blink.device.numpy_executor import NumpyExecutor
+    from blink.gpu.engine import Engine, EngineConfig
+    from blink.models.weights import random_weights
+
+    w = {k: _rbf(v) for k, v in random_weights(cfg, seed=seed).items()}
+    ecfg = EngineConfig(
+        max_seqs=4, max_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
+        token_buckets=(16, 128), progress=False, **ecfg_kw,
+    )  # fmt: skip
+    eng = Engine.create(cfg, ecfg, host_weights=w)
+    eng.capture()
+    ref = NumpyExecutor(cfg, w, num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
+    return eng, ref
+
+
+def _compare_step(tag: str, mine: np.ndarray, theirs: np.ndarray, tok: np.ndarray) -> float:
+    err = float(np.linalg.norm(mine - theirs) / np.linalg.norm(theirs))
+    am, at = np.argmax(mine, 1), np.argmax(theirs, 1)
+    diff = np.flatnonzero(am != at)
+    print(
+        f"{tag}: rel err {err:.2e}, max abs diff {np.abs(mine - theirs).max():.3e}, "
+        f"greedy {am.tolist()} vs numpy {at.tolist()}" + (f", first differing row {diff[0]}" if diff.size else "")
+    )
+    np.testing.assert_array_equal(tok, am)  # sampling on the GPU = argmax of its logits
+    return err
+
+
+@pytest.mark.parametrize("decode_attention", ["basic", "flashq"])
+def test_tiny_moe_engine_matches_numpy_executor(decode_attention: str):
+    """tiny-qwen3-moe (8 experts, top 2, layer 1 dense): chunked prefill, then decode steps of 2
+    sequences, teacher-forced; then greedy decode where both engines pick their own tokens, equal."""
+    from blink.models.reference import PagedDriver
+
+    cfg = preset("tiny-qwen3-moe")
+    eng, ref = _numpy_pair(cfg, 5, decode_attention=decode_attention)
+    rng = np.random.default_rng(2)
+    p0, p1 = rng.integers(0, cfg.vocab_size, 70).tolist(), rng.integers(0, cfg.vocab_size, 40).tolist()
+    d1, d2 = PagedDriver(64, 8, 64, shuffle_seed=1), PagedDriver(64, 8, 64, shuffle_seed=1)
+    steps = [[(0, p0[:50]), (1, p1)], [(0, p0[50:])]] + [
+        [(0, [t]), (1, [u])] for t, u in zip(p0[:6], p1[:6], strict=True)
+    ]
+    errs = []
+    for i, chunks in enumerate(steps):
+        b1, b2 = d1.step(chunks), d2.step(chunks)
+        tok = eng.step(b1)
+        errs.append(_compare_step(f"tiny-moe step {i}", eng.logits(b1.num_seqs), ref.forward_logits(b2), tok))
+    gen, gref = [p0[-1], p1[-1]], [p0[-1], p1[-1]]
+    for i in range(16):  # free-running greedy: the same tokens
+        b1, b2 = d1.step([(0, [gen[0]]), (1, [gen[1]])]), d2.step([(0, [gref[0]]), (1, [gref[1]])])
+        tok = eng.step(b1)
+        mine, theirs = eng.logits(2), ref.forward_logits(b2)
+        errs.append(_compare_step(f"tiny-moe greedy {i}", mine, theirs, tok))
+        gen, gref = [int(x) for x in tok], [int(x) for x in np.argmax(theirs, 1)]
+        assert gen == gref, f"greedy step {i}: {gen} vs numpy {gref}"
+    print(f"tiny-moe {decode_attention}: rel err max {max(errs):.2e}")
+    assert max(errs) < 2e-2, errs
+    eng.close()
+
+
+def test_tiny_moe_mixed_steps_and_batch_compositions():
+    """Mixed steps (decode rows among prefill chunks, one graph) and the same sequences in batches of
+    1, 2, 3 and 4 against the numpy executor, row by row."""
+    from blink.models.reference import PagedDriver
+
+    cfg = preset("tiny-qwen3-moe")
+    eng, ref = _numpy_pair(cfg, 7)
+    rng = np.random.default_rng(3)
+    p0, p1, p2 = (rng.integers(0, cfg.vocab_size, n).tolist() for n in (150, 90, 70))
+    d1, d2 = PagedDriver(64, 8, 64, shuffle_seed=2), PagedDriver(64, 8, 64, shuffle_seed=2)
+    steps = [
+        [(0, p0[:100])],
+        [(0, [p0[100]]), (1, p1[:60])],
+        [(0, [p0[101]]), (1, p1[60:]), (2, p2[:1]), (3, p2[1:50])],
+        [(0, [p0[102]]), (1, [p1[0]]), (2, p2[1:2]), (3, p2[50:])],
+        [(0, [p0[103]]), (1, [p1[1]]), (2, p2[2:3]), (3, [p2[0]])],  # decode graph, batch 4
+        [(0, [p0[104]])],  # batch 1
+        [(2, [p2[3]]), (3, [p2[1]])],  # batch 2
+        [(1, [p1[2]]), (2, [p2[4]]), (0, [p0[105]])],  # batch 3 (bucket 4)
+    ]
+    for i, chunks in enumerate(steps):
+        b1, b2 = d1.step(chunks), d2.step(chunks)
+        tok = eng.step(b1)
+        err = _compare_step(f"tiny-moe mixed step {i}", eng.logits(b1.num_seqs), ref.forward_logits(b2), tok)
+        assert err < 2e-2, (i, err)
+    eng.close()
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_qwen3_30b_a3b_shape_matches_transformers(layers: int):
+    """Qwen3-30B-A3B's real layer shapes (128 experts, top 8, hidden 2048, expert 768), random
+    weights, `layers` layers, against transformers' Qwen3MoeForCausalLM on the same bf16 weights:
+    chunked prefill and 32 greedy decode steps (test_engine's script and tolerances)."""
+    from test_engine import _compare_transformers, small_engine
+
+    cfg = preset("qwen3-30b-a3b").replace(num_layers=layers)
+    eng = small_engine(cfg)
+    _compare_transformers(cfg, eng, f"qwen3-30b-a3b x{layers}")
+    eng.close()
