@@ -6,6 +6,7 @@ and the first differing token, so a failure can be read from the log alone."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -42,7 +43,7 @@ class _Rig:
         self.stream = cp.cuda.Stream(non_blocking=True)
         rng = np.random.default_rng(seed)
         E, H, im = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        u = lambda *s, sc: _rbf(rng.uniform(-sc, sc, s).astype(np.float32))  # noqa: E731
+        u = lambda *s, sc: _rbf((rng.random(s, dtype=np.float32) * 2 - 1) * np.float32(sc))  # noqa: E731
         self.router = u(E, H, sc=2.0 * (3 / H) ** 0.5)
         self.gu = u(E, 2 * im, H, sc=(3 / H) ** 0.5)
         self.down = u(E, H, im, sc=(3 / im) ** 0.5)
@@ -155,11 +156,16 @@ def _check_layer(rig: _Rig, h: np.ndarray, bucket: int) -> dict[str, np.ndarray]
     return g
 
 
+@functools.cache
+def _rig(name: str) -> _Rig:
+    return _Rig(preset(name), 256)
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
 @pytest.mark.parametrize("T,bucket", [(1, 1), (3, 4), (8, 8), (70, 128), (256, 256)])
 def test_moe_kernels_match_numpy(name: str, T: int, bucket: int):
     cfg = preset(name)
-    rig = _Rig(cfg, 256, seed=T)
+    rig = _rig(name)
     h = _rbf(np.random.default_rng(T).standard_normal((T, cfg.hidden_size)).astype(np.float32))
     _check_layer(rig, h, bucket)
 
@@ -168,7 +174,7 @@ def test_moe_rows_do_not_depend_on_the_batch():
     """A token's MoE output is bit-identical alone, in a batch of 8 and among 200 other tokens (the
     permutation's order within an expert is set by atomics; each row's result must not care)."""
     cfg = preset("qwen3-30b-a3b")
-    rig = _Rig(cfg, 256, seed=1)
+    rig = _rig(cfg.name)
     rng = np.random.default_rng(5)
     h = _rbf(rng.standard_normal((201, cfg.hidden_size)).astype(np.float32))
     alone = rig.run(h[:1], 1)["out"][0]
@@ -238,7 +244,12 @@ def test_tiny_moe_engine_matches_numpy_executor(decode_attention: str):
         mine, theirs = eng.logits(2), ref.forward_logits(b2)
         errs.append(_compare_step(f"tiny-moe greedy {i}", mine, theirs, tok))
         gen, gref = [int(x) for x in tok], [int(x) for x in np.argmax(theirs, 1)]
-        assert gen == gref, f"greedy step {i}: {gen} vs numpy {gref}"
+        top2 = np.sort(theirs, 1)[:, -2:]
+        margin = float((top2[:, 1] - top2[:, 0]).min() / theirs.std())
+        if gen != gref and margin < 0.05:  # a near-tie in the reference: bf16 may pick either
+            print(f"greedy step {i}: {gen} vs numpy {gref} at a near-tie (margin {margin:.3f} std): stop here")
+            break
+        assert gen == gref, f"greedy step {i}: {gen} vs numpy {gref} (numpy's top-2 margin {margin:.3f} std)"
     print(f"tiny-moe {decode_attention}: rel err max {max(errs):.2e}")
     assert max(errs) < 2e-2, errs
     eng.close()
