@@ -368,9 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     setup_logging(cfg.server.log_level)
     try:
+        from blink.launch import resolve_kind
         from blink.models import registry
 
         registry.check_model(cfg.model.spec)
+        registry.check_device(cfg.model.spec, resolve_kind(cfg.device.kind))
     except (FileNotFoundError, registry.UnsupportedModelError) as e:
         return _fail(args.command, e)
     try:  # after the model's checks: a model the GPU cannot run is said first, whatever is installed

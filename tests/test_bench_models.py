@@ -1,6 +1,5 @@
 """The four-model scripts on the CPU, so the H200 call does not find the harness's bugs:
-bench/throughput.py --presets records a model the CUDA engine refuses (the MoE, today) as skipped
-with the reason and its active bytes per step, and bench/serve_check.py's checks pass against the
+bench/throughput.py --presets runs the MoE model too (not skipped), and bench/serve_check.py's checks pass against the
 emulated device (and fail when an answer is wrong)."""
 
 from __future__ import annotations
@@ -14,17 +13,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
 
 
-def test_models_bench_records_the_moe_model_as_skipped(tmp_path):
+def test_models_bench_runs_the_moe_model(tmp_path):
+    """The CUDA engine runs MoE models (blink/gpu/moe_launch.py): qwen3-30b-a3b passes the device check
+    and is not skipped; on a machine without a GPU it then fails at the engine, recorded as failed."""
     out = tmp_path / "models.json"
     cmd = [sys.executable, "bench/throughput.py", "--presets", "qwen3-30b-a3b", "--commit", "abc", "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["commit"] == "abc" and res["date"] and res["device"] and "--presets" in res["command"]
     m = res["models"]["qwen3-30b-a3b"]
-    assert "mixture of experts" in m["skipped"] and "decode_b1" not in m
-    assert m["decode_bytes_b1"]["experts_read_per_layer"] == 8 and 6.0e9 < m["decode_bytes_b1"]["weights"] < 6.4e9
-    assert "qwen3-30b-a3b skipped: model qwen3-30b-a3b is a mixture of experts" in r.stdout
+    assert "skipped" not in m
+    if r.returncode:  # no GPU here
+        assert "failed" in m, m
 
 
 def test_serve_check_passes_on_the_emulated_device(tmp_path):

@@ -89,6 +89,13 @@ def test_permuted_data_flow_matches_the_numpy_moe(norm: bool):
 
 
 def test_check_moe_limits():
+    """The engine's limits, and the CLI's refusal before anything starts (blink serve --device cuda) agree."""
+    from blink.gpu import moe_launch
+    from blink.models import registry
+
+    assert (registry.CUDA_MOE_MAX_EXPERTS, registry.CUDA_MOE_MAX_TOPK) == (moe_launch.MAX_EXPERTS, moe_launch.MAX_TOPK)
+    registry.check_device("random:qwen3-30b-a3b", "cuda")
+    registry.check_device("random:tiny-qwen3-moe", "cuda")
     check_moe(preset("qwen3-30b-a3b"))
     with pytest.raises(ValueError, match="experts"):
         check_moe(preset("qwen3-30b-a3b").replace(num_experts=512))
@@ -141,3 +148,19 @@ def test_hf_tensors_split_experts_back():
     w = _fake_weights(cfg)
     got = {n: tuple(a.shape) for n, a in w.hf_tensors()}
     assert got == weight_shapes(cfg)
+
+
+def test_cli_refuses_moe_beyond_the_kernels(tmp_path):
+    """An HF folder (read through its config.json alone) with 512 experts: refused for CUDA in one line
+    naming the limit, accepted for the emulated device."""
+    from blink.models import registry
+    from blink.models.config import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,'
+        ' "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,'
+        ' "num_experts": 512, "num_experts_per_tok": 8, "moe_intermediate_size": 32, "norm_topk_prob": true}'
+    )
+    with pytest.raises(UnsupportedModelError, match="at most 256 experts"):
+        registry.check_device(str(tmp_path), "cuda")
+    registry.check_device(str(tmp_path), "emulated")

@@ -23,7 +23,7 @@ from blink.models.config import ModelConfig
 TILE_M = 16  # rows per expert tile; the kernels are compiled per height: moe_*_m16 (moe.cu MOE_KERNELS)
 WARPS, COLS = 8, 4  # moe.cu MOE_WARPS, MOE_COLS: output columns per block = WARPS * COLS
 ROUTE_WARPS = 4  # tokens per moe_route block (a warp each)
-MAX_EXPERTS = 256  # moe_route: 32 lanes x ROUTE_MAX_PER_LANE; moe_align needs <= 1024
+MAX_EXPERTS = 256  # moe_route: 32 lanes x ROUTE_MAX_PER_LANE; moe_align needs <= 1024 (registry.CUDA_MOE_MAX_*)
 MAX_TOPK = 32  # moe_route: slot j is kept by lane j
 
 

@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-from blink.models.config import PRESET_NAMES, ModelConfig, UnsupportedModelError, preset  # noqa: F401 (the CLI catches registry.UnsupportedModelError)
+from blink.models.config import PRESET_NAMES, ModelConfig, UnsupportedModelError, preset
 from blink.models.progress import ProgressFn, make_progress
 from blink.models.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
 from blink.models.weights import Weights, load_gguf, load_hf_dir, random_weights
@@ -189,6 +189,31 @@ def model_config(spec: str | os.PathLike[str] | None) -> ModelConfig | None:
     from blink.models.config import from_hf_config
 
     return from_hf_config(json.loads((p / "config.json").read_text()), name=p.name)
+
+
+# What the CUDA device's MoE kernels take (blink/gpu/csrc/moe.cu: moe_route keeps 8 logits per lane of
+# one warp and slot j in lane j; blink/gpu/moe_launch.check_moe raises the same at engine construction,
+# and tests/test_gpu_moe.py checks that the two agree).
+CUDA_MOE_MAX_EXPERTS = 256
+CUDA_MOE_MAX_TOPK = 32
+
+
+def check_device(spec: str | os.PathLike[str] | None, kind: str) -> None:
+    """Refuse, before anything starts, a model the device `kind` ("cuda" | "emulated") cannot run:
+    on CUDA, a mixture of experts beyond the MoE kernels' limits."""
+    if kind != "cuda":
+        return
+    config = model_config(spec)
+    if (
+        config is not None
+        and config.is_moe
+        and (config.num_experts > CUDA_MOE_MAX_EXPERTS or config.num_experts_per_tok > CUDA_MOE_MAX_TOPK)
+    ):
+        raise UnsupportedModelError(
+            f"model {config.name} routes to {config.num_experts_per_tok} of {config.num_experts} experts: the CUDA "
+            f"device's MoE kernels take at most {CUDA_MOE_MAX_EXPERTS} experts and top-{CUDA_MOE_MAX_TOPK}; "
+            "use --device emulated"
+        )
 
 
 def resolve_model(
