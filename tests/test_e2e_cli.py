@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_cli_generate_runs_the_stack_in_process():
     r = subprocess.run(
