@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchutil import metadata, write_json  # noqa: E402
 
-from blink.testing import ServeProcess  # noqa: E402
+from blink.testing import ServeProcess, rss_mib  # noqa: E402
 
 
 def post(url: str, body: dict) -> dict:
@@ -58,11 +57,6 @@ def stream(url: str, body: dict) -> list[dict]:
                 return chunks
             chunks.append(json.loads(line[6:]))
     raise AssertionError(f"stream ended without [DONE] after {len(chunks)} chunks")
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read())[1]) / 1024
 
 
 def gpu_memory_mib() -> dict[str, float]:

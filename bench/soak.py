@@ -35,23 +35,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from blink.testing import ServeProcess  # noqa: E402
+from blink.testing import ServeProcess, rss_mib  # noqa: E402
 from blink.treedigest import tree_digest  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
-
-# -- the server's processes --------------------------------------------------------------------
-def rss_mb(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        for ln in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-            if ln.startswith("VmRSS:"):
-                return int(ln.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 # -- the load ---------------------------------------------------------------------------------
@@ -139,7 +126,7 @@ async def drive(served: ServeProcess, a: argparse.Namespace, tally: Tally, model
             return
         await asyncio.sleep(max(0.0, t_kill - time.monotonic()))
         pid = served.device_pid()
-        kill.update(pid=pid, t_s=round(a.duration_s * a.kill_at, 1), device_rss_mb_before=rss_mb(pid))
+        kill.update(pid=pid, t_s=round(a.duration_s * a.kill_at, 1), device_rss_mb_before=rss_mib(pid))
         if pid is None:
             kill["error"] = "no device process found"
             return
@@ -215,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         async def run() -> dict:
             async def sample() -> None:
                 await asyncio.sleep(min(a.warmup_s, a.duration_s / 4))
-                rss["server_mb_after_warmup"] = rss_mb(served.proc.pid)
+                rss["server_mb_after_warmup"] = rss_mib(served.proc.pid)
 
             kill, _ = await asyncio.gather(drive(served, a, tally, model, a.max_context), sample())
             return kill
@@ -224,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         kill = asyncio.run(run())
         wall = time.monotonic() - t0
         leaks = idle_leaks(served, 30.0)
-        rss["server_mb_end"] = rss_mb(served.proc.pid)
-        rss["device_mb_end"] = rss_mb(served.device_pid())
+        rss["server_mb_end"] = rss_mib(served.proc.pid)
+        rss["device_mb_end"] = rss_mib(served.device_pid())
         if rss.get("server_mb_after_warmup") and rss["server_mb_end"]:
             rss["server_growth_mb"] = round(rss["server_mb_end"] - rss["server_mb_after_warmup"], 1)
     finally:

@@ -56,6 +56,18 @@ def gone(pid: int) -> bool:
         return True
 
 
+def rss_mib(pid: int | None) -> float | None:
+    """A process's resident set in MiB; None for no pid or a process that is gone."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            m = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.M)
+    except OSError:
+        return None
+    return int(m[1]) / 1024 if m else None
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

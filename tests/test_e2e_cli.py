@@ -85,13 +85,14 @@ def test_serve_process_reads_the_server_and_reports_a_failed_start(tmp_path):
     """blink.testing.ServeProcess (the e2e tests' and the serving benchmarks' server): the URL,
     model, ring and device process read from a real `blink serve`; a clean stop removes the ring;
     a server that exits at once is a RuntimeError carrying its log, not a hang until the timeout."""
-    from blink.testing import ServeProcess, cmdline
+    from blink.testing import ServeProcess, cmdline, rss_mib
 
     args = ["--device", "emulated", "--model", "random:tiny-llama", "--num-kv-blocks", "32", "--n-slots", "2"]
     with ServeProcess(args, timeout=120, log_path=str(tmp_path / "serve.log")) as s:
         assert s.url.startswith("http://127.0.0.1:") and s.model == "tiny-llama" and s.ring
         assert s.get("/health")[0] == 200 and s.metrics()["blink_generation_tokens_total"] == 0
         assert "blink.device.emulated" in cmdline(s.device_pid())
+        assert rss_mib(s.device_pid()) > 0 and rss_mib(None) is None
     assert s.proc.returncode == 0 and not os.path.exists(f"/dev/shm/{s.ring}")
     assert "serving tiny-llama on" in (tmp_path / "serve.log").read_text()
     with pytest.raises(RuntimeError, match=r"did not start \(exit code 2\)[\s\S]*no-such-flag"):
