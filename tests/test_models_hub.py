@@ -26,7 +26,8 @@ def write_hf_model(d: Path) -> None:
     """config.json + model.safetensors + tokenizer files of the tiny-llama shape."""
     from safetensors.numpy import save_file
 
-    from blink.models.config import preset, to_hf_config
+    from blink.models.checkpoint_config import to_hf_config
+    from blink.models.config import preset
     from blink.models.registry import synthetic_tokenizer
     from blink.models.weights import random_weights
 

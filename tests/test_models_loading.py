@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from blink.models import registry
-from blink.models.config import PRESET_NAMES, UnsupportedModelError, from_hf_config, preset, to_hf_config
+from blink.models.checkpoint_config import from_hf_config, to_hf_config
+from blink.models.config import PRESET_NAMES, UnsupportedModelError, preset
 from blink.models.progress import TextProgress
 from blink.models.tokenizer import from_hf_dir
 from blink.models.weights import check_weights, load_hf_dir, random_weights, weight_shapes

@@ -152,7 +152,7 @@ def load_tokenizer(
         elif p.is_dir() and (p / "config.json").is_file():
             import json
 
-            from blink.models.config import from_hf_config
+            from blink.models.checkpoint_config import from_hf_config
             from blink.models.tokenizer import from_hf_dir
 
             config = from_hf_config(json.loads((p / "config.json").read_text()), name=p.name)
@@ -169,7 +169,7 @@ def load_tokenizer(
 
 
 def _from_gguf(path: pathlib.Path, name: str | None) -> tuple[Tokenizer, ModelInfo]:
-    from blink.models.config import from_gguf_metadata as config_from_meta
+    from blink.models.checkpoint_config import from_gguf_metadata as config_from_meta
     from blink.models.gguf_file import GGUFFile
     from blink.models.tokenizer import from_gguf_metadata
     from blink.models.weights import gguf_metadata

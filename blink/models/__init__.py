@@ -1,6 +1,7 @@
 """Models: configuration, weights, tokenizer and the numpy reference forward.
 
-config.py       ModelConfig (HF config.json / GGUF metadata / named shape presets), RoPE frequencies
+config.py       ModelConfig, named shape presets, RoPE frequencies
+checkpoint_config.py  ModelConfig from an HF config.json (and back) or GGUF metadata
 weights.py      weights as {HF name: ndarray}; GGUF and HF-directory loaders; random weights
 gguf_file.py    fast GGUF header parser (metadata + mapped tensor data)
 tokenizer.py    tokenizers.Tokenizer from GGUF metadata or tokenizer.json; jinja2 chat template

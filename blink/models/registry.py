@@ -179,14 +179,14 @@ def model_config(spec: str | os.PathLike[str] | None) -> ModelConfig | None:
         return preset(s.removeprefix("random:"))
     p = pathlib.Path(s).expanduser()
     if p.is_file():
-        from blink.models.config import from_gguf_metadata as config_from_gguf
+        from blink.models.checkpoint_config import from_gguf_metadata as config_from_gguf
         from blink.models.gguf_file import GGUFFile
 
         reader = GGUFFile(p)
         return config_from_gguf(reader.metadata, {t.name for t in reader.tensors}, name=p.stem)
     import json
 
-    from blink.models.config import from_hf_config
+    from blink.models.checkpoint_config import from_hf_config
 
     return from_hf_config(json.loads((p / "config.json").read_text()), name=p.name)
 

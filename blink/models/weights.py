@@ -42,14 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from blink.models.config import (
-    ModelConfig,
-    RopeScaling,
-    UnsupportedModelError,
-    from_gguf_metadata,
-    from_hf_config,
-    rope_inv_freq,
-)
+from blink.models.checkpoint_config import from_gguf_metadata, from_hf_config
+from blink.models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inv_freq
 from blink.models.gguf_file import GGUFFile
 from blink.models.progress import ProgressFn, make_progress
 
