@@ -49,5 +49,28 @@ def test_cuda_serve_logs_phases_requests_and_metrics(scheduler):
         assert count["vllm:request_prefill_time_seconds_count"] == 2
         success = fams["vllm:request_success"].samples
         assert [x.value for x in success if x.labels.get("finished_reason") == "length"] == [2.0]
+        # lm-evaluation-harness's loglikelihood request (token ids, echo + logprobs, max_tokens 0) and
+        # vLLM's prompt_logprobs: the prompt's logprobs, computed on the device (the CUDA graphs)
+        prompt = [5, 17, 42, 99, 7, 300, 12]
+        for body in (
+            {"model": "tiny-llama", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1},
+            {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2},
+        ):
+            req = urllib.request.Request(
+                s.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            choice = json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]
+            if "echo" in body:
+                lp = choice["logprobs"]
+                assert len(lp["token_logprobs"]) == len(prompt) and lp["token_logprobs"][0] is None, lp
+                assert all(v <= 0 for v in lp["token_logprobs"][1:])
+                assert all(
+                    max(t.values()) >= v - 1e-5
+                    for t, v in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:], strict=True)
+                )
+            else:
+                field = choice["prompt_logprobs"]
+                assert len(field) == len(prompt) and field[0] is None, field
+                assert all(str(t) in d and 2 <= len(d) <= 3 for t, d in zip(prompt[1:], field[1:], strict=True))
     finally:
         assert s.stop() == 0, "".join(s.log)
