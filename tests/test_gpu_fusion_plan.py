@@ -12,7 +12,7 @@ import pytest
 from blink.gpu import kernels
 from blink.gpu.engine import EngineConfig, parse_gemv_fusion
 from blink.gpu.forward import GEMV_FUSIONS, Dims, Forward, RopeArgs
-from blink.gpu.moe_launch import TILE_M, MoeLaunches, max_tiles
+from blink.gpu.moe_launch import MMA_BN, MMA_MIN_TOKENS, TILE_M, MoeLaunches, max_tiles
 from blink.models.config import preset
 from blink.protocol.step import STEP_FIELDS
 
@@ -65,7 +65,7 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict, lay
     f.moe = None
     if c.is_moe:
         f.moe = object.__new__(MoeLaunches)
-        f.moe.c = c
+        f.moe.c, f.moe.mma_min_tokens = c, MMA_MIN_TOKENS
         for b in "logits topk_ids topk_w expert_off expert_cnt sorted_pair pair_pos act y".split():
             setattr(f.moe, b, _Arr(1))
     return _finish(f, gemv_max_tokens, fusion, signatures)
@@ -301,7 +301,7 @@ def test_prefill_graph_runs_decode_attention_first(decode: str, prefill: str, si
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("T,decode", [(1, True), (8, True), (64, False)])
+@pytest.mark.parametrize("T,decode", [(1, True), (8, True), (16, False), (64, False)])
 @pytest.mark.parametrize("fusion", ["none", "all"])
 def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signatures: dict):
     """A MoE layer's launches (blink/gpu/moe_launch.py): after the o projection and the MLP norm, the
@@ -314,7 +314,14 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
     moe_layers = [li for li in range(3) if c.layer_is_moe(li)]
     assert names.count("moe_route") == len(moe_layers) and names.count("swiglu") == 3 - len(moe_layers)
     assert f.fusions_for(T) == frozenset()
-    moe_seq = ["moe_route", f"moe_align_m{TILE_M}", f"moe_gate_up_m{TILE_M}", f"moe_down_m{TILE_M}", "moe_combine"]
+    v = "_mma" if T >= MMA_MIN_TOKENS else ""  # tensor cores from MMA_MIN_TOKENS tokens (both dims % 16 == 0 here)
+    moe_seq = [
+        "moe_route",
+        f"moe_align_m{TILE_M}",
+        f"moe_gate_up{v}_m{TILE_M}",
+        f"moe_down{v}_m{TILE_M}",
+        "moe_combine",
+    ]
     starts = [i for i, n in enumerate(names) if n == "moe_route"]
     for i in starts:
         assert names[i : i + 5] == moe_seq
@@ -324,5 +331,9 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
         gu, dn = calls[i + 2], calls[i + 3]
         tiles = max_tiles(T, c.num_experts_per_tok, c.num_experts)
         assert gu[1][1] == dn[1][1] == tiles
-        assert gu[3] == TILE_M * c.hidden_size * 2 and dn[3] == TILE_M * c.moe_intermediate_size * 2
+        assert gu[3] == MoeLaunches.smem(bool(v), c.hidden_size) and dn[3] == MoeLaunches.smem(
+            bool(v), c.moe_intermediate_size
+        )
+        bn = MMA_BN if v else 32
+        assert gu[1][0] == -(-c.moe_intermediate_size // bn) and dn[1][0] == -(-c.hidden_size // bn)
         assert calls[i + 4][1] == (T, 1, 1)

@@ -21,7 +21,9 @@ from blink.gpu.kernels import Kernels
 from blink.models.config import ModelConfig
 
 TILE_M = 16  # rows per expert tile; the kernels are compiled per height: moe_*_m16 (moe.cu MOE_KERNELS)
-WARPS, COLS = 8, 4  # moe.cu MOE_WARPS, MOE_COLS: output columns per block = WARPS * COLS
+WARPS, COLS = 8, 4  # moe.cu MOE_WARPS, MOE_COLS: output columns per block = WARPS * COLS (tile GEMV)
+MMA_BN = WARPS * 16  # moe.cu MMA_BN: output columns per block of the tensor-core variant
+MMA_MIN_TOKENS = 64  # graphs of at least this many tokens run the expert GEMMs on tensor cores
 ROUTE_WARPS = 4  # tokens per moe_route block (a warp each)
 MAX_EXPERTS = 256  # moe_route: 32 lanes x ROUTE_MAX_PER_LANE; moe_align needs <= 1024 (registry.CUDA_MOE_MAX_*)
 MAX_TOPK = 32  # moe_route: slot j is kept by lane j
@@ -84,8 +86,25 @@ class MoeLaunches:
         self.pair_pos = z(max_tokens * k, dt=cp.int32)
         self.act = z(rows, inter)  # swiglu of the permuted rows
         self.y = z(rows, H)  # expert outputs, permuted rows
-        for name, K in ((f"moe_gate_up_m{TILE_M}", H), (f"moe_down_m{TILE_M}", inter)):
-            driver.set_max_dynamic_smem(kernels[name], TILE_M * K * 2)
+        for kind, K in (("gate_up", H), ("down", inter)):
+            driver.set_max_dynamic_smem(kernels[f"moe_{kind}_m{TILE_M}"], self.smem(False, K))
+            driver.set_max_dynamic_smem(kernels[f"moe_{kind}_mma_m{TILE_M}"], self.smem(True, K))
+        self.mma_min_tokens = MMA_MIN_TOKENS
+        """Graphs of at least this many tokens take the tensor-core expert kernels (the benchmarks
+        move it to time one variant against the other); within a graph a row's result depends
+        only on its own input, whatever shares its tile."""
+
+    @staticmethod
+    def smem(mma: bool, K: int) -> int:
+        """Dynamic shared memory of an expert kernel over K inputs (moe.cu's layouts)."""
+        if not mma:
+            return TILE_M * K * 2
+        return -(-(TILE_M * (K + 8) * 2) // 128) * 128 + WARPS * 2 * 256 * 4
+
+    def uses_mma(self, T: int) -> bool:
+        c = self.c
+        aligned = c.hidden_size % 16 == 0 and c.moe_intermediate_size % 16 == 0
+        return aligned and T >= self.mma_min_tokens
 
     @staticmethod
     def device_bytes(c: ModelConfig, max_tokens: int) -> int:
@@ -115,14 +134,15 @@ class MoeLaunches:
             k=k, E=E, expert_off=self.expert_off, expert_cnt=self.expert_cnt, sorted_pair=self.sorted_pair,
             pair_pos=self.pair_pos,
         )  # fmt: skip
-        tiles, bn = max_tiles(T, k, E), WARPS * COLS
+        tiles, mma = max_tiles(T, k, E), self.uses_mma(T)
+        bn, v = (MMA_BN, "_mma") if mma else (WARPS * COLS, "")
         fwd._launch(
-            f"moe_gate_up_m{TILE_M}", (-(-inter // bn), tiles, 1), (32 * WARPS, 1, 1), stream, TILE_M * H * 2,
+            f"moe_gate_up{v}_m{TILE_M}", (-(-inter // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, H),
             X=hid, sorted_pair=self.sorted_pair, W=gate_up, Y=self.act, expert_off=self.expert_off,
             expert_cnt=self.expert_cnt, E=E, k=k, N=inter, K=H,
         )  # fmt: skip
         fwd._launch(
-            f"moe_down_m{TILE_M}", (-(-H // bn), tiles, 1), (32 * WARPS, 1, 1), stream, TILE_M * inter * 2,
+            f"moe_down{v}_m{TILE_M}", (-(-H // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, inter),
             X=self.act, W=down, Y=self.y, expert_off=self.expert_off, expert_cnt=self.expert_cnt, E=E, N=H, K=inter,
         )  # fmt: skip
         fwd._launch(

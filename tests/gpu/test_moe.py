@@ -161,20 +161,31 @@ def _rig(name: str) -> _Rig:
     return _Rig(preset(name), 256)
 
 
+def _variant(rig: _Rig, variant: str) -> None:
+    """Force the expert kernels: "gemv" (tile GEMV, CUDA cores) or "mma" (tensor cores) at any bucket."""
+    rig.moe.mma_min_tokens = 0 if variant == "mma" else 1 << 30
+
+
+@pytest.mark.parametrize("variant", ["gemv", "mma"])
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
 @pytest.mark.parametrize("T,bucket", [(1, 1), (3, 4), (8, 8), (70, 128), (256, 256)])
-def test_moe_kernels_match_numpy(name: str, T: int, bucket: int):
+def test_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
     cfg = preset(name)
     rig = _rig(name)
+    _variant(rig, variant)
+    print(f"--- {name} T={T} bucket={bucket}: expert kernels {variant}")
     h = _rbf(np.random.default_rng(T).standard_normal((T, cfg.hidden_size)).astype(np.float32))
     _check_layer(rig, h, bucket)
 
 
-def test_moe_rows_do_not_depend_on_the_batch():
-    """A token's MoE output is bit-identical alone, in a batch of 8 and among 200 other tokens (the
-    permutation's order within an expert is set by atomics; each row's result must not care)."""
+@pytest.mark.parametrize("variant", ["gemv", "mma"])
+def test_moe_rows_do_not_depend_on_the_batch(variant: str):
+    """With either expert kernel, a token's MoE output is bit-identical alone, in a batch of 8 and among
+    200 other tokens (the permutation's order within an expert is set by atomics and a tile holds other
+    tokens' rows; each row's result must not care)."""
     cfg = preset("qwen3-30b-a3b")
     rig = _rig(cfg.name)
+    _variant(rig, variant)
     rng = np.random.default_rng(5)
     h = _rbf(rng.standard_normal((201, cfg.hidden_size)).astype(np.float32))
     alone = rig.run(h[:1], 1)["out"][0]

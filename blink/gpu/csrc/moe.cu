@@ -25,10 +25,16 @@
 // weight row times every real row of the tile (fp32 accumulate, warp-shuffle reduction). So every
 // selected expert's weights are read once per tile: at decode (one row per tile) this is the
 // bandwidth-bound GEMV over the k experts. Rows past the tile's real count are neither computed
-// nor written. Within an expert, the row order of pairs depends on atomics, but each row's result
+// nor written. Graphs of many tokens (MoeLaunches.mma_min_tokens) take the tensor-core variant of the
+// same tiles instead (moe_*_mma_m*: WMMA 16x16x16, bf16 in, fp32 accumulate), where a tile's rows
+// share each weight fragment. Within an expert, the row order of pairs depends on atomics, but each row's result
 // depends only on its own input row, and the combine sums a token's k slots in slot order: the
 // output is bit-identical whatever the batch composition.
+#include <mma.h>
+
 #include "common.cuh"
+
+using namespace nvcuda;
 
 // ---------------------------------------------------------------------------------------- router
 // One warp per token; E <= 32 * ROUTE_MAX_PER_LANE.
@@ -226,6 +232,79 @@ __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, cons
   }
 }
 
+// Tensor-core variant (graphs whose buckets put many rows in a tile: prefill, large decode batches):
+// the same tile, block per (tile, MMA_BN output columns); each warp one 16x16 WMMA output fragment
+// (SWIGLU: the gate and the up fragment of its 16 columns), A from the staged rows (row stride K + 8:
+// no bank conflicts), B straight from the expert's weight rows (col-major K x 16 = 16 rows of W), fp32
+// accumulators through shared memory for the epilogue. Shared memory: TM * (K + 8) * 2 + MOE_WARPS *
+// 2 * 256 * 4 bytes. A row's result depends only on its own row (one MMA chain per element).
+#define MMA_BN (MOE_WARPS * 16)
+
+template <int TM, bool SWIGLU>
+__device__ __forceinline__ void moe_expert_mma_impl(const bf16* __restrict__ X, const int* __restrict__ sorted_pair,
+                                                    const bf16* __restrict__ W, bf16* __restrict__ Y,
+                                                    const int* __restrict__ expert_off,
+                                                    const int* __restrict__ expert_cnt, int E, int k, int N, int K) {
+  static_assert(TM == 16, "one WMMA row fragment per tile");
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const int ldx = K + 8;
+  bf16* xs = reinterpret_cast<bf16*>(smem_raw);                                         // [TM, K + 8]
+  float* cs = reinterpret_cast<float*>(smem_raw + (((size_t)TM * ldx * 2 + 127) & ~(size_t)127));  // [warps, 2, 256]
+  const int row0 = blockIdx.y * TM;
+  if (row0 >= expert_off[E]) return;
+  const int e = expert_of_row(expert_off, E, row0);
+  const int nr = min(TM, expert_off[e] + expert_cnt[e] - row0);
+  if (nr <= 0) return;
+  const int kv = K / 8;
+  for (int i = threadIdx.x; i < TM * kv; i += blockDim.x) {
+    const int r = i / kv, v = i - r * kv;
+    bf16x8 val;
+    if (r < nr) {
+      const int src = sorted_pair ? sorted_pair[row0 + r] / k : row0 + r;
+      val = reinterpret_cast<const bf16x8*>(X + (size_t)src * K)[v];
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) val.v[j] = tobf(0.f);  // rows past the tile's count: zeros, never written
+    }
+    *reinterpret_cast<bf16x8*>(xs + r * ldx + v * 8) = val;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int col0 = blockIdx.x * MMA_BN + warp * 16;
+  if (col0 >= N) return;  // N % 16 == 0 (checked on the host)
+  const bf16* We = W + (size_t)e * (SWIGLU ? 2 : 1) * N * K;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> ca, cb;
+  wmma::fill_fragment(ca, 0.f);
+  wmma::fill_fragment(cb, 0.f);
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b, bu;
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    wmma::load_matrix_sync(a, xs + k0, ldx);
+    wmma::load_matrix_sync(b, We + (size_t)col0 * K + k0, K);
+    wmma::mma_sync(ca, a, b, ca);
+    if (SWIGLU) {
+      wmma::load_matrix_sync(bu, We + (size_t)(col0 + N) * K + k0, K);
+      wmma::mma_sync(cb, a, bu, cb);
+    }
+  }
+  float* c0 = cs + warp * 512;
+  wmma::store_matrix_sync(c0, ca, 16, wmma::mem_row_major);
+  if (SWIGLU) wmma::store_matrix_sync(c0 + 256, cb, 16, wmma::mem_row_major);
+  __syncwarp();
+  for (int i = lane; i < 256; i += 32) {
+    const int r = i >> 4, cc = i & 15;
+    if (r >= nr) continue;
+    float out;
+    if (SWIGLU) {
+      const float g = rbf(c0[i]), u = rbf(c0[256 + i]);
+      out = rbf(g / (1.f + expf(-g))) * u;
+    } else {
+      out = c0[i];
+    }
+    Y[(size_t)(row0 + r) * N + col0 + cc] = tobf(out);
+  }
+}
+
 // ------------------------------------------------------------------------------------- combine
 // Block per token: out[t] = sum over slots j in order of bf16(y[pos[t*k+j]] * w[t*k+j]) (fp32 sum).
 extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos,
@@ -266,6 +345,16 @@ extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __
       const bf16* X, const bf16* W, bf16* Y, const int* expert_off, const int* expert_cnt, int E, int N,       \
       int K) {                                                                                                   \
     moe_expert_impl<TM, false>(X, nullptr, W, Y, expert_off, expert_cnt, E, 1, N, K);                           \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_mma_m##TM(                           \
+      const bf16* X, const int* sorted_pair, const bf16* W, bf16* Y, const int* expert_off,                     \
+      const int* expert_cnt, int E, int k, int N, int K) {                                                      \
+    moe_expert_mma_impl<TM, true>(X, sorted_pair, W, Y, expert_off, expert_cnt, E, k, N, K);                    \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_mma_m##TM(                              \
+      const bf16* X, const bf16* W, bf16* Y, const int* expert_off, const int* expert_cnt, int E, int N,       \
+      int K) {                                                                                                   \
+    moe_expert_mma_impl<TM, false>(X, nullptr, W, Y, expert_off, expert_cnt, E, 1, N, K);                       \
   }
 
 MOE_KERNELS(16)
