@@ -24,6 +24,7 @@ TILE_M = 16  # rows per expert tile; the kernels are compiled per height: moe_*_
 WARPS, COLS = 8, 4  # moe.cu MOE_WARPS, MOE_COLS: output columns per block = WARPS * COLS (tile GEMV)
 MMA_BN = WARPS * 16  # moe.cu MMA_BN: output columns per block of the tensor-core variant
 MMA_MIN_TOKENS = 64  # graphs of at least this many tokens run the expert GEMMs on tensor cores
+FUSED_ROUTE_MAX_TOKENS = 64  # graphs of at most this many tokens route and align in one block (one launch)
 ROUTE_WARPS = 4  # tokens per moe_route block (a warp each)
 MAX_EXPERTS = 256  # moe_route: 32 lanes x ROUTE_MAX_PER_LANE; moe_align needs <= 1024 (registry.CUDA_MOE_MAX_*)
 MAX_TOPK = 32  # moe_route: slot j is kept by lane j
@@ -93,6 +94,8 @@ class MoeLaunches:
         """Graphs of at least this many tokens take the tensor-core expert kernels (the benchmarks
         move it to time one variant against the other); within a graph a row's result depends
         only on its own input, whatever shares its tile."""
+        self.fused_route_max_tokens = FUSED_ROUTE_MAX_TOKENS
+        """Graphs of at most this many tokens route and align in one launch (moe_route_align)."""
 
     @staticmethod
     def smem(mma: bool, K: int) -> int:
@@ -125,15 +128,18 @@ class MoeLaunches:
         c = self.c
         E, k, H, inter = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
         fwd.linear(hid, router, self.logits, T, stream, out_f32=True)
-        fwd._launch(
-            "moe_route", (-(-T // ROUTE_WARPS), 1, 1), (32 * ROUTE_WARPS, 1, 1), stream, logits=self.logits,
-            topk_ids=self.topk_ids, topk_w=self.topk_w, num_tokens=num_tokens, E=E, k=k, norm_topk=int(c.norm_topk_prob),
-        )  # fmt: skip
-        fwd._launch(
-            f"moe_align_m{TILE_M}", (1, 1, 1), (1024, 1, 1), stream, topk_ids=self.topk_ids, num_tokens=num_tokens,
-            k=k, E=E, expert_off=self.expert_off, expert_cnt=self.expert_cnt, sorted_pair=self.sorted_pair,
-            pair_pos=self.pair_pos,
-        )  # fmt: skip
+        route = dict(logits=self.logits, topk_ids=self.topk_ids, topk_w=self.topk_w, num_tokens=num_tokens, E=E, k=k,
+                     norm_topk=int(c.norm_topk_prob))  # fmt: skip
+        align = dict(expert_off=self.expert_off, expert_cnt=self.expert_cnt, sorted_pair=self.sorted_pair,
+                     pair_pos=self.pair_pos)  # fmt: skip
+        if T <= self.fused_route_max_tokens:
+            fwd._launch(f"moe_route_align_m{TILE_M}", (1, 1, 1), (1024, 1, 1), stream, **route, **align)
+        else:
+            fwd._launch("moe_route", (-(-T // ROUTE_WARPS), 1, 1), (32 * ROUTE_WARPS, 1, 1), stream, **route)
+            fwd._launch(
+                f"moe_align_m{TILE_M}", (1, 1, 1), (1024, 1, 1), stream, topk_ids=self.topk_ids, num_tokens=num_tokens,
+                k=k, E=E, **align,
+            )  # fmt: skip
         tiles, mma = max_tiles(T, k, E), self.uses_mma(T)
         bn, v = (MMA_BN, "_mma") if mma else (WARPS * COLS, "")
         fwd._launch(

@@ -40,12 +40,8 @@ using namespace nvcuda;
 // One warp per token; E <= 32 * ROUTE_MAX_PER_LANE.
 #define ROUTE_MAX_PER_LANE 8
 
-extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __restrict__ topk_ids,
-                                     float* __restrict__ topk_w, const uint32_t* __restrict__ num_tokens, int E,
-                                     int k, int norm_topk) {
-  const int lane = threadIdx.x & 31;
-  const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (t >= (int)*num_tokens) return;
+__device__ __forceinline__ void route_token(const float* __restrict__ logits, int* __restrict__ topk_ids,
+                                            float* __restrict__ topk_w, int t, int lane, int E, int k, int norm_topk) {
   float v[ROUTE_MAX_PER_LANE];
   float mx = -INFINITY;
 #pragma unroll
@@ -94,11 +90,21 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
   }
 }
 
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __restrict__ topk_ids,
+                                     float* __restrict__ topk_w, const uint32_t* __restrict__ num_tokens, int E,
+                                     int k, int norm_topk) {
+  const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= (int)*num_tokens) return;
+  route_token(logits, topk_ids, topk_w, t, threadIdx.x & 31, E, k, norm_topk);
+}
+
 // ---------------------------------------------------------------------------------- permutation
 // One block of 1024 threads; E <= 1024. Counts by shared-memory atomics, padded exclusive scan,
 // then the scatter (each pair takes the next row of its expert's segment).
+// topk_ids is read with __ldcg (L2, coherent): in moe_route_align this block wrote it before its barrier,
+// and a read-only (non-coherent) load of it would be undefined.
 template <int TM>
-__device__ __forceinline__ void moe_align_impl(const int* __restrict__ topk_ids, const uint32_t* __restrict__ num_tokens,
+__device__ __forceinline__ void moe_align_impl(const int* topk_ids, const uint32_t* __restrict__ num_tokens,
                                                int k, int E, int* __restrict__ expert_off, int* __restrict__ expert_cnt,
                                                int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
   __shared__ int cnt[1024];
@@ -108,7 +114,7 @@ __device__ __forceinline__ void moe_align_impl(const int* __restrict__ topk_ids,
   const int n = (int)*num_tokens * k;
   for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
-  for (int i = tid; i < n; i += blockDim.x) atomicAdd(&cnt[topk_ids[i]], 1);
+  for (int i = tid; i < n; i += blockDim.x) atomicAdd(&cnt[__ldcg(topk_ids + i)], 1);
   __syncthreads();
   // Exclusive scan of the padded counts over E (one value per thread, blockDim.x >= E).
   const int c = tid < E ? cnt[tid] : 0;
@@ -141,7 +147,7 @@ __device__ __forceinline__ void moe_align_impl(const int* __restrict__ topk_ids,
   }
   __syncthreads();
   for (int i = tid; i < n; i += blockDim.x) {
-    const int r = atomicAdd(&cur[topk_ids[i]], 1);
+    const int r = atomicAdd(&cur[__ldcg(topk_ids + i)], 1);
     sorted_pair[r] = i;
     pair_pos[i] = r;
   }
@@ -172,7 +178,7 @@ __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, cons
                                                 const bf16* __restrict__ W, bf16* __restrict__ Y,
                                                 const int* __restrict__ expert_off,
                                                 const int* __restrict__ expert_cnt, int E, int k, int N, int K) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* xs = reinterpret_cast<bf16*>(smem_raw);  // [TM, K]
   const int row0 = blockIdx.y * TM;
   if (row0 >= expert_off[E]) return;
@@ -334,6 +340,16 @@ extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __
   extern "C" __global__ void __launch_bounds__(1024) moe_align_m##TM(                                           \
       const int* topk_ids, const uint32_t* num_tokens, int k, int E, int* expert_off, int* expert_cnt,          \
       int* sorted_pair, int* pair_pos) {                                                                        \
+    moe_align_impl<TM>(topk_ids, num_tokens, k, E, expert_off, expert_cnt, sorted_pair, pair_pos);              \
+  }                                                                                                              \
+  /* Small steps: route (a warp per token) and align in one block, one launch fewer per layer. */          \
+  extern "C" __global__ void __launch_bounds__(1024) moe_route_align_m##TM(                                     \
+      const float* logits, int* topk_ids, float* topk_w, const uint32_t* num_tokens, int E, int k,             \
+      int norm_topk, int* expert_off, int* expert_cnt, int* sorted_pair, int* pair_pos) {                       \
+    const int T = (int)*num_tokens;                                                                              \
+    for (int t = threadIdx.x >> 5; t < T; t += blockDim.x >> 5)                                                 \
+      route_token(logits, topk_ids, topk_w, t, threadIdx.x & 31, E, k, norm_topk);                             \
+    __syncthreads(); /* the block's global writes are visible to it after the barrier */                        \
     moe_align_impl<TM>(topk_ids, num_tokens, k, E, expert_off, expert_cnt, sorted_pair, pair_pos);              \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_m##TM(                               \
