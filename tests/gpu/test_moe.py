@@ -298,10 +298,57 @@ def test_tiny_moe_mixed_steps_and_batch_compositions():
 def test_qwen3_30b_a3b_shape_matches_transformers(layers: int):
     """Qwen3-30B-A3B's real layer shapes (128 experts, top 8, hidden 2048, expert 768), random
     weights, `layers` layers, against transformers' Qwen3MoeForCausalLM on the same bf16 weights:
-    chunked prefill and 32 greedy decode steps (test_engine's script and tolerances)."""
-    from test_engine import _compare_transformers, small_engine
+    chunked prefill and 32 greedy decode steps, teacher-forced (test_engine's script). Every position's
+    logits within 2e-2 relative, except where transformers' own router is at a near-tie between its 8th
+    and 9th expert in some layer (bf16 noise may route either way there): those are printed and may be
+    at most 5% of the positions. Greedy tokens agree at >= 95% of the positions."""
+    import torch
+    from test_engine import hf_model, prompts_for, rel_err, run_script, small_engine
+
+    from blink.models.reference import PagedDriver
 
     cfg = preset("qwen3-30b-a3b").replace(num_layers=layers)
     eng = small_engine(cfg)
-    _compare_transformers(cfg, eng, f"qwen3-30b-a3b x{layers}")
+    model = hf_model(cfg, eng)
+    k = cfg.num_experts_per_tok
+    captured: list = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(
+            lambda _m, _i, out: captured.append((out[0] if isinstance(out, tuple) else out).float())
+        )
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate")
+    ]
+    prompts = prompts_for(cfg)
+    rows, gen = run_script(eng, PagedDriver(256, 16, 64, shuffle_seed=3), prompts, split=21)
+    table = []  # (rel err, argmax agrees, router gap, sequence, position)
+    for s in (0, 1):
+        ids = prompts[s] + gen[s][:-1]
+        captured.clear()
+        with torch.no_grad():
+            hid = model.model(torch.tensor([ids], device="cuda")).last_hidden_state[0].float()
+            ref = (hid @ model.lm_head.weight.float().T).cpu().numpy()
+        # per position, the smallest gap between the 8th and 9th router probability over the layers
+        gaps = np.full(len(ids), np.inf)
+        for lg in captured:
+            p = torch.softmax(lg.reshape(-1, cfg.num_experts), -1).sort(-1, descending=True).values
+            gaps = np.minimum(gaps, (p[:, k - 1] - p[:, k]).cpu().numpy())
+        for pos, lg in rows[s]:
+            table.append((rel_err(lg, ref[pos]), int(np.argmax(lg) == np.argmax(ref[pos])), float(gaps[pos]), s, pos))
+    for h in hooks:
+        h.remove()
+    errs = np.array([t[0] for t in table])
+    agree = sum(t[1] for t in table)
+    print(
+        f"qwen3-30b-a3b x{layers}: max rel err {errs.max():.2e}, mean {errs.mean():.2e}, median {np.median(errs):.2e}, "
+        f"greedy agreement {agree}/{len(table)}"
+    )
+    for e, a, g, s, pos in sorted(table, reverse=True)[:6]:
+        print(f"  worst: seq {s} pos {pos}: rel err {e:.2e}, argmax agrees {bool(a)}, router 8th-9th gap {g:.2e}")
+    near_tie = [t for t in table if t[0] > 2e-2 and t[2] < 2e-3]
+    bad = [t for t in table if t[0] > 2e-2 and t[2] >= 2e-3]
+    print(f"  over 2e-2: {len(near_tie)} at a router near-tie, {len(bad)} not")
+    assert not bad, bad
+    assert len(near_tie) <= 0.05 * len(table)
+    assert agree >= 0.95 * len(table)
     eng.close()
