@@ -98,6 +98,7 @@ def test_bench_kernels_compile():
     names = B.nvrtc().compile(src, "sm_90", (f"-I{kernels.CSRC}", "--Ofast-compile=max")).decode("latin-1")
     for v in ("flash8", "flashq8"):
         assert f"attn_{v}_hd128_g4" in names and f"attn_{v}_combine_hd128" in names
+    assert "attn_flashmma_hd128_g4" in names
 
 
 def _assert_no_spills(ptxas_log: str) -> None:
