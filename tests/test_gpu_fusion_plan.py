@@ -12,7 +12,16 @@ import pytest
 from blink.gpu import kernels
 from blink.gpu.engine import EngineConfig, parse_gemv_fusion
 from blink.gpu.forward import GEMV_FUSIONS, Dims, Forward, RopeArgs
-from blink.gpu.moe_launch import FUSED_ROUTE_MAX_TOKENS, MMA_BN, MMA_MIN_TOKENS, TILE_M, MoeLaunches, max_tiles
+from blink.gpu.moe_launch import (
+    BIG_TILE_M,
+    BIG_TILE_MIN_TOKENS,
+    FUSED_ROUTE_MAX_TOKENS,
+    MMA_BN,
+    MMA_MIN_TOKENS,
+    TILE_M,
+    MoeLaunches,
+    max_tiles,
+)
 from blink.models.config import preset
 from blink.protocol.step import STEP_FIELDS
 
@@ -47,7 +56,7 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict, lay
     c = preset(name).replace(num_layers=layers)
     f = object.__new__(Forward)
     f.c, f.num_sms, f.max_splits = c, 132, 32
-    f.d = Dims(8, 128, 66, 16, 1000, 1056)
+    f.d = Dims(8, 256, 66, 16, 1000, 1056)
     H, nqkv = c.hidden_size, c.q_size + 2 * c.kv_size
     qn = _Arr(c.head_dim) if c.qk_norm else None
     layers = []
@@ -66,6 +75,7 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict, lay
     if c.is_moe:
         f.moe = object.__new__(MoeLaunches)
         f.moe.c, f.moe.mma_min_tokens, f.moe.fused_route_max_tokens = c, MMA_MIN_TOKENS, FUSED_ROUTE_MAX_TOKENS
+        f.moe.big_tile_min_tokens = BIG_TILE_MIN_TOKENS
         for b in "logits topk_ids topk_w expert_off expert_cnt sorted_pair pair_pos act y".split():
             setattr(f.moe, b, _Arr(1))
     return _finish(f, gemv_max_tokens, fusion, signatures)
@@ -301,13 +311,14 @@ def test_prefill_graph_runs_decode_attention_first(decode: str, prefill: str, si
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("T,decode", [(1, True), (8, True), (16, False), (64, False), (128, False)])
+@pytest.mark.parametrize("T,decode", [(1, True), (8, True), (16, False), (64, False), (128, False), (256, False)])
 @pytest.mark.parametrize("fusion", ["none", "all"])
 def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signatures: dict):
     """A MoE layer's launches (blink/gpu/moe_launch.py): after the o projection and the MLP norm, the
     router projection (fp32 out), then route and align (one launch in small graphs), the two expert
-    kernels (tile GEMV, or tensor cores in large graphs) sized for the bucket's worst case, and the
-    combine into delta; dense layers (mlp_only_layers) keep swiglu; no GEMV fusion."""
+    kernels (tile GEMV; tensor cores in large graphs, with 64-row tiles in the largest) sized for the
+    bucket's worst case, and the combine into delta; dense layers (mlp_only_layers) keep swiglu; no
+    GEMV fusion."""
     f, calls = _forward(name, 8, fusion, signatures, layers=3)
     c = f.c
     f.record(0, min(T, 8), T, decode)
@@ -316,8 +327,9 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
     assert names.count("moe_combine") == len(moe_layers) and names.count("swiglu") == 3 - len(moe_layers)
     assert f.fusions_for(T) == frozenset()
     v = "_mma" if T >= MMA_MIN_TOKENS else ""  # tensor cores from MMA_MIN_TOKENS tokens (both dims % 16 == 0 here)
-    routing = [f"moe_route_align_m{TILE_M}"] if T <= FUSED_ROUTE_MAX_TOKENS else ["moe_route", f"moe_align_m{TILE_M}"]
-    moe_seq = [*routing, f"moe_gate_up{v}_m{TILE_M}", f"moe_down{v}_m{TILE_M}", "moe_combine"]
+    tm = BIG_TILE_M if T >= BIG_TILE_MIN_TOKENS else TILE_M
+    routing = [f"moe_route_align_m{tm}"] if T <= FUSED_ROUTE_MAX_TOKENS else ["moe_route", f"moe_align_m{tm}"]
+    moe_seq = [*routing, f"moe_gate_up{v}_m{tm}", f"moe_down{v}_m{tm}", "moe_combine"]
     starts = [i for i, n in enumerate(names) if n == moe_seq[0]]
     assert len(starts) == len(moe_layers)
     for i in starts:
@@ -326,10 +338,10 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
         assert router[0] in ("cublas", f"gemv_f32_t{T}"), router[0]
         assert names[i - 2] == "add_rmsnorm"
         gu, dn = calls[i + len(routing)], calls[i + len(routing) + 1]
-        tiles = max_tiles(T, c.num_experts_per_tok, c.num_experts)
+        tiles = max_tiles(T, c.num_experts_per_tok, c.num_experts, tm)
         assert gu[1][1] == dn[1][1] == tiles
         H, im = c.hidden_size, c.moe_intermediate_size
-        assert gu[3] == MoeLaunches.smem(bool(v), H) and dn[3] == MoeLaunches.smem(bool(v), im)
+        assert gu[3] == MoeLaunches.smem(bool(v), H, tm) and dn[3] == MoeLaunches.smem(bool(v), im, tm)
         bn = MMA_BN if v else 32
         assert gu[1][0] == -(-im // bn) and dn[1][0] == -(-H // bn)
         assert calls[i + len(moe_seq) - 1][1] == (T, 1, 1)

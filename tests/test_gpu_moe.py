@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blink.gpu.moe_launch import TILE_M, align_reference, check_moe, max_tiles
+from blink.gpu.moe_launch import BIG_TILE_M, TILE_M, MoeLaunches, align_reference, check_moe, max_tiles
 from blink.gpu.weights import GpuWeights, LayerWeights
 from blink.models.config import preset
 from blink.models.llama_numpy import LlamaNumpy, _swiglu
@@ -22,15 +22,17 @@ def _assignments(rng: np.random.Generator, T: int, k: int, E: int):
     yield (np.arange(T)[:, None] * k + np.arange(k)[None, :]) % E
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 8, 16, 17, 64, 256])
+@pytest.mark.parametrize("tm", [TILE_M, BIG_TILE_M])
+@pytest.mark.parametrize("T", [1, 2, 3, 8, 16, 17, 64, 256, 1000])
 @pytest.mark.parametrize("k,E", [(8, 128), (2, 8), (1, 4), (4, 16)])
-def test_tiles_never_exceed_the_bound(T: int, k: int, E: int):
+def test_tiles_never_exceed_the_bound(T: int, k: int, E: int, tm: int):
     rng = np.random.default_rng(T * 31 + E)
+    cfg = preset("qwen3-30b-a3b").replace(num_experts=E, num_experts_per_tok=k)
     for ids in _assignments(rng, T, k, E):
-        ref = align_reference(ids, E)
-        tiles = int(ref["off"][-1]) // TILE_M
-        assert tiles <= max_tiles(T, k, E), (T, k, E, tiles)
-        assert ref["off"][-1] <= max_tiles(T, k, E) * TILE_M  # the buffers' rows
+        ref = align_reference(ids, E, tm)
+        tiles = int(ref["off"][-1]) // tm
+        assert tiles <= max_tiles(T, k, E, tm), (T, k, E, tiles)
+        assert ref["off"][-1] <= MoeLaunches.rows(cfg, T)  # the buffers' rows
 
 
 def test_bound_is_reached():

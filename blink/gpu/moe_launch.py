@@ -5,9 +5,13 @@ is computed on the device; the host only sizes buffers and grids for the worst c
 bucket, so one captured graph serves every routing:
 
     pairs    T*k                                   (token, slot) pairs of a step of T tokens
-    tiles    min(T*k, (T*k + E*(TILE_M-1)) // TILE_M)   upper bound of sum_e ceil(cnt_e / TILE_M):
-             each expert's segment is padded to TILE_M rows, and a used expert holds >= 1 pair
-    rows     tiles * TILE_M                         rows of the permuted activations
+    tiles    min(T*k, (T*k + E*(tm-1)) // tm)       upper bound of sum_e ceil(cnt_e / tm):
+             each expert's segment is padded to tm rows, and a used expert holds >= 1 pair
+    rows     tiles * tm                             rows of the permuted activations
+
+The tile height tm is TILE_M (16) for small graphs (tile GEMV on CUDA cores up to MMA_MIN_TOKENS
+tokens, tensor cores above) and BIG_TILE_M (64) from BIG_TILE_MIN_TOKENS on (tensor cores: each
+weight fragment then feeds 4 row fragments). All of it is fixed per graph at capture.
 
 `align_reference` is the permutation in numpy (the kernel's contract, for CPU tests).
 """
@@ -20,7 +24,10 @@ from blink.gpu.cuda_api import Driver
 from blink.gpu.kernels import Kernels
 from blink.models.config import ModelConfig
 
-TILE_M = 16  # rows per expert tile; the kernels are compiled per height: moe_*_m16 (moe.cu MOE_KERNELS)
+TILE_M = 16  # rows per expert tile; the kernels are compiled per height: moe_*_m16 (moe.cu's macros)
+BIG_TILE_M = 64  # the tensor-core kernels' tile in large graphs (moe_align_m64, moe_*_mma_m64)
+BIG_TILE_MIN_TOKENS = 256  # graphs of at least this many tokens use BIG_TILE_M
+MMA_KC = 256  # moe.cu MMA_KC: inputs staged per step of the tensor-core kernels
 WARPS, COLS = 8, 4  # moe.cu MOE_WARPS, MOE_COLS: output columns per block = WARPS * COLS (tile GEMV)
 MMA_BN = WARPS * 16  # moe.cu MMA_BN: output columns per block of the tensor-core variant
 MMA_MIN_TOKENS = 64  # graphs of at least this many tokens run the expert GEMMs on tensor cores
@@ -76,7 +83,7 @@ class MoeLaunches:
         check_moe(c)
         self.c = c
         E, k, H, inter = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
-        rows = max_tiles(max_tokens, k, E) * TILE_M
+        rows = self.rows(c, max_tokens)
         z = lambda *shape, dt=cp.uint16: cp.zeros(shape, dtype=dt)  # noqa: E731
         self.logits = z(max_tokens, E, dt=cp.float32)  # router output
         self.topk_ids = z(max_tokens * k, dt=cp.int32)
@@ -88,8 +95,11 @@ class MoeLaunches:
         self.act = z(rows, inter)  # swiglu of the permuted rows
         self.y = z(rows, H)  # expert outputs, permuted rows
         for kind, K in (("gate_up", H), ("down", inter)):
-            driver.set_max_dynamic_smem(kernels[f"moe_{kind}_m{TILE_M}"], self.smem(False, K))
-            driver.set_max_dynamic_smem(kernels[f"moe_{kind}_mma_m{TILE_M}"], self.smem(True, K))
+            driver.set_max_dynamic_smem(kernels[f"moe_{kind}_m{TILE_M}"], self.smem(False, K, TILE_M))
+            for tm in (TILE_M, BIG_TILE_M):
+                driver.set_max_dynamic_smem(kernels[f"moe_{kind}_mma_m{tm}"], self.smem(True, K, tm))
+        self.big_tile_min_tokens = BIG_TILE_MIN_TOKENS
+        """Graphs of at least this many tokens (on tensor cores) take 64-row tiles."""
         self.mma_min_tokens = MMA_MIN_TOKENS
         """Graphs of at least this many tokens take the tensor-core expert kernels (the benchmarks
         move it to time one variant against the other); within a graph a row's result depends
@@ -98,11 +108,21 @@ class MoeLaunches:
         """Graphs of at most this many tokens route and align in one launch (moe_route_align)."""
 
     @staticmethod
-    def smem(mma: bool, K: int) -> int:
-        """Dynamic shared memory of an expert kernel over K inputs (moe.cu's layouts)."""
+    def smem(mma: bool, K: int, tm: int) -> int:
+        """Dynamic shared memory of an expert kernel over K inputs with tm-row tiles (moe.cu's layouts)."""
         if not mma:
-            return TILE_M * K * 2
-        return -(-(TILE_M * (K + 8) * 2) // 128) * 128 + WARPS * 2 * 256 * 4
+            return tm * K * 2
+        return -(-(tm * (MMA_KC + 8) * 2) // 128) * 128 + WARPS * 2 * 256 * 4
+
+    @staticmethod
+    def rows(c: ModelConfig, tokens: int) -> int:
+        """Rows of the permuted buffers for a step of `tokens` tokens, whichever tile it takes."""
+        E, k = c.num_experts, c.num_experts_per_tok
+        return max(max_tiles(tokens, k, E, tm) * tm for tm in (TILE_M, BIG_TILE_M))
+
+    def tile_m(self, T: int) -> int:
+        """The tile height of a graph of T tokens."""
+        return BIG_TILE_M if self.uses_mma(T) and T >= self.big_tile_min_tokens else TILE_M
 
     def uses_mma(self, T: int) -> bool:
         c = self.c
@@ -113,7 +133,7 @@ class MoeLaunches:
     def device_bytes(c: ModelConfig, max_tokens: int) -> int:
         """What the buffers take (the engine's KV pool sizing leaves room for it)."""
         E, k = c.num_experts, c.num_experts_per_tok
-        rows = max_tiles(max_tokens, k, E) * TILE_M
+        rows = MoeLaunches.rows(c, max_tokens)
         return (
             max_tokens * (4 * E + 12 * k)
             + 4 * (2 * E + 1 + rows)
@@ -132,23 +152,24 @@ class MoeLaunches:
                      norm_topk=int(c.norm_topk_prob))  # fmt: skip
         align = dict(expert_off=self.expert_off, expert_cnt=self.expert_cnt, sorted_pair=self.sorted_pair,
                      pair_pos=self.pair_pos)  # fmt: skip
-        if T <= self.fused_route_max_tokens:
-            fwd._launch(f"moe_route_align_m{TILE_M}", (1, 1, 1), (1024, 1, 1), stream, **route, **align)
+        tm, mma = self.tile_m(T), self.uses_mma(T)
+        if T <= self.fused_route_max_tokens and tm == TILE_M:
+            fwd._launch(f"moe_route_align_m{tm}", (1, 1, 1), (1024, 1, 1), stream, **route, **align)
         else:
             fwd._launch("moe_route", (-(-T // ROUTE_WARPS), 1, 1), (32 * ROUTE_WARPS, 1, 1), stream, **route)
             fwd._launch(
-                f"moe_align_m{TILE_M}", (1, 1, 1), (1024, 1, 1), stream, topk_ids=self.topk_ids, num_tokens=num_tokens,
+                f"moe_align_m{tm}", (1, 1, 1), (1024, 1, 1), stream, topk_ids=self.topk_ids, num_tokens=num_tokens,
                 k=k, E=E, **align,
             )  # fmt: skip
-        tiles, mma = max_tiles(T, k, E), self.uses_mma(T)
+        tiles = max_tiles(T, k, E, tm)
         bn, v = (MMA_BN, "_mma") if mma else (WARPS * COLS, "")
         fwd._launch(
-            f"moe_gate_up{v}_m{TILE_M}", (-(-inter // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, H),
+            f"moe_gate_up{v}_m{tm}", (-(-inter // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, H, tm),
             X=hid, sorted_pair=self.sorted_pair, W=gate_up, Y=self.act, expert_off=self.expert_off,
             expert_cnt=self.expert_cnt, E=E, k=k, N=inter, K=H,
         )  # fmt: skip
         fwd._launch(
-            f"moe_down{v}_m{TILE_M}", (-(-H // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, inter),
+            f"moe_down{v}_m{tm}", (-(-H // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, inter, tm),
             X=self.act, W=down, Y=self.y, expert_off=self.expert_off, expert_cnt=self.expert_cnt, E=E, N=H, K=inter,
         )  # fmt: skip
         fwd._launch(

@@ -119,9 +119,11 @@ def _check_layer(rig: _Rig, h: np.ndarray, bucket: int) -> dict[str, np.ndarray]
     print(f"{tag} moe_route: routing weights max abs diff {werr:.2e}")
     assert werr < 8e-3  # bf16 rounding of a weight <= 1
     # moe_align
-    ref = align_reference(g["ids"], E)
+    tm = rig.moe.tile_m(bucket)
+    ref = align_reference(g["ids"], E, tm)
     print(
-        f"{tag} moe_align: rows {int(g['off'][-1])} (ref {int(ref['off'][-1])}), tiles bound {max_tiles(bucket, k, E)}"
+        f"{tag} moe_align (tile {tm}): rows {int(g['off'][-1])} (ref {int(ref['off'][-1])}), "
+        f"tiles bound {max_tiles(bucket, k, E, tm)}"
     )
     np.testing.assert_array_equal(g["cnt"], ref["cnt"], err_msg="moe_align counts")
     np.testing.assert_array_equal(g["off"], ref["off"], err_msg="moe_align padded offsets")
@@ -162,11 +164,13 @@ def _rig(name: str) -> _Rig:
 
 
 def _variant(rig: _Rig, variant: str) -> None:
-    """Force the expert kernels: "gemv" (tile GEMV, CUDA cores) or "mma" (tensor cores) at any bucket."""
-    rig.moe.mma_min_tokens = 0 if variant == "mma" else 1 << 30
+    """Force the expert kernels at any bucket: "gemv" (tile GEMV, CUDA cores, 16-row tiles), "mma"
+    (tensor cores, 16-row tiles) or "mma64" (tensor cores, 64-row tiles)."""
+    rig.moe.mma_min_tokens = 1 << 30 if variant == "gemv" else 0
+    rig.moe.big_tile_min_tokens = 0 if variant == "mma64" else 1 << 30
 
 
-@pytest.mark.parametrize("variant", ["gemv", "mma"])
+@pytest.mark.parametrize("variant", ["gemv", "mma", "mma64"])
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
 @pytest.mark.parametrize("T,bucket", [(1, 1), (3, 4), (8, 8), (70, 128), (256, 256)])
 def test_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
@@ -178,7 +182,7 @@ def test_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
     _check_layer(rig, h, bucket)
 
 
-@pytest.mark.parametrize("variant", ["gemv", "mma"])
+@pytest.mark.parametrize("variant", ["gemv", "mma", "mma64"])
 def test_moe_rows_do_not_depend_on_the_batch(variant: str):
     """With either expert kernel, a token's MoE output is bit-identical alone, in a batch of 8 and among
     200 other tokens (the permutation's order within an expert is set by atomics and a tile holds other

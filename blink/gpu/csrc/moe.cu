@@ -239,75 +239,100 @@ __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, cons
 }
 
 // Tensor-core variant (graphs whose buckets put many rows in a tile: prefill, large decode batches):
-// the same tile, block per (tile, MMA_BN output columns); each warp one 16x16 WMMA output fragment
-// (SWIGLU: the gate and the up fragment of its 16 columns), A from the staged rows (row stride K + 8:
-// no bank conflicts), B straight from the expert's weight rows (col-major K x 16 = 16 rows of W), fp32
-// accumulators through shared memory for the epilogue. Shared memory: TM * (K + 8) * 2 + MOE_WARPS *
-// 2 * 256 * 4 bytes. A row's result depends only on its own row (one MMA chain per element).
+// block per (tile, MMA_BN output columns); each warp one 16-column WMMA output slice (SWIGLU: its gate
+// and its up columns) for the tile's TM / 16 row fragments, so each weight fragment loaded feeds every
+// row fragment of the tile. The tile's rows are staged MMA_KC inputs at a time (row stride MMA_KC + 8:
+// no bank conflicts); B comes straight from the expert's weight rows (col-major K x 16 = 16 rows of
+// W); fp32 accumulators go through a per-warp shared buffer for the epilogue, one row fragment at a
+// time. Row fragments wholly past the tile's count are skipped. Shared memory (MoeLaunches.smem):
+// align128(TM * (MMA_KC + 8) * 2) + MOE_WARPS * 2 * 256 * 4 bytes. A row's result depends only on its
+// own row (one MMA chain per output element).
 #define MMA_BN (MOE_WARPS * 16)
+#define MMA_KC 256
 
 template <int TM, bool SWIGLU>
 __device__ __forceinline__ void moe_expert_mma_impl(const bf16* __restrict__ X, const int* __restrict__ sorted_pair,
                                                     const bf16* __restrict__ W, bf16* __restrict__ Y,
                                                     const int* __restrict__ expert_off,
                                                     const int* __restrict__ expert_cnt, int E, int k, int N, int K) {
-  static_assert(TM == 16, "one WMMA row fragment per tile");
+  static_assert(TM % 16 == 0 && TM <= 64, "whole WMMA row fragments");
+  constexpr int MF = TM / 16;
+  constexpr int LDX = MMA_KC + 8;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const int ldx = K + 8;
-  bf16* xs = reinterpret_cast<bf16*>(smem_raw);                                         // [TM, K + 8]
-  float* cs = reinterpret_cast<float*>(smem_raw + (((size_t)TM * ldx * 2 + 127) & ~(size_t)127));  // [warps, 2, 256]
+  bf16* xs = reinterpret_cast<bf16*>(smem_raw);  // [TM, LDX]
+  float* cs = reinterpret_cast<float*>(smem_raw + ((TM * LDX * 2 + 127) & ~127));  // [warps, 2, 256]
+  __shared__ int src_row[TM];
   const int row0 = blockIdx.y * TM;
   if (row0 >= expert_off[E]) return;
   const int e = expert_of_row(expert_off, E, row0);
   const int nr = min(TM, expert_off[e] + expert_cnt[e] - row0);
   if (nr <= 0) return;
-  const int kv = K / 8;
-  for (int i = threadIdx.x; i < TM * kv; i += blockDim.x) {
-    const int r = i / kv, v = i - r * kv;
-    bf16x8 val;
-    if (r < nr) {
-      const int src = sorted_pair ? sorted_pair[row0 + r] / k : row0 + r;
-      val = reinterpret_cast<const bf16x8*>(X + (size_t)src * K)[v];
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) val.v[j] = tobf(0.f);  // rows past the tile's count: zeros, never written
-    }
-    *reinterpret_cast<bf16x8*>(xs + r * ldx + v * 8) = val;
-  }
-  __syncthreads();
+  const int nf = (nr + 15) / 16;  // row fragments holding real rows
+  for (int r = threadIdx.x; r < TM; r += blockDim.x)
+    src_row[r] = r < nr ? (sorted_pair ? sorted_pair[row0 + r] / k : row0 + r) : -1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int col0 = blockIdx.x * MMA_BN + warp * 16;
-  if (col0 >= N) return;  // N % 16 == 0 (checked on the host)
+  const bool active = col0 < N;  // N % 16 == 0 (checked on the host); idle warps still stage rows
   const bf16* We = W + (size_t)e * (SWIGLU ? 2 : 1) * N * K;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> ca, cb;
-  wmma::fill_fragment(ca, 0.f);
-  wmma::fill_fragment(cb, 0.f);
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> ca[MF], cb[MF];
+#pragma unroll
+  for (int f = 0; f < MF; ++f) {
+    wmma::fill_fragment(ca[f], 0.f);
+    wmma::fill_fragment(cb[f], 0.f);
+  }
   wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
   wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b, bu;
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    wmma::load_matrix_sync(a, xs + k0, ldx);
-    wmma::load_matrix_sync(b, We + (size_t)col0 * K + k0, K);
-    wmma::mma_sync(ca, a, b, ca);
-    if (SWIGLU) {
-      wmma::load_matrix_sync(bu, We + (size_t)(col0 + N) * K + k0, K);
-      wmma::mma_sync(cb, a, bu, cb);
+  for (int kc = 0; kc < K; kc += MMA_KC) {
+    const int kw = min(MMA_KC, K - kc), kv = kw / 8;
+    __syncthreads();  // src_row written; the previous chunk consumed
+    for (int i = threadIdx.x; i < nf * 16 * kv; i += blockDim.x) {
+      const int r = i / kv, v = i - r * kv;
+      bf16x8 val;
+      if (src_row[r] >= 0) {
+        val = reinterpret_cast<const bf16x8*>(X + (size_t)src_row[r] * K + kc)[v];
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) val.v[j] = tobf(0.f);  // rows past the tile's count: zeros, never written
+      }
+      *reinterpret_cast<bf16x8*>(xs + r * LDX + v * 8) = val;
+    }
+    __syncthreads();
+    if (!active) continue;
+#pragma unroll 2
+    for (int k0 = 0; k0 < kw; k0 += 16) {
+      wmma::load_matrix_sync(b, We + (size_t)col0 * K + kc + k0, K);
+      if (SWIGLU) wmma::load_matrix_sync(bu, We + (size_t)(col0 + N) * K + kc + k0, K);
+#pragma unroll
+      for (int f = 0; f < MF; ++f) {
+        if (f < nf) {
+          wmma::load_matrix_sync(a, xs + f * 16 * LDX + k0, LDX);
+          wmma::mma_sync(ca[f], a, b, ca[f]);
+          if (SWIGLU) wmma::mma_sync(cb[f], a, bu, cb[f]);
+        }
+      }
     }
   }
+  if (!active) return;
   float* c0 = cs + warp * 512;
-  wmma::store_matrix_sync(c0, ca, 16, wmma::mem_row_major);
-  if (SWIGLU) wmma::store_matrix_sync(c0 + 256, cb, 16, wmma::mem_row_major);
-  __syncwarp();
-  for (int i = lane; i < 256; i += 32) {
-    const int r = i >> 4, cc = i & 15;
-    if (r >= nr) continue;
-    float out;
-    if (SWIGLU) {
-      const float g = rbf(c0[i]), u = rbf(c0[256 + i]);
-      out = rbf(g / (1.f + expf(-g))) * u;
-    } else {
-      out = c0[i];
+#pragma unroll
+  for (int f = 0; f < MF; ++f) {
+    if (f >= nf) break;
+    wmma::store_matrix_sync(c0, ca[f], 16, wmma::mem_row_major);
+    if (SWIGLU) wmma::store_matrix_sync(c0 + 256, cb[f], 16, wmma::mem_row_major);
+    __syncwarp();
+    for (int i = lane; i < 256; i += 32) {
+      const int r = f * 16 + (i >> 4), cc = i & 15;
+      if (r >= nr) continue;
+      float out;
+      if (SWIGLU) {
+        const float g = rbf(c0[i]), u = rbf(c0[256 + i]);
+        out = rbf(g / (1.f + expf(-g))) * u;
+      } else {
+        out = c0[i];
+      }
+      Y[(size_t)(row0 + r) * N + col0 + cc] = tobf(out);
     }
-    Y[(size_t)(row0 + r) * N + col0 + cc] = tobf(out);
+    __syncwarp();
   }
 }
 
@@ -335,14 +360,17 @@ extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __
   }
 }
 
-// One set of kernels per tile height (the name carries it: Python launches moe_*_m<TILE_M>).
-#define MOE_KERNELS(TM)                                                                                          \
+// Kernels per tile height (the name carries it: Python launches moe_*_m<TILE_M>): the permutation for
+// 16- and 64-row tiles, the tile GEMV for 16, the tensor-core kernels for both.
+#define MOE_ALIGN(TM)                                                                                            \
   extern "C" __global__ void __launch_bounds__(1024) moe_align_m##TM(                                           \
       const int* topk_ids, const uint32_t* num_tokens, int k, int E, int* expert_off, int* expert_cnt,          \
       int* sorted_pair, int* pair_pos) {                                                                        \
     moe_align_impl<TM>(topk_ids, num_tokens, k, E, expert_off, expert_cnt, sorted_pair, pair_pos);              \
-  }                                                                                                              \
-  /* Small steps: route (a warp per token) and align in one block, one launch fewer per layer. */          \
+  }
+
+/* Small steps: route (a warp per token) and align in one block, one launch fewer per layer. */
+#define MOE_ROUTE_ALIGN(TM)                                                                                      \
   extern "C" __global__ void __launch_bounds__(1024) moe_route_align_m##TM(                                     \
       const float* logits, int* topk_ids, float* topk_w, const uint32_t* num_tokens, int E, int k,             \
       int norm_topk, int* expert_off, int* expert_cnt, int* sorted_pair, int* pair_pos) {                       \
@@ -351,7 +379,9 @@ extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __
       route_token(logits, topk_ids, topk_w, t, threadIdx.x & 31, E, k, norm_topk);                             \
     __syncthreads(); /* the block's global writes are visible to it after the barrier */                        \
     moe_align_impl<TM>(topk_ids, num_tokens, k, E, expert_off, expert_cnt, sorted_pair, pair_pos);              \
-  }                                                                                                              \
+  }
+
+#define MOE_GEMV(TM)                                                                                             \
   extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_m##TM(                               \
       const bf16* X, const int* sorted_pair, const bf16* W, bf16* Y, const int* expert_off,                     \
       const int* expert_cnt, int E, int k, int N, int K) {                                                      \
@@ -361,7 +391,9 @@ extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __
       const bf16* X, const bf16* W, bf16* Y, const int* expert_off, const int* expert_cnt, int E, int N,       \
       int K) {                                                                                                   \
     moe_expert_impl<TM, false>(X, nullptr, W, Y, expert_off, expert_cnt, E, 1, N, K);                           \
-  }                                                                                                              \
+  }
+
+#define MOE_MMA(TM)                                                                                              \
   extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_mma_m##TM(                           \
       const bf16* X, const int* sorted_pair, const bf16* W, bf16* Y, const int* expert_off,                     \
       const int* expert_cnt, int E, int k, int N, int K) {                                                      \
@@ -373,4 +405,9 @@ extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __
     moe_expert_mma_impl<TM, false>(X, nullptr, W, Y, expert_off, expert_cnt, E, 1, N, K);                       \
   }
 
-MOE_KERNELS(16)
+MOE_ALIGN(16)
+MOE_ALIGN(64)
+MOE_ROUTE_ALIGN(16)
+MOE_GEMV(16)
+MOE_MMA(16)
+MOE_MMA(64)
