@@ -324,16 +324,24 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
     f.record(0, min(T, 8), T, decode)
     names = [n for n, *_ in calls]
     moe_layers = [li for li in range(3) if c.layer_is_moe(li)]
-    assert names.count("moe_combine") == len(moe_layers) and names.count("swiglu") == 3 - len(moe_layers)
+    # the combine of a MoE layer before the last does the next layer's add_rmsnorm (moe_combine_norm)
+    fused_norms = sum(li < 2 for li in moe_layers)
+    assert (
+        names.count("moe_combine_norm") == fused_norms and names.count("moe_combine") == len(moe_layers) - fused_norms
+    )
+    assert names.count("add_rmsnorm") == 2 * 3 - fused_norms and names.count("swiglu") == 3 - len(moe_layers)
     assert f.fusions_for(T) == frozenset()
     v = "_mma" if T >= MMA_MIN_TOKENS else ""  # tensor cores from MMA_MIN_TOKENS tokens (both dims % 16 == 0 here)
     tm = BIG_TILE_M if T >= BIG_TILE_MIN_TOKENS else TILE_M
     routing = [f"moe_route_align_m{tm}"] if T <= FUSED_ROUTE_MAX_TOKENS else ["moe_route", f"moe_align_m{tm}"]
-    moe_seq = [*routing, f"moe_gate_up{v}_m{tm}", f"moe_down{v}_m{tm}", "moe_combine"]
-    starts = [i for i, n in enumerate(names) if n == moe_seq[0]]
+    starts = [i for i, n in enumerate(names) if n == routing[0]]
     assert len(starts) == len(moe_layers)
-    for i in starts:
+    for li, i in zip(moe_layers, starts, strict=True):
+        last = "moe_combine" if li == 2 else "moe_combine_norm"
+        moe_seq = [*routing, f"moe_gate_up{v}_m{tm}", f"moe_down{v}_m{tm}", last]
         assert names[i : i + len(moe_seq)] == moe_seq
+        if li < 2:  # the next layer starts at its qkv projection
+            assert names[i + len(moe_seq)] in ("cublas", f"gemv_bf16_t{T}"), names[i + len(moe_seq)]
         router = calls[i - 1]  # the router projection, fp32 out, right before the routing
         assert router[0] in ("cublas", f"gemv_f32_t{T}"), router[0]
         assert names[i - 2] == "add_rmsnorm"

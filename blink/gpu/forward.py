@@ -306,6 +306,7 @@ class Forward(AttentionLaunches):
         fuse = self.fusions_for(T)
         fuse_norm, fuse_swiglu, fuse_rope = "norm" in fuse, "swiglu" in fuse, "rope" in fuse
         norm = {"out": self.hid, "num_tokens": nt, "H": H, "eps": eps}  # add_rmsnorm's common arguments
+        normed = False  # hid already holds this layer's attention norm (the MoE combine before did it)
         for li, lw in enumerate(self.w.layers):
             kc = int(self.kv.data.ptr) + li * self.kv_layer_stride
             vc = kc + self.kv_half
@@ -314,10 +315,12 @@ class Forward(AttentionLaunches):
                 self.fused_linear(kind, self.resid, lw.qkv, y, T, stream, nw=lw.attn_norm)
             else:
                 delta = None if li == 0 else self.delta
-                self._launch(
-                    "add_rmsnorm", (T, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=delta, w=lw.attn_norm,
-                    **norm,
-                )  # fmt: skip
+                if not normed:
+                    self._launch(
+                        "add_rmsnorm", (T, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=delta,
+                        w=lw.attn_norm, **norm,
+                    )  # fmt: skip
+                normed = False
                 if fuse_rope:
                     self.fused_linear("rope", self.hid, lw.qkv, self.rope_args(kc, vc), T, stream)
                 else:
@@ -348,11 +351,16 @@ class Forward(AttentionLaunches):
                     "add_rmsnorm", (T, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=self.delta,
                     w=lw.mlp_norm, **norm,
                 )  # fmt: skip
-                if lw.router is not None:  # MoE layer (no fusions: fusions_for); its output is delta
+                if lw.router is not None:  # MoE layer (no fusions: fusions_for)
+                    # its output goes into delta in the last layer; before, its combine does the next
+                    # layer's add_rmsnorm (resid += output, hid = norm), one launch fewer
+                    nxt = self.w.layers[li + 1] if li + 1 < len(self.w.layers) else None
+                    then = None if nxt is None else {"residual": self.resid, "w": nxt.attn_norm, "out": self.hid}
                     self.moe.record(  # type: ignore[union-attr]
                         self, stream, T, self.hid, lw.router, lw.experts_gate_up, lw.experts_down,
-                        self.delta, nt,
+                        self.delta, nt, then,
                     )  # fmt: skip
+                    normed = then is not None
                     continue
                 if fuse_swiglu:
                     self.fused_linear("swiglu", self.hid, lw.gate_up, self.act, T, stream)

@@ -33,6 +33,7 @@ MMA_BN = WARPS * 16  # moe.cu MMA_BN: output columns per block of the tensor-cor
 MMA_MIN_TOKENS = 64  # graphs of at least this many tokens run the expert GEMMs on tensor cores
 FUSED_ROUTE_MAX_TOKENS = 64  # graphs of at most this many tokens route and align in one block (one launch)
 ROUTE_WARPS = 4  # tokens per moe_route block (a warp each)
+NORM_VPT = 4  # moe.cu MOE_NORM_VPT: moe_combine_norm (256 threads) holds 8 * NORM_VPT columns per thread
 MAX_EXPERTS = 256  # moe_route: 32 lanes x ROUTE_MAX_PER_LANE; moe_align needs <= 1024 (registry.CUDA_MOE_MAX_*)
 MAX_TOPK = 32  # moe_route: slot j is kept by lane j
 
@@ -52,6 +53,8 @@ def check_moe(c: ModelConfig) -> None:
         )
     if c.moe_intermediate_size % 8 or c.hidden_size % 8:
         raise ValueError("moe_intermediate_size and hidden_size must be multiples of 8 (16-byte vectors)")
+    if c.hidden_size > 8 * 256 * NORM_VPT:
+        raise ValueError(f"hidden_size {c.hidden_size} > {8 * 256 * NORM_VPT} (moe_combine_norm's registers)")
 
 
 def align_reference(topk_ids: np.ndarray, experts: int, tile_m: int = TILE_M) -> dict[str, np.ndarray]:
@@ -141,10 +144,12 @@ class MoeLaunches:
         )
 
     def record(self, fwd, stream: int, T: int, hid: object, router: object, gate_up: object, down: object,
-               out: object, num_tokens: int) -> None:  # fmt: skip
+               out: object, num_tokens: int, then_norm: dict | None = None) -> None:  # fmt: skip
         """One MoE layer over hid [T, H] (normed) into out [T, H], launched through the Forward `fwd`
         (its _launch and linear: the router GEMM goes where every other projection goes, cuBLAS or
-        the GEMV, and the benchmarks' launch filters see every MoE launch)."""
+        the GEMV, and the benchmarks' launch filters see every MoE launch). With `then_norm`
+        ({residual, w, out}): no `out`; the combine does the next layer's add_rmsnorm instead
+        (residual += the layer's output, out = rmsnorm(residual) * w: moe_combine_norm)."""
         c = self.c
         E, k, H, inter = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
         fwd.linear(hid, router, self.logits, T, stream, out_f32=True)
@@ -172,7 +177,8 @@ class MoeLaunches:
             f"moe_down{v}_m{tm}", (-(-H // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, inter, tm),
             X=self.act, W=down, Y=self.y, expert_off=self.expert_off, expert_cnt=self.expert_cnt, E=E, N=H, K=inter,
         )  # fmt: skip
-        fwd._launch(
-            "moe_combine", (T, 1, 1), (128, 1, 1), stream, y=self.y, pair_pos=self.pair_pos, topk_w=self.topk_w,
-            out=out, num_tokens=num_tokens, k=k, H=H,
-        )  # fmt: skip
+        comb = dict(y=self.y, pair_pos=self.pair_pos, topk_w=self.topk_w, num_tokens=num_tokens, k=k, H=H)
+        if then_norm is None:
+            fwd._launch("moe_combine", (T, 1, 1), (128, 1, 1), stream, out=out, **comb)
+        else:
+            fwd._launch("moe_combine_norm", (T, 1, 1), (256, 1, 1), stream, eps=c.rms_eps, **then_norm, **comb)

@@ -202,6 +202,40 @@ def test_moe_rows_do_not_depend_on_the_batch(variant: str):
     np.testing.assert_array_equal(alone, in201)
 
 
+def test_moe_combine_norm_is_combine_then_add_rmsnorm():
+    """moe_combine_norm (the combine doing the next layer's add_rmsnorm) is bit-identical to moe_combine
+    into delta followed by model_kernels' add_rmsnorm, residual and normed output both."""
+    import cupy as cp
+
+    cfg = preset("qwen3-30b-a3b")
+    rig = _rig(cfg.name)
+    _variant(rig, "mma")
+    rng = np.random.default_rng(9)
+    T, H = 37, cfg.hidden_size
+    h = _rbf(rng.standard_normal((T, H)).astype(np.float32))
+    resid0 = cp.asarray(f32_to_bf16_bits(rng.standard_normal((64, H)).astype(np.float32)))
+    w = cp.asarray(f32_to_bf16_bits(1 + 0.1 * rng.standard_normal(H).astype(np.float32)))
+    delta = rig.run(h, 64)["out"]  # moe_combine into delta
+    r1, out1 = resid0.copy(), cp.zeros((64, H), cp.uint16)
+    cp.cuda.Device().synchronize()
+    rig._launch(
+        "add_rmsnorm", (64, 1, 1), (256, 1, 1), int(rig.stream.ptr), residual=r1, delta=rig.out, w=w, out=out1,
+        num_tokens=rig.num_tokens, H=H, eps=cfg.rms_eps,
+    )  # fmt: skip
+    rig.stream.synchronize()
+    r2, out2 = resid0.copy(), cp.zeros((64, H), cp.uint16)
+    x = cp.zeros((64, H), cp.uint16)
+    x[:T] = cp.asarray(f32_to_bf16_bits(h))
+    cp.cuda.Device().synchronize()
+    rig.moe.record(rig.fwd, int(rig.stream.ptr), 64, x, rig.d_router, rig.d_gu, rig.d_down, None,
+                   int(rig.num_tokens.data.ptr), {"residual": r2, "w": w, "out": out2})  # fmt: skip
+    rig.stream.synchronize()
+    d_res = int((r1[:T] != r2[:T]).sum())
+    d_out = int((out1[:T] != out2[:T]).sum())
+    print(f"moe_combine_norm vs moe_combine + add_rmsnorm: {d_res} residual and {d_out} output elements differ")
+    assert np.abs(delta).max() > 0 and d_res == 0 and d_out == 0
+
+
 # ---------------------------------------------------------------------------------- the engine
 
 

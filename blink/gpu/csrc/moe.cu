@@ -360,6 +360,60 @@ extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __
   }
 }
 
+// The combine fused with the next layer's add_rmsnorm (every MoE layer but the last): residual +=
+// bf16(combine), out = rmsnorm(residual) * w, with add_rmsnorm's rounding points (bit-identical to
+// moe_combine into delta followed by add_rmsnorm). Block per token; the combined row stays in registers
+// of the thread that owns its 8 columns between the two passes (H <= 8 * blockDim.x * MOE_NORM_VPT).
+#define MOE_NORM_VPT 4
+
+extern "C" __global__ void moe_combine_norm(const bf16* __restrict__ y, const int* __restrict__ pair_pos,
+                                            const float* __restrict__ topk_w, bf16* __restrict__ residual,
+                                            const bf16* __restrict__ w, bf16* __restrict__ out,
+                                            const uint32_t* __restrict__ num_tokens, int k, int H, float eps) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  if (t >= (int)*num_tokens) return;
+  bf16* r = residual + (size_t)t * H;
+  float xs[MOE_NORM_VPT][8];
+  float ss = 0.f;
+#pragma unroll
+  for (int q = 0; q < MOE_NORM_VPT; ++q) {
+    const int v = threadIdx.x + q * blockDim.x;
+    if (v >= H / 8) break;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < k; ++j) {
+      const int row = pair_pos[t * k + j];
+      const float wt = topk_w[t * k + j];
+      float x[8];
+      load8(y + (size_t)row * H + v * 8, x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += rbf(x[i] * wt);
+    }
+    float x[8];
+    load8(r + v * 8, x);
+    bf16x8 o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      xs[q][i] = rbf(x[i] + rbf(acc[i]));  // add_rmsnorm's residual + delta, delta = moe_combine's bf16
+      o.v[i] = tobf(xs[q][i]);
+      ss += xs[q][i] * xs[q][i];
+    }
+    *reinterpret_cast<bf16x8*>(r + v * 8) = o;
+  }
+  const float rs = rsqrtf(block_sum(ss, scratch) / H + eps);
+#pragma unroll
+  for (int q = 0; q < MOE_NORM_VPT; ++q) {
+    const int v = threadIdx.x + q * blockDim.x;
+    if (v >= H / 8) break;
+    float g[8];
+    load8(w + v * 8, g);
+    bf16x8 o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(xs[q][i] * rs));
+    *reinterpret_cast<bf16x8*>(out + (size_t)t * H + v * 8) = o;
+  }
+}
+
 // Kernels per tile height (the name carries it: Python launches moe_*_m<TILE_M>): the permutation for
 // 16- and 64-row tiles, the tile GEMV for 16, the tensor-core kernels for both.
 #define MOE_ALIGN(TM)                                                                                            \
