@@ -18,6 +18,7 @@ from blink.gpu.moe_launch import (
     FUSED_ROUTE_MAX_TOKENS,
     MMA_BN,
     MMA_MIN_TOKENS,
+    PAIR_MAX_TOKENS,
     TILE_M,
     MoeLaunches,
     max_tiles,
@@ -75,7 +76,7 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict, lay
     if c.is_moe:
         f.moe = object.__new__(MoeLaunches)
         f.moe.c, f.moe.mma_min_tokens, f.moe.fused_route_max_tokens = c, MMA_MIN_TOKENS, FUSED_ROUTE_MAX_TOKENS
-        f.moe.big_tile_min_tokens = BIG_TILE_MIN_TOKENS
+        f.moe.big_tile_min_tokens, f.moe.pair_max_tokens = BIG_TILE_MIN_TOKENS, PAIR_MAX_TOKENS
         for b in "logits topk_ids topk_w expert_off expert_cnt sorted_pair pair_pos act y".split():
             setattr(f.moe, b, _Arr(1))
     return _finish(f, gemv_max_tokens, fusion, signatures)
@@ -311,7 +312,9 @@ def test_prefill_graph_runs_decode_attention_first(decode: str, prefill: str, si
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("T,decode", [(1, True), (8, True), (16, False), (64, False), (128, False), (256, False)])
+@pytest.mark.parametrize(
+    "T,decode", [(1, True), (4, True), (8, True), (16, False), (64, False), (128, False), (256, False)]
+)
 @pytest.mark.parametrize("fusion", ["none", "all"])
 def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signatures: dict):
     """A MoE layer's launches (blink/gpu/moe_launch.py): after the o projection and the MLP norm, the
@@ -334,11 +337,15 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
     v = "_mma" if T >= MMA_MIN_TOKENS else ""  # tensor cores from MMA_MIN_TOKENS tokens (both dims % 16 == 0 here)
     tm = BIG_TILE_M if T >= BIG_TILE_MIN_TOKENS else TILE_M
     routing = [f"moe_route_align_m{tm}"] if T <= FUSED_ROUTE_MAX_TOKENS else ["moe_route", f"moe_align_m{tm}"]
-    starts = [i for i, n in enumerate(names) if n == routing[0]]
+    pair = T <= PAIR_MAX_TOKENS  # decode: no permutation, routing inside moe_pair_gate_up
+    if pair:
+        routing = []
+    experts = ["moe_pair_gate_up", "moe_pair_down"] if pair else [f"moe_gate_up{v}_m{tm}", f"moe_down{v}_m{tm}"]
+    starts = [i for i, n in enumerate(names) if n == (routing or experts)[0]]
     assert len(starts) == len(moe_layers)
     for li, i in zip(moe_layers, starts, strict=True):
         last = "moe_combine" if li == 2 else "moe_combine_norm"
-        moe_seq = [*routing, f"moe_gate_up{v}_m{tm}", f"moe_down{v}_m{tm}", last]
+        moe_seq = [*routing, *experts, last]
         assert names[i : i + len(moe_seq)] == moe_seq
         if li < 2:  # the next layer starts at its qkv projection
             assert names[i + len(moe_seq)] in ("cublas", f"gemv_bf16_t{T}"), names[i + len(moe_seq)]
@@ -346,10 +353,13 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
         assert router[0] in ("cublas", f"gemv_f32_t{T}"), router[0]
         assert names[i - 2] == "add_rmsnorm"
         gu, dn = calls[i + len(routing)], calls[i + len(routing) + 1]
-        tiles = max_tiles(T, c.num_experts_per_tok, c.num_experts, tm)
-        assert gu[1][1] == dn[1][1] == tiles
-        H, im = c.hidden_size, c.moe_intermediate_size
-        assert gu[3] == MoeLaunches.smem(bool(v), H, tm) and dn[3] == MoeLaunches.smem(bool(v), im, tm)
+        H, im, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+        rows = T * k if pair else max_tiles(T, k, c.num_experts, tm)
+        assert gu[1][1] == dn[1][1] == rows
+        if pair:
+            assert gu[3] == H * 2 and dn[3] == im * 2
+        else:
+            assert gu[3] == MoeLaunches.smem(bool(v), H, tm) and dn[3] == MoeLaunches.smem(bool(v), im, tm)
         bn = MMA_BN if v else 32
         assert gu[1][0] == -(-im // bn) and dn[1][0] == -(-H // bn)
         assert calls[i + len(moe_seq) - 1][1] == (T, 1, 1)

@@ -9,7 +9,9 @@ bucket, so one captured graph serves every routing:
              each expert's segment is padded to tm rows, and a used expert holds >= 1 pair
     rows     tiles * tm                             rows of the permuted activations
 
-The tile height tm is TILE_M (16) for small graphs (tile GEMV on CUDA cores up to MMA_MIN_TOKENS
+Graphs of at most PAIR_MAX_TOKENS tokens (decode) skip the permutation: a block row per (token, slot)
+pair routes its token itself and reads its expert once (moe_pair_gate_up, moe_pair_down).
+Otherwise the tile height tm is TILE_M (16) for small graphs (tile GEMV on CUDA cores up to MMA_MIN_TOKENS
 tokens, tensor cores above) and BIG_TILE_M (64) from BIG_TILE_MIN_TOKENS on (tensor cores: each
 weight fragment then feeds 4 row fragments). All of it is fixed per graph at capture.
 
@@ -32,6 +34,7 @@ WARPS, COLS = 8, 4  # moe.cu MOE_WARPS, MOE_COLS: output columns per block = WAR
 MMA_BN = WARPS * 16  # moe.cu MMA_BN: output columns per block of the tensor-core variant
 MMA_MIN_TOKENS = 64  # graphs of at least this many tokens run the expert GEMMs on tensor cores
 FUSED_ROUTE_MAX_TOKENS = 64  # graphs of at most this many tokens route and align in one block (one launch)
+PAIR_MAX_TOKENS = 4  # graphs of at most this many tokens take the pair path: no permutation (moe_pair_*)
 ROUTE_WARPS = 4  # tokens per moe_route block (a warp each)
 NORM_VPT = 4  # moe.cu MOE_NORM_VPT: moe_combine_norm (256 threads) holds 8 * NORM_VPT columns per thread
 MAX_EXPERTS = 256  # moe_route: 32 lanes x ROUTE_MAX_PER_LANE; moe_align needs <= 1024 (registry.CUDA_MOE_MAX_*)
@@ -107,6 +110,8 @@ class MoeLaunches:
         """Graphs of at least this many tokens take the tensor-core expert kernels (the benchmarks
         move it to time one variant against the other); within a graph a row's result depends
         only on its own input, whatever shares its tile."""
+        self.pair_max_tokens = PAIR_MAX_TOKENS
+        """Graphs of at most this many tokens take the pair path (no permutation)."""
         self.fused_route_max_tokens = FUSED_ROUTE_MAX_TOKENS
         """Graphs of at most this many tokens route and align in one launch (moe_route_align)."""
 
@@ -157,6 +162,20 @@ class MoeLaunches:
                      norm_topk=int(c.norm_topk_prob))  # fmt: skip
         align = dict(expert_off=self.expert_off, expert_cnt=self.expert_cnt, sorted_pair=self.sorted_pair,
                      pair_pos=self.pair_pos)  # fmt: skip
+        comb = dict(y=self.y, topk_w=self.topk_w, num_tokens=num_tokens, k=k, H=H)
+        if T <= self.pair_max_tokens:
+            bn = WARPS * COLS
+            fwd._launch(
+                "moe_pair_gate_up", (-(-inter // bn), T * k, 1), (32 * WARPS, 1, 1), stream, H * 2, logits=self.logits,
+                X=hid, W=gate_up, Y=self.act, topk_ids=self.topk_ids, topk_w=self.topk_w, num_tokens=num_tokens, E=E,
+                k=k, norm_topk=int(c.norm_topk_prob), N=inter, K=H,
+            )  # fmt: skip
+            fwd._launch(
+                "moe_pair_down", (-(-H // bn), T * k, 1), (32 * WARPS, 1, 1), stream, inter * 2, X=self.act, W=down,
+                Y=self.y, topk_ids=self.topk_ids, num_tokens=num_tokens, k=k, N=H, K=inter,
+            )  # fmt: skip
+            self._combine(fwd, stream, T, out, then_norm, None, comb)
+            return
         tm, mma = self.tile_m(T), self.uses_mma(T)
         if T <= self.fused_route_max_tokens and tm == TILE_M:
             fwd._launch(f"moe_route_align_m{tm}", (1, 1, 1), (1024, 1, 1), stream, **route, **align)
@@ -177,8 +196,13 @@ class MoeLaunches:
             f"moe_down{v}_m{tm}", (-(-H // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, inter, tm),
             X=self.act, W=down, Y=self.y, expert_off=self.expert_off, expert_cnt=self.expert_cnt, E=E, N=H, K=inter,
         )  # fmt: skip
-        comb = dict(y=self.y, pair_pos=self.pair_pos, topk_w=self.topk_w, num_tokens=num_tokens, k=k, H=H)
+        self._combine(fwd, stream, T, out, then_norm, self.pair_pos, comb)
+
+    def _combine(self, fwd, stream: int, T: int, out, then_norm, pair_pos, comb: dict) -> None:
         if then_norm is None:
-            fwd._launch("moe_combine", (T, 1, 1), (128, 1, 1), stream, out=out, **comb)
+            fwd._launch("moe_combine", (T, 1, 1), (128, 1, 1), stream, out=out, pair_pos=pair_pos, **comb)
         else:
-            fwd._launch("moe_combine_norm", (T, 1, 1), (256, 1, 1), stream, eps=c.rms_eps, **then_norm, **comb)
+            fwd._launch(
+                "moe_combine_norm", (T, 1, 1), (256, 1, 1), stream, eps=self.c.rms_eps, pair_pos=pair_pos,
+                **then_norm, **comb,
+            )  # fmt: skip

@@ -82,8 +82,10 @@ class _Rig:
         k = self.cfg.num_experts_per_tok
         get = lambda a, n: cp.asnumpy(a[:n])  # noqa: E731
         off = get(m.expert_off, self.cfg.num_experts + 1)
-        rows = int(off[-1])
+        pair = bucket <= m.pair_max_tokens  # the pair path: no permutation, row p = pair p
+        rows = T * k if pair else int(off[-1])
         return {
+            "pair": pair,
             "logits": get(m.logits, T),
             "ids": get(m.topk_ids, T * k).reshape(T, k),
             "w": get(m.topk_w, T * k).reshape(T, k),
@@ -118,29 +120,36 @@ def _check_layer(rig: _Rig, h: np.ndarray, bucket: int) -> dict[str, np.ndarray]
     werr = float(np.abs(g["w"] - wref).max())
     print(f"{tag} moe_route: routing weights max abs diff {werr:.2e}")
     assert werr < 8e-3  # bf16 rounding of a weight <= 1
-    # moe_align
-    tm = rig.moe.tile_m(bucket)
-    ref = align_reference(g["ids"], E, tm)
-    print(
-        f"{tag} moe_align (tile {tm}): rows {int(g['off'][-1])} (ref {int(ref['off'][-1])}), "
-        f"tiles bound {max_tiles(bucket, k, E, tm)}"
-    )
-    np.testing.assert_array_equal(g["cnt"], ref["cnt"], err_msg="moe_align counts")
-    np.testing.assert_array_equal(g["off"], ref["off"], err_msg="moe_align padded offsets")
-    for e in np.flatnonzero(ref["cnt"]):
-        a, n = int(ref["off"][e]), int(ref["cnt"][e])
-        assert sorted(g["sorted"][a : a + n].tolist()) == np.flatnonzero(g["ids"].ravel() == e).tolist(), (
-            f"moe_align: expert {e}'s segment"
+    if g["pair"]:  # moe_pair_*: row p = t * k + j, its expert ids[t, j]
+        print(f"{tag} pair path (no permutation): {T * k} rows")
+        pos = np.arange(T * k)
+        real = np.ones(T * k, bool)
+        rows_e, rows_t = g["ids"].ravel(), pos // k
+    else:  # moe_align
+        tm = rig.moe.tile_m(bucket)
+        ref = align_reference(g["ids"], E, tm)
+        print(
+            f"{tag} moe_align (tile {tm}): rows {int(g['off'][-1])} (ref {int(ref['off'][-1])}), "
+            f"tiles bound {max_tiles(bucket, k, E, tm)}"
         )
-    assert (g["sorted"][g["pos"]] == np.arange(T * k)).all(), "moe_align: pair_pos is not sorted_pair's inverse"
+        np.testing.assert_array_equal(g["cnt"], ref["cnt"], err_msg="moe_align counts")
+        np.testing.assert_array_equal(g["off"], ref["off"], err_msg="moe_align padded offsets")
+        for e in np.flatnonzero(ref["cnt"]):
+            a, n = int(ref["off"][e]), int(ref["cnt"][e])
+            assert sorted(g["sorted"][a : a + n].tolist()) == np.flatnonzero(g["ids"].ravel() == e).tolist(), (
+                f"moe_align: expert {e}'s segment"
+            )
+        pos = g["pos"]
+        assert (g["sorted"][pos] == np.arange(T * k)).all(), "moe_align: pair_pos is not sorted_pair's inverse"
+        rows_e = np.searchsorted(g["off"], np.arange(int(g["off"][-1])), side="right") - 1
+        rows_t = np.where(g["sorted"] >= 0, g["sorted"] // k, -1)
+        real = np.zeros(int(g["off"][-1]), bool)
+        for e in range(E):
+            real[g["off"][e] : g["off"][e] + g["cnt"][e]] = True
     # moe_gate_up (each real row from its own token), moe_down (from the kernel's act), moe_combine (from its y)
-    rows_e = np.searchsorted(g["off"], np.arange(int(g["off"][-1])), side="right") - 1
-    real = np.zeros(int(g["off"][-1]), bool)
-    for e in range(E):
-        real[g["off"][e] : g["off"][e] + g["cnt"][e]] = True
     err_act = err_y = 0.0
     for r in np.flatnonzero(real):
-        e, t = rows_e[r], g["sorted"][r] // k
+        e, t = rows_e[r], rows_t[r]
         gu = _rbf(rig.gu[e] @ h[t])
         gate, upv = gu[:im], gu[im:]
         act = _rbf(_rbf(gate / (1 + np.exp(-gate))) * upv)
@@ -151,7 +160,7 @@ def _check_layer(rig: _Rig, h: np.ndarray, bucket: int) -> dict[str, np.ndarray]
     assert err_act < 1e-2 and err_y < 1e-2
     comb = np.zeros((T, c.hidden_size), np.float64)
     for j in range(k):
-        comb += _rbf(g["y"][g["pos"].reshape(T, k)[:, j]] * g["w"][:, j : j + 1])
+        comb += _rbf(g["y"][pos.reshape(T, k)[:, j]] * g["w"][:, j : j + 1])
     err_c = float(np.abs(g["out"] - comb).max() / np.abs(comb).max())
     print(f"{tag} moe_combine: max rel diff {err_c:.2e}")
     assert err_c < 1e-2
@@ -164,13 +173,15 @@ def _rig(name: str) -> _Rig:
 
 
 def _variant(rig: _Rig, variant: str) -> None:
-    """Force the expert kernels at any bucket: "gemv" (tile GEMV, CUDA cores, 16-row tiles), "mma"
-    (tensor cores, 16-row tiles) or "mma64" (tensor cores, 64-row tiles)."""
+    """Force the expert kernels at any bucket: "pair" (no permutation, a block row per pair), "gemv"
+    (tile GEMV, CUDA cores, 16-row tiles), "mma" (tensor cores, 16-row tiles) or "mma64" (tensor
+    cores, 64-row tiles)."""
+    rig.moe.pair_max_tokens = 1 << 30 if variant == "pair" else 0
     rig.moe.mma_min_tokens = 1 << 30 if variant == "gemv" else 0
     rig.moe.big_tile_min_tokens = 0 if variant == "mma64" else 1 << 30
 
 
-@pytest.mark.parametrize("variant", ["gemv", "mma", "mma64"])
+@pytest.mark.parametrize("variant", ["pair", "gemv", "mma", "mma64"])
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
 @pytest.mark.parametrize("T,bucket", [(1, 1), (3, 4), (8, 8), (70, 128), (256, 256)])
 def test_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
@@ -182,7 +193,7 @@ def test_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
     _check_layer(rig, h, bucket)
 
 
-@pytest.mark.parametrize("variant", ["gemv", "mma", "mma64"])
+@pytest.mark.parametrize("variant", ["pair", "gemv", "mma", "mma64"])
 def test_moe_rows_do_not_depend_on_the_batch(variant: str):
     """With either expert kernel, a token's MoE output is bit-identical alone, in a batch of 8 and among
     200 other tokens (the permutation's order within an expert is set by atomics and a tile holds other

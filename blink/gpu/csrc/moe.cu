@@ -40,14 +40,15 @@ using namespace nvcuda;
 // One warp per token; E <= 32 * ROUTE_MAX_PER_LANE.
 #define ROUTE_MAX_PER_LANE 8
 
-__device__ __forceinline__ void route_token(const float* __restrict__ logits, int* __restrict__ topk_ids,
-                                            float* __restrict__ topk_w, int t, int lane, int E, int k, int norm_topk) {
+// One warp routes one token: logits_t [E] -> ids_t [k], w_t [k] (global or shared memory).
+__device__ __forceinline__ void route_token(const float* __restrict__ logits_t, int* ids_t, float* w_t, int lane, int E,
+                                            int k, int norm_topk) {
   float v[ROUTE_MAX_PER_LANE];
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
     const int e = i * 32 + lane;
-    v[i] = e < E ? rbf(logits[(size_t)t * E + e]) : -INFINITY;  // the router's bf16 output
+    v[i] = e < E ? rbf(logits_t[e]) : -INFINITY;  // the router's bf16 output
     mx = fmaxf(mx, v[i]);
   }
   mx = warp_max(mx);
@@ -85,8 +86,8 @@ __device__ __forceinline__ void route_token(const float* __restrict__ logits, in
   }
   if (lane < k) {
     const float w = norm_topk ? my_p / picked_sum : my_p;
-    topk_ids[(size_t)t * k + lane] = my_id;
-    topk_w[(size_t)t * k + lane] = rbf(w);  // transformers casts the routing weights to the model dtype
+    ids_t[lane] = my_id;
+    w_t[lane] = rbf(w);  // transformers casts the routing weights to the model dtype
   }
 }
 
@@ -95,7 +96,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
                                      int k, int norm_topk) {
   const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (t >= (int)*num_tokens) return;
-  route_token(logits, topk_ids, topk_w, t, threadIdx.x & 31, E, k, norm_topk);
+  route_token(logits + (size_t)t * E, topk_ids + t * k, topk_w + t * k, threadIdx.x & 31, E, k, norm_topk);
 }
 
 // ---------------------------------------------------------------------------------- permutation
@@ -170,30 +171,13 @@ __device__ __forceinline__ int expert_of_row(const int* __restrict__ off, int E,
   return lo;
 }
 
-// SWIGLU: W is [E, 2N, K] = [gate; up] per expert and the output is swiglu (N columns);
-// otherwise W is [E, N, K]. gather: the tile's input row r is X[sorted[row0 + r] / k] (tokens);
-// else X[row0 + r] (the rows of the previous expert GEMM).
+// The tile's nr (<= TM) staged rows xs [TM, K] times expert weights We ([2N, K] SWIGLU: gate rows then up
+// rows, else [N, K]) into rows row0.. of Y [*, N]; the block's output columns by blockIdx.x.
 template <int TM, bool SWIGLU>
-__device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, const int* __restrict__ sorted_pair,
-                                                const bf16* __restrict__ W, bf16* __restrict__ Y,
-                                                const int* __restrict__ expert_off,
-                                                const int* __restrict__ expert_cnt, int E, int k, int N, int K) {
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  bf16* xs = reinterpret_cast<bf16*>(smem_raw);  // [TM, K]
-  const int row0 = blockIdx.y * TM;
-  if (row0 >= expert_off[E]) return;
-  const int e = expert_of_row(expert_off, E, row0);
-  const int nr = min(TM, expert_off[e] + expert_cnt[e] - row0);
-  if (nr <= 0) return;
-  const int kv = K / 8;
-  for (int i = threadIdx.x; i < nr * kv; i += blockDim.x) {
-    const int r = i / kv, v = i - r * kv;
-    const int src = sorted_pair ? sorted_pair[row0 + r] / k : row0 + r;
-    reinterpret_cast<bf16x8*>(xs + r * K)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)src * K)[v];
-  }
-  __syncthreads();
+__device__ __forceinline__ void gemv_tile_body(const bf16* __restrict__ xs, const bf16* __restrict__ We,
+                                               bf16* __restrict__ Y, int row0, int nr, int N, int K) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const bf16* We = W + (size_t)e * (SWIGLU ? 2 : 1) * N * K;
+  const int kv = K / 8;
   for (int ci = 0; ci < MOE_COLS; ++ci) {
     const int col = (blockIdx.x * MOE_WARPS + warp) * MOE_COLS + ci;
     if (col >= N) break;
@@ -202,7 +186,8 @@ __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, cons
     float acc_a[TM], acc_b[TM];
 #pragma unroll
     for (int r = 0; r < TM; ++r) acc_a[r] = acc_b[r] = 0.f;
-#pragma unroll 2
+    constexpr int UNROLL = TM == 1 ? 4 : 2;  // one row: registers to spare for more loads in flight
+#pragma unroll UNROLL
     for (int v = lane; v < kv; v += 32) {
       float a[8], b[8];
       load8(wa + v * 8, a);
@@ -236,6 +221,70 @@ __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, cons
       }
     }
   }
+}
+
+// SWIGLU: W is [E, 2N, K] = [gate; up] per expert and the output is swiglu (N columns);
+// otherwise W is [E, N, K]. gather: the tile's input row r is X[sorted[row0 + r] / k] (tokens);
+// else X[row0 + r] (the rows of the previous expert GEMM).
+template <int TM, bool SWIGLU>
+__device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, const int* __restrict__ sorted_pair,
+                                                const bf16* __restrict__ W, bf16* __restrict__ Y,
+                                                const int* __restrict__ expert_off,
+                                                const int* __restrict__ expert_cnt, int E, int k, int N, int K) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_raw);  // [TM, K]
+  const int row0 = blockIdx.y * TM;
+  if (row0 >= expert_off[E]) return;
+  const int e = expert_of_row(expert_off, E, row0);
+  const int nr = min(TM, expert_off[e] + expert_cnt[e] - row0);
+  if (nr <= 0) return;
+  const int kv = K / 8;
+  for (int i = threadIdx.x; i < nr * kv; i += blockDim.x) {
+    const int r = i / kv, v = i - r * kv;
+    const int src = sorted_pair ? sorted_pair[row0 + r] / k : row0 + r;
+    reinterpret_cast<bf16x8*>(xs + r * K)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)src * K)[v];
+  }
+  __syncthreads();
+  gemv_tile_body<TM, SWIGLU>(xs, W + (size_t)e * (SWIGLU ? 2 : 1) * N * K, Y, row0, nr, N, K);
+}
+
+// Decode fast path (graphs of at most MoeLaunches.pair_max_tokens tokens): no permutation, one block
+// row per pair p = t * k + j, so each selected expert is read once per token. moe_pair_gate_up routes
+// its token itself (a warp; every block of the token computes the same top-k from the same logits; the
+// block at column 0 of slot 0 stores it for the down projection and the combine) and writes act row p;
+// moe_pair_down writes y row p; the combine reads row t * k + j (pair_pos null).
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_pair_gate_up(const float* __restrict__ logits, const bf16* __restrict__ X, const bf16* __restrict__ W,
+                     bf16* __restrict__ Y, int* __restrict__ topk_ids, float* __restrict__ topk_w,
+                     const uint32_t* __restrict__ num_tokens, int E, int k, int norm_topk, int N, int K) {
+  extern __shared__ __align__(128) unsigned char pair_smem[];
+  bf16* xs = reinterpret_cast<bf16*>(pair_smem);  // [1, K]
+  __shared__ int s_ids[32];
+  __shared__ float s_w[32];
+  const int p = blockIdx.y, t = p / k, j = p - t * k;
+  if (t >= (int)*num_tokens) return;
+  if (threadIdx.x < 32) route_token(logits + (size_t)t * E, s_ids, s_w, threadIdx.x, E, k, norm_topk);
+  for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
+    reinterpret_cast<bf16x8*>(xs)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)t * K)[v];
+  __syncthreads();
+  if (blockIdx.x == 0 && j == 0 && threadIdx.x < k) {
+    topk_ids[t * k + threadIdx.x] = s_ids[threadIdx.x];
+    topk_w[t * k + threadIdx.x] = s_w[threadIdx.x];
+  }
+  gemv_tile_body<1, true>(xs, W + (size_t)s_ids[j] * 2 * N * K, Y, p, 1, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_pair_down(const bf16* __restrict__ X, const bf16* __restrict__ W, bf16* __restrict__ Y,
+                  const int* __restrict__ topk_ids, const uint32_t* __restrict__ num_tokens, int k, int N, int K) {
+  extern __shared__ __align__(128) unsigned char pair_smem[];
+  bf16* xs = reinterpret_cast<bf16*>(pair_smem);  // [1, K]
+  const int p = blockIdx.y;
+  if (p / k >= (int)*num_tokens) return;
+  for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
+    reinterpret_cast<bf16x8*>(xs)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)p * K)[v];
+  __syncthreads();
+  gemv_tile_body<1, false>(xs, W + (size_t)topk_ids[p] * N * K, Y, p, 1, N, K);
 }
 
 // Tensor-core variant (graphs whose buckets put many rows in a tile: prefill, large decode batches):
@@ -346,7 +395,7 @@ extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __
   for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < k; ++j) {
-      const int row = pair_pos[t * k + j];
+      const int row = pair_pos ? pair_pos[t * k + j] : t * k + j;  // null: the pair path's rows
       const float w = topk_w[t * k + j];
       float x[8];
       load8(y + (size_t)row * H + v * 8, x);
@@ -382,7 +431,7 @@ extern "C" __global__ void moe_combine_norm(const bf16* __restrict__ y, const in
     if (v >= H / 8) break;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < k; ++j) {
-      const int row = pair_pos[t * k + j];
+      const int row = pair_pos ? pair_pos[t * k + j] : t * k + j;  // null: the pair path's rows
       const float wt = topk_w[t * k + j];
       float x[8];
       load8(y + (size_t)row * H + v * 8, x);
@@ -430,7 +479,7 @@ extern "C" __global__ void moe_combine_norm(const bf16* __restrict__ y, const in
       int norm_topk, int* expert_off, int* expert_cnt, int* sorted_pair, int* pair_pos) {                       \
     const int T = (int)*num_tokens;                                                                              \
     for (int t = threadIdx.x >> 5; t < T; t += blockDim.x >> 5)                                                 \
-      route_token(logits, topk_ids, topk_w, t, threadIdx.x & 31, E, k, norm_topk);                             \
+      route_token(logits + (size_t)t * E, topk_ids + t * k, topk_w + t * k, threadIdx.x & 31, E, k, norm_topk); \
     __syncthreads(); /* the block's global writes are visible to it after the barrier */                        \
     moe_align_impl<TM>(topk_ids, num_tokens, k, E, expert_off, expert_cnt, sorted_pair, pair_pos);              \
   }
