@@ -47,16 +47,27 @@ class Tally:
         self.counts: dict[str, int] = {}
         self.kinds: dict[str, dict[str, int]] = {}
         self.lost_examples: list[str] = []
+        self.failed_examples: list[str] = []
         self.t_kill: float | None = None
+        self.t_noticed: float | None = None  # when /health first said the device was down
+
+    def at_kill(self, t0: float, t1: float) -> bool:
+        """In flight when the device was killed, or sent after the kill but before the server could
+        know of it (until /health first answered non-200; until the request ended if not yet)."""
+        if self.t_kill is None:
+            return False
+        return t0 <= self.t_kill <= t1 or self.t_kill <= t0 <= (self.t_noticed or t1)
 
     def add(self, kind: str, outcome: str, t0: float, t1: float, why: str = "") -> None:
-        if outcome in ("failed", "lost") and self.t_kill is not None and t0 <= self.t_kill <= t1:
-            outcome = "failed_at_kill"  # in flight when the device was killed
+        if outcome in ("failed", "lost") and self.at_kill(t0, t1):
+            outcome = "failed_at_kill"
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
         k = self.kinds.setdefault(kind, {})
         k[outcome] = k.get(outcome, 0) + 1
-        if outcome == "lost" and len(self.lost_examples) < 10:
-            self.lost_examples.append(f"{kind}: {why}")
+        examples = {"lost": self.lost_examples, "failed": self.failed_examples}.get(outcome)
+        if examples is not None and len(examples) < 10:
+            since = f", {t0 - self.t_kill:+.2f} s from the kill" if self.t_kill is not None else ""
+            examples.append(f"{kind}: {why}{since}")
 
 
 async def one_request(session, url: str, model: str, max_context: int, rng: random.Random) -> tuple[str, str, str]:
@@ -89,13 +100,14 @@ async def one_request(session, url: str, model: str, max_context: int, rng: rand
             if not body.get("stream"):
                 js = await r.json()
                 return kind, "ok" if js.get("choices") else "lost", "no choices"
-            chunks, error = 0, False
+            chunks, error = 0, b""
             async for line in r.content:
                 if not line.startswith(b"data: "):
                     continue
                 if line.startswith(b"data: [DONE]"):
-                    return kind, "failed" if error else "ok", ""
-                error = error or b'"error"' in line[:20]
+                    return kind, "failed" if error else "ok", error.decode(errors="replace")[:200]
+                if not error and b'"error"' in line[:20]:
+                    error = line.strip()
                 chunks += 1
                 if kind == "abort" and chunks >= 3 and not error:
                     return kind, "aborted", ""  # leaving the block closes the connection mid-stream
@@ -141,6 +153,7 @@ async def drive(served: ServeProcess, a: argparse.Namespace, tally: Tally, model
             el = round(time.monotonic() - tally.t_kill, 2)
             if status != 200 and kill["noticed_after_s"] is None:
                 kill["noticed_after_s"] = el
+                tally.t_noticed = time.monotonic()
             if status == 200 and kill["noticed_after_s"] is not None:
                 kill["recovered_after_s"] = el
                 return
@@ -235,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "by_kind": tally.kinds,
         "lost": lost,
         "lost_examples": tally.lost_examples,
+        "failed_examples": tally.failed_examples,
         "leaks": leaks,
         "rss": rss,
         "kill": kill,

@@ -3,9 +3,19 @@ leaked without a kill, and after a device kill counts the requests in flight apa
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
 import subprocess
 import sys
+
+
+def _load():
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "soak.py"
+    spec = importlib.util.spec_from_file_location("bench_soak", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def soak(tmp_path, *args: str) -> tuple[int, dict]:
@@ -33,3 +43,16 @@ def test_soak_with_a_device_kill(tmp_path):
     # blink serve restarts its device (tests/test_device_lifecycle.py): it serves again, nothing leaks
     assert kill["recovered_after_s"] is not None, kill
     assert rc == 0 and res["leaks"]["slots_leaked"] == 0 and res["leaks"]["kv_blocks_leaked"] == 0
+
+
+def test_a_request_sent_before_the_server_knew_of_the_kill_counts_at_the_kill():
+    """Sent after the SIGKILL but before /health could say so: the server accepted it in good faith, so
+    its error belongs to the kill; a failure after the server knew is a plain failure, with an example."""
+    soak = _load()
+    t = soak.Tally()
+    t.t_kill, t.t_noticed = 100.0, 100.2
+    t.add("chat_stream", "failed", 99.0, 100.5, "error event")  # in flight at the kill
+    t.add("chat_stream", "failed", 100.1, 100.4, "error event")  # sent before the server noticed
+    t.add("chat", "failed", 101.0, 101.1, "HTTP 500")  # after
+    assert t.counts == {"failed_at_kill": 2, "failed": 1}
+    assert t.failed_examples == ["chat: HTTP 500, +1.00 s from the kill"]
