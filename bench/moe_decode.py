@@ -6,8 +6,12 @@ K/V of every sequence's context.
 
     python bench/moe_decode.py --out bench/results/moe_decode_h200.json [--batches 1,8,32] [--layers 48]
 
+--compare also times, at every batch, the same step with each other MoE expert path forced (rows
+"pair", "gemv", "mma", "mma64": MoeLaunches' thresholds moved for that capture), to place the
+thresholds (PAIR_MAX_TOKENS, MMA_MIN_TOKENS, BIG_TILE_MIN_TOKENS in blink/gpu/moe_launch.py).
+
 Experts read at batch b > 1: the distinct experts of the last MoE layer in the timed step
-(expert_cnt on the device after the step), taken for every layer. The per-category breakdown at
+(topk_ids on the device after the step), taken for every layer. The per-category breakdown at
 batch 1 times each kernel category's launches as a graph of their own ("moe": route, align, the two
 expert GEMVs and the combine; the router projection is in "gemm").
 """
@@ -15,6 +19,7 @@ expert GEMVs and the combine; the router projection is in "gemm").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import numpy as np
@@ -23,11 +28,27 @@ from benchutil import CATEGORIES, category_times, copy_bandwidth, load_synthetic
 from blink.gpu.engine import Engine, EngineConfig
 from blink.models.config import preset
 
+PATHS = ("pair", "gemv", "mma", "mma64")
 
-def experts_hit(eng: Engine) -> int:
-    """Distinct experts of the last MoE layer in the last step."""
+
+@contextlib.contextmanager
+def forced(moe, path: str):
+    """MoeLaunches with one expert path at every bucket while a variant is captured."""
+    saved = (moe.pair_max_tokens, moe.mma_min_tokens, moe.big_tile_min_tokens)
+    moe.pair_max_tokens = 1 << 30 if path == "pair" else 0
+    moe.mma_min_tokens = 1 << 30 if path == "gemv" else 0
+    moe.big_tile_min_tokens = 0 if path == "mma64" else 1 << 30
+    try:
+        yield
+    finally:
+        moe.pair_max_tokens, moe.mma_min_tokens, moe.big_tile_min_tokens = saved
+
+
+def experts_hit(eng: Engine, batch: int) -> int:
+    """Distinct experts of the last MoE layer in the last step (of `batch` one-token sequences)."""
     eng.stream.synchronize()  # type: ignore[attr-defined]
-    return int((eng.fwd.moe.expert_cnt.get() > 0).sum())  # type: ignore[union-attr]
+    k = eng.config.num_experts_per_tok
+    return len(set(eng.fwd.moe.topk_ids[: batch * k].get().tolist()))  # type: ignore[union-attr]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--breakdown", default="1", help="batches whose kernel categories are timed one by one")
+    ap.add_argument("--compare", action="store_true", help="also time every other MoE expert path at each batch")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/moe_decode.json")
     a = ap.parse_args(argv)
@@ -67,11 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         load_synthetic(eng, b, 1, ctx, rng)
         ms = time_ms(lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s), eng.stream, iters=a.iters)
-        hit = experts_hit(eng)
+        hit = experts_hit(eng, b)
         moved = eng.weights.active_bytes_per_step(hit) + b * ctx * kv_per_token
         rows.append(
             {
                 "batch": b,
+                "variant": "engine",
                 "ms_per_step": ms,
                 "tokens_per_s": b / ms * 1e3,
                 "experts_read_per_layer": hit,
@@ -80,6 +103,23 @@ def main(argv: list[str] | None = None) -> int:
                 "frac_of_copy_bw": moved / ms / 1e6 / bw["read_plus_write_GBps"],
             }
         )
+        if a.compare:
+            for path in PATHS:
+                with forced(eng.fwd.moe, path):
+                    execs = eng.capture_variant(b, b, True)
+                it = iter(range(10**9))
+                pms = time_ms(
+                    lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s), eng.stream,
+                    iters=a.iters,
+                )  # fmt: skip
+                rows.append(
+                    {
+                        "batch": b,
+                        "variant": path,
+                        "ms_per_step": pms,
+                        "frac_of_copy_bw": moved / pms / 1e6 / bw["read_plus_write_GBps"],
+                    }
+                )
         if str(b) in a.breakdown.split(","):
             breakdown[str(b)] = category_times(eng, b, b, True, [c for c in CATEGORIES if c != "swiglu"], a.iters)
     res = {
@@ -99,10 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{cfg.name} x{cfg.num_layers} layers: weights {eng.weights.nbytes / 1e9:.1f} GB, read at batch 1 "
         f"{eng.weights.active_bytes_per_step() / 1e9:.2f} GB; copy bandwidth {bw['read_plus_write_GBps']:.0f} GB/s"
     )
-    print(f"{'batch':>5} {'ms/step':>8} {'tok/s':>9} {'experts':>7} {'GB/step':>8} {'GB/s':>7} {'of copy':>7}")
+    print(
+        f"{'batch':>5} {'variant':>7} {'ms/step':>8} {'tok/s':>9} {'experts':>7} {'GB/step':>8} {'GB/s':>7} {'of copy':>7}"
+    )
     for r in rows:
+        if r["variant"] != "engine":
+            print(
+                f"{r['batch']:>5} {r['variant']:>7} {r['ms_per_step']:8.3f} {'':>9} {'':>7} {'':>8} {'':>7} {r['frac_of_copy_bw']:7.1%}"
+            )
+            continue
         print(
-            f"{r['batch']:>5} {r['ms_per_step']:8.3f} {r['tokens_per_s']:9.0f} {r['experts_read_per_layer']:>7} "
+            f"{r['batch']:>5} {'engine':>7} {r['ms_per_step']:8.3f} {r['tokens_per_s']:9.0f} {r['experts_read_per_layer']:>7} "
             f"{r['bytes_per_step'] / 1e9:8.2f} {r['GBps']:7.0f} {r['frac_of_copy_bw']:7.1%}"
         )
     for b, parts in breakdown.items():
