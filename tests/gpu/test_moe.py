@@ -207,10 +207,16 @@ def test_moe_rows_do_not_depend_on_the_batch(variant: str):
     in8 = rig.run(h[:8], 8)["out"][0]
     in201 = rig.run(h[::-1].copy(), 256)["out"][-1]
     print(
-        f"batch invariance: max |alone - in 8| {np.abs(alone - in8).max():.3e}, |alone - in 201| {np.abs(alone - in201).max():.3e}"
+        f"batch invariance ({variant}): max |alone - in 8| {np.abs(alone - in8).max():.3e}, "
+        f"|alone - in 201| {np.abs(alone - in201).max():.3e}"
     )
     np.testing.assert_array_equal(alone, in8)
     np.testing.assert_array_equal(alone, in201)
+    # across paths (information: the graphs of other buckets take other paths)
+    for other in ("pair", "gemv", "mma", "mma64"):
+        _variant(rig, other)
+        d = np.abs(rig.run(h[:1], 1)["out"][0] - alone).max()
+        print(f"batch invariance ({variant}): max |{variant} - {other}| for the same token {d:.3e}")
 
 
 def test_moe_combine_norm_is_combine_then_add_rmsnorm():
