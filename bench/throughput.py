@@ -55,8 +55,9 @@ def decode_b1(eng, bandwidth: dict, context: int = DECODE_CONTEXT, iters: int = 
 
     cfg = eng.config
     moved = decode_bytes(cfg, 1, context)
-    if not cfg.is_moe:  # one count of a step's bytes: the engine's own weights say the same
-        assert moved["weights"] == eng.weights.bytes_per_step + 2 * cfg.hidden_size * (not cfg.tie_word_embeddings)
+    # one count of a step's bytes: the engine's own weights (MoE: the top-k experts of each layer) say the same
+    rows = 2 * cfg.hidden_size * (not cfg.tie_word_embeddings)
+    assert moved["weights"] == eng.weights.active_bytes_per_step() + rows, (moved, eng.weights.active_bytes_per_step())
     load_synthetic(eng, 1, 1, context, np.random.default_rng(0))
     ms = time_ms(lambda: eng.driver.graph_launch(eng.pick_exec(1, 1, True), eng.s), eng.stream, iters=iters)
     gbps = moved["total"] / ms / 1e6
