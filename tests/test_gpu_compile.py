@@ -12,7 +12,7 @@ import pytest
 from blink.gpu import build as B
 from blink.gpu import kernels
 from blink.gpu import scheduler as S
-from blink.gpu.attention_launch import FLASH_VARIANTS
+from blink.gpu.attention_launch import FLASH_COMBINE_OF, FLASH_VARIANTS
 from blink.gpu.engine import EngineConfig, _buckets, bucket_of
 from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
 
@@ -70,7 +70,7 @@ def test_compiles_for_every_target(src: pathlib.Path, arch: int, tmp_path: pathl
     if src.name == "flash_decode.cu":
         for hd in (16, 32, 64, 128):
             for v in FLASH_VARIANTS:
-                assert f"attn_{v}_hd{hd}_g4" in names and f"attn_{v}_combine_hd{hd}" in names
+                assert f"attn_{v}_hd{hd}_g4" in names and f"attn_{FLASH_COMBINE_OF[v]}_combine_hd{hd}" in names
     if src.name == S.UNIT.source:
         for sym in (S.KERNEL, S.INIT_KERNEL, "blink_sched_clock"):
             assert sym in names, sym
@@ -337,7 +337,7 @@ def test_flash_launches_per_bucket():
     arguments against the kernels' signatures)."""
     from types import SimpleNamespace
 
-    from blink.gpu.attention_launch import decode_variant_for
+    from blink.gpu.attention_launch import decode_variant_for, flash_smem_bytes
     from blink.gpu.forward import Dims, Forward
     from blink.models.config import preset
 
@@ -348,8 +348,8 @@ def test_flash_launches_per_bucket():
     f.arena = SimpleNamespace(ptr=dict.fromkeys(("cu_q_lens", "seq_lens", "block_tables", "num_seqs"), 8192))
     f.q = f.part_o = f.part_ml = f.attn = fake
     f.decode_kernels = {v: f"attn_{v}_hd128_g4" for v in FLASH_VARIANTS}
-    f.flash_combine = {v: f"attn_{v}_combine_hd128" for v in FLASH_VARIANTS}
-    f.flash_smem = {v: 4 * s * 2 * n * 32 * 16 for v, (n, _, s) in FLASH_VARIANTS.items()}
+    f.flash_combine = {v: f"attn_{FLASH_COMBINE_OF[v]}_combine_hd128" for v in FLASH_VARIANTS}
+    f.flash_smem = {v: flash_smem_bytes(v, 128) for v in FLASH_VARIANTS}
     calls: list = []
     f._launch = lambda name, grid, block, stream, smem=0, **args: calls.append((name, grid, len(args), smem))
     f._record_flash(0, 1, "flashq", 1 << 20, 2 << 20, 0.1)
@@ -357,6 +357,9 @@ def test_flash_launches_per_bucket():
     calls.clear()
     f._record_flash(0, 256, "flashq", 1 << 20, 2 << 20, 0.1)
     assert calls == [("attn_flashq_hd128_g4", (1, 8, 256), 15, 65536)]
+    calls.clear()
+    f._record_flash(0, 1, "flashmma", 1 << 20, 2 << 20, 0.1)  # flashq's splits and combine, its own smem
+    assert calls == [("attn_flashmma_hd128_g4", (32, 8, 1), 15, 73984), ("attn_flashq_combine_hd128", (8, 1, 1), 10, 0)]
     table = (1, "flashq"), (64, "basic")
     assert [decode_variant_for(table, b) for b in (1, 63, 64, 256)] == ["flashq", "flashq", "basic", "basic"]
 
@@ -403,11 +406,10 @@ def test_decode_groups_are_the_instantiated_ones():
     from blink.gpu.attention_launch import DECODE_GROUPS
 
     basic = {int(g) for g in re.findall(r"^\s*DECODE\(HD, (\d+)\)", (kernels.CSRC / "attention.cu").read_text(), re.M)}
-    flash = {
-        int(g)
-        for g in re.findall(r"^\s*FLASH\(flashq, HD, (\d+),", (kernels.CSRC / "flash_decode.cu").read_text(), re.M)
-    }
-    assert basic == flash == set(DECODE_GROUPS)
+    src = (kernels.CSRC / "flash_decode.cu").read_text()
+    flash = {int(g) for g in re.findall(r"^\s*FLASH\(flashq, HD, (\d+),", src, re.M)}
+    mma = {int(g) for g in re.findall(r"^\s*FLASHMMA\(HD, (\d+)\)", src, re.M)}
+    assert basic == flash == mma == set(DECODE_GROUPS)
 
 
 def test_offset_asserts_are_skipped_only_without_offsetof():

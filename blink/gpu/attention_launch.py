@@ -19,12 +19,23 @@ DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 PREFILL_TILE = 64
 # Decode attention kernels. basic: attention.cu, a fixed split count per bucket, merged by the
 # last split. flashq: flash_decode.cu, keys per split chosen at run time, separate combine;
-# FLASH_VARIANTS: (K/V vectors per lane per tile, CTAs per SM at the compiled register count for
-# G <= 4, cp.async ring stages).
-DECODE_VARIANTS = ("basic", "flashq")
+# flashmma: flash_decode.cu, flashq's splits on tensor cores (the G query heads of a KV head as
+# mma rows), merged by flashq's combine. FLASH_VARIANTS: (K/V vectors per lane per tile, the split
+# quantum's N; CTAs per SM at the compiled register count for G <= 4; cp.async ring stages).
+DECODE_VARIANTS = ("basic", "flashq", "flashmma")
 PREFILL_VARIANTS = ("rego", "fa2")
-FLASH_VARIANTS = {"flashq": (4, 3, 4)}
+FLASH_VARIANTS = {"flashq": (4, 3, 4), "flashmma": (4, 3, 0)}
+FLASH_COMBINE_OF = {"flashq": "flashq", "flashmma": "flashq"}
 FLASH_WARPS = 4
+
+
+def flash_smem_bytes(variant: str, head_dim: int) -> int:
+    """Dynamic shared memory of a flash decode kernel: flashq's cp.async ring; flashmma's Q tile and
+    two stages of 64-key K and V tiles (flashmma_smem in flash_decode.cu)."""
+    if variant == "flashmma":
+        return (16 + 4 * 64) * (head_dim + 8) * 2
+    n, _, stages = FLASH_VARIANTS[variant]
+    return FLASH_WARPS * stages * 2 * n * 32 * 16
 
 
 def flash_quantum(head_dim: int, n: int) -> int:
@@ -70,10 +81,10 @@ class AttentionLaunches:
         self.decode_kernels = {"basic": f"attn_decode_hd{hd}_g{group}"}
         self.flash_combine: dict[str, str] = {}
         self.flash_smem: dict[str, int] = {}
-        for v, (n, _, stages) in FLASH_VARIANTS.items():
+        for v in FLASH_VARIANTS:
             self.decode_kernels[v] = f"attn_{v}_hd{hd}_g{group}"
-            self.flash_combine[v] = f"attn_{v}_combine_hd{hd}"
-            self.flash_smem[v] = FLASH_WARPS * stages * 2 * n * 32 * 16  # the cp.async ring
+            self.flash_combine[v] = f"attn_{FLASH_COMBINE_OF[v]}_combine_hd{hd}"
+            self.flash_smem[v] = flash_smem_bytes(v, hd)
             if self.flash_smem[v]:
                 driver.set_max_dynamic_smem(kernels[self.decode_kernels[v]], self.flash_smem[v])
         self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
