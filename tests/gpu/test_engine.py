@@ -439,9 +439,9 @@ def test_graph_table_and_done_seq():
     eng.close()
 
 
-@pytest.mark.parametrize("variant", ["flashq"], ids=lambda v: f"{v}-long")
+@pytest.mark.parametrize("variant", ["flashq", "flashmma"], ids=lambda v: f"{v}-long")
 def test_flash_decode_matches_basic_long_contexts(variant):
-    """Decode attention of flashq against "basic" on one engine and one KV cache:
+    """Decode attention of flashq / flashmma against "basic" on one engine and one KV cache:
     contexts 1..1000 (one split, many splits), fewer live sequences than the bucket."""
     cfg = preset("llama3-8b").replace(num_layers=2)
     eng = small_engine(cfg, decode_attention="basic")
