@@ -15,8 +15,10 @@ the experts a step routes to). A model the CUDA engine refuses is recorded as sk
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,27 +121,54 @@ def one_model(preset_name: str, layers: int, schedulers: tuple[str, ...], n: int
     return res
 
 
+def run_child(cmd: list[str], timeout: float) -> tuple[int | None, str]:
+    """(exit status or None on timeout, the tail of its stderr). The child and whatever it started (the
+    load generator) form one process group, killed together at the timeout; stderr goes through a
+    file, echoed here, so a grandchild holding it open cannot hang the wait."""
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stderr=err, start_new_session=True)
+        try:
+            rc: int | None = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # the group's leftovers (or everything, at a timeout)
+        p.wait()
+        err.seek(0)
+        text = err.read()
+    sys.stderr.write(text)
+    return rc, text[-2000:]
+
+
 def all_models(a: argparse.Namespace, argv: list[str]) -> int:
-    """One child process per preset, one after the other; the JSON gathers them."""
-    out = {"bench": "models", **metadata(a.commit, argv), "models": {}}
+    """One child process per preset, one after the other; the JSON gathers them and is rewritten after
+    each model, so a run cut short still leaves the models it finished."""
+    out = {"bench": "models", **metadata(a.commit, argv), "models": {}, "complete": False}
     out["device"] = out["gpu"]
     failed = 0
+    t_start = time.perf_counter()
     for name in a.presets.split(","):
+        left = a.budget_s - (time.perf_counter() - t_start) if a.budget_s else a.timeout
+        if left < 20:
+            out["models"][name] = {"not_run": f"--budget-s {a.budget_s:.0f} spent"}
+            continue
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             cmd = [sys.executable, os.path.abspath(__file__), "--preset", name, "--json-out", tmp.name]
             cmd += ["--schedulers", a.schedulers, "--layers", str(a.layers)]
             cmd += ["--requests", str(a.requests), "--prompt", str(a.prompt), "--new", str(a.new)]
             t0 = time.perf_counter()
-            try:
-                p = subprocess.run(cmd, timeout=a.timeout, stderr=subprocess.PIPE, text=True)
-                sys.stderr.write(p.stderr)
-                ok = p.returncode == 0 and os.path.getsize(tmp.name) > 0
-                res = json.load(open(tmp.name)) if ok else {"failed": f"rc {p.returncode}: {p.stderr[-2000:]}"}
-            except subprocess.TimeoutExpired as e:
-                res = {"failed": f"timed out after {a.timeout} s: {(e.stderr or b'')[-2000:]!r}"}
+            rc, err = run_child(cmd, min(a.timeout, left))
+            if rc == 0 and os.path.getsize(tmp.name) > 0:
+                res = json.load(open(tmp.name))
+            elif rc is None:
+                res = {"failed": f"timed out after {min(a.timeout, left):.0f} s: {err}"}
+            else:
+                res = {"failed": f"rc {rc}: {err}"}
             res["wall_s"] = time.perf_counter() - t0
         failed += "failed" in res
         out["models"][name] = res
+        write_json(a.out, out)
+    out["complete"] = True
     write_json(a.out, out)
     work = f"{a.requests} x ({a.prompt} -> {a.new})"
     print(
@@ -150,7 +179,8 @@ def all_models(a: argparse.Namespace, argv: list[str]) -> int:
             d, t = r["decode_b1"], r["throughput"].get("gpu", {}).get("tok_per_s", float("nan"))
             print(f"{name:>15} {d['ms_per_step']:10.3f} {d['GBps']:6.0f} {d['frac_of_copy_bw']:7.1%} {t:10.0f}")
         else:
-            print(f"{name:>15} {'skipped' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r.get('failed')}")
+            why = r.get("skipped") or r.get("not_run") or r.get("failed")
+            print(f"{name:>15} {'skipped' if 'skipped' in r else 'not run' if 'not_run' in r else 'FAILED'}: {why}")
     return 1 if failed else 0
 
 
@@ -165,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per model (--presets)")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="seconds for all models (--presets; 0: no limit)")
     ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
     ap.add_argument("--json-out", default="", help="(the child of --presets) where one model's result goes")
     ap.add_argument("--out", default="")

@@ -41,3 +41,27 @@ def test_serve_check_fails_when_a_request_fails():
     cmd = [sys.executable, "bench/serve_check.py", "--model", "random:tiny-qwen3", "--device", "emulated"]
     r = subprocess.run([*cmd, "--tokens", "0"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
     assert r.returncode == 1 and "FAILED POST" in r.stderr and "HTTP 400" in r.stderr, r.stdout + r.stderr
+
+
+def test_models_bench_child_timeout_kills_its_group_and_budget_skips(tmp_path):
+    """A model's process that outlives --timeout is killed with what it started (the load generator),
+    without waiting for it; models past --budget-s are recorded as not run; the JSON is written."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import time
+
+    import throughput
+
+    pid_file = tmp_path / "grandchild"
+    code = f"import subprocess, time; open({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '60']).pid)); time.sleep(60)"
+    t0 = time.monotonic()
+    rc, _ = throughput.run_child([sys.executable, "-c", code], 2.0)
+    assert rc is None and time.monotonic() - t0 < 10
+    grandchild = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{grandchild}") or " Z " in open(f"/proc/{grandchild}/stat").read()
+    out = tmp_path / "m.json"
+    cmd = [sys.executable, "bench/throughput.py", "--presets", "llama3-8b,phi-4", "--budget-s", "10", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    res = json.loads(out.read_text())
+    assert r.returncode == 0 and res["complete"], r.stderr
+    assert all("--budget-s 10 spent" in m["not_run"] for m in res["models"].values()), res
