@@ -365,8 +365,10 @@ def test_prompt_logprobs_host_loop_and_gpu_scheduler(engine, max_tokens):
             assert a.top_ids == b.top_ids
             assert a.logprob == pytest.approx(b.logprob, abs=1e-6)
             np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, atol=1e-6)
+    # other step shapes, other bf16 rounding: the random tiny model's logprobs reach -45 (H200: -45.64
+    # batched vs -45.56 sequential), so the bound is relative
     _, batched, _ = _serve(engine, reqs, max_tokens, "gpu", prompt=True)
     for (_, _, _, plps_h), (_, _, _, plps_b) in zip(host, batched, strict=True):
         assert len(plps_b or []) == len(plps_h or [])
         for a, b in zip(plps_b or [], plps_h or [], strict=True):
-            assert a.logprob == pytest.approx(b.logprob, abs=2e-2)
+            assert a.logprob == pytest.approx(b.logprob, rel=1e-2, abs=2e-2)
