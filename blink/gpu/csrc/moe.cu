@@ -20,16 +20,21 @@
 // min(T*k, (T*k + E*(TILE_M-1)) / TILE_M); the expert kernels' grid.y is that bound for the graph's
 // token bucket and a block whose first row is >= off[E] returns at once.
 //
-// The expert kernels are "tile GEMVs": a block stages its tile's (at most TILE_M) input rows in
-// shared memory, and each warp streams whole weight rows of its expert with 16-byte loads, one
-// weight row times every real row of the tile (fp32 accumulate, warp-shuffle reduction). So every
-// selected expert's weights are read once per tile: at decode (one row per tile) this is the
-// bandwidth-bound GEMV over the k experts. Rows past the tile's real count are neither computed
-// nor written. Graphs of many tokens (MoeLaunches.mma_min_tokens) take the tensor-core variant of the
-// same tiles instead (moe_*_mma_m*: WMMA 16x16x16, bf16 in, fp32 accumulate), where a tile's rows
-// share each weight fragment. Within an expert, the row order of pairs depends on atomics, but each row's result
-// depends only on its own input row, and the combine sums a token's k slots in slot order: the
-// output is bit-identical whatever the batch composition.
+// Expert paths, fixed per graph by its token bucket T (MoeLaunches picks; all give each row a result
+// that depends only on its own input row, so within a graph the output does not depend on what else
+// is in the batch; the combine sums a token's k slots in slot order, no float atomics):
+//   pair  (T <= 4, decode)  no permutation: moe_pair_gate_up routes its token in one warp and streams
+//                           the slot's expert, one block row per pair; moe_pair_down; each selected
+//                           expert's weights are read once per token (batch 1: the GEMV over k experts)
+//   tile GEMV (T < 64)      moe_route_align (one block) or moe_route + moe_align, then moe_gate_up_m16 /
+//                           moe_down_m16: a block stages its tile's (<= 16) rows in shared memory and
+//                           each warp streams whole weight rows with 16-byte loads, one weight row times
+//                           every real row of the tile (fp32 accumulate, warp-shuffle reduction)
+//   tensor cores (T >= 64)  moe_*_mma_m16, and 64-row tiles from 256 tokens (moe_align_m64,
+//                           moe_*_mma_m64): WMMA 16x16x16, bf16 in, fp32 accumulate, the tile's row
+//                           fragments sharing each weight fragment
+// Rows past a tile's real count are neither computed nor written. Every MoE layer but the last
+// combines with the next layer's add_rmsnorm (moe_combine_norm).
 #include <mma.h>
 
 #include "common.cuh"
