@@ -5,28 +5,24 @@ prometheus_client's parser reads, and the vLLM series filled in."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from test_e2e_openai import Server  # noqa: E402
+from blink.testing import ServeProcess
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("scheduler", ["gpu", "host"])
 def test_cuda_serve_logs_phases_requests_and_metrics(scheduler):
-    s = Server(
-        "--model", "random:tiny-llama", "--device", "cuda", "--scheduler", scheduler, "--num-kv-blocks", "512",
-        "--max-batch", "16", "--max-context", "1024", timeout=600,
+    s = ServeProcess(
+        ["--model", "random:tiny-llama", "--device", "cuda", "--scheduler", scheduler, "--num-kv-blocks", "512",
+         "--max-batch", "16", "--max-context", "1024"], timeout=600,
     )  # fmt: skip
-    # the device flag is given twice (Server passes --device emulated first): argparse keeps the last
     try:
         log = "".join(s.log)
         assert re.search(r"blink device: CUDA device \d+: .*GiB free", log), log
