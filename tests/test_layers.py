@@ -1,6 +1,7 @@
 """The package layers (README, rule 3): protocol/ imports nothing of blink's but itself; the frontend
 (dpu/) and the devices (device/, gpu/) never import each other, nor anything above them (the launch
-layer, actors/, the CLI). Imports are read from the source (function-level lazy ones included)."""
+layer, actors/, the CLI). The launch layer's device side (launch.py) and the testing helper (testing.py)
+are checked too. Imports are read from the source (function-level lazy ones included)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ BLINK = Path(__file__).resolve().parent.parent / "blink"
 
 
 def blink_imports(package: str) -> dict[str, set[str]]:
-    """{file: the blink modules it imports}, for every .py file under blink/<package>."""
+    """{file: the blink modules it imports}, for every .py file under blink/<package> (or that one file)."""
     out: dict[str, set[str]] = {}
-    for path in sorted((BLINK / package).rglob("*.py")):
+    base = BLINK / package
+    for path in [base] if base.is_file() else sorted(base.rglob("*.py")):
         here = ["blink", *path.relative_to(BLINK).with_suffix("").parts]
         names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -51,6 +53,10 @@ def offenders(package: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
         ("device", ("blink.device", "blink.protocol", "blink.models")),
         # blink.treedigest: a stdlib-only leaf that stamps benchmark results with the sources that ran
         ("gpu", ("blink.gpu", "blink.device", "blink.protocol", "blink.models", "blink.treedigest")),
+        # the launch layer's device side: the spec, the ring, the device process (no frontend)
+        ("launch.py", ("blink.config", "blink.protocol")),
+        # drives `blink serve` from outside (a child process, HTTP): runs the blink it belongs to
+        ("testing.py", ()),
     ],
 )
 def test_layer_imports_only_what_lies_below_it(package: str, allowed: tuple[str, ...]) -> None:
@@ -63,3 +69,9 @@ def test_the_check_sees_a_wrong_way_import(tmp_path: Path, monkeypatch: pytest.M
     (pkg / "x.py").write_text("def f():\n    from ..gpu import serve\n    import blink.device.emulated\n")
     monkeypatch.setattr(__import__(__name__), "BLINK", tmp_path)
     assert offenders("dpu", ("blink.dpu",)) == {"dpu/x.py": ["blink.device.emulated", "blink.gpu"]}
+
+
+def test_the_check_reads_a_single_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "launch.py").write_text("import blink.dpu.server\nfrom blink.protocol import layout\n")
+    monkeypatch.setattr(__import__(__name__), "BLINK", tmp_path)
+    assert offenders("launch.py", ("blink.protocol",)) == {"launch.py": ["blink.dpu.server"]}
