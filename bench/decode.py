@@ -18,7 +18,9 @@ other settings as extra rows ("fusion_<spec>") in the same process, --gemv-max-t
 for each batch of --batches and each context of --contexts: the whole captured decode step, and each
 kernel category captured as a graph of its own launches (the step's order and shapes; CUDA events
 around graph launches, outside the graphs): the cuBLAS GEMMs by layer role (qkv, o, gate_up, down,
-lm_head), attention, norms, RoPE + KV write, SwiGLU, embedding, final norm, sampling. Each category
+lm_head), attention, norms, RoPE + KV write, SwiGLU, embedding, final norm, sampling; then each of
+--attention-variants (default flashmma) alone on the same q and KV, with its largest difference
+from the engine's attention output (relative to its largest value; "MISMATCH" past 2e-2). Each category
 gets its bytes and FLOPs (benchutil.decode_traffic), achieved GB/s and TFLOP/s, and an ideal time
 max(bytes / copy bandwidth, FLOPs / --peak-tflops); the step gets the issue's bandwidth fraction
 (weights + every sequence's K/V, over the measured copy bandwidth) and the time no category covers
@@ -83,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
     ap.add_argument("--role-breakdown", action="store_true", help="only the per-role breakdown (docstring)")
     ap.add_argument("--contexts", default="320,1024", help="contexts of --role-breakdown")
+    ap.add_argument(
+        "--attention-variants",
+        default="flashmma",
+        help="--role-breakdown: other decode attention kernels timed alone on the same q and KV, checked against the engine's",
+    )
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak for ideal times (H200: ~790)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
@@ -259,6 +266,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def capture_for_host(eng, b: int) -> tuple[int, int]:
+    """The decode step of bucket b as the forward records it now (only_launches filters it), as a
+    graph instantiated for host launches (a category with no launch, e.g. "moe" of a dense model,
+    makes an empty graph, which cannot be instantiated for device launch: CUDA_ERROR_INVALID_VALUE
+    on the H200). Returns (graph, exec), exec 0 for an empty graph."""
+    d = eng.driver
+    eng._gemm_sm_target()  # the GEMMs sized as in the engine's graphs
+    d.begin_capture(eng.s)
+    try:
+        eng.fwd.record(eng.s, b, b, True)
+    finally:
+        graph = d.end_capture(eng.s)
+    if d.graph_node_count(graph) == 0:
+        return graph, 0
+    ex = d.instantiate(graph)
+    d.graph_upload(ex, eng.s)
+    return graph, ex
+
+
 def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
     """--role-breakdown: whole decode step and each kernel category, by batch and context."""
     batches = [int(x) for x in a.batches.split(",")]
@@ -283,6 +309,7 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
     weight_bytes = eng.weights.bytes_per_step
     kv_per_token = cfg.num_layers * 2 * cfg.kv_size * 2
     roles = gemm_roles(cfg)
+    extra_attn = [v for v in a.attention_variants.split(",") if v]
     rng = np.random.default_rng(0)
     rows = []
     for ctx in contexts:
@@ -296,19 +323,19 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
             gemv = eng.fwd.uses_gemv(b)  # GEMVs are launches of category "gemm", not split by role here
             fused = eng.fwd.fusions_for(b)
             names = (["gemm"] if gemv else [f"gemm_{r}" for r in roles]) + [
-                c for c in CATEGORIES if c != "gemm" and c not in fused
+                c for c in CATEGORIES if c != "gemm" and c not in fused and (c != "moe" or cfg.is_moe)
             ]
             for name in names:
                 if name.startswith("gemm_"):
                     with only_launches(eng.fwd, {"gemm"}, {roles[name.removeprefix("gemm_")]}):
-                        execs = eng.capture_variant(b, b, True)
+                        graph, ex = capture_for_host(eng, b)
                 else:
                     with only_launches(eng.fwd, {name}):
-                        execs = eng.capture_variant(b, b, True)
-                it = iter(range(10**9))
-                ms = time_ms(
-                    lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s), eng.stream, a.iters
-                )
+                        graph, ex = capture_for_host(eng, b)
+                ms = time_ms(lambda ex=ex: eng.driver.graph_launch(ex, eng.s), eng.stream, a.iters) if ex else 0.0
+                if ex:
+                    eng.driver.graph_exec_destroy(ex)
+                eng.driver.graph_destroy(graph)
                 if name == "gemm":  # every GEMM together (the GEMV path)
                     g = [v for k, v in traffic.items() if k.startswith("gemm_")]
                     t = {"bytes": sum(v["bytes"] for v in g), "flops": sum(v["flops"] for v in g)}
@@ -324,9 +351,39 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
                     "ideal_ms": ideal,
                     "ideal_over_ms": ideal / ms if ms else 0.0,
                 }
+            for v in extra_attn:  # other decode attention kernels on the same q and KV: time and agreement
+                outs, ms_v = {}, 0.0
+                for var in (eng.fwd.decode_variant(b), v):
+                    eng.fwd.set_decode_attention(var)
+                    with only_launches(eng.fwd, {"attn"}):
+                        graph, ex = capture_for_host(eng, b)
+                    eng.fwd.set_decode_attention(None)
+                    eng.driver.graph_launch(ex, eng.s)
+                    eng.stream.synchronize()
+                    outs[var] = (eng.fwd.attn[:b].get().astype(np.uint32) << 16).view(np.float32)
+                    if var == v:
+                        ms_v = time_ms(lambda ex=ex: eng.driver.graph_launch(ex, eng.s), eng.stream, a.iters)
+                    eng.driver.graph_exec_destroy(ex)
+                    eng.driver.graph_destroy(graph)
+                ref = outs[eng.fwd.decode_variant(b)]
+                rel = float(np.abs(outs[v] - ref).max() / max(float(np.abs(ref).max()), 1e-30))
+                t = traffic["attn"]
+                ideal = max(t["bytes"] / bw_Bps, t["flops"] / peak) * 1e3
+                cats[f"attn_{v}"] = {
+                    "ms": ms_v,
+                    "bytes": t["bytes"],
+                    "flops": t["flops"],
+                    "GBps": t["bytes"] / ms_v / 1e6,
+                    "TFLOPs": t["flops"] / ms_v / 1e9,
+                    "ideal_ms": ideal,
+                    "ideal_over_ms": ideal / ms_v if ms_v else 0.0,
+                    "max_rel_diff_vs_engine": rel,
+                    "matches_engine": rel < 2e-2,
+                }
             moved = decode_bytes(cfg, b, ctx)["total"]  # the issue's (and the table's) bytes per step
-            total_cat = sum(c["ms"] for c in cats.values())
-            ideal_total = sum(c["ideal_ms"] for c in cats.values())
+            own = {k: c for k, c in cats.items() if not k.startswith("attn_")}  # the step's own kernels
+            total_cat = sum(c["ms"] for c in own.values())
+            ideal_total = sum(c["ideal_ms"] for c in own.values())
             rows.append(
                 {
                     "batch": b,
@@ -349,9 +406,11 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
             )
             print(f"  {'category':<14}{'ms':>8}{'ideal':>8}{'ideal/ms':>9}{'GB/s':>8}{'TFLOP/s':>9}")
             for name, c in cats.items():
+                agree = "" if "matches_engine" not in c else f"  rel diff vs engine {c['max_rel_diff_vs_engine']:.1e}"
+                agree += "" if c.get("matches_engine", True) else "  MISMATCH"
                 print(
                     f"  {name:<14}{c['ms']:8.3f}{c['ideal_ms']:8.3f}{c['ideal_over_ms']:9.1%}"
-                    f"{c['GBps']:8.0f}{c['TFLOPs']:9.1f}"
+                    f"{c['GBps']:8.0f}{c['TFLOPs']:9.1f}{agree}"
                 )
     res = {
         **metadata(a.commit, argv if argv is not None else sys.argv),

@@ -114,6 +114,15 @@ class Driver:
         )
         return int(ex.value)
 
+    def instantiate(self, graph: int) -> int:
+        """A graph exec for host launches only (benchmarks: no device-launch restrictions)."""
+        ex = _vp()
+        self.check(
+            self.lib.cuGraphInstantiateWithFlags(ctypes.byref(ex), _vp(graph), ctypes.c_ulonglong(0)),
+            "cuGraphInstantiateWithFlags",
+        )
+        return int(ex.value)
+
     def graph_upload(self, exec_: int, stream: int) -> None:
         self.check(self.lib.cuGraphUpload(_vp(exec_), _vp(stream)), "cuGraphUpload")
 
