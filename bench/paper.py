@@ -13,7 +13,11 @@ persistent kernel; with the host loop it runs the scheduler. Per scheduler (gpu,
 
   interference   closed loop (streams x fixed lengths, --duration) and open loop (Poisson at each
                  of the rates, 256 -> 128), each idle and with bench/hogs.py on the device cores:
-                 output tok/s and its retention under hogs; TTFT / TPOT / ITL and their CDFs
+                 output tok/s and its retention under hogs; TTFT / TPOT / ITL and their CDFs; and
+                 issue 12's bound TTFT p50 <= prefill alone + one decode step + 2 ms, from the
+                 server's /metrics: the mean decode step of each open-loop run (device step_ns_total
+                 / steps) and the prompt prefilled alone (first-token "device" stage: its step's
+                 launch to its token in the ring) over 8 one-token requests, one at a time
   cpu            the device process's CPU-seconds (/proc/PID/stat, every thread) per million output
                  tokens, closed loop with output lengths drawn from 16..256
   sigstop        the same load; the device process is SIGSTOPped for a few seconds: tokens per
@@ -248,6 +252,36 @@ def finite(x: Any) -> Any:
     return x
 
 
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as {sample name: value} (counters also under their name without _total)."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    for ln in urllib.request.urlopen(url + "/metrics", timeout=10).read().decode().splitlines():
+        if ln and ln[0] != "#":
+            k, v = ln.rsplit(" ", 1)
+            out[k] = float(v)
+            if k.endswith("_total"):
+                out.setdefault(k.removesuffix("_total"), float(v))
+    return out
+
+
+def delta(m0: dict[str, float], m1: dict[str, float], name: str) -> float:
+    return m1.get(name, 0.0) - m0.get(name, 0.0)
+
+
+def decode_step(m0: dict[str, float], m1: dict[str, float]) -> dict[str, float | None]:
+    """Mean decode step (ms) between two scrapes, and the mean tokens per launch (the running batch)."""
+    steps, launches = delta(m0, m1, "blink_device_steps"), delta(m0, m1, "blink_device_launches")
+    ns = delta(m0, m1, "blink_device_step_ns_total")
+    toks = delta(m0, m1, "blink_device_tokens_generated")
+    return {
+        "decode_step_ms": ns / steps / 1e6 if steps else None,
+        "decode_steps": steps,
+        "tokens_per_launch": toks / launches if launches else None,
+    }
+
+
 def window_rate(res: dict, t0: float, t1: float) -> float:
     """Output tokens per second received in [t0, t1) s after the start (timeline bins)."""
     tl = res["timeline"]
@@ -395,15 +429,46 @@ class Run:
                     srv.url, "--dataset", "fixed", "--random-input-len", str(s.open_in), "--random-output-len",
                     str(s.open_out), "--num-prompts", str(n), "--request-rate", str(rate), "--seed", str(int(rate)),
                 )  # fmt: skip
+                m0 = scrape(srv.url)
                 with self.hogs(load == "hogs"):
                     r = summary(_arun(benchmark.run(args)))
-                out["open"].append({"rate": rate, "load": load, **r})
+                out["open"].append({"rate": rate, "load": load, **r, **decode_step(m0, scrape(srv.url))})
                 self.say(
                     f"{sched:4s} {rate:g} req/s {load:4s}: TTFT p50/p99 {r['ttft_ms']['median']:.1f}/"
                     f"{r['ttft_ms']['p99']:.1f} ms, TPOT p50 {r['tpot_ms']['median']:.2f} ms, ITL p50/p99 "
                     f"{r['itl_ms']['median']:.2f}/{r['itl_ms']['p99']:.2f} ms"
                 )
+        out["ttft_bound"] = self.ttft_bound(srv, sched, out["open"])
         return out
+
+    def ttft_bound(self, srv: Server, sched: str, runs: list[dict]) -> dict:
+        """Issue 12: TTFT p50 <= prefill of the prompt alone + one decode step at the running batch + 2 ms,
+        per open-loop run; the prefill alone is the mean "device" stage of 8 one-token requests sent one
+        at a time to the idle server."""
+        s = self.s
+        args = bench_args(
+            srv.url, "--dataset", "fixed", "--random-input-len", str(s.open_in), "--random-output-len", "1",
+            "--num-prompts", "8", "--max-concurrency", "1", "--seed", "7",
+        )  # fmt: skip
+        m0 = scrape(srv.url)
+        _arun(benchmark.run(args))
+        m1 = scrape(srv.url)
+        n = delta(m0, m1, "blink_first_token_device_seconds_count")
+        alone = delta(m0, m1, "blink_first_token_device_seconds_sum") / n * 1e3 if n else None
+        rows = []
+        for r in runs:
+            step = r.get("decode_step_ms")
+            limit = alone + step + 2.0 if alone is not None and step is not None else None
+            ttft = r["ttft_ms"]["median"]
+            rows.append({"rate": r["rate"], "load": r["load"], "ttft_p50_ms": ttft, "limit_ms": limit,
+                         "met": limit is not None and ttft <= limit})  # fmt: skip
+            self.say(
+                f"{sched:4s} {r['rate']:g} req/s {r['load']:4s}: TTFT p50 {ttft:.1f} ms vs prefill alone "
+                f"{alone if alone is None else round(alone, 2)} + decode step {step if step is None else round(step, 2)} "
+                f"(batch ~{r.get('tokens_per_launch') or 0:.0f}) + 2 = "
+                f"{'-' if limit is None else f'{limit:.1f}'} ms: {'OK' if rows[-1]['met'] else 'MISSED'}"
+            )
+        return {"prefill_alone_ms": alone, "alone_requests": n, "rows": rows}
 
     def cpu(self, srv: Server, sched: str) -> dict:
         s = self.s

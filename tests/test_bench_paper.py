@@ -143,6 +143,12 @@ def test_paper_quick_end_to_end_on_the_emulated_device(tmp_path):
             (4.0, "idle"),
             (4.0, "hogs"),
         ]
+        # issue 12's TTFT bound: the prompt prefilled alone (device stage of 8 one-token requests) and
+        # each open-loop run's mean decode step, from the server's /metrics
+        tb = docs["interference"]["results"][sched]["ttft_bound"]
+        assert tb["alone_requests"] == 8 and tb["prefill_alone_ms"] > 0
+        assert [(r["rate"], r["load"]) for r in tb["rows"]] == [(4.0, "idle"), (4.0, "hogs")]
+        assert all(r["limit_ms"] > tb["prefill_alone_ms"] + 2 for r in tb["rows"])
         cpu = docs["cpu"]["results"][sched]
         assert cpu["device_cpu_s"] > 0 and cpu["device_cpu_s_per_mtok"] > 0 and cpu["total_output_tokens"] > 0
         st = docs["sigstop"]["results"][sched]
