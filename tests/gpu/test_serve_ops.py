@@ -35,7 +35,8 @@ def test_cuda_serve_logs_phases_requests_and_metrics(scheduler):
             req = urllib.request.Request(
                 s.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
             )
-            assert urllib.request.urlopen(req, timeout=60).status == 200
+            with urllib.request.urlopen(req, timeout=60) as r:  # read to the end: a stream left unread is a disconnect
+                assert r.status == 200 and r.read()
         time.sleep(0.2)
         assert len(re.findall(r"cmpl-\w+ completions ok: prompt \d+ tokens, output 8 tokens", "".join(s.log))) == 2
         text = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
