@@ -10,8 +10,12 @@ from blink.gpu.forward import GEMV_FUSIONS
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-# flashq was the fastest at every batch 1..256 on the H200 (bench/results/archive/decode_h200_run5.json)
-DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"),)
+# flashq was the fastest of flashq / basic at every batch 1..256 on the H200 (bench/results/archive/decode_h200_run5.json).
+# flashmma (tensor cores) against flashq, attention alone on the same q and KV, Llama-3-8B, H200
+# (bench/results/decode_breakdown-h200-b76a044.json): batch 128 x context 320 1.668 vs 2.194 ms, 256 x 320 3.041 vs
+# 4.153, 128 x 1024 4.515 vs 5.888, 256 x 1024 8.620 vs 11.415 (largest relative difference of the outputs 4.0e-3);
+# smaller batches were not timed, so flashq keeps them.
+DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"), (128, "flashmma"))
 # GEMV fusions of decode steps on the GEMV path (forward.py docstring) when EngineConfig.gemv_fusion
 # is "". "all" measured 4.352 vs 4.456 ms at batch 1, logits bitwise equal to "none"
 # (bench/results/archive/fused_h200.md); the GPU scheduler suite and conformance passed with it as the
@@ -83,7 +87,8 @@ class EngineConfig:
     decode_attention_table: tuple[tuple[int, str], ...] = DEFAULT_DECODE_ATTENTION
     """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
     from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "flashq"
-    (flash_decode.cu, the default) and "basic" (attention.cu, the fallback). H200, Llama-3-8B
+    (flash_decode.cu, the default below batch 128), "flashmma" (flash_decode.cu on tensor cores, the
+    default from 128) and "basic" (attention.cu, the fallback). H200, Llama-3-8B
     shape, context 1024: flashq 4.46 ms/step at batch 1, 18.3 at batch 256
     (bench/results/archive/decode_h200_run5.json); basic 4.90 and 39.8 (decode_h200_run4.json).
     bench/decode.py prints the best table per batch (its `best table` line)."""
