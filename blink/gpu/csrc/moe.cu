@@ -183,52 +183,6 @@ __device__ __forceinline__ void gemv_tile_body(const bf16* __restrict__ xs, cons
                                                bf16* __restrict__ Y, int row0, int nr, int N, int K) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kv = K / 8;
-  if constexpr (TM == 1) {
-    // One row (the decode pair path): the warp's MOE_COLS columns at once, so each lane has all their
-    // weight loads in flight together (one column at a time left the loads latency-bound: 2 TB/s on
-    // the H200). Each column's sum is the same FMA chain as below: results bit-identical.
-    const int col0 = (blockIdx.x * MOE_WARPS + warp) * MOE_COLS;
-    float acc_a[MOE_COLS], acc_b[MOE_COLS];
-#pragma unroll
-    for (int c = 0; c < MOE_COLS; ++c) acc_a[c] = acc_b[c] = 0.f;
-    for (int v = lane; v < kv; v += 32) {
-      float x[8];
-      load8(xs + v * 8, x);
-      float a[MOE_COLS][8], b[MOE_COLS][8];
-#pragma unroll
-      for (int c = 0; c < MOE_COLS; ++c) {
-        if (col0 + c < N) {
-          load8(We + (size_t)(col0 + c) * K + v * 8, a[c]);
-          if (SWIGLU) load8(We + (size_t)(col0 + c + N) * K + v * 8, b[c]);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < MOE_COLS; ++c) {
-        if (col0 + c < N) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            acc_a[c] += a[c][i] * x[i];
-            if (SWIGLU) acc_b[c] += b[c][i] * x[i];
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < MOE_COLS; ++c) {
-      if (col0 + c >= N) break;
-      const float ya = warp_sum(acc_a[c]);
-      if (SWIGLU) {
-        const float yb = warp_sum(acc_b[c]);
-        if (lane == 0) {
-          const float g = rbf(ya), u = rbf(yb);  // the gate_up GEMM's bf16 output
-          Y[(size_t)row0 * N + col0 + c] = tobf(rbf(g / (1.f + expf(-g))) * u);
-        }
-      } else if (lane == 0) {
-        Y[(size_t)row0 * N + col0 + c] = tobf(ya);
-      }
-    }
-    return;
-  } else {
   for (int ci = 0; ci < MOE_COLS; ++ci) {
     const int col = (blockIdx.x * MOE_WARPS + warp) * MOE_COLS + ci;
     if (col >= N) break;
@@ -272,7 +226,6 @@ __device__ __forceinline__ void gemv_tile_body(const bf16* __restrict__ xs, cons
       }
     }
   }
-}
 }
 
 // SWIGLU: W is [E, 2N, K] = [gate; up] per expert and the output is swiglu (N columns);
