@@ -28,7 +28,8 @@ from blink.protocol.wire import DeviceSpec
 
 PARENT_POLL_S = 0.5
 # What loading a model raises (missing or unreadable files, bad formats, unknown presets or
-# architectures): reported as one line unless spec.debug; anything else keeps its traceback.
+# architectures; NotImplementedError: the gguf package's dequantize for a quantization type it
+# lacks): reported as one line unless spec.debug; anything else keeps its traceback.
 LOAD_ERRORS = (OSError, ValueError, KeyError, NotImplementedError)
 PROGRESS_EVERY_S = 2.0
 

@@ -17,6 +17,20 @@ def usage(n_prompt: int, n_gen: int) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
+def _response(rid: str, obj: str, model: str, choices: list[dict[str, Any]], n_prompt: int, n_gen: int,
+              **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """The envelope chat and text completions share around their choices."""
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(n_prompt, n_gen),
+        **extra,
+    }
+
+
 def chat_response(
     rid: str,
     model: str,
@@ -27,12 +41,11 @@ def chat_response(
     prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
     """choices: (text, finish_reason) per choice index; logprobs: each choice's `logprobs` object."""
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
+    return _response(
+        rid,
+        "chat.completion",
+        model,
+        [
             {
                 "index": i,
                 "message": {"role": "assistant", "content": text},
@@ -41,9 +54,10 @@ def chat_response(
             }
             for i, (text, finish) in enumerate(choices)
         ],
-        "usage": usage(n_prompt, n_gen),
+        n_prompt,
+        n_gen,
         **({"prompt_logprobs": prompt_logprobs[0]} if prompt_logprobs else {}),
-    }
+    )
 
 
 def completion_response(
@@ -55,12 +69,11 @@ def completion_response(
     logprobs: list[Any] | None = None,
     prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
+    return _response(
+        rid,
+        "text_completion",
+        model,
+        [
             {
                 "index": i,
                 "text": text,
@@ -70,8 +83,9 @@ def completion_response(
             }
             for i, (text, finish) in enumerate(choices)
         ],
-        "usage": usage(n_prompt, n_gen),
-    }
+        n_prompt,
+        n_gen,
+    )
 
 
 class ChunkMaker:
