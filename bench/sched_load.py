@@ -42,6 +42,7 @@ class LoadResult:
     finish: dict[int, int] = field(default_factory=dict)  # FinishReason -> count
     outputs: dict[int, list[int]] = field(default_factory=dict)  # request index -> tokens (keep_tokens)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (t, tokens read so far)
+    left_in_flight: int = 0  # requests still running when the run returned (a deadline's carry-over)
 
     @property
     def tok_per_s(self) -> float:
@@ -150,6 +151,7 @@ class LoadGen:
             if t.done() and t.exception() is not None:
                 raise t.exception()
         res.makespan_s = time.perf_counter() - t0
+        res.left_in_flight = self.in_flight  # read here: the event loop thread runs on after we return
         res.submitted = nxt
         res.tokens = self.tokens - tok0
         res.completed = self.completed - done0

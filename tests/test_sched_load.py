@@ -52,7 +52,7 @@ def test_run_counts_every_token_and_timed_phases_carry_over(ring):
         a = steady(gen, 8, 6, 4, 1.0, vocab, seed=1)
         assert a.submitted > 4 and a.tokens > 0 and a.makespan_s >= 1.0
         assert len(a.timeline) >= 3 and a.timeline[-1][1] <= a.tokens
-        assert gen.in_flight > 0  # left running at the deadline ...
+        assert a.left_in_flight > 0  # left running at the deadline ...
         b = gen.run(random_requests(2, 8, 3, vocab, seed=2), concurrency=4)
         assert b.tokens >= 6 and b.completed >= 2  # ... and read on (and counted) by the next run
         assert gen.in_flight == 0
