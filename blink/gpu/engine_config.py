@@ -11,11 +11,12 @@ from blink.gpu.forward import GEMV_FUSIONS
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # flashq was the fastest of flashq / basic at every batch 1..256 on the H200 (bench/results/archive/decode_h200_run5.json).
-# flashmma (tensor cores) against flashq, attention alone on the same q and KV, Llama-3-8B, H200
-# (bench/results/decode_breakdown-h200-b76a044.json): batch 128 x context 320 1.668 vs 2.194 ms, 256 x 320 3.041 vs
-# 4.153, 128 x 1024 4.515 vs 5.888, 256 x 1024 8.620 vs 11.415 (largest relative difference of the outputs 4.0e-3);
-# smaller batches were not timed, so flashq keeps them.
-DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"), (128, "flashmma"))
+# flashmma (tensor cores) against flashq, Llama-3-8B, H200, attention launches alone (32 layers, ms): context 1024,
+# batches 1/8/64/128/256: 0.321 vs 0.331, 0.619 vs 0.747, 2.684 vs 3.345, 4.515 vs 5.888, 8.620 vs 11.415; context 320,
+# batches 1/8/16/64/128/256: 0.264 vs 0.289, 0.389 vs 0.455, 0.502 vs 0.616, 1.331 vs 1.604, 1.724 vs 2.157, 3.041 vs
+# 4.153 (bench/results/decode_attn1024-h200-6822f2b.json, decode_attn320*-h200-6822f2b.json,
+# decode_breakdown-h200-b76a044.json; largest relative difference of the outputs 4.0e-3): flashmma at every batch.
+DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashmma"),)
 # GEMV fusions of decode steps on the GEMV path (forward.py docstring) when EngineConfig.gemv_fusion
 # is "". "all" measured 4.352 vs 4.456 ms at batch 1, logits bitwise equal to "none"
 # (bench/results/archive/fused_h200.md); the GPU scheduler suite and conformance passed with it as the
@@ -86,9 +87,9 @@ class EngineConfig:
     (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
     decode_attention_table: tuple[tuple[int, str], ...] = DEFAULT_DECODE_ATTENTION
     """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
-    from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "flashq"
-    (flash_decode.cu, the default below batch 128), "flashmma" (flash_decode.cu on tensor cores, the
-    default from 128) and "basic" (attention.cu, the fallback). H200, Llama-3-8B
+    from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "flashmma"
+    (flash_decode.cu on tensor cores, the default at every batch), "flashq" (flash_decode.cu on CUDA
+    cores) and "basic" (attention.cu, the fallback). H200, Llama-3-8B
     shape, context 1024: flashq 4.46 ms/step at batch 1, 18.3 at batch 256
     (bench/results/archive/decode_h200_run5.json); basic 4.90 and 39.8 (decode_h200_run4.json).
     bench/decode.py prints the best table per batch (its `best table` line)."""
@@ -99,11 +100,12 @@ class EngineConfig:
     list of "norm" (residual add and RMSNorm into the projections), "swiglu" (SwiGLU into gate_up),
     "rope" (RoPE + KV write into qkv; not with qk-norm); "" = DEFAULT_GEMV_FUSION. Prefill and
     cuBLAS steps never fuse (forward.py's docstring)."""
-    prefill_attention: str = "rego"
-    """Prefill attention kernel: "rego" (WMMA, O accumulators in registers; H200, 4k-token
-    Llama-3-8B prompt: 160.7 ms, bench/results/archive/prefill_h200_run4.json) or "fa2" (scores and O in
-    registers on mma.sync, cp.async double buffering: the candidate to become the default, not yet
-    run on a GPU). Both in prefill_attention.cu."""
+    prefill_attention: str = "fa2"
+    """Prefill attention kernel: "fa2" (scores and O in registers on mma.sync, cp.async double
+    buffering; the default) or "rego" (WMMA, O accumulators in registers). Both in prefill_attention.cu.
+    H200, Llama-3-8B, whole prefill step (bench/results/prefill-h200-6822f2b.json): one 256-token prompt
+    7.45 vs 8.24 ms, 16 x 256 94.7 vs 95.8, one 4096-token prompt 117.5 vs 159.2; 256 x (256 -> 128)
+    10,906 vs 10,688 tok/s (GPU scheduler, bench/results/tput_*-h200-6822f2b.json)."""
     gemm_candidates: int = 0
     """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
     cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape. Off by
