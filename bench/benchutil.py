@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import pathlib
@@ -147,6 +148,85 @@ def load_synthetic(eng: Any, num_seqs: int, new_tokens: int, context: int, rng: 
     return decode
 
 
+def preset_config(name: str, layers: int = 0) -> Any:
+    """The preset's ModelConfig, cut to its first `layers` layers where layers > 0 (the benchmarks'
+    --model and --layers)."""
+    from blink.models.config import preset
+
+    cfg = preset(name)
+    return cfg.replace(num_layers=layers) if layers else cfg
+
+
+def decode_engine_config(batches: Sequence[int], context: int, **fields: Any) -> Any:
+    """EngineConfig of a decode benchmark (bench/decode.py, bench/moe_decode.py): one batch bucket
+    per batch timed, one token bucket (the largest batch), block size 16, and a KV pool of exactly
+    ceil(context / 16) + 1 blocks per sequence of the largest batch. `fields`: the other
+    EngineConfig fields a benchmark sets from its flags."""
+    from blink.gpu.engine import EngineConfig
+
+    bmax, bs = max(batches), 16
+    return EngineConfig(
+        max_seqs=bmax,
+        max_tokens=bmax,
+        max_context=context + bs * 2,
+        block_size=bs,
+        num_kv_blocks=bmax * (-(-context // bs) + 1),
+        batch_buckets=tuple(batches),
+        token_buckets=(bmax,),
+        **fields,
+    )
+
+
+def decode_engine(cfg: Any, ecfg: Any) -> tuple[Any, Any, dict[str, float]]:
+    """The CUDA engine with its decode graphs captured (no prefill graphs), and this GPU's copy
+    bandwidth measured after the capture (with the engine's memory in place): (engine, capture
+    report, copy_bandwidth())."""
+    from blink.gpu.engine import Engine
+
+    eng = Engine.create(cfg, ecfg)
+    rep = eng.capture(decode=True, prefill=False)
+    return eng, rep, copy_bandwidth()
+
+
+def step_launch(eng: Any, batch: int) -> Callable[[], None]:
+    """Launches the engine's own captured decode step of `batch` one-token sequences."""
+    return lambda: eng.driver.graph_launch(eng.pick_exec(batch, batch, True), eng.s)
+
+
+def alternate(eng: Any, execs: Sequence[int]) -> Callable[[], None]:
+    """Launches the execs of one captured variant (Engine.capture_variant) in turn, as the engine
+    launches its own: an exec cannot be relaunched right after it completes."""
+    it = itertools.count()
+    return lambda: eng.driver.graph_launch(execs[next(it) % len(execs)], eng.s)
+
+
+def copy_fraction(nbytes: float, ms: float, bw: dict[str, float]) -> float:
+    """`nbytes` moved in `ms` milliseconds, as a fraction of the copy bandwidth (copy_bandwidth())."""
+    return nbytes / ms / 1e6 / bw["read_plus_write_GBps"]
+
+
+def step_rates(batch: int, ms: float, nbytes: float, bw: dict[str, float]) -> dict[str, float]:
+    """A decode step's row fields: its time, tokens per second (one token per sequence), the bytes it
+    reads, their rate and its fraction of the copy bandwidth."""
+    return {
+        "ms_per_step": ms,
+        "tokens_per_s": batch / ms * 1e3,
+        "bytes_per_step": nbytes,
+        "GBps": nbytes / ms / 1e6,
+        "frac_of_copy_bw": copy_fraction(nbytes, ms, bw),
+    }
+
+
+def print_breakdown(what: str, breakdown: dict[str, dict[str, float]]) -> None:
+    """One line per step of category_times() results: each category's milliseconds and their sum."""
+    for label, parts in breakdown.items():
+        print(
+            f"{what} {label} by kernel category (ms): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+            + f"; sum {sum(parts.values()):.3f}"
+        )
+
+
 CATEGORIES = ("embed", "norm", "gemm", "rope", "attn", "swiglu", "moe", "head", "sample", "done")
 
 
@@ -244,11 +324,5 @@ def category_times(
             continue  # for device launch (CUDA_ERROR_INVALID_VALUE on the H200)
         with only_launches(eng.fwd, {cat}):
             execs = eng.capture_variant(S, T, decode)
-        it = iter(range(10**9))
-        out[cat] = time_ms(
-            lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s),
-            eng.stream,
-            iters=iters,
-            warmup=warmup,
-        )
+        out[cat] = time_ms(alternate(eng, execs), eng.stream, iters=iters, warmup=warmup)
     return out

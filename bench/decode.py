@@ -33,32 +33,31 @@ max(bytes / copy bandwidth, FLOPs / --peak-tflops); the step gets the issue's ba
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 from benchutil import (
     CATEGORIES,
+    alternate,
     category_times,
-    copy_bandwidth,
+    copy_fraction,
     decode_bytes,
+    decode_engine,
+    decode_engine_config,
     decode_traffic,
     gemm_roles,
     load_synthetic,
     metadata,
     only_launches,
+    preset_config,
+    print_breakdown,
+    step_launch,
+    step_rates,
     time_ms,
     write_json,
 )
 
 from blink.gpu.attention_launch import DECODE_VARIANTS
-from blink.gpu.engine import (
-    DEFAULT_DECODE_ATTENTION,
-    Engine,
-    EngineConfig,
-    parse_decode_attention,
-    parse_gemv_fusion,
-)
-from blink.models.config import preset
+from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, parse_decode_attention, parse_gemv_fusion
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,22 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
-    cfg = preset(a.model)
-    if a.layers:
-        cfg = cfg.replace(num_layers=a.layers)
+    cfg = preset_config(a.model, a.layers)
     if a.role_breakdown:
         return role_breakdown(a, cfg, argv)
     batches = [int(x) for x in a.batches.split(",")]
-    bmax, ctx, bs = max(batches), a.context, 16
-    per_seq = -(-ctx // bs) + 1
-    ecfg = EngineConfig(
-        max_seqs=bmax,
-        max_tokens=bmax,
-        max_context=ctx + bs * 2,
-        block_size=bs,
-        num_kv_blocks=bmax * per_seq,
-        batch_buckets=tuple(batches),
-        token_buckets=(bmax,),
+    bmax, ctx = max(batches), a.context
+    ecfg = decode_engine_config(
+        batches,
+        ctx,
         decode_attention_table=parse_decode_attention(a.decode_attention)
         if a.decode_attention
         else DEFAULT_DECODE_ATTENTION,
@@ -124,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in timed_variants:
         if v not in DECODE_VARIANTS:
             raise SystemExit(f"unknown decode attention variant {v!r} (known: {DECODE_VARIANTS})")
-    eng = Engine.create(cfg, ecfg)
-    rep = eng.capture(decode=True, prefill=False)
-    bw = copy_bandwidth()
+    eng, rep, bw = decode_engine(cfg, ecfg)
     weight_bytes = eng.weights.bytes_per_step
     rows = []
     breakdown: dict[str, dict[str, float]] = {}
@@ -135,27 +124,23 @@ def main(argv: list[str] | None = None) -> int:
     h = eng.arena.host
     for b in batches:
         load_synthetic(eng, b, 1, ctx, rng)  # b sequences, context ctx, greedy
-        variants = {"engine": lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s)}
+        variants = {"engine": step_launch(eng, b)}
         if str(b) in a.compare_cublas.split(","):  # the other GEMM back end at this batch
             eng.fwd.gemv_max_tokens = 8 if b > ecfg.gemv_max_tokens else 0  # the GEMV, or cuBLAS only
             execs = eng.capture_variant(b, b, True)
             eng.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
-            it = iter(range(10**9))
-            other = "gemv" if b > ecfg.gemv_max_tokens else "cublas_only"
-            variants[other] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+            variants["gemv" if b > ecfg.gemv_max_tokens else "cublas_only"] = alternate(eng, execs)
         if a.compare_gemm_tuning and eng.cublas.tuner is not None:  # the same step, no cuBLASLt plans
             tuner, eng.cublas.tuner = eng.cublas.tuner, None
             execs = eng.capture_variant(b, b, True)
             eng.cublas.tuner = tuner
-            it5 = iter(range(10**9))
-            variants["gemmex"] = lambda execs=execs, it=it5: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+            variants["gemmex"] = alternate(eng, execs)
         engine_fusion = eng.fwd.gemv_fusion
         for f in compare_fusion:  # the same step with other GEMV fusions
             eng.fwd.set_gemv_fusion(parse_gemv_fusion(f))
             execs = eng.capture_variant(b, b, True)
             eng.fwd.set_gemv_fusion(engine_fusion)
-            it4 = iter(range(10**9))
-            variants[f"fusion_{f}"] = lambda execs=execs, it=it4: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+            variants[f"fusion_{f}"] = alternate(eng, execs)
         default_variant = eng.fwd.decode_variant(b)
         variant_of = {"engine": default_variant}
         for v in timed_variants:  # the other decode attention kernels
@@ -164,35 +149,19 @@ def main(argv: list[str] | None = None) -> int:
             eng.fwd.set_decode_attention(v)
             execs = eng.capture_variant(b, b, True)
             eng.fwd.set_decode_attention(None)
-            it2 = iter(range(10**9))
-            variants[f"attn_{v}"] = lambda execs=execs, it=it2: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+            variants[f"attn_{v}"] = alternate(eng, execs)
             variant_of[f"attn_{v}"] = v
         for v in dict.fromkeys([default_variant, *timed_variants]):  # attention launches alone
             eng.fwd.set_decode_attention(v)
             with only_launches(eng.fwd, {"attn"}):
                 execs = eng.capture_variant(b, b, True)
             eng.fwd.set_decode_attention(None)
-            it3 = iter(range(10**9))
-            attn_only.setdefault(str(b), {})[v] = time_ms(
-                lambda execs=execs, it=it3: eng.driver.graph_launch(execs[next(it) % 2], eng.s),
-                eng.stream,
-                iters=a.iters,
-            )
+            attn_only.setdefault(str(b), {})[v] = time_ms(alternate(eng, execs), eng.stream, iters=a.iters)
         for name, fn in variants.items():
             ms = time_ms(fn, eng.stream, iters=a.iters)
             moved = decode_bytes(cfg, b, ctx)["total"]
-            rows.append(
-                {
-                    "batch": b,
-                    "variant": name,
-                    "decode_attention": variant_of.get(name, default_variant),
-                    "ms_per_step": ms,
-                    "tokens_per_s": b / ms * 1e3,
-                    "bytes_per_step": moved,
-                    "GBps": moved / ms / 1e6,
-                    "frac_of_copy_bw": moved / ms / 1e6 / bw["read_plus_write_GBps"],
-                }
-            )
+            attention = variant_of.get(name, default_variant)
+            rows.append({"batch": b, "variant": name, "decode_attention": attention, **step_rates(b, ms, moved, bw)})
         if str(b) in a.breakdown.split(","):
             # "norm" / "swiglu" folded into the GEMVs have no launches of their own (an empty graph)
             cats = [c for c in CATEGORIES if c not in eng.fwd.fusions_for(b)]
@@ -202,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     h["temperature"][:b], h["top_p"][:b], h["top_k"][:b] = 1.0, 0.9, 50
     h["seeds"][:b] = np.arange(b)
     eng.arena.upload(eng.s, b)
-    ms = time_ms(lambda: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s), eng.stream, iters=a.iters)
+    ms = time_ms(step_launch(eng, b), eng.stream, iters=a.iters)
     rows.append({"batch": b, "variant": "engine_sampled_t1_p0.9_k50", "ms_per_step": ms, "tokens_per_s": b / ms * 1e3})
     res = {
-        **metadata(a.commit, argv if argv is not None else sys.argv),
+        **metadata(a.commit, argv),
         "model": cfg.name,
         "layers": cfg.num_layers,
         "context": ctx,
@@ -248,12 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['batch']:>5} {r['variant']:>28} {r['ms_per_step']:8.3f} {r['tokens_per_s']:9.0f} "
             f"{r.get('GBps', 0):7.0f} {r.get('frac_of_copy_bw', 0):7.1%}"
         )
-    for b, parts in breakdown.items():
-        print(
-            f"batch {b} by kernel category (ms): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
-            + f"; sum {sum(parts.values()):.3f}"
-        )
+    print_breakdown("batch", breakdown)
     for b, parts in attn_only.items():
         print(
             f"batch {b} attention launches alone (ms, {cfg.num_layers} layers): "
@@ -285,25 +249,30 @@ def capture_for_host(eng, b: int) -> tuple[int, int]:
     return graph, ex
 
 
+def against_ideal(t: dict[str, float], ms: float, bw_Bps: float, peak: float) -> dict[str, float]:
+    """--role-breakdown's row of one category timed at `ms`: its bytes and FLOPs (`t`, from
+    decode_traffic), their achieved rates, and the ideal time max(bytes / copy bandwidth, FLOPs /
+    peak) in ms (bw_Bps in bytes/s, peak in FLOP/s)."""
+    ideal = max(t["bytes"] / bw_Bps, t["flops"] / peak) * 1e3
+    return {
+        "ms": ms,
+        "bytes": t["bytes"],
+        "flops": t["flops"],
+        "GBps": t["bytes"] / ms / 1e6,
+        "TFLOPs": t["flops"] / ms / 1e9,
+        "ideal_ms": ideal,
+        "ideal_over_ms": ideal / ms if ms else 0.0,
+    }
+
+
 def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
     """--role-breakdown: whole decode step and each kernel category, by batch and context."""
     batches = [int(x) for x in a.batches.split(",")]
     contexts = [int(x) for x in a.contexts.split(",")]
-    bmax, bs = max(batches), 16
-    per_seq = -(-max(contexts) // bs) + 1
-    ecfg = EngineConfig(
-        max_seqs=bmax,
-        max_tokens=bmax,
-        max_context=max(contexts) + bs * 2,
-        block_size=bs,
-        num_kv_blocks=bmax * per_seq,
-        batch_buckets=tuple(batches),
-        token_buckets=(bmax,),
-        **({"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}),
+    ecfg = decode_engine_config(
+        batches, max(contexts), **({"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {})
     )
-    eng = Engine.create(cfg, ecfg)
-    rep = eng.capture(decode=True, prefill=False)
-    bw = copy_bandwidth()
+    eng, rep, bw = decode_engine(cfg, ecfg)
     bw_Bps = bw["read_plus_write_GBps"] * 1e9
     peak = a.peak_tflops * 1e12
     weight_bytes = eng.weights.bytes_per_step
@@ -315,9 +284,7 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
     for ctx in contexts:
         for b in batches:
             load_synthetic(eng, b, 1, ctx, rng)
-            step_ms = time_ms(
-                lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s), eng.stream, a.iters
-            )
+            step_ms = time_ms(step_launch(eng, b), eng.stream, a.iters)
             traffic = decode_traffic(cfg, b, ctx)
             cats: dict[str, dict[str, float]] = {}
             gemv = eng.fwd.uses_gemv(b)  # GEMVs are launches of category "gemm", not split by role here
@@ -341,16 +308,7 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
                     t = {"bytes": sum(v["bytes"] for v in g), "flops": sum(v["flops"] for v in g)}
                 else:
                     t = traffic.get(name, {"bytes": 0.0, "flops": 0.0})
-                ideal = max(t["bytes"] / bw_Bps, t["flops"] / peak) * 1e3
-                cats[name] = {
-                    "ms": ms,
-                    "bytes": t["bytes"],
-                    "flops": t["flops"],
-                    "GBps": t["bytes"] / ms / 1e6,
-                    "TFLOPs": t["flops"] / ms / 1e9,
-                    "ideal_ms": ideal,
-                    "ideal_over_ms": ideal / ms if ms else 0.0,
-                }
+                cats[name] = against_ideal(t, ms, bw_Bps, peak)
             for v in extra_attn:  # other decode attention kernels on the same q and KV: time and agreement
                 outs, ms_v = {}, 0.0
                 for var in (eng.fwd.decode_variant(b), v):
@@ -367,16 +325,8 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
                     eng.driver.graph_destroy(graph)
                 ref = outs[eng.fwd.decode_variant(b)]
                 rel = float(np.abs(outs[v] - ref).max() / max(float(np.abs(ref).max()), 1e-30))
-                t = traffic["attn"]
-                ideal = max(t["bytes"] / bw_Bps, t["flops"] / peak) * 1e3
                 cats[f"attn_{v}"] = {
-                    "ms": ms_v,
-                    "bytes": t["bytes"],
-                    "flops": t["flops"],
-                    "GBps": t["bytes"] / ms_v / 1e6,
-                    "TFLOPs": t["flops"] / ms_v / 1e9,
-                    "ideal_ms": ideal,
-                    "ideal_over_ms": ideal / ms_v if ms_v else 0.0,
+                    **against_ideal(traffic["attn"], ms_v, bw_Bps, peak),
                     "max_rel_diff_vs_engine": rel,
                     "matches_engine": rel < 2e-2,
                 }
@@ -391,7 +341,7 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
                     "step_ms": step_ms,
                     "tokens_per_s": b / step_ms * 1e3,
                     "bytes_per_step": moved,
-                    "frac_of_copy_bw": moved / step_ms / 1e6 / bw["read_plus_write_GBps"],
+                    "frac_of_copy_bw": copy_fraction(moved, step_ms, bw),
                     "categories_sum_ms": total_cat,
                     "uncovered_ms": step_ms - total_cat,
                     "ideal_sum_ms": ideal_total,
@@ -413,7 +363,7 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
                     f"{c['GBps']:8.0f}{c['TFLOPs']:9.1f}{agree}"
                 )
     res = {
-        **metadata(a.commit, argv if argv is not None else sys.argv),
+        **metadata(a.commit, argv),
         "model": cfg.name,
         "layers": cfg.num_layers,
         "weight_bytes": weight_bytes,

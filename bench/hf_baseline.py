@@ -12,12 +12,9 @@ optionally generate_batch (continuous batching) over N requests x (256 -> 128).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from benchutil import metadata, write_json
-
-from blink.models.config import preset
+from benchutil import metadata, preset_config, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,9 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/hf.json")
     a = ap.parse_args(argv)
-    c = preset(a.model)
-    if a.layers:
-        c = c.replace(num_layers=a.layers)
+    c = preset_config(a.model, a.layers)
     rs = c.rope_scaling
     hf_cfg = transformers.LlamaConfig(
         vocab_size=c.vocab_size,
@@ -72,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator(device=a.device).manual_seed(0)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     res: dict = {
-        **metadata(a.commit, argv if argv is not None else sys.argv),
+        **metadata(a.commit, argv),
         "model": c.name,
         "layers": c.num_layers,
         "transformers": transformers.__version__,

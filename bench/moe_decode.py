@@ -20,13 +20,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 
 import numpy as np
-from benchutil import CATEGORIES, category_times, copy_bandwidth, load_synthetic, metadata, time_ms, write_json
+from benchutil import (
+    CATEGORIES,
+    alternate,
+    category_times,
+    copy_fraction,
+    decode_engine,
+    decode_engine_config,
+    load_synthetic,
+    metadata,
+    preset_config,
+    print_breakdown,
+    step_launch,
+    step_rates,
+    time_ms,
+    write_json,
+)
 
-from blink.gpu.engine import Engine, EngineConfig
-from blink.models.config import preset
+from blink.gpu.engine import Engine
 
 PATHS = ("pair", "gemv", "mma", "mma64")
 
@@ -63,67 +76,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/moe_decode.json")
     a = ap.parse_args(argv)
-    cfg = preset(a.model)
-    if a.layers:
-        cfg = cfg.replace(num_layers=a.layers)
+    cfg = preset_config(a.model, a.layers)
     if not cfg.is_moe:
         raise SystemExit(f"{cfg.name} is not a mixture of experts (bench/decode.py times dense models)")
     batches = [int(x) for x in a.batches.split(",")]
-    bmax, ctx, bs = max(batches), a.context, 16
-    per_seq = -(-ctx // bs) + 1
-    ecfg = EngineConfig(
-        max_seqs=bmax,
-        max_tokens=bmax,
-        max_context=ctx + bs * 2,
-        block_size=bs,
-        num_kv_blocks=bmax * per_seq,
-        batch_buckets=tuple(batches),
-        token_buckets=(bmax,),
-    )
-    eng = Engine.create(cfg, ecfg)
-    rep = eng.capture(decode=True, prefill=False)
-    bw = copy_bandwidth()
+    ctx = a.context
+    eng, rep, bw = decode_engine(cfg, decode_engine_config(batches, ctx))
     kv_per_token = cfg.num_layers * 2 * cfg.kv_size * 2
     rng = np.random.default_rng(0)
     rows, breakdown = [], {}
     for b in batches:
         load_synthetic(eng, b, 1, ctx, rng)
-        ms = time_ms(lambda b=b: eng.driver.graph_launch(eng.pick_exec(b, b, True), eng.s), eng.stream, iters=a.iters)
+        ms = time_ms(step_launch(eng, b), eng.stream, iters=a.iters)
         hit = experts_hit(eng, b)
         moved = eng.weights.active_bytes_per_step(hit) + b * ctx * kv_per_token
-        rows.append(
-            {
-                "batch": b,
-                "variant": "engine",
-                "ms_per_step": ms,
-                "tokens_per_s": b / ms * 1e3,
-                "experts_read_per_layer": hit,
-                "bytes_per_step": moved,
-                "GBps": moved / ms / 1e6,
-                "frac_of_copy_bw": moved / ms / 1e6 / bw["read_plus_write_GBps"],
-            }
-        )
+        rows.append({"batch": b, "variant": "engine", "experts_read_per_layer": hit, **step_rates(b, ms, moved, bw)})
         if a.compare:
             for path in PATHS:
                 with forced(eng.fwd.moe, path):
                     execs = eng.capture_variant(b, b, True)
-                it = iter(range(10**9))
-                pms = time_ms(
-                    lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s), eng.stream,
-                    iters=a.iters,
-                )  # fmt: skip
+                pms = time_ms(alternate(eng, execs), eng.stream, iters=a.iters)
                 rows.append(
-                    {
-                        "batch": b,
-                        "variant": path,
-                        "ms_per_step": pms,
-                        "frac_of_copy_bw": moved / pms / 1e6 / bw["read_plus_write_GBps"],
-                    }
+                    {"batch": b, "variant": path, "ms_per_step": pms, "frac_of_copy_bw": copy_fraction(moved, pms, bw)}
                 )
         if str(b) in a.breakdown.split(","):
             breakdown[str(b)] = category_times(eng, b, b, True, [c for c in CATEGORIES if c != "swiglu"], a.iters)
     res = {
-        **metadata(a.commit, argv if argv is not None else sys.argv),
+        **metadata(a.commit, argv),
         "model": cfg.name,
         "layers": cfg.num_layers,
         "context": ctx,
@@ -152,12 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['batch']:>5} {'engine':>7} {r['ms_per_step']:8.3f} {r['tokens_per_s']:9.0f} {r['experts_read_per_layer']:>7} "
             f"{r['bytes_per_step'] / 1e9:8.2f} {r['GBps']:7.0f} {r['frac_of_copy_bw']:7.1%}"
         )
-    for b, parts in breakdown.items():
-        print(
-            f"batch {b} by kernel category (ms): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
-            + f"; sum {sum(parts.values()):.3f}"
-        )
+    print_breakdown("batch", breakdown)
     eng.close()
     return 0
 

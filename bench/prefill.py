@@ -15,14 +15,22 @@ prefill step's GEMM time stands against what the library can do.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
-from benchutil import CATEGORIES, category_times, load_synthetic, metadata, time_ms, write_json
+from benchutil import (
+    CATEGORIES,
+    alternate,
+    category_times,
+    load_synthetic,
+    metadata,
+    preset_config,
+    print_breakdown,
+    time_ms,
+    write_json,
+)
 
 from blink.gpu.attention_launch import PREFILL_VARIANTS
 from blink.gpu.engine import Engine, EngineConfig
-from blink.models.config import preset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="bench/results/prefill.json")
     a = ap.parse_args(argv)
-    cfg = preset(a.model)
-    if a.layers:
-        cfg = cfg.replace(num_layers=a.layers)
+    cfg = preset_config(a.model, a.layers)
     shapes = [(int(x.split("x")[0]), int(x.split("x")[1])) if "x" in x else (1, int(x)) for x in a.lengths.split(",")]
     bs = 16
     tmax = max(n * m for n, m in shapes)
@@ -70,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 eng.fwd.set_prefill_attention(other)
                 execs = eng.capture_variant(S, n, False)
                 eng.fwd.set_prefill_attention(ecfg.prefill_attention)
-                it = iter(range(10**9))
-                variants[other] = lambda execs=execs, it=it: eng.driver.graph_launch(execs[next(it) % 2], eng.s)
+                variants[other] = alternate(eng, execs)
         for name, fn in variants.items():
             ms = time_ms(fn, eng.stream, iters=a.iters, warmup=2)
             flops = 2 * n * (eng.weights.bytes_per_step / 2) + 4 * S * m * m / 2 * cfg.q_size * cfg.num_layers
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             breakdown[label] = category_times(eng, S, n, False, CATEGORIES, a.iters, warmup=2)
     gemm = gemm_compare(eng, cfg, [int(x) for x in a.gemm_rows.split(",") if x], a.iters) if a.gemm_rows else []
     res = {
-        **metadata(a.commit, argv if argv is not None else sys.argv),
+        **metadata(a.commit, argv),
         "model": cfg.name,
         "layers": cfg.num_layers,
         "capture": {"graphs": rep.graphs, "seconds": rep.seconds, "gemm_tune_seconds": rep.tune_seconds},
@@ -103,12 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'prompt':>8} {'attention':>9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8}")
     for r in rows:
         print(f"{r['shape']:>8} {r['attention']:>9} {r['ms']:9.2f} {r['tokens_per_s']:9.0f} {r['TFLOPs']:8.1f}")
-    for label, parts in breakdown.items():
-        print(
-            f"prefill {label} by kernel category (ms): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
-            + f"; sum {sum(parts.values()):.3f}"
-        )
+    print_breakdown("prefill", breakdown)
     for g in gemm:
         print(
             f"gemm rows {g['rows']:>5} {g['name']:>8} ({g['n_out']}x{g['k']}): engine {g['engine_ms']:.3f} ms "

@@ -140,3 +140,48 @@ def test_only_launches_with_roles_keeps_the_gemms_of_those_shapes():
     assert calls == [(6144, 4096)]
     fwd.blas.linear(0, 0, 0, 8, 4096, 4096, False)  # restored
     assert calls[-1] == (4096, 4096)
+
+
+def test_decode_engine_config_sizes_the_pool_for_the_largest_batch():
+    """bench/decode.py and bench/moe_decode.py size their engine here: a bucket per batch timed, the
+    largest batch's sequences each with ceil(context / 16) + 1 KV blocks; other fields passed on."""
+    from benchutil import decode_engine_config
+
+    e = decode_engine_config([1, 8, 32], 1008, gemv_fusion="none")
+    assert (e.max_seqs, e.max_tokens, e.block_size, e.max_context) == (32, 32, 16, 1040)
+    assert e.num_kv_blocks == 32 * (63 + 1) and e.batch_buckets == (1, 8, 32) and e.token_buckets == (32,)
+    assert e.gemv_fusion == "none"
+    assert decode_engine_config([4], 1024).num_kv_blocks == 4 * 65  # 1024 / 16 = 64 blocks exactly, + 1
+
+
+def test_alternate_launches_a_variants_execs_in_turn():
+    """An exec cannot be relaunched right after it completes: the timed variants take turns, each
+    with its own count (a second variant starts at its own first exec)."""
+    from types import SimpleNamespace
+
+    from benchutil import alternate
+
+    launched = []
+    eng = SimpleNamespace(s=7, driver=SimpleNamespace(graph_launch=lambda ex, s: launched.append((ex, s))))
+    a, b = alternate(eng, [10, 11]), alternate(eng, [20, 21])
+    for fn in (a, a, b, a, b):
+        fn()
+    assert launched == [(10, 7), (11, 7), (20, 7), (10, 7), (21, 7)]
+
+
+def test_step_rates_and_copy_fraction():
+    from benchutil import copy_fraction, step_rates
+
+    bw = {"read_plus_write_GBps": 4000.0}
+    r = step_rates(64, 2.0, 4e9, bw)  # 4 GB in 2 ms: 2000 GB/s, half the copy bandwidth
+    assert r == {"ms_per_step": 2.0, "tokens_per_s": 32000.0, "bytes_per_step": 4e9, "GBps": 2000.0,
+                 "frac_of_copy_bw": 0.5}  # fmt: skip
+    assert copy_fraction(1e9, 1.0, bw) == 0.25
+
+
+def test_preset_config_and_print_breakdown(capsys):
+    from benchutil import preset_config, print_breakdown
+
+    assert preset_config("tiny-llama").num_layers > 1 and preset_config("tiny-llama", 1).num_layers == 1
+    print_breakdown("batch", {"8": {"gemm": 1.5, "attn": 0.25}})
+    assert capsys.readouterr().out == "batch 8 by kernel category (ms): gemm 1.500, attn 0.250; sum 1.750\n"
