@@ -8,13 +8,11 @@ host-driven loop (blink.device.ring_device + blink.gpu.host_executor), four work
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import gpu_name  # noqa: E402
+from benchutil import metadata, write_json  # noqa: E402
 from sched_common import make_engine, serve_workload  # noqa: E402
 
 WORKLOADS = {  # name: (prompt tokens, output tokens)
@@ -53,14 +51,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--out", default="")
+    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
     a = ap.parse_args()
     eng = make_engine(a.preset, 64, 4096, 2048)
     rows = run(eng)
-    res = {"bench": "ablation", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": gpu_name(),
-           "preset": a.preset, "command": " ".join(sys.argv), "rows": rows}  # fmt: skip
+    res = {"bench": "ablation", **metadata(a.commit, gpu_key="device"), "preset": a.preset, "rows": rows}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.out, res)
     eng.close()
     return 0
 

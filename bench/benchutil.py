@@ -10,6 +10,8 @@ import itertools
 import json
 import os
 import pathlib
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
@@ -39,17 +41,55 @@ def gpu_name() -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def metadata(commit: str, argv: list[str] | None = None) -> dict[str, Any]:
+def smi_gpu_names() -> list[str]:
+    """The GPUs' names as nvidia-smi lists them ([] without nvidia-smi): for the processes that drive
+    servers and must not open a CUDA context of their own (bench/paper.py, scaleout.py, soak.py,
+    ttft_breakdown.py)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return [line.strip() for line in r.stdout.splitlines() if line.strip()] if r.returncode == 0 else []
+
+
+def git_commit() -> str:
+    """The commit to record where the command line names none: $BLINK_COMMIT (the GPU machine has no
+    .git: its scripts pass it on), else this checkout's short HEAD, "-dirty" when blink/ or bench/
+    has uncommitted changes, else "unknown"."""
+    if os.environ.get("BLINK_COMMIT"):
+        return os.environ["BLINK_COMMIT"]
+    root = pathlib.Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+    except OSError:  # no git
+        return "unknown"
+    if head.returncode != 0 or not head.stdout.strip():
+        return "unknown"
+    dirty = git("status", "--porcelain", "--", "blink", "bench").stdout.strip()
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def metadata(
+    commit: str, argv: list[str] | None = None, *, gpu_key: str = "gpu", gpu: str | None = None
+) -> dict[str, Any]:
     """What every result JSON records: when, where, which sources (commit as given, the GPU machine
-    has no .git; tree_sha256 of the files that ran) and the command line."""
+    has no .git; tree_sha256 of the files that ran) and the command line.
+
+    gpu_key: the key of the GPU's name: "gpu", or "device" in the results that have always called it
+    so (the scheduler benchmarks, whose rows are keyed by scheduler, "gpu" and "host"). gpu: the name
+    where the caller has it without CUDA (smi_gpu_names: a process whose servers own the GPU); then
+    no "sms" either. Otherwise gpu_name() and the device's SM count ("sms") from CUDA."""
     out: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": gpu_name(),
+        gpu_key: gpu if gpu is not None else gpu_name(),
         "commit": commit,
         "tree_sha256": tree_digest(),  # check against `python -m blink.treedigest --commit <commit>`
         "command": " ".join(argv if argv is not None else sys.argv),
     }
-    if out["gpu"] != "cpu":
+    if gpu is None and out[gpu_key] != "cpu":
         import cupy as cp
 
         out["sms"] = int(cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"])

@@ -17,10 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ablation  # noqa: E402
 import sigstop  # noqa: E402
 import throughput  # noqa: E402
-from benchutil import gpu_name  # noqa: E402
+from benchutil import metadata  # noqa: E402
 from sched_common import make_engine  # noqa: E402
-
-from blink.treedigest import tree_digest  # noqa: E402
 
 
 def stressed(fn, n_procs: int):
@@ -51,13 +49,6 @@ def main() -> int:
     a = ap.parse_args()
     skip = set(a.skip.split(",")) - {""}
     os.makedirs(a.out, exist_ok=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "preset": a.preset,
-        "commit": a.commit,
-        "tree_sha256": tree_digest(),  # check against `python -m blink.treedigest --commit <commit>`
-        "command": " ".join(sys.argv),
-    }
     eng = make_engine(
         a.preset,
         256,
@@ -70,7 +61,7 @@ def main() -> int:
         prefill_attention=a.prefill_attention,
     )
     tput = (lambda: throughput.run(eng, 64, 64, 32)) if a.small else (lambda: throughput.run(eng))
-    meta["device"] = gpu_name()
+    meta = {**metadata(a.commit, gpu_key="device"), "preset": a.preset}
     meta["engine"] = {
         "kv_blocks": eng.dims.num_blocks,
         "graphs": eng.report.graphs,

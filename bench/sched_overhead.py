@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import gpu_name  # noqa: E402
+from benchutil import metadata, write_json  # noqa: E402
 from sched_load import LoadGen, random_requests  # noqa: E402
 
 from blink.protocol.layout import DeviceStatus, RingGeometry  # noqa: E402
@@ -151,6 +150,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--out", default="")
     ap.add_argument("--decode-attention", default="", help='decode attention table, e.g. "basic" ("": the default)')
+    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
     a = ap.parse_args()
     eng = make_engine(a.preset, 64, 256, 4096, decode_attention=a.decode_attention)
     rows = []
@@ -164,10 +164,8 @@ def main() -> int:
     scan = scan_time(eng)
     out = {
         "bench": "sched_overhead",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": gpu_name(),
+        **metadata(a.commit, gpu_key="device"),
         "preset": a.preset,
-        "command": " ".join(sys.argv),
         "decode": rows,
         "scan": scan,
     }
@@ -181,8 +179,7 @@ def main() -> int:
         )
     print(f"scan of {scan['n_slots']} slots: {scan['scan_us']:.2f} us ({scan['scans']} scans)")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.out, out)
     eng.close()
     return 0
 

@@ -10,13 +10,11 @@ Here this benchmark process is the device owner; the load generator child sends 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import gpu_name  # noqa: E402
+from benchutil import metadata, write_json  # noqa: E402
 from sched_common import make_engine, serve_workload  # noqa: E402
 
 
@@ -39,13 +37,12 @@ def main() -> int:
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--phase", type=float, default=30.0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
     a = ap.parse_args()
     eng = make_engine(a.preset, 64, 1024, 1024)
-    res = {"bench": "sigstop", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": gpu_name(),
-           "preset": a.preset, "command": " ".join(sys.argv), **run(eng, a.phase)}  # fmt: skip
+    res = {"bench": "sigstop", **metadata(a.commit, gpu_key="device"), "preset": a.preset, **run(eng, a.phase)}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.out, res)
     eng.close()
     return 0
 

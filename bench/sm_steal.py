@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import gpu_name, load_synthetic, time_ms, write_json  # noqa: E402
+from benchutil import load_synthetic, metadata, time_ms, write_json  # noqa: E402
 from sched_common import make_engine  # noqa: E402
 
 
@@ -90,10 +90,7 @@ def main() -> int:
         a.out,
         {
             "bench": "sm_steal",
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "device": gpu_name(),
-            "commit": a.commit,
-            "command": " ".join(sys.argv),
+            **metadata(a.commit, gpu_key="device"),
             "runs": runs,
             "summary": summary,
         },

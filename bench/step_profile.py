@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import gpu_name, write_json  # noqa: E402
+from benchutil import metadata, write_json  # noqa: E402
 from sched_common import make_engine, serve_workload  # noqa: E402
 
 from blink.gpu.host_executor import HostExecutor  # noqa: E402
@@ -82,10 +82,7 @@ def main() -> int:
     prof = summarize(ex.steps, r["makespan_s"])
     res = {
         "bench": "step_profile",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": gpu_name(),
-        "commit": a.commit,
-        "command": " ".join(sys.argv),
+        **metadata(a.commit, gpu_key="device"),
         "tok_per_s": r["tok_per_s"],
         "ttft_p50_ms": r.get("ttft_p50_ms"),
         **prof,

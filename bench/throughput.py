@@ -144,7 +144,7 @@ def all_models(a: argparse.Namespace, argv: list[str]) -> int:
     """One child process per preset, one after the other; the JSON gathers them and is rewritten after
     each model, so a run cut short still leaves the models it finished."""
     out = {"bench": "models", **metadata(a.commit, argv), "models": {}, "complete": False}
-    out["device"] = out["gpu"]
+    out["device"] = out["gpu"]  # models-*.json have always had both (tests/test_bench_models.py reads "device")
     failed = 0
     t_start = time.perf_counter()
     for name in a.presets.split(","):
@@ -211,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(res, f)
         return 0
     eng = make_engine(a.preset, 256, 4096, 2048, layers=a.layers)
-    res = {"bench": "throughput", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": gpu_name(),
-           "preset": a.preset, "command": " ".join(argv), **run(eng, a.requests, a.prompt, a.new, schedulers)}  # fmt: skip
+    res = {"bench": "throughput", **metadata(a.commit, argv, gpu_key="device"), "preset": a.preset,
+           **run(eng, a.requests, a.prompt, a.new, schedulers)}  # fmt: skip
     if a.out:
         write_json(a.out, res)
     eng.close()

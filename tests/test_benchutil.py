@@ -185,3 +185,34 @@ def test_preset_config_and_print_breakdown(capsys):
     assert preset_config("tiny-llama").num_layers > 1 and preset_config("tiny-llama", 1).num_layers == 1
     print_breakdown("batch", {"8": {"gemm": 1.5, "attn": 0.25}})
     assert capsys.readouterr().out == "batch 8 by kernel category (ms): gemm 1.500, attn 0.250; sum 1.750\n"
+
+
+def test_metadata_names_the_gpu_key_and_takes_a_given_name(monkeypatch):
+    """Every bench JSON's date, GPU, commit, tree digest and command come from benchutil.metadata; the
+    scheduler benchmarks keep the key "device" (their rows are keyed "gpu" and "host"), and a process
+    whose servers own the GPU passes the name in (nvidia-smi) and asks CUDA nothing."""
+    import benchutil
+
+    monkeypatch.setattr(benchutil, "gpu_name", lambda: "cpu")
+    m = benchutil.metadata("abc1234", ["bench/x.py", "--flag"])
+    assert set(m) == {"date", "gpu", "commit", "tree_sha256", "command"}
+    assert m["commit"] == "abc1234" and m["command"] == "bench/x.py --flag" and m["gpu"] == "cpu"
+    d = benchutil.metadata("abc1234", ["x"], gpu_key="device")
+    assert "gpu" not in d and d["device"] == "cpu" and d["tree_sha256"] == m["tree_sha256"]
+
+    def no_cuda() -> str:
+        raise AssertionError("asked CUDA")
+
+    monkeypatch.setattr(benchutil, "gpu_name", no_cuda)
+    g = benchutil.metadata("c", ["x"], gpu="NVIDIA H200", gpu_key="device_name")
+    assert g["device_name"] == "NVIDIA H200" and "sms" not in g
+
+
+def test_git_commit_prefers_blink_commit(monkeypatch):
+    import benchutil
+
+    monkeypatch.setenv("BLINK_COMMIT", "feed123")
+    assert benchutil.git_commit() == "feed123"
+    monkeypatch.delenv("BLINK_COMMIT")
+    c = benchutil.git_commit()  # this checkout's short HEAD (or "unknown" where git is missing)
+    assert c == "unknown" or len(c.removesuffix("-dirty")) >= 7
