@@ -17,6 +17,7 @@ import statistics
 import time
 
 import numpy as np
+from benchutil import git_commit, metadata
 
 from blink.device.numpy_executor import NumpyExecutor
 from blink.models.reference import PagedDriver
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "numpy_executor.json"))
+    ap.add_argument("--commit", default="", help="git commit of the tree (default: $BLINK_COMMIT or git)")
     args = ap.parse_args()
 
     bundle = resolve_model(args.model, progress=True)
@@ -79,6 +81,7 @@ def main() -> None:
         )
         print(f"{b:>5} {max(pre):>14.1f} {max(dec):>13.1f} {statistics.median(dec):>14.1f}")
     result = dict(
+        **metadata(args.commit or git_commit()),
         model=bundle.name,
         machine=f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
         prompt=args.prompt,

@@ -51,6 +51,12 @@ def smi_gpu_names() -> list[str]:
     return [line.strip() for line in r.stdout.splitlines() if line.strip()] if r.returncode == 0 else []
 
 
+def smi_gpu_name() -> str:
+    """The first GPU's name as nvidia-smi lists it; "cpu" where it lists none (as gpu_name())."""
+    names = smi_gpu_names()
+    return names[0] if names else "cpu"
+
+
 def git_commit() -> str:
     """The commit to record where the command line names none: $BLINK_COMMIT (the GPU machine has no
     .git: its scripts pass it on), else this checkout's short HEAD, "-dirty" when blink/ or bench/

@@ -119,12 +119,6 @@ def compare(a: list, b: list) -> dict:
     }
 
 
-def git_commit() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="emulated", choices=("emulated", "cuda"))
@@ -142,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
     gguf = gguf_path()
     tok = tokenizer_dir(gguf)
+    from benchutil import git_commit, metadata
+
     commit = git_commit()
     log = pathlib.Path("/tmp") / f"blink-lmeval-{os.getpid()}.log"
     proc = start_blink(gguf, args.device, args.port, log)
@@ -155,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(60)
-    from benchutil import metadata
-
     res = {
         "what": "lm-evaluation-harness loglikelihood task against blink serve (local-completions), and on the hf backend",
         **metadata(commit, ["python", *sys.argv]),

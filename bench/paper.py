@@ -45,7 +45,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -58,12 +57,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
-from benchutil import cpu_seconds  # noqa: E402
+from benchutil import cpu_seconds, git_commit, metadata, smi_gpu_names  # noqa: E402
 from hogs import Hogs, parse_cores  # noqa: E402
 
 from blink import benchmark  # noqa: E402
 from blink.testing import ServeProcess, cmdline  # noqa: E402
-from blink.treedigest import tree_digest  # noqa: E402
 
 PARTS = ("interference", "cpu", "sigstop", "sweep", "ablation", "peer")
 SCHEDULERS = ("gpu", "host")
@@ -303,14 +301,11 @@ class Run:
         self.t0 = time.monotonic()
         self.device_name = self._device_name()
         self.label = "emulated" if a.device == "emulated" else self.device_name.split()[-1].lower()
-        self.commit = a.commit or _git_commit()
+        self.commit = a.commit or git_commit()
+        argv = ["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]
         self.meta = {
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **metadata(self.commit, argv, gpu=self.device_name, gpu_key="device_name"),  # no CUDA here
             "device": self.label,
-            "device_name": self.device_name,
-            "commit": self.commit,
-            "tree_sha256": tree_digest(),  # check against `python -m blink.treedigest --commit <commit>`
-            "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
             "host_cores": os.cpu_count(),
             "cores": dataclasses.asdict(self.cores),
             "sizes": dataclasses.asdict(self.s),
@@ -323,13 +318,8 @@ class Run:
     def _device_name(self) -> str:
         if self.a.device == "emulated":
             return "emulated"
-        if shutil.which("nvidia-smi"):
-            r = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
-            )
-            if r.returncode == 0 and r.stdout.strip():
-                return r.stdout.strip().splitlines()[0]
-        return "cuda"
+        names = smi_gpu_names()
+        return names[0] if names else "cuda"
 
     def left(self) -> float:
         return self.a.budget_s - (time.monotonic() - self.t0)
@@ -617,13 +607,6 @@ async def _dataset(args: argparse.Namespace) -> list:
         async with session.get(args.base_url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         return await benchmark.load_dataset(session, args.base_url, model, args)
-
-
-def _git_commit() -> str:
-    if os.environ.get("BLINK_COMMIT"):
-        return os.environ["BLINK_COMMIT"]
-    r = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else "unknown"
 
 
 # rough seconds each part takes at the full / quick sizes (server start-up counted apart): the budget check

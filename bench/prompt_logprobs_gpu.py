@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -24,7 +23,7 @@ import numpy as np
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from benchutil import metadata  # noqa: E402
+from benchutil import git_commit, metadata  # noqa: E402
 
 from blink.device.executor import SamplingExt  # noqa: E402
 from blink.models.config import preset  # noqa: E402
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.models.split(","):
         rows += run_model(name, tokens, args.reps)
-    commit = os.environ.get("BLINK_COMMIT", "unknown")
+    commit = git_commit()
     res = {"what": __doc__.split("\n\n")[0], **metadata(commit), "cases": list(CASES), "rows": rows}
     gpu = res["gpu"].lower().replace("nvidia ", "").replace(" ", "")
     out = pathlib.Path(args.out) if args.out else HERE / "results" / f"prompt_logprobs-{gpu}-{commit}.json"

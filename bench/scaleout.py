@@ -43,13 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from benchutil import cpu_seconds  # noqa: E402
+from benchutil import cpu_seconds, git_commit, metadata, smi_gpu_name, smi_gpu_names  # noqa: E402
 
 from blink import benchmark  # noqa: E402
 from blink.actors import deploy  # noqa: E402
 from blink.actors.config import DeployConfig, from_mapping  # noqa: E402
 from blink.actors.frontend_actor import wait_http  # noqa: E402
-from blink.treedigest import tree_digest  # noqa: E402
 
 NAMESPACE = f"blink-bench-{os.getpid()}"  # ring names include it: concurrent runs stay apart
 BLAS_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -186,20 +185,6 @@ class ProcLauncher:
         pass
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-
-def gpu_names() -> list[str]:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
-        )
-    except FileNotFoundError:
-        return []
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto", choices=("auto", "emulated", "cuda"))
@@ -295,18 +280,13 @@ def main(argv: list[str] | None = None) -> int:
             p, p0 = r["poisson"], runs[0]["poisson"]
             p["speedup_vs_first"] = p["output_throughput"] / p0["output_throughput"]
             p["ttft_p99_vs_first"] = p["ttft_ms"]["p99"] / p0["ttft_ms"]["p99"]
-    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = {
         "bench": "scaleout",
-        "date": date,
-        "gpus": gpu_names() or ["none: emulated replicas on CPU"],
+        # the replicas own the GPUs: their names from nvidia-smi, not CUDA in this process
+        **metadata(a.commit or git_commit(), [Path(sys.executable).name, *sys.argv], gpu=smi_gpu_name()),
+        "gpus": smi_gpu_names() or ["none: emulated replicas on CPU"],
         "cpus": os.cpu_count(),
         "loadavg_1m_end": os.getloadavg()[0],  # other work on the machine skews CPU-replica numbers
-        "commit": a.commit
-        or _git("rev-parse", "--short", "HEAD")
-        + ("-dirty" if _git("status", "--porcelain", "--", "blink", "bench") else ""),
-        "tree_sha256": tree_digest(),  # check against `python -m blink.treedigest --commit <commit>`
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": vars(a),
         "load": {"dataset": a.dataset, "load_generator": "blink bench serve (blink/benchmark.py)"},
         "runs": runs,

@@ -29,14 +29,13 @@ import os
 import pathlib
 import random
 import signal
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.benchutil import git_commit, metadata, smi_gpu_name  # noqa: E402
 from blink.testing import ServeProcess, rss_mib  # noqa: E402
-from blink.treedigest import tree_digest  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -235,10 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     leaked = (leaks["slots_leaked"] or 0) + (leaks["kv_blocks_leaked"] or 0)
     result = {
         "bench": "soak",
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": a.commit or _git_commit(),
-        "tree_sha256": tree_digest(),
+        # the server owns the GPU: its name from nvidia-smi, not CUDA in this process
+        **metadata(a.commit or git_commit(), [os.path.basename(sys.executable), *sys.argv], gpu=smi_gpu_name()),
         "device": a.device,
         "model": a.model,
         "duration_s": round(wall, 1),
@@ -267,13 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RSS {rss}; kill {kill}")
     print(f"-> {out}")
     return 0 if result["ok"] else 1
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.benchutil import git_commit, metadata, smi_gpu_name  # noqa: E402
 from blink import benchmark  # noqa: E402
 from blink.protocol.transport import ShmTransport  # noqa: E402
 from blink.testing import ServeProcess  # noqa: E402
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=420.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "ttft_breakdown.json"))
     args = ap.parse_args(argv)
-    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": os.environ.get("BLINK_COMMIT", "")}
+    command = [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]
+    meta = metadata(git_commit(), command, gpu=smi_gpu_name())  # the servers own the GPU: no CUDA here
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     runs = []
     for s in args.schedulers.split(","):

@@ -20,11 +20,14 @@ import argparse
 import hashlib
 import json
 import pathlib
-import time
+import sys
 
 import numpy as np
 
-from blink.gpu import kernels
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchutil import metadata  # noqa: E402
+
+from blink.gpu import kernels  # noqa: E402
 from blink.gpu.attention_launch import flash_grid_splits
 from blink.gpu.cuda_api import Driver
 
@@ -66,6 +69,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default="")
+    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
     a = ap.parse_args()
     import cupy as cp
 
@@ -145,10 +149,7 @@ def main() -> None:
                 f"batch {S:4d}  {v:8s} {times[v]:8.4f} ms/layer  |diff vs flashq| {err:.2e}{'' if ok else '  MISMATCH'}"
             )
     if a.out:
-        res = {
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        }
+        res = metadata(a.commit)
         res |= {"context": L, "shape": {"nq": NQ, "nkv": NKV, "head_dim": HD}, "rows": rows}
         pathlib.Path(a.out).write_text(json.dumps(res, indent=1))
     if bad:
