@@ -8,13 +8,15 @@ its workload is done.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
-from blink.protocol.layout import RingGeometry
+from blink.protocol.layout import RingGeometry, RingView
 from blink.protocol.transport import ShmTransport
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,6 +70,21 @@ def make_engine(
     return eng
 
 
+@contextlib.contextmanager
+def fresh_ring(geometry: RingGeometry) -> Iterator[tuple[str, ShmTransport, RingView]]:
+    """A new shared-memory ring under a name no other run uses (pid and clock): (name, transport,
+    its local view); closed and unlinked on the way out."""
+    name = f"blink-bench-{os.getpid()}-{time.monotonic_ns()}"
+    t = ShmTransport.create(name, geometry)
+    view = t.view()
+    try:
+        yield name, t, view
+    finally:
+        del view  # before close: the map closes now unless the caller still holds a view of it
+        t.close()
+        t.unlink()
+
+
 def serve_workload(
     eng,
     scheduler: str,
@@ -82,58 +99,55 @@ def serve_workload(
     """Serve one workload; returns the load generator's JSON plus the device's counters."""
     from blink.protocol.layout import DeviceStatus
 
-    name = f"blink-bench-{os.getpid()}-{time.monotonic_ns()}"
-    t = ShmTransport.create(name, RingGeometry(n_slots, n_slots * prompt_per_slot, output_capacity))
-    view = t.view()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, os.path.join(HERE, "sched_load.py"), "--ring", name, "--shutdown", "1", *load_args]
-    proc = None
-    diag: dict = {}
-    try:
-        if scheduler == "gpu":
-            from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+    with fresh_ring(RingGeometry(n_slots, n_slots * prompt_per_slot, output_capacity)) as (name, _, view):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, os.path.join(HERE, "sched_load.py"), "--ring", name, "--shutdown", "1", *load_args]
+        proc = None
+        diag: dict = {}
+        try:
+            if scheduler == "gpu":
+                from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
 
-            s = GpuScheduler(eng, view, GpuSchedulerConfig(max_batch=max_batch))
-            s.start()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-            try:
-                status = s.wait(timeout_s)
-            except (TimeoutError, RuntimeError):
-                view.header["shutdown"] = 2  # never leave the kernel running on a shared engine
-                s.wait(30)
-                raise
-            finally:
-                s.join()
-            diag = s.diagnostics()
-        else:
-            from blink.device.ring_device import RingDevice, RingDeviceConfig
-            from blink.gpu.host_executor import HostExecutor
+                s = GpuScheduler(eng, view, GpuSchedulerConfig(max_batch=max_batch))
+                s.start()
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+                try:
+                    status = s.wait(timeout_s)
+                except (TimeoutError, RuntimeError):
+                    view.header["shutdown"] = 2  # never leave the kernel running on a shared engine
+                    s.wait(30)
+                    raise
+                finally:
+                    s.join()
+                diag = s.diagnostics()
+            else:
+                from blink.device.ring_device import RingDevice, RingDeviceConfig
+                from blink.gpu.host_executor import HostExecutor
 
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-            ex = executor if executor is not None else HostExecutor(eng)
-            status = RingDevice(view, ex, RingDeviceConfig(max_batch=max_batch)).run()
-        out, _ = proc.communicate(timeout=60)
-        if proc.returncode != 0 or status != DeviceStatus.STOPPED:
-            raise RuntimeError(f"workload failed: loadgen rc {proc.returncode}, device status {status}")
-        res = json.loads(out.strip().splitlines()[-1])
-        h = view.header
-        res["device"] = {k: int(h[k]) for k in ("steps", "prefill_steps", "launches", "relaunches", "launch_errors")}
-        res["device"]["sched_us_per_launch"] = int(h["sched_ns_total"]) / max(int(h["launches"]), 1) / 1e3
-        if diag:
-            res["device"]["retries"] = diag["retries"]
-            res["device"]["max_retries"] = diag["max_retries"]
-            # where the device's time went (ms): launch -> completion seen, summed over steps, and
-            # the scheduler's own phases (SchedCtl counters)
-            for k in ("step_ns_total", "wait_ns_total", "plan_ns_total", "launch_ns_total", "publish_ns_total"):
-                if k in diag:
-                    res["device"][k.replace("_ns_total", "_ms_total")] = diag[k] / 1e6
-            for k in ("busy_iters", "instances"):
-                if k in diag:
-                    res["device"][k] = diag[k]
-        return res
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-        del view
-        t.close()
-        t.unlink()
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+                ex = executor if executor is not None else HostExecutor(eng)
+                status = RingDevice(view, ex, RingDeviceConfig(max_batch=max_batch)).run()
+            out, _ = proc.communicate(timeout=60)
+            if proc.returncode != 0 or status != DeviceStatus.STOPPED:
+                raise RuntimeError(f"workload failed: loadgen rc {proc.returncode}, device status {status}")
+            res = json.loads(out.strip().splitlines()[-1])
+            h = view.header
+            res["device"] = {
+                k: int(h[k]) for k in ("steps", "prefill_steps", "launches", "relaunches", "launch_errors")
+            }
+            res["device"]["sched_us_per_launch"] = int(h["sched_ns_total"]) / max(int(h["launches"]), 1) / 1e3
+            if diag:
+                res["device"]["retries"] = diag["retries"]
+                res["device"]["max_retries"] = diag["max_retries"]
+                # where the device's time went (ms): launch -> completion seen, summed over steps, and
+                # the scheduler's own phases (SchedCtl counters)
+                for k in ("step_ns_total", "wait_ns_total", "plan_ns_total", "launch_ns_total", "publish_ns_total"):
+                    if k in diag:
+                        res["device"][k.replace("_ns_total", "_ms_total")] = diag[k] / 1e6
+                for k in ("busy_iters", "instances"):
+                    if k in diag:
+                        res["device"][k] = diag[k]
+            return res
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()

@@ -12,18 +12,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import metadata, write_json  # noqa: E402
+from sched_common import fresh_ring  # noqa: E402
 from sched_load import LoadGen, random_requests  # noqa: E402
 
 from blink.protocol.layout import DeviceStatus, RingGeometry  # noqa: E402
 from blink.protocol.transport import ShmTransport  # noqa: E402
+
+if TYPE_CHECKING:
+    from blink.gpu.scheduler import GpuScheduler
 
 
 def make_engine(preset_name: str, max_seqs: int, max_tokens: int, kv_blocks: int, decode_attention: str = ""):
@@ -82,22 +89,21 @@ def graph_time_us(eng, batch: int, n: int = 2000) -> float:
     return float(np.median(out))
 
 
-def serve(eng, n_slots: int, **cfg):
+@contextlib.contextmanager
+def serve(eng, n_slots: int, **cfg) -> Iterator[tuple[ShmTransport, GpuScheduler]]:
+    """The GPU-resident scheduler on a fresh ring of n_slots slots, once it reports READY."""
     from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
 
-    name = f"blink-bench-{os.getpid()}-{time.monotonic_ns()}"
-    t = ShmTransport.create(name, RingGeometry(n_slots, n_slots * 64, 4096))
-    view = t.view()
-    s = GpuScheduler(eng, view, GpuSchedulerConfig(**cfg))
-    s.start()
-    while int(view.header["device_status"]) != DeviceStatus.READY:
-        time.sleep(0.001)
-    return t, view, s
+    with fresh_ring(RingGeometry(n_slots, n_slots * 64, 4096)) as (_, t, view):
+        s = GpuScheduler(eng, view, GpuSchedulerConfig(**cfg))
+        s.start()
+        while int(view.header["device_status"]) != DeviceStatus.READY:
+            time.sleep(0.001)
+        yield t, s
 
 
 def decode_overhead(eng, batch: int, new_tokens: int) -> dict:
-    t, view, s = serve(eng, max(batch, 16))
-    try:
+    with serve(eng, max(batch, 16)) as (t, s):
         gen = LoadGen(t)
         try:
             res = gen.run(random_requests(batch, 8, new_tokens, eng.config.vocab_size), timeout_s=120)
@@ -106,10 +112,6 @@ def decode_overhead(eng, batch: int, new_tokens: int) -> dict:
         assert res.tokens == batch * new_tokens, res
         s.stop()
         d = s.diagnostics()
-    finally:
-        del view
-        t.close()
-        t.unlink()
     it = max(d["busy_iters"], 1)
     return {
         "batch": batch,
@@ -131,15 +133,10 @@ def decode_overhead(eng, batch: int, new_tokens: int) -> dict:
 
 
 def scan_time(eng, n_slots: int = 4096, seconds: float = 0.5) -> dict:
-    t, view, s = serve(eng, n_slots, always_scan=True)
-    try:
+    with serve(eng, n_slots, always_scan=True) as (_, s):
         time.sleep(seconds)
         s.stop()
         d = s.diagnostics()
-    finally:
-        del view
-        t.close()
-        t.unlink()
     return {"n_slots": n_slots, "scans": d["scans"], "scan_us": d["scan_ns_total"] / max(d["scans"], 1) / 1e3}
 
 

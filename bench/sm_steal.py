@@ -17,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import load_synthetic, metadata, time_ms, write_json  # noqa: E402
-from sched_common import make_engine  # noqa: E402
+from sched_common import fresh_ring, make_engine  # noqa: E402
 
 
 def measure(eng, iters: int) -> dict[str, float]:
@@ -37,7 +37,6 @@ def measure(eng, iters: int) -> dict[str, float]:
 def main() -> int:
     from blink.gpu.scheduler import GpuScheduler
     from blink.protocol.layout import DeviceStatus, RingGeometry
-    from blink.protocol.transport import ShmTransport
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama3-8b")
@@ -55,21 +54,16 @@ def main() -> int:
             if phase == "alone":
                 mine.append({"gemm_sm_reserve": reserve, "phase": phase, **measure(eng, a.iters)})
                 continue
-            name = f"blink-smsteal-{os.getpid()}-{time.monotonic_ns()}"
-            t = ShmTransport.create(name, RingGeometry(64, 64 * 256, 256))
-            view = t.view()
-            s = GpuScheduler(eng, view)
-            s.start()
-            try:
-                time.sleep(0.3)
-                assert s.status() == DeviceStatus.READY, s.status()
-                mine.append({"gemm_sm_reserve": reserve, "phase": phase, **measure(eng, a.iters)})
-                assert s.status() == DeviceStatus.READY, s.status()
-            finally:
-                s.stop()
-                del view
-                t.close()
-                t.unlink()
+            with fresh_ring(RingGeometry(64, 64 * 256, 256)) as (_, _, view):
+                s = GpuScheduler(eng, view)
+                s.start()
+                try:
+                    time.sleep(0.3)
+                    assert s.status() == DeviceStatus.READY, s.status()
+                    mine.append({"gemm_sm_reserve": reserve, "phase": phase, **measure(eng, a.iters)})
+                    assert s.status() == DeviceStatus.READY, s.status()
+                finally:
+                    s.stop()
         eng.close()
         del eng
         runs += mine

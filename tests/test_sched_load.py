@@ -83,3 +83,21 @@ def test_sched_common_serves_a_workload_with_the_host_loop_and_a_numpy_executor(
     res = serve_workload(None, "host", args, 8, 16, 32, max_batch=4, timeout_s=120, executor=ex)
     assert res["tokens"] == 50 and res["n"] == 10 and res["finish"] == {str(int(FinishReason.LENGTH)): 10}
     assert res["device"]["steps"] > 0 and res["device"]["launch_errors"] == 0
+
+
+def test_fresh_ring_is_unlinked_on_the_way_out_even_after_an_error():
+    """bench/sched_common.fresh_ring (serve_workload, sched_overhead.py, sm_steal.py): a ring of its
+    own under a new name, gone afterwards (a benchmark that fails leaves no ring in /dev/shm)."""
+    from sched_common import fresh_ring
+
+    from blink.protocol.layout import RingGeometry
+    from blink.protocol.transport import shm_path
+
+    with pytest.raises(RuntimeError):
+        with fresh_ring(RingGeometry(8, 8 * 16, 32)) as (name, t, view):
+            with fresh_ring(RingGeometry(8, 8 * 16, 32)) as (other, _, _):
+                assert other != name
+            assert os.path.exists(shm_path(name)) and not os.path.exists(shm_path(other))
+            assert len(view.slots) == 8 and len(t.view().slots) == 8
+            raise RuntimeError("the benchmark failed")
+    assert not os.path.exists(shm_path(name))
