@@ -22,12 +22,7 @@ PART_SHOW="passed|failed|^FAILED|^ERROR|tok/s|gemmex|engine  |by kernel|^gemm ro
 PART_TAIL=40
 source bench/lib.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-{
-  date -u +%FT%TZ
-  echo "commit $COMMIT"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
-} >"$OUT/env.log" 2>&1
-$PY -m blink.gpu.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | tee -a "$OUT/env.log"
+env_log
 PT="$PY -m pytest -q -p no:cacheprovider --timeout 150 -rA -s"
 has tests && part tests 300 $PT tests/gpu/test_engine.py tests/gpu/test_engine_sampling.py -k \
   "gemm_tuning or graph_table or shuffled or llama3-8b-flashq-rego or qwen3-8b-flashq-rego or numpy_executor and flashq- or sampling"

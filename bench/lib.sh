@@ -6,6 +6,8 @@
 #                               the log's lines matching $PART_SHOW (an extended regex), or its
 #                               last $PART_TAIL (30) lines
 #   has PART                    PART is listed in $PARTS
+#   env_log                     $OUT/env.log: the date, $COMMIT, the GPU (nvidia-smi), then the output of
+#                               building every kernel with $PY ("kernel build FAILED" also printed)
 summary=()
 LIB_T0=$SECONDS
 
@@ -33,3 +35,12 @@ part() {
 }
 
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+
+env_log() {
+  {
+    date -u +%FT%TZ
+    echo "commit $COMMIT"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+  } >"$OUT/env.log" 2>&1
+  $PY -m blink.gpu.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | tee -a "$OUT/env.log"
+}

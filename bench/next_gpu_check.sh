@@ -20,12 +20,7 @@ PARTS=${PARTS:-"tests prefill decode tput qwen"}
 PART_SHOW="passed|failed|^FAILED|^ERROR|tok/s|TFLOP|ms/step|rel err|^ +[0-9]+ "
 source bench/lib.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-{
-  date -u +%FT%TZ
-  echo "commit $COMMIT"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
-} >"$OUT/env.log" 2>&1
-$PY -m blink.gpu.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | tee -a "$OUT/env.log"
+env_log
 PT="$PY -m pytest -q -p no:cacheprovider --timeout 150 -rA -s"
 has tests && part tests 300 $PT tests/gpu/test_engine.py tests/gpu/test_engine_sampling.py -k \
   "fa2 or qwen2 or graph_table or shuffled or sampling"
