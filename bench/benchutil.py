@@ -1,6 +1,7 @@
-"""Shared pieces of the benchmarks (bench/decode.py, bench/prefill.py, bench/sm_steal.py,
-bench/hf_baseline.py, bench/paper.py): result metadata, CUDA-event timing, the device-to-device copy bandwidth of
-this GPU, synthetic steps, and per-kernel-category timing of a step."""
+"""Shared pieces of the benchmarks (bench/*.py): result metadata (metadata, git_commit, the GPU's
+name from CUDA or nvidia-smi), CUDA-event timing, the device-to-device copy bandwidth of this GPU,
+synthetic steps, the decode benchmarks' engine and rows (bench/decode.py, bench/moe_decode.py), and
+per-kernel-category timing of a step."""
 
 from __future__ import annotations
 
