@@ -5,6 +5,7 @@ against the kernels' signatures as nvcc sees them (needs nvcc, or the signatures
 from __future__ import annotations
 
 import ctypes
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -363,3 +364,59 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
         bn = MMA_BN if v else 32
         assert gu[1][0] == -(-im // bn) and dn[1][0] == -(-H // bn)
         assert calls[i + len(moe_seq) - 1][1] == (T, 1, 1)
+
+
+@pytest.mark.parametrize("nh,hd", [(48, 128), (60, 128), (15, 64), (12, 64), (10, 32), (8, 16), (3, 16), (20, 96)])
+@pytest.mark.parametrize("T", [1, 7, 64, 256, 1001, 4096])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_rope_launch_geometry(nh: int, hd: int, T: int, sms: int):
+    """rope_kv_write's launch (forward.rope_launch) as the kernel assumes it: hd / 16 threads a head,
+    whole warps (its warp search and per-head sums use every lane), at most ROPE_THREADS threads and
+    ROPE_MAX_TOKENS tokens a block, and the grid covers every (token, head) pair."""
+    from blink.gpu.forward import ROPE_THREADS, rope_launch
+
+    src = (kernels.CSRC / "model_kernels.cu").read_text()
+    assert f"constexpr int ROPE_THREADS = {ROPE_THREADS};" in src
+    assert "constexpr int ROPE_MAX_TOKENS = ROPE_THREADS / 3 + 2;" in src
+    (gx, gy, gz), (bx, by, bz) = rope_launch(nh, hd, T, sms)
+    per_head = hd // 16
+    hpb = bx // per_head
+    assert (gy, gz, by, bz) == (1, 1, 1, 1)
+    assert bx % 32 == 0 and bx % per_head == 0 and 32 <= bx <= ROPE_THREADS
+    assert gx * hpb >= T * nh > (gx - 1) * hpb
+    assert max((g + hpb - 1) // nh - g // nh + 1 for g in range(0, gx * hpb, hpb)) <= ROPE_THREADS // 3 + 2
+    step = 32 // math.gcd(per_head, 32)
+    largest = ROPE_THREADS // per_head // step * step  # heads of the largest whole-warp block
+    if -(-T * nh // largest) >= 2 * sms:  # enough blocks for 2 an SM: the largest block
+        assert hpb == largest
+    else:  # smaller blocks, down to 64 threads
+        assert bx <= 64 or hpb <= step or -(-T * nh // hpb) >= 2 * sms
+    with pytest.raises(ValueError):
+        rope_launch(nh, 72, T, sms)
+
+
+def _warp_seq_of_token(cu: list[int], num_seqs: int, t: int) -> int:
+    """model_kernels.cu's warp_seq_of_token, lane by lane: 32 probes a round, ballot, highest lane."""
+    lo, hi = 0, num_seqs - 1
+    while lo < hi:
+        stride = (hi - lo + 32) >> 5
+        below = [lane for lane in range(32) if lo + lane * stride <= hi and cu[lo + lane * stride] <= t]
+        assert below == list(range(len(below))) and below  # a non-empty prefix of the lanes
+        lo += below[-1] * stride
+        hi = min(hi, lo + stride - 1)
+    return lo
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 31, 32, 33, 256, 1000, 1025, 5000])
+def test_warp_seq_of_token_is_seq_of_token(num_seqs: int):
+    """The 32-way search finds what common.cuh's binary search finds: the largest s < num_seqs with
+    cu[s] <= t, empty sequences included (tokens then go to the last of equal cu values)."""
+    import numpy as np
+
+    rng = np.random.default_rng(num_seqs)
+    lens = rng.integers(0, 4, num_seqs)
+    lens[0] = max(lens[0], 1)
+    cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
+    for t in range(cu[-1]):
+        want = int(np.searchsorted(cu[:num_seqs], t, side="right") - 1)
+        assert _warp_seq_of_token(cu, num_seqs, t) == want, t

@@ -33,6 +33,7 @@ Both give the unfused path's bf16 values (same rounding points and summation ord
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 
@@ -73,6 +74,23 @@ class RopeArgs(ctypes.Structure):
             "num_seqs",
         )
     ] + [(name, ctypes.c_int) for name in ("nq", "nkv", "hd", "bs", "mbps")]
+
+
+ROPE_THREADS = 256  # rope_kv_write's largest block (ROPE_THREADS in model_kernels.cu)
+
+
+def rope_launch(nh: int, hd: int, T: int, num_sms: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """rope_kv_write's (grid, block) for T tokens of nh heads of hd values: hd / 16 threads a head,
+    HPB heads a block (a multiple of 32 threads, at most ROPE_THREADS), halved while that leaves
+    fewer than 2 blocks an SM (small T) down to 64 threads; one block per HPB (token, head) pairs."""
+    if hd % 16 or hd > 16 * ROPE_THREADS:
+        raise ValueError(f"rope_kv_write needs head_dim a multiple of 16 (got {hd})")
+    per_head = hd // 16
+    step = 32 // math.gcd(per_head, 32)  # heads a block grows by to stay a whole number of warps
+    hpb = ROPE_THREADS // per_head // step * step
+    while hpb > step and hpb * per_head > 64 and -(-T * nh // hpb) < 2 * num_sms and (hpb // 2) % step == 0:
+        hpb //= 2
+    return (-(-T * nh // hpb), 1, 1), (hpb * per_head, 1, 1)
 
 
 GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
@@ -333,7 +351,7 @@ class Forward(AttentionLaunches):
                 )  # fmt: skip
             if not fuse_rope:
                 self._launch(
-                    "rope_kv_write", (T, -(-(c.num_heads + 2 * c.num_kv_heads) // 8), 1), (256, 1, 1), stream,
+                    "rope_kv_write", *rope_launch(c.num_heads + 2 * c.num_kv_heads, hd, T, self.num_sms), stream,
                     qkv=self.qkv, q_out=self.q, k_cache=kc, v_cache=vc, q_norm_w=lw.q_norm, k_norm_w=lw.k_norm,
                     cos_tab=self.cos, sin_tab=self.sin, positions=a["positions"], cu_q_lens=a["cu_q_lens"],
                     block_tables=a["block_tables"], num_tokens=nt, num_seqs=ns, nq=c.num_heads, nkv=c.num_kv_heads,

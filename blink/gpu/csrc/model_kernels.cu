@@ -24,27 +24,90 @@ extern "C" __global__ void embed_tokens(const int* __restrict__ ids, const bf16*
 }
 
 // residual (+)= delta; out = rmsnorm(residual) * w. delta == nullptr: no add (first layer).
-extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* __restrict__ delta,
-                                       const bf16* __restrict__ w, bf16* __restrict__ out,
-                                       const uint32_t* __restrict__ num_tokens, int H, float eps) {
+// Block of 256 threads per token row; thread i owns the 8-value vectors i, i + 256, ... (its sum of
+// squares runs over them in that order, then block_sum: the reduction order every engine path and
+// moe_combine_norm share, kept so that all of them stay bit-identical). Up to ADD_RMSNORM_VPT
+// vectors a thread (H <= 6144 at 256 threads) the row stays in registers: every load of the row
+// (residual, delta, w) is issued before the first use, one memory latency instead of two serial
+// passes that re-read the residual; longer rows loop as before. VPT 3 costs 86 registers (2 blocks
+// an SM: the whole grid of a decode step of <= 264 tokens is resident at once anyway); 4 took 120.
+constexpr int ADD_RMSNORM_VPT = 3;
+
+template <int VPT>
+__device__ __forceinline__ void add_rmsnorm_regs(bf16* __restrict__ r, const bf16* __restrict__ d,
+                                                 const bf16* __restrict__ w, bf16* __restrict__ o, int H,
+                                                 float eps, float* scratch) {
+  const int nv = H / 8;
+  bf16x8 xv[VPT], dv[VPT], wv[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    if (v < nv) {
+      xv[j] = *reinterpret_cast<const bf16x8*>(r + v * 8);
+      if (d != nullptr) dv[j] = *reinterpret_cast<const bf16x8*>(d + v * 8);
+      wv[j] = *reinterpret_cast<const bf16x8*>(w + v * 8);
+    }
+  }
+  float ss = 0.f;  // the row stays in bf16 (xv): every value it takes is bf16 already
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    if (v >= nv) continue;
+    if (d != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xv[j].v[i] = tobf(bf(xv[j].v[i]) + bf(dv[j].v[i]));
+      *reinterpret_cast<bf16x8*>(r + v * 8) = xv[j];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float x = bf(xv[j].v[i]);
+      ss += x * x;
+    }
+  }
+  const float rs = rsqrtf(block_sum(ss, scratch) / H + eps);
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    if (v >= nv) continue;
+    bf16x8 out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out.v[i] = tobf(bf(wv[j].v[i]) * rbf(bf(xv[j].v[i]) * rs));
+    *reinterpret_cast<bf16x8*>(o + v * 8) = out;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) add_rmsnorm(bf16* __restrict__ residual,
+                                                              const bf16* __restrict__ delta,
+                                                              const bf16* __restrict__ w, bf16* __restrict__ out,
+                                                              const uint32_t* __restrict__ num_tokens, int H,
+                                                              float eps) {
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= (int)*num_tokens) return;
   bf16* r = residual + (size_t)t * H;
+  const bf16* d = delta != nullptr ? delta + (size_t)t * H : nullptr;
+  bf16* o = out + (size_t)t * H;
+  const int vpt = (H / 8 + blockDim.x - 1) / blockDim.x;
+  switch (vpt) {  // uniform over the grid: H and blockDim are launch constants
+    case 1: add_rmsnorm_regs<1>(r, d, w, o, H, eps, scratch); return;
+    case 2: add_rmsnorm_regs<2>(r, d, w, o, H, eps, scratch); return;
+    case ADD_RMSNORM_VPT: add_rmsnorm_regs<ADD_RMSNORM_VPT>(r, d, w, o, H, eps, scratch); return;
+    default: break;
+  }
   float ss = 0.f;
   for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
     float x[8];
     load8(r + v * 8, x);
-    if (delta != nullptr) {
-      float d[8];
-      load8(delta + (size_t)t * H + v * 8, d);
-      bf16x8 o;
+    if (d != nullptr) {
+      float dd[8];
+      load8(d + v * 8, dd);
+      bf16x8 s;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        x[i] = rbf(x[i] + d[i]);
-        o.v[i] = tobf(x[i]);
+        x[i] = rbf(x[i] + dd[i]);
+        s.v[i] = tobf(x[i]);
       }
-      *reinterpret_cast<bf16x8*>(r + v * 8) = o;
+      *reinterpret_cast<bf16x8*>(r + v * 8) = s;
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss += x[i] * x[i];
@@ -54,10 +117,10 @@ extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* 
     float x[8], g[8];
     load8(r + v * 8, x);
     load8(w + v * 8, g);
-    bf16x8 o;
+    bf16x8 s;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(x[i] * rs));
-    *reinterpret_cast<bf16x8*>(out + (size_t)t * H + v * 8) = o;
+    for (int i = 0; i < 8; ++i) s.v[i] = tobf(g[i] * rbf(x[i] * rs));
+    *reinterpret_cast<bf16x8*>(o + v * 8) = s;
   }
 }
 
@@ -96,58 +159,130 @@ extern "C" __global__ void final_norm_gather(const bf16* __restrict__ residual, 
   }
 }
 
-// Grid (token, head group): a warp per head. Q heads: [qk-norm], RoPE -> q_out. K heads:
-// [qk-norm], RoPE -> k cache slot. V heads -> v cache slot. The slot of token t of sequence s at
-// position p is block_tables[s][p / block_size] * block_size + p % block_size.
-extern "C" __global__ void rope_kv_write(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
-                                         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                                         const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
-                                         const float* __restrict__ cos_tab, const float* __restrict__ sin_tab,
-                                         const int* __restrict__ positions, const int* __restrict__ cu_q_lens,
-                                         const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens,
-                                         const uint32_t* __restrict__ num_seqs, int nq, int nkv, int hd, int bs,
-                                         int mbps, float eps) {
-  const int t = blockIdx.x;
-  if (t >= (int)*num_tokens) return;
+// Sequence that owns packed token t, found by the whole warp (every lane gets it): the largest s
+// in [0, num_seqs) with cu[s] <= t, as seq_of_token, in 32-way steps (one load round per factor of
+// 32 sequences instead of one per factor of 2: 2 dependent loads at 1024 sequences, not 10).
+__device__ __forceinline__ int warp_seq_of_token(const int* __restrict__ cu, int num_seqs, int t) {
+  const int lane = threadIdx.x & 31;
+  int lo = 0, hi = num_seqs - 1;  // the answer lies in [lo, hi]; cu[lo] <= t
+  while (lo < hi) {
+    const int stride = (hi - lo + 32) >> 5;  // ceil((hi - lo + 1) / 32)
+    const int p = lo + lane * stride;
+    const unsigned below = __ballot_sync(FULL_MASK, p <= hi && cu[p] <= t);  // a prefix of the lanes
+    lo += (31 - __clz(below)) * stride;
+    hi = min(hi, lo + stride - 1);
+  }
+  return lo;
+}
+
+// rope_kv_write: thread per (token, head, 8-pair unit): a head of hd values is hd / 16 threads,
+// each holding 8 values of its first half and the 8 they rotate with (16-byte loads and stores).
+// A block takes HPB consecutive (token, head) pairs of the packed [T, nh] order (HPB = blockDim.x /
+// (hd / 16), set by the launch; blockDim.x a multiple of 32). Q heads: [qk-norm], RoPE -> q_out;
+// K heads: [qk-norm], RoPE -> the token's k cache slot; V heads -> its v cache slot. The slot of
+// token t of sequence s at position p is block_tables[s][p / block_size] * block_size + p % bs.
+// The loads of the row and of the cos/sin at the token's position are issued first; meanwhile warp
+// w finds the sequence and slot of the block's w-th token (warp_seq_of_token) into shared memory.
+// qk-norm: the block's rows are staged in shared memory and a warp per head sums the squares in
+// the lane order of the per-head warp it replaced (lane l: values l, l + 32, ...; then warp_sum),
+// so rs, and every value, is bit-identical to it. Per value, the rounding sequence is
+//   [a = bf16(w * bf16(a * rs))], q' = bf16(bf16(a*cos) + bf16(-b*sin)), with cos/sin rounded to bf16.
+constexpr int ROPE_THREADS = 256;               // most threads of a block (the launch may use fewer)
+constexpr int ROPE_MAX_TOKENS = ROPE_THREADS / 3 + 2;  // tokens one block can touch (nh >= 3)
+
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS, 4)
+    rope_kv_write(const bf16* __restrict__ qkv, bf16* __restrict__ q_out, bf16* __restrict__ k_cache,
+                  bf16* __restrict__ v_cache, const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
+                  const float* __restrict__ cos_tab, const float* __restrict__ sin_tab,
+                  const int* __restrict__ positions, const int* __restrict__ cu_q_lens,
+                  const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens,
+                  const uint32_t* __restrict__ num_seqs, int nq, int nkv, int hd, int bs, int mbps, float eps) {
+  __shared__ long long tok_slot[ROPE_MAX_TOKENS];  // KV slot of the block's tokens, from its first
+  __shared__ float head_rs[ROPE_THREADS];          // qk-norm: 1 / rms of each head of the block
+  __shared__ __align__(16) bf16 rows[ROPE_THREADS * 16];  // qk-norm: the block's heads [HPB, hd]
+  const int nh = nq + 2 * nkv, half = hd / 2, upc = hd / 16, hpb = blockDim.x / upc;
+  const int ntok = (int)*num_tokens;
+  const int g0 = blockIdx.x * hpb;  // first (token, head) of the block
+  const int t0 = g0 / nh;
+  if (t0 >= ntok) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int pos = positions[t];
-  const int s = seq_of_token(cu_q_lens, (int)*num_seqs, t);
-  const int blk = block_tables[(size_t)s * mbps + pos / bs];
-  const size_t slot = (size_t)blk * bs + pos % bs;
-  const int nh = nq + 2 * nkv, half = hd / 2;
-  const bf16* row = qkv + (size_t)t * nh * hd;
-  const float* ct = cos_tab + (size_t)pos * half;
-  const float* st = sin_tab + (size_t)pos * half;
-  for (int h = blockIdx.y * nw + warp; h < nh; h += nw * gridDim.y) {
-    const bf16* src = row + (size_t)h * hd;
-    if (h >= nq + nkv) {  // V head: plain copy into the cache
-      bf16* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
-      for (int i = lane; i < hd; i += 32) dst[i] = src[i];
-      continue;
-    }
-    const bool is_q = h < nq;
-    const bf16* nwt = is_q ? q_norm_w : k_norm_w;
-    float rs = 0.f;
-    if (nwt != nullptr) {
-      float ss = 0.f;
-      for (int i = lane; i < hd; i += 32) {
-        const float v = bf(src[i]);
-        ss += v * v;
-      }
-      rs = rsqrtf(warp_sum(ss) / hd + eps);
-    }
-    bf16* dst = is_q ? q_out + ((size_t)t * nq + h) * hd : k_cache + (slot * nkv + (h - nq)) * hd;
-    for (int f = lane; f < half; f += 32) {
-      float a = bf(src[f]), b = bf(src[f + half]);
-      if (nwt != nullptr) {
-        a = rbf(bf(nwt[f]) * rbf(a * rs));
-        b = rbf(bf(nwt[f + half]) * rbf(b * rs));
-      }
-      const float c = rbf(ct[f]), sn = rbf(st[f]);
-      dst[f] = tobf(rbf(a * c) + rbf(-b * sn));
-      dst[f + half] = tobf(rbf(b * c) + rbf(a * sn));
+  const int hl = threadIdx.x / upc, f = (threadIdx.x % upc) * 8;  // head of the block, first value
+  const int t = (g0 + hl) / nh, h = (g0 + hl) % nh;
+  const bool live = t < ntok;
+  const bool is_v = h >= nq + nkv, is_q = h < nq;
+  const bf16* nwt = is_q ? q_norm_w : k_norm_w;
+  const bool norm = !is_v && nwt != nullptr;
+  bf16x8 lo, hi, nlo, nhi;
+  float c[8], sn[8];
+  if (live) {
+    const bf16* src = qkv + ((size_t)t * nh + h) * hd;
+    lo = *reinterpret_cast<const bf16x8*>(src + f);
+    hi = *reinterpret_cast<const bf16x8*>(src + f + half);
+    if (!is_v) {
+      const int pos = positions[t];
+      const float4* ct = reinterpret_cast<const float4*>(cos_tab + (size_t)pos * half + f);
+      const float4* st = reinterpret_cast<const float4*>(sin_tab + (size_t)pos * half + f);
+      const float4 c0 = ct[0], c1 = ct[1], s0 = st[0], s1 = st[1];
+      c[0] = c0.x, c[1] = c0.y, c[2] = c0.z, c[3] = c0.w, c[4] = c1.x, c[5] = c1.y, c[6] = c1.z, c[7] = c1.w;
+      sn[0] = s0.x, sn[1] = s0.y, sn[2] = s0.z, sn[3] = s0.w, sn[4] = s1.x, sn[5] = s1.y, sn[6] = s1.z, sn[7] = s1.w;
     }
   }
+  const int t_end = min((g0 + hpb - 1) / nh + 1, ntok);  // the block's tokens: [t0, t_end)
+  const int ns = (int)*num_seqs;
+  for (int i = warp; t0 + i < t_end; i += nw) {
+    const int s = warp_seq_of_token(cu_q_lens, ns, t0 + i);
+    if (lane == 0) {
+      const int pos = positions[t0 + i];
+      tok_slot[i] = (long long)block_tables[(size_t)s * mbps + pos / bs] * bs + pos % bs;
+    }
+  }
+  if (q_norm_w != nullptr || k_norm_w != nullptr) {
+    if (live) {
+      *reinterpret_cast<bf16x8*>(rows + hl * hd + f) = lo;
+      *reinterpret_cast<bf16x8*>(rows + hl * hd + f + half) = hi;
+    }
+    __syncthreads();
+    for (int j = warp; j < hpb; j += nw) {  // the per-head warp's sum, in its order
+      const int hj = (g0 + j) % nh;
+      if ((g0 + j) / nh >= ntok || hj >= nq + nkv || (hj < nq ? q_norm_w : k_norm_w) == nullptr) continue;
+      float ss = 0.f;
+      for (int i = lane; i < hd; i += 32) {
+        const float v = bf(rows[j * hd + i]);
+        ss += v * v;
+      }
+      const float rs = rsqrtf(warp_sum(ss) / hd + eps);
+      if (lane == 0) head_rs[j] = rs;
+    }
+  }
+  __syncthreads();
+  if (!live) return;
+  const size_t slot = is_q ? 0 : (size_t)tok_slot[t - t0];
+  if (is_v) {
+    bf16* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
+    *reinterpret_cast<bf16x8*>(dst + f) = lo;
+    *reinterpret_cast<bf16x8*>(dst + f + half) = hi;
+    return;
+  }
+  const float rs = norm ? head_rs[hl] : 0.f;
+  if (norm) {  // loaded late: holding them across the search costs registers (64 a thread: 4 blocks an SM)
+    nlo = *reinterpret_cast<const bf16x8*>(nwt + f);
+    nhi = *reinterpret_cast<const bf16x8*>(nwt + f + half);
+  }
+  bf16x8 olo, ohi;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float a = bf(lo.v[i]), b = bf(hi.v[i]);
+    if (norm) {
+      a = rbf(bf(nlo.v[i]) * rbf(a * rs));
+      b = rbf(bf(nhi.v[i]) * rbf(b * rs));
+    }
+    const float cr = rbf(c[i]), sr = rbf(sn[i]);
+    olo.v[i] = tobf(rbf(a * cr) + rbf(-b * sr));
+    ohi.v[i] = tobf(rbf(b * cr) + rbf(a * sr));
+  }
+  bf16* dst = is_q ? q_out + ((size_t)t * nq + h) * hd : k_cache + (slot * nkv + (h - nq)) * hd;
+  *reinterpret_cast<bf16x8*>(dst + f) = olo;
+  *reinterpret_cast<bf16x8*>(dst + f + half) = ohi;
 }
 
 // gu [T, 2I] = [gate | up] -> out [T, I].
