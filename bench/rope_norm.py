@@ -25,7 +25,7 @@ import pathlib
 import sys
 
 import numpy as np
-from benchutil import copy_bandwidth, metadata, time_ms, write_json
+from benchutil import copy_bandwidth, git_commit, metadata, time_ms, write_json
 
 from blink.gpu import kernels
 from blink.gpu.cuda_api import Driver
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-calls", type=int, default=32, help="RoPE launches per timed graph")
     ap.add_argument("--norm-calls", type=int, default=64, help="norm launches per timed graph")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--commit", default="", help="git commit of the tree (default: $BLINK_COMMIT or git)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     b = Bench(a.rope_calls, a.norm_calls, a.iters)
@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{'ok' if row['bitwise'] else 'MISMATCH'}"
                 )
     if a.out:
-        write_json(a.out, {**metadata(a.commit, argv if argv is not None else sys.argv), "copy_bandwidth": bw,
-                           "rows": rows})  # fmt: skip
+        meta = metadata(a.commit or git_commit(), argv if argv is not None else sys.argv)
+        write_json(a.out, {**meta, "copy_bandwidth": bw, "rows": rows})
     return 0 if all(r["bitwise"] for r in rows) else 1
 
 
