@@ -230,11 +230,9 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS, 4)
   const int t_end = min((g0 + hpb - 1) / nh + 1, ntok);  // the block's tokens: [t0, t_end)
   const int ns = (int)*num_seqs;
   for (int i = warp; t0 + i < t_end; i += nw) {
+    const int pos = positions[t0 + i];  // loaded beside the search, not after it
     const int s = warp_seq_of_token(cu_q_lens, ns, t0 + i);
-    if (lane == 0) {
-      const int pos = positions[t0 + i];
-      tok_slot[i] = (long long)block_tables[(size_t)s * mbps + pos / bs] * bs + pos % bs;
-    }
+    if (lane == 0) tok_slot[i] = (long long)block_tables[(size_t)s * mbps + pos / bs] * bs + pos % bs;
   }
   if (q_norm_w != nullptr || k_norm_w != nullptr) {
     if (live) {
