@@ -393,6 +393,21 @@ def test_rope_launch_geometry(nh: int, hd: int, T: int, sms: int):
         assert bx <= 64 or hpb <= step or -(-T * nh // hpb) >= 2 * sms
     with pytest.raises(ValueError):
         rope_launch(nh, 72, T, sms)
+    # the kernel's index math, every thread of the grid at once: each live (token, head, 8-pair unit)
+    # taken by exactly one thread, its token among the block's searched ones, its rows in shared memory
+    import numpy as np
+
+    blk, tid = np.meshgrid(np.arange(gx), np.arange(bx), indexing="ij")
+    g0 = blk * hpb
+    t0 = g0 // nh
+    hl, f = tid // per_head, tid % per_head * 8
+    t, h = (g0 + hl) // nh, (g0 + hl) % nh
+    t_end = (g0 + hpb - 1) // nh + 1
+    live = (t < T) & (t0 < T)
+    assert (t[live] - t0[live] < np.minimum(t_end, T)[live] - t0[live]).all()
+    assert (hl * hd + f + hd // 2 + 8 <= ROPE_THREADS * 16).all()
+    units = (t[live] * nh + h[live]) * (hd // 2) + f[live]
+    assert len(units) == len(set(units.tolist())) == T * nh * per_head
 
 
 def _warp_seq_of_token(cu: list[int], num_seqs: int, t: int) -> int:
