@@ -16,11 +16,16 @@ from blink.gpu.forward import GEMV_FUSIONS, Dims, Forward, RopeArgs
 from blink.gpu.moe_launch import (
     BIG_TILE_M,
     BIG_TILE_MIN_TOKENS,
+    COLS,
     FUSED_ROUTE_MAX_TOKENS,
     MMA_BN,
+    MMA_KC,
     MMA_MIN_TOKENS,
+    PAIR_COLS,
     PAIR_MAX_TOKENS,
+    PAIR_WARPS,
     TILE_M,
+    WARPS,
     MoeLaunches,
     max_tiles,
 )
@@ -361,7 +366,7 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
             assert gu[3] == H * 2 and dn[3] == im * 2
         else:
             assert gu[3] == MoeLaunches.smem(bool(v), H, tm) and dn[3] == MoeLaunches.smem(bool(v), im, tm)
-        bn = MMA_BN if v else 32
+        bn = MMA_BN if v else PAIR_WARPS * PAIR_COLS if pair else WARPS * COLS
         assert gu[1][0] == -(-im // bn) and dn[1][0] == -(-H // bn)
         assert calls[i + len(moe_seq) - 1][1] == (T, 1, 1)
 
@@ -435,3 +440,16 @@ def test_warp_seq_of_token_is_seq_of_token(num_seqs: int):
     for t in range(cu[-1]):
         want = int(np.searchsorted(cu[:num_seqs], t, side="right") - 1)
         assert _warp_seq_of_token(cu, num_seqs, t) == want, t
+
+
+def test_moe_block_constants_match_moe_cu():
+    """moe_launch.py's grid and shared-memory arithmetic mirrors moe.cu's #defines."""
+    import re
+
+    from blink.gpu.kernels import CSRC
+
+    src = (CSRC / "moe.cu").read_text()
+    defines = {m[0]: m[1] for m in re.findall(r"^#define (\w+) ([^/\n]*\S)", src, re.M)}
+    want = {"MOE_WARPS": WARPS, "MOE_COLS": COLS, "PAIR_WARPS": PAIR_WARPS, "PAIR_COLS": PAIR_COLS, "MMA_KC": MMA_KC}
+    assert {name: int(defines[name]) for name in want} == want
+    assert defines["MMA_BN"] == "(MOE_WARPS * 16)" and MMA_BN == WARPS * 16

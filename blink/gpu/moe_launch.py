@@ -31,6 +31,7 @@ BIG_TILE_M = 64  # the tensor-core kernels' tile in large graphs (moe_align_m64,
 BIG_TILE_MIN_TOKENS = 256  # graphs of at least this many tokens use BIG_TILE_M
 MMA_KC = 256  # moe.cu MMA_KC: inputs staged per step of the tensor-core kernels
 WARPS, COLS = 8, 4  # moe.cu MOE_WARPS, MOE_COLS: output columns per block = WARPS * COLS (tile GEMV)
+PAIR_WARPS, PAIR_COLS = 4, 4  # moe.cu PAIR_WARPS, PAIR_COLS: the pair path's blocks (PAIR_WARPS * PAIR_COLS columns)
 MMA_BN = WARPS * 16  # moe.cu MMA_BN: output columns per block of the tensor-core variant
 MMA_MIN_TOKENS = 64  # graphs of at least this many tokens run the expert GEMMs on tensor cores
 FUSED_ROUTE_MAX_TOKENS = 64  # graphs of at most this many tokens route and align in one block (one launch)
@@ -164,14 +165,14 @@ class MoeLaunches:
                      pair_pos=self.pair_pos)  # fmt: skip
         comb = dict(y=self.y, topk_w=self.topk_w, num_tokens=num_tokens, k=k, H=H)
         if T <= self.pair_max_tokens:
-            bn = WARPS * COLS
+            bn, threads = PAIR_WARPS * PAIR_COLS, 32 * PAIR_WARPS
             fwd._launch(
-                "moe_pair_gate_up", (-(-inter // bn), T * k, 1), (32 * WARPS, 1, 1), stream, H * 2, logits=self.logits,
+                "moe_pair_gate_up", (-(-inter // bn), T * k, 1), (threads, 1, 1), stream, H * 2, logits=self.logits,
                 X=hid, W=gate_up, Y=self.act, topk_ids=self.topk_ids, topk_w=self.topk_w, num_tokens=num_tokens, E=E,
                 k=k, norm_topk=int(c.norm_topk_prob), N=inter, K=H,
             )  # fmt: skip
             fwd._launch(
-                "moe_pair_down", (-(-H // bn), T * k, 1), (32 * WARPS, 1, 1), stream, inter * 2, X=self.act, W=down,
+                "moe_pair_down", (-(-H // bn), T * k, 1), (threads, 1, 1), stream, inter * 2, X=self.act, W=down,
                 Y=self.y, topk_ids=self.topk_ids, num_tokens=num_tokens, k=k, N=H, K=inter,
             )  # fmt: skip
             self._combine(fwd, stream, T, out, then_norm, None, comb)

@@ -6,6 +6,7 @@ and the first differing token, so a failure can be read from the log alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from types import SimpleNamespace
 
@@ -167,9 +168,18 @@ def _check_layer(rig: _Rig, h: np.ndarray, bucket: int) -> dict[str, np.ndarray]
     return g
 
 
+def _config(name: str):
+    """A preset, or "tiny-moe-odd": the tiny MoE with hidden 72 and expert intermediate 40, so the pair
+    path's last blocks hold warps past the output columns and the lanes' vector counts (9, 5) are not
+    multiples of anything the kernels unroll by."""
+    if name == "tiny-moe-odd":
+        return dataclasses.replace(preset("tiny-qwen3-moe"), name=name, hidden_size=72, moe_intermediate_size=40)
+    return preset(name)
+
+
 @functools.cache
 def _rig(name: str) -> _Rig:
-    return _Rig(preset(name), 256)
+    return _Rig(_config(name), 256)
 
 
 def _variant(rig: _Rig, variant: str) -> None:
@@ -183,14 +193,50 @@ def _variant(rig: _Rig, variant: str) -> None:
 
 @pytest.mark.parametrize("variant", ["pair", "gemv", "mma", "mma64"])
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("T,bucket", [(1, 1), (3, 4), (8, 8), (70, 128), (256, 256)])
+@pytest.mark.parametrize("T,bucket", [(1, 1), (2, 2), (3, 4), (8, 8), (70, 128), (256, 256)])
 def test_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
-    cfg = preset(name)
+    cfg = _config(name)
     rig = _rig(name)
     _variant(rig, variant)
     print(f"--- {name} T={T} bucket={bucket}: expert kernels {variant}")
     h = _rbf(np.random.default_rng(T).standard_normal((T, cfg.hidden_size)).astype(np.float32))
     _check_layer(rig, h, bucket)
+
+
+@pytest.mark.parametrize("variant", ["pair", "gemv"])
+@pytest.mark.parametrize("T,bucket", [(1, 1), (2, 2), (3, 4), (8, 8)])
+def test_moe_odd_shapes_match_numpy(T: int, bucket: int, variant: str):
+    """The CUDA-core expert kernels at shapes that are not multiples of their blocks' columns."""
+    rig = _rig("tiny-moe-odd")
+    _variant(rig, variant)
+    h = _rbf(np.random.default_rng(T + 40).standard_normal((T, rig.cfg.hidden_size)).astype(np.float32))
+    _check_layer(rig, h, bucket)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "tiny-qwen3-moe", "tiny-moe-odd"])
+@pytest.mark.parametrize("T,bucket", [(1, 1), (2, 2), (3, 4), (8, 8)])
+def test_moe_pair_path_is_bit_identical_to_the_tile_gemv(name: str, T: int, bucket: int):
+    """The pair path (moe_pair_*: a warp's columns streamed together) computes every output with the tile
+    GEMV's FMA chain (moe_gate_up_m16 / moe_down_m16): the same expert ids and weights, and act, y and the
+    combined output bit-identical row for row (pair row p = t * k + j is the tile path's row pos[p])."""
+    rig = _rig(name)
+    h = _rbf(np.random.default_rng(T + 80).standard_normal((T, rig.cfg.hidden_size)).astype(np.float32))
+    _variant(rig, "pair")
+    a = rig.run(h, bucket)
+    _variant(rig, "gemv")
+    b = rig.run(h, bucket)
+    pos = b["pos"]
+    diffs = {
+        "ids": int((a["ids"] != b["ids"]).sum()),
+        "w": int((a["w"] != b["w"]).sum()),
+        "act": int((a["act"] != b["act"][pos]).sum()),
+        "y": int((a["y"] != b["y"][pos]).sum()),
+        "out": int((a["out"] != b["out"]).sum()),
+    }
+    print(f"[{name} T={T} bucket={bucket}] pair vs tile GEMV, differing elements: {diffs}")
+    assert a["pair"] and not b["pair"]
+    assert np.abs(a["out"]).max() > 0
+    assert not any(diffs.values()), diffs
 
 
 @pytest.mark.parametrize("variant", ["pair", "gemv", "mma", "mma64"])

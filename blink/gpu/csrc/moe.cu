@@ -258,7 +258,91 @@ __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, cons
 // its token itself (a warp; every block of the token computes the same top-k from the same logits; the
 // block at column 0 of slot 0 stores it for the down projection and the combine) and writes act row p;
 // moe_pair_down writes y row p; the combine reads row t * k + j (pair_pos null).
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+//
+// The pair GEMV (one input row): blocks of PAIR_WARPS warps, each warp PAIR_COLS consecutive output
+// columns (SWIGLU: their gate and up rows), grid (ceil(N / (PAIR_WARPS * PAIR_COLS)), T * k). A lane
+// issues the 16-byte weight loads of all the warp's rows for U of its vectors (v = v0 + u * 32 + lane)
+// before it uses any; the first round goes out before the block's barrier on the staged input. (One
+// column at a time in 8-warp blocks left the step latency-bound at ~2 TB/s on the H200: 192 gate_up
+// blocks on 132 SMs, and at most 3 loads in flight per lane of the down projection.) Each output is
+// gemv_tile_body's FMA chain: the lane's vectors in ascending order, their 8 elements in order, then
+// warp_sum, so the pair path stays bit-identical to the tile GEMV path.
+#define PAIR_WARPS 4
+#define PAIR_COLS 4
+// Vectors per lane per round. gate_up: 2 x (gate and up) x PAIR_COLS = 16 loads in flight per lane, 168
+// registers at 3 CTAs/SM (batch 1's 384 CTAs in one wave on 132 SMs; without the bound, 4 bytes spill).
+// down: 2 x PAIR_COLS = 8 loads per lane, 96 registers (4 per lane gave 16 loads at 167 registers: its
+// 1024 CTAs at batch 1 then run in 2.6 waves of 3 CTAs/SM instead of 1.6 of 5).
+#define PAIR_U_GATE_UP 2
+#define PAIR_GATE_UP_MIN_CTAS 3
+#define PAIR_U_DOWN 2
+
+template <bool SWIGLU, int U>
+__device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf16* __restrict__ We,
+                                          bf16* __restrict__ Y, int row, int N, int K) {
+  constexpr int R = SWIGLU ? 2 : 1;  // weight rows per output column: gate (col) and up (col + N)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int col0 = (blockIdx.x * PAIR_WARPS + warp) * PAIR_COLS;
+  const int kv = K / 8;
+  bf16x8 w[U][R][PAIR_COLS];
+  auto issue = [&](int v0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + u * 32 + lane;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < PAIR_COLS; ++c)
+          if (v < kv && col0 + c < N)
+            w[u][r][c] = *reinterpret_cast<const bf16x8*>(We + (size_t)(col0 + c + r * N) * K + (size_t)v * 8);
+    }
+  };
+  issue(0);  // col0 >= N: no loads; the warp still reaches the barrier
+  __syncthreads();  // xs staged by the whole block
+  if (col0 >= N) return;
+  float acc[R][PAIR_COLS];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < PAIR_COLS; ++c) acc[r][c] = 0.f;
+  for (int v0 = 0;;) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + u * 32 + lane;
+      if (v < kv) {
+        float x[8];
+        load8(xs + v * 8, x);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int c = 0; c < PAIR_COLS; ++c)
+            if (col0 + c < N) {
+#pragma unroll
+              for (int i = 0; i < 8; ++i) acc[r][c] += bf(w[u][r][c].v[i]) * x[i];
+            }
+      }
+    }
+    v0 += 32 * U;
+    if (v0 >= kv) break;
+    issue(v0);
+  }
+#pragma unroll
+  for (int c = 0; c < PAIR_COLS; ++c) {
+    if (col0 + c >= N) break;
+    const float ya = warp_sum(acc[0][c]);
+    if (SWIGLU) {
+      const float yb = warp_sum(acc[R - 1][c]);
+      if (lane == 0) {
+        const float g = rbf(ya), u = rbf(yb);  // the gate_up GEMM's bf16 output
+        Y[(size_t)row * N + col0 + c] = tobf(rbf(g / (1.f + expf(-g))) * u);
+      }
+    } else if (lane == 0) {
+      Y[(size_t)row * N + col0 + c] = tobf(ya);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32, PAIR_GATE_UP_MIN_CTAS)
     moe_pair_gate_up(const float* __restrict__ logits, const bf16* __restrict__ X, const bf16* __restrict__ W,
                      bf16* __restrict__ Y, int* __restrict__ topk_ids, float* __restrict__ topk_w,
                      const uint32_t* __restrict__ num_tokens, int E, int k, int norm_topk, int N, int K) {
@@ -271,15 +355,15 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
   if (threadIdx.x < 32) route_token(logits + (size_t)t * E, s_ids, s_w, threadIdx.x, E, k, norm_topk);
   for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
     reinterpret_cast<bf16x8*>(xs)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)t * K)[v];
-  __syncthreads();
+  __syncthreads();  // the slot's expert (pair_gemv's barrier then finds xs staged already)
   if (blockIdx.x == 0 && j == 0 && threadIdx.x < k) {
     topk_ids[t * k + threadIdx.x] = s_ids[threadIdx.x];
     topk_w[t * k + threadIdx.x] = s_w[threadIdx.x];
   }
-  gemv_tile_body<1, true>(xs, W + (size_t)s_ids[j] * 2 * N * K, Y, p, 1, N, K);
+  pair_gemv<true, PAIR_U_GATE_UP>(xs, W + (size_t)s_ids[j] * 2 * N * K, Y, p, N, K);
 }
 
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
     moe_pair_down(const bf16* __restrict__ X, const bf16* __restrict__ W, bf16* __restrict__ Y,
                   const int* __restrict__ topk_ids, const uint32_t* __restrict__ num_tokens, int k, int N, int K) {
   extern __shared__ __align__(128) unsigned char pair_smem[];
@@ -288,8 +372,8 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
   if (p / k >= (int)*num_tokens) return;
   for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
     reinterpret_cast<bf16x8*>(xs)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)p * K)[v];
-  __syncthreads();
-  gemv_tile_body<1, false>(xs, W + (size_t)topk_ids[p] * N * K, Y, p, 1, N, K);
+  // no barrier here: pair_gemv issues its first weight loads, then waits for xs
+  pair_gemv<false, PAIR_U_DOWN>(xs, W + (size_t)topk_ids[p] * N * K, Y, p, N, K);
 }
 
 // Tensor-core variant (graphs whose buckets put many rows in a tile: prefill, large decode batches):
