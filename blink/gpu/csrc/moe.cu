@@ -259,23 +259,28 @@ __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, cons
 // block at column 0 of slot 0 stores it for the down projection and the combine) and writes act row p;
 // moe_pair_down writes y row p; the combine reads row t * k + j (pair_pos null).
 //
-// The pair GEMV (one input row): blocks of PAIR_WARPS warps, each warp PAIR_COLS consecutive output
-// columns (SWIGLU: their gate and up rows), grid (ceil(N / (PAIR_WARPS * PAIR_COLS)), T * k). A lane
-// issues the 16-byte weight loads of all the warp's rows for U of its vectors (v = v0 + u * 32 + lane)
-// before it uses any; the first round goes out before the block's barrier on the staged input. (One
-// column at a time in 8-warp blocks left the step latency-bound at ~2 TB/s on the H200: 192 gate_up
-// blocks on 132 SMs, and at most 3 loads in flight per lane of the down projection.) Each output is
-// gemv_tile_body's FMA chain: the lane's vectors in ascending order, their 8 elements in order, then
-// warp_sum, so the pair path stays bit-identical to the tile GEMV path.
+// The pair GEMV (one input row xs, staged in shared memory before the call): blocks of PAIR_WARPS
+// warps, each warp PAIR_COLS consecutive output columns (SWIGLU: their gate and up rows), grid
+// (ceil(N / (PAIR_WARPS * PAIR_COLS)), T * k). A lane issues the 16-byte weight loads of all the warp's
+// rows for U of its vectors (v = v0 + u * 32 + lane) before it uses any, held as raw uint4 (as bf16x8
+// the predicated loads were unpacked at once into 8 registers each, which waited for each load in
+// turn). One column at a time in 8-warp blocks left the step latency-bound at ~2 TB/s on the H200 (192
+// gate_up blocks on 132 SMs; at most 3 loads in flight per lane of the down projection). Each output
+// is gemv_tile_body's FMA chain: the lane's vectors in ascending order, their 8 elements in order,
+// then warp_sum, so the pair path stays bit-identical to the tile GEMV path.
 #define PAIR_WARPS 4
 #define PAIR_COLS 4
-// Vectors per lane per round. gate_up: 2 x (gate and up) x PAIR_COLS = 16 loads in flight per lane, 168
-// registers at 3 CTAs/SM (batch 1's 384 CTAs in one wave on 132 SMs; without the bound, 4 bytes spill).
-// down: 2 x PAIR_COLS = 8 loads per lane, 96 registers (4 per lane gave 16 loads at 167 registers: its
-// 1024 CTAs at batch 1 then run in 2.6 waves of 3 CTAs/SM instead of 1.6 of 5).
+// Vectors per lane per round (sm_90, nvcc 13.0): gate_up 2 x (gate, up) x PAIR_COLS = 16 loads in
+// flight per lane at 120 registers (batch 1's 384 CTAs fit one wave at 4 CTAs/SM); down 2 x PAIR_COLS
+// = 8 at 56 registers (its 1024 CTAs fit one wave at 9 CTAs/SM; 4 vectors: 94 registers, 1.6 waves).
 #define PAIR_U_GATE_UP 2
-#define PAIR_GATE_UP_MIN_CTAS 3
 #define PAIR_U_DOWN 2
+
+// Element `hi` (0: low half, the lower address) of two bf16 packed in a 32-bit word, as a float: the
+// exact conversion bf() does.
+__device__ __forceinline__ float bf_of_pair(uint32_t q, int hi) {
+  return __uint_as_float(hi ? q & 0xffff0000u : q << 16);
+}
 
 template <bool SWIGLU, int U>
 __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf16* __restrict__ We,
@@ -284,7 +289,9 @@ __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf1
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int col0 = (blockIdx.x * PAIR_WARPS + warp) * PAIR_COLS;
   const int kv = K / 8;
-  bf16x8 w[U][R][PAIR_COLS];
+  // Raw 16-byte vectors (4 registers each, converted only when used: held as bf16x8, the predicated
+  // loads were unpacked into 8 registers each at once, which waited for the data and serialized them).
+  uint4 w[U][R][PAIR_COLS];
   auto issue = [&](int v0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -294,12 +301,11 @@ __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf1
 #pragma unroll
         for (int c = 0; c < PAIR_COLS; ++c)
           if (v < kv && col0 + c < N)
-            w[u][r][c] = *reinterpret_cast<const bf16x8*>(We + (size_t)(col0 + c + r * N) * K + (size_t)v * 8);
+            w[u][r][c] = *reinterpret_cast<const uint4*>(We + (size_t)(col0 + c + r * N) * K + (size_t)v * 8);
     }
   };
-  issue(0);  // col0 >= N: no loads; the warp still reaches the barrier
-  __syncthreads();  // xs staged by the whole block
   if (col0 >= N) return;
+  issue(0);
   float acc[R][PAIR_COLS];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -317,8 +323,9 @@ __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf1
 #pragma unroll
           for (int c = 0; c < PAIR_COLS; ++c)
             if (col0 + c < N) {
+              const uint32_t q[4] = {w[u][r][c].x, w[u][r][c].y, w[u][r][c].z, w[u][r][c].w};
 #pragma unroll
-              for (int i = 0; i < 8; ++i) acc[r][c] += bf(w[u][r][c].v[i]) * x[i];
+              for (int i = 0; i < 8; ++i) acc[r][c] += bf_of_pair(q[i / 2], i % 2) * x[i];
             }
       }
     }
@@ -342,7 +349,7 @@ __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf1
   }
 }
 
-extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32, PAIR_GATE_UP_MIN_CTAS)
+extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
     moe_pair_gate_up(const float* __restrict__ logits, const bf16* __restrict__ X, const bf16* __restrict__ W,
                      bf16* __restrict__ Y, int* __restrict__ topk_ids, float* __restrict__ topk_w,
                      const uint32_t* __restrict__ num_tokens, int E, int k, int norm_topk, int N, int K) {
@@ -355,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32, PAIR_GATE_UP_MIN_C
   if (threadIdx.x < 32) route_token(logits + (size_t)t * E, s_ids, s_w, threadIdx.x, E, k, norm_topk);
   for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
     reinterpret_cast<bf16x8*>(xs)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)t * K)[v];
-  __syncthreads();  // the slot's expert (pair_gemv's barrier then finds xs staged already)
+  __syncthreads();  // xs staged, the slot's expert routed
   if (blockIdx.x == 0 && j == 0 && threadIdx.x < k) {
     topk_ids[t * k + threadIdx.x] = s_ids[threadIdx.x];
     topk_w[t * k + threadIdx.x] = s_w[threadIdx.x];
@@ -372,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
   if (p / k >= (int)*num_tokens) return;
   for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
     reinterpret_cast<bf16x8*>(xs)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)p * K)[v];
-  // no barrier here: pair_gemv issues its first weight loads, then waits for xs
+  __syncthreads();
   pair_gemv<false, PAIR_U_DOWN>(xs, W + (size_t)topk_ids[p] * N * K, Y, p, N, K);
 }
 
@@ -476,21 +483,46 @@ __device__ __forceinline__ void moe_expert_mma_impl(const bf16* __restrict__ X, 
 
 // ------------------------------------------------------------------------------------- combine
 // Block per token: out[t] = sum over slots j in order of bf16(y[pos[t*k+j]] * w[t*k+j]) (fp32 sum).
+// A thread's loads of MOE_COMBINE_SLOTS slots are issued before any is used (a rolled loop waited for
+// each slot's L2 round trip in turn: 8 in a row at top-8); the sum's order is the slot order.
+#define MOE_COMBINE_SLOTS 8
+
+// acc[i] = sum over j = 0..k-1 in order of bf16(y[row_j, 8v + i] * w_j), row_j = pos[t*k+j] (pair_pos
+// null: the pair path's row t*k+j).
+__device__ __forceinline__ void combine_slots(const bf16* __restrict__ y, const int* __restrict__ pair_pos,
+                                              const float* __restrict__ topk_w, int t, int k, int H, int v,
+                                              float* acc) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  for (int j0 = 0; j0 < k; j0 += MOE_COMBINE_SLOTS) {
+    int row[MOE_COMBINE_SLOTS];
+    float w[MOE_COMBINE_SLOTS];
+    bf16x8 yv[MOE_COMBINE_SLOTS];
+#pragma unroll
+    for (int u = 0; u < MOE_COMBINE_SLOTS; ++u)
+      if (j0 + u < k) {
+        row[u] = pair_pos ? pair_pos[t * k + j0 + u] : t * k + j0 + u;
+        w[u] = topk_w[t * k + j0 + u];
+      }
+#pragma unroll
+    for (int u = 0; u < MOE_COMBINE_SLOTS; ++u)
+      if (j0 + u < k) yv[u] = reinterpret_cast<const bf16x8*>(y + (size_t)row[u] * H)[v];
+#pragma unroll
+    for (int u = 0; u < MOE_COMBINE_SLOTS; ++u)
+      if (j0 + u < k) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += rbf(bf(yv[u].v[i]) * w[u]);
+      }
+  }
+}
 extern "C" __global__ void moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos,
                                        const float* __restrict__ topk_w, bf16* __restrict__ out,
                                        const uint32_t* __restrict__ num_tokens, int k, int H) {
   const int t = blockIdx.x;
   if (t >= (int)*num_tokens) return;
   for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < k; ++j) {
-      const int row = pair_pos ? pair_pos[t * k + j] : t * k + j;  // null: the pair path's rows
-      const float w = topk_w[t * k + j];
-      float x[8];
-      load8(y + (size_t)row * H + v * 8, x);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += rbf(x[i] * w);
-    }
+    float acc[8];
+    combine_slots(y, pair_pos, topk_w, t, k, H, v, acc);
     bf16x8 o;
 #pragma unroll
     for (int i = 0; i < 8; ++i) o.v[i] = tobf(acc[i]);
@@ -518,15 +550,8 @@ extern "C" __global__ void moe_combine_norm(const bf16* __restrict__ y, const in
   for (int q = 0; q < MOE_NORM_VPT; ++q) {
     const int v = threadIdx.x + q * blockDim.x;
     if (v >= H / 8) break;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < k; ++j) {
-      const int row = pair_pos ? pair_pos[t * k + j] : t * k + j;  // null: the pair path's rows
-      const float wt = topk_w[t * k + j];
-      float x[8];
-      load8(y + (size_t)row * H + v * 8, x);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += rbf(x[i] * wt);
-    }
+    float acc[8];
+    combine_slots(y, pair_pos, topk_w, t, k, H, v, acc);
     float x[8];
     load8(r + v * 8, x);
     bf16x8 o;
