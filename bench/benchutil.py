@@ -287,7 +287,8 @@ def kernel_category(name: str) -> str:
         ("rope", "rope"),
         ("attn", "attn"),
         ("swiglu", "swiglu"),
-        ("moe_", "moe"),  # route, align, expert GEMVs, combine (the router GEMM is "gemm")
+        ("moe_", "moe"),  # route, align, expert GEMVs, combine; the router: moe_router_t<T> (steps of <= 4
+        # tokens) here, the GEMM of larger steps in "gemm"
         ("final_norm", "head"),
         ("sample", "sample"),
         ("penalty_mark", "sample"),  # the sampling extensions (ext_on gated)

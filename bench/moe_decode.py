@@ -13,7 +13,8 @@ thresholds (PAIR_MAX_TOKENS, MMA_MIN_TOKENS, BIG_TILE_MIN_TOKENS in blink/gpu/mo
 Experts read at batch b > 1: the distinct experts of the last MoE layer in the timed step
 (topk_ids on the device after the step), taken for every layer. The per-category breakdown at
 batch 1 times each kernel category's launches as a graph of their own ("moe": route, align, the two
-expert GEMVs and the combine; the router projection is in "gemm").
+expert GEMVs and the combine; the router projection too at batches of at most 4, moe_router_t<T>, above
+that it is in "gemm").
 """
 
 from __future__ import annotations

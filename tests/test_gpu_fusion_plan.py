@@ -24,6 +24,8 @@ from blink.gpu.moe_launch import (
     PAIR_COLS,
     PAIR_MAX_TOKENS,
     PAIR_WARPS,
+    ROUTER_MAX_TOKENS,
+    ROUTER_WARPS,
     TILE_M,
     WARPS,
     MoeLaunches,
@@ -356,7 +358,10 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
         if li < 2:  # the next layer starts at its qkv projection
             assert names[i + len(moe_seq)] in ("cublas", f"gemv_bf16_t{T}"), names[i + len(moe_seq)]
         router = calls[i - 1]  # the router projection, fp32 out, right before the routing
-        assert router[0] in ("cublas", f"gemv_f32_t{T}"), router[0]
+        if T <= ROUTER_MAX_TOKENS:
+            assert router[0] == f"moe_router_t{T}" and router[1] == (-(-c.num_experts // ROUTER_WARPS), 1, 1)
+        else:
+            assert router[0] in ("cublas", f"gemv_f32_t{T}"), router[0]
         assert names[i - 2] == "add_rmsnorm"
         gu, dn = calls[i + len(routing)], calls[i + len(routing) + 1]
         H, im, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
@@ -451,5 +456,8 @@ def test_moe_block_constants_match_moe_cu():
     src = (CSRC / "moe.cu").read_text()
     defines = {m[0]: m[1] for m in re.findall(r"^#define (\w+) ([^/\n]*\S)", src, re.M)}
     want = {"MOE_WARPS": WARPS, "MOE_COLS": COLS, "PAIR_WARPS": PAIR_WARPS, "PAIR_COLS": PAIR_COLS, "MMA_KC": MMA_KC}
+    want["ROUTER_WARPS"] = ROUTER_WARPS
     assert {name: int(defines[name]) for name in want} == want
     assert defines["MMA_BN"] == "(MOE_WARPS * 16)" and MMA_BN == WARPS * 16
+    routers = set(re.findall(r"^MOE_ROUTER\((\d+)\)", src, re.M))
+    assert routers >= {str(t) for t in range(1, ROUTER_MAX_TOKENS + 1)}, routers

@@ -36,6 +36,8 @@ MMA_BN = WARPS * 16  # moe.cu MMA_BN: output columns per block of the tensor-cor
 MMA_MIN_TOKENS = 64  # graphs of at least this many tokens run the expert GEMMs on tensor cores
 FUSED_ROUTE_MAX_TOKENS = 64  # graphs of at most this many tokens route and align in one block (one launch)
 PAIR_MAX_TOKENS = 4  # graphs of at most this many tokens take the pair path: no permutation (moe_pair_*)
+ROUTER_MAX_TOKENS = 4  # graphs of at most this many tokens compute the router logits with moe_router_t<T>
+ROUTER_WARPS = 2  # moe.cu ROUTER_WARPS: router rows per moe_router block (a warp each)
 ROUTE_WARPS = 4  # tokens per moe_route block (a warp each)
 NORM_VPT = 4  # moe.cu MOE_NORM_VPT: moe_combine_norm (256 threads) holds 8 * NORM_VPT columns per thread
 MAX_EXPERTS = 256  # moe_route: 32 lanes x ROUTE_MAX_PER_LANE; moe_align needs <= 1024 (registry.CUDA_MOE_MAX_*)
@@ -152,13 +154,20 @@ class MoeLaunches:
     def record(self, fwd, stream: int, T: int, hid: object, router: object, gate_up: object, down: object,
                out: object, num_tokens: int, then_norm: dict | None = None) -> None:  # fmt: skip
         """One MoE layer over hid [T, H] (normed) into out [T, H], launched through the Forward `fwd`
-        (its _launch and linear: the router GEMM goes where every other projection goes, cuBLAS or
-        the GEMV, and the benchmarks' launch filters see every MoE launch). With `then_norm`
+        (its _launch and linear: the router GEMM of steps above ROUTER_MAX_TOKENS tokens goes where every
+        other projection goes, cuBLAS or the GEMV; below, moe_router_t<T>; the benchmarks' launch
+        filters see every MoE launch). With `then_norm`
         ({residual, w, out}): no `out`; the combine does the next layer's add_rmsnorm instead
         (residual += the layer's output, out = rmsnorm(residual) * w: moe_combine_norm)."""
         c = self.c
         E, k, H, inter = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
-        fwd.linear(hid, router, self.logits, T, stream, out_f32=True)
+        if T <= ROUTER_MAX_TOKENS:  # every weight load of a lane in flight at once; gemv_f32_t1's sums
+            fwd._launch(
+                f"moe_router_t{T}", (-(-E // ROUTER_WARPS), 1, 1), (32 * ROUTER_WARPS, 1, 1), stream, W=router,
+                X=hid, Y=self.logits, N=E, K=H,
+            )  # fmt: skip
+        else:
+            fwd.linear(hid, router, self.logits, T, stream, out_f32=True)
         route = dict(logits=self.logits, topk_ids=self.topk_ids, topk_w=self.topk_w, num_tokens=num_tokens, E=E, k=k,
                      norm_topk=int(c.norm_topk_prob))  # fmt: skip
         align = dict(expert_off=self.expert_off, expert_cnt=self.expert_cnt, sorted_pair=self.sorted_pair,

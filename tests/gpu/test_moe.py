@@ -54,7 +54,14 @@ class _Rig:
         self.out = cp.zeros((max_tokens, H), cp.uint16)
         self.fwd = SimpleNamespace(_launch=self._launch, linear=self._linear)
 
+    host_router = True
+    """moe_router_t<T> (the router of steps of <= 4 tokens) replaced by the host's float64 router, as
+    every larger step's GEMM is (_linear); test_moe_router_kernel runs the kernel."""
+
     def _launch(self, name, grid, block, stream, smem=0, **args) -> None:
+        if self.host_router and name.startswith("moe_router_t"):
+            self._linear(args["X"], args["W"], args["Y"], int(name.removeprefix("moe_router_t")), stream, True)
+            return
         self.drv.launch(self.k[name], grid, block, self.k.args(name, args), stream, smem, name)
 
     def _linear(self, x, w, y, rows, stream, out_f32=False) -> None:
@@ -239,6 +246,49 @@ def test_moe_pair_path_is_bit_identical_to_the_tile_gemv(name: str, T: int, buck
     assert not any(diffs.values()), diffs
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "tiny-moe-odd"])
+def test_moe_router_kernel(name: str):
+    """moe_router_t<T> (T = 1..4): each token's logits bit-identical to gemv_f32_t1 on that token alone
+    (the same FMA chain), within fp32 rounding of the float64 product; then the whole layer at T = 1
+    and 3 (bucket 4) with the kernel's logits, every kernel against numpy on its own inputs."""
+    import cupy as cp
+
+    from blink.gpu.moe_launch import ROUTER_WARPS
+
+    rig = _rig(name)
+    c = rig.cfg
+    E, H = c.num_experts, c.hidden_size
+    rng = np.random.default_rng(11)
+    h = _rbf(rng.standard_normal((4, H)).astype(np.float32))
+    x = cp.asarray(f32_to_bf16_bits(h))
+    s = int(rig.stream.ptr)
+    ref = h.astype(np.float64) @ rig.router.astype(np.float64).T
+    one = []
+    for t in range(4):
+        y1 = cp.zeros((1, E), cp.float32)
+        rig._launch("gemv_f32_t1", (-(-E // 8), 1, 1), (256, 1, 1), s, W=rig.d_router, X=x[t:], Y=y1, N=E, K=H)
+        one.append(y1)
+    rig.stream.synchronize()
+    one = cp.asnumpy(cp.concatenate(one))
+    try:
+        rig.host_router = False
+        for T in (1, 2, 3, 4):
+            y = cp.zeros((T, E), cp.float32)
+            rig._launch(f"moe_router_t{T}", (-(-E // ROUTER_WARPS), 1, 1), (32 * ROUTER_WARPS, 1, 1), s,
+                        W=rig.d_router, X=x, Y=y, N=E, K=H)  # fmt: skip
+            rig.stream.synchronize()
+            got = cp.asnumpy(y)
+            ndiff = int((got != one[:T]).sum())
+            err = float(np.abs(got - ref[:T]).max() / np.abs(ref[:T]).max())
+            print(f"[{name}] moe_router_t{T}: {ndiff} logits differ from gemv_f32_t1; max rel err vs float64 {err:.2e}")
+            assert ndiff == 0 and err < 1e-5
+        _variant(rig, "pair")
+        for T, bucket in ((1, 1), (3, 4)):
+            _check_layer(rig, h[:T], bucket)
+    finally:
+        rig.host_router = True
+
+
 @pytest.mark.parametrize("variant", ["pair", "gemv", "mma", "mma64"])
 def test_moe_rows_do_not_depend_on_the_batch(variant: str):
     """With either expert kernel, a token's MoE output is bit-identical alone, in a batch of 8 and among
@@ -265,14 +315,16 @@ def test_moe_rows_do_not_depend_on_the_batch(variant: str):
         print(f"batch invariance ({variant}): max |{variant} - {other}| for the same token {d:.3e}")
 
 
-def test_moe_combine_norm_is_combine_then_add_rmsnorm():
+@pytest.mark.parametrize("variant", ["pair", "mma"])
+def test_moe_combine_norm_is_combine_then_add_rmsnorm(variant: str):
     """moe_combine_norm (the combine doing the next layer's add_rmsnorm) is bit-identical to moe_combine
-    into delta followed by model_kernels' add_rmsnorm, residual and normed output both."""
+    into delta followed by model_kernels' add_rmsnorm, residual and normed output both (the pair path's
+    rows, pair_pos null, and the permuted rows)."""
     import cupy as cp
 
     cfg = preset("qwen3-30b-a3b")
     rig = _rig(cfg.name)
-    _variant(rig, "mma")
+    _variant(rig, variant)
     rng = np.random.default_rng(9)
     T, H = 37, cfg.hidden_size
     h = _rbf(rng.standard_normal((T, H)).astype(np.float32))

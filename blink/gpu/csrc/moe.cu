@@ -4,7 +4,8 @@
 // One MoE layer of a step of T live tokens (*num_tokens), E experts, k picked per token, H hidden,
 // I the expert's intermediate size; a "pair" is (token t, slot j), index p = t*k + j:
 //
-//   logits  [T, E] fp32      router GEMM output (cuBLAS / GEMV, as every other projection)
+//   logits  [T, E] fp32      router GEMM output (cuBLAS / GEMV, as every other projection; moe_router_t<T>
+//                            in graphs of at most 4 tokens)
 //   moe_route        -> ids [T*k] int32, w [T*k] fp32: softmax over the bf16-rounded logits in fp32,
 //                       the k largest in descending order, renormalised to sum 1 when norm_topk_prob,
 //                       rounded to bf16 (transformers' Qwen3MoeTopKRouter, step for step)
@@ -281,6 +282,67 @@ __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, cons
 __device__ __forceinline__ float bf_of_pair(uint32_t q, int hi) {
   return __uint_as_float(hi ? q & 0xffff0000u : q << 16);
 }
+
+// Router logits of small steps (NT <= MoeLaunches' ROUTER_MAX_TOKENS tokens): Y [NT, N] fp32 = X W^T,
+// a warp per router row (2 per block: N = 128 experts are 64 CTAs). A lane issues its loads of U weight
+// vectors and their inputs (one token: all 8 of a 2048-wide row) before it uses any, so the whole
+// router is read in about one round trip. The GEMV (model_kernels.cu) puts N = 128 rows on 128 warps
+// at one token (gemv_f32_t1, 2 weight loads in flight per lane in its SASS) and on 32 warps from 2
+// tokens (4 rows per warp): several round trips for the 512 KB of Qwen3-30B-A3B. Each output is gemv_impl's FMA
+// chain (the lane's vectors k = lane*8 + 256 i in ascending order, their 8 elements in order, then
+// warp_sum): bit-identical to gemv_f32_t1 on each token alone. Rows past *num_tokens are computed from
+// the bucket's stale rows and never read, as the GEMV's.
+#define ROUTER_WARPS 2
+
+template <int NT>
+__device__ __forceinline__ void moe_router_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
+                                                float* __restrict__ Y, int N, int K) {
+  constexpr int U = NT == 1 ? 8 : NT == 2 ? 4 : 2;  // vectors per lane per round: U weight, U * NT input loads
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * ROUTER_WARPS + (threadIdx.x >> 5);
+  if (n >= N) return;
+  const bf16* w = W + (size_t)n * K;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+  for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
+    uint4 wv[U], xv[U][NT];  // raw: converted only when used, so every load is in flight at once
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (k0 + u * 256 < K) {
+        wv[u] = *reinterpret_cast<const uint4*>(w + k0 + u * 256);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) xv[u][t] = *reinterpret_cast<const uint4*>(X + (size_t)t * K + k0 + u * 256);
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (k0 + u * 256 < K) {
+        const uint32_t q[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const uint32_t xq[4] = {xv[u][t].x, xv[u][t].y, xv[u][t].z, xv[u][t].w};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[t] += bf_of_pair(q[i / 2], i % 2) * bf_of_pair(xq[i / 2], i % 2);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const float v = warp_sum(acc[t]);
+    if (lane == 0) Y[(size_t)t * N + n] = v;
+  }
+}
+
+#define MOE_ROUTER(NT)                                                                                           \
+  extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)                                               \
+      moe_router_t##NT(const bf16* W, const bf16* X, float* Y, int N, int K) {                                  \
+    moe_router_impl<NT>(W, X, Y, N, K);                                                                          \
+  }
+MOE_ROUTER(1)
+MOE_ROUTER(2)
+MOE_ROUTER(3)
+MOE_ROUTER(4)
 
 template <bool SWIGLU, int U>
 __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf16* __restrict__ We,
