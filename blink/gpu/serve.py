@@ -49,6 +49,23 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
     return ecfg
 
 
+def weight_source(spec: DeviceSpec) -> tuple[Any, Any]:
+    """(config, host weights) of the spec's model as the engine takes them; weights None: a large
+    random preset, generated on the GPU."""
+    from blink.models.config import preset
+
+    mcfg = preset(spec.model.removeprefix("random:")) if spec.model.startswith("random:") else None
+    if mcfg is not None and mcfg.num_params() > SMALL_RANDOM_PARAMS:
+        phase(f"{spec.model}: {mcfg.num_params() / 1e9:.1f} B parameters generated on the GPU")
+        return mcfg, None  # a host copy of billions of float32 would take minutes
+    # the registry's weights: a small random preset is then the very model the emulated device runs
+    from blink.models.registry import resolve_model
+
+    phase(f"loading {spec.model}")
+    bundle = resolve_model(spec.model, allow_pull=False, seed=spec.seed, progress=progress("loading weights", "B"))
+    return bundle.config, bundle.weights
+
+
 def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
     """Engine with the model's weights (random presets are generated on the GPU) and its graphs;
     sampling_rows: the sampling extensions' tables, one row per ring slot (0: off)."""
@@ -56,24 +73,13 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
 
     from blink.gpu.engine import Engine
     from blink.gpu.kernels import DEFAULT_CACHE
-    from blink.models.config import preset
 
     dev = cp.cuda.Device()
     free, total = cp.cuda.runtime.memGetInfo()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
     name = name.decode() if isinstance(name, bytes) else name
     phase(f"CUDA device {dev.id}: {name}, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
-    mcfg = preset(spec.model.removeprefix("random:")) if spec.model.startswith("random:") else None
-    if mcfg is not None and mcfg.num_params() > SMALL_RANDOM_PARAMS:
-        phase(f"{spec.model}: {mcfg.num_params() / 1e9:.1f} B parameters generated on the GPU")
-        weights = None  # generated on the GPU: a host copy of billions of float32 would take minutes
-    else:
-        # the registry's weights: a small random preset is then the very model the emulated device runs
-        from blink.models.registry import resolve_model
-
-        phase(f"loading {spec.model}")
-        bundle = resolve_model(spec.model, allow_pull=False, seed=spec.seed, progress=progress("loading weights", "B"))
-        mcfg, weights = bundle.config, bundle.weights
+    mcfg, weights = weight_source(spec)
     engine = Engine.create(
         mcfg, engine_config(spec, mcfg.max_position, sampling_rows), weights, spec.kernel_cache or DEFAULT_CACHE
     )
