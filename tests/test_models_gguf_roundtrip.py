@@ -326,3 +326,51 @@ def test_qwen3moe_gguf_matches_hf_safetensors(tmp_path, mlp_only):
         with torch.no_grad():
             from_gguf = gguf_model.eval()(torch.tensor([ids])).logits[0].numpy()
         assert np.linalg.norm(ours_gguf - from_gguf) / np.linalg.norm(from_gguf) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-phi3", "tiny-qwen3-moe"])
+def test_gguf_bf16_tensors_are_the_rounded_float32_weights(tmp_path, name):
+    """What the CUDA device uploads from a GGUF (gguf_bf16, one tensor dequantised at a time) is
+    f32_to_bf16_bits of load_gguf's float32 dict (what it rounded on upload before): Q8_0, F16 and
+    F32 tensors, llama's q/k row permutation, Phi-3's fused tensors, stacked experts."""
+    from blink.models.bf16 import f32_to_bf16_bits
+    from blink.models.registry import resolve_bf16
+    from blink.models.weights import gguf_bf16
+
+    config = preset(name).replace(tie_word_embeddings=False)
+    write_gguf(tmp_path / "m.gguf", config, random_weights(config, seed=6))
+    ref_config, ref, ref_meta = load_gguf(tmp_path / "m.gguf")
+    got_config, tensors, meta = gguf_bf16(tmp_path / "m.gguf")
+    got = {}
+    for n, bits in tensors:
+        assert n not in got and bits.dtype == np.uint16
+        got[n] = np.array(bits)
+    assert got_config == ref_config and meta == ref_meta and got.keys() == ref.keys()
+    for n, w in ref.items():
+        assert np.array_equal(got[n], f32_to_bf16_bits(w)), n
+    cfg2, _ = resolve_bf16(tmp_path / "m.gguf")
+    assert cfg2 == resolve_model(tmp_path / "m.gguf").config
+
+
+def test_gguf_bf16_holds_one_tensor_at_a_time(tmp_path):
+    """Issue 17 for GGUF: dequantising per tensor straight into bf16 peaks at a few float32 copies
+    of the largest tensor (gguf's numpy dequantize keeps several temporaries: ~6 measured here);
+    load_gguf's float32 dict holds the whole model."""
+    import tracemalloc
+
+    from blink.models.weights import gguf_bf16, weight_shapes
+
+    config = preset("tiny-qwen3").replace(num_layers=12)
+    write_gguf(tmp_path / "m.gguf", config, random_weights(config))
+    sizes = [int(np.prod(s)) for s in weight_shapes(config).values()]
+    largest, model = 4 * max(sizes), 4 * sum(sizes)
+    assert model > 12 * largest
+    peaks = []
+    for load in (lambda p: sum(1 for _ in gguf_bf16(p)[1]), load_gguf):  # the stream consumed as the upload does
+        tracemalloc.start()
+        try:
+            load(tmp_path / "m.gguf")
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    assert peaks[0] <= 8 * largest < model <= peaks[1]

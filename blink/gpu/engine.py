@@ -6,6 +6,7 @@ Usage (the GPU scheduler reads the ABI record; the host path calls `step`):
     from blink.models.config import preset
     eng = Engine.create(preset("llama3-8b"), EngineConfig(max_seqs=256, max_tokens=4096))  # random weights
     # or Engine.create(cfg, EngineConfig(...), host_weights=hf_named_float32_dict)
+    # or Engine.create(cfg, EngineConfig(...), bf16_tensors=registry.resolve_bf16(spec)[1])
     eng.capture()                       # decode + prefill graphs, 2 execs per shape, DeviceLaunch + uploaded
     eng.abi_ptr                         # device address of the ENGINE_DTYPE record (blink/gpu/abi.py)
     eng.arena.ptr["input_ids"], ...     # device addresses of the step buffers (also in the record)
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,8 +140,13 @@ class Engine:
         ecfg: EngineConfig = EngineConfig(),
         host_weights: dict[str, np.ndarray] | None = None,
         kernel_cache: object = DEFAULT_CACHE,
+        bf16_tensors: Iterable[tuple[str, np.ndarray]] | None = None,
     ) -> Engine:
-        """Engine over `host_weights` (HF names, float arrays) or random weights made on the GPU."""
+        """Engine over `bf16_tensors` (blink.models.weights.Bf16Tensors, uploaded one at a time: the
+        device process's path), `host_weights` (HF names, float arrays, rounded to bf16), or random
+        weights made on the GPU when neither is given."""
+        if host_weights is not None and bf16_tensors is not None:
+            raise ValueError("Engine.create: host_weights or bf16_tensors, not both")
         import cupy as cp
 
         cp.cuda.Device().use()
@@ -147,10 +154,12 @@ class Engine:
         driver = Driver()
         kernels = Kernels(driver, kernel_cache)  # type: ignore[arg-type]
         stream = cp.cuda.Stream(non_blocking=True)
-        if host_weights is None:
-            weights = GpuWeights.random(config, driver, kernels, int(stream.ptr), seed=ecfg.seed)
-        else:
+        if bf16_tensors is not None:
+            weights = GpuWeights.from_bf16(config, bf16_tensors)
+        elif host_weights is not None:
             weights = GpuWeights.from_host(config, host_weights)
+        else:
+            weights = GpuWeights.random(config, driver, kernels, int(stream.ptr), seed=ecfg.seed)
         stream.synchronize()
         return cls(config, ecfg, weights, driver, kernels, stream)
 

@@ -50,20 +50,20 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
 
 
 def weight_source(spec: DeviceSpec) -> tuple[Any, Any]:
-    """(config, host weights) of the spec's model as the engine takes them; weights None: a large
-    random preset, generated on the GPU."""
+    """(config, weights) of the spec's model as the engine takes them: blink.models.weights.Bf16Tensors
+    read one tensor at a time (GGUF dequantised per tensor, HF safetensors mapped, small random
+    presets made per tensor: the same bits as the emulated device's float32 rounded), or None for
+    a large random preset, generated on the GPU."""
     from blink.models.config import preset
 
     mcfg = preset(spec.model.removeprefix("random:")) if spec.model.startswith("random:") else None
     if mcfg is not None and mcfg.num_params() > SMALL_RANDOM_PARAMS:
         phase(f"{spec.model}: {mcfg.num_params() / 1e9:.1f} B parameters generated on the GPU")
-        return mcfg, None  # a host copy of billions of float32 would take minutes
-    # the registry's weights: a small random preset is then the very model the emulated device runs
-    from blink.models.registry import resolve_model
+        return mcfg, None  # made on the host, billions of random numbers would take minutes
+    from blink.models.registry import resolve_bf16
 
     phase(f"loading {spec.model}")
-    bundle = resolve_model(spec.model, allow_pull=False, seed=spec.seed, progress=progress("loading weights", "B"))
-    return bundle.config, bundle.weights
+    return resolve_bf16(spec.model, allow_pull=False, seed=spec.seed, progress=progress("loading weights", "B"))
 
 
 def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
@@ -79,10 +79,9 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
     name = name.decode() if isinstance(name, bytes) else name
     phase(f"CUDA device {dev.id}: {name}, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
-    mcfg, weights = weight_source(spec)
-    engine = Engine.create(
-        mcfg, engine_config(spec, mcfg.max_position, sampling_rows), weights, spec.kernel_cache or DEFAULT_CACHE
-    )
+    mcfg, tensors = weight_source(spec)  # read while they upload, inside Engine.create
+    ecfg = engine_config(spec, mcfg.max_position, sampling_rows)
+    engine = Engine.create(mcfg, ecfg, kernel_cache=spec.kernel_cache or DEFAULT_CACHE, bf16_tensors=tensors)
     d = engine.dims
     gib = kv_gib(mcfg.num_layers, d.num_blocks, d.block_size, mcfg.num_kv_heads, mcfg.head_dim, 2)
     phase(f"KV cache: {d.num_blocks} blocks of {d.block_size} tokens, {gib:.2f} GiB (bf16); capturing graphs")

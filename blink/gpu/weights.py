@@ -8,32 +8,27 @@ Per layer (H hidden, I intermediate, hd head_dim, nq/nkv heads, shapes (out, in)
 MoE layers (qwen3_moe; E experts of intermediate size Im) instead of gate_up and down:
     router (E, H)  experts_gate_up (E, 2*Im, H) = [gate_proj; up_proj] per expert  experts_down (E, H, Im)
     (transformers 5's Qwen3MoeExperts layout: each expert's rows contiguous, what blink/gpu/csrc/moe.cu streams)
-Sources: HF-named float32 host dicts (blink.models.weights loaders: GGUF dequantised, HF
-safetensors) rounded to bf16, or random weights generated on the GPU by a counter-based kernel
-(an 8B model in seconds, no host copy).
+Sources: blink.models.weights.Bf16Tensors (`from_bf16`: canonical tensors as bf16 bits, one at a
+time, each copied into its rows of arrays allocated up front; what the CUDA device loads, so the
+host never holds the model), HF-named float32 host dicts rounded to bf16 (`from_host`: tests and
+the numpy comparisons), or random weights generated on the GPU by a counter-based kernel (an 8B
+model in seconds, no host copy).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from blink.gpu.cuda_api import Driver
 from blink.gpu.kernels import Kernels
+from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from blink.models.config import ModelConfig
 
-
-def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bf16 bit patterns (uint16)."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-
-
-def bf16_bits_to_f32(a: np.ndarray) -> np.ndarray:
-    return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+__all__ = ["GpuWeights", "LayerWeights", "bf16_bits_to_f32", "f32_to_bf16_bits"]  # the bf16 helpers: re-exported
 
 
 @dataclass
@@ -110,6 +105,59 @@ class GpuWeights:
             "gate_up": (2 * i, h),
             "down": (h, i),
         }
+
+    @classmethod
+    def empty(cls, config: ModelConfig) -> GpuWeights:
+        """Uninitialised device arrays of every weight of `config` (the LM head is the embedding when tied)."""
+        import cupy as cp
+
+        c, sh = config, cls.shapes(config)
+
+        def a(key: str) -> object:
+            return cp.empty(sh[key], dtype=cp.uint16)
+
+        layers = []
+        for li in range(c.num_layers):
+            moe = c.layer_is_moe(li)
+            layers.append(
+                LayerWeights(
+                    attn_norm=a("attn_norm"),
+                    qkv=a("qkv"),
+                    q_norm=a("q_norm") if c.qk_norm else None,
+                    k_norm=a("k_norm") if c.qk_norm else None,
+                    o=a("o"),
+                    mlp_norm=a("mlp_norm"),
+                    gate_up=None if moe else a("gate_up"),
+                    down=None if moe else a("down"),
+                    qkv_bias=a("qkv_bias") if c.attn_bias else None,
+                    router=a("router") if moe else None,
+                    experts_gate_up=a("experts_gate_up") if moe else None,
+                    experts_down=a("experts_down") if moe else None,
+                )
+            )
+        embed = cp.empty((c.vocab_size, c.hidden_size), dtype=cp.uint16)
+        lm_head = embed if c.tie_word_embeddings else cp.empty((c.vocab_size, c.hidden_size), dtype=cp.uint16)
+        return cls(c, embed, a("attn_norm"), lm_head, layers)
+
+    @classmethod
+    def from_bf16(cls, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]) -> GpuWeights:
+        """From canonical tensors as bf16 bits (uint16; blink.models.weights.Bf16Tensors), in any
+        order: each is copied into its rows of the fused arrays, allocated before the first (from
+        pageable memory: the host array may go once `set` returns). The host holds one tensor at a time.
+        ValueError for a name that is not the config's, or given twice, a wrong shape or dtype, or
+        one missing at the end."""
+        w = cls.empty(config)
+        dst = dict(w.hf_tensors())  # name -> the C-contiguous device view its bits go to
+        for name, bits in tensors:
+            view = dst.pop(name, None)
+            if view is None:
+                raise ValueError(f"{name}: not a weight of {config.name}, or given twice")
+            if bits.dtype != np.uint16 or bits.shape != view.shape:  # type: ignore[attr-defined]
+                raise ValueError(f"{name}: {bits.dtype} {bits.shape}, expected uint16 {view.shape}")  # type: ignore[attr-defined]
+            view.set(np.ascontiguousarray(bits))  # type: ignore[attr-defined]
+        if dst:
+            raise ValueError(f"weights of {config.name} missing: {list(dst)[:5]}")
+        return w
 
     @classmethod
     def from_host(cls, config: ModelConfig, w: dict[str, np.ndarray]) -> GpuWeights:

@@ -25,7 +25,16 @@ from dataclasses import dataclass
 from blink.models.config import PRESET_NAMES, ModelConfig, UnsupportedModelError, preset
 from blink.models.progress import ProgressFn, make_progress
 from blink.models.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
-from blink.models.weights import Weights, load_gguf, load_hf_dir, random_weights
+from blink.models.weights import (
+    Bf16Tensors,
+    Weights,
+    gguf_bf16,
+    hf_dir_bf16,
+    load_gguf,
+    load_hf_dir,
+    random_bf16,
+    random_weights,
+)
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -216,6 +225,32 @@ def check_device(spec: str | os.PathLike[str] | None, kind: str) -> None:
         )
 
 
+def _locate(
+    spec: str | os.PathLike[str] | None,
+    cache_dir: str | os.PathLike[str] | None,
+    progress: bool | ProgressFn,
+    allow_pull: bool,
+) -> tuple[str, pathlib.Path | ModelConfig, str]:
+    """What a spec names: ("gguf", file, name or ""), ("hf", directory, "") or ("random", config, "")."""
+    s = None if spec is None else os.fspath(spec)
+    if s in _DEFAULT_ALIASES:
+        path = pull(cache_dir, progress) if allow_pull else find_default(cache_dir)
+        if path is None:
+            raise FileNotFoundError(f"{DEFAULT_NAME} is not installed; run `blink pull`")
+        return "gguf", path, DEFAULT_NAME
+    assert s is not None
+    if s.startswith("random:") or (s in PRESET_NAMES and not os.path.exists(s)):
+        return "random", preset(s.removeprefix("random:")), ""
+    p = pathlib.Path(s).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return "gguf", p, ""
+    if p.is_dir() and (p / "config.json").is_file():
+        return "hf", p, ""
+    raise FileNotFoundError(
+        f"model {s!r}: expected 'default', a .gguf file, an HF directory with config.json, or random:<preset>"
+    )
+
+
 def resolve_model(
     spec: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -223,31 +258,34 @@ def resolve_model(
     allow_pull: bool = True,
     seed: int = 0,
 ) -> ModelBundle:
-    """Load the model a spec names (see the module docstring)."""
-    s = None if spec is None else os.fspath(spec)
-    if s in _DEFAULT_ALIASES:
-        path = pull(cache_dir, progress) if allow_pull else find_default(cache_dir)
-        if path is None:
-            raise FileNotFoundError(f"{DEFAULT_NAME} is not installed; run `blink pull`")
-        return _load_gguf_bundle(path, progress, name=DEFAULT_NAME)
-    assert s is not None
-    if s.startswith("random:") or (s in PRESET_NAMES and not os.path.exists(s)):
-        config = preset(s.removeprefix("random:"))
-        source = "random:" + config.name
-        return ModelBundle(config.name, config, random_weights(config, seed), synthetic_tokenizer(config), source)
-    p = pathlib.Path(s).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        return _load_gguf_bundle(p, progress)
-    if p.is_dir() and (p / "config.json").is_file():
-        config, weights = load_hf_dir(p, progress)
-        tokenizer = from_hf_dir(p, config.eos_token_ids)
-        return ModelBundle(p.name, config, weights, tokenizer, str(p))
-    raise FileNotFoundError(
-        f"model {s!r}: expected 'default', a .gguf file, an HF directory with config.json, or random:<preset>"
-    )
+    """Load the model a spec names (see the module docstring); weights as float32."""
+    kind, where, name = _locate(spec, cache_dir, progress, allow_pull)
+    if isinstance(where, ModelConfig):
+        config = where
+        weights = random_weights(config, seed)
+        return ModelBundle(config.name, config, weights, synthetic_tokenizer(config), "random:" + config.name)
+    if kind == "gguf":
+        config, weights, meta = load_gguf(where, progress)
+        name = name or config.name
+        return ModelBundle(name, config.replace(name=name), weights, from_gguf_metadata(meta), str(where))
+    config, weights = load_hf_dir(where, progress)
+    return ModelBundle(where.name, config, weights, from_hf_dir(where, config.eos_token_ids), str(where))
 
 
-def _load_gguf_bundle(path: pathlib.Path, progress: bool, name: str = "") -> ModelBundle:
-    config, weights, meta = load_gguf(path, progress)
-    name = name or config.name
-    return ModelBundle(name, config.replace(name=name), weights, from_gguf_metadata(meta), str(path))
+def resolve_bf16(
+    spec: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool | ProgressFn = False,
+    allow_pull: bool = True,
+    seed: int = 0,
+) -> tuple[ModelConfig, Bf16Tensors]:
+    """The config of the model a spec names (the config `resolve_model` gives) and its weights as
+    bf16 bits, one tensor at a time (blink.models.weights.Bf16Tensors): what the CUDA device
+    uploads, with no whole-model float32 copy on the host. No tokenizer."""
+    kind, where, name = _locate(spec, cache_dir, progress, allow_pull)
+    if isinstance(where, ModelConfig):
+        return where, random_bf16(where, seed)
+    if kind == "gguf":
+        config, tensors, _ = gguf_bf16(where, progress)
+        return config.replace(name=name or config.name), tensors
+    return hf_dir_bf16(where, progress)

@@ -28,26 +28,37 @@ Loaders: GGUF (dequantised to float32; llama.cpp's q/k row permutation undone so
 HF rotate-half form; `qwen3moe`'s stacked ffn_{gate,up,down}_exps split per expert, ffn_gate_inp
 the router), an HF directory (config.json + *.safetensors, bf16 widened to float32), and
 `random_weights` for tests and benchmarks.
+
+Each loader has a bf16 twin for the CUDA device (`gguf_bf16`, `hf_dir_bf16`, `random_bf16`): the
+same canonical tensors as `Bf16Tensors`, an iterator of (name, uint16 bf16 bits) produced one
+tensor at a time from the mapped file (bf16 sources as views of it, others rounded to nearest even
+per tensor), so the host never holds more than a few copies of the largest tensor. The float32
+dicts hold the whole model: ~2x a bf16 checkpoint, which a 64 GB model's host does not have. Both
+give the same bits: a bf16 value widened to float32 rounds back to itself.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import pathlib
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
+from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from blink.models.checkpoint_config import from_gguf_metadata, from_hf_config
 from blink.models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inv_freq
 from blink.models.gguf_file import GGUFFile
 from blink.models.progress import ProgressFn, make_progress
 
 Weights = dict[str, np.ndarray]
+# (canonical name, bf16 bits as uint16 of the canonical shape), each tensor once, in no fixed order
+Bf16Tensors = Iterator[tuple[str, np.ndarray]]
 
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm",
@@ -123,33 +134,63 @@ def fused_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def split_fused(config: ModelConfig, name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
-    """A fused Phi-3 tensor as its canonical pieces (row views); any other tensor as itself."""
+def fused_rows(config: ModelConfig, name: str) -> list[tuple[str, int, int]] | None:
+    """The canonical pieces of a fused Phi-3 tensor as (name, first row, end row); None for any other tensor."""
     c = config
     if name.endswith("self_attn.qkv_proj.weight"):
         parts = {"q_proj": c.q_size, "k_proj": c.kv_size, "v_proj": c.kv_size}
     elif name.endswith("mlp.gate_up_proj.weight"):
         parts = {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}
     else:
-        return [(name, w)]
-    if w.shape != (sum(parts.values()), c.hidden_size):
-        raise ValueError(f"{name}: shape {w.shape} != {(sum(parts.values()), c.hidden_size)}")
+        return None
     base = name.rsplit(".", 2)[0]  # model.layers.{i}.self_attn | model.layers.{i}.mlp
     out, row = [], 0
     for piece, n in parts.items():
-        out.append((f"{base}.{piece}.weight", w[row : row + n]))
+        out.append((f"{base}.{piece}.weight", row, row + n))
         row += n
     return out
 
 
+def split_fused(config: ModelConfig, name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A fused Phi-3 tensor as its canonical pieces (row views); any other tensor as itself."""
+    rows = fused_rows(config, name)
+    if rows is None:
+        return [(name, w)]
+    if w.shape != (rows[-1][2], config.hidden_size):
+        raise ValueError(f"{name}: shape {w.shape} != {(rows[-1][2], config.hidden_size)}")
+    return [(piece, w[a:b]) for piece, a, b in rows]
+
+
 def check_weights(config: ModelConfig, weights: Weights) -> None:
     """Raise ValueError unless `weights` holds exactly the canonical tensors with the right shapes."""
+    check_shapes(config, {k: tuple(v.shape) for k, v in weights.items()})
+
+
+def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise ValueError unless `shapes` names exactly the canonical tensors with their shapes."""
     expected = weight_shapes(config)
-    missing = [k for k in expected if k not in weights]
-    extra = [k for k in weights if k not in expected]
-    bad = [f"{k}: {weights[k].shape} != {s}" for k, s in expected.items() if k in weights and weights[k].shape != s]
+    missing = [k for k in expected if k not in shapes]
+    extra = [k for k in shapes if k not in expected]
+    bad = [f"{k}: {shapes[k]} != {s}" for k, s in expected.items() if k in shapes and tuple(shapes[k]) != s]
     if missing or extra or bad:
         raise ValueError(f"weights do not match config: missing={missing[:5]} extra={extra[:5]} bad_shapes={bad[:5]}")
+
+
+def _checked(config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]) -> Bf16Tensors:
+    """`tensors` as Bf16Tensors, each checked as it passes (a canonical name, its shape, uint16, once)
+    and none missing at the end: ValueError otherwise."""
+    expected = weight_shapes(config)
+    seen: set[str] = set()
+    for name, bits in tensors:
+        if name not in expected or name in seen:
+            raise ValueError(f"{name}: {'given twice' if name in seen else 'not a tensor of ' + config.name}")
+        if bits.dtype != np.uint16 or bits.shape != expected[name]:
+            raise ValueError(f"{name}: {bits.dtype} {bits.shape}, expected uint16 (bf16 bits) {expected[name]}")
+        seen.add(name)
+        yield name, bits
+    missing = [k for k in expected if k not in seen]
+    if missing:
+        raise ValueError(f"weights do not match config: missing={missing[:5]}")
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: Any = np.float32) -> Weights:
@@ -160,6 +201,13 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: Any = np.float32) 
     for name, shape in weight_shapes(config).items():
         out[name] = random_tensor(name, shape, seed, dtype)
     return out
+
+
+def random_bf16(config: ModelConfig, seed: int = 0) -> Bf16Tensors:
+    """`random_weights` as Bf16Tensors, each tensor made when it is taken."""
+    return _checked(
+        config, ((n, f32_to_bf16_bits(random_tensor(n, s, seed))) for n, s in weight_shapes(config).items())
+    )
 
 
 def random_tensor(name: str, shape: tuple[int, ...], seed: int = 0, dtype: Any = np.float32) -> np.ndarray:
@@ -192,11 +240,16 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _dequant(tensor: Any) -> np.ndarray:
+    return _dequant_data(tensor.data, tensor.tensor_type)
+
+
+def _dequant_data(data: Any, tensor_type: int) -> np.ndarray:
+    """float32 values of a GGUF tensor's raw view (or of a leading-axis slice of it)."""
     from gguf import GGMLQuantizationType, quants
 
-    qt = GGMLQuantizationType(tensor.tensor_type)
+    qt = GGMLQuantizationType(tensor_type)
     # np.asarray drops a memmap subclass, whose per-slice bookkeeping dominates dequantisation.
-    data = np.asarray(tensor.data)
+    data = np.asarray(data)
     if qt == GGMLQuantizationType.F32:
         return np.array(data, dtype=np.float32)
     if qt == GGMLQuantizationType.F16:
@@ -208,22 +261,27 @@ def load_gguf_weights(
     reader: Any, config: ModelConfig, progress: bool | ProgressFn | None = None, dtype: Any = np.float32
 ) -> Weights:
     """Dequantise every tensor of an open GGUFFile (or gguf.GGUFReader) into canonical names."""
+    out = {name: w.astype(dtype, copy=False) for name, w in _gguf_tensors(reader, config, progress)}
+    check_weights(config, out)
+    return out
+
+
+def _gguf_tensors(
+    reader: Any, config: ModelConfig, progress: bool | ProgressFn | None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(canonical name, float32 tensor) of each GGUF tensor in file order, dequantised one at a time
+    (a stacked expert tensor one expert at a time, a fused one as its row views)."""
     report = make_progress(progress, "loading weights", "B")
     total = sum(int(t.n_bytes) for t in reader.tensors)
     done = 0
-    out: Weights = {}
     for t in reader.tensors:
-        w = _dequant(t)
+        m = _GGUF_BLK.match(t.name)
         if t.name == "rope_freqs.weight":
-            _check_rope_freqs(config, w)
+            _check_rope_freqs(config, _dequant(t))
+        elif m and m.group(2) in _GGUF_EXPERTS:
+            yield from _split_experts(config, int(m.group(1)), _GGUF_EXPERTS[m.group(2)], t)
         else:
-            m = _GGUF_BLK.match(t.name)
-            if m and m.group(2) in _GGUF_EXPERTS:
-                out.update(_split_experts(config, int(m.group(1)), _GGUF_EXPERTS[m.group(2)], w, dtype))
-                done += int(t.n_bytes)
-                if report:
-                    report(done, total)
-                continue
+            w = _dequant(t)
             if m and m.group(2) in _GGUF_LAYER:
                 name = f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
             elif t.name in _GGUF_GLOBAL:
@@ -236,22 +294,23 @@ def load_gguf_weights(
                 w = _unpermute_rope_rows(w, config.num_kv_heads)
             elif config.arch == "phi3" and name.endswith("mlp.up_proj.weight"):
                 name = name.replace("up_proj", "gate_up_proj")  # llama.cpp's phi3 ffn_up is [gate; up]
-            for piece, pw in split_fused(config, name, w):
-                out[piece] = pw.astype(dtype, copy=False)
+            yield from split_fused(config, name, w)
         done += int(t.n_bytes)
         if report:
             report(done, total)
-    check_weights(config, out)
-    return out
 
 
-def _split_experts(config: ModelConfig, layer: int, proj: str, w: np.ndarray, dtype: Any) -> Weights:
-    """A stacked (experts, out, in) GGUF expert tensor as the canonical per-expert tensors (views when
-    `dtype` is float32: no copy)."""
-    if w.ndim != 3 or w.shape[0] != config.num_experts:
-        raise ValueError(f"layer {layer} {proj} experts: shape {w.shape}, expected ({config.num_experts}, out, in)")
+def _split_experts(config: ModelConfig, layer: int, proj: str, t: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """A stacked (experts, out, in) GGUF expert tensor as the canonical per-expert tensors, each
+    dequantised alone (a 30B-A3B layer's stack is ~0.8 GB in float32)."""
+    data = t.data  # (experts, out, in) elements, or (experts, out, bytes per row) when quantised
+    if data.ndim != 3 or data.shape[0] != config.num_experts:
+        raise ValueError(
+            f"layer {layer} {proj} experts: raw shape {data.shape}, expected ({config.num_experts}, out, in)"
+        )
     p = f"model.layers.{layer}.mlp.experts."
-    return {f"{p}{e}.{proj}.weight": w[e].astype(dtype, copy=False) for e in range(config.num_experts)}
+    for e in range(config.num_experts):
+        yield f"{p}{e}.{proj}.weight", _dequant_data(data[e], t.tensor_type)
 
 
 def _base_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -294,18 +353,33 @@ def load_gguf(
     path: str | os.PathLike[str], progress: bool | ProgressFn | None = None
 ) -> tuple[ModelConfig, Weights, dict[str, Any]]:
     """(config, weights, metadata) of a GGUF file; metadata feeds `blink.models.tokenizer.from_gguf_metadata`."""
+    reader, config = _open_gguf(path)
+    return config, load_gguf_weights(reader, config, progress), reader.metadata
+
+
+def gguf_bf16(
+    path: str | os.PathLike[str], progress: bool | ProgressFn | None = None
+) -> tuple[ModelConfig, Bf16Tensors, dict[str, Any]]:
+    """`load_gguf` with the weights as Bf16Tensors: each tensor (each expert of a stacked expert
+    tensor) dequantised to float32 and rounded to bf16 when taken."""
+    reader, config = _open_gguf(path)
+    tensors = ((n, f32_to_bf16_bits(w)) for n, w in _gguf_tensors(reader, config, progress))
+    return config, _checked(config, tensors), reader.metadata
+
+
+def _open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, ModelConfig]:
     reader = GGUFFile(path)
-    meta = reader.metadata
-    config = from_gguf_metadata(meta, {t.name for t in reader.tensors}, name=pathlib.Path(path).stem)
+    config = from_gguf_metadata(reader.metadata, {t.name for t in reader.tensors}, name=pathlib.Path(path).stem)
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         config = config.replace(rope_scaling=llama3_scaling_from_factors(config, _dequant(rope_freqs)))
-    return config, load_gguf_weights(reader, config, progress), meta
+    return reader, config
 
 
 # ---------------------------------------------------------------- HF directory
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}
+# safetensors dtype -> numpy (little-endian); BF16 read as its bits
+_ST_DTYPES = {"BF16": "<u2", "F32": "<f4", "F16": "<f2", "F64": "<f8", "I64": "<i8", "I32": "<i4"}
 
 
 def _safetensors_header(path: pathlib.Path) -> tuple[dict[str, Any], int]:
@@ -317,46 +391,73 @@ def _safetensors_header(path: pathlib.Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def _read_safetensors(path: pathlib.Path, wanted: Any) -> Iterator[tuple[str, np.ndarray | None, int]]:
-    """(name, float32 tensor or None when not wanted, bytes) for each tensor of one file; bf16 is
-    widened by a 16-bit shift (numpy has no bf16, so safetensors.numpy cannot read it)."""
-    from safetensors import safe_open
-
-    header, data_start = _safetensors_header(path)
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    with safe_open(os.fspath(path), "np") as sf:
-        for name, info in header.items():
-            a, b = info["data_offsets"]
-            if name not in wanted:
-                yield name, None, b - a
-            elif info["dtype"] == "BF16":
-                bits = raw[data_start + a : data_start + b].view(np.uint16).reshape(info["shape"])
-                yield name, (bits.astype(np.uint32) << 16).view(np.float32), b - a
-            elif info["dtype"] in _ST_DTYPES:
-                yield name, sf.get_tensor(name).astype(np.float32, copy=False), b - a
-            else:
-                raise UnsupportedModelError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
-
-
-def load_hf_dir(path: str | os.PathLike[str], progress: bool | ProgressFn | None = None) -> tuple[ModelConfig, Weights]:
-    """(config, weights) of an HF model directory (config.json + *.safetensors)."""
+def _open_hf_dir(path: str | os.PathLike[str]) -> tuple[ModelConfig, list[tuple[pathlib.Path, dict[str, Any], int]]]:
+    """(config, [(file, tensor table, data offset)]) of an HF directory, its tensor names and shapes
+    checked against the config before any data is read."""
     root = pathlib.Path(path)
     config = from_hf_config(json.loads((root / "config.json").read_text()), name=root.name)
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {root}")
+    tables = [(f, *_safetensors_header(f)) for f in files]
+    wanted = weight_shapes(config) | fused_shapes(config)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f, header, _ in tables:
+        for name, info in header.items():
+            if name not in wanted:
+                continue  # rotary inv_freq buffers, a duplicate tied lm_head: skipped unread
+            if info["dtype"] not in _ST_DTYPES:
+                raise UnsupportedModelError(f"{f.name}: tensor {name} has unsupported dtype {info['dtype']}")
+            rows = fused_rows(config, name)
+            if rows is None:
+                shapes[name] = tuple(info["shape"])
+                continue
+            if tuple(info["shape"]) != wanted[name]:
+                raise ValueError(f"{name}: shape {tuple(info['shape'])} != {wanted[name]}")
+            shapes.update((piece, (b - a, config.hidden_size)) for piece, a, b in rows)
+    check_shapes(config, shapes)
+    return config, tables
+
+
+def _hf_tensors(
+    config: ModelConfig, tables: list[tuple[pathlib.Path, dict[str, Any], int]], progress: bool | ProgressFn | None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(canonical name, tensor as stored: bf16 as uint16 bits, else its float dtype) one at a time,
+    read-only views of the mapped files; progress counts every byte, skipped tensors included."""
     report = make_progress(progress, "loading weights", "B")
-    total = sum(b - a for f in files for a, b in (t["data_offsets"] for t in _safetensors_header(f)[0].values()))
+    total = sum(b - a for _, header, _ in tables for a, b in (t["data_offsets"] for t in header.values()))
     done = 0
-    # Anything else (rotary inv_freq buffers, a duplicate tied lm_head) is skipped unread.
-    expected = weight_shapes(config) | fused_shapes(config)
-    out: Weights = {}
-    for f in files:
-        for name, w, nbytes in _read_safetensors(f, expected):
-            if w is not None:
-                out.update(split_fused(config, name, w))
-            done += nbytes
+    wanted = weight_shapes(config) | fused_shapes(config)
+    for f, header, data_start in tables:
+        with open(f, "rb") as fh:
+            raw = np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        for name, info in header.items():
+            a, b = info["data_offsets"]
+            if name in wanted:
+                w = raw[data_start + a : data_start + b].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+                yield from split_fused(config, name, w)
+            done += b - a
             if report:
                 report(done, total)
-    check_weights(config, out)
+
+
+def load_hf_dir(path: str | os.PathLike[str], progress: bool | ProgressFn | None = None) -> tuple[ModelConfig, Weights]:
+    """(config, weights) of an HF model directory (config.json + *.safetensors), as float32
+    (bf16 widened by a 16-bit shift)."""
+    config, tables = _open_hf_dir(path)
+    out: Weights = {}
+    for name, w in _hf_tensors(config, tables, progress):
+        out[name] = bf16_bits_to_f32(w) if w.dtype == np.uint16 else np.array(w, dtype=np.float32)
     return config, out
+
+
+def hf_dir_bf16(
+    path: str | os.PathLike[str], progress: bool | ProgressFn | None = None
+) -> tuple[ModelConfig, Bf16Tensors]:
+    """`load_hf_dir` with the weights as Bf16Tensors: bf16 tensors as views of the mapped files
+    (no copy), float32/float16 ones rounded to bf16 one at a time."""
+    config, tables = _open_hf_dir(path)
+    tensors = (
+        (n, w if w.dtype == np.uint16 else f32_to_bf16_bits(w)) for n, w in _hf_tensors(config, tables, progress)
+    )
+    return config, _checked(config, tensors)
