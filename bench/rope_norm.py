@@ -1,5 +1,7 @@
-"""rope_kv_write and add_rmsnorm (blink/gpu/csrc/model_kernels.cu) against the versions they replaced
-(bench/kernels/rope_norm_variants.cu: rope_kv_write_v0, add_rmsnorm_v0), per model shape and token count.
+"""The engine's two RoPE/KV-write kernels and two add-RMSNorm kernels (blink/gpu/csrc/model_kernels.cu), per model
+shape and token count: "old" = rope_kv_write_warp / add_rmsnorm_rows (the kernels before the issue-12 rewrite, which
+the engine keeps for few-token RoPE steps and many-token norm steps: forward.rope_kernel / norm_kernel), "new" =
+rope_kv_write / add_rmsnorm.
 
 For each shape and T (--tokens): T tokens packed from min(T, 256) sequences (T / S new tokens each
 after a cached prefix of --context, shuffled block tables), random bf16 data. First both versions run
@@ -20,8 +22,6 @@ Needs an NVIDIA GPU, CuPy and NVRTC.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import pathlib
 import sys
 
 import numpy as np
@@ -32,23 +32,8 @@ from blink.gpu.cuda_api import Driver
 from blink.gpu.forward import rope_launch
 from blink.models.config import preset
 
-SOURCE = pathlib.Path(__file__).resolve().parent / "kernels" / "rope_norm_variants.cu"
 KV_LAYERS = 4  # distinct KV caches the graph's RoPE launches rotate through
 BS = 16
-
-
-def build_variants() -> pathlib.Path:
-    """The old kernels' cubin for this GPU (NVRTC, as the engine's), cached beside the engine's."""
-    from blink.gpu import build as B
-
-    rtc = B.nvrtc()
-    target = B.target_for(kernels.device_arch(), rtc.archs)
-    h = hashlib.sha256((kernels.CSRC / "common.cuh").read_bytes() + SOURCE.read_bytes()).hexdigest()[:16]
-    out = kernels.DEFAULT_CACHE / f"rope_norm_variants-{target}-{h}.cubin"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(rtc.compile(SOURCE, target, (f"-I{kernels.CSRC}",)))
-    return out
 
 
 def randn_bits(cp, shape, scale: float = 1.0):
@@ -64,18 +49,17 @@ class Bench:
         cp.zeros(1)
         self.drv = Driver()
         self.k = kernels.Kernels(self.drv)
-        self.old = self.drv.module_load(str(build_variants()))
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
         self.calls = {"rope": calls_rope, "norm": calls_norm}
         self.iters = iters
 
     def fn(self, name: str) -> int:
-        return self.drv.get_function(self.old, name) if name.endswith("_v0") else self.k[name]
+        return self.k[name]
 
     def launch(self, name: str, grid, block, args: dict) -> None:
         """Launch on self.stream (the caller has synchronised the device after CuPy's own work)."""
-        params = self.k.params[name.removesuffix("_v0")]  # the same signature
+        params = self.k.params[name]
         self.drv.launch(
             self.fn(name), grid, block, kernels.pack_args(name, params, args), int(self.stream.ptr), 0, name
         )
@@ -125,7 +109,7 @@ class Bench:
         q_out = cp.zeros((T, nq * hd), cp.uint16)
         geo = {
             "rope_kv_write": rope_launch(nh, hd, T, self.sms),
-            "rope_kv_write_v0": ((T, -(-nh // 8), 1), (256, 1, 1)),
+            "rope_kv_write_warp": ((T, -(-nh // 8), 1), (256, 1, 1)),
         }
 
         def args(layer: int) -> dict:
@@ -144,7 +128,7 @@ class Bench:
         n = self.calls["rope"]
         us = {name: self.graph_us([(name, *geo[name], args(i % KV_LAYERS)) for i in range(n)]) for name in geo}
         nbytes = 2 * T * nh * hd * 2 + T * 2 * half * 4
-        return {"kernel": "rope_kv_write", "bitwise": same, "bytes": nbytes, "old_us": us["rope_kv_write_v0"],
+        return {"kernel": "rope_kv_write", "bitwise": same, "bytes": nbytes, "old_us": us["rope_kv_write_warp"],
                 "new_us": us["rope_kv_write"], "grid": list(geo["rope_kv_write"][0]),
                 "block": list(geo["rope_kv_write"][1])}  # fmt: skip
 
@@ -157,7 +141,7 @@ class Bench:
         a = {"residual": resid, "delta": delta, "w": w, "out": out, "num_tokens": cp.asarray(np.array([T], np.uint32)),
              "H": H, "eps": cfg.rms_eps}  # fmt: skip
         outs = {}
-        names = ("add_rmsnorm_v0", "add_rmsnorm")
+        names = ("add_rmsnorm_rows", "add_rmsnorm")
         for name in names:
             resid[...] = r0
             cp.cuda.Device().synchronize()
@@ -167,7 +151,7 @@ class Bench:
         same = all(np.array_equal(x, y) for x, y in zip(*outs.values(), strict=True))
         n = self.calls["norm"]
         us = {name: self.graph_us([(name, (T, 1, 1), (256, 1, 1), a)] * n) for name in names}
-        return {"kernel": "add_rmsnorm", "bitwise": same, "bytes": 4 * T * H * 2, "old_us": us["add_rmsnorm_v0"],
+        return {"kernel": "add_rmsnorm", "bitwise": same, "bytes": 4 * T * H * 2, "old_us": us["add_rmsnorm_rows"],
                 "new_us": us["add_rmsnorm"], "grid": [T, 1, 1], "block": [256, 1, 1]}  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
 Forward (blink/gpu/forward.py) records the rest of the step; this mixin owns the attention role:
 the prefill kernel ("fa2", the default, or "rego": prefill_attention.cu), the decode kernel
-("flashmma", the default, or "flashq": flash_decode.cu; "basic", the fallback: attention.cu), the split counts
+("flashq" below batch 128 and "flashmma" from 128, the defaults: flash_decode.cu; "basic": attention.cu), the split counts
 they are recorded with, and the per-bucket choice (a (min_batch, variant) table, or one
 override). It reads Forward's buffers (q, attn, part_o, part_ml, split_counters), its step arena
 and its `_launch`. Variants that lost on the H200 were retired or moved to bench/kernels/ (the

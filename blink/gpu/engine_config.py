@@ -15,8 +15,12 @@ DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # batches 1/8/64/128/256: 0.321 vs 0.331, 0.619 vs 0.747, 2.684 vs 3.345, 4.515 vs 5.888, 8.620 vs 11.415; context 320,
 # batches 1/8/16/64/128/256: 0.264 vs 0.289, 0.389 vs 0.455, 0.502 vs 0.616, 1.331 vs 1.604, 1.724 vs 2.157, 3.041 vs
 # 4.153 (bench/results/decode_attn1024-h200-6822f2b.json, decode_attn320*-h200-6822f2b.json,
-# decode_breakdown-h200-b76a044.json; largest relative difference of the outputs 4.0e-3): flashmma at every batch.
-DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashmma"),)
+# decode_breakdown-h200-b76a044.json; largest relative difference of the outputs 4.0e-3). Yet flashq stays below batch
+# 128: with flashmma at every batch, the conformance case "KV pressure preempts but never changes greedy tokens" failed
+# on the H200 (a sequence recomputed by the fa2 prefill after preemption continued with other greedy tokens than the
+# same request alone; bench/results/gputests-h200-0c493b6.log), with flashq below 128 it passed (call C of session 6,
+# bench/results/gputests-h200-084cd96.log). From 128 on, flashmma's speed wins (the case runs at batch <= 6).
+DEFAULT_DECODE_ATTENTION: tuple[tuple[int, str], ...] = ((1, "flashq"), (128, "flashmma"))
 # GEMV fusions of decode steps on the GEMV path (forward.py docstring) when EngineConfig.gemv_fusion
 # is "". "all" measured 4.352 vs 4.456 ms at batch 1, logits bitwise equal to "none"
 # (bench/results/archive/fused_h200.md); the GPU scheduler suite and conformance passed with it as the
@@ -87,9 +91,9 @@ class EngineConfig:
     (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
     decode_attention_table: tuple[tuple[int, str], ...] = DEFAULT_DECODE_ATTENTION
     """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
-    from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "flashmma"
-    (flash_decode.cu on tensor cores, the default at every batch), "flashq" (flash_decode.cu on CUDA
-    cores) and "basic" (attention.cu, the fallback). H200, Llama-3-8B
+    from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "flashq"
+    (flash_decode.cu on CUDA cores, the default below batch 128), "flashmma" (flash_decode.cu on tensor
+    cores, the default from 128) and "basic" (attention.cu, the fallback). H200, Llama-3-8B
     shape, context 1024: flashq 4.46 ms/step at batch 1, 18.3 at batch 256
     (bench/results/archive/decode_h200_run5.json); basic 4.90 and 39.8 (decode_h200_run4.json).
     bench/decode.py prints the best table per batch (its `best table` line)."""

@@ -93,6 +93,30 @@ def rope_launch(nh: int, hd: int, T: int, num_sms: int) -> tuple[tuple[int, int,
     return (-(-T * nh // hpb), 1, 1), (hpb * per_head, 1, 1)
 
 
+NORM_ROWS_MIN_TOKENS = 1024
+"""Steps of at least this many tokens use add_rmsnorm_rows (model_kernels.cu), fewer add_rmsnorm: the same
+sums in the same order either way. H200, Llama-3-8B / Qwen3-8B / Phi-4 rows (bench/results/rope_norm-h200-0c493b6.json):
+add_rmsnorm 1.05-1.23x faster up to 256 tokens, add_rmsnorm_rows 1.35-1.42x faster at 1024 and 4096."""
+ROPE_WARP_MAX_TOKENS = (32, 128)
+"""Steps of at most this many tokens (without, with q/k-norm) use rope_kv_write_warp, more rope_kv_write;
+bit-identical. H200 (same file): rope_kv_write_warp faster at 1 token (0.91x / 0.58x for rope_kv_write) and, with
+q/k-norm, at 64 (0.71x); rope_kv_write faster from 64 tokens without q/k-norm (1.07x) and 256 with it (1.23x)."""
+
+
+def norm_kernel(T: int) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
+    """The add-RMSNorm kernel of a step of T tokens and its (grid, block): a block of 256 threads a row."""
+    return ("add_rmsnorm_rows" if T >= NORM_ROWS_MIN_TOKENS else "add_rmsnorm"), (T, 1, 1), (256, 1, 1)
+
+
+def rope_kernel(
+    nh: int, hd: int, T: int, qk_norm: bool, num_sms: int
+) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
+    """The RoPE/KV-write kernel of a step of T tokens of nh heads and its (grid, block)."""
+    if T <= ROPE_WARP_MAX_TOKENS[qk_norm]:
+        return "rope_kv_write_warp", (T, -(-nh // 8), 1), (256, 1, 1)  # a warp per head, 8 heads a block
+    return ("rope_kv_write", *rope_launch(nh, hd, T, num_sms))
+
+
 GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
 
 
@@ -335,7 +359,7 @@ class Forward(AttentionLaunches):
                 delta = None if li == 0 else self.delta
                 if not normed:
                     self._launch(
-                        "add_rmsnorm", (T, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=delta,
+                        *norm_kernel(T), stream, residual=self.resid, delta=delta,
                         w=lw.attn_norm, **norm,
                     )  # fmt: skip
                 normed = False
@@ -351,7 +375,7 @@ class Forward(AttentionLaunches):
                 )  # fmt: skip
             if not fuse_rope:
                 self._launch(
-                    "rope_kv_write", *rope_launch(c.num_heads + 2 * c.num_kv_heads, hd, T, self.num_sms), stream,
+                    *rope_kernel(c.num_heads + 2 * c.num_kv_heads, hd, T, c.qk_norm, self.num_sms), stream,
                     qkv=self.qkv, q_out=self.q, k_cache=kc, v_cache=vc, q_norm_w=lw.q_norm, k_norm_w=lw.k_norm,
                     cos_tab=self.cos, sin_tab=self.sin, positions=a["positions"], cu_q_lens=a["cu_q_lens"],
                     block_tables=a["block_tables"], num_tokens=nt, num_seqs=ns, nq=c.num_heads, nkv=c.num_kv_heads,
@@ -366,7 +390,7 @@ class Forward(AttentionLaunches):
             else:
                 self.linear(self.attn, lw.o, self.delta, T, stream)
                 self._launch(
-                    "add_rmsnorm", (T, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=self.delta,
+                    *norm_kernel(T), stream, residual=self.resid, delta=self.delta,
                     w=lw.mlp_norm, **norm,
                 )  # fmt: skip
                 if lw.router is not None:  # MoE layer (no fusions: fusions_for)

@@ -155,7 +155,8 @@ def _steps(rng: np.random.Generator, T: int, bs: int):
 )  # fmt: skip
 @pytest.mark.parametrize("T,bucket", [(1, 1), (7, 8), (133, 160), (1001, 1024)])
 @pytest.mark.parametrize("sms", [132, 1], ids=["sms132", "sms1"])  # small blocks for small T, and 256 threads
-def test_rope_kv_write_bitwise(rig, nq, nkv, hd, qk_norm, T, bucket, sms):
+@pytest.mark.parametrize("kernel", ["rope_kv_write", "rope_kv_write_warp"])  # forward.rope_kernel picks by T
+def test_rope_kv_write_bitwise(rig, nq, nkv, hd, qk_norm, T, bucket, sms, kernel):
     import cupy as cp
 
     from blink.gpu.forward import rope_launch
@@ -177,9 +178,13 @@ def test_rope_kv_write_bitwise(rig, nq, nkv, hd, qk_norm, T, bucket, sms):
     pos_b[:T] = pos
     cu_b = np.full(max(bucket + 1, len(cu)), T, np.int32)  # the step buffers are bucket-sized; past num_seqs: stale
     cu_b[: len(cu)] = cu
-    grid, block = rope_launch(nh, hd, bucket, sms)
+    grid, block = (
+        rope_launch(nh, hd, bucket, sms) if kernel == "rope_kv_write" else ((bucket, -(-nh // 8), 1), (256, 1, 1))
+    )
+    if kernel == "rope_kv_write_warp" and sms == 1:
+        pytest.skip("rope_kv_write_warp's geometry does not depend on the SM count")
     rig.launch(
-        "rope_kv_write", grid, block, qkv=d["qkv"], q_out=d["q"], k_cache=d["kc"], v_cache=d["vc"],
+        kernel, grid, block, qkv=d["qkv"], q_out=d["q"], k_cache=d["kc"], v_cache=d["vc"],
         q_norm_w=None if qn is None else cp.asarray(qn), k_norm_w=None if kn is None else cp.asarray(kn),
         cos_tab=d["cos"], sin_tab=d["sin"], positions=cp.asarray(pos_b), cu_q_lens=cp.asarray(cu_b),
         block_tables=d["bt"], num_tokens=cp.asarray(np.array([T], np.uint32)),
@@ -190,14 +195,15 @@ def test_rope_kv_write_bitwise(rig, nq, nkv, hd, qk_norm, T, bucket, sms):
     for name, want in (("q_out", q), ("k_cache", kc), ("v_cache", vc)):
         got = cp.asnumpy(d[{"q_out": "q", "k_cache": "kc", "v_cache": "vc"}[name]])
         bad = np.argwhere(got != want)
-        print(f"rope_kv_write {name} T={T}/{bucket} grid={grid} block={block}: {len(bad)} differ, first {bad[:3]}")
+        print(f"{kernel} {name} T={T}/{bucket} grid={grid} block={block}: {len(bad)} differ, first {bad[:3]}")
         assert not len(bad), name
 
 
 @pytest.mark.parametrize("H", [4096, 5120, 3584, 576, 64, 8192])  # vectors a thread: 2, 3, 2, 1, 1, loop
 @pytest.mark.parametrize("T,bucket", [(1, 1), (7, 8), (133, 160)])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rmsnorm_bitwise(rig, H, T, bucket, with_delta):
+@pytest.mark.parametrize("kernel", ["add_rmsnorm", "add_rmsnorm_rows"])  # forward.norm_kernel picks by T
+def test_add_rmsnorm_bitwise(rig, H, T, bucket, with_delta, kernel):
     import cupy as cp
 
     rng = np.random.default_rng(H + T)
@@ -206,12 +212,12 @@ def test_add_rmsnorm_bitwise(rig, H, T, bucket, with_delta):
     w = f32_to_bf16_bits((1 + rng.standard_normal(H) * 0.2).astype(np.float32))
     r, out = cp.asarray(r0), cp.asarray(out0)
     rig.launch(
-        "add_rmsnorm", (bucket, 1, 1), (256, 1, 1), residual=r, delta=cp.asarray(d0) if with_delta else None,
+        kernel, (bucket, 1, 1), (256, 1, 1), residual=r, delta=cp.asarray(d0) if with_delta else None,
         w=cp.asarray(w), out=out, num_tokens=cp.asarray(np.array([T], np.uint32)), H=H, eps=eps,
     )  # fmt: skip
     want_r, want_o = ref_add_rmsnorm(r0[:T], d0[:T] if with_delta else None, w, eps)
     want_r, want_o = np.concatenate([want_r, r0[T:]]), np.concatenate([want_o, out0[T:]])
     for name, got, want in (("residual", cp.asnumpy(r), want_r), ("out", cp.asnumpy(out), want_o)):
         bad = np.argwhere(got != want)
-        print(f"add_rmsnorm {name} H={H} T={T}/{bucket} delta={with_delta}: {len(bad)} differ, first {bad[:3]}")
+        print(f"{kernel} {name} H={H} T={T}/{bucket} delta={with_delta}: {len(bad)} differ, first {bad[:3]}")
         assert not len(bad), name
