@@ -76,24 +76,11 @@ __device__ __forceinline__ void add_rmsnorm_regs(bf16* __restrict__ r, const bf1
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256) add_rmsnorm(bf16* __restrict__ residual,
-                                                              const bf16* __restrict__ delta,
-                                                              const bf16* __restrict__ w, bf16* __restrict__ out,
-                                                              const uint32_t* __restrict__ num_tokens, int H,
-                                                              float eps) {
-  __shared__ float scratch[32];
-  const int t = blockIdx.x;
-  if (t >= (int)*num_tokens) return;
-  bf16* r = residual + (size_t)t * H;
-  const bf16* d = delta != nullptr ? delta + (size_t)t * H : nullptr;
-  bf16* o = out + (size_t)t * H;
-  const int vpt = (H / 8 + blockDim.x - 1) / blockDim.x;
-  switch (vpt) {  // uniform over the grid: H and blockDim are launch constants
-    case 1: add_rmsnorm_regs<1>(r, d, w, o, H, eps, scratch); return;
-    case 2: add_rmsnorm_regs<2>(r, d, w, o, H, eps, scratch); return;
-    case ADD_RMSNORM_VPT: add_rmsnorm_regs<ADD_RMSNORM_VPT>(r, d, w, o, H, eps, scratch); return;
-    default: break;
-  }
+// add_rmsnorm's row loop (rows whose vectors do not fit add_rmsnorm_regs; all of add_rmsnorm_rows): two passes
+// over the row, the second re-reading the residual it wrote.
+__device__ __forceinline__ void add_rmsnorm_loop(bf16* __restrict__ r, const bf16* __restrict__ d,
+                                                 const bf16* __restrict__ w, bf16* __restrict__ o, int H, float eps,
+                                                 float* scratch) {
   float ss = 0.f;
   for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
     float x[8];
@@ -122,6 +109,27 @@ extern "C" __global__ void __launch_bounds__(256) add_rmsnorm(bf16* __restrict__
     for (int i = 0; i < 8; ++i) s.v[i] = tobf(g[i] * rbf(x[i] * rs));
     *reinterpret_cast<bf16x8*>(o + v * 8) = s;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(256) add_rmsnorm(bf16* __restrict__ residual,
+                                                              const bf16* __restrict__ delta,
+                                                              const bf16* __restrict__ w, bf16* __restrict__ out,
+                                                              const uint32_t* __restrict__ num_tokens, int H,
+                                                              float eps) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x;
+  if (t >= (int)*num_tokens) return;
+  bf16* r = residual + (size_t)t * H;
+  const bf16* d = delta != nullptr ? delta + (size_t)t * H : nullptr;
+  bf16* o = out + (size_t)t * H;
+  const int vpt = (H / 8 + blockDim.x - 1) / blockDim.x;
+  switch (vpt) {  // uniform over the grid: H and blockDim are launch constants
+    case 1: add_rmsnorm_regs<1>(r, d, w, o, H, eps, scratch); return;
+    case 2: add_rmsnorm_regs<2>(r, d, w, o, H, eps, scratch); return;
+    case ADD_RMSNORM_VPT: add_rmsnorm_regs<ADD_RMSNORM_VPT>(r, d, w, o, H, eps, scratch); return;
+    default: break;
+  }
+  add_rmsnorm_loop(r, d, w, o, H, eps, scratch);
 }
 
 // Final norm of the last token of each sequence: out[s] = rmsnorm(residual[row] + delta[row]) * w,
@@ -293,35 +301,8 @@ extern "C" __global__ void add_rmsnorm_rows(bf16* __restrict__ residual, const b
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= (int)*num_tokens) return;
-  bf16* r = residual + (size_t)t * H;
-  float ss = 0.f;
-  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
-    float x[8];
-    load8(r + v * 8, x);
-    if (delta != nullptr) {
-      float d[8];
-      load8(delta + (size_t)t * H + v * 8, d);
-      bf16x8 o;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        x[i] = rbf(x[i] + d[i]);
-        o.v[i] = tobf(x[i]);
-      }
-      *reinterpret_cast<bf16x8*>(r + v * 8) = o;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ss += x[i] * x[i];
-  }
-  const float rs = rsqrtf(block_sum(ss, scratch) / H + eps);
-  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
-    float x[8], g[8];
-    load8(r + v * 8, x);
-    load8(w + v * 8, g);
-    bf16x8 o;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(x[i] * rs));
-    *reinterpret_cast<bf16x8*>(out + (size_t)t * H + v * 8) = o;
-  }
+  add_rmsnorm_loop(residual + (size_t)t * H, delta != nullptr ? delta + (size_t)t * H : nullptr, w,
+                   out + (size_t)t * H, H, eps, scratch);
 }
 
 // rope_kv_write for steps of few tokens (forward.rope_kernel): bit-identical to it, a warp per head, no
