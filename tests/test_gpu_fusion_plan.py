@@ -12,7 +12,7 @@ import pytest
 
 from blink.gpu import kernels
 from blink.gpu.engine import EngineConfig, parse_gemv_fusion
-from blink.gpu.forward import GEMV_FUSIONS, Dims, Forward, RopeArgs
+from blink.gpu.forward import GEMV_FUSIONS, ROPE_WARP_MAX_TOKENS, Dims, Forward, RopeArgs, rope_kernel
 from blink.gpu.moe_launch import (
     BIG_TILE_M,
     BIG_TILE_MIN_TOKENS,
@@ -136,11 +136,15 @@ def test_fused_decode_launches(name: str, T: int, fusion: str, signatures: dict)
     per_layer = {
         "add_rmsnorm": 0 if "norm" in fuse else 2,
         "swiglu": 0 if "swiglu" in fuse else 1,
-        "rope_kv_write": 0 if rope else 1,
+        "rope_kv_write": 0 if rope else 1,  # either kernel of the role (rope_kernel picks by T)
         "add_bias": 1 if name == "qwen2.5-7b" else 0,
     }
+    c = f.c
+    rope_name = rope_kernel(c.num_heads + 2 * c.num_kv_heads, c.head_dim, T, c.qk_norm, f.num_sms)[0]
+    assert rope_name == ("rope_kv_write_warp" if T <= ROPE_WARP_MAX_TOKENS[c.qk_norm] else "rope_kv_write")
+    assert not {"rope_kv_write", "rope_kv_write_warp"} - {rope_name} & set(names)  # only the chosen one
     for k, n in per_layer.items():
-        assert names.count(k) == 2 * n, (k, names)
+        assert sum(x.startswith(k) for x in names) == 2 * n, (k, names)
     assert "cublas" not in names
     # the sampling extensions' kernels sit around sample_tokens in every graph (each gated by ext_on)
     assert names[-5:] == ["penalty_mark", "logits_ext", "sample_tokens", "sample_post", "signal_done"]
@@ -148,7 +152,7 @@ def test_fused_decode_launches(name: str, T: int, fusion: str, signatures: dict)
     assert f.fusions_for(T) == (fuse - {"rope"} if name != "llama3-8b" else fuse)
     for name_, _, args, smem in calls:
         if name_ == "add_bias":  # between the qkv projection and RoPE
-            assert names[names.index(name_) + 1] == "rope_kv_write"
+            assert names[names.index(name_) + 1] == rope_name
         if name_.startswith("gemv_"):
             assert name_.endswith(f"_t{T}") or name_.startswith("gemv_f32")
             rope_arg = [a for a in args if isinstance(a, RopeArgs)]
@@ -461,3 +465,22 @@ def test_moe_block_constants_match_moe_cu():
     assert defines["MMA_BN"] == "(MOE_WARPS * 16)" and MMA_BN == WARPS * 16
     routers = set(re.findall(r"^MOE_ROUTER\((\d+)\)", src, re.M))
     assert routers >= {str(t) for t in range(1, ROUTER_MAX_TOKENS + 1)}, routers
+
+
+def test_norm_and_rope_kernels_by_step_size():
+    """forward.norm_kernel / rope_kernel: the register-row RMSNorm below NORM_ROWS_MIN_TOKENS, the looped one from
+    it; the warp-per-head RoPE up to ROPE_WARP_MAX_TOKENS (32 without q/k-norm, 128 with), the vectorised one above
+    (bench/results/rope_norm-h200-0c493b6.json); both RoPE kernels launched over every head of every token."""
+    from blink.gpu.forward import NORM_ROWS_MIN_TOKENS, norm_kernel
+
+    assert [norm_kernel(T)[0] for T in (1, 256, NORM_ROWS_MIN_TOKENS - 1, NORM_ROWS_MIN_TOKENS, 4096)] == [
+        "add_rmsnorm", "add_rmsnorm", "add_rmsnorm", "add_rmsnorm_rows", "add_rmsnorm_rows"
+    ]  # fmt: skip
+    assert norm_kernel(4096)[1:] == ((4096, 1, 1), (256, 1, 1))
+    nh, hd = 48, 128
+    picks = {(T, q): rope_kernel(nh, hd, T, q, 132)[0] for T in (1, 32, 33, 64, 128, 129, 256) for q in (False, True)}
+    assert [k for k, v in picks.items() if v == "rope_kv_write_warp"] == [
+        (1, False), (1, True), (32, False), (32, True), (33, True), (64, True), (128, True)
+    ]  # fmt: skip
+    name, grid, block = rope_kernel(nh, hd, 7, False, 132)
+    assert name == "rope_kv_write_warp" and grid == (7, 6, 1) and block == (256, 1, 1)  # 8 heads (warps) a block
