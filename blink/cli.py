@@ -93,6 +93,12 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         "--max-device-restarts", dest="device.max_restarts", type=int, help="restarts of a dead device in a row"
     )
     p.add_argument("--kernel-cache-dir", dest="device.kernel_cache", metavar="DIR")
+    p.add_argument(
+        "--device-executor",
+        dest="device.executor",
+        metavar="MODULE:FUNCTION",
+        help="emulated only: the executor factory of a stand-in model (benchmarks of the frontend)",
+    )
     p.add_argument("--n-slots", dest="ring.n_slots", type=int)
     p.add_argument("--prompt-arena-tokens", dest="ring.prompt_arena_tokens", type=int)
     p.add_argument("--output-capacity", dest="ring.output_capacity", type=int)

@@ -175,6 +175,10 @@ class DeviceConfig:
     """`blink serve` restarts a device process that dies, with backoff, up to this many times in a
     row (a device that then serves for a minute starts the count over); past that it exits non-zero.
     0: exit at the first death."""
+    executor: str = ""
+    """emulated: a stand-in model's executor factory, "module:function" (benchmarks that measure the
+    frontend against a device whose step time is modeled, e.g. bench/paced_executor.py); "" = the
+    numpy model."""
     kernel_cache: str | None = None
     """Directory of the compiled CUDA kernels (cuda only); None = build/kernels in a source checkout,
     else $XDG_CACHE_HOME/blink/kernels (~/.cache/blink/kernels)."""
@@ -195,6 +199,8 @@ class DeviceConfig:
             _bounds("device", "max_context", self.max_context, 2, 1 << 24)
         _bounds("device", "ready_timeout_s", self.ready_timeout_s, 1, 24 * 3600)
         _bounds("device", "max_restarts", self.max_restarts, 0, 1000)
+        if self.executor and ":" not in self.executor:
+            raise ConfigError(f"device.executor = {self.executor!r}; expected module:function")
 
     def step_tokens(self, kind: str) -> int:
         """Tokens per step on a device of `kind` ("cuda" | "emulated"): max_tokens or its default,

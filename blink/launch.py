@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from blink.config import BlinkConfig, RingConfig
+from blink.config import BlinkConfig, ConfigError, RingConfig
 from blink.protocol.layout import DeviceStatus, RingGeometry
 from blink.protocol.transport import SHM_DIR, ShmTransport
 from blink.protocol.wire import DeviceSpec
@@ -66,6 +66,8 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
     """The device process's spec for a server config, on the ring named `ring`."""
     d = cfg.device
     kind = resolve_kind(d.kind)
+    if d.executor and kind != "emulated":
+        raise ConfigError(f"device.executor ({d.executor}) is for the emulated device, not {kind}")
     return DeviceSpec(
         ring=ring,
         kind=kind,
@@ -80,6 +82,7 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
         max_context=d.max_context or 0,
         debug=cfg.server.log_level == "debug",
         kernel_cache=d.kernel_cache or "",
+        executor=d.executor,
     )
 
 
