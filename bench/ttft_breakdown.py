@@ -15,7 +15,8 @@ the first token's path as the slot records it:
     t_read     frontend: its token reader read the first token
 
 plus, from /metrics (exact means: histogram sums over counts), HTTP request -> slot published and
-token read -> first SSE byte written. Stages per scheduler: p50 / p90 / p99 / mean in ms.
+token read -> first SSE byte written. Stages per scheduler: p50 / p90 / p99 / mean in ms. Also the
+frontend's (the server process's) CPU time over the load, per output token.
 
 Clocks: every stamp is this host's time.time_ns(), except the GPU scheduler's (t_admit, t_launch,
 t_first), which are %globaltimer + an offset calibrated when the scheduler starts
@@ -147,6 +148,13 @@ def metric_mean_ms(before: dict[str, float], after: dict[str, float], name: str)
     return s / n * 1e3 if n else None
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; its threads included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def header_counts(ring: str) -> dict[str, int]:
     t = ShmTransport.open(ring)
     h = t.view().header
@@ -172,7 +180,9 @@ def measure(scheduler: str, args: argparse.Namespace) -> dict:
         h0 = header_counts(srv.ring)
         tap = RingTap(srv.ring)
         tap.start()
+        c0 = cpu_s(srv.proc.pid)
         res = asyncio.run(benchmark.run(bargs))
+        frontend_cpu_s = cpu_s(srv.proc.pid) - c0  # the server process: the frontend (the device is a child)
         stamps = tap.finish()
         h1 = header_counts(srv.ring)
         m1 = srv.metrics()
@@ -204,6 +214,11 @@ def measure(scheduler: str, args: argparse.Namespace) -> dict:
         "bench": res,
         "stages": stages,
         "traced_requests": int(stamps.shape[0]),
+        "frontend_cpu": {
+            "cpu_s": frontend_cpu_s,
+            "share_of_a_core": frontend_cpu_s / res["duration_s"],
+            "us_per_output_token": frontend_cpu_s / max(1, res["total_output_tokens"]) * 1e6,
+        },
         "ttft_bound": bound,
     }
 
@@ -244,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({**meta, "args": vars(args), "runs": runs}, f, indent=1)
         print(f"\n### scheduler {s} ({r['traced_requests']} requests traced)")
         print(benchmark.report(r["bench"]))
+        fc = r["frontend_cpu"]
+        print(f"frontend CPU: {fc['share_of_a_core']:.0%} of a core, {fc['us_per_output_token']:.0f} us per output token")
         print(f"{'stage (ms)':<18}" + "".join(f"{k:>9}" for k in ("p50", "p90", "p99", "mean")))
         for name, q in r["stages"].items():
             cells = (f"{q[k]:9.3f}" if q.get(k) is not None else f"{'-':>9}" for k in ("p50", "p90", "p99", "mean"))

@@ -12,12 +12,16 @@ whose consumer has `max_backlog` undelivered events is skipped: its tokens stay 
 device's output-ring flow control pauses it, so a slow client never makes the frontend buffer
 an unbounded generation.
 
-Polling adapts to the device's step time: for `spin_s` after the last cycle that had news the
-loop only yields to the event loop between cycles (a fast device's next step lands within it),
-then it polls every `max_idle_s` (1 ms: asyncio timers, uvloop's included, are no finer). A
-device whose steps take 10 ms is polled ~10 times a step rather than spun on: the frontend's
-event loop, which also serves HTTP, stays free (a 64-cycle spin after every step cost ~20 % of
-a core per replica at 8B step times). With no request in flight it parks on an event (waking
+Polling follows the device's step cadence without spinning a core. The device publishes tokens
+at the end of each step, so the reader estimates the step period (EWMA of the gaps between cycles
+that gave running sequences tokens; first tokens alone are no cadence) and sleeps coarsely (at most `max_idle_s`) until `lead` (70 %) of a step has
+passed, then every `fine_s` (200 us) until the step's tokens appear: a token waits at most about
+`fine_s` in the ring, and a 5 ms step costs ~10 cycles. Without a cadence (nothing published in
+the last 4 estimated steps) it polls every `fine_s` while a request awaits its first token (a
+lone prompt's prefill) and every `max_idle_s` otherwise. Sub-millisecond sleeps are timerfd
+sleeps (fine_timer.py): asyncio's timers are no finer than 1 ms, and uvloop's `sleep(0.0002)`
+does not sleep at all. A cycle that finds nothing costs one bulk read and a few vector operations
+(the Python work is per slot with news). With no request in flight it parks on an event (waking
 every `health_interval_s` to watch the device). Device failure: header.device_status FAILED/STOPPED, or a heartbeat that has not
 advanced for `heartbeat_timeout_s`; every in-flight request then ends with an error event and
 `health()` reports not ok (the server answers /health with 503). A stall is not final: when the
@@ -47,9 +51,12 @@ from blink.protocol.layout import (
 from blink.protocol.transport import TransportError
 from blink.protocol.wire import DeviceHealth, Logprob, TokenEvent
 
+from .fine_timer import FineTimer
 from .slot_tracker import SlotTracker, read_header
 
 log = logging.getLogger("blink.token_reader")
+_MAX_STEP_S = 0.1  # a longer gap between publications is no step cadence
+_COMPLETED = int(SlotState.DECODE_COMPLETED)  # an IntEnum member's lookup costs a dict walk per use
 
 
 @dataclass
@@ -68,8 +75,9 @@ class TokenReader:
         self,
         tracker: SlotTracker,
         heartbeat_timeout_s: float = 30.0,
-        spin_s: float = 200e-6,
+        fine_s: float = 200e-6,
         max_idle_s: float = 0.001,
+        lead: float = 0.7,
         health_interval_s: float = 0.25,
         max_backlog: int = 64,
         liveness: Callable[[], str | None] | None = None,
@@ -81,8 +89,11 @@ class TokenReader:
         self.t = tracker.t
         self.geo = tracker.geo
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.spin_s = spin_s
-        self.max_idle_s = max_idle_s
+        self.fine_s = fine_s  # sleep between cycles while a publication is due
+        self.max_idle_s = max_idle_s  # longest sleep between cycles while requests are active
+        self.lead = lead  # share of an estimated step after which a publication is due
+        self.step_s: float | None = None  # estimated time between publications (EWMA)
+        self._step_at = -1.0  # monotonic time of the last cycle that gave running sequences tokens
         self.health_interval_s = health_interval_s
         # Optional local check of the device (e.g. its process exited): a reason string when dead.
         # It catches a crash at once instead of after heartbeat_timeout_s; polled every 0.1 s.
@@ -201,25 +212,37 @@ class TokenReader:
         Round trips (what a remote transport pays): one `transact` reads the slot records, the
         header and, for every active slot, a window of `window` tokens from the first undelivered
         one, so a slot that gained up to `window` tokens since the last cycle needs nothing more;
-        one `post` stores `consumed` and releases (not awaited). Only a slot that gained more than
-        a window, or completed (its final `generated` must be read after its state, see below),
-        costs a second transact in that cycle; logprob records (opt-in per request) are read with
-        a transact of their own."""
+        one `post` stores `consumed` and releases (not awaited). The tokens beyond the windows of
+        every slot with news (with window 0, the shm default: all of them), and the final count of
+        the slots that completed (it must be read after their state, see below), cost one more
+        transact in that cycle, whatever the number of slots; logprob records (opt-in per request)
+        are read with a transact of their own.
+
+        The Python work is per slot with news, not per active slot: a cycle that finds nothing
+        (most cycles of a polling reader) costs the bulk read and a few vector operations."""
         self.cycles += 1
-        win_slots = [s for s, a in self.active.items() if not self._backlogged(a)]
-        windows = np.empty((len(win_slots), self.window), TOKEN_DTYPE)
         reads = [(0, self.header.reshape(1))]
-        spans = self._window_reads(win_slots, windows, reads)
+        if self.window:
+            win_slots = [s for s, a in self.active.items() if not self._backlogged(a)]
+            windows = np.empty((len(win_slots), self.window), TOKEN_DTYPE)
+            spans = self._window_reads(win_slots, windows, reads)
         recs = self.tracker.refresh(reads)
         self._check_device(time.monotonic())
         if not self.active:
             return 0
         # Vectorized change detection over all slots; the Python loop only visits slots with
         # news (new tokens or completion), urgent (newly registered) ones first.
-        news = (recs["generated"] > self._delivered) | (recs["state"] == SlotState.DECODE_COMPLETED)
+        completed = recs["state"] == _COMPLETED
+        news = (recs["generated"] > self._delivered) | completed
         news &= self._active_mask
         self._registered = False
         order = np.flatnonzero(news).tolist()
+        if not order:
+            return 0
+        if self.window:
+            win: dict[int, tuple[np.ndarray, int] | None] = dict(zip(win_slots, spans, strict=True))
+        else:  # a slow consumer's slot is left unread (see _backlogged)
+            win = {s: None for s in order if not self._backlogged(self.active[s])}
         if self._urgent:
             # slots still waiting for their first token, in registration order, go first
             first = [s for s in self._urgent if news[s]]
@@ -227,23 +250,20 @@ class TokenReader:
                 fs = set(first)
                 order = first + [s for s in order if s not in fs]
                 self._urgent = [s for s in self._urgent if s not in fs and s in self.active]
-        win = dict(zip(win_slots, spans, strict=True))
-        gens = recs["generated"].astype(np.int64)
-        done = [s for s in order if recs["state"][s] == SlotState.DECODE_COMPLETED and s in win]
+        gens = recs["generated"].tolist()
+        done = [s for s in np.flatnonzero(completed & news).tolist() if s in win]
         if done:
             # The device stores generated before the state, but one bulk read does not order the
             # bytes it fetches: a record may show COMPLETED with an older generated. So the final
-            # count comes from a read issued after that one: the records again, with fresh token
-            # windows of the completing slots, in a second round trip (completions only).
+            # count comes from a read issued after that one: the records again, in a second round
+            # trip (completions only), which also fetches the completing slots' tokens.
             again = np.zeros_like(recs)
-            w2 = np.empty((len(done), self.window), TOKEN_DTYPE)
-            r2: list = []
-            spans2 = self._window_reads(done, w2, r2)
-            self.t.transact((), [(self.geo.slots_offset, again), *r2])
-            for s, span in zip(done, spans2, strict=True):
+            self.t.transact((), [(self.geo.slots_offset, again)])
+            for s in done:
                 gens[s] = int(again["generated"][s])
-                win[s] = span
+        ids_of = self._tokens(order, win, gens)
         n = 0
+        stepped = False  # a running sequence (not only first tokens) got tokens
         writes = []
         released = []
         for slot in order:
@@ -251,9 +271,10 @@ class TokenReader:
             if a is None or slot not in win:
                 continue  # a slow consumer: its tokens stay in the ring (see _backlogged)
             rec = recs[slot]
-            state = int(rec["state"])
-            gen = int(gens[slot])
-            if gen > a.delivered:
+            gen = gens[slot]
+            ids = ids_of.get(slot)
+            if ids is not None:
+                stepped |= a.delivered > 0
                 if a.delivered == 0 and a.timing is not None:
                     t_read = time.time_ns()
                     a.timing[:] = (
@@ -264,24 +285,18 @@ class TokenReader:
                         t_read,
                     )
                     writes.append(self.tracker.read_ns_write(slot, t_read))
-                w, start = win[slot]
-                assert start == a.delivered
-                k = min(gen - a.delivered, w.size)
-                ids = w[:k].tolist()
-                if gen > a.delivered + k:  # more than a window: read the rest now
-                    ids += self._read_tokens(slot, a.delivered + k, gen)
                 lps = self._read_logprobs(slot, a.delivered, gen, a.logprobs) if a.logprobs >= 0 else []
                 plps = self._read_prompt_logprobs(a.prompt) if a.delivered == 0 and a.prompt else None
                 a.delivered = gen
                 self._delivered[slot] = gen
                 writes.append(self.tracker.consumed_write(slot, gen))
                 n += len(ids)
-                if a.sink is not None and state != SlotState.DECODE_COMPLETED:
+                if a.sink is not None and not completed[slot]:
                     a.sink(TokenEvent(a.request_id, ids, logprobs=lps, prompt_logprobs=plps))
                     ids = None
             else:
-                ids, lps, plps = None, [], None
-            if state == SlotState.DECODE_COMPLETED:
+                lps, plps = [], None
+            if completed[slot]:
                 if a.sink is not None:
                     reason, err = int(rec["finish_reason"]), int(rec["error"])
                     msg = f"request rejected by the device: {SlotError(err).name}" if err else ""
@@ -305,8 +320,58 @@ class TokenReader:
         if self.on_release is not None:
             for slot in released:
                 self.on_release(slot)
+        if stepped:
+            self._saw_step(time.monotonic())
         self.tokens_read += n
         return n
+
+    def _tokens(
+        self, order: list[int], win: dict[int, tuple[np.ndarray, int] | None], gens: list[int]
+    ) -> dict[int, list[int]]:
+        """The new tokens of every slot in `order` that has some: from its window, and what lies
+        beyond it read for all such slots in one transact (each at most two reads: the output ring
+        wraps every output_capacity)."""
+        out: dict[int, list[int]] = {}
+        rest: list[tuple[int, int, int]] = []  # (slot, first token, end) still to read
+        for s in order:
+            if s not in win or s not in self.active:
+                continue
+            d, g = int(self._delivered[s]), gens[s]
+            if g <= d:
+                continue
+            if g - d > self._cap:  # cannot happen with a conforming device (flow control)
+                raise RuntimeError(f"slot {s}: device overran the output ring ({g - d} > {self._cap})")
+            span = win[s]
+            ids: list[int] = []
+            if span is not None:
+                w, start = span
+                assert start == d
+                k = min(g - d, w.size)
+                ids = w[:k].tolist()
+                d += k
+            out[s] = ids
+            if g > d:
+                rest.append((s, d, g))
+        if rest:
+            bufs = np.empty(sum(g - d for _, d, g in rest), TOKEN_DTYPE)
+            reads = []
+            at = 0
+            cap = self._cap
+            for s, d, g in rest:
+                buf = bufs[at : at + g - d]
+                at += g - d
+                i0 = d % cap
+                first = min(g - d, cap - i0)
+                base = self.geo.output_offset(s, 0)
+                reads.append((base + 4 * i0, buf[:first]))
+                if first < buf.size:
+                    reads.append((base, buf[first:]))
+            self.t.transact((), reads)
+            at = 0
+            for s, d, g in rest:
+                out[s] += bufs[at : at + g - d].tolist()
+                at += g - d
+        return out
 
     def _backlogged(self, a: _Active) -> bool:
         """A slow consumer: leave its tokens in the ring. `consumed` stops advancing, so the device
@@ -325,21 +390,6 @@ class TokenReader:
                 reads.append((self.geo.output_offset(s, d), w))
             spans.append((w, d))
         return spans
-
-    def _read_tokens(self, slot: int, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of a slot from its output ring (it wraps every output_capacity)."""
-        cap = self._cap
-        if end - start > cap:  # cannot happen with a conforming device (flow control)
-            raise RuntimeError(f"slot {slot}: device overran the output ring ({end - start} > {cap})")
-        out = np.empty(end - start, TOKEN_DTYPE)
-        i0 = start % cap
-        first = min(end - start, cap - i0)
-        base = self.geo.output_offset(slot, 0)
-        reads = [(base + 4 * i0, out[:first])]
-        if first < out.size:
-            reads.append((base, out[first:]))
-        self.t.transact((), reads)
-        return out.tolist()
 
     def _read_logprobs(self, slot: int, start: int, end: int, n: int) -> list[Logprob]:
         """Logprob records [start, end) of a slot (wrapping like its tokens), n alternatives each."""
@@ -381,12 +431,17 @@ class TokenReader:
             self._fail(f"token reader crashed: {e!r}")
 
     async def _run(self) -> None:
-        last_news = time.monotonic()
+        timer = FineTimer()
+        try:
+            await self._loop(timer)
+        finally:
+            timer.close()
+
+    async def _loop(self, timer: FineTimer) -> None:
         while not self._stop:
             n = self.poll_once()
             if n or self._registered:
-                last_news = time.monotonic()
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # the consumers first; then look again (a step may publish in parts)
                 continue
             if not self.active:
                 self._wake.clear()
@@ -394,12 +449,28 @@ class TokenReader:
                     await asyncio.wait_for(self._wake.wait(), self.health_interval_s)
                 except TimeoutError:
                     pass  # periodic health check of an idle device
-                last_news = time.monotonic()
                 continue
-            if time.monotonic() - last_news < self.spin_s:
-                await asyncio.sleep(0)
-            else:
-                await asyncio.sleep(self.max_idle_s)
+            await timer.sleep(self.next_wait(time.monotonic()))
+
+    def _saw_step(self, now: float) -> None:
+        """Running sequences got tokens: a step ended. The gap since the previous one updates the
+        step period estimate (first tokens do not: a lone prompt's prefill is no cadence)."""
+        gap = now - self._step_at
+        self._step_at = now
+        if self.fine_s / 2 <= gap <= _MAX_STEP_S:  # not the rest of one publication, nor a pause
+            self.step_s = gap if self.step_s is None else self.step_s + 0.25 * (gap - self.step_s)
+
+    def next_wait(self, now: float) -> float:
+        """How long to sleep before the next cycle. With a step cadence (running sequences got
+        tokens within the last 4 estimated steps), coarse sleeps (<= max_idle_s) until `lead` of a
+        step has passed since the last one, then fine ones (fine_s) until the step's tokens appear.
+        Without one, fine sleeps while a request awaits its first token (a lone prompt's prefill),
+        max_idle_s otherwise."""
+        p, since = self.step_s, now - self._step_at
+        if p is not None and since < 4 * p:
+            due = self.lead * p - since
+            return self.fine_s if due <= self.fine_s else min(due, self.max_idle_s)
+        return self.fine_s if self._urgent else self.max_idle_s
 
     def stop(self) -> None:
         self._stop = True
