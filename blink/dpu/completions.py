@@ -12,6 +12,7 @@ request's log line and its metrics.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
@@ -313,7 +314,14 @@ class CompletionHandler:
         echo prefixes go out before each choice's tokens (with echo and logprobs: when its first
         event brings the prompt's logprobs)."""
         # (choice, kind, payload): "sub" (submitted), "ev" (a TextEvent), "end", "err" (an exception)
-        items: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+        items: asyncio.Queue[tuple[int, str, Any]] | _OneChoice
+        if len(call.gens) == 1:
+            # One choice (the common case): its generation is iterated by this handler itself. A
+            # pump task would cost each token a second task hop, and a first token would wait
+            # behind every other stream's token of the same step before its bytes go out.
+            items = _OneChoice(call.gens[0])
+        else:
+            items = asyncio.Queue()
         call.on_submit.append(lambda j: items.put_nowait((j, "sub", None)))
 
         async def pump(j: int, gen: AsyncIterator[TextEvent]) -> None:
@@ -326,7 +334,11 @@ class CompletionHandler:
             except Exception as e:  # handed to the response: an error status, or an error event
                 items.put_nowait((j, "err", e))
 
-        tasks = [asyncio.ensure_future(pump(j, g)) for j, g in enumerate(call.gens)]
+        tasks = (
+            []
+            if isinstance(items, _OneChoice)
+            else [asyncio.ensure_future(pump(j, g)) for j, g in enumerate(call.gens)]
+        )
         try:
             # Before the headers, so that a busy ring (429) or a rejected request still gets a proper
             # HTTP error status: every choice submitted, and choice 0's first event (or its end). A
@@ -355,7 +367,7 @@ class CompletionHandler:
         resp: web.StreamResponse,
         call: Call,
         early: list[tuple[int, str, Any]],
-        items: asyncio.Queue[tuple[int, str, Any]],
+        items: asyncio.Queue[tuple[int, str, Any]] | _OneChoice,
     ) -> None:
         async def send(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
@@ -421,3 +433,35 @@ class CompletionHandler:
         await resp.write(b"data: [DONE]\n\n")
         call.complete = True
         await resp.write_eof()
+
+
+class _OneChoice:
+    """The items `_send_stream` reads, for a request of one choice: pulled from its generation when
+    asked for (what a pump task would have queued, in the same order, without the task)."""
+
+    def __init__(self, gen: AsyncIterator[TextEvent]):
+        self.gen = gen
+        self.ready: collections.deque[tuple[int, str, Any]] = collections.deque()
+        self.ended = False
+
+    def put_nowait(self, item: tuple[int, str, Any]) -> None:
+        self.ready.append(item)
+
+    async def get(self) -> tuple[int, str, Any]:
+        if self.ready:
+            return self.ready.popleft()
+        assert not self.ended, "read past the end of the choice"
+        try:
+            ev = await anext(self.gen)
+        except StopAsyncIteration:
+            self.ended = True
+            return (0, "end", None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # handed to the response: an error status, or an error event
+            self.ended = True
+            return (0, "err", e)
+        if self.ready:  # the generation was submitted meanwhile: "sub" goes first
+            self.ready.append((0, "ev", ev))
+            return self.ready.popleft()
+        return (0, "ev", ev)

@@ -59,8 +59,19 @@ class RequestHandle:
         return self._events()
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
+        q, held = self.queue, None
         while not self.finished:
-            ev = await self.queue.get()
+            ev = held if held is not None else await q.get()
+            held = None
+            # Events that queued up meanwhile (the consumer fell a step or more behind) go out as
+            # one: one detokenization, one SSE chunk, one write for all their tokens. An error
+            # event stays apart (its tokens are not text; the ones before it are).
+            while not ev.finished and not q.empty():
+                nxt = q.get_nowait()
+                if nxt.finish_reason == FinishReason.ERROR:
+                    held = nxt
+                    break
+                ev = _merged(ev, nxt)
             if ev.finished:
                 self.finished = True
             yield ev
@@ -258,6 +269,19 @@ class RequestTracker:
                 self.slots.cancel(h.slot)
             except TransportError as e:  # the token reader fails every request at its next cycle
                 log.warning("request %d: cancel not delivered: %s", h.request_id, e)
+
+
+def _merged(a: TokenEvent, b: TokenEvent) -> TokenEvent:
+    """Two consecutive events of one request as one (b may be the last)."""
+    return TokenEvent(
+        a.request_id,
+        a.token_ids + b.token_ids,
+        b.finish_reason,
+        b.error,
+        b.message,
+        logprobs=a.logprobs + b.logprobs,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+    )
 
 
 def finish_name(reason: int) -> str:
