@@ -184,3 +184,22 @@ async def test_fine_timer_sleeps_below_a_millisecond():
         assert statistics.median(ts) < 0.6e-3  # asyncio's own timers: >= 1 ms
     finally:
         timer.close()
+
+
+def test_first_tokens_are_delivered_in_a_cycle_of_their_own(dev):
+    """The loop's cycles deliver first tokens apart from the other slots' news of the same step,
+    so that their consumers run before the rest is read (test_dpu_sse_path: why that matters)."""
+    rd = TokenReader(SlotTracker(ShmTransport.open(dev.name), RingGeometry.from_header(dev.v.header)))
+    got: list[int] = []
+    old = rd.tracker.claim(_req(1))
+    rd.register(old, 1, lambda e: got.append(e.request_id))
+    dev.admit(old)
+    dev.publish(old, [5])
+    rd.poll_once(first_apart=True)
+    new = rd.tracker.claim(_req(2))
+    rd.register(new, 2, lambda e: got.append(e.request_id))
+    dev.admit(new)
+    for s in (old, new):
+        dev.publish(s, [6])
+    assert rd.poll_once(first_apart=True) == 1 and got == [1, 2]  # only the new request's first token
+    assert rd.poll_once(first_apart=True) == 1 and got == [1, 2, 1]  # then the rest

@@ -4,7 +4,8 @@ Each cycle does one bulk read of the slot records (the same read refreshes the s
 availability cache), the header and a window of tokens per active slot, all in one transport
 round trip (see poll_once), then, for each active slot, compares the device's `generated` with
 the tokens already delivered. Slots admitted since the last cycle are
-"urgent" and served first, so a first token waits at most one poll interval. New tokens are read
+"urgent": their first tokens are delivered in a cycle of their own, before the other slots' news,
+so that their consumers (a new request's headers and first chunk) run first. New tokens are read
 from the slot's output ring (at most two contiguous reads, since it wraps), `consumed` is stored
 back (the device's flow control), and a TokenEvent goes to the request's asyncio queue. A slot
 that reached DECODE_COMPLETED is released (state EMPTY) once all its tokens were read. A request
@@ -14,7 +15,8 @@ an unbounded generation.
 
 Polling follows the device's step cadence without spinning a core. The device publishes tokens
 at the end of each step, so the reader estimates the step period (EWMA of the gaps between cycles
-that gave running sequences tokens; first tokens alone are no cadence) and sleeps coarsely (at most `max_idle_s`) until `lead` (70 %) of a step has
+that gave running sequences tokens, biased to the short ones; first tokens alone are no cadence)
+and sleeps coarsely (at most `max_idle_s`) until `lead` (70 %) of a step has
 passed, then every `fine_s` (200 us) until the step's tokens appear: a token waits at most about
 `fine_s` in the ring, and a 5 ms step costs ~10 cycles. Without a cadence (nothing published in
 the last 4 estimated steps) it polls every `fine_s` while a request awaits its first token (a
@@ -206,8 +208,12 @@ class TokenReader:
             self.on_fail(why)
 
     # -- one cycle ------------------------------------------------------------------------
-    def poll_once(self) -> int:
+    def poll_once(self, first_apart: bool = False) -> int:
         """One cycle: bulk read, deliver new tokens, release completed slots. Returns tokens delivered.
+
+        first_apart: when some of the slots with news have their first token, deliver only those
+        (the caller yields to their consumers, then calls again for the rest): a new request's
+        first bytes then do not wait for the other streams' tokens of the same step.
 
         Round trips (what a remote transport pays): one `transact` reads the slot records, the
         header and, for every active slot, a window of `window` tokens from the first undelivered
@@ -248,7 +254,12 @@ class TokenReader:
             first = [s for s in self._urgent if news[s]]
             if first:
                 fs = set(first)
-                order = first + [s for s in order if s not in fs]
+                if first_apart and len(first) < len(order):
+                    order = first  # the rest at the next call, from a fresh read
+                    news = np.zeros_like(news)
+                    news[first] = True
+                else:
+                    order = first + [s for s in order if s not in fs]
                 self._urgent = [s for s in self._urgent if s not in fs and s in self.active]
         gens = recs["generated"].tolist()
         done = [s for s in np.flatnonzero(completed & news).tolist() if s in win]
@@ -439,7 +450,8 @@ class TokenReader:
 
     async def _loop(self, timer: FineTimer) -> None:
         while not self._stop:
-            n = self.poll_once()
+            t0 = time.monotonic()
+            n = self.poll_once(first_apart=True)
             if n or self._registered:
                 await asyncio.sleep(0)  # the consumers first; then look again (a step may publish in parts)
                 continue
@@ -450,7 +462,8 @@ class TokenReader:
                 except TimeoutError:
                     pass  # periodic health check of an idle device
                 continue
-            await timer.sleep(self.next_wait(time.monotonic()))
+            now = time.monotonic()
+            await timer.sleep(max(self.next_wait(now) - (now - t0), 20e-6))  # from the cycle's start
 
     def _saw_step(self, now: float) -> None:
         """Running sequences got tokens: a step ended. The gap since the previous one updates the
@@ -458,7 +471,11 @@ class TokenReader:
         gap = now - self._step_at
         self._step_at = now
         if self.fine_s / 2 <= gap <= _MAX_STEP_S:  # not the rest of one publication, nor a pause
-            self.step_s = gap if self.step_s is None else self.step_s + 0.25 * (gap - self.step_s)
+            p = self.step_s
+            # Biased to the short gaps, the decode steps: a longer one (a prefill step without
+            # decodes, a pause) moves it little, since an estimate too long would put the next
+            # step's end before `lead`, where the reader polls only every max_idle_s.
+            self.step_s = gap if p is None else p + (0.5 if gap < p else 0.05) * (gap - p)
 
     def next_wait(self, now: float) -> float:
         """How long to sleep before the next cycle. With a step cadence (running sequences got
