@@ -152,3 +152,15 @@ def test_chat_template_replaces_the_models():
     assert tok.tok.decode(ids) == "<ab><c>"
     with pytest.raises(ValueError, match="does not compile"):
         load_tokenizer("random:tiny-llama", chat_template="{% for %}")
+
+
+def test_device_executor_plugs_a_stand_in_model_into_the_emulated_device_only():
+    from blink.launch import device_spec
+
+    ex = "bench.paced_executor:h200_llama3_8b"
+    cfg = C.BlinkConfig().replace(device={"kind": "emulated", "executor": ex})
+    assert device_spec(cfg, "r").executor == ex
+    with pytest.raises(C.ConfigError, match="emulated"):
+        device_spec(cfg.replace(device={"kind": "cuda"}), "r")
+    with pytest.raises(C.ConfigError, match="module:function"):
+        C.DeviceConfig(executor="paced_executor")
