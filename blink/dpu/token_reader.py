@@ -20,7 +20,8 @@ and sleeps coarsely (at most `max_idle_s`) until `lead` (70 %) of a step has
 passed, then every `fine_s` (200 us) until the step's tokens appear: a token waits at most about
 `fine_s` in the ring, and a 5 ms step costs ~10 cycles. Without a cadence (nothing published in
 the last 4 estimated steps) it polls every `fine_s` while a request awaits its first token (a
-lone prompt's prefill) and every `max_idle_s` otherwise. Sub-millisecond sleeps are timerfd
+lone prompt's prefill), for at most `urgent_fine_s` (50 ms) after the latest registration, and
+every `max_idle_s` otherwise. Sub-millisecond sleeps are timerfd
 sleeps (fine_timer.py): asyncio's timers are no finer than 1 ms, and uvloop's `sleep(0.0002)`
 does not sleep at all. A cycle that finds nothing costs one bulk read and a few vector operations
 (the Python work is per slot with news). With no request in flight it parks on an event (waking
@@ -80,6 +81,7 @@ class TokenReader:
         fine_s: float = 200e-6,
         max_idle_s: float = 0.001,
         lead: float = 0.7,
+        urgent_fine_s: float = 0.05,
         health_interval_s: float = 0.25,
         max_backlog: int = 64,
         liveness: Callable[[], str | None] | None = None,
@@ -94,6 +96,8 @@ class TokenReader:
         self.fine_s = fine_s  # sleep between cycles while a publication is due
         self.max_idle_s = max_idle_s  # longest sleep between cycles while requests are active
         self.lead = lead  # share of an estimated step after which a publication is due
+        self.urgent_fine_s = urgent_fine_s  # without a cadence: fine cycles this long after a registration
+        self._registered_at = -1.0  # monotonic time of the latest register()
         self.step_s: float | None = None  # estimated time between publications (EWMA)
         self._step_at = -1.0  # monotonic time of the last cycle that gave running sequences tokens
         self.health_interval_s = health_interval_s
@@ -141,6 +145,7 @@ class TokenReader:
         self._delivered[slot] = delivered
         self._urgent.append(slot)
         self._registered = True
+        self._registered_at = time.monotonic()
         self._wake.set()
 
     def detach(self, slot: int) -> None:
@@ -482,12 +487,15 @@ class TokenReader:
         tokens within the last 4 estimated steps), coarse sleeps (<= max_idle_s) until `lead` of a
         step has passed since the last one, then fine ones (fine_s) until the step's tokens appear.
         Without one, fine sleeps while a request awaits its first token (a lone prompt's prefill),
-        max_idle_s otherwise."""
+        for at most urgent_fine_s after the latest registration (a long prefill, a stalled device:
+        a fine cycle costs ~25 % of a core here), max_idle_s otherwise."""
         p, since = self.step_s, now - self._step_at
         if p is not None and since < 4 * p:
             due = self.lead * p - since
             return self.fine_s if due <= self.fine_s else min(due, self.max_idle_s)
-        return self.fine_s if self._urgent else self.max_idle_s
+        if self._urgent and now - self._registered_at < self.urgent_fine_s:
+            return self.fine_s
+        return self.max_idle_s
 
     def stop(self) -> None:
         self._stop = True
