@@ -260,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### scheduler {s} ({r['traced_requests']} requests traced)")
         print(benchmark.report(r["bench"]))
         fc = r["frontend_cpu"]
-        print(f"frontend CPU: {fc['share_of_a_core']:.0%} of a core, {fc['us_per_output_token']:.0f} us per output token")
+        print(
+            f"frontend CPU: {fc['share_of_a_core']:.0%} of a core, {fc['us_per_output_token']:.0f} us per output token"
+        )
         print(f"{'stage (ms)':<18}" + "".join(f"{k:>9}" for k in ("p50", "p90", "p99", "mean")))
         for name, q in r["stages"].items():
             cells = (f"{q[k]:9.3f}" if q.get(k) is not None else f"{'-':>9}" for k in ("p50", "p90", "p99", "mean"))
