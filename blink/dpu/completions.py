@@ -325,14 +325,10 @@ class CompletionHandler:
         call.on_submit.append(lambda j: items.put_nowait((j, "sub", None)))
 
         async def pump(j: int, gen: AsyncIterator[TextEvent]) -> None:
-            try:
-                async for ev in gen:
-                    items.put_nowait((j, "ev", ev))
-                items.put_nowait((j, "end", None))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # handed to the response: an error status, or an error event
-                items.put_nowait((j, "err", e))
+            kind = "ev"
+            while kind == "ev":
+                kind, x = await _next_item(gen)
+                items.put_nowait((j, kind, x))
 
         tasks = (
             []
@@ -451,17 +447,22 @@ class _OneChoice:
         if self.ready:
             return self.ready.popleft()
         assert not self.ended, "read past the end of the choice"
-        try:
-            ev = await anext(self.gen)
-        except StopAsyncIteration:
-            self.ended = True
-            return (0, "end", None)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # handed to the response: an error status, or an error event
-            self.ended = True
-            return (0, "err", e)
+        kind, x = await _next_item(self.gen)
+        self.ended = kind != "ev"
         if self.ready:  # the generation was submitted meanwhile: "sub" goes first
-            self.ready.append((0, "ev", ev))
+            self.ready.append((0, kind, x))
             return self.ready.popleft()
-        return (0, "ev", ev)
+        return (0, kind, x)
+
+
+async def _next_item(gen: AsyncIterator[TextEvent]) -> tuple[str, Any]:
+    """A choice's next item for the response: ("ev", event), ("end", None) when its generation is
+    over, or ("err", exception), handed to the response as an error status or an error event."""
+    try:
+        return "ev", await anext(gen)
+    except StopAsyncIteration:
+        return "end", None
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        return "err", e
