@@ -90,7 +90,7 @@ async def test_first_token_read_within_fine_interval_at_step_cadence(dev):
         for _ in range(10):  # the reader learns the cadence
             await asyncio.wait_for(bg.queue.get(), 2)
         delays = await _first_token_delays(dev, rt, st, 40)
-        assert rt.reader.step_s is not None and 0.6 * STEP_S < rt.reader.step_s < 2 * STEP_S
+        assert rt.reader.cadence.step_s is not None and 0.6 * STEP_S < rt.reader.cadence.step_s < 2 * STEP_S
     finally:
         st.stop.set()
         st.join()
@@ -107,7 +107,7 @@ async def test_lone_first_token_read_within_fine_interval(dev):
     st.start()
     try:
         delays = await _first_token_delays(dev, rt, st, 40)
-        assert rt.reader.step_s is None  # first tokens alone are no cadence
+        assert rt.reader.cadence.step_s is None  # first tokens alone are no cadence
     finally:
         st.stop.set()
         st.join()
@@ -134,14 +134,14 @@ async def _waiting_reader(dev: HandDevice) -> None:
         c0, t0, w0 = rd.cycles, time.process_time(), time.monotonic()
         await asyncio.sleep(0.5)
         cycles, cpu, wall = rd.cycles - c0, time.process_time() - t0, time.monotonic() - w0
-        assert cycles <= 1.2 * (rd.urgent_fine_s / rd.fine_s + wall / rd.max_idle_s), cycles
+        assert cycles <= 1.2 * (rd.cadence.urgent_fine_s / rd.cadence.fine_s + wall / rd.cadence.max_idle_s), cycles
         assert cpu < 0.5 * wall, cpu  # spinning would be ~100 %
         dev.admit(s)
         dev.publish(s, [5])  # its first token: no longer urgent, and no step cadence
         await asyncio.sleep(0.05)
         c0 = rd.cycles
         await asyncio.sleep(0.5)
-        assert rd.cycles - c0 <= 1.2 * 0.5 / rd.max_idle_s
+        assert rd.cycles - c0 <= 1.2 * 0.5 / rd.cadence.max_idle_s
         dev.complete(s, FinishReason.LENGTH)
         await asyncio.sleep(0.05)
         assert not rd.active
@@ -155,22 +155,22 @@ async def _waiting_reader(dev: HandDevice) -> None:
 
 def test_next_wait_follows_the_step_cadence(dev):
     rd = TokenReader(SlotTracker(ShmTransport.open(dev.name), RingGeometry.from_header(dev.v.header)))
-    assert rd.next_wait(time.monotonic()) == rd.max_idle_s  # nothing known, nothing urgent
+    assert rd.next_wait(time.monotonic()) == rd.cadence.max_idle_s  # nothing known, nothing urgent
     s = rd.tracker.claim(_req(1))
     rd.register(s, 1, lambda e: None)  # awaits its first token
-    assert rd.next_wait(time.monotonic()) == rd.fine_s
-    assert rd.next_wait(time.monotonic() + rd.urgent_fine_s) == rd.max_idle_s  # a long prefill, a stall
+    assert rd.next_wait(time.monotonic()) == rd.cadence.fine_s
+    assert rd.next_wait(time.monotonic() + rd.cadence.urgent_fine_s) == rd.cadence.max_idle_s  # a long prefill, a stall
     rd._urgent.clear()
     t = 100.0
     for k in range(6):
-        rd._saw_step(t + k * STEP_S)
+        rd.cadence.saw_step(t + k * STEP_S)
     t_last = t + 5 * STEP_S
-    assert rd.step_s == pytest.approx(STEP_S)
-    assert rd.next_wait(t_last + 0.1e-3) == rd.max_idle_s  # early in the step: coarse
+    assert rd.cadence.step_s == pytest.approx(STEP_S)
+    assert rd.next_wait(t_last + 0.1e-3) == rd.cadence.max_idle_s  # early in the step: coarse
     assert rd.next_wait(t_last + 2.9e-3) == pytest.approx(0.7 * STEP_S - 2.9e-3)  # until 70 % of it
-    assert rd.next_wait(t_last + 3.6e-3) == rd.fine_s  # the step's end is due
-    assert rd.next_wait(t_last + 9e-3) == rd.fine_s  # a longer (prefill) step: still due
-    assert rd.next_wait(t_last + 25e-3) == rd.max_idle_s  # 4 steps without tokens: no cadence
+    assert rd.next_wait(t_last + 3.6e-3) == rd.cadence.fine_s  # the step's end is due
+    assert rd.next_wait(t_last + 9e-3) == rd.cadence.fine_s  # a longer (prefill) step: still due
+    assert rd.next_wait(t_last + 25e-3) == rd.cadence.max_idle_s  # 4 steps without tokens: no cadence
 
 
 @pytest.mark.asyncio

@@ -13,7 +13,7 @@ whose consumer has `max_backlog` undelivered events is skipped: its tokens stay 
 device's output-ring flow control pauses it, so a slow client never makes the frontend buffer
 an unbounded generation.
 
-Polling follows the device's step cadence without spinning a core. The device publishes tokens
+Polling follows the device's step cadence without spinning a core (poll_cadence.py). The device publishes tokens
 at the end of each step, so the reader estimates the step period (EWMA of the gaps between cycles
 that gave running sequences tokens, biased to the short ones; first tokens alone are no cadence)
 and sleeps coarsely (at most `max_idle_s`) until `lead` (70 %) of a step has
@@ -55,10 +55,10 @@ from blink.protocol.transport import TransportError
 from blink.protocol.wire import DeviceHealth, Logprob, TokenEvent
 
 from .fine_timer import FineTimer
+from .poll_cadence import PollCadence
 from .slot_tracker import SlotTracker, read_header
 
 log = logging.getLogger("blink.token_reader")
-_MAX_STEP_S = 0.1  # a longer gap between publications is no step cadence
 _COMPLETED = int(SlotState.DECODE_COMPLETED)  # an IntEnum member's lookup costs a dict walk per use
 
 
@@ -93,13 +93,7 @@ class TokenReader:
         self.t = tracker.t
         self.geo = tracker.geo
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.fine_s = fine_s  # sleep between cycles while a publication is due
-        self.max_idle_s = max_idle_s  # longest sleep between cycles while requests are active
-        self.lead = lead  # share of an estimated step after which a publication is due
-        self.urgent_fine_s = urgent_fine_s  # without a cadence: fine cycles this long after a registration
-        self._registered_at = -1.0  # monotonic time of the latest register()
-        self.step_s: float | None = None  # estimated time between publications (EWMA)
-        self._step_at = -1.0  # monotonic time of the last cycle that gave running sequences tokens
+        self.cadence = PollCadence(fine_s, max_idle_s, lead, urgent_fine_s)  # when to poll next
         self.health_interval_s = health_interval_s
         # Optional local check of the device (e.g. its process exited): a reason string when dead.
         # It catches a crash at once instead of after heartbeat_timeout_s; polled every 0.1 s.
@@ -145,7 +139,7 @@ class TokenReader:
         self._delivered[slot] = delivered
         self._urgent.append(slot)
         self._registered = True
-        self._registered_at = time.monotonic()
+        self.cadence.registered(time.monotonic())
         self._wake.set()
 
     def detach(self, slot: int) -> None:
@@ -337,7 +331,7 @@ class TokenReader:
             for slot in released:
                 self.on_release(slot)
         if stepped:
-            self._saw_step(time.monotonic())
+            self.cadence.saw_step(time.monotonic())
         self.tokens_read += n
         return n
 
@@ -470,32 +464,9 @@ class TokenReader:
             now = time.monotonic()
             await timer.sleep(max(self.next_wait(now) - (now - t0), 20e-6))  # from the cycle's start
 
-    def _saw_step(self, now: float) -> None:
-        """Running sequences got tokens: a step ended. The gap since the previous one updates the
-        step period estimate (first tokens do not: a lone prompt's prefill is no cadence)."""
-        gap = now - self._step_at
-        self._step_at = now
-        if self.fine_s / 2 <= gap <= _MAX_STEP_S:  # not the rest of one publication, nor a pause
-            p = self.step_s
-            # Biased to the short gaps, the decode steps: a longer one (a prefill step without
-            # decodes, a pause) moves it little, since an estimate too long would put the next
-            # step's end before `lead`, where the reader polls only every max_idle_s.
-            self.step_s = gap if p is None else p + (0.5 if gap < p else 0.05) * (gap - p)
-
     def next_wait(self, now: float) -> float:
-        """How long to sleep before the next cycle. With a step cadence (running sequences got
-        tokens within the last 4 estimated steps), coarse sleeps (<= max_idle_s) until `lead` of a
-        step has passed since the last one, then fine ones (fine_s) until the step's tokens appear.
-        Without one, fine sleeps while a request awaits its first token (a lone prompt's prefill),
-        for at most urgent_fine_s after the latest registration (a long prefill, a stalled device:
-        a fine cycle costs ~25 % of a core here), max_idle_s otherwise."""
-        p, since = self.step_s, now - self._step_at
-        if p is not None and since < 4 * p:
-            due = self.lead * p - since
-            return self.fine_s if due <= self.fine_s else min(due, self.max_idle_s)
-        if self._urgent and now - self._registered_at < self.urgent_fine_s:
-            return self.fine_s
-        return self.max_idle_s
+        """How long to sleep before the next cycle (PollCadence.next_wait)."""
+        return self.cadence.next_wait(now, bool(self._urgent))
 
     def stop(self) -> None:
         self._stop = True
