@@ -1,5 +1,5 @@
 """Paper Fig. 3 ablation: the same engine and graphs driven by the GPU-resident scheduler vs the
-host-driven loop (blink.device.ring_device + blink.gpu.host_executor), four workloads
+host-driven loop (blink.device.ring_device + blink.gpu.engine.host_executor), four workloads
 (short/long prompt x short/long output) at batch 16 and 64; makespan ratio host / gpu.
 
     python bench/ablation.py --preset llama3-8b --out bench/results/ablation_h200.json

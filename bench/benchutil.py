@@ -209,7 +209,7 @@ def decode_engine_config(batches: Sequence[int], context: int, **fields: Any) ->
     per batch timed, one token bucket (the largest batch), block size 16, and a KV pool of exactly
     ceil(context / 16) + 1 blocks per sequence of the largest batch. `fields`: the other
     EngineConfig fields a benchmark sets from its flags."""
-    from blink.gpu.engine import EngineConfig
+    from blink.gpu.engine.engine import EngineConfig
 
     bmax, bs = max(batches), 16
     return EngineConfig(
@@ -228,7 +228,7 @@ def decode_engine(cfg: Any, ecfg: Any) -> tuple[Any, Any, dict[str, float]]:
     """The CUDA engine with its decode graphs captured (no prefill graphs), and this GPU's copy
     bandwidth measured after the capture (with the engine's memory in place): (engine, capture
     report, copy_bandwidth())."""
-    from blink.gpu.engine import Engine
+    from blink.gpu.engine.engine import Engine
 
     eng = Engine.create(cfg, ecfg)
     rep = eng.capture(decode=True, prefill=False)

@@ -56,8 +56,8 @@ from benchutil import (
     write_json,
 )
 
-from blink.gpu.attention_launch import DECODE_VARIANTS
-from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, parse_decode_attention, parse_gemv_fusion
+from blink.gpu.engine.attention_launch import DECODE_VARIANTS
+from blink.gpu.engine.engine import DEFAULT_DECODE_ATTENTION, parse_decode_attention, parse_gemv_fusion
 
 
 def main(argv: list[str] | None = None) -> int:

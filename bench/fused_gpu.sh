@@ -32,7 +32,7 @@ T0=$SECONDS
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   $PY -c "import cupy, torch, transformers; print('cupy', cupy.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 } >"$OUT/env.log" 2>&1
-if timeout 120 $PY -m blink.gpu.kernels >>"$OUT/env.log" 2>&1; then
+if timeout 120 $PY -m blink.gpu.toolchain.kernels >>"$OUT/env.log" 2>&1; then
   summary+=("build         ok")
 else
   summary+=("build         FAILED (see env.log)")

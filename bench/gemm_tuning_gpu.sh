@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cuBLASLt GEMM tuner (EngineConfig.gemm_candidates, blink/gpu/cublaslt.py) on the H200: its
+# The cuBLASLt GEMM tuner (EngineConfig.gemm_candidates, blink/gpu/engine/cublaslt.py) on the H200: its
 # correctness and what it buys, in one device call per PART group.
 #   BLINK_COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/gt PARTS="tests sched decode" bash bench/gemm_tuning_gpu.sh
 #   BLINK_COMMIT=... OUT=/tmp/gt PARTS="tput prefill" bash bench/gemm_tuning_gpu.sh

@@ -4,7 +4,7 @@
 # served end to end, then alone on the GPU the four models' speed (bench/throughput.py --presets) and the decode-step
 # breakdown (bench/decode.py --role-breakdown). Results and logs under $OUT (gpu_check.tgz: every step's log).
 #   here:      mkdir -p .carry/whl && pip download msgspec gguf prometheus_client wheels into it (bench/results/README.md);
-#              python -m blink.gpu.kernels   (fills build/kernels, carried)
+#              python -m blink.gpu.toolchain.kernels   (fills build/kernels, carried)
 #   the call:  carry [.carry/whl, build/kernels]    bash bench/gpu_check.sh $(git rev-parse --short HEAD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ L=/tmp/gpu_check; mkdir -p $L
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
 export PYTHONPATH=$PWD:$PWD/tests:/tmp/site PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 T0=$SECONDS
-python3 -m blink.gpu.kernels > $L/kernels.log 2>&1; echo "### kernels rc=$? $((SECONDS-T0))s"
+python3 -m blink.gpu.toolchain.kernels > $L/kernels.log 2>&1; echo "### kernels rc=$? $((SECONDS-T0))s"
 PT="python3 -m pytest -q -p no:cacheprovider -rfE"
 step() { local n=$1 t=$2; shift 2; local t1=$SECONDS; timeout -k 5 $t "$@" > $L/$n.log 2>&1; local r=$?; echo "### $n rc=$r $((SECONDS-t1))s"; grep -E "passed|failed|^FAILED|^ERROR|Error|OK|MISMATCH|startup|tok/s|of copy|qwen3-30b|excused" $L/$n.log | tail -16; }
 CONF_GPU='{"kind": "cuda"}'

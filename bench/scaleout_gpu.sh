@@ -33,7 +33,7 @@ install_wheels() {  # the wheels this call carries (msgspec always; Ray and its 
 run_bench() {  # run_bench LAUNCHER
   mkdir -p "$OUT"
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv | tee "$OUT/scaleout-$1.log"
-  $PY -m blink.gpu.kernels >>"$OUT/scaleout-$1.log" 2>&1 || echo "kernel build FAILED"
+  $PY -m blink.gpu.toolchain.kernels >>"$OUT/scaleout-$1.log" 2>&1 || echo "kernel build FAILED"
   # shellcheck disable=SC2086
   timeout 540 $PY bench/scaleout.py --launcher "$1" --commit "$COMMIT" $LOAD --out "$OUT/scaleout-$1.json" 2>&1 |
     tee -a "$OUT/scaleout-$1.log" | grep -v -E '^\s*$' | tail -n 40
@@ -51,7 +51,7 @@ split)
       packaging==26.4 pyyaml==6.0.4 typing-extensions==4.16.0 || exit 1
   # build/kernels travels in both calls: rebuild it so that it holds only the current cubins
   # (stale ones pile up, and a call carries 64 MiB at most: ~13 MiB of cubins + ~40 MiB of Ray)
-  rm -rf build/kernels && .venv/bin/python -m blink.gpu.kernels >/dev/null || exit 1
+  rm -rf build/kernels && .venv/bin/python -m blink.gpu.toolchain.kernels >/dev/null || exit 1
   rm -f .carry/ray1/* .carry/ray2/*
   head -c 41943040 ".carry/raywhl/$RAY_WHEEL" >.carry/ray1/ray.part1
   tail -c +41943041 ".carry/raywhl/$RAY_WHEEL" >.carry/ray2/ray.part2

@@ -36,7 +36,7 @@ def make_engine(
     layers: int = 0,
 ):
     """An engine over random weights of `preset_name` (`layers`: that many of its layers; 0: all), captured."""
-    from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
+    from blink.gpu.engine.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
     from blink.models.config import preset
 
     batch = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_seqs)
@@ -106,7 +106,7 @@ def serve_workload(
         diag: dict = {}
         try:
             if scheduler == "gpu":
-                from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+                from blink.gpu.scheduler.scheduler import GpuScheduler, GpuSchedulerConfig
 
                 s = GpuScheduler(eng, view, GpuSchedulerConfig(max_batch=max_batch))
                 s.start()
@@ -122,7 +122,7 @@ def serve_workload(
                 diag = s.diagnostics()
             else:
                 from blink.device.ring_device import RingDevice, RingDeviceConfig
-                from blink.gpu.host_executor import HostExecutor
+                from blink.gpu.engine.host_executor import HostExecutor
 
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
                 ex = executor if executor is not None else HostExecutor(eng)

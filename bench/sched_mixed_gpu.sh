@@ -20,7 +20,7 @@ export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 
 source bench/lib.sh
 PART_SHOW="passed|failed|^FAILED|^ERROR|Error|TTFT|ITL|^[a-z_]+ +[0-9.-]+ |target|###|traced|wrote"
 PT=($PY -m pytest -q -p no:cacheprovider --timeout 90)
-$PY -m blink.gpu.kernels >"$OUT/kernels.log" 2>&1 || echo "kernel build FAILED"
+$PY -m blink.gpu.toolchain.kernels >"$OUT/kernels.log" 2>&1 || echo "kernel build FAILED"
 part sched-tests 110 "${PT[@]}" -x tests/gpu/test_scheduler.py
 part mixed-engine 70 "${PT[@]}" tests/gpu/test_engine.py -k "mixed_steps and tiny"
 BLINK_CONFORMANCE_DEVICE='{"kind": "cuda"}' part conformance 150 "${PT[@]}" -m "not slow" tests/conformance

@@ -30,11 +30,11 @@ from blink.protocol.layout import DeviceStatus, RingGeometry  # noqa: E402
 from blink.protocol.transport import ShmTransport  # noqa: E402
 
 if TYPE_CHECKING:
-    from blink.gpu.scheduler import GpuScheduler
+    from blink.gpu.scheduler.scheduler import GpuScheduler
 
 
 def make_engine(preset_name: str, max_seqs: int, max_tokens: int, kv_blocks: int, decode_attention: str = ""):
-    from blink.gpu.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
+    from blink.gpu.engine.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
     from blink.models.config import preset
 
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_seqs)
@@ -92,7 +92,7 @@ def graph_time_us(eng, batch: int, n: int = 2000) -> float:
 @contextlib.contextmanager
 def serve(eng, n_slots: int, **cfg) -> Iterator[tuple[ShmTransport, GpuScheduler]]:
     """The GPU-resident scheduler on a fresh ring of n_slots slots, once it reports READY."""
-    from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+    from blink.gpu.scheduler.scheduler import GpuScheduler, GpuSchedulerConfig
 
     with fresh_ring(RingGeometry(n_slots, n_slots * 64, 4096)) as (_, t, view):
         s = GpuScheduler(eng, view, GpuSchedulerConfig(**cfg))

@@ -39,8 +39,8 @@ step() {  # step NAME TIMEOUT CMD... : full output into $LOG, its summary lines 
   return $r
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"
-$PY -m blink.gpu.scheduler --check || exit 1
-$PY -c "from blink.gpu import scheduler as s; print('scheduler cubin', s.build_cubin())" || exit 1
+$PY -m blink.gpu.scheduler.scheduler --check || exit 1
+$PY -c "from blink.gpu.scheduler import scheduler as s; print('scheduler cubin', s.build_cubin())" || exit 1
 rc=0
 PT=($PY -m pytest -q -p no:cacheprovider --timeout 60)
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
@@ -49,7 +49,7 @@ if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
   if [ $rc -ne 0 ] && [ -d build/sched_fallback ]; then
     # a copy of the last kernel sources that passed on the H200 (carried in build/)
     echo "=== new kernel failed: falling back to build/sched_fallback" | tee -a "$LOG"
-    cp build/sched_fallback/* blink/gpu/csrc/
+    cp build/sched_fallback/* blink/gpu/scheduler/csrc/
     step scheduler-tests-fallback 120 "${PT[@]}" -x tests/gpu/test_scheduler.py
     rc=$?
   fi

@@ -35,7 +35,7 @@ def measure(eng, iters: int) -> dict[str, float]:
 
 
 def main() -> int:
-    from blink.gpu.scheduler import GpuScheduler
+    from blink.gpu.scheduler.scheduler import GpuScheduler
     from blink.protocol.layout import DeviceStatus, RingGeometry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import metadata, write_json  # noqa: E402
 from sched_common import make_engine, serve_workload  # noqa: E402
 
-from blink.gpu.host_executor import HostExecutor  # noqa: E402
+from blink.gpu.engine.host_executor import HostExecutor  # noqa: E402
 
 
 class TimedExecutor(HostExecutor):

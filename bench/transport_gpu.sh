@@ -15,7 +15,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-$PY -m blink.gpu.kernels >"$OUT/kernels.log" 2>&1 || echo "kernel build FAILED"
+$PY -m blink.gpu.toolchain.kernels >"$OUT/kernels.log" 2>&1 || echo "kernel build FAILED"
 # random weights of SmolLM2-135M's shape: no download, and fast steps, so the frontend is what is tested
 timeout 540 $PY bench/transport.py --device cuda --model random:smollm2-135m --streams 64 --num-prompts 512 \
   --input-len 128 --output-len 256 --max-batch 64 --commit "${BLINK_COMMIT:-unknown}" \

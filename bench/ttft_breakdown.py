@@ -20,7 +20,7 @@ frontend's (the server process's) CPU time over the load, per output token.
 
 Clocks: every stamp is this host's time.time_ns(), except the GPU scheduler's (t_admit, t_launch,
 t_first), which are %globaltimer + an offset calibrated when the scheduler starts
-(blink.gpu.scheduler.GpuScheduler._clock_offset: the upper bound of host - device over 20 bracketed
+(blink.gpu.scheduler.scheduler.GpuScheduler._clock_offset: the upper bound of host - device over 20 bracketed
 reads of %globaltimer, so a device stamp never precedes the host stamp of the same instant; its
 error is at most the shortest bracket, a few microseconds).
 

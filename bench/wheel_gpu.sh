@@ -45,7 +45,7 @@ cd /tmp || fail "cd"
 "$PY" - <<'EOF' || fail "NVRTC / headers from the wheels"
 import os
 import blink
-import blink.gpu.build as B
+import blink.gpu.toolchain.build as B
 
 r = B.nvrtc()
 print("blink from", blink.__file__)

@@ -488,7 +488,7 @@ def check_device(cfg: C.BlinkConfig) -> C.BlinkConfig:
     """For --device cuda: CuPy and NVRTC must be installed (else a ConfigError naming the pip
     command). The kernel cache directory is settled here, where the environment is read
     ($XDG_CACHE_HOME); `auto` itself is resolved by the launch layer."""
-    from blink.gpu import build
+    from blink.gpu.toolchain import build
 
     if cfg.device.kind == "cuda":
         have = (("CuPy", cupy_installed()), ("NVRTC", build.find_nvrtc() is not None))

@@ -14,7 +14,7 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONP
 
 
 def test_models_bench_runs_the_moe_model(tmp_path):
-    """The CUDA engine runs MoE models (blink/gpu/moe_launch.py): qwen3-30b-a3b passes the device check
+    """The CUDA engine runs MoE models (blink/gpu/engine/moe_launch.py): qwen3-30b-a3b passes the device check
     and is not skipped; on a machine without a GPU it then fails at the engine, recorded as failed."""
     out = tmp_path / "models.json"
     cmd = [sys.executable, "bench/throughput.py", "--presets", "qwen3-30b-a3b", "--commit", "abc", "--out", str(out)]

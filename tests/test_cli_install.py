@@ -129,7 +129,7 @@ def test_device_cuda_without_cupy_in_a_real_process():
 
 
 def test_kernel_cache_dir_is_settled_at_the_edge(monkeypatch, tmp_path: Path):
-    from blink.gpu import build
+    from blink.gpu.toolchain import build
     from blink.launch import device_spec
 
     monkeypatch.setattr(cli, "cupy_installed", lambda: True)

@@ -9,23 +9,23 @@ import shutil
 import numpy as np
 import pytest
 
-from blink.gpu import build as B
-from blink.gpu import kernels
-from blink.gpu import scheduler as S
-from blink.gpu.attention_launch import FLASH_COMBINE_OF, FLASH_VARIANTS
-from blink.gpu.engine import EngineConfig, _buckets, bucket_of
-from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
+from blink.gpu.engine.attention_launch import FLASH_COMBINE_OF, FLASH_VARIANTS
+from blink.gpu.engine.engine import EngineConfig, _buckets, bucket_of
+from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
+from blink.gpu.scheduler import scheduler as S
+from blink.gpu.toolchain import build as B
+from blink.gpu.toolchain import kernels
 
-CU_FILES = sorted(kernels.CSRC.glob("*.cu"))
+CU_FILES = sorted([*kernels.CSRC.glob("*.cu"), *S.CSRC.glob("*.cu")])
 needs_nvrtc = pytest.mark.skipif(B.find_nvrtc() is None, reason="NVRTC not installed (pip install 'blink[cu13]')")
 
 
 def test_engine_sources_exist():
-    assert {*kernels.SOURCES, S.UNIT.source} == {p.name for p in CU_FILES}
+    assert {*kernels.SOURCES, S.UNIT.source.name} == {p.name for p in CU_FILES}
 
 
 def _unit(name: str) -> B.Unit:
-    return S.UNIT if name == S.UNIT.source else kernels.UNITS[name]
+    return S.UNIT if name == S.UNIT.source.name else kernels.UNITS[name]
 
 
 @needs_nvrtc
@@ -41,9 +41,10 @@ def test_compiles_for_every_target(src: pathlib.Path, arch: int, tmp_path: pathl
     rtc = B.nvrtc()
     if arch != 90:
         out = tmp_path / f"{src.stem}.sm_{arch}.cubin"
-        out.write_bytes(rtc.compile(src, f"sm_{arch}", (*unit.options, "--Ofast-compile=max")))
-    elif src.name in ("flash_decode.cu", S.UNIT.source):  # the same build, with ptxas's report
-        image = rtc.compile(src, "sm_90", (*unit.options, "--ptxas-options=-v"))
+        opts = (*unit.options, "--Ofast-compile=max")
+        out.write_bytes(rtc.compile(src, f"sm_{arch}", opts, unit.include_dirs()))
+    elif src.name in ("flash_decode.cu", S.UNIT.source.name):  # the same build, with ptxas's report
+        image = rtc.compile(src, "sm_90", (*unit.options, "--ptxas-options=-v"), unit.include_dirs())
         if src.name == "flash_decode.cu":
             _assert_no_spills(rtc.last_log)
         else:
@@ -94,7 +95,7 @@ def _assert_scheduler_fits_one_block(ptxas_log: str) -> None:
 def test_bench_kernels_compile():
     """The variants kept in bench/kernels/ (out of the serving path) still build on the engine's
     sources (NVRTC, --Ofast-compile=max: a compile check, not a build to run)."""
-    src = kernels.CSRC.parents[2] / "bench" / "kernels" / "flash_decode_variants.cu"
+    src = kernels.CSRC.parents[3] / "bench" / "kernels" / "flash_decode_variants.cu"
     names = B.nvrtc().compile(src, "sm_90", (f"-I{kernels.CSRC}", "--Ofast-compile=max")).decode("latin-1")
     for v in ("flash8", "flashq8"):
         assert f"attn_{v}_hd128_g4" in names and f"attn_{v}_combine_hd128" in names
@@ -125,7 +126,9 @@ def test_kernel_signatures_file_is_fresh():
     for s in kernels.PARAM_SOURCES:
         assert kernels.signatures(s), s  # raises when the source changed since the file was made
     if shutil.which("nvcc") or pathlib.Path("/usr/local/cuda/bin/nvcc").exists():
-        assert kernels.PARAMS_FILE.read_text() == kernels.render_params(), "run python -m blink.gpu.kernels --params"
+        assert kernels.PARAMS_FILE.read_text() == kernels.render_params(), (
+            "run python -m blink.gpu.toolchain.kernels --params"
+        )
 
 
 @needs_nvrtc
@@ -217,7 +220,7 @@ def _flash_chunk(L: int, ns: int, grid_splits: int, nkv: int, target: int, quant
 
 def _flash_cta(q, kc, vc, bt, kvh, start, end, HD, G, N):
     """One CTA: returns (o [G, HD] normalised, lse [G]) over keys start..end-1 of one KV head."""
-    from blink.gpu.attention_launch import FLASH_WARPS
+    from blink.gpu.engine.attention_launch import FLASH_WARPS
 
     LPT, lane = HD // 8, np.arange(32)
     KPI = 32 // LPT
@@ -288,7 +291,7 @@ def _flash_cta(q, kc, vc, bt, kvh, start, end, HD, G, N):
 @pytest.mark.parametrize("N,occ", [(4, 3), (8, 2)], ids=["flashq", "flash8"])
 @pytest.mark.parametrize("hd,G", [(16, 2), (32, 3), (64, 1), (128, 4)])
 def test_flash_decode_index_math(N: int, occ: int, hd: int, G: int):
-    from blink.gpu.attention_launch import flash_grid_splits, flash_quantum
+    from blink.gpu.engine.attention_launch import flash_grid_splits, flash_quantum
 
     rng = np.random.default_rng(hd + G)
     nkv, bs, max_context, sms = 2, 8, 512, 6
@@ -337,8 +340,8 @@ def test_flash_launches_per_bucket():
     arguments against the kernels' signatures)."""
     from types import SimpleNamespace
 
-    from blink.gpu.attention_launch import decode_variant_for, flash_smem_bytes
-    from blink.gpu.forward import Dims, Forward
+    from blink.gpu.engine.attention_launch import decode_variant_for, flash_smem_bytes
+    from blink.gpu.engine.forward import Dims, Forward
     from blink.models.config import preset
 
     fake = SimpleNamespace(data=SimpleNamespace(ptr=4096))
@@ -403,7 +406,7 @@ def test_decode_groups_are_the_instantiated_ones():
     group 7 (Qwen2.5) was instantiated in the .cu files but refused by a hand-kept list."""
     import re
 
-    from blink.gpu.attention_launch import DECODE_GROUPS
+    from blink.gpu.engine.attention_launch import DECODE_GROUPS
 
     basic = {int(g) for g in re.findall(r"^\s*DECODE\(HD, (\d+)\)", (kernels.CSRC / "attention.cu").read_text(), re.M)}
     src = (kernels.CSRC / "flash_decode.cu").read_text()
@@ -418,11 +421,11 @@ def test_offset_asserts_are_skipped_only_without_offsetof():
     generated offset assert sits under `#ifdef offsetof`; sizes are always asserted."""
     import re
 
-    from blink.gpu import build
+    from blink.gpu.toolchain import build
 
     assert "offsetof" not in build.rtc_headers((13, 0))["stddef.h"]
     assert "__builtin_offsetof" in build.rtc_headers((13, 5))["stddef.h"]
-    for path in [*build.INCLUDE.glob("*.h"), *build.CSRC.glob("*.cu*")]:
+    for path in [*kernels.INCLUDE.glob("*.h"), *kernels.CSRC.glob("*.cu*"), *S.CSRC.glob("*.[ch]*")]:
         depth = 0
         for line in path.read_text().splitlines():
             if line.startswith("#ifdef offsetof"):

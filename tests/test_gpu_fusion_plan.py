@@ -10,10 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from blink.gpu import kernels
-from blink.gpu.engine import EngineConfig, parse_gemv_fusion
-from blink.gpu.forward import GEMV_FUSIONS, ROPE_WARP_MAX_TOKENS, Dims, Forward, RopeArgs, rope_kernel
-from blink.gpu.moe_launch import (
+from blink.gpu.engine.engine import EngineConfig, parse_gemv_fusion
+from blink.gpu.engine.forward import GEMV_FUSIONS, ROPE_WARP_MAX_TOKENS, Dims, Forward, RopeArgs, rope_kernel
+from blink.gpu.engine.moe_launch import (
     BIG_TILE_M,
     BIG_TILE_MIN_TOKENS,
     COLS,
@@ -31,6 +30,7 @@ from blink.gpu.moe_launch import (
     MoeLaunches,
     max_tiles,
 )
+from blink.gpu.toolchain import kernels
 from blink.models.config import preset
 from blink.protocol.step import STEP_FIELDS
 
@@ -210,7 +210,7 @@ def test_gemv_fusion_config():
 
 
 def test_prefill_attention_config():
-    from blink.gpu.attention_launch import PREFILL_VARIANTS
+    from blink.gpu.engine.attention_launch import PREFILL_VARIANTS
 
     for v in PREFILL_VARIANTS:
         assert EngineConfig(prefill_attention=v).prefill_attention == v
@@ -222,7 +222,7 @@ def test_prefill_attention_config():
 def test_every_launch_matches_its_kernel_signature(name: str, signatures: dict):
     """Every decode and prefill attention variant, GEMV and cuBLAS buckets, fused and not: each
     launch's keyword arguments are exactly its kernel's parameters, of types they convert to."""
-    from blink.gpu.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
+    from blink.gpu.engine.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
 
     for fusion in ("none", "all"):
         f, calls = _forward(name, 1, fusion, signatures)
@@ -329,7 +329,7 @@ def test_prefill_graph_runs_decode_attention_first(decode: str, prefill: str, si
 )
 @pytest.mark.parametrize("fusion", ["none", "all"])
 def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signatures: dict):
-    """A MoE layer's launches (blink/gpu/moe_launch.py): after the o projection and the MLP norm, the
+    """A MoE layer's launches (blink/gpu/engine/moe_launch.py): after the o projection and the MLP norm, the
     router projection (fp32 out), then route and align (one launch in small graphs), the two expert
     kernels (tile GEMV; tensor cores in large graphs, with 64-row tiles in the largest) sized for the
     bucket's worst case, and the combine into delta; dense layers (mlp_only_layers) keep swiglu; no
@@ -387,7 +387,7 @@ def test_rope_launch_geometry(nh: int, hd: int, T: int, sms: int):
     """rope_kv_write's launch (forward.rope_launch) as the kernel assumes it: hd / 16 threads a head,
     whole warps (its warp search and per-head sums use every lane), at most ROPE_THREADS threads and
     ROPE_MAX_TOKENS tokens a block, and the grid covers every (token, head) pair."""
-    from blink.gpu.forward import ROPE_THREADS, rope_launch
+    from blink.gpu.engine.forward import ROPE_THREADS, rope_launch
 
     src = (kernels.CSRC / "model_kernels.cu").read_text()
     assert f"constexpr int ROPE_THREADS = {ROPE_THREADS};" in src
@@ -455,7 +455,7 @@ def test_moe_block_constants_match_moe_cu():
     """moe_launch.py's grid and shared-memory arithmetic mirrors moe.cu's #defines."""
     import re
 
-    from blink.gpu.kernels import CSRC
+    from blink.gpu.toolchain.kernels import CSRC
 
     src = (CSRC / "moe.cu").read_text()
     defines = {m[0]: m[1] for m in re.findall(r"^#define (\w+) ([^/\n]*\S)", src, re.M)}
@@ -471,7 +471,7 @@ def test_norm_and_rope_kernels_by_step_size():
     """forward.norm_kernel / rope_kernel: the register-row RMSNorm below NORM_ROWS_MIN_TOKENS, the looped one from
     it; the warp-per-head RoPE up to ROPE_WARP_MAX_TOKENS (32 without q/k-norm, 128 with), the vectorised one above
     (bench/results/rope_norm-h200-0c493b6.json); both RoPE kernels launched over every head of every token."""
-    from blink.gpu.forward import NORM_ROWS_MIN_TOKENS, norm_kernel
+    from blink.gpu.engine.forward import NORM_ROWS_MIN_TOKENS, norm_kernel
 
     assert [norm_kernel(T)[0] for T in (1, 256, NORM_ROWS_MIN_TOKENS - 1, NORM_ROWS_MIN_TOKENS, 4096)] == [
         "add_rmsnorm", "add_rmsnorm", "add_rmsnorm", "add_rmsnorm_rows", "add_rmsnorm_rows"

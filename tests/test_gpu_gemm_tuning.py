@@ -7,8 +7,8 @@ import ctypes
 
 import pytest
 
-from blink.gpu.cublaslt import GEMM_MARGIN, HeuristicResult, choose
-from blink.gpu.engine import EngineConfig
+from blink.gpu.engine.cublaslt import GEMM_MARGIN, HeuristicResult, choose
+from blink.gpu.engine.engine import EngineConfig
 
 
 def test_heuristic_result_matches_cublaslt_h():

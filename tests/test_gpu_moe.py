@@ -1,14 +1,14 @@
 """The CUDA MoE layer's host-side contract, without a GPU: the worst-case sizing of the permutation
-(blink/gpu/moe_launch.py), its numpy reference against the numpy engine's MoE, and the expert
-weights' layout (blink/gpu/weights.py)."""
+(blink/gpu/engine/moe_launch.py), its numpy reference against the numpy engine's MoE, and the expert
+weights' layout (blink/gpu/engine/weights.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from blink.gpu.moe_launch import BIG_TILE_M, TILE_M, MoeLaunches, align_reference, check_moe, max_tiles
-from blink.gpu.weights import GpuWeights, LayerWeights
+from blink.gpu.engine.moe_launch import BIG_TILE_M, TILE_M, MoeLaunches, align_reference, check_moe, max_tiles
+from blink.gpu.engine.weights import GpuWeights, LayerWeights
 from blink.models.config import preset
 from blink.models.llama_numpy import LlamaNumpy, _swiglu
 from blink.models.weights import random_weights
@@ -92,7 +92,7 @@ def test_permuted_data_flow_matches_the_numpy_moe(norm: bool):
 
 def test_check_moe_limits():
     """The engine's limits, and the CLI's refusal before anything starts (blink serve --device cuda) agree."""
-    from blink.gpu import moe_launch
+    from blink.gpu.engine import moe_launch
     from blink.models import registry
 
     assert (registry.CUDA_MOE_MAX_EXPERTS, registry.CUDA_MOE_MAX_TOPK) == (moe_launch.MAX_EXPERTS, moe_launch.MAX_TOPK)

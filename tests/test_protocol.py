@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from blink.gpu import abi
+from blink.gpu.engine import abi
 from blink.protocol import cgen, layout
 from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, RingGeometry, SlotState
 from blink.protocol.transport import ShmTransport
@@ -18,7 +18,7 @@ from blink.protocol.transport import ShmTransport
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("module", ["blink.protocol.cgen", "blink.gpu.abi"])
+@pytest.mark.parametrize("module", ["blink.protocol.cgen", "blink.gpu.engine.abi"])
 def test_checked_in_headers_are_fresh(module):
     r = subprocess.run([sys.executable, "-m", module, "--check"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -6,11 +6,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from blink.gpu import scheduler as S
+from blink.gpu.scheduler import scheduler as S
 
 
 def test_ctl_header_is_generated_from_the_dtype():
-    assert S.CTL_HEADER_PATH.read_text() == S.render_ctl_header(), "run `python -m blink.gpu.scheduler`"
+    assert S.CTL_HEADER_PATH.read_text() == S.render_ctl_header(), "run `python -m blink.gpu.scheduler.scheduler`"
     assert S.main(["--check"]) == 0
 
 
@@ -88,7 +88,7 @@ def test_slot_copy_holds_one_ring_slot_per_slot():
     (a hand-written 128 overflowed it when slots grew to 192 bytes and hung the GPU scheduler)."""
     import re
 
-    header = (S.CTL_HEADER_PATH.parent.parent / "include" / "blink_ring.h").read_text()
+    header = (S.CSRC / "blink_ring.h").read_text()
     slot_bytes = int(re.search(r"constexpr uint32_t SLOT_BYTES = (\d+);", header).group(1))
     bufs = S.device_buffers(n_slots=7, num_blocks=3, max_blocks_per_seq=2, rows_cap=5, max_context=11)
     n, dtype = bufs["slot_copy"]

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from blink.gpu import abi
-from blink.gpu.engine import Engine
-from blink.gpu.step_arena import Dims, arena_layout, host_views
+from blink.gpu.engine import abi
+from blink.gpu.engine.engine import Engine
+from blink.gpu.engine.step_arena import Dims, arena_layout, host_views
 from blink.protocol.step import BATCH_FIELDS, FIELDS, STEP_FIELDS, StepBatch
 
 

@@ -32,6 +32,6 @@ def test_any_source_edit_changes_the_digest(tmp_path: Path) -> None:
     (tmp_path / "bench" / "results").mkdir(exist_ok=True)
     (tmp_path / "bench" / "results" / "x.json").write_text("{}")  # results are not source
     assert treedigest.tree_digest(tmp_path) == base
-    cu = tmp_path / "blink" / "gpu" / "csrc" / "flash_decode.cu"
+    cu = tmp_path / "blink" / "gpu" / "engine" / "csrc" / "flash_decode.cu"
     cu.write_bytes(cu.read_bytes() + b"\n")
     assert treedigest.tree_digest(tmp_path) != base

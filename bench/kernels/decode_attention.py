@@ -5,7 +5,7 @@ path. bench/kernels/flash_decode_variants.cu holds "flash8" and "flashq8" (flash
 template with 8 K + 8 V vectors per lane per tile) and "flashmma" (the G query heads of a KV head as
 the rows of mma.sync tiles: tensor cores instead of fp32 FMAs; its splits are merged by flashq's
 combine kernel). This script builds them, runs each with the
-engine's launch geometry (grid splits from blink.gpu.attention_launch) on random bf16 data in a
+engine's launch geometry (grid splits from blink.gpu.engine.attention_launch) on random bf16 data in a
 paged KV cache with shuffled blocks, checks its output against flashq's (and flashq against a
 float64 numpy reference at batch 1), and times every kernel with its combine.
 
@@ -27,9 +27,9 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchutil import metadata  # noqa: E402
 
-from blink.gpu import kernels  # noqa: E402
-from blink.gpu.attention_launch import flash_grid_splits
-from blink.gpu.cuda_api import Driver
+from blink.gpu.engine.attention_launch import flash_grid_splits
+from blink.gpu.toolchain import kernels  # noqa: E402
+from blink.gpu.toolchain.cuda_api import Driver
 
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCE = HERE / "flash_decode_variants.cu"
@@ -41,7 +41,7 @@ NQ, NKV, HD, BS = 32, 8, 128, 16
 
 def build() -> pathlib.Path:
     """The variants' cubin for this GPU (NVRTC, as the engine's), cached beside the engine's."""
-    from blink.gpu import build as B
+    from blink.gpu.toolchain import build as B
 
     rtc = B.nvrtc()
     target = B.target_for(kernels.device_arch(), rtc.archs)

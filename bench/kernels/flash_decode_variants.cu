@@ -1,7 +1,7 @@
 // Decode attention variants retired from the engine (llm.c dev/cuda style: kept and runnable, out
 // of the serving path; bench/kernels/decode_attention.py builds, checks and times them).
 //
-// Both are the engine's flash-decoding template (blink/gpu/csrc/flash_decode.cu, included here)
+// Both are the engine's flash-decoding template (blink/gpu/engine/csrc/flash_decode.cu, included here)
 // with 8 K + 8 V vectors per lane per tile instead of flashq's 4 + 4: more bytes in flight per
 // warp, more registers, fewer CTAs per SM.
 //   "flash8":  loads straight into registers (STAGES = 0);

@@ -2,7 +2,7 @@
 
 The Python ring interpreter (`blink.device.ring_device`) owns scheduling and the KV block
 tables; an executor owns weights and the KV pool and runs one step. Two executors exist:
-`blink.device.numpy_executor` (the emulated device) and `blink.gpu.host_executor` (CUDA graphs
+`blink.device.numpy_executor` (the emulated device) and `blink.gpu.engine.host_executor` (CUDA graphs
 launched from the host: the baseline of the scheduler ablation). The GPU-resident scheduler
 drives the same CUDA graphs through the same step fields (`blink.protocol.step`), written by the
 GPU into the engine's step arena.

@@ -2,7 +2,7 @@
 
     python -m blink.gpu.serve SPEC_JSON      (blink.protocol.wire.DeviceSpec; blink.launch starts it)
 
-`spec.scheduler == "gpu"` starts the persistent scheduler kernel (blink.gpu.scheduler) and the
+`spec.scheduler == "gpu"` starts the persistent scheduler kernel (blink.gpu.scheduler.scheduler) and the
 process then only watches the ring header: no CUDA call until the kernel reports STOPPED.
 `"host"` serves the ring with blink.device.ring_device over the same graphs launched from the
 host (the ablation baseline). Exit code 0 after a clean stop, 1 after a fault.
@@ -27,7 +27,7 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
     The token buckets include every budget of a mixed step (mixed_budgets), so a mixed step that
     fills its budget runs a graph of exactly its size."""
     from blink.device.scheduler import mixed_budgets
-    from blink.gpu.engine import DEFAULT_TOKEN_BUCKETS, EngineConfig, parse_decode_attention
+    from blink.gpu.engine.engine import DEFAULT_TOKEN_BUCKETS, EngineConfig, parse_decode_attention
 
     ctx = spec.max_context or max_position
     max_tokens = max(spec.max_tokens, spec.max_batch)
@@ -71,8 +71,8 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
     sampling_rows: the sampling extensions' tables, one row per ring slot (0: off)."""
     import cupy as cp
 
-    from blink.gpu.engine import Engine
-    from blink.gpu.kernels import DEFAULT_CACHE
+    from blink.gpu.engine.engine import Engine
+    from blink.gpu.toolchain.kernels import DEFAULT_CACHE
 
     dev = cp.cuda.Device()
     free, total = cp.cuda.runtime.memGetInfo()
@@ -91,7 +91,7 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
 
 def run(spec: DeviceSpec) -> int:
     """Serve the ring in this process until told to stop. Returns the final DeviceStatus."""
-    from blink.gpu.build import BuildError
+    from blink.gpu.toolchain.build import BuildError
     from blink.protocol.layout import DeviceStatus
     from blink.protocol.transport import ShmTransport
 
@@ -106,7 +106,7 @@ def run(spec: DeviceSpec) -> int:
         return DeviceStatus.FAILED
     try:
         if spec.scheduler == "gpu":
-            from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+            from blink.gpu.scheduler.scheduler import GpuScheduler, GpuSchedulerConfig
 
             sched = GpuScheduler(
                 engine, view, GpuSchedulerConfig(max_batch=spec.max_batch, mixed_tokens=spec.mixed_tokens)
@@ -119,7 +119,7 @@ def run(spec: DeviceSpec) -> int:
                 sched.join()
             return status
         from blink.device.ring_device import RingDevice, RingDeviceConfig
-        from blink.gpu.host_executor import HostExecutor
+        from blink.gpu.engine.host_executor import HostExecutor
 
         phase("serving the ring (scheduler: the host loop)")
         rcfg = RingDeviceConfig(max_batch=spec.max_batch, mixed_tokens=spec.mixed_tokens)

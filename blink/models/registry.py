@@ -200,7 +200,7 @@ def model_config(spec: str | os.PathLike[str] | None) -> ModelConfig | None:
     return from_hf_config(json.loads((p / "config.json").read_text()), name=p.name)
 
 
-# What the CUDA device's MoE kernels take (blink/gpu/csrc/moe.cu: moe_route keeps 8 logits per lane of
+# What the CUDA device's MoE kernels take (blink/gpu/engine/csrc/moe.cu: moe_route keeps 8 logits per lane of
 # one warp and slot j in lane j; blink/gpu/moe_launch.check_moe raises the same at engine construction,
 # and tests/test_gpu_moe.py checks that the two agree).
 CUDA_MOE_MAX_EXPERTS = 256

@@ -1,6 +1,6 @@
 """Generate the CUDA/C++ ring header from the dtypes in `layout` (the single definition).
 
-    python -m blink.protocol.cgen            # rewrite blink/gpu/include/blink_ring.h
+    python -m blink.protocol.cgen            # rewrite blink/gpu/scheduler/csrc/blink_ring.h
     python -m blink.protocol.cgen --check    # exit 1 if the checked-in header is stale
 
 Every struct field gets a static_assert on its offset and every struct on its size, so a
@@ -20,7 +20,7 @@ import numpy as np
 
 from . import layout
 
-HEADER_PATH = pathlib.Path(__file__).resolve().parent.parent / "gpu" / "include" / "blink_ring.h"
+HEADER_PATH = pathlib.Path(__file__).resolve().parent.parent / "gpu" / "scheduler" / "csrc" / "blink_ring.h"
 
 _CTYPES = {
     ("u", 1): "uint8_t",

@@ -1,7 +1,7 @@
 """The ring: the one data structure shared by the frontend ("DPU") roles and the device.
 
 Everything about the ring's bytes is defined here, once. The CUDA header
-`blink/gpu/include/blink_ring.h` is generated from these dtypes by `blink.protocol.cgen`
+`blink/gpu/scheduler/csrc/blink_ring.h` is generated from these dtypes by `blink.protocol.cgen`
 (a test fails when the checked-in header is stale).
 
 Memory map of a ring (all offsets in bytes from the start of the mapping)::
@@ -38,7 +38,7 @@ host-mapped memory are not atomic with respect to the host):
     logprob arena, prompt logprob records   device (before the `generated` store that covers them)
     slot.t_submit_ns, t_read_ns     frontend;  t_admit_ns, t_launch_ns, t_first_ns     device
                  (the first token's path, one wall clock: the GPU scheduler adds a calibrated
-                 offset to %globaltimer, see blink.gpu.scheduler.GpuScheduler._clock_offset)
+                 offset to %globaltimer, see blink.gpu.scheduler.scheduler.GpuScheduler._clock_offset)
     header.submit_seq / cancel_seq   frontend doorbells, stored after the slot writes. The one
                  exception to single-writer words: F frontend processes may share a ring, each
                  owning the slots s with s % F == its index. Each stores seq * F + index with its

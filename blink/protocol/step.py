@@ -6,9 +6,9 @@ defined here, once, with its element type and extent:
 
 - `StepBatch` carries the per-step arrays from a scheduler (the Python ring interpreter's
   `build_batch`, test packers) to an executor (numpy, or the CUDA engine's `load_step`);
-- the CUDA engine keeps one device arena of these fields in this order (`blink/gpu/step_arena.py`)
-  and publishes a typed pointer to each in its ABI record (`blink/gpu/abi.py` ->
-  `blink/gpu/include/blink_engine.h`, generated with `static_assert`s), which the GPU-resident
+- the CUDA engine keeps one device arena of these fields in this order (`blink/gpu/engine/step_arena.py`)
+  and publishes a typed pointer to each in its ABI record (`blink/gpu/engine/abi.py` ->
+  `blink/gpu/engine/include/blink_engine.h`, generated with `static_assert`s), which the GPU-resident
   scheduler fills directly (scheduler_plan.cuh) and the model kernels read.
 
 Extents: "1" a scalar of the step; "T" one per packed token; "S" one per sequence; "S+1" prefix

@@ -116,7 +116,9 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     decode_attention: str = ""  # cuda: decode attention table ("basic", "1:flashq,64:basic"); "" = the engine's
     executor: str = ""  # emulated: executor factory "module:function" (tests); "" = the numpy model
     debug: bool = False  # a start-up error with its traceback (blink serve --log-level debug), else one line
-    kernel_cache: str = ""  # cuda: directory of the compiled kernels; "" = blink.gpu.build.default_cache_dir()
+    kernel_cache: str = (
+        ""  # cuda: directory of the compiled kernels; "" = blink.gpu.toolchain.build.default_cache_dir()
+    )
 
     def __post_init__(self) -> None:
         if self.kind not in ("emulated", "cuda") or self.scheduler not in ("gpu", "host"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blink.gpu.attention_launch import PREFILL_VARIANTS
+from blink.gpu.engine.attention_launch import PREFILL_VARIANTS
 from blink.models.config import ModelConfig, preset
 from blink.models.reference import PagedDriver
 
@@ -23,7 +23,7 @@ DECODE_STEPS = 32
 
 def _attention_pairs() -> list[tuple[str, str]]:
     """Every decode attention variant, each with one of the prefill variants (basic-fa2, flashq-rego)."""
-    from blink.gpu.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
+    from blink.gpu.engine.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
 
     return [(v, PREFILL_VARIANTS[(i + 1) % len(PREFILL_VARIANTS)]) for i, v in enumerate(DECODE_VARIANTS)]
 
@@ -33,7 +33,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def small_engine(cfg: ModelConfig, **kw):
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine.engine import Engine, EngineConfig
 
     ecfg = EngineConfig(
         max_seqs=8,
@@ -225,7 +225,7 @@ def test_gemm_tuning_cublaslt_plans(monkeypatch):
     tuner keeps a candidate even when slower than cublasGemmEx), so that the cuBLASLt path runs
     whatever the timings: the engine still matches transformers, and a second run over other
     block tables is bitwise equal (no order-dependent reductions in the chosen algorithms)."""
-    import blink.gpu.cublaslt as cublaslt
+    import blink.gpu.engine.cublaslt as cublaslt
 
     monkeypatch.setattr(cublaslt, "_CHOSEN", {})
     monkeypatch.setattr(cublaslt, "GEMM_MARGIN", -100.0)
@@ -306,8 +306,8 @@ def test_engine_matches_numpy_executor(name, attn):
 
 def _check_numpy_executor(name: str, **ecfg_kw) -> None:
     from blink.device.numpy_executor import NumpyExecutor
-    from blink.gpu.engine import Engine, EngineConfig
-    from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
+    from blink.gpu.engine.engine import Engine, EngineConfig
+    from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
     from blink.models.weights import random_weights
 
     cfg = preset(name)
@@ -346,15 +346,15 @@ def _check_numpy_executor(name: str, **ecfg_kw) -> None:
     eng.close()
 
 
-@pytest.mark.parametrize("prefill", PREFILL_VARIANTS)  # blink.gpu.engine_config validates against it
+@pytest.mark.parametrize("prefill", PREFILL_VARIANTS)  # blink.gpu.engine.engine_config validates against it
 @pytest.mark.parametrize("name", ["tiny-llama", "smollm2-135m"])
 def test_mixed_steps_match_numpy_executor(name, prefill):
     """Mixed steps (blink/device/scheduler.py): one-token decode rows with cached context first,
     then prefill chunks (a cached prefix, a new prompt), in one prefill graph. Logits match the
     reference row by row and every row, decode rows included, samples argmax."""
     from blink.device.numpy_executor import NumpyExecutor
-    from blink.gpu.engine import Engine, EngineConfig
-    from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
+    from blink.gpu.engine.engine import Engine, EngineConfig
+    from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
     from blink.models.weights import random_weights
 
     cfg = preset(name)
@@ -398,10 +398,10 @@ def test_mixed_steps_match_numpy_executor(name, prefill):
 def test_graph_table_and_done_seq():
     import cupy as cp
 
-    from blink.gpu.abi import ENGINE_DTYPE
+    from blink.gpu.engine.abi import ENGINE_DTYPE
 
     cfg = preset("tiny-llama")
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine.engine import Engine, EngineConfig
 
     ecfg = EngineConfig(
         max_seqs=8,
@@ -548,7 +548,7 @@ def test_gemv_fusion_matches_transformers(fusion, n):
 def test_gemv_fusion_matches_unfused(n):
     """Fused and unfused decode graphs of one engine on the same KV cache: the fused kernels keep
     every bf16 rounding point, so logits agree to fp32 reduction-order noise at most."""
-    from blink.gpu.engine import parse_gemv_fusion
+    from blink.gpu.engine.engine import parse_gemv_fusion
 
     cfg = preset("llama3-8b").replace(num_layers=2)
     eng = fusion_engine(cfg, "all")

@@ -51,8 +51,8 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 def test_prompt_logprobs_match_definition_torch_cublas_and_the_emulated_device():
     torch = pytest.importorskip("torch")
     from blink.device.numpy_executor import NumpyExecutor
-    from blink.gpu.engine import Engine, EngineConfig
-    from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
+    from blink.gpu.engine.engine import Engine, EngineConfig
+    from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
     from blink.models.weights import random_weights
 
     cfg = preset("smollm2-135m").replace(num_layers=4)

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.gpu
 def sampler():
     import cupy as cp
 
-    from blink.gpu.cuda_api import Driver
-    from blink.gpu.kernels import Kernels
-    from blink.gpu.sampler import GpuSampler
+    from blink.gpu.engine.sampler import GpuSampler
+    from blink.gpu.toolchain.cuda_api import Driver
+    from blink.gpu.toolchain.kernels import Kernels
 
     cp.zeros(1)
     drv = Driver()

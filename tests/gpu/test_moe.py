@@ -1,4 +1,4 @@
-"""The CUDA MoE layer (blink/gpu/csrc/moe.cu via blink/gpu/moe_launch.py) kernel by kernel against
+"""The CUDA MoE layer (blink/gpu/engine/csrc/moe.cu via blink/gpu/engine/moe_launch.py) kernel by kernel against
 numpy on the same bf16 inputs, then through the engine: the tiny MoE preset against the numpy
 executor (prefill, decode, mixed steps), and Qwen3-30B-A3B's real layer shapes (random weights, a
 few layers) against transformers' Qwen3MoeForCausalLM. Each check prints its maximum differences
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from blink.gpu.moe_launch import align_reference, max_tiles
-from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
+from blink.gpu.engine.moe_launch import align_reference, max_tiles
+from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
 from blink.models.config import preset
 
 pytestmark = pytest.mark.gpu
@@ -31,9 +31,9 @@ class _Rig:
     def __init__(self, cfg, max_tokens: int, seed: int = 0) -> None:
         import cupy as cp
 
-        from blink.gpu.cuda_api import Driver
-        from blink.gpu.kernels import DEFAULT_CACHE, Kernels
-        from blink.gpu.moe_launch import MoeLaunches
+        from blink.gpu.engine.moe_launch import MoeLaunches
+        from blink.gpu.toolchain.cuda_api import Driver
+        from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
 
         cp.cuda.Device().use()
         cp.zeros(1)
@@ -253,7 +253,7 @@ def test_moe_router_kernel(name: str):
     and 3 (bucket 4) with the kernel's logits, every kernel against numpy on its own inputs."""
     import cupy as cp
 
-    from blink.gpu.moe_launch import ROUTER_WARPS
+    from blink.gpu.engine.moe_launch import ROUTER_WARPS
 
     rig = _rig(name)
     c = rig.cfg
@@ -367,7 +367,7 @@ STEP_TOL = 3e-2  # an outlier: a step / position whose logits' relative error is
 
 def _numpy_pair(cfg, seed: int, **ecfg_kw):
     from blink.device.numpy_executor import NumpyExecutor
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.weights import random_weights
 
     w = {k: _rbf(v) for k, v in random_weights(cfg, seed=seed).items()}

@@ -31,7 +31,7 @@ EVERY = DeviceFeatures.LOGPROBS | DeviceFeatures.PROMPT_LOGPROBS | DeviceFeature
 
 @pytest.fixture(scope="module")
 def engine():
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
 
     ecfg = EngineConfig(
@@ -45,7 +45,7 @@ def engine():
 
 
 def _recording_executor(engine):
-    from blink.gpu.host_executor import HostExecutor
+    from blink.gpu.engine.host_executor import HostExecutor
 
     class Recording(HostExecutor):
         def __init__(self, e):
@@ -82,7 +82,7 @@ def _serve(engine, reqs, max_tokens=64, scheduler="host", sequential=False, prom
         th = threading.Thread(target=dev.run, daemon=True)
         th.start()
     else:
-        from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+        from blink.gpu.scheduler.scheduler import GpuScheduler, GpuSchedulerConfig
 
         gpu = GpuScheduler(engine, t.view(), GpuSchedulerConfig(max_tokens=max_tokens))
         gpu.start()
@@ -261,7 +261,7 @@ def test_gpu_scheduler_gives_the_host_loops_tokens_and_records(engine, max_token
 def test_gpu_scheduler_refuses_bad_prompt_records_and_bad_bias(engine):
     """What the frontend would refuse reaches the device only from a broken client: the scheduler
     finishes it with an error instead of reading (or writing) out of bounds."""
-    from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+    from blink.gpu.scheduler.scheduler import GpuScheduler, GpuSchedulerConfig
     from blink.protocol.layout import SlotError, SlotFlags
 
     name = f"blink-gpu-rs-bad-{os.getpid()}"

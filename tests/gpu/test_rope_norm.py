@@ -1,4 +1,4 @@
-"""rope_kv_write and add_rmsnorm (blink/gpu/csrc/model_kernels.cu) against numpy references of
+"""rope_kv_write and add_rmsnorm (blink/gpu/engine/csrc/model_kernels.cu) against numpy references of
 the same rounding sequence, bit for bit: odd token counts in larger graph buckets (rows past the
 live count stay untouched), several sequences (one of them empty) with shuffled block tables, head
 dims 16 to 128, with and without q/k-norm; rows that take the register path and rows that loop.
@@ -15,7 +15,7 @@ import functools
 import numpy as np
 import pytest
 
-from blink.gpu.weights import bf16_bits_to_f32, f32_to_bf16_bits
+from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -106,8 +106,8 @@ class _Rig:
     def __init__(self) -> None:
         import cupy as cp
 
-        from blink.gpu.cuda_api import Driver
-        from blink.gpu.kernels import DEFAULT_CACHE, Kernels
+        from blink.gpu.toolchain.cuda_api import Driver
+        from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
 
         cp.cuda.Device().use()
         cp.zeros(1)
@@ -159,7 +159,7 @@ def _steps(rng: np.random.Generator, T: int, bs: int):
 def test_rope_kv_write_bitwise(rig, nq, nkv, hd, qk_norm, T, bucket, sms, kernel):
     import cupy as cp
 
-    from blink.gpu.forward import rope_launch
+    from blink.gpu.engine.forward import rope_launch
 
     rng = np.random.default_rng(hd * 1000 + T + nq)
     nh, bs, eps = nq + 2 * nkv, 16, 1e-6

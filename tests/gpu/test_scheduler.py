@@ -25,7 +25,7 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module")
 def engine():
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
 
     ecfg = EngineConfig(
@@ -65,7 +65,7 @@ def ring():
 
 
 def start_gpu(engine, ring: Ring, **kw):
-    from blink.gpu.scheduler import GpuScheduler, GpuSchedulerConfig
+    from blink.gpu.scheduler.scheduler import GpuScheduler, GpuSchedulerConfig
 
     s = GpuScheduler(engine, ring.view, GpuSchedulerConfig(**kw))
     s.start()
@@ -81,7 +81,7 @@ def prompts(n, lengths, vocab, seed=0):
 def host_loop_tokens(engine, ps, max_new, **params):
     """The same requests through the host-driven loop (the reference for the same graphs)."""
     from blink.device.ring_device import RingDevice
-    from blink.gpu.host_executor import HostExecutor
+    from blink.gpu.engine.host_executor import HostExecutor
 
     r = Ring()
     try:

@@ -42,7 +42,7 @@ def assert_same_weights(a, b) -> None:
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("name", TINY)
 def test_from_bf16_equals_from_host_bitwise(tmp_path, name, tied):
-    from blink.gpu.weights import GpuWeights
+    from blink.gpu.engine.weights import GpuWeights
 
     config = preset(name).replace(tie_word_embeddings=tied)
     write_hf_dir(tmp_path, config, ("BF16", "F32", "F16"), seed=2)
@@ -53,7 +53,7 @@ def test_from_bf16_equals_from_host_bitwise(tmp_path, name, tied):
 
 
 def test_from_bf16_refuses_wrong_tensors(tmp_path):
-    from blink.gpu.weights import GpuWeights
+    from blink.gpu.engine.weights import GpuWeights
     from blink.models.bf16 import f32_to_bf16_bits
     from blink.models.weights import random_weights
 
@@ -73,7 +73,7 @@ def test_from_bf16_refuses_wrong_tensors(tmp_path):
 def test_device_weight_source_builds_the_engine(tmp_path, name):
     """The device process's path (serve.weight_source -> Engine.create(bf16_tensors=...)) gives the
     engine the weights Engine.create(host_weights=load_hf_dir(...)) gives it."""
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.gpu.serve import weight_source
     from blink.protocol.wire import DeviceSpec
 

@@ -2,13 +2,13 @@
 
 Usage (the GPU scheduler reads the ABI record; the host path calls `step`):
 
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
     eng = Engine.create(preset("llama3-8b"), EngineConfig(max_seqs=256, max_tokens=4096))  # random weights
     # or Engine.create(cfg, EngineConfig(...), host_weights=hf_named_float32_dict)
     # or Engine.create(cfg, EngineConfig(...), bf16_tensors=registry.resolve_bf16(spec)[1])
     eng.capture()                       # decode + prefill graphs, 2 execs per shape, DeviceLaunch + uploaded
-    eng.abi_ptr                         # device address of the ENGINE_DTYPE record (blink/gpu/abi.py)
+    eng.abi_ptr                         # device address of the ENGINE_DTYPE record (blink/gpu/engine/abi.py)
     eng.arena.ptr["input_ids"], ...     # device addresses of the step buffers (also in the record)
     tokens = eng.step(batch)            # host launch of the matching graph (blink.protocol.step.StepBatch)
 
@@ -21,7 +21,7 @@ the cuBLAS workspace.
 Decode attention is chosen per batch bucket at capture time from
 EngineConfig.decode_attention_table (e.g. parse_decode_attention("1:flashq,64:basic"); the
 benchmarks' --decode-attention); a graph never bakes in lengths, the flash kernels size their
-splits from the live num_seqs and seq_lens (blink/gpu/csrc/flash_decode.cu).
+splits from the live num_seqs and seq_lens (blink/gpu/engine/csrc/flash_decode.cu).
 
 Why two execs per shape: relaunching an exec right after its completion token is seen fails with
 cudaErrorInvalidValue about half the time on the H200 (the exec still counts as running), so the
@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blink.gpu.abi import ENGINE_DTYPE
-from blink.gpu.cuda_api import Cublas, Driver
-from blink.gpu.engine_config import (  # noqa: F401 (the engine's public names, re-exported)
+from blink.gpu.engine.abi import ENGINE_DTYPE
+from blink.gpu.engine.engine_config import (  # noqa: F401 (the engine's public names, re-exported)
     DEFAULT_BATCH_BUCKETS,
     DEFAULT_DECODE_ATTENTION,
     DEFAULT_GEMV_FUSION,
@@ -49,10 +48,11 @@ from blink.gpu.engine_config import (  # noqa: F401 (the engine's public names, 
     parse_decode_attention,
     parse_gemv_fusion,
 )
-from blink.gpu.forward import Dims, Forward
-from blink.gpu.kernels import DEFAULT_CACHE, Kernels
-from blink.gpu.moe_launch import MoeLaunches
-from blink.gpu.weights import GpuWeights
+from blink.gpu.engine.forward import Dims, Forward
+from blink.gpu.engine.moe_launch import MoeLaunches
+from blink.gpu.engine.weights import GpuWeights
+from blink.gpu.toolchain.cuda_api import Cublas, Driver
+from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
 from blink.models.config import ModelConfig
 from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from blink.protocol.step import BATCH_FIELDS, STEP_FIELDS, StepBatch
@@ -239,7 +239,7 @@ class Engine:
         self.fwd.record(self.s, 1, self.token_buckets[0], False)
         self.stream.synchronize()  # type: ignore[attr-defined]
         if not self._tuned and self.ecfg.gemm_candidates:
-            from blink.gpu.cublaslt import tune_engine
+            from blink.gpu.engine.cublaslt import tune_engine
 
             tune_engine(self, [r for r in rows if not self.fwd.uses_gemv(r)], _bar if self.ecfg.progress else None)
         self._tuned = True

@@ -1,6 +1,6 @@
 """Attention in a model step: which kernel serves each bucket, and its launches.
 
-Forward (blink/gpu/forward.py) records the rest of the step; this mixin owns the attention role:
+Forward (blink/gpu/engine/forward.py) records the rest of the step; this mixin owns the attention role:
 the prefill kernel ("fa2", the default, or "rego": prefill_attention.cu), the decode kernel
 ("flashq" below batch 128 and "flashmma" from 128, the defaults: flash_decode.cu; "basic": attention.cu), the split counts
 they are recorded with, and the per-bucket choice (a (min_batch, variant) table, or one
@@ -11,8 +11,8 @@ kernel files' header comments cite the measurements).
 
 from __future__ import annotations
 
-from blink.gpu.cuda_api import Driver
-from blink.gpu.kernels import Kernels
+from blink.gpu.toolchain.cuda_api import Driver
+from blink.gpu.toolchain.kernels import Kernels
 
 DECODE_HEAD_DIMS = (16, 32, 64, 128)
 DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)

@@ -9,13 +9,13 @@ Step (T tokens, S sequences; delta = the output of the last projection, added la
     per layer:  add_rmsnorm(resid += delta) -> hid;  qkv = hid Wqkv^T;  rope/qk-norm/KV write -> q
                 attention(q, paged KV) -> attn;  delta = attn Wo^T;  add_rmsnorm(resid += delta) -> hid
                 gate_up = hid Wgu^T;  act = swiglu(gate_up);  delta = act Wdown^T
-                (MoE layers: delta = the routed experts of hid, blink/gpu/moe_launch.py; MoE models
+                (MoE layers: delta = the routed experts of hid, blink/gpu/engine/moe_launch.py; MoE models
                 take no GEMV fusions, their layers hand the MLP's output on as delta)
     final_norm_gather(resid + delta at each sequence's last token) -> last [S, H]
     logits = last Wlm^T (fp32);  sample -> out_tokens;  signal_done (st.release of *step_seq)
 Buffers are sized for the largest shape and shared by all graphs: one step runs at a time.
 Attention (kernel choice per bucket, splits, launches) is the AttentionLaunches mixin
-(blink/gpu/attention_launch.py).
+(blink/gpu/engine/attention_launch.py).
 
 GEMV fusions (set_gemv_fusion; only in steps whose projections use the GEMV, i.e. decode buckets
 <= gemv_max_tokens; prefill and cuBLAS steps are unchanged):
@@ -37,17 +37,17 @@ import math
 
 import numpy as np
 
-from blink.gpu.attention_launch import (
+from blink.gpu.engine.attention_launch import (
     DECODE_GROUPS,
     DECODE_HEAD_DIMS,
     FLASH_VARIANTS,
     AttentionLaunches,
 )
-from blink.gpu.cuda_api import Cublas, Driver
-from blink.gpu.kernels import Kernels
-from blink.gpu.moe_launch import MoeLaunches
-from blink.gpu.step_arena import Dims, StepArena
-from blink.gpu.weights import GpuWeights
+from blink.gpu.engine.moe_launch import MoeLaunches
+from blink.gpu.engine.step_arena import Dims, StepArena
+from blink.gpu.engine.weights import GpuWeights
+from blink.gpu.toolchain.cuda_api import Cublas, Driver
+from blink.gpu.toolchain.kernels import Kernels
 from blink.models.config import ModelConfig, rope_inv_freq
 from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from blink.device.executor import StepBatch
-from blink.gpu.engine import Engine, EngineConfig
+from blink.gpu.engine.engine import Engine, EngineConfig
 from blink.models.config import ModelConfig
 from blink.protocol.layout import DeviceFeatures
 

@@ -2,7 +2,7 @@
 
 One `ENGINE_DTYPE` record lives in device memory. The engine fills it once after capturing
 its graphs; the scheduler kernel (and the host loop) read it. The C++ view,
-`blink/gpu/include/blink_engine.h`, is generated from this dtype (`python -m blink.gpu.abi`)
+`blink/gpu/engine/include/blink_engine.h`, is generated from this dtype (`python -m blink.gpu.engine.abi`)
 with typed pointers and a `static_assert` on every offset.
 
 A step is described entirely by device buffers, so graphs never bake in lengths: the record
@@ -80,11 +80,11 @@ def render() -> str:
         "Step extents: T packed tokens, S sequences, W = max_blocks_per_seq.",
     ]
     body = struct_lines("EngineABI", ENGINE_DTYPE, pointers=POINTERS, docs=_DOCS)
-    return header_text("blink.gpu.abi", "blink/gpu/abi.py and blink/protocol/step.py", about, body)
+    return header_text("blink.gpu.engine.abi", "blink/gpu/engine/abi.py and blink/protocol/step.py", about, body)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return header_main(HEADER_PATH, render, "blink.gpu.abi", argv)
+    return header_main(HEADER_PATH, render, "blink.gpu.engine.abi", argv)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,7 @@ import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-GPU_DIR = pathlib.Path(__file__).resolve().parent
-CSRC = GPU_DIR / "csrc"
-INCLUDE = GPU_DIR / "include"
+GPU_DIR = pathlib.Path(__file__).resolve().parents[1]  # blink/gpu: engine/ and scheduler/ hold the sources
 MIN_ARCH = 80
 TARGET_ARCHS = (80, 89, 90, 100)  # Ampere, Ada, Hopper, Blackwell: compiled in CI
 
@@ -136,8 +134,11 @@ class Nvrtc:
         if res != 0:
             raise BuildError(f"{what}: {self.lib.nvrtcGetErrorString(res).decode()}")
 
-    def compile(self, source: pathlib.Path, target: str, options: Sequence[str] = ()) -> bytes:
-        """cubin (target sm_XX) or PTX (compute_XX) of `source`; raises BuildError with NVRTC's log."""
+    def compile(
+        self, source: pathlib.Path, target: str, options: Sequence[str] = (), include_dirs: Sequence[pathlib.Path] = ()
+    ) -> bytes:
+        """cubin (target sm_XX) or PTX (compute_XX) of `source`, which may include headers from its own
+        directory and `include_dirs`; raises BuildError with NVRTC's log."""
         headers = rtc_headers(self.version)
         names = list(headers)
         hdr = (ctypes.c_char_p * len(names))(*[headers[k].encode() for k in names])
@@ -156,7 +157,7 @@ class Nvrtc:
                 "-include=stdint.h",
                 *options,
                 f"-I{source.parent}",
-                f"-I{INCLUDE}",
+                *(f"-I{d}" for d in include_dirs),
             ]
             opts += [f"-I{d}" for d in self.include_dirs]
             argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
@@ -230,17 +231,22 @@ def target_for(cc: int, supported: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class Unit:
-    """One module to build: a source under csrc/, the sources its key covers, extra NVRTC options."""
+    """One module to build: a source file, the headers it includes (its key covers them; NVRTC
+    searches their directories), extra NVRTC options."""
 
-    source: str
-    deps: tuple[str, ...] = ()
+    source: pathlib.Path
+    deps: tuple[pathlib.Path, ...] = ()
     options: tuple[str, ...] = ()
+
+    def include_dirs(self) -> tuple[pathlib.Path, ...]:
+        """The headers' directories other than the source's own, in order."""
+        dirs = [d.parent for d in self.deps if d.parent != self.source.parent]
+        return tuple(dict.fromkeys(dirs))
 
     def key(self, target: str, version: tuple[int, int]) -> str:
         h = hashlib.sha256()
-        for name in (self.source, *self.deps):
-            p = CSRC / name if (CSRC / name).exists() else INCLUDE / name
-            h.update(name.encode() + b"\0" + p.read_bytes())
+        for p in (self.source, *self.deps):
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
         for text in RTC_HEADERS.values():
             h.update(text.encode())
         # NVRTC's major version only: a cubin from 13.5 loads wherever one from 13.0 does, so a cache
@@ -254,10 +260,10 @@ def build(unit: Unit, target: str, cache_dir: str | os.PathLike[str]) -> pathlib
     rtc = nvrtc()
     cache = pathlib.Path(cache_dir)
     ext = ".cubin" if target.startswith("sm_") else ".ptx"
-    out = cache / f"{pathlib.Path(unit.source).stem}-{target}-{unit.key(target, rtc.version)}{ext}"
+    out = cache / f"{unit.source.stem}-{target}-{unit.key(target, rtc.version)}{ext}"
     if out.exists():
         return out
-    image = rtc.compile(CSRC / unit.source, target, unit.options)
+    image = rtc.compile(unit.source, target, unit.options, unit.include_dirs())
     cache.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     tmp.write_bytes(image)

@@ -1,13 +1,14 @@
-"""Build (NVRTC, cached by content hash: blink.gpu.build) and load the engine's CUDA kernels, and
+"""Build (NVRTC, cached by content hash: blink.gpu.toolchain.build) and load the engine's CUDA kernels, and
 launch them by parameter name.
 
-Sources live in blink/gpu/csrc/. A cubin is rebuilt only when its source, the shared headers, the
-options, the architecture or the NVRTC version change; the cache can be filled on a machine
-without a GPU (`python -m blink.gpu.kernels --arch 90 --cache-dir DIR`) and carried along.
+Sources live in blink/gpu/engine/csrc/ (the scheduler's in blink/gpu/scheduler/csrc/). A cubin is
+rebuilt only when its source, the shared headers, the options, the architecture or the NVRTC
+version change; the cache can be filled on a machine without a GPU
+(`python -m blink.gpu.toolchain.kernels --arch 90 --cache-dir DIR`) and carried along.
 
 Launch arguments are checked against the kernels' own signatures: PARAMS_FILE lists the parameters
 of every `extern "C"` kernel, read from nvcc's preprocessor output (so kernels defined by macros are
-listed under their real names) when a source changes (`python -m blink.gpu.kernels --params`; a
+listed under their real names) when a source changes (`python -m blink.gpu.toolchain.kernels --params`; a
 test fails while it is stale). `Kernels.args(name, kwargs)` orders keyword arguments by that list
 and converts each to the ctypes value its C type takes; a missing, unknown or mistyped argument is
 an error at the launch (during graph capture), not a wrong read.
@@ -22,15 +23,19 @@ import os
 import pathlib
 import re
 
-from blink.gpu import build as B
-from blink.gpu.cuda_api import Driver
+from blink.gpu.toolchain import build as B
+from blink.gpu.toolchain.cuda_api import Driver
 
-CSRC = B.CSRC
+CSRC = B.GPU_DIR / "engine" / "csrc"
+SCHEDULER_CSRC = B.GPU_DIR / "scheduler" / "csrc"
+INCLUDE = B.GPU_DIR / "engine" / "include"
 SOURCES = ("model_kernels.cu", "attention.cu", "prefill_attention.cu", "flash_decode.cu", "sampling.cu", "moe.cu")
 HEADERS = ("common.cuh",)
-UNITS = {s: B.Unit(s, HEADERS) for s in SOURCES}
-PARAM_SOURCES = (*SOURCES, "scheduler.cu")  # every kernel Python launches: the engine's and the scheduler's
-PARAMS_FILE = CSRC / "kernel_params.json"
+UNITS = {s: B.Unit(CSRC / s, (CSRC / HEADERS[0],)) for s in SOURCES}
+# every kernel Python launches: the engine's and the scheduler's
+SOURCE_DIRS = {**{s: CSRC for s in SOURCES}, "scheduler.cu": SCHEDULER_CSRC}
+PARAM_SOURCES = tuple(SOURCE_DIRS)
+PARAMS_FILE = pathlib.Path(__file__).resolve().parent / "kernel_params.json"
 DEFAULT_CACHE = B.default_cache_dir()
 
 
@@ -81,8 +86,9 @@ def source_key(source: str) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for name in (source, *HEADERS):  # not the NVRTC shims or options: they change no signature
-        h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
+    paths = (SOURCE_DIRS[source] / source, *(CSRC / name for name in HEADERS))
+    for p in paths:  # not the NVRTC shims or options: they change no signature
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -102,10 +108,10 @@ def nvcc_signatures(source: str) -> dict[str, Params]:
         "--expt-relaxed-constexpr",
         "-E",
         "-I",
-        str(CSRC),
+        str(SOURCE_DIRS[source]),
         "-I",
-        str(B.INCLUDE),
-        str(CSRC / source),
+        str(INCLUDE),
+        str(SOURCE_DIRS[source] / source),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
@@ -125,7 +131,9 @@ def signatures(source: str) -> dict[str, Params]:
     source changed since is an error naming the command that regenerates it."""
     entry = json.loads(PARAMS_FILE.read_text()).get(source)
     if entry is None or entry["key"] != source_key(source):
-        raise RuntimeError(f"{PARAMS_FILE.name} is stale for {source}: run `python -m blink.gpu.kernels --params`")
+        raise RuntimeError(
+            f"{PARAMS_FILE.name} is stale for {source}: run `python -m blink.gpu.toolchain.kernels --params`"
+        )
     return {k: tuple(tuple(p) for p in v) for k, v in entry["kernels"].items()}  # type: ignore[misc]
 
 
@@ -204,9 +212,9 @@ class Kernels:
 def main(argv: list[str] | None = None) -> int:
     """Fill a kernel cache ahead of time (no GPU needed): every engine kernel and the scheduler;
     or, with --params, regenerate the kernels' signature file (needs nvcc)."""
-    from blink.gpu import scheduler
+    from blink.gpu.scheduler import scheduler
 
-    ap = argparse.ArgumentParser(prog="python -m blink.gpu.kernels", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m blink.gpu.toolchain.kernels", description=main.__doc__)
     ap.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 (repeatable; default 90)")
     ap.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="where the cubins go (default: %(default)s)")
     ap.add_argument("--params", action="store_true", help=f"regenerate {PARAMS_FILE.name} (nvcc -E) and exit")

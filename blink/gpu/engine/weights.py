@@ -7,7 +7,7 @@ Per layer (H hidden, I intermediate, hd head_dim, nq/nkv heads, shapes (out, in)
     o (H, nq*hd)  mlp_norm (H,)  gate_up (2*I, H) = [gate_proj; up_proj]  down (H, I)
 MoE layers (qwen3_moe; E experts of intermediate size Im) instead of gate_up and down:
     router (E, H)  experts_gate_up (E, 2*Im, H) = [gate_proj; up_proj] per expert  experts_down (E, H, Im)
-    (transformers 5's Qwen3MoeExperts layout: each expert's rows contiguous, what blink/gpu/csrc/moe.cu streams)
+    (transformers 5's Qwen3MoeExperts layout: each expert's rows contiguous, what blink/gpu/engine/csrc/moe.cu streams)
 Sources: blink.models.weights.Bf16Tensors (`from_bf16`: canonical tensors as bf16 bits, one at a
 time, each copied into its rows of arrays allocated up front; what the CUDA device loads, so the
 host never holds the model), HF-named float32 host dicts rounded to bf16 (`from_host`: tests and
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.gpu.cuda_api import Driver
-from blink.gpu.kernels import Kernels
+from blink.gpu.toolchain.cuda_api import Driver
+from blink.gpu.toolchain.kernels import Kernels
 from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from blink.models.config import ModelConfig
 

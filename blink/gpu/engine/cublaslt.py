@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from blink.gpu.cuda_api import (
+from blink.gpu.toolchain.cuda_api import (
     CUBLAS_COMPUTE_32F,
     CUBLAS_OP_N,
     CUBLAS_OP_T,

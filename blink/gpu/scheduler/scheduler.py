@@ -1,15 +1,15 @@
 """The GPU-resident scheduler: control block layout, build, and the host-side launcher.
 
-The kernel (`blink/gpu/csrc/scheduler.cu`) is one block of 256 threads captured into a
+The kernel (`blink/gpu/scheduler/csrc/scheduler.cu`) is one block of 256 threads captured into a
 device-launchable graph. The host launches it once; from then on the kernel scans the ring,
-claims requests, builds each step in the engine's device buffers (`blink.gpu.abi`), launches the
+claims requests, builds each step in the engine's device buffers (`blink.gpu.engine.abi`), launches the
 engine's graphs fire-and-forget, polls their completion word and publishes tokens to the ring.
 It relaunches itself (tail launch) before the 120 fire-and-forget launches a graph execution may
 issue, so it runs until `header.shutdown` is set. The host thread makes no CUDA call meanwhile.
 
 `SCHED_CTL_DTYPE` is the one record the host and the kernel share: configuration written by the
 host before the launch, state and diagnostics the kernel keeps across relaunches. The CUDA view
-`blink/gpu/csrc/scheduler_ctl.cuh` is generated from it (`python -m blink.gpu.scheduler`).
+`blink/gpu/scheduler/csrc/scheduler_ctl.cuh` is generated from it (`python -m blink.gpu.scheduler.scheduler`).
 Everything else the kernel keeps (rows, plan) lives in module globals no host code reads.
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from blink.device.scheduler import default_long_prefill
-from blink.gpu.build import Unit, build, default_cache_dir, nvrtc, target_for
+from blink.gpu.toolchain.build import Unit, build, default_cache_dir, nvrtc, target_for
 from blink.protocol.cgen import header_main, header_text, struct_lines
 from blink.protocol.layout import SLOT_DTYPE, RingView
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
-INCLUDE = pathlib.Path(__file__).resolve().parent / "include"
+ENGINE_INCLUDE = pathlib.Path(__file__).resolve().parents[1] / "engine" / "include"
 CTL_HEADER_PATH = CSRC / "scheduler_ctl.cuh"
 SOURCES = ("scheduler.cu", "scheduler.cuh", "scheduler_plan.cuh", "scheduler_ring.cuh", "scheduler_ctl.cuh")
 KERNEL = "blink_sched"
@@ -122,7 +122,7 @@ def render_ctl_header() -> str:
         *struct_lines("SchedCtl", SCHED_CTL_DTYPE),
     ]
     about = ["The scheduler's control block: host-written configuration, kernel state kept across relaunches."]
-    return header_text("blink.gpu.scheduler", "blink/gpu/scheduler.py", about, body)
+    return header_text("blink.gpu.scheduler.scheduler", "blink/gpu/scheduler/scheduler.py", about, body)
 
 
 # -- build -------------------------------------------------------------------------------------
@@ -132,12 +132,16 @@ def render_ctl_header() -> str:
 # whole-program cubin. The only external symbol left is cudaGraphLaunch, which the driver resolves
 # at load time (probe REPORT.md, Q2). A relocatable cubin (-rdc without a device link) would fail
 # cuModuleGetFunction with CUDA_ERROR_INVALID_IMAGE: its unified function tables stay unresolved.
-UNIT = Unit(SOURCES[0], (*SOURCES[1:], "blink_ring.h", "blink_engine.h"), ("-ewp", "-lineinfo"))
+UNIT = Unit(
+    CSRC / SOURCES[0],
+    (*(CSRC / s for s in SOURCES[1:]), CSRC / "blink_ring.h", ENGINE_INCLUDE / "blink_engine.h"),
+    ("-ewp", "-lineinfo"),
+)
 
 
 def build_cubin(cache_dir: str | os.PathLike | None = None, arch: int = 90) -> pathlib.Path:
     """The scheduler module's cubin for compute capability `arch`, compiled (NVRTC) unless the
-    cache holds this version. Raises blink.gpu.build.BuildError when it cannot be built."""
+    cache holds this version. Raises blink.gpu.toolchain.build.BuildError when it cannot be built."""
     return build(UNIT, target_for(arch, nvrtc().archs), cache_dir or DEFAULT_CACHE)
 
 
@@ -147,7 +151,7 @@ def build_cubin(cache_dir: str | os.PathLike | None = None, arch: int = 90) -> p
 def launch_args(kernel: str, **kwargs: object) -> list:
     """The ctypes arguments of a scheduler kernel, checked against its signature in
     csrc/kernel_params.json (as the engine's launches are)."""
-    from blink.gpu.kernels import pack_args, signatures
+    from blink.gpu.toolchain.kernels import pack_args, signatures
 
     return pack_args(kernel, signatures("scheduler.cu")[kernel], kwargs)
 
@@ -210,7 +214,7 @@ class GpuScheduler:
     """
 
     def __init__(self, engine: Any, view: RingView, config: GpuSchedulerConfig | None = None):
-        from blink.gpu.cuda_api import Driver
+        from blink.gpu.toolchain.cuda_api import Driver
 
         self.engine = engine
         self.config = config or GpuSchedulerConfig()
@@ -259,7 +263,7 @@ class GpuScheduler:
 
         import cupy as cp
 
-        from blink.gpu import cudart
+        from blink.gpu.toolchain import cudart
 
         if self.started:
             raise RuntimeError("scheduler already started")
@@ -360,7 +364,7 @@ class GpuScheduler:
         return self.ctl
 
     def close(self) -> None:
-        from blink.gpu import cudart
+        from blink.gpu.toolchain import cudart
 
         if self._registered:
             cudart.host_unregister(self.drv, self._registered)
@@ -379,7 +383,7 @@ class GpuScheduler:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return header_main(CTL_HEADER_PATH, render_ctl_header, "blink.gpu.scheduler", argv)
+    return header_main(CTL_HEADER_PATH, render_ctl_header, "blink.gpu.scheduler.scheduler", argv)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def loaded_library_path(fragment: str, exclude: str = "", near: str = "") -> str
 
 
 class GemmPlans(Protocol):
-    """What Cublas.linear needs of a GEMM tuner (blink.gpu.cublaslt.GemmTuner, which builds on this
+    """What Cublas.linear needs of a GEMM tuner (blink.gpu.engine.cublaslt.GemmTuner, which builds on this
     module): a plan per (rows, n_out, k, fp32 output) it moved off cublasGemmEx, and how to run one."""
 
     plans: dict[tuple[int, int, int, bool], Any]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blink.gpu.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
-from blink.gpu.forward import GEMV_FUSIONS
+from blink.gpu.engine.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
+from blink.gpu.engine.forward import GEMV_FUSIONS
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -112,7 +112,7 @@ class EngineConfig:
     10,906 vs 10,688 tok/s (GPU scheduler, bench/results/tput_*-h200-6822f2b.json)."""
     gemm_candidates: int = 0
     """cuBLAS GEMM shapes: how many cuBLASLt heuristic algorithms the tuner times against
-    cublasGemmEx before capture (blink/gpu/cublaslt.py); 0 = cublasGemmEx for every shape. Off by
+    cublasGemmEx before capture (blink/gpu/engine/cublaslt.py); 0 = cublasGemmEx for every shape. Off by
     default: on the H200 (bench/results/archive/SUMMARY.md, session 3, item 3) 8 candidates bought 1.5-2.5 %
     on decode steps at batch 64-256 and nothing measurable end to end (256 x 256->128: 9,649 vs
     9,586 tok/s, inside run-to-run spread), and a timing-based choice can differ between processes

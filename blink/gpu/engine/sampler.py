@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.gpu.cuda_api import Driver
-from blink.gpu.kernels import Kernels
+from blink.gpu.toolchain.cuda_api import Driver
+from blink.gpu.toolchain.kernels import Kernels
 from blink.protocol.layout import MAX_LOGPROBS
 
 SEEN = np.uint32(0x80000000)  # bit 31 of a penalty-state word (sampling.cu)

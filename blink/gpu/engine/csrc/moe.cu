@@ -16,7 +16,7 @@
 //   moe_down_m*      -> y   [rows, H] bf16 = act[row] @ W_down[e]^T
 //   moe_combine      -> out [T, H] bf16 = sum_j bf16(y[pos[t*k+j]] * w[t*k+j]), j = 0..k-1 in order
 //
-// Worst-case sizing (the Python side, blink/gpu/moe_launch.py, allocates and launches with it): a
+// Worst-case sizing (the Python side, blink/gpu/engine/moe_launch.py, allocates and launches with it): a
 // tile is TILE_M consecutive rows of one expert, and the tiles of a step number at most
 // min(T*k, (T*k + E*(TILE_M-1)) / TILE_M); the expert kernels' grid.y is that bound for the graph's
 // token bucket and a block whose first row is >= off[E] returns at once.

@@ -184,7 +184,7 @@ __device__ void set_status(SchedCtl* c, Shared& sh, uint32_t status) {
 
 // ---- the kernel ---------------------------------------------------------------------------------
 // The tightest captured graph: decode_execs[b], else the smallest captured prefill shape
-// (b' >= b, t' >= t) as the engine's host path picks it (blink/gpu/engine.py, pick_exec).
+// (b' >= b, t' >= t) as the engine's host path picks it (blink/gpu/engine/engine.py, pick_exec).
 __device__ cudaGraphExec_t pick_exec(const SchedCtl* c, const Shared& sh) {
   const EngineABI* E = sh.E;
   const uint32_t eps = E->execs_per_shape, e = (uint32_t)(c->launches % eps);

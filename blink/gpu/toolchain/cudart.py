@@ -1,11 +1,11 @@
-"""Thin libcuda helpers the scheduler launcher needs beyond `blink.gpu.cuda_api.Driver`:
+"""Thin libcuda helpers the scheduler launcher needs beyond `blink.gpu.toolchain.cuda_api.Driver`:
 mapping the ring (a /dev/shm file) into the device, module globals, stream queries."""
 
 from __future__ import annotations
 
 import ctypes
 
-from blink.gpu.cuda_api import Driver
+from blink.gpu.toolchain.cuda_api import Driver
 
 _vp = ctypes.c_void_p
 

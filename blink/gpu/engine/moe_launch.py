@@ -1,4 +1,4 @@
-"""The MoE layer's launches and buffers (kernels: blink/gpu/csrc/moe.cu, whose header describes the algorithm).
+"""The MoE layer's launches and buffers (kernels: blink/gpu/engine/csrc/moe.cu, whose header describes the algorithm).
 
 Everything a step's routing decides (expert counts, offsets, which tile belongs to which expert)
 is computed on the device; the host only sizes buffers and grids for the worst case of a token
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from blink.gpu.cuda_api import Driver
-from blink.gpu.kernels import Kernels
+from blink.gpu.toolchain.cuda_api import Driver
+from blink.gpu.toolchain.kernels import Kernels
 from blink.models.config import ModelConfig
 
 TILE_M = 16  # rows per expert tile; the kernels are compiled per height: moe_*_m16 (moe.cu's macros)

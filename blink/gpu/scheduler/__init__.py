@@ -1,0 +1,1 @@
+"""The GPU-resident scheduler: the persistent kernel (csrc/) and its host-side launcher (scheduler)."""
