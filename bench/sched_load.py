@@ -20,6 +20,7 @@ import numpy as np
 
 from blink.dpu.request_tracker import RequestTracker
 from blink.protocol.layout import DeviceStatus
+from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import Transport
 from blink.protocol.wire import SubmitRequest
 
@@ -97,8 +98,7 @@ class LoadGen:
                 request_id=self.tracker.new_request_id(),
                 prompt_ids=r.prompt.tolist(),
                 max_new_tokens=r.max_new_tokens,
-                temperature=r.temperature,
-                seed=r.seed,
+                sampling=SamplingParams(temperature=r.temperature, seed=r.seed),
             )
             h = await self.tracker.submit(req)
             async for ev in h:

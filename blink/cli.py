@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", dest="server.api_key")
     s.add_argument("--max-body-bytes", dest="server.max_body_bytes", type=int)
     s.add_argument("--max-queue", dest="server.max_queue", type=int)
+    s.add_argument("--max-n", dest="server.max_n", type=int, help="most choices (n) per request")
     s.add_argument(
         "--allowed-origins",
         dest="server.allowed_origins",
@@ -560,6 +561,7 @@ def _generate(cfg: C.BlinkConfig, args: argparse.Namespace) -> int:
 
 async def _generate_async(stack: Any, args: argparse.Namespace) -> int:
     from blink.dpu.generation import stream_text
+    from blink.protocol.sampling_params import SamplingParams
     from blink.protocol.wire import SubmitRequest
 
     tok = stack.tokenizer
@@ -573,10 +575,8 @@ async def _generate_async(stack: Any, args: argparse.Namespace) -> int:
             tracker.new_request_id(),
             ids,
             args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
             stop_ids=tok.stop_ids([], ignore_eos=False),
-            greedy=args.temperature == 0,
+            sampling=SamplingParams(temperature=args.temperature, seed=args.seed),
         )
         async for ev in stream_text(tracker, tok, req, []):
             sys.stdout.write(ev.text)

@@ -59,6 +59,9 @@ class ServerConfig:
     """Largest accepted request body; larger ones get 413."""
     max_queue: int = 1024
     """Requests that may wait for a free ring slot; beyond that new requests get 429."""
+    max_n: int = 128
+    """Most choices (`n`) one request may ask for; beyond it a 400. OpenAI's own limit: each choice
+    is a ring request of its own (docs/decisions.md, "Serving and frontend")."""
     heartbeat_timeout_s: float = 30.0
     """Device heartbeat silence (seconds) that counts as a device failure."""
     allowed_origins: str | None = None
@@ -81,6 +84,7 @@ class ServerConfig:
         _bounds("server", "port", self.port, 0, 65535)
         _bounds("server", "max_body_bytes", self.max_body_bytes, 1024, 1 << 30)
         _bounds("server", "max_queue", self.max_queue, 0, 1 << 20)
+        _bounds("server", "max_n", self.max_n, 1, 256)
         _bounds("server", "heartbeat_timeout_s", self.heartbeat_timeout_s, 0.1, 3600)
         if self.api_key is not None and not self.api_key:
             raise ConfigError("server.api_key must not be empty (leave it unset to disable auth)")

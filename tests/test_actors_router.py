@@ -20,10 +20,13 @@ from blink.actors.router import Router
 from blink.device.ring_device import RingDevice
 from blink.dpu.request_tracker import DeviceDownError, RequestTracker
 from blink.protocol.layout import FinishReason, RingGeometry
+from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import SubmitRequest
 
 VOCAB = 512
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class HangingExecutor(HashExecutor):
@@ -104,7 +107,7 @@ def test_router_balances_fails_over_and_reattaches() -> None:
             handles = []
             for p in prompts:
                 rid = router.new_request_id()
-                handles.append(await router.submit(SubmitRequest(rid, p, 12, temperature=0.0, greedy=True)))
+                handles.append(await router.submit(SubmitRequest(rid, p, 12, sampling=GREEDY)))
             assert [r.requests for r in router.replicas] == [3, 3]
             outs = await asyncio.gather(*(_collect(h) for h in handles))
             for p, (toks, evs) in zip(prompts, outs, strict=True):
@@ -113,8 +116,8 @@ def test_router_balances_fails_over_and_reattaches() -> None:
 
             # 2) replica 1 hangs mid-request: its request ends with an error event, routing skips it.
             ex1 = devs[1].executor
-            long = await router.submit(SubmitRequest(router.new_request_id(), [5, 6], 40, greedy=True))
-            other = await router.submit(SubmitRequest(router.new_request_id(), [9, 9], 40, greedy=True))
+            long = await router.submit(SubmitRequest(router.new_request_id(), [5, 6], 40, sampling=GREEDY))
+            other = await router.submit(SubmitRequest(router.new_request_id(), [9, 9], 40, sampling=GREEDY))
             on_1 = other if other._tracker is router.replicas[1].tracker else long
             assert {long._tracker, other._tracker} == {r.tracker for r in router.replicas}
             ex1.hang.set()
@@ -126,7 +129,8 @@ def test_router_balances_fails_over_and_reattaches() -> None:
                 await asyncio.sleep(0.02)
             before = router.replicas[0].requests
             hs = [
-                await router.submit(SubmitRequest(router.new_request_id(), [1, 2, i], 4, greedy=True)) for i in range(3)
+                await router.submit(SubmitRequest(router.new_request_id(), [1, 2, i], 4, sampling=GREEDY))
+                for i in range(3)
             ]
             assert router.replicas[0].requests == before + 3
             for h in hs:
@@ -142,7 +146,7 @@ def test_router_balances_fails_over_and_reattaches() -> None:
                 assert time.monotonic() < t_end
                 await asyncio.sleep(0.02)
             assert router.replicas[1].attaches == 2
-            h = await router.submit(SubmitRequest(router.new_request_id(), [4, 4, 4], 6, greedy=True))
+            h = await router.submit(SubmitRequest(router.new_request_id(), [4, 4, 4], 6, sampling=GREEDY))
             got = await _collect(h)
             assert got[0] == reference_greedy([4, 4, 4], 6, VOCAB)
 
@@ -180,7 +184,7 @@ def test_router_switches_at_once_to_a_replaced_ring() -> None:
         await router.start()
         new = None
         try:
-            h = await router.submit(SubmitRequest(router.new_request_id(), [5, 6], 1000, greedy=True))
+            h = await router.submit(SubmitRequest(router.new_request_id(), [5, 6], 1000, sampling=GREEDY))
             os.unlink(old.transport.path)  # the old mapping (and device) live on; only the name moves
             new = Device(name, _ex())
             t0 = time.monotonic()
@@ -189,7 +193,9 @@ def test_router_switches_at_once_to_a_replaced_ring() -> None:
             while router.replicas[0].attaches < 2 or not router.replicas[0].up:
                 assert time.monotonic() - t0 < 10
                 await asyncio.sleep(0.02)
-            got = await _collect(await router.submit(SubmitRequest(router.new_request_id(), [7, 7], 5, greedy=True)))
+            got = await _collect(
+                await router.submit(SubmitRequest(router.new_request_id(), [7, 7], 5, sampling=GREEDY))
+            )
             assert got[0] == reference_greedy([7, 7], 5, VOCAB)
             assert int(new.transport.view().header["requests_completed"]) == 1  # served by the new ring
         finally:
@@ -217,10 +223,12 @@ def test_routing_counts_every_frontends_requests() -> None:
         await b.start()
         try:
             b0 = b.replicas[0].tracker
-            held = [await b0.submit(SubmitRequest(b0.new_request_id(), [5, 6], 1000, greedy=True)) for _ in range(3)]
+            held = [
+                await b0.submit(SubmitRequest(b0.new_request_id(), [5, 6], 1000, sampling=GREEDY)) for _ in range(3)
+            ]
             await asyncio.sleep(0.4)  # A's idle token readers refresh their records every 0.25 s
             assert a.replicas[0].tracker.load() == 3 and a.replicas[1].tracker.load() == 0
-            mine = [await a.submit(SubmitRequest(a.new_request_id(), [1, 2, i], 4, greedy=True)) for i in range(3)]
+            mine = [await a.submit(SubmitRequest(a.new_request_id(), [1, 2, i], 4, sampling=GREEDY)) for i in range(3)]
             assert [r.requests for r in a.replicas] == [0, 3]  # all to the replica B is not using
             for h in mine:
                 assert (await _collect(h))[1][-1].finish_reason == FinishReason.LENGTH

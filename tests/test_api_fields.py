@@ -59,9 +59,9 @@ def test_vllm_extension_fields_are_declared():
 def test_logprobs_zero_asks_for_the_sampled_tokens_logprob():
     """Completions' logprobs: 0 is vLLM's "the chosen token's logprob, no alternatives", not "off"."""
     r = api.parse(api.CompletionRequest, b'{"model": "m", "prompt": "x", "logprobs": 0}')
-    assert api.sampling_params(r, 1, [5], [2], 4).logprobs == 0
+    assert api.sampling_params(r, 1, [5], [2], 4).sampling.logprobs == 0
     r = api.parse(api.CompletionRequest, b'{"model": "m", "prompt": "x", "logprobs": null}')
-    assert api.sampling_params(r, 1, [5], [2], 4).logprobs == -1
+    assert api.sampling_params(r, 1, [5], [2], 4).sampling.logprobs == -1
 
 
 class PromptLengthBackend:

@@ -17,6 +17,7 @@ from blink.dpu.request_tracker import DeviceDownError, QueueFullError, RequestTr
 from blink.dpu.slot_tracker import SlotTracker
 from blink.dpu.token_reader import TokenReader
 from blink.protocol.layout import DeviceStatus, FinishReason, RingGeometry, SlotError, SlotFlags, SlotState
+from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import SubmitRequest, TokenEvent
 
@@ -66,14 +67,19 @@ def dev():
 
 
 def _req(rid: int, n: int = 3, **kw) -> SubmitRequest:
-    return SubmitRequest(rid, list(range(10, 10 + n)), 5, **kw)
+    return SubmitRequest(rid, list(range(10, 10 + n)), 5, sampling=SamplingParams(**kw))
 
 
 def test_claim_writes_record_then_state_and_doorbell(dev):
     fe = ShmTransport.open(dev.name)
     st = SlotTracker(fe, RingGeometry.from_header(dev.v.header))
     req = SubmitRequest(
-        77, [5, 6, 7], 9, min_new_tokens=2, temperature=0.5, top_p=0.9, top_k=40, seed=123, stop_ids=[2, 3]
+        77,
+        [5, 6, 7],
+        9,
+        min_new_tokens=2,
+        stop_ids=[2, 3],
+        sampling=SamplingParams(temperature=0.5, top_p=0.9, top_k=40, seed=123),
     )
     s = st.claim(req)
     assert s == 0
@@ -88,9 +94,11 @@ def test_claim_writes_record_then_state_and_doorbell(dev):
     assert off == s * st.prompt_capacity
     assert list(dev.v.prompt_arena[off : off + 3]) == [5, 6, 7]
     assert dev.v.header["submit_seq"] == 1
-    # greedy flag for temperature 0; the next claim goes to the next slot (hint)
-    s2 = st.claim(SubmitRequest(78, [1], 1, temperature=0.0))
-    assert s2 == 1 and dev.v.slots[1]["flags"] == SlotFlags.GREEDY
+    # greedy (a temperature below SAMPLING_EPS) is temperature 0 on the ring, no flag; the next claim
+    # goes to the next slot (hint)
+    s2 = st.claim(SubmitRequest(78, [1], 1, sampling=SamplingParams(temperature=1e-40), group=5))
+    assert s2 == 1 and dev.v.slots[1]["temperature"] == 0.0 and dev.v.slots[1]["flags"] == SlotFlags.NONE
+    assert dev.v.slots[1]["group"] == 5
     assert int(dev.v.slots[1]["prompt_offset"]) == st.prompt_capacity
     assert dev.v.header["submit_seq"] == 2
     with pytest.raises(ValueError):
@@ -324,7 +332,12 @@ def test_wire_types_round_trip_as_msgpack_arrays():
 
     msgs = [
         SubmitRequest(
-            7, [1, 2, 3], 16, min_new_tokens=2, temperature=0.7, top_p=0.9, top_k=5, seed=2**63, stop_ids=[2]
+            7,
+            [1, 2, 3],
+            16,
+            min_new_tokens=2,
+            stop_ids=[2],
+            sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=2**63),
         ),
         TokenEvent(7, [4, 5], FinishReason.ERROR, SlotError.BAD_PARAMS, "bad"),
         wire.CancelRequest(7),

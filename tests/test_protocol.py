@@ -82,7 +82,7 @@ def test_slot_round_trip_through_the_transport(shm_ring):
         "consumed": 9,
         "finish_reason": layout.FinishReason.CONTEXT,
         "error": layout.SlotError.BAD_PARAMS,
-        "flags": layout.SlotFlags.GREEDY,
+        "flags": layout.SlotFlags.LOGPROBS,
         "t_submit_ns": 1_700_000_000_123_456_789,
         "t_admit_ns": 1_700_000_000_223_456_789,
         "t_first_ns": 1_700_000_000_323_456_789,

@@ -20,6 +20,7 @@ from blink.device.scheduler import Scheduler, SchedulerConfig
 from blink.device.step_batch import build_batch
 from blink.launch import start_device
 from blink.protocol.layout import DeviceStatus, FinishReason, RingGeometry, SlotError
+from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import DeviceSpec
 
@@ -151,8 +152,8 @@ def test_shutdown_now_cancels_in_flight(rig_factory):
 def test_build_batch_packs_chunks_and_block_tables():
     bm = BlockManager(32, 4)
     s = Scheduler(SchedulerConfig(4, 8, 64, 16), bm)
-    s.add(0, range(10), temperature=0.5, top_p=0.9, top_k=7, seed=11)
-    s.add(1, range(3))
+    s.add(0, range(10), sampling=SamplingParams(temperature=0.5, top_p=0.9, top_k=7, seed=11))
+    s.add(1, range(3), sampling=SamplingParams(temperature=1e-6))  # below SAMPLING_EPS: greedy, packed as 0
     plan = s.schedule()
     b = build_batch(plan, bm, table_width=16)
     assert b.num_seqs == 1 and b.num_tokens == 8  # 8-token budget: seq 0 chunked, seq 1 waits
@@ -264,7 +265,9 @@ def test_two_frontends_share_one_ring(rig_factory):
         seen: list[tuple[int, int]] = []  # (frontend, slot)
 
         async def one(k: int, i: int) -> list[int]:
-            h = await rts[k].submit(SubmitRequest(rts[k].new_request_id(), prompts[i], 16, temperature=0.0))
+            h = await rts[k].submit(
+                SubmitRequest(rts[k].new_request_id(), prompts[i], 16, sampling=SamplingParams(temperature=0.0))
+            )
             seen.append((k, h.slot))
             return [t async for e in h for t in e.token_ids]
 

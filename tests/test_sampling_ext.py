@@ -18,6 +18,7 @@ from blink.device.sampling import PenaltyState, logprob_record, logprobs, proces
 from blink.dpu import openai_api as api
 from blink.dpu.request_tracker import RequestTracker
 from blink.protocol.layout import DeviceFeatures, DeviceStatus, FinishReason, RingGeometry
+from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import SubmitRequest
 
@@ -68,7 +69,7 @@ def test_definition_matches_torch(seed):
     lp = logprobs(logits)
     want_lp = torch.log_softmax(torch.tensor(logits), -1).numpy()
     np.testing.assert_allclose(lp, want_lp, atol=2e-5)
-    chosen, top_ids, top_lps = logprob_record(lp, 11, 20)
+    chosen, top_ids, top_lps = logprob_record(logits, 11, 20)
     vals_t, ids_t = torch.topk(torch.tensor(want_lp), 20)
     np.testing.assert_array_equal(top_ids, ids_t.numpy())  # continuous random logits: no ties
     np.testing.assert_allclose(top_lps, vals_t.numpy(), atol=2e-5)
@@ -83,8 +84,7 @@ def test_definition_matches_torch(seed):
 
 
 def test_logprob_record_ties_prefer_the_lower_id():
-    lp = logprobs(np.array([1.0, 2.0, 2.0, 0.0, 2.0], np.float32))
-    _, ids, _ = logprob_record(lp, 3, 4)
+    _, ids, _ = logprob_record(np.array([1.0, 2.0, 2.0, 0.0, 2.0], np.float32), 3, 4)
     assert ids.tolist() == [1, 2, 4, 0]
 
 
@@ -168,13 +168,12 @@ def test_prompt_and_generated_logprobs_match_a_full_forward(chunk):
     try:
         rng = np.random.default_rng(3)
         prompt = rng.integers(3, 512, 23).tolist()
-        req = SubmitRequest(1, prompt, 6, temperature=0.0, greedy=True, logprobs=5, prompt_logprobs=3)
+        req = SubmitRequest(1, prompt, 6, sampling=SamplingParams(temperature=0.0, logprobs=5, prompt_logprobs=3))
         ((ids, lps, plps, fin),) = asyncio.run(_run(d.t, [req]))
         assert fin == FinishReason.LENGTH and len(ids) == 6 and len(lps) == 6 and len(plps) == len(prompt) - 1
         full = d.full_logits(prompt + ids)
         for j in range(1, len(prompt)):  # prompt record j scores token j from position j - 1
-            lp = logprobs(full[j - 1])
-            want, top, top_lp = logprob_record(lp, prompt[j], 5)
+            want, top, top_lp = logprob_record(full[j - 1], prompt[j], 5)
             assert plps[j - 1].logprob == pytest.approx(want, abs=1e-4)
             assert plps[j - 1].top_ids == top[:3].tolist()  # the slot holds 5, prompt_logprobs asked 3
             np.testing.assert_allclose(plps[j - 1].top_logprobs, top_lp[:3], atol=1e-4)
@@ -207,7 +206,10 @@ def test_penalties_and_logit_bias_through_the_ring(device):
         dict(presence_penalty=-2.0),  # rewards repeats: must not leak into the next request on the slot
         dict(logit_bias=[(300, 100.0)]),
     ]
-    reqs = [SubmitRequest(i, prompt, 12, temperature=0.0, greedy=True, stop_ids=[], **c) for i, c in enumerate(cases)]
+    reqs = [
+        SubmitRequest(i, prompt, 12, stop_ids=[], sampling=SamplingParams(temperature=0.0, **c))
+        for i, c in enumerate(cases)
+    ]
     outs = asyncio.run(_run(device.t, reqs))
     plain = _reference_penalized(device, prompt, 12, [], 0.0, 0.0, 1.0)
     for c, (ids, *_rest) in zip(cases, outs, strict=True):
@@ -227,7 +229,7 @@ def test_penalties_and_logit_bias_through_the_ring(device):
 
 def test_min_p_samples_stay_in_the_kept_set(device):
     prompt = [5, 6, 7, 8]
-    reqs = [SubmitRequest(i, prompt, 1, temperature=1.0, seed=i, min_p=0.5) for i in range(30)]
+    reqs = [SubmitRequest(i, prompt, 1, sampling=SamplingParams(temperature=1.0, seed=i, min_p=0.5)) for i in range(30)]
     outs = asyncio.run(_run(device.t, reqs))
     logits = device.full_logits(prompt)[-1]
     keep = torch_min_p_keep(torch.tensor(logits), 1.0, 0.5)
@@ -237,12 +239,14 @@ def test_min_p_samples_stay_in_the_kept_set(device):
 def test_device_without_features_rejects_bad_params():
     """A device whose executor lacks the features fails such a request (BAD_PARAMS), and the
     frontend refuses it first with a 400 naming the field."""
-    sub = SubmitRequest(1, [5], 3, logprobs=2)
+    sub = SubmitRequest(1, [5], 3, sampling=SamplingParams(logprobs=2))
     with pytest.raises(api.APIError) as e:
         api.check_features(sub, 0)
     assert e.value.status == 400 and e.value.param == "logprobs"
     with pytest.raises(api.APIError) as e:
-        api.check_features(SubmitRequest(1, [5], 3, repetition_penalty=1.2), int(DeviceFeatures.LOGPROBS))
+        api.check_features(
+            SubmitRequest(1, [5], 3, sampling=SamplingParams(repetition_penalty=1.2)), int(DeviceFeatures.LOGPROBS)
+        )
     assert e.value.param == "repetition_penalty"
     api.check_features(SubmitRequest(1, [5], 3), 0)  # a plain request needs nothing
 
@@ -284,9 +288,10 @@ def test_bad_sampling_fields_are_400s_naming_the_field(req, param):
 def test_request_fields_map_to_the_ring_request():
     r = _comp(logprobs=3, echo=True, max_tokens=0, logit_bias={"7": 150}, repetition_penalty=1.1, min_p=0.2)
     sub = api.sampling_params(r, 1, [5, 6], [], 0, vocab_size=512)
-    assert (sub.logprobs, sub.prompt_logprobs, sub.max_new_tokens) == (3, 3, 1)  # max_tokens 0: one, dropped
-    assert sub.logit_bias == [(7, 100.0)]  # clamped as in vLLM
-    assert (sub.repetition_penalty, sub.min_p) == (pytest.approx(1.1), pytest.approx(0.2))
+    sp = sub.sampling
+    assert (sp.logprobs, sp.prompt_logprobs, sub.max_new_tokens) == (3, 3, 1)  # max_tokens 0: one, dropped
+    assert sp.logit_bias == ((7, 100.0),)  # clamped as in vLLM
+    assert (sp.repetition_penalty, sp.min_p) == (pytest.approx(1.1), pytest.approx(0.2))
     c = api.sampling_params(_chat(logprobs=True), 1, [5], [], None)
-    assert (c.logprobs, c.prompt_logprobs) == (0, -1)
-    assert api.sampling_params(_chat(), 1, [5], [], None).logprobs == -1
+    assert (c.sampling.logprobs, c.sampling.prompt_logprobs) == (0, -1)
+    assert api.sampling_params(_chat(), 1, [5], [], None).sampling.logprobs == -1

@@ -453,3 +453,58 @@ def test_a_queue_of_prompts_gets_large_steps_while_decodes_run():
         sizes.append(plan.num_tokens)
     # 40 x 20 = 800 prompt tokens: 780 queued behind the first >= 4 x (128 - 1), so max_tokens at once
     assert sizes == [256, 256, 128, 128, 64, 64, 64, 60]  # then down as the queue drains
+
+
+# -- fair share: the choices of one request (a group) ------------------------------------------------
+def _first_token_step(s: Scheduler, seq_id: int, max_steps: int = 10_000) -> int:
+    """Steps until sequence seq_id publishes its first token."""
+    for i in range(max_steps):
+        _, ev = step(s)
+        if any(e.seq_id == seq_id for e in ev):
+            return i
+    raise AssertionError(f"sequence {seq_id} got no token in {max_steps} steps")
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_request_with_many_choices_does_not_starve_another(grouped):
+    """The reported case, scaled down: one request with n = 2 x max_batch long choices, then another
+    user's request. As separate requests (no group) the newcomer waits for a whole wave of choices
+    to end (the starvation); as a group it is admitted on the next step."""
+    s = make(max_batch=4, max_tokens=64, num_blocks=256)
+    for i in range(8):
+        s.add(i, [1, 2, 3], max_new_tokens=400, group=77 if grouped else 0)
+    for _ in range(3):
+        step(s)
+    assert s.num_running == 4  # alone, the request fills the batch (beyond its share)
+    s.add(100, [4, 5], max_new_tokens=2)
+    wait = _first_token_step(s, 100)
+    if grouped:
+        assert wait == 0
+        assert s.num_running == 4 and sum(x.group == 77 for x in s.running) == 3
+        assert sum(x.preemptions for x in s.seqs.values()) == 1  # the group's newest choice made room
+    else:
+        assert wait >= 390  # behind the first four choices' 400 tokens
+
+
+def test_groups_within_their_share_are_admitted_first_and_nothing_is_lost():
+    s = make(max_batch=4, max_tokens=64, num_blocks=256)
+    for i in range(6):
+        s.add(i, [1, 2, 3], max_new_tokens=50, group=9)
+    s.add(10, [7], max_new_tokens=50, group=10)
+    s.add(11, [8], max_new_tokens=50, group=10)
+    plan = s.schedule()
+    # group 9 takes its share (2), group 10 its share (2): 9's other choices wait although older
+    assert sorted(c.seq.seq_id for c in plan.chunks) == [0, 1, 10, 11]
+    s.update(plan, [token_for(c.seq.seq_id, 0) for c in plan.chunks])
+    _, events = drain(s)
+    done = {e.seq_id for e in events if e.finish is not FinishReason.NONE}
+    assert done == set(range(6)) | {10, 11}
+
+
+def test_no_preemption_without_a_waiting_request_below_its_share():
+    """A full batch of one group and more of its own choices waiting: nobody is preempted."""
+    s = make(max_batch=4, max_tokens=64, num_blocks=256)
+    seqs = [s.add(i, [1, 2, 3], max_new_tokens=30, group=5) for i in range(6)]
+    drain(s)
+    assert not s.seqs and [x.finish for x in seqs] == [FinishReason.LENGTH] * 6
+    assert all(x.preemptions == 0 for x in seqs)

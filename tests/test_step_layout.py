@@ -13,6 +13,7 @@ import pytest
 from blink.gpu.engine import abi
 from blink.gpu.engine.engine import Engine
 from blink.gpu.engine.step_arena import Dims, arena_layout, host_views
+from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.step import BATCH_FIELDS, FIELDS, STEP_FIELDS, StepBatch
 
 
@@ -54,7 +55,9 @@ def test_build_batch_gives_the_field_dtypes():
     blocks = BlockManager(16, 4)
     seqs = []
     for i, n in enumerate((5, 2)):
-        seqs.append(Seq(i, list(range(10, 10 + n)), n, temperature=0.5, top_p=0.9, top_k=3, seed=i))
+        seqs.append(
+            Seq(i, list(range(10, 10 + n)), n, sampling=SamplingParams(temperature=0.5, top_p=0.9, top_k=3, seed=i))
+        )
         blocks.allocate(i, n + 1)
     plan = StepPlan(StepKind.PREFILL, [ScheduledChunk(seqs[0], 0, 5, True), ScheduledChunk(seqs[1], 0, 2, True)])
     b = build_batch(plan, blocks, 4)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from blink.device.executor import SamplingExt, StepBatch
-from blink.device.sampling import PenaltyState, logprob_record, logprobs, process_logits, sample
+from blink.device.sampling import PenaltyState, logprob_record, process_logits, sample
 from blink.models.config import ModelConfig
 from blink.models.llama_numpy import LlamaNumpy
 from blink.models.weights import Weights
@@ -130,8 +130,8 @@ class NumpyExecutor:
         S = batch.num_seqs
         seq_of = np.repeat(np.arange(S), np.diff(cu))
         for j, i in enumerate(scored.tolist()):
-            lp = logprobs(all_logits[S + j])
-            _put(x.prompt_logprobs[i], *logprob_record(lp, int(x.targets[i]), int(x.prompt_n[seq_of[i]])))
+            rec = logprob_record(all_logits[S + j], int(x.targets[i]), int(x.prompt_n[seq_of[i]]))
+            _put(x.prompt_logprobs[i], *rec)
         logits = all_logits[:S]
         processed = np.empty_like(logits)
         states: list[PenaltyState | None] = []
@@ -162,7 +162,7 @@ class NumpyExecutor:
             if st is not None:
                 st.add(int(toks[s]))
             if x.n_logprobs[s] >= 0:
-                _put(x.logprobs[s], *logprob_record(logprobs(logits[s]), int(toks[s]), int(x.n_logprobs[s])))
+                _put(x.logprobs[s], *logprob_record(logits[s], int(toks[s]), int(x.n_logprobs[s])))
         return toks
 
     def close(self) -> None:

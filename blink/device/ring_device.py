@@ -33,7 +33,6 @@ from blink.protocol.layout import (
     FinishReason,
     RingView,
     SlotError,
-    SlotFlags,
     SlotState,
     prompt_logprob_record,
 )
@@ -41,7 +40,7 @@ from blink.protocol.layout import (
 from .executor import Executor, StepBatch
 from .kv_blocks import BlockManager
 from .scheduler import Scheduler, SchedulerConfig, StepKind, StepPlan
-from .slot_request import seq_sampling, validate
+from .slot_request import sampling_of, validate
 from .step_batch import build_batch
 
 
@@ -113,6 +112,7 @@ class RingDevice:
         # Counters continue from the header: a device restarted on the same ring keeps them monotonic.
         self.stats = {k: int(self.hdr[k]) for k in DEVICE_COUNTERS}
         self._shown: dict[int, int] = {}  # slot -> state last written by _sync_states
+        self._plp_offset: dict[int, int] = {}  # slot -> its prompt logprob record 0 (int32 word)
         self._beats = int(self.hdr["heartbeat"])
         self._last_submit = -1
         self._last_cancel = -1
@@ -180,18 +180,16 @@ class RingDevice:
             self._finish(slot, FinishReason.ERROR, err)
             return
         off, n = int(rec["prompt_offset"]), int(rec["prompt_len"])
-        greedy = bool(int(rec["flags"]) & SlotFlags.GREEDY)
+        self._plp_offset[slot] = int(rec["prompt_logprobs_offset"])
         self.sched.add(
             slot,
             self.view.prompt_arena[off : off + n].tolist(),  # a copy: recompute after preemption needs it
             max_new_tokens=int(rec["max_new_tokens"]),
             min_new_tokens=int(rec["min_new_tokens"]),
             stop_ids=rec["stop_ids"][: int(rec["n_stop"])].tolist(),
-            temperature=0.0 if greedy else float(rec["temperature"]),
-            top_p=float(rec["top_p"]),
-            top_k=int(rec["top_k"]),
-            seed=int(rec["seed"]),
-        ).ext = seq_sampling(rec, self.view)
+            sampling=sampling_of(rec, self.view),
+            group=int(rec["group"]),
+        )
 
     def _scan(self) -> bool:
         t0 = time.perf_counter_ns()
@@ -294,18 +292,18 @@ class RingDevice:
         assert x is not None
         t0 = 0
         for c in plan.chunks:
-            e = c.seq.ext
+            pn = c.seq.sampling.prompt_logprobs
             rows = x.targets[t0 : t0 + c.n] >= 0
-            if e is not None and e.prompt_n >= 0 and rows.any():
-                rec = prompt_logprob_record(e.prompt_n)
+            if pn >= 0 and rows.any():
+                rec = prompt_logprob_record(pn)
                 w = rec.itemsize // 4
                 out = np.zeros(int(rows.sum()), rec)
                 src = x.prompt_logprobs[t0 : t0 + c.n][rows]
                 out["logprob"] = src["logprob"]
-                out["top_ids"] = src["top_ids"][:, : e.prompt_n]
-                out["top_logprobs"] = src["top_logprobs"][:, : e.prompt_n]
+                out["top_ids"] = src["top_ids"][:, :pn]
+                out["top_logprobs"] = src["top_logprobs"][:, :pn]
                 first = c.start + 1  # record j scores prompt token j
-                lo = e.prompt_lp_offset + first * w
+                lo = self._plp_offset[c.seq.seq_id] + first * w
                 self.view.prompt_arena[lo : lo + out.size * w] = out.view(np.int32)
             t0 += c.n
 

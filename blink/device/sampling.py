@@ -1,22 +1,29 @@
 """Sampling: the reference definition every device implements (numpy here, CUDA in blink/gpu).
 
-For a row of fp32 logits, the request's parameters and the index k of the token being sampled
-(0 for the first generated token), in vLLM V1's order:
+For a row of fp32 logits, the request's parameters (blink.protocol.sampling_params, whose ranges
+the device has checked at admission) and the index k of the token being sampled (0 for the first
+generated token), in vLLM V1's order. A NaN logit counts as -inf everywhere below, so every row,
+whatever its values, gives a token id in [0, vocab).
 
 0. Logprobs (when asked): of the raw logits, before logit_bias, penalties and temperature (vLLM's
    default `--logprobs-mode raw_logprobs`): lp = logits - max - log(sum exp(logits - max)), the sum
-   in float64. The record holds lp[token] and the n largest lp, the lower id first on ties.
+   in float64. The record holds lp[token] and the n alternatives with the largest logits, the lower
+   id first on ties (a row without a finite maximum has NaN logprobs, and still valid ids).
 1. logit_bias: logits[id] += bias for each entry.
 2. Penalties, from the sequence's state: `seen` (ids in the prompt or the output) and `counts`
    (occurrences in the output). Repetition r != 1, for seen ids: l > 0 ? l / r : l * r. Then
    l -= frequency * count + presence * (count > 0).
-3. T == 0 (or the GREEDY flag): argmax, lowest index on ties. Done.
-4. p = softmax(logits / T) in float32.
+3. Greedy (T < SAMPLING_EPS in float32, or T NaN): argmax, lowest index on ties. Done. A row of -inf (every
+   token masked) gives 0.
+4. z = logits / T. When max z is not finite (+inf: a logit overflowed after the penalties or the
+   division; -inf: every token masked), the row falls back to step 3's argmax of the logits. Else
+   p = exp(z - max z) / sum in float32: finite, and the largest p is 1 / sum > 0.
 5. min_p > 0: keep tokens with p >= min_p * max(p).
 6. top_k > 0: keep tokens with p >= the k-th largest p (ties at the boundary kept).
 7. top_p < 1: among kept tokens, with mass renormalised, tau is the largest kept probability such
    that the kept mass at or above tau is >= top_p; keep tokens with p >= tau (ties kept).
-   Only thresholds are involved, so a GPU finds the set without sorting the vocabulary.
+   Only thresholds are involved, so a GPU finds the set without sorting the vocabulary. The most
+   likely token passes every threshold, so the kept mass is > 0.
 8. u = uniform(seed, k) in [0, 1): splitmix64(seed XOR (k+1)*0x9E3779B97F4A7C15), top 24 bits / 2^24.
 9. Walk the kept tokens in vocabulary order, accumulating p; the first token whose running sum
    exceeds u * (kept mass) is the sample (the last kept token if rounding leaves none).
@@ -31,6 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from blink.protocol.sampling_params import SAMPLING_EPS
+
+_EPS32 = np.float32(SAMPLING_EPS)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -71,17 +81,26 @@ class PenaltyState:
         self.seen[token] = True
 
 
+def _nan_low(x: np.ndarray) -> np.ndarray:
+    """x with NaN replaced by -inf (a copy only when there is a NaN)."""
+    return np.where(np.isnan(x), np.float32(-np.inf), x) if np.isnan(x).any() else x
+
+
 def logprobs(logits: np.ndarray) -> np.ndarray:
     """Step 0: log-softmax of a row of raw logits (float32, the normaliser summed in float64)."""
-    z = np.asarray(logits, np.float32)
-    z = z - z.max()
-    lse = np.float32(np.log(np.exp(z, dtype=np.float32).sum(dtype=np.float64)))
-    return z - lse
+    z = _nan_low(np.asarray(logits, np.float32))
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = z - z.max()
+        lse = np.float32(np.log(np.exp(z, dtype=np.float32).sum(dtype=np.float64)))
+        return z - lse
 
 
-def logprob_record(lp: np.ndarray, token: int, n: int) -> tuple[float, np.ndarray, np.ndarray]:
-    """(lp[token], the n most likely ids (the lower id first on ties), their lp)."""
-    top = np.lexsort((np.arange(lp.size), -lp))[:n].astype(np.int32)
+def logprob_record(logits: np.ndarray, token: int, n: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """Step 0's record of a row of raw logits: (lp[token], the n ids with the largest logits (the
+    lower id first on ties), their lp)."""
+    x = _nan_low(np.asarray(logits, np.float32))
+    lp = logprobs(x)
+    top = np.lexsort((np.arange(x.size), -x))[:n].astype(np.int32)
     return float(lp[token]), top, lp[top]
 
 
@@ -109,16 +128,24 @@ def process_logits(
     return x
 
 
+def greedy_token(logits: np.ndarray) -> int:
+    """Step 3: argmax, NaN as -inf, lowest index on ties (0 for a row without a number above -inf)."""
+    return int(np.argmax(_nan_low(np.asarray(logits, np.float32))))
+
+
 def sample_row(
     logits: np.ndarray, temperature: float, top_p: float, top_k: int, seed: int, k: int, min_p: float = 0.0
 ) -> int:
     """Steps 3-9 on logits that already went through process_logits."""
-    logits = np.asarray(logits, dtype=np.float32)
-    if temperature <= 0.0:
-        return int(np.argmax(logits))
-    z = logits / np.float32(temperature)
-    z = z - z.max()
-    p = np.exp(z, dtype=np.float32)
+    x = _nan_low(np.asarray(logits, dtype=np.float32))
+    if not np.float32(temperature) >= _EPS32:  # compared in float32, as the ring and the kernel hold it
+        return greedy_token(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = x / np.float32(temperature)
+    m = z.max()
+    if not np.isfinite(m):
+        return greedy_token(x)
+    p = np.exp(z - m, dtype=np.float32)
     p /= p.sum(dtype=np.float32)
     keep = np.ones(p.shape, dtype=bool)
     if min_p > 0.0:
@@ -137,9 +164,7 @@ def sample_row(
     c = np.cumsum(q)
     u = float(uniform(seed, k))
     j = int(np.searchsorted(c, u * c[-1], side="right"))
-    if j >= p.size or not keep[j]:
-        j = int(np.flatnonzero(keep)[-1]) if j >= p.size else j
-    return j
+    return j if j < p.size else int(np.flatnonzero(keep)[-1])
 
 
 def sample(

@@ -38,6 +38,13 @@ comparison isolates the scheduler's placement):
   prompts still makes progress.
 - A sequence whose output ring is full (generated - consumed >= output_capacity) sits out until
   the reader catches up; it keeps its KV blocks and its batch place meanwhile.
+- Fair share: the choices of one API request (Seq.group, from slot.group) are one group, whose share
+  is group_cap(max_batch), half the batch. Admission takes the waiting sequences whose group is
+  below its share first (arrival order), then the others (arrival order): a lone request with a
+  large `n` still fills an idle batch. When the batch is full, a sequence below its share waits, and
+  some group holds more than its share, that group's newest running sequence is preempted (the
+  recompute preemption above), so the waiting one is admitted in the same step: one request's
+  choices never keep another request waiting for them to end.
 - Admission never preempts; a running sequence never fails for lack of KV, because max_context
   fits the pool (the caller's duty).
 """
@@ -45,16 +52,20 @@ comparison isolates the scheduler's placement):
 from __future__ import annotations
 
 import bisect
+import collections
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
+from blink.protocol.sampling_params import SamplingParams
 
 from .kv_blocks import BlockManager
+
+DEFAULT_SAMPLING = SamplingParams()
 
 # Enum member lookups go through the enum metaclass; the per-step paths use plain ints.
 _PREFILL_PROCESSING = int(SlotState.PREFILL_PROCESSING)
@@ -127,6 +138,14 @@ def mixed_budgets(max_tokens: int, mixed_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def group_cap(max_batch: int) -> int:
+    """Most running sequences one group (the choices of one API request, Seq.group) may hold: half
+    the batch, at least one. The rest of the batch stays open to other requests, so a request with
+    many choices never makes another wait for its choices to finish. The CUDA scheduler has the
+    same rule (scheduler_plan.cuh group_cap)."""
+    return max(1, max_batch // 2)
+
+
 def default_long_prefill(max_tokens: int) -> int:
     """A quarter of the step budget: a waiting prompt of up to 3/4 of it joins the next step."""
     return max(1, max_tokens // 4)
@@ -154,10 +173,8 @@ class Seq:
     max_new_tokens: int = UNLIMITED
     min_new_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    sampling: SamplingParams = DEFAULT_SAMPLING  # how its tokens are chosen (opaque to the policy)
+    group: int = 0  # the API request it is a choice of (0: none): group_cap bounds a group's places
     arrival: int = 0  # FCFS order, set by Scheduler.add
     num_computed: int = 0
     consumed: int = 0  # output tokens the reader has taken (output ring flow control)
@@ -166,7 +183,6 @@ class Seq:
     finish: FinishReason = FinishReason.NONE
 
     num_generated: int = 0  # == len(tokens) - prompt_len (kept, not derived: read every step)
-    ext: Any = None  # the caller's per-sequence sampling extensions (opaque to the policy)
 
     @property
     def prefilling(self) -> bool:
@@ -234,10 +250,8 @@ class Scheduler:
         max_new_tokens: int = UNLIMITED,
         min_new_tokens: int = 0,
         stop_ids: Iterable[int] = (),
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
+        sampling: SamplingParams = DEFAULT_SAMPLING,
+        group: int = 0,
     ) -> Seq:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} is already scheduled")
@@ -253,10 +267,8 @@ class Scheduler:
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
             stop_ids=frozenset(int(t) for t in stop_ids),
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
+            sampling=sampling,
+            group=group,
             arrival=self._arrivals,
         )
         self._arrivals += 1
@@ -304,6 +316,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """The next step, or None when nothing can run now (idle, or every sequence blocked)."""
         plan = StepPlan(StepKind.DECODE, [])
+        self._make_room_for_a_share(plan)
         ready, partial = self._split_running()
         # decided before the decodes are planned (their preemptions do not make prefill wanted)
         wants_prefill = partial or (len(self.running) < self.config.max_batch and self._admissible_waiting())
@@ -343,7 +356,9 @@ class Scheduler:
         return ready, partial
 
     def _preempt_newest(self, plan: StepPlan) -> Seq:
-        victim = max(self.running, key=lambda s: s.arrival)
+        return self._preempt(max(self.running, key=lambda s: s.arrival), plan)
+
+    def _preempt(self, victim: Seq, plan: StepPlan) -> Seq:
         self.running.remove(victim)
         self.blocks.free(victim.seq_id)
         victim.num_computed = 0
@@ -392,22 +407,53 @@ class Scheduler:
                 continue
             plan.chunks.append(ScheduledChunk(s, s.num_computed, n, s.num_computed + n == len(s.tokens)))
             budget -= n
+        held = self._places()
+        left = self._admit(plan, budget, held, over=False)  # within their group's share first
+        if left is not None:
+            self._admit(plan, left, held, over=True)  # then beyond it: a lone group may fill the batch
+
+    def _admit(self, plan: StepPlan, budget: int, held: collections.Counter[int], over: bool) -> int | None:
+        """Admit waiting sequences in arrival order: those whose group is below its share of the batch
+        (over=False), or those beyond it (over=True). Returns the budget left, or None when admission
+        stops for this step (budget, batch or KV exhausted, or a sequence this step preempted is next)."""
+        cfg = self.config
+        gcap = group_cap(cfg.max_batch)
         for s in list(self.waiting):
             if budget == 0 or len(self.running) >= cfg.max_batch:
-                break
+                return None
+            if bool(s.group and held[s.group] >= gcap) != over:
+                continue  # the other pass's
             if s in plan.preempted:
-                break  # preempted by this very step: admitting it back would undo that
+                return None  # preempted by this very step: admitting it back would undo that
             if self.output_full(s):
                 continue
             n = min(len(s.tokens), budget)
             if not self.blocks.can_allocate(n):
-                break  # FCFS: no overtaking the head for lack of KV
+                return None  # FCFS: no overtaking the head for lack of KV
+            held[s.group] += 1
             self.blocks.allocate(s.seq_id, n)
             self.waiting.remove(s)
             self.running.append(s)
             s.status = SeqStatus.RUNNING
             plan.chunks.append(ScheduledChunk(s, 0, n, n == len(s.tokens)))
             budget -= n
+        return budget
+
+    def _places(self) -> collections.Counter[int]:
+        """Running sequences per group (group 0, no group, is not counted)."""
+        return collections.Counter(s.group for s in self.running if s.group)
+
+    def _make_room_for_a_share(self, plan: StepPlan) -> None:
+        """With the batch full, a waiting sequence whose group is below its share (group_cap), and a
+        group above it: the newest running sequence of such a group is preempted (recomputed later),
+        so that the waiting one is admitted in this step."""
+        cfg = self.config
+        if len(self.running) < cfg.max_batch or not self.waiting:
+            return
+        held, gcap = self._places(), group_cap(cfg.max_batch)
+        over = [s for s in self.running if s.group and held[s.group] > gcap]
+        if over and any(held[s.group] < gcap and not self.output_full(s) for s in self.waiting):
+            self._preempt(max(over, key=lambda s: s.arrival), plan)
 
     # -- results ----------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int] | np.ndarray) -> list[TokenEvent]:

@@ -17,49 +17,43 @@ from .scheduler import StepPlan
 def _build_ext(plan: StepPlan, T: int) -> SamplingExt | None:
     """The step's SamplingExt, or None when no sequence of the plan uses an extension."""
     chunks = plan.chunks
-    if all(c.seq.ext is None for c in chunks):
+    if not any(c.seq.sampling.extended for c in chunks):
         return None
+    sps = [c.seq.sampling for c in chunks]
 
-    def per_seq(name: str, default: float, dtype: type) -> np.ndarray:
-        return np.array([default if c.seq.ext is None else getattr(c.seq.ext, name) for c in chunks], dtype)
+    def per_seq(name: str, dtype: type) -> np.ndarray:
+        return np.array([getattr(sp, name) for sp in sps], dtype)
 
     bias_ids, bias_vals, cu = [], [], [0]
     targets = np.full(T, -1, np.int32)
-    fresh, emit, pen, prompt_n = [], [], [], []
     t0 = 0
-    for c in chunks:
-        s, e = c.seq, c.seq.ext
-        fresh.append(c.start == 0 and s.num_generated == 0)
-        emit.append(c.sample)
-        pen.append(e is not None and e.penalized)
-        prompt_n.append(-1 if e is None else e.prompt_n)
-        if e is not None:
-            bias_ids.append(e.bias_ids)
-            bias_vals.append(e.bias_vals)
-            cu.append(cu[-1] + e.bias_ids.size)
-            if e.prompt_n >= 0 and s.num_generated == 0:
-                # packed token at position p scores prompt token p + 1 (prompt records 1 .. prompt_len - 1)
-                hi = min(c.start + c.n, s.prompt_len - 1)
-                if hi > c.start:
-                    targets[t0 : t0 + hi - c.start] = s.tokens[c.start + 1 : hi + 1]
-        else:
-            cu.append(cu[-1])
+    for c, sp in zip(chunks, sps, strict=True):
+        s = c.seq
+        for tok, b in sp.logit_bias:
+            bias_ids.append(tok)
+            bias_vals.append(b)
+        cu.append(len(bias_ids))
+        if sp.prompt_logprobs >= 0 and s.num_generated == 0:
+            # packed token at position p scores prompt token p + 1 (prompt records 1 .. prompt_len - 1)
+            hi = min(c.start + c.n, s.prompt_len - 1)
+            if hi > c.start:
+                targets[t0 : t0 + hi - c.start] = s.tokens[c.start + 1 : hi + 1]
         t0 += c.n
     return SamplingExt(
         slots=np.array([c.seq.seq_id for c in chunks], np.int32),
-        fresh=np.array(fresh, bool),
-        emit=np.array(emit, bool),
-        penalized=np.array(pen, bool),
-        presence=per_seq("presence", 0.0, np.float32),
-        frequency=per_seq("frequency", 0.0, np.float32),
-        repetition=per_seq("repetition", 1.0, np.float32),
-        min_p=per_seq("min_p", 0.0, np.float32),
+        fresh=np.array([c.start == 0 and c.seq.num_generated == 0 for c in chunks], bool),
+        emit=np.array([c.sample for c in chunks], bool),
+        penalized=np.array([sp.penalized for sp in sps], bool),
+        presence=per_seq("presence_penalty", np.float32),
+        frequency=per_seq("frequency_penalty", np.float32),
+        repetition=per_seq("repetition_penalty", np.float32),
+        min_p=per_seq("min_p", np.float32),
         bias_cu=np.array(cu, np.int32),
-        bias_ids=np.concatenate(bias_ids).astype(np.int32) if bias_ids else np.zeros(0, np.int32),
-        bias_vals=np.concatenate(bias_vals).astype(np.float32) if bias_vals else np.zeros(0, np.float32),
-        n_logprobs=per_seq("n_logprobs", -1, np.int32),
+        bias_ids=np.array(bias_ids, np.int32),
+        bias_vals=np.array(bias_vals, np.float32),
+        n_logprobs=per_seq("logprobs", np.int32),
         targets=targets,
-        prompt_n=np.array(prompt_n, np.int32),
+        prompt_n=per_seq("prompt_logprobs", np.int32),
     )
 
 
@@ -85,10 +79,11 @@ def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepB
         cu.append(cu[-1] + c.n)
         seq_lens.append(end)
         tabs.append(blocks.table(s.seq_id))
-        temperature.append(s.temperature)
-        top_p.append(s.top_p)
-        top_k.append(s.top_k)
-        seeds.append(s.seed)
+        sp = s.sampling
+        temperature.append(0.0 if sp.greedy else sp.temperature)
+        top_p.append(sp.top_p)
+        top_k.append(sp.top_k)
+        seeds.append(sp.seed)
         sample_pos.append(s.num_generated)
     # Scatter every block table in one indexed store (row-by-row stores cost ~1 us each).
     lens = np.fromiter(map(len, tabs), np.int64, S)

@@ -139,7 +139,7 @@ class CompletionHandler:
         if not chat and (r.best_of or 1) > 1:
             raise api.APIError(400, "best_of is not supported (as in vLLM V1); use n", "best_of")
         prompts = [r.messages] if chat else api.completion_prompts(r)
-        n = api.choices_per_prompt(r, len(prompts))
+        n = api.choices_per_prompt(r, len(prompts), self.config.max_n)
         encoded = [await self._encode(chat, p, len(body), r) for p in prompts]
         for ids in encoded:
             why = self.backend.check_prompt(len(ids))
@@ -163,9 +163,11 @@ class CompletionHandler:
         # choice index = prompt index * n + i (vLLM's order); one ring request each
         max_tokens = api.requested_max_tokens(r)
         vocab = self.tok.info.vocab_size
+        ids_ = [self.backend.new_request_id() for _ in range(len(encoded) * n)]
+        group = ids_[0] if len(ids_) > 1 else 0  # the device caps a group's batch places (slot.group)
         subs = [
-            api.sampling_params(r, self.backend.new_request_id(), ids, stop_ids, max_tokens, i, vocab)
-            for ids in encoded
+            api.sampling_params(r, ids_[j * n + i], ids, stop_ids, max_tokens, i, vocab, group)
+            for j, ids in enumerate(encoded)
             for i in range(n)
         ]
         for sub in subs[::n]:
@@ -177,7 +179,7 @@ class CompletionHandler:
         call.lps = [
             ChoiceLogprobs(
                 chat,
-                sub.logprobs,
+                sub.sampling.logprobs,
                 self._decode_one,
                 sub.prompt_ids,
                 not chat and bool(r.echo),

@@ -5,15 +5,18 @@ server (completions.py) runs one of these per choice of a request."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple, Protocol
 
 from blink.protocol.layout import FinishReason, SlotError
-from blink.protocol.wire import DeviceHealth, Logprob, RingStats, SubmitRequest
+from blink.protocol.wire import DeviceHealth, Logprob, RingStats, SubmitRequest, TokenEvent
 
 from . import openai_api as api
 from .request_tracker import DeviceDownError, QueueFullError, RequestHandle, finish_name
 from .tokenizer import FrontendTokenizer
+
+log = logging.getLogger("blink.server")
 
 
 class Backend(Protocol):
@@ -40,6 +43,15 @@ class TextEvent(NamedTuple):
     token_ids: list[int] = []  # the tokens (when the request asked for logprobs)
     logprobs: list[Logprob] = []  # one per token, when asked for
     prompt_logprobs: list[Logprob] | None = None  # prompt tokens 1.., on the first event, when asked for
+
+
+def out_of_vocabulary(ev: TokenEvent, vocab_size: int) -> int | None:
+    """The first token id of the event outside [0, vocab_size) (its tokens or the ids of its logprob
+    records), or None."""
+    for ids in (ev.token_ids, *(r.top_ids for r in ev.logprobs), *(r.top_ids for r in ev.prompt_logprobs or ())):
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            return next(t for t in ids if not 0 <= t < vocab_size)
+    return None
 
 
 class GenerationError(Exception):
@@ -72,6 +84,10 @@ async def stream_text(
             if ev.finish_reason == FinishReason.ERROR:
                 status = 503 if ev.error in (SlotError.DEVICE_FAULT, SlotError.NONE) else 400
                 raise GenerationError(status, ev.message or "the device failed the request")
+            bad = out_of_vocabulary(ev, tok.info.vocab_size)
+            if bad is not None:  # a device fault: never decoded (the detokenizer would raise)
+                log.error("request %d: the device returned token id %d, outside the vocabulary", req.request_id, bad)
+                raise GenerationError(503, f"the device returned token id {bad}, outside the vocabulary")
             text = detok.push(ev.token_ids)
             lp = (ev.token_ids, ev.logprobs, ev.prompt_logprobs) if ev.logprobs or ev.prompt_logprobs else ()
             if detok.stopped:

@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 
-from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, UNLIMITED, DeviceFeatures
+from blink.protocol.layout import MAX_LOGPROBS, MAX_STOP_IDS, UNLIMITED, DeviceFeatures
+from blink.protocol.sampling_params import MAX_LOGIT_BIAS_VALUE, SamplingParams
 from blink.protocol.wire import SubmitRequest
 
 
@@ -168,13 +169,16 @@ def requested_max_tokens(r: _Sampling) -> int | None:
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 256  # choices of one request (prompts x n): each is a ring request of its own
+DEFAULT_MAX_N = 128  # blink.config.ServerConfig.max_n
 
 
-def choices_per_prompt(r: _Sampling, n_prompts: int = 1) -> int:
-    """`n`, checked: at least 1, and prompts x n at most MAX_CHOICES."""
+def choices_per_prompt(r: _Sampling, n_prompts: int = 1, max_n: int = DEFAULT_MAX_N) -> int:
+    """`n`, checked: in [1, max_n] (--max-n), and prompts x n at most MAX_CHOICES."""
     n = 1 if r.n is None else r.n
     if n < 1:
         raise APIError(400, f"n must be at least 1, got {n}", "n")
+    if n > max_n:
+        raise APIError(400, f"n must be at most {max_n} (the server's --max-n), got {n}", "n")
     if n * n_prompts > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n), got {n * n_prompts}", "n")
     return n
@@ -208,52 +212,36 @@ def logprobs_wanted(r: _Sampling) -> tuple[int, int]:
     return gen, prompt
 
 
-def _logit_bias(r: _Sampling, vocab_size: int) -> list[tuple[int, float]]:
+def _logit_bias(r: _Sampling) -> tuple[tuple[int, float], ...]:
     out = []
     for key, bias in (r.logit_bias or {}).items():
         try:
             tok = int(key)
         except ValueError:
             raise APIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-        if not 0 <= tok < vocab_size:
-            raise APIError(400, f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
         if not math.isfinite(bias):
             raise APIError(400, f"logit_bias of token {tok} must be finite", "logit_bias")
-        out.append((tok, min(100.0, max(-100.0, float(bias)))))  # clamped to [-100, 100] as in vLLM
-    if len(out) > MAX_LOGIT_BIAS:
-        raise APIError(400, f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
-    return out
+        out.append((tok, min(MAX_LOGIT_BIAS_VALUE, max(-MAX_LOGIT_BIAS_VALUE, float(bias)))))  # clamped as in vLLM
+    return tuple(out)
 
 
 def check_features(sub: SubmitRequest, features: int) -> None:
     """A 400 when the request needs something the device does not implement (header.features)."""
-    f = DeviceFeatures(features)
-    if sub.logprobs >= 0 and not f & DeviceFeatures.LOGPROBS:
+    f, sp = DeviceFeatures(features), sub.sampling
+    if sp.logprobs >= 0 and not f & DeviceFeatures.LOGPROBS:
         raise APIError(400, "logprobs are not supported by this device", "logprobs")
-    if sub.prompt_logprobs >= 0 and not f & DeviceFeatures.PROMPT_LOGPROBS:
+    if sp.prompt_logprobs >= 0 and not f & DeviceFeatures.PROMPT_LOGPROBS:
         raise APIError(400, "prompt logprobs (echo with logprobs) are not supported by this device", "logprobs")
     if not f & DeviceFeatures.PENALTIES:
         for name in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias"):
-            if getattr(sub, name):
+            if getattr(sp, name):
                 raise APIError(400, f"{name} is not supported by this device", name)
-        if sub.repetition_penalty != 1.0:
+        if sp.repetition_penalty != 1.0:
             raise APIError(400, "repetition_penalty is not supported by this device", "repetition_penalty")
 
 
-def sampling_params(
-    r: _Sampling,
-    request_id: int,
-    prompt_ids: list[int],
-    stop_ids: list[int],
-    max_tokens: int | None,
-    choice: int = 0,
-    vocab_size: int = 1 << 31,
-) -> SubmitRequest:
-    """Validate the sampling fields; build the ring request of one choice. Defaults follow
-    OpenAI/vLLM: temperature 1, top_p 1, no top_k, a random seed when none is given. With a seed,
-    choice i samples with seed + i: the choices differ, and the request is reproducible.
-    max_tokens 0 (completions with echo: the prompt's logprobs only) asks the device for 1 token,
-    which the server drops."""
+def _check_unsupported(r: _Sampling) -> None:
+    """400 for the OpenAI / vLLM features Blink does not implement."""
     if r.use_beam_search:
         raise APIError(400, "beam search is not supported", "use_beam_search")
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
@@ -265,6 +253,25 @@ def sampling_params(
             raise APIError(400, f"response_format {fmt!r} is not supported (structured output)", "response_format")
         if (r.tools or r.functions) and r.tool_choice != "none":
             raise APIError(400, "tool calling is not supported", "tools")
+
+
+def sampling_params(
+    r: _Sampling,
+    request_id: int,
+    prompt_ids: list[int],
+    stop_ids: list[int],
+    max_tokens: int | None,
+    choice: int = 0,
+    vocab_size: int = 1 << 31,
+    group: int = 0,
+) -> SubmitRequest:
+    """Validate the sampling fields (their ranges: blink.protocol.sampling_params); build the ring
+    request of one choice. Defaults follow OpenAI/vLLM: temperature 1, top_p 1, no top_k, a random
+    seed when none is given; a temperature below SAMPLING_EPS is greedy. With a seed, choice i
+    samples with seed + i: the choices differ, and the request is reproducible. max_tokens 0
+    (completions with echo: the prompt's logprobs only) asks the device for 1 token, which the
+    server drops. `group`: the API request's id when it has several choices (slot.group)."""
+    _check_unsupported(r)
     gen_lp, prompt_lp = logprobs_wanted(r)
     if max_tokens == 0 and not (isinstance(r, CompletionRequest) and r.echo):
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
@@ -272,52 +279,38 @@ def sampling_params(
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if max_tokens == 0:
         max_tokens = 1
-    pen = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(r, name) or 0.0
-        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
-            raise APIError(400, f"{name} must be in [-2, 2], got {v}", name)
-        pen[name] = v
-    rep = 1.0 if r.repetition_penalty is None else r.repetition_penalty
-    if not (math.isfinite(rep) and rep > 0.0):
-        raise APIError(400, f"repetition_penalty must be > 0, got {rep}", "repetition_penalty")
-    min_p = r.min_p or 0.0
-    if not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
-        raise APIError(400, f"min_p must be in [0, 1], got {min_p}", "min_p")
     if max_tokens is not None:
         max_tokens = min(max_tokens, UNLIMITED - 1)  # the device also stops at its context limit
-    t = 1.0 if r.temperature is None else r.temperature
-    if not (math.isfinite(t) and 0.0 <= t <= 2.0):
-        raise APIError(400, f"temperature must be in [0, 2], got {t}", "temperature")
-    p = 1.0 if r.top_p is None else r.top_p
-    if not (math.isfinite(p) and 0.0 < p <= 1.0):
-        raise APIError(400, f"top_p must be in (0, 1], got {p}", "top_p")
-    k = 0 if r.top_k in (None, -1) else r.top_k
-    if not 0 <= k < 1 << 31:
-        raise APIError(400, f"top_k must be >= 0 (or -1 for off), got {k}", "top_k")
     if not 0 <= r.min_tokens < 1 << 31 or (max_tokens is not None and r.min_tokens > max_tokens):
         raise APIError(400, "min_tokens must be in [0, max_tokens]", "min_tokens")
     if len(stop_ids) > MAX_STOP_IDS:
         raise APIError(400, f"at most {MAX_STOP_IDS} stop token ids (EOS included)", "stop_token_ids")
-    seed = random.getrandbits(63) if r.seed is None else (r.seed + choice) & 0xFFFFFFFFFFFFFFFF
+    if r.top_k is not None and r.top_k < -1:
+        raise APIError(400, f"top_k must be >= 0 (or -1 for off), got {r.top_k}", "top_k")
+    sp = SamplingParams(
+        temperature=1.0 if r.temperature is None else r.temperature,
+        top_p=1.0 if r.top_p is None else r.top_p,
+        top_k=0 if r.top_k in (None, -1) else r.top_k,
+        min_p=r.min_p or 0.0,
+        seed=random.getrandbits(63) if r.seed is None else (r.seed + choice) & 0xFFFFFFFFFFFFFFFF,
+        presence_penalty=r.presence_penalty or 0.0,
+        frequency_penalty=r.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
+        logit_bias=_logit_bias(r),
+        logprobs=gen_lp,
+        prompt_logprobs=prompt_lp,
+    )
+    bad = sp.problem(vocab_size)
+    if bad is not None:
+        raise APIError(400, bad[1], bad[0])
     return SubmitRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
         max_new_tokens=UNLIMITED if max_tokens is None else max_tokens,
         min_new_tokens=r.min_tokens,
-        temperature=t,
-        top_p=p,
-        top_k=k,
-        seed=seed,
         stop_ids=stop_ids,
-        greedy=t == 0.0,
-        presence_penalty=pen["presence_penalty"],
-        frequency_penalty=pen["frequency_penalty"],
-        repetition_penalty=rep,
-        min_p=min_p,
-        logit_bias=_logit_bias(r, vocab_size),
-        logprobs=gen_lp,
-        prompt_logprobs=prompt_lp,
+        sampling=sp,
+        group=group,
     )
 
 

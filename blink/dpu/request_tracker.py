@@ -224,16 +224,17 @@ class RequestTracker:
             front = True
         h = RequestHandle(self, req.request_id, slot, len(req.prompt_ids))
         prompt = None
-        if req.prompt_logprobs >= 0:
+        sp = req.sampling
+        if sp.prompt_logprobs >= 0:
             off = self.slots.prompt_logprobs_offset(slot, req)
-            prompt = (off, len(req.prompt_ids), max(req.logprobs, req.prompt_logprobs, 0), req.prompt_logprobs)
+            prompt = (off, len(req.prompt_ids), max(sp.logprobs, sp.prompt_logprobs, 0), sp.prompt_logprobs)
         self.reader.register(
             slot,
             req.request_id,
             h.queue.put_nowait,
             timing=h.timing,
             backlog=h.queue.qsize,
-            logprobs=req.logprobs,
+            logprobs=sp.logprobs,
             prompt=prompt,
         )
         return h

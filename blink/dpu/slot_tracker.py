@@ -32,11 +32,9 @@ import numpy as np
 
 from blink.protocol.layout import (
     HEADER_DTYPE,
-    LOGIT_BIAS_DTYPE,
     SLOT_DTYPE,
     TOKEN_DTYPE,
     RingGeometry,
-    SlotFlags,
     SlotState,
     prompt_region_words,
 )
@@ -70,8 +68,9 @@ def attach_geometry(transport: Transport) -> RingGeometry:
 
 def region_words(req: SubmitRequest) -> int:
     """int32 words of prompt arena the request needs (prompt, logit_bias, prompt logprob records)."""
-    n_lp = max(req.logprobs, req.prompt_logprobs, 0) if req.prompt_logprobs >= 0 else None
-    return prompt_region_words(len(req.prompt_ids), len(req.logit_bias), n_lp)
+    sp = req.sampling
+    n_lp = max(sp.logprobs, sp.prompt_logprobs, 0) if sp.prompt_logprobs >= 0 else None
+    return prompt_region_words(len(req.prompt_ids), len(sp.logit_bias), n_lp)
 
 
 class SlotTracker:
@@ -154,11 +153,8 @@ class SlotTracker:
         off = slot * self.prompt_capacity
         n = len(req.prompt_ids)
         writes: list[Write] = [(self.geo.prompt_arena_offset + 4 * off, np.asarray(req.prompt_ids, dtype=TOKEN_DTYPE))]
-        if req.logit_bias:
-            bias = np.zeros(len(req.logit_bias), LOGIT_BIAS_DTYPE)
-            bias["token"] = [t for t, _ in req.logit_bias]
-            bias["bias"] = [b for _, b in req.logit_bias]
-            writes.append((self.geo.prompt_arena_offset + 4 * (off + n), bias.view(np.uint8)))
+        if req.sampling.logit_bias:
+            writes.append((self.geo.prompt_arena_offset + 4 * (off + n), req.sampling.bias_words().view(np.uint8)))
         rec = np.zeros((), SLOT_DTYPE)
         rec["state"] = SlotState.EMPTY
         rec["request_id"] = req.request_id
@@ -166,24 +162,10 @@ class SlotTracker:
         rec["prompt_len"] = len(req.prompt_ids)
         rec["max_new_tokens"] = req.max_new_tokens
         rec["min_new_tokens"] = req.min_new_tokens
-        rec["temperature"] = req.temperature
-        rec["top_p"] = req.top_p
-        rec["seed"] = req.seed & 0xFFFFFFFFFFFFFFFF
-        rec["top_k"] = req.top_k
         rec["n_stop"] = len(req.stop_ids)
         rec["stop_ids"][: len(req.stop_ids)] = req.stop_ids
-        flags = SlotFlags.GREEDY if req.greedy or req.temperature == 0 else SlotFlags.NONE
-        if req.logprobs >= 0:
-            flags |= SlotFlags.LOGPROBS
-        if req.prompt_logprobs >= 0:
-            flags |= SlotFlags.PROMPT_LOGPROBS
-        rec["flags"] = flags
-        rec["presence_penalty"] = req.presence_penalty
-        rec["frequency_penalty"] = req.frequency_penalty
-        rec["repetition_penalty"] = req.repetition_penalty
-        rec["min_p"] = req.min_p
-        rec["n_logprobs"] = max(req.logprobs, req.prompt_logprobs, 0)
-        rec["n_logit_bias"] = len(req.logit_bias)
+        req.sampling.write_slot(rec)
+        rec["group"] = req.group
         rec["prompt_logprobs_offset"] = self.prompt_logprobs_offset(slot, req)
         rec["t_submit_ns"] = time.time_ns()
         base = self.geo.slot_offset(slot)
@@ -203,7 +185,7 @@ class SlotTracker:
 
     def prompt_logprobs_offset(self, slot: int, req: SubmitRequest) -> int:
         """int32 word of the request's prompt logprob record 0 (after its prompt and logit_bias)."""
-        return slot * self.prompt_capacity + len(req.prompt_ids) + 2 * len(req.logit_bias)
+        return slot * self.prompt_capacity + len(req.prompt_ids) + 2 * len(req.sampling.logit_bias)
 
     def consumed_write(self, slot: int, consumed: int) -> Write:
         """The store of a slot's `consumed` counter (the token reader batches these)."""

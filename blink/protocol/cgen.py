@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import layout
+from . import sampling_params as SP
 
 HEADER_PATH = pathlib.Path(__file__).resolve().parent.parent / "gpu" / "scheduler" / "csrc" / "blink_ring.h"
 
@@ -118,6 +119,12 @@ def render() -> str:
         f"constexpr uint32_t MAX_LOGPROBS = {L.MAX_LOGPROBS};",
         f"constexpr uint32_t MAX_LOGIT_BIAS = {L.MAX_LOGIT_BIAS};",
         f"constexpr uint32_t ARENA_ALIGN = {L.ALIGN};",
+        "// sampling parameter ranges (blink/protocol/sampling_params.py)",
+        f"constexpr float SAMPLING_EPS = {SP.SAMPLING_EPS!r}f;",
+        f"constexpr float MAX_TEMPERATURE = {SP.MAX_TEMPERATURE!r}f;",
+        f"constexpr float MAX_PENALTY = {SP.MAX_PENALTY!r}f;",
+        f"constexpr float MAX_LOGIT_BIAS_VALUE = {SP.MAX_LOGIT_BIAS_VALUE!r}f;",
+        f"constexpr uint32_t MAX_TOP_K = {SP.MAX_TOP_K}u;",
         "",
     ]
     lines += _enum("SlotState", L.SlotState, "SLOT")
@@ -131,7 +138,7 @@ def render() -> str:
     lines += struct_lines("LogprobRecord", L.LOGPROB_DTYPE)
     lines += struct_lines("LogitBias", L.LOGIT_BIAS_DTYPE)
     about = ["The ring layout, states and constants shared by the frontend and the device."]
-    return header_text("blink.protocol.cgen", "blink/protocol/layout.py", about, lines)
+    return header_text("blink.protocol.cgen", "blink/protocol/layout.py, sampling_params.py", about, lines)
 
 
 def header_main(path: pathlib.Path, render_fn, module: str, argv: list[str] | None = None) -> int:

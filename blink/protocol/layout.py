@@ -60,7 +60,7 @@ import enum
 import numpy as np
 
 RING_MAGIC = 0x474E524B4E494C42  # b"BLINKRNG" little-endian
-RING_VERSION = 3
+RING_VERSION = 4
 MAX_STOP_IDS = 8  # stop token ids carried in a slot (EOS included by the frontend)
 UNLIMITED = 0xFFFFFFFF  # max_new_tokens value meaning "until a stop condition or the context ends"
 HEADER_BYTES = 512
@@ -92,7 +92,7 @@ class SlotError(enum.IntEnum):
     NONE = 0
     PROMPT_TOO_LONG = 1  # prompt_len + 1 > max_context
     BAD_PROMPT = 2  # prompt_len == 0, prompt outside the arena, or a token id >= vocab_size
-    BAD_PARAMS = 3  # temperature < 0, top_p outside (0, 1], n_stop > MAX_STOP_IDS
+    BAD_PARAMS = 3  # a sampling parameter outside sampling_params.py's ranges, n_stop > MAX_STOP_IDS
     NO_KV_SPACE = 4  # the prompt alone needs more KV blocks than the cache has
     DEVICE_FAULT = 5  # a launch failed; the request cannot continue
 
@@ -107,7 +107,7 @@ class DeviceStatus(enum.IntEnum):
 
 class SlotFlags(enum.IntFlag):
     NONE = 0
-    GREEDY = 1  # argmax regardless of temperature (temperature == 0 implies it too)
+    # 1 is unused: greedy is temperature < sampling_params.SAMPLING_EPS, encoded nowhere else
     LOGPROBS = 2  # a logprob record per generated token in the logprob arena (n_logprobs alternatives)
     PROMPT_LOGPROBS = 4  # a record per prompt token at prompt_logprobs_offset (n_logprobs alternatives)
 
@@ -181,7 +181,7 @@ SLOT_DTYPE = np.dtype([
     ("prompt_len", "<u4"),           # prompt tokens
     ("max_new_tokens", "<u4"),       # >= 1, or UNLIMITED
     ("min_new_tokens", "<u4"),       # stop ids are ignored before this many tokens
-    ("temperature", "<f4"),          # 0 = greedy
+    ("temperature", "<f4"),          # < SAMPLING_EPS (sampling_params.py) = greedy; the frontend writes 0
     ("top_p", "<f4"),                # (0, 1]
     ("seed", "<u8"),                 # sampling stream: token k uses counter (seed, k)
     ("top_k", "<u4"),                # 0 = off
@@ -207,7 +207,9 @@ SLOT_DTYPE = np.dtype([
     # the first token's path (TTFT trace; one wall clock, see the ownership table)
     ("t_launch_ns", "<u8"),          # device clock at the launch of the step that sampled the first token
     ("t_read_ns", "<u8"),            # frontend clock when its token reader read the first token
-    ("_pad2", "<u4", (4,)),
+    ("group", "<u8"),                # the API request this is a choice of (n > 1), 0 = none: the device
+                                     # admits at most group_cap(max_batch) running sequences of a group
+    ("_pad2", "<u4", (2,)),
 ], align=True)
 
 # One logprob record: the logprob of the chosen token and its top alternatives (most likely first,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from .layout import FinishReason, SlotError
+from .sampling_params import SamplingParams
 
 _OPTS = dict(array_like=True, omit_defaults=True, gc=False, frozen=True)
 
@@ -22,21 +23,9 @@ class SubmitRequest(msgspec.Struct, **_OPTS):
     prompt_ids: list[int]  # the full prompt (chat template applied)
     max_new_tokens: int  # >= 1, or layout.UNLIMITED
     min_new_tokens: int = 0  # stop ids are ignored before this many tokens
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # (0, 1]
-    top_k: int = 0  # 0 = off
-    seed: int = 0  # counter-based sampling stream (see blink.device.sampling)
     stop_ids: list[int] = []  # EOS included by the tokenizer role unless ignore_eos
-    greedy: bool = False  # SlotFlags.GREEDY
-    # sampling extensions (blink/device/sampling.py)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: list[tuple[int, float]] = []  # (token id, bias)
-    logprobs: int = -1  # alternatives per generated token's logprob record; -1: no records
-    prompt_logprobs: int = -1  # alternatives per prompt token's record; -1: none (the slot has one
-    # n_logprobs for both: the larger is asked of the device, the token reader trims to each)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    group: int = 0  # the API request this is one of n > 1 choices of (slot.group); 0 = none
 
 
 class Logprob(msgspec.Struct, **_OPTS):

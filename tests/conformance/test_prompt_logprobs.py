@@ -63,7 +63,7 @@ def _check_well_formed(recs: np.ndarray, prompt: list[int], n: int) -> None:
 
 
 def _greedy(rig: Rig, prompt: list[int], k: int) -> list[int]:
-    (r,) = rig.client.wait([rig.client.submit(prompt, max_new_tokens=k, flags=SlotFlags.GREEDY)])
+    (r,) = rig.client.wait([rig.client.submit(prompt, max_new_tokens=k, temperature=0.0)])
     assert r.finish is FinishReason.LENGTH
     return r.tokens
 

@@ -170,7 +170,7 @@ def _reference(logits: np.ndarray, c: dict):
                 st.add(int(toks[s]))
             state[s] = np.where(st.seen, np.uint32(0x80000000), np.uint32(0)) | st.counts.astype(np.uint32)
         if c["n_logprobs"][s] >= 0:
-            records[s] = sampling.logprob_record(sampling.logprobs(logits[s]), int(toks[s]), int(c["n_logprobs"][s]))
+            records[s] = sampling.logprob_record(logits[s], int(toks[s]), int(c["n_logprobs"][s]))
     return toks, processed, records, state
 
 

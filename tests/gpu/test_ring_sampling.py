@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from conformance.client import RingClient
 
-from blink.device.sampling import PenaltyState, logprob_record, logprobs, process_logits, sample_row
+from blink.device.sampling import PenaltyState, logprob_record, process_logits, sample_row
 from blink.dpu.request_tracker import RequestTracker
 from blink.protocol.layout import MAX_LOGPROBS, DeviceFeatures, DeviceStatus, FinishReason, RingGeometry
+from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import SubmitRequest
 
@@ -165,13 +166,13 @@ def _replay(steps, vocab):
                 if st is not None:
                     st.add(int(toks[s]))
                 if x.n_logprobs[s] >= 0:
-                    rec = logprob_record(logprobs(logits[s]), int(toks[s]), int(x.n_logprobs[s]))
+                    rec = logprob_record(logits[s], int(toks[s]), int(x.n_logprobs[s]))
                     current[slot].append((int(toks[s]), *rec))
     return [r for r in runs if r]
 
 
 def test_features_and_plain_steps_keep_ext_off(engine):
-    reqs = [SubmitRequest(i, [5, 6, 7, 8 + i], 6, temperature=0.8, seed=i) for i in range(3)]
+    reqs = [SubmitRequest(i, [5, 6, 7, 8 + i], 6, sampling=SamplingParams(temperature=0.8, seed=i)) for i in range(3)]
     feats, outs, steps = _serve(engine, reqs)
     assert feats == EVERY
     assert all(fin == FinishReason.LENGTH and len(ids) == 6 for ids, _, fin in outs)
@@ -231,7 +232,7 @@ def _requests(V):
     for i, c in enumerate(cases):
         c = dict(c)
         t = c.pop("temperature", 0.0)
-        reqs.append(SubmitRequest(i, prompt, 14, temperature=t, greedy=t == 0.0, stop_ids=[], **c))
+        reqs.append(SubmitRequest(i, prompt, 14, stop_ids=[], sampling=SamplingParams(temperature=t, **c)))
     return reqs
 
 
@@ -311,11 +312,15 @@ def _prompt_requests(V):
     rng = np.random.default_rng(12)
     long = rng.integers(3, V, 45).tolist()
     return [
-        SubmitRequest(0, prompt, 4, temperature=0.0, greedy=True, stop_ids=[], prompt_logprobs=5),
-        SubmitRequest(1, long, 3, temperature=0.9, seed=2, stop_ids=[], logprobs=2, prompt_logprobs=0),
-        SubmitRequest(2, prompt[:7], 2, temperature=0.0, greedy=True, stop_ids=[], prompt_logprobs=20),
-        SubmitRequest(3, long[:30], 3, temperature=0.7, seed=5, stop_ids=[]),
-        SubmitRequest(4, [prompt[0]], 2, temperature=0.0, greedy=True, stop_ids=[], prompt_logprobs=3),  # none
+        SubmitRequest(0, prompt, 4, stop_ids=[], sampling=SamplingParams(temperature=0.0, prompt_logprobs=5)),
+        SubmitRequest(
+            1, long, 3, stop_ids=[], sampling=SamplingParams(temperature=0.9, seed=2, logprobs=2, prompt_logprobs=0)
+        ),
+        SubmitRequest(2, prompt[:7], 2, stop_ids=[], sampling=SamplingParams(temperature=0.0, prompt_logprobs=20)),
+        SubmitRequest(3, long[:30], 3, stop_ids=[], sampling=SamplingParams(temperature=0.7, seed=5)),
+        SubmitRequest(
+            4, [prompt[0]], 2, stop_ids=[], sampling=SamplingParams(temperature=0.0, prompt_logprobs=3)
+        ),  # none
     ]
 
 
@@ -328,7 +333,7 @@ def _check_scored_steps(scored) -> int:
         seq_of = np.repeat(np.arange(batch.num_seqs), np.diff(batch.cu_q_lens))
         for j, i in enumerate(np.flatnonzero(x.targets >= 0)):
             n = int(x.prompt_n[seq_of[i]])
-            lp, ids, top = logprob_record(logprobs(logits[j]), int(x.targets[i]), n)
+            lp, ids, top = logprob_record(logits[j], int(x.targets[i]), n)
             rec = x.prompt_logprobs[i]
             assert abs(float(rec["logprob"]) - lp) <= 1e-5, (i, float(rec["logprob"]), lp)
             assert rec["top_ids"][:n].tolist() == ids.tolist()

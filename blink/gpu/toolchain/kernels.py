@@ -31,7 +31,9 @@ SCHEDULER_CSRC = B.GPU_DIR / "scheduler" / "csrc"
 INCLUDE = B.GPU_DIR / "engine" / "include"
 SOURCES = ("model_kernels.cu", "attention.cu", "prefill_attention.cu", "flash_decode.cu", "sampling.cu", "moe.cu")
 HEADERS = ("common.cuh",)
-UNITS = {s: B.Unit(CSRC / s, (CSRC / HEADERS[0],)) for s in SOURCES}
+# sampling.cu reads SAMPLING_EPS from the generated ring header (blink/protocol/sampling_params.py)
+_EXTRA = {"sampling.cu": (SCHEDULER_CSRC / "blink_ring.h",)}
+UNITS = {s: B.Unit(CSRC / s, (CSRC / HEADERS[0], *_EXTRA.get(s, ()))) for s in SOURCES}
 # every kernel Python launches: the engine's and the scheduler's
 SOURCE_DIRS = {**{s: CSRC for s in SOURCES}, "scheduler.cu": SCHEDULER_CSRC}
 PARAM_SOURCES = tuple(SOURCE_DIRS)

@@ -1,9 +1,11 @@
 // On-device sampling, exactly blink/device/sampling.py's definition (read its docstring first).
 //
-// One block of 1024 threads per sequence; the row of fp32 logits [V] is never sorted or copied:
-//   greedy (T <= 0): argmax, lowest index on ties.
-//   else p_i = expf(z_i - max z) / sum, z_i = logit_i / T, recomputed on every pass (same inputs,
-//   same instructions -> the same float each time).
+// One block of 1024 threads per sequence; the row of fp32 logits [V] is never sorted or copied. A NaN
+// logit is read as -inf everywhere (nan_low), so every row gives a token id in [0, V):
+//   greedy (T < SAMPLING_EPS, or NaN): argmax, lowest index on ties (row_argmax; 0 for a row of -inf).
+//   else z_i = logit_i / T; when max z is not finite (+inf: overflow; -inf: every token masked) the
+//   row falls back to the greedy argmax; else p_i = expf(z_i - max z) / sum, recomputed on every pass
+//   (same inputs, same instructions -> the same float each time).
 //   top-k: the k-th largest p by a 4-pass radix select on the float bits (p >= 0, so the bit
 //   patterns order like the values), 8 bits a pass, 256-bin count histograms in shared memory.
 //   top-p: tau = the largest kept value v with mass(kept p >= v) >= top_p * kept mass, by the same
@@ -33,7 +35,10 @@
 // Penalty state: uint32 per (state row, vocabulary id): bit 31 = seen (prompt or output), the low
 // bits = occurrences in the output. The state row of a sequence is pen_row[s] (-1: no state, no
 // logit_bias: the row is sampled from the raw logits).
+#include "blink_ring.h"  // SAMPLING_EPS (blink/protocol/sampling_params.py)
 #include "common.cuh"
+
+using blink::SAMPLING_EPS;
 
 constexpr int SB = 1024;  // threads per row
 
@@ -81,6 +86,9 @@ __device__ __forceinline__ uint64_t splitmix64_s(uint64_t x) {
 
 constexpr uint32_t SEEN = 0x80000000u;
 
+// A logit as the definition reads it: NaN counts as -inf.
+__device__ __forceinline__ float nan_low(float x) { return isnan(x) ? -INFINITY : x; }
+
 // The block's (value desc, index asc) maximum of (v, i) pairs; every thread gets it.
 __device__ __forceinline__ void block_argmax(float& bv, int& bi, SampleShared& sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -127,6 +135,60 @@ extern "C" __global__ void penalty_mark(uint32_t* __restrict__ state, int V, con
   for (int j = cu_q_lens[s] + threadIdx.x; j < cu_q_lens[s + 1]; j += blockDim.x) atomicOr(&st[input_ids[j]], SEEN);
 }
 
+// Step 0 of the definition for one row (every thread of the SB-thread block calls it): *m = max,
+// *lse = log-sum-exp of logits - max (fp64 sum), and thread 0 writes ids / lps [n]: the n largest
+// logits by n block argmax passes, each taking the next element in (value desc, id asc) order (no
+// exclusion list, ties ordered like the reference); every id is in [0, V) whatever the values.
+__device__ void row_top_logprobs(const float* __restrict__ row, int V, int n, int* __restrict__ ids,
+                                 float* __restrict__ lps, float* m_out, float* lse_out, SampleShared& sh) {
+  const int tid = threadIdx.x;
+  float m = -INFINITY;
+  for (int i = tid; i < V; i += SB) m = fmaxf(m, nan_low(row[i]));
+  m = block_max_f(m, sh);
+  double e = 0.0;
+  for (int i = tid; i < V; i += SB) e += (double)expf(nan_low(row[i]) - m);
+  const float lse = (float)log(block_sum_d(e, sh));
+  float pv = INFINITY;  // the previous pick, in (value desc, id asc) order
+  int pi = -1;
+  for (int j = 0; j < n; ++j) {
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = tid; i < V; i += SB) {
+      const float v = nan_low(row[i]);
+      const bool after = v < pv || (v == pv && i > pi);
+      if (after && (v > bv || (v == bv && i < bi))) {
+        bv = v;
+        bi = i;
+      }
+    }
+    block_argmax(bv, bi, sh);
+    if (tid == 0) {
+      ids[j] = bi;
+      lps[j] = (bv - m) - lse;
+    }
+    pv = bv;
+    pi = bi;
+  }
+  *m_out = m;
+  *lse_out = lse;
+}
+
+// Step 3 of the definition (every thread of the block calls it; all get the index): argmax with NaN
+// as -inf, lowest index on ties; a row with nothing above -inf gives its first index, 0.
+__device__ int row_argmax(const float* __restrict__ row, int V, SampleShared& sh) {
+  float bv = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < V; i += SB) {
+    const float v = nan_low(row[i]);
+    if (v > bv || (v == bv && i < bi)) {
+      bv = v;
+      bi = i;
+    }
+  }
+  block_argmax(bv, bi, sh);
+  return bi == 0x7fffffff ? 0 : bi;
+}
+
 // Grid (S), block SB. Rows with n_logprobs[s] >= 0: top_ids / top_lps [S, max_lp] (the first
 // n_logprobs[s] of each row written) and stats [S, 2] = (max, log-sum-exp of logits - max). Rows with
 // pen_row[s] = r >= 0: proc[s] = the logits with logit_bias (the state row's table: bias_n[r] entries
@@ -146,33 +208,8 @@ extern "C" __global__ void __launch_bounds__(SB)
   const float* row = logits + (size_t)s * V;
   const int n = min(n_logprobs[s], max_lp);
   if (n >= 0) {
-    float m = -INFINITY;
-    for (int i = tid; i < V; i += SB) m = fmaxf(m, row[i]);
-    m = block_max_f(m, sh);
-    double e = 0.0;
-    for (int i = tid; i < V; i += SB) e += (double)expf(row[i] - m);
-    const float lse = (float)log(block_sum_d(e, sh));
-    float pv = INFINITY;  // the previous pick, in (value desc, id asc) order
-    int pi = -1;
-    for (int j = 0; j < n; ++j) {
-      float bv = -INFINITY;
-      int bi = 0x7fffffff;
-      for (int i = tid; i < V; i += SB) {
-        const float v = row[i];
-        const bool after = v < pv || (v == pv && i > pi);
-        if (after && (v > bv || (v == bv && i < bi))) {
-          bv = v;
-          bi = i;
-        }
-      }
-      block_argmax(bv, bi, sh);
-      if (tid == 0) {
-        top_ids[(size_t)s * max_lp + j] = bi;
-        top_lps[(size_t)s * max_lp + j] = (bv - m) - lse;
-      }
-      pv = bv;
-      pi = bi;
-    }
+    float m, lse;
+    row_top_logprobs(row, V, n, top_ids + (size_t)s * max_lp, top_lps + (size_t)s * max_lp, &m, &lse, sh);
     if (tid == 0) {
       stats[2 * s] = m;
       stats[2 * s + 1] = lse;
@@ -184,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(SB)
   for (int i = tid; i < V; i += SB) out[i] = row[i];
   __syncthreads();
   const size_t b0 = (size_t)r * max_bias;
-  for (int b = tid; b < bias_n[r]; b += SB) out[bias_ids[b0 + b]] += bias_vals[b0 + b];  // ids distinct
+  for (int b = tid; b < bias_n[r]; b += SB) atomicAdd(&out[bias_ids[b0 + b]], bias_vals[b0 + b]);  // ids may repeat
   __syncthreads();
   const float rep = repetition[s], f = frequency[s], p = presence[s];
   const bool use_rep = rep != 1.f && rep > 0.f, use_fp = f != 0.f || p != 0.f;
@@ -206,35 +243,9 @@ extern "C" __global__ void __launch_bounds__(SB)
 // *lp = lp[target]; ids / lps [n] the n most likely, in (value desc, id asc) order.
 __device__ void logprob_record_row(const float* __restrict__ row, int V, int target, int n, float* __restrict__ lp,
                                    int* __restrict__ ids, float* __restrict__ lps, SampleShared& sh) {
-  const int tid = threadIdx.x;
-  float m = -INFINITY;
-  for (int i = tid; i < V; i += SB) m = fmaxf(m, row[i]);
-  m = block_max_f(m, sh);
-  double e = 0.0;
-  for (int i = tid; i < V; i += SB) e += (double)expf(row[i] - m);
-  const float lse = (float)log(block_sum_d(e, sh));
-  float pv = INFINITY;
-  int pi = -1;
-  for (int j = 0; j < n; ++j) {
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = tid; i < V; i += SB) {
-      const float v = row[i];
-      const bool after = v < pv || (v == pv && i > pi);
-      if (after && (v > bv || (v == bv && i < bi))) {
-        bv = v;
-        bi = i;
-      }
-    }
-    block_argmax(bv, bi, sh);
-    if (tid == 0) {
-      ids[j] = bi;
-      lps[j] = (bv - m) - lse;
-    }
-    pv = bv;
-    pi = bi;
-  }
-  if (tid == 0) *lp = (row[target] - m) - lse;
+  float m, lse;
+  row_top_logprobs(row, V, n, ids, lps, &m, &lse, sh);
+  if (threadIdx.x == 0) *lp = (nan_low(row[target]) - m) - lse;
 }
 
 // Grid (G), block 256, rows j = blockIdx.x, blockIdx.x + G, ... < *plp_count: hid[j] = the final
@@ -358,7 +369,7 @@ extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, 
   const int s = blockIdx.x;
   if (!*ext_on || s >= (int)*num_seqs || threadIdx.x != 0 || !emit[s]) return;
   const int tok = out_tokens[s];
-  if (n_logprobs[s] >= 0) chosen_lp[s] = (logits[(size_t)s * V + tok] - stats[2 * s]) - stats[2 * s + 1];
+  if (n_logprobs[s] >= 0) chosen_lp[s] = (nan_low(logits[(size_t)s * V + tok]) - stats[2 * s]) - stats[2 * s + 1];
   if (pen_row[s] >= 0) {
     uint32_t* c = state + (size_t)pen_row[s] * V + tok;
     *c = (((*c & ~SEEN) + 1u) & ~SEEN) | SEEN;
@@ -382,54 +393,24 @@ extern "C" __global__ void __launch_bounds__(SB)
   const float* row = (ext && pen_row[s] >= 0 ? proc : logits) + (size_t)s * V;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float T = temperature[s];
-  if (!(T > 0.f)) {
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = tid; i < V; i += SB) {
-      const float v = row[i];
-      if (v > bv || (v == bv && i < bi)) {
-        bv = v;
-        bi = i;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-      const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if (lane == 0) {
-      sh.fscratch[warp] = bv;
-      sh.iscratch[warp] = bi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      bv = sh.fscratch[lane];
-      bi = sh.iscratch[lane];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-          bv = ov;
-          bi = oi;
-        }
-      }
-      if (lane == 0) out_tokens[s] = bi == 0x7fffffff ? 0 : bi;
-    }
+  if (!(T >= SAMPLING_EPS)) {
+    const int g = row_argmax(row, V, sh);
+    if (tid == 0) out_tokens[s] = g;
     return;
   }
-  // softmax pieces
+  // softmax pieces; without a finite max z (overflow, or every token masked): the greedy argmax
   float zmax = -INFINITY;
-  for (int i = tid; i < V; i += SB) zmax = fmaxf(zmax, row[i] / T);
+  for (int i = tid; i < V; i += SB) zmax = fmaxf(zmax, nan_low(row[i]) / T);
   zmax = block_max_f(zmax, sh);
+  if (!isfinite(zmax)) {
+    const int g = row_argmax(row, V, sh);
+    if (tid == 0) out_tokens[s] = g;
+    return;
+  }
   double esum = 0.0;
-  for (int i = tid; i < V; i += SB) esum += (double)expf(row[i] / T - zmax);
+  for (int i = tid; i < V; i += SB) esum += (double)expf(nan_low(row[i]) / T - zmax);
   const float denom = (float)block_sum_d(esum, sh);
-#define PROB(i) (expf(row[(i)] / T - zmax) / denom)
+#define PROB(i) (expf(nan_low(row[(i)]) / T - zmax) / denom)
   // min_p: p >= min_p * max p, and max p = expf(0) / denom
   const float mp = ext ? min_p[s] : 0.f;
   const float mthr = mp > 0.f ? __fmul_rn(mp, 1.f / denom) : 0.f;
@@ -581,7 +562,7 @@ extern "C" __global__ void __launch_bounds__(SB)
     __syncthreads();
     if (last_kept >= 0) atomicMax(&sh.iscratch[0], last_kept);
     __syncthreads();
-    if (tid == 0) out_tokens[s] = sh.iscratch[0];
+    if (tid == 0) out_tokens[s] = max(sh.iscratch[0], 0);  // some token is kept: the max passes every threshold
   } else if (tid == 0) {
     out_tokens[s] = sh.winner;
   }

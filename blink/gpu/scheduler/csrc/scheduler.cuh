@@ -80,7 +80,7 @@ struct Row {
   uint32_t min_new;
   uint32_t n_stop;
   int32_t top_k;
-  float temperature;     // 0 also for the GREEDY flag
+  float temperature;     // 0 for a temperature below SAMPLING_EPS (greedy)
   float top_p;
   uint32_t ring_state;   // last SlotState stored to the slot
   uint32_t need_copy;    // prompt still to be copied from the arena into row_tokens
@@ -95,6 +95,7 @@ struct Row {
   uint32_t ext;          // uses an extension (pen, logprobs, prompt logprobs or min_p): the step's ext_on
   u64 seed;
   u64 arrival;           // FCFS order (claim order)
+  u64 group;             // slot.group: the API request it is a choice of (0: none)
   int32_t stop_ids[MAX_STOP_IDS];
 };
 

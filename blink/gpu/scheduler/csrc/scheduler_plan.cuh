@@ -86,13 +86,14 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   R.min_new = q.min_new_tokens;
   R.n_stop = q.n_stop;
   R.top_k = (int32_t)q.top_k;
-  R.temperature = (q.flags & SLOTFLAG_GREEDY) ? 0.0f : q.temperature;
+  R.temperature = q.temperature < SAMPLING_EPS ? 0.0f : q.temperature;  // greedy (step_batch.py)
   R.top_p = q.top_p;
   R.ring_state = SLOT_PREFILL_PROCESSING;
   R.need_copy = 1;
   R.cancel = 0;
   R.seed = q.seed;
   R.arrival = arrival;
+  R.group = q.group;
   R.presence = q.presence_penalty;
   R.frequency = q.frequency_penalty;
   R.repetition = q.repetition_penalty == 0.0f ? 1.0f : q.repetition_penalty;  // 0 reads as off
@@ -104,6 +105,25 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   R.ext = R.pen || R.n_logprobs >= 0 || R.prompt_n >= 0 || R.min_p != 0.0f;
   for (uint32_t i = 0; i < MAX_STOP_IDS; ++i) R.stop_ids[i] = q.stop_ids[i];
   return r;
+}
+
+// blink/device/scheduler.py group_cap: most running rows of one group (the choices of one API request).
+__device__ __forceinline__ uint32_t group_cap(const SchedCtl* c) { return c->max_batch / 2 > 1 ? c->max_batch / 2 : 1; }
+
+// Running rows of group g (thread 0). `cache` keeps the last group counted: a group's choices are
+// claimed together, so consecutive candidates mostly share it.
+struct GroupCount {
+  u64 group;
+  uint32_t n;
+};
+__device__ uint32_t group_held(const SchedCtl* c, u64 g, GroupCount& cache) {
+  if (g != cache.group) {
+    uint32_t n = 0;
+    for (uint32_t p = 0; p < c->n_run; ++p) n += g_rows[g_run[p]].group == g;
+    cache.group = g;
+    cache.n = n;
+  }
+  return cache.n;
 }
 
 // blink/device/scheduler.py BACKLOG_SCAN, BACKLOG_FACTOR, step_budget: tokens a step with n_dec
@@ -166,12 +186,16 @@ __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
   }
   bool stop = false;
   uint32_t w = 0;
+  const uint32_t gcap = group_cap(c);
+  GroupCount held = {0, 0};
   while (w < c->n_wait) {  // preempted rows first: they arrived before every queued request
     if (budget == 0 || c->n_run >= c->max_batch) { stop = true; break; }
     const uint32_t r = g_wait[w];
     Row& R = g_rows[r];
     if (preempted_now(sh, r)) { stop = true; break; }
     if (output_full(R, sh.cap)) { ++w; continue; }
+    if (R.group && group_held(c, R.group, held) >= gcap) { ++w; continue; }  // its group has its share
+    if (R.group == held.group) held.n++;
     const uint32_t n = min(R.len, budget);
     if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) { stop = true; break; }
     kv_grow(c, sh, r, n);
@@ -184,18 +208,27 @@ __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
   }
   if (stop) return;  // FCFS: queued requests never overtake a waiting row that could not go
   const RingSlot* copy = (const RingSlot*)c->slot_copy;
-  while (c->waitq_head != c->waitq_tail) {
-    const uint32_t slot = wq[c->waitq_head % sh.n_slots];
-    if (slot == DEAD) { c->waitq_head++; continue; }
+  // The FIFO in order; an entry whose group has its share stays queued and the ones behind it go
+  // (taken entries behind the head become DEAD; the head moves over DEAD entries).
+  for (uint32_t i = c->waitq_head; i != c->waitq_tail; ++i) {
+    const uint32_t slot = wq[i % sh.n_slots];
+    if (slot == DEAD) {
+      if (i == c->waitq_head) c->waitq_head++;
+      continue;
+    }
     if (budget == 0 || c->n_run >= c->max_batch || c->n_free_rows == 0) break;
+    const u64 g = copy[slot].group;
+    if (g && group_held(c, g, held) >= gcap) continue;
     const uint32_t plen = copy[slot].prompt_len;
     const uint32_t n = min(plen, budget);
     if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) break;
-    const uint32_t r = new_row(c, slot, c->waitq_head);  // the FIFO index is the arrival order
+    if (g == held.group) held.n++;
+    const uint32_t r = new_row(c, slot, i);  // the FIFO index is the arrival order
     kv_grow(c, sh, r, n);
     g_rows[r].running = 1;
-    g_run[c->n_run++] = r;  // newest arrival
-    c->waitq_head++;
+    insert_running(c, r);  // an entry passed over earlier may be admitted after newer ones
+    wq[i % sh.n_slots] = DEAD;
+    if (i == c->waitq_head) c->waitq_head++;
     add_chunk(sh, r, 0, n, n == plen);
     budget -= n;
   }

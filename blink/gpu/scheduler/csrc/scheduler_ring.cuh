@@ -164,7 +164,7 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
   __syncthreads();
 }
 
-// RingDevice._validate_ext (one thread per claim): the sampling extensions' fields, then the
+// slot_request._validate_sampling (one thread per claim): the sampling parameters' fields, then the
 // request's logit_bias entries (after its prompt in the arena) checked and copied into the engine's
 // table row of the slot (logits_ext reads them there while the request runs).
 __device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
@@ -174,7 +174,9 @@ __device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
   const uint32_t nb = r.n_logit_bias;
   const bool pen = pres != 0.0f || freq != 0.0f || (rep != 0.0f && rep != 1.0f) || mp != 0.0f || nb != 0;
   if (!feats && ((r.flags & (SLOTFLAG_LOGPROBS | SLOTFLAG_PROMPT_LOGPROBS)) || pen)) return SLOTERR_BAD_PARAMS;
-  if (!isfinite(pres) || !isfinite(freq) || !isfinite(rep) || !isfinite(mp) || rep < 0.0f || !(mp >= 0.0f && mp <= 1.0f))
+  // blink/protocol/sampling_params.py SamplingParams.problem (repetition 0 reads as 1)
+  if (!(fabsf(pres) <= MAX_PENALTY) || !(fabsf(freq) <= MAX_PENALTY) || !isfinite(rep) || rep < 0.0f ||
+      !(mp >= 0.0f && mp <= 1.0f))
     return SLOTERR_BAD_PARAMS;
   if (r.n_logprobs > MAX_LOGPROBS || nb > MAX_LOGIT_BIAS) return SLOTERR_BAD_PARAMS;
   if ((u64)r.prompt_offset + r.prompt_len + 2ull * nb > sh.arena_tokens) return SLOTERR_BAD_PARAMS;
@@ -188,7 +190,7 @@ __device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
   for (uint32_t j = 0; j < nb; ++j) {
     const int32_t id = (int32_t)ld_sys(src + 2 * j);
     const float v = __uint_as_float(ld_sys(src + 2 * j + 1));
-    if (id < 0 || (uint32_t)id >= sh.vocab || !isfinite(v)) return SLOTERR_BAD_PARAMS;
+    if (id < 0 || (uint32_t)id >= sh.vocab || !(fabsf(v) <= MAX_LOGIT_BIAS_VALUE)) return SLOTERR_BAD_PARAMS;
     ids[j] = id;
     vals[j] = v;
   }
@@ -308,8 +310,8 @@ __device__ void scan_claims(SchedCtl* c, Shared& sh) {
     uint32_t e = sh.claim_err[q];
     if (e == 0) {
       const float t = r.temperature, p = r.top_p;
-      if (!(isfinite(t) && t >= 0.0f) || !(p > 0.0f && p <= 1.0f) || r.n_stop > MAX_STOP_IDS ||
-          r.max_new_tokens == 0)
+      if (!(t >= 0.0f && t <= MAX_TEMPERATURE) || !(p > 0.0f && p <= 1.0f) || r.top_k > MAX_TOP_K ||
+          r.n_stop > MAX_STOP_IDS || r.max_new_tokens == 0)
         e = SLOTERR_BAD_PARAMS;
       else
         e = claim_ext(sh, s, r);
