@@ -91,6 +91,7 @@ struct Shared {
   uint32_t claim_cu[MAX_CLAIMS + 1];
   uint32_t preempted[64];  // rows preempted by the step being planned (more: the rest stop admission)
   uint32_t n_preempted;
+  uint32_t victim;  // fair_share_preempt: 1 + the g_run position of the row to preempt, 0 = none
 };
 
 // ---- small helpers (callers hold the data race-free by the phase structure) ----------------------

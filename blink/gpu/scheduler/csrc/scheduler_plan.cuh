@@ -23,9 +23,11 @@ __device__ void kv_free_row(SchedCtl* c, Shared& sh, uint32_t r) {
   R.kv_gen++;
 }
 
-// Preempt the newest running sequence (recompute later). Returns its row.
-__device__ uint32_t preempt_newest(SchedCtl* c, Shared& sh) {
-  const uint32_t v = g_run[--c->n_run];
+// Preempt the running row at position pos of g_run (recompute later). Returns the row.
+__device__ uint32_t preempt_at(SchedCtl* c, Shared& sh, uint32_t pos) {
+  const uint32_t v = g_run[pos];
+  for (uint32_t i = pos + 1; i < c->n_run; ++i) g_run[i - 1] = g_run[i];
+  c->n_run--;
   Row& V = g_rows[v];
   kv_free_row(c, sh, v);
   V.computed = 0;
@@ -38,6 +40,9 @@ __device__ uint32_t preempt_newest(SchedCtl* c, Shared& sh) {
   c->preemptions++;
   return v;
 }
+
+// Preempt the newest running sequence (the last of g_run, which is in arrival order).
+__device__ uint32_t preempt_newest(SchedCtl* c, Shared& sh) { return preempt_at(c, sh, c->n_run - 1); }
 
 __device__ bool reserve(SchedCtl* c, Shared& sh, uint32_t r, uint32_t ntok) {
   while (!kv_grow(c, sh, r, ntok))
@@ -154,6 +159,97 @@ __device__ uint32_t prefill_backlog(const SchedCtl* c, const Shared& sh) {
   return n;
 }
 
+// Scheduler._admit (thread 0): waiting sequences in arrival order, the preempted rows (older than
+// every queued request) then the FIFO of claimed slots: those whose group is below its share
+// (over = false) or those beyond it (over = true). Returns false when admission stops for this
+// step. A FIFO entry passed over stays queued (taken entries behind the head become DEAD; the head
+// moves over DEAD entries).
+__device__ bool admit_pass(SchedCtl* c, Shared& sh, uint32_t& budget, bool over, GroupCount& held) {
+  const uint32_t gcap = group_cap(c);
+  uint32_t w = 0;
+  while (w < c->n_wait) {
+    if (budget == 0 || c->n_run >= c->max_batch) return false;
+    const uint32_t r = g_wait[w];
+    Row& R = g_rows[r];
+    if ((R.group != 0 && group_held(c, R.group, held) >= gcap) != over) { ++w; continue; }
+    if (preempted_now(sh, r)) return false;
+    if (output_full(R, sh.cap)) { ++w; continue; }
+    const uint32_t n = min(R.len, budget);
+    if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) return false;  // FCFS: no overtaking for lack of KV
+    if (R.group != 0 && R.group == held.group) held.n++;
+    kv_grow(c, sh, r, n);
+    for (uint32_t i = w + 1; i < c->n_wait; ++i) g_wait[i - 1] = g_wait[i];
+    c->n_wait--;
+    R.running = 1;
+    insert_running(c, r);
+    add_chunk(sh, r, 0, n, n == R.len);
+    budget -= n;
+  }
+  uint32_t* wq = (uint32_t*)c->waitq;
+  const RingSlot* copy = (const RingSlot*)c->slot_copy;
+  for (uint32_t i = c->waitq_head; i != c->waitq_tail; ++i) {
+    const uint32_t slot = wq[i % sh.n_slots];
+    if (slot == DEAD) {
+      if (i == c->waitq_head) c->waitq_head++;
+      continue;
+    }
+    if (budget == 0 || c->n_run >= c->max_batch || c->n_free_rows == 0) return false;
+    const u64 g = copy[slot].group;
+    if ((g != 0 && group_held(c, g, held) >= gcap) != over) continue;
+    const uint32_t plen = copy[slot].prompt_len;
+    const uint32_t n = min(plen, budget);
+    if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) return false;
+    if (g != 0 && g == held.group) held.n++;
+    const uint32_t r = new_row(c, slot, i);  // the FIFO index is the arrival order
+    kv_grow(c, sh, r, n);
+    g_rows[r].running = 1;
+    insert_running(c, r);  // an entry passed over earlier may be admitted after newer ones
+    wq[i % sh.n_slots] = DEAD;
+    if (i == c->waitq_head) c->waitq_head++;
+    add_chunk(sh, r, 0, n, n == plen);
+    budget -= n;
+  }
+  return true;
+}
+
+// Scheduler._make_room_for_a_share (all threads; ends with a barrier): with the batch full, a
+// waiting sequence whose group is below its share and a running group above it, that group's newest
+// running row is preempted. g_run is in arrival order, so the newest such row is the last one whose
+// group holds more than group_cap rows (each thread counts the groups of its rows).
+__device__ void fair_share_preempt(SchedCtl* c, Shared& sh) {
+  const uint32_t cnt = c->n_run;
+  if (cnt < c->max_batch || (c->n_wait == 0 && c->waitq_head == c->waitq_tail)) return;  // uniform
+  const uint32_t gcap = group_cap(c);
+  if (threadIdx.x == 0) sh.victim = 0;
+  __syncthreads();
+  for (uint32_t i = threadIdx.x; i < cnt; i += SCHED_THREADS) {
+    const u64 g = g_rows[g_run[i]].group;
+    if (g == 0) continue;
+    uint32_t n = 0;
+    for (uint32_t j = 0; j < cnt; ++j) n += g_rows[g_run[j]].group == g;
+    if (n > gcap) atomicMax(&sh.victim, i + 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && sh.victim) {
+    GroupCount held = {0, 0};
+    bool want = false;
+    for (uint32_t p = 0; p < c->n_wait && !want; ++p) {
+      const Row& R = g_rows[g_wait[p]];
+      want = !output_full(R, sh.cap) && (R.group == 0 || group_held(c, R.group, held) < gcap);
+    }
+    const uint32_t* wq = (const uint32_t*)c->waitq;
+    const RingSlot* copy = (const RingSlot*)c->slot_copy;
+    for (uint32_t i = c->waitq_head; i != c->waitq_tail && !want; ++i) {
+      const uint32_t slot = wq[i % sh.n_slots];
+      if (slot == DEAD) continue;
+      const u64 g = copy[slot].group;
+      want = g == 0 || group_held(c, g, held) < gcap;
+    }
+    if (want) preempt_at(c, sh, sh.victim - 1);
+  }
+  __syncthreads();
+}
+
 // blink/device/scheduler.py: Scheduler._schedule_prefill (thread 0), after the decodes of the step
 // (sh.nseq of them) are planned: prefill chunks in the rest of the token budget.
 __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
@@ -184,54 +280,8 @@ __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
     budget -= n;
     // a preemption removed rows from g_run's tail; p still indexes this row's successors
   }
-  bool stop = false;
-  uint32_t w = 0;
-  const uint32_t gcap = group_cap(c);
   GroupCount held = {0, 0};
-  while (w < c->n_wait) {  // preempted rows first: they arrived before every queued request
-    if (budget == 0 || c->n_run >= c->max_batch) { stop = true; break; }
-    const uint32_t r = g_wait[w];
-    Row& R = g_rows[r];
-    if (preempted_now(sh, r)) { stop = true; break; }
-    if (output_full(R, sh.cap)) { ++w; continue; }
-    if (R.group && group_held(c, R.group, held) >= gcap) { ++w; continue; }  // its group has its share
-    if (R.group == held.group) held.n++;
-    const uint32_t n = min(R.len, budget);
-    if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) { stop = true; break; }
-    kv_grow(c, sh, r, n);
-    for (uint32_t i = w + 1; i < c->n_wait; ++i) g_wait[i - 1] = g_wait[i];
-    c->n_wait--;
-    R.running = 1;
-    insert_running(c, r);
-    add_chunk(sh, r, 0, n, n == R.len);
-    budget -= n;
-  }
-  if (stop) return;  // FCFS: queued requests never overtake a waiting row that could not go
-  const RingSlot* copy = (const RingSlot*)c->slot_copy;
-  // The FIFO in order; an entry whose group has its share stays queued and the ones behind it go
-  // (taken entries behind the head become DEAD; the head moves over DEAD entries).
-  for (uint32_t i = c->waitq_head; i != c->waitq_tail; ++i) {
-    const uint32_t slot = wq[i % sh.n_slots];
-    if (slot == DEAD) {
-      if (i == c->waitq_head) c->waitq_head++;
-      continue;
-    }
-    if (budget == 0 || c->n_run >= c->max_batch || c->n_free_rows == 0) break;
-    const u64 g = copy[slot].group;
-    if (g && group_held(c, g, held) >= gcap) continue;
-    const uint32_t plen = copy[slot].prompt_len;
-    const uint32_t n = min(plen, budget);
-    if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) break;
-    if (g == held.group) held.n++;
-    const uint32_t r = new_row(c, slot, i);  // the FIFO index is the arrival order
-    kv_grow(c, sh, r, n);
-    g_rows[r].running = 1;
-    insert_running(c, r);  // an entry passed over earlier may be admitted after newer ones
-    wq[i % sh.n_slots] = DEAD;
-    if (i == c->waitq_head) c->waitq_head++;
-    add_chunk(sh, r, 0, n, n == plen);
-    budget -= n;
-  }
+  if (admit_pass(c, sh, budget, false, held)) admit_pass(c, sh, budget, true, held);
 }
 
 // Scheduler._schedule_decode, sequential form with preemption (thread 0; the pool ran short).

@@ -93,6 +93,7 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
 // running rows and one block scan decide; a step of decodes only (no prefill wanted, every block
 // it needs free: the common case) is written into the engine's buffers in the same pass (all threads).
 __device__ void plan(SchedCtl* c, Shared& sh) {
+  fair_share_preempt(c, sh);  // before anything is planned: the victim is in no chunk of this step
   const uint32_t cnt = c->n_run, per = (cnt + SCHED_THREADS - 1) / SCHED_THREADS;
   const uint32_t lo = min(cnt, threadIdx.x * per), hi = min(cnt, lo + per);
   uint32_t ready = 0, need = 0, flags = 0;
