@@ -40,7 +40,8 @@ class ScriptedHandle:
             reason = FinishReason.LENGTH if last else FinishReason.NONE
             if last:
                 self.cancel()
-            yield TokenEvent(self.req.request_id, [71 + i % 20], reason)  # letters of the byte vocabulary
+            tok = self.backend.bad_token if i == 1 and self.backend.bad_token is not None else 71 + i % 20
+            yield TokenEvent(self.req.request_id, [tok], reason)  # letters of the byte vocabulary
 
     def cancel(self) -> None:
         if not self.finished:
@@ -53,8 +54,9 @@ class ScriptedBackend:
 
     max_context = 4096
 
-    def __init__(self, n_tokens: int = 4, delay: float = 0.0):
+    def __init__(self, n_tokens: int = 4, delay: float = 0.0, bad_token: int | None = None):
         self.n_tokens, self.delay = n_tokens, delay
+        self.bad_token = bad_token  # the second token of every request (a device that went wrong)
         self.subs: list[SubmitRequest] = []
         self.active = 0
         self._ids = itertools.count(1)
@@ -317,3 +319,37 @@ def test_frontends_metrics_add_up_and_survive_a_restart(tmp_path):
     assert m[ok] == 6 and m["vllm:request_success_total" + '{finished_reason="length",model_name="tiny-llama"}'] == 6
     assert m["blink_device_up"] == 1  # the live series once, from the answering frontend
     assert frontend(1, 1)[ok] == 4  # a fresh start of frontend 1: its old counts are gone
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("bad", [-1, 512, 2**31 - 1])
+async def test_a_token_outside_the_vocabulary_is_an_error_event_not_a_500(tok, bad):
+    """A device that publishes an id the tokenizer cannot decode: a 503 (non-streamed) or an error
+    event (streamed), never a 500 from the detokenizer; the server goes on serving."""
+    app = OpenAIServer(ScriptedBackend(n_tokens=4, bad_token=bad), tok, ServerConfig()).app()
+    async with TestClient(serve(app)) as c:
+        r = await c.post("/v1/completions", json={**COMPLETION, "max_tokens": 4})
+        js = await r.json()
+        assert r.status == 503 and "outside the vocabulary" in js["error"]["message"], js
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "stream": True})
+        assert r.status == 200
+        events = [e for e in (await r.text()).split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and "outside the vocabulary" in events[-2]
+        m = await scrape(c)
+        assert m['blink_requests_total{endpoint="completions",outcome="error"}'] == 1
+
+
+@pytest.mark.asyncio
+async def test_choices_of_one_request_share_a_group_and_n_is_capped(tok):
+    be = ScriptedBackend(n_tokens=2)
+    app = OpenAIServer(be, tok, ServerConfig(max_n=3)).app()
+    async with TestClient(serve(app)) as c:
+        r = await c.post("/v1/completions", json={**COMPLETION, "n": 3, "max_tokens": 2})
+        assert r.status == 200
+        r = await c.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
+        assert r.status == 200
+        r = await c.post("/v1/completions", json={**COMPLETION, "n": 4, "max_tokens": 2})
+        js = await r.json()
+        assert r.status == 400 and js["error"]["param"] == "n" and "--max-n" in js["error"]["message"]
+    groups = [s.group for s in be.subs]
+    assert groups[0] == groups[1] == groups[2] == be.subs[0].request_id != 0 and groups[3] == 0

@@ -1,6 +1,10 @@
 """Property-based fuzzing of /v1/completions and /v1/chat/completions (hypothesis) against
 `blink serve` on the emulated device: whatever the body, the answer is a 200 or an OpenAI-shaped
-4xx, never a 5xx, and afterwards the server is healthy and holds no slot."""
+4xx, never a 5xx, and afterwards the server is healthy and holds no slot.
+
+The search is derandomized and keeps no example database, so every run tries the same bodies (a
+run cannot pass or fail by what an earlier run found); the bodies it once found that broke the
+device are ordinary regression cases (REGRESSIONS, and @example on the property)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import time
 import urllib.parse
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_e2e_openai import Server
 
@@ -138,20 +142,65 @@ def _check(status: int, raw: bytes, streamed: bool) -> None:
         assert json.loads(raw)["choices"]
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(bodies)
-def test_fuzzed_bodies_get_200_or_an_openai_4xx(server, case):
-    path, body = case
+_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+_COMP = {"model": MODEL, "prompt": "Once upon", "max_tokens": 4}
+# Bodies that once took the device down (an overflow in the sampler at a temperature of 1e-40, an
+# out-of-vocabulary token and a 500 on a GPU), and their neighbours at the edges of the definition.
+REGRESSIONS = [
+    ("/v1/chat/completions", {**_CHAT, "temperature": 1e-40, "top_p": 0.9}),
+    ("/v1/chat/completions", {**_CHAT, "temperature": 1e-40, "top_k": 5}),
+    ("/v1/chat/completions", {**_CHAT, "temperature": 1e-40, "logprobs": True, "top_logprobs": 3}),
+    ("/v1/completions", {**_COMP, "temperature": 1e-40, "top_p": 0.9, "logprobs": 2, "stream": True}),
+    ("/v1/completions", {**_COMP, "temperature": 5e-324, "top_p": 0.5, "min_p": 0.5, "n": 2}),
+    ("/v1/completions", {**_COMP, "temperature": 1e-5, "top_p": 0.9}),
+    ("/v1/completions", {**_COMP, "temperature": 1e-5, "repetition_penalty": 1e-38, "top_k": 5}),
+    ("/v1/completions", {**_COMP, "temperature": 2.0, "top_p": 1e-30, "logprobs": 5}),
+    ("/v1/completions", {**_COMP, "temperature": 1.0, "min_p": 1.0, "top_k": 1}),
+    ("/v1/chat/completions", {**_CHAT, "logit_bias": {str(i): -100 for i in range(1, 512)}, "temperature": 0.9}),
+    ("/v1/chat/completions", {**_CHAT, "frequency_penalty": -2, "presence_penalty": -2, "temperature": 1e-5}),
+]
+
+
+def _send(server, path: str, body) -> tuple[int, bytes]:
     url = urllib.parse.urlparse(server.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
     try:
-        status, raw = _post(conn, path, json.dumps(body).encode())
+        return _post(conn, path, json.dumps(body).encode())
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("path,body", REGRESSIONS)
+def test_extreme_sampling_parameters_are_served(server, path, body):
+    status, raw = _send(server, path, body)
+    assert status == 200, (status, raw[:500])
+    _check(status, raw, bool(body.get("stream")))
+    assert server.metrics()["blink_device_up"] == 1
+
+
+@settings(
+    max_examples=250,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(bodies)
+@example(REGRESSIONS[0])
+@example(REGRESSIONS[3])
+def test_fuzzed_bodies_get_200_or_an_openai_4xx(server, case):
+    path, body = case
+    status, raw = _send(server, path, body)
     _check(status, raw, isinstance(body, dict) and body.get("stream") is True)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), st.binary(max_size=200) | texts.map(str.encode))
 def test_fuzzed_bytes_get_a_4xx(server, path, raw_body):
     url = urllib.parse.urlparse(server.url)

@@ -377,3 +377,35 @@ def test_prompt_logprobs_host_loop_and_gpu_scheduler(engine, max_tokens):
         assert len(plps_b or []) == len(plps_h or [])
         for a, b in zip(plps_b or [], plps_h or [], strict=True):
             assert a.logprob == pytest.approx(b.logprob, rel=1e-2, abs=2e-2)
+
+
+# Valid requests at the edges of the sampling definition (blink/device/sampling.py): the smallest
+# temperature that samples, a repetition penalty that overflows seen logits to +inf (the greedy
+# fallback), thresholds that keep one token, most of the vocabulary masked by logit_bias.
+EXTREME = [
+    dict(temperature=1e-5, top_p=0.9, logprobs=5, seed=1),
+    dict(temperature=1e-5, repetition_penalty=1e-38, top_k=5, seed=2, logprobs=3),
+    dict(temperature=2.0, top_p=1e-30, seed=3),
+    dict(temperature=1.0, min_p=1.0, logprobs=20, seed=4),
+    dict(temperature=0.7, logit_bias=[(t, -100.0) for t in range(1024)], top_k=5, seed=5),
+    dict(temperature=9.99e-6, top_p=0.5, top_k=2, min_p=0.3, seed=6),  # below SAMPLING_EPS: greedy
+]
+
+
+@pytest.mark.parametrize("scheduler", ["host", "gpu"])
+def test_extreme_parameters_through_the_ring(engine, scheduler):
+    """Both schedulers through the ring: every token in the vocabulary, finished by length; the host
+    loop's tokens are the definition's on the engine's logits, and the GPU scheduler's equal them."""
+    V = engine.config.vocab_size
+    prompt = np.random.default_rng(5).integers(3, V, 11).tolist()
+    reqs = [SubmitRequest(i, prompt, 8, stop_ids=[], sampling=SamplingParams(**c)) for i, c in enumerate(EXTREME)]
+    _, host, steps = _serve(engine, reqs, 64, "host", sequential=True)
+    with np.errstate(over="ignore"):
+        _replay(steps, V)
+    outs = host
+    if scheduler == "gpu":
+        _, outs, _ = _serve(engine, reqs, 64, "gpu", sequential=True)
+        assert [o[0] for o in outs] == [h[0] for h in host]
+    for ids, lps, fin in outs:
+        assert fin == FinishReason.LENGTH and len(ids) == 8 and all(0 <= t < V for t in ids)
+        assert all(0 <= i < V for rec in lps for i in rec.top_ids)
