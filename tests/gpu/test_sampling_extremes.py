@@ -20,9 +20,9 @@ SEEDS = 16  # rows per case: one seed each
 def sampler():
     import cupy as cp
 
-    from blink.gpu.cuda_api import Driver
-    from blink.gpu.kernels import Kernels
-    from blink.gpu.sampler import GpuSampler
+    from blink.gpu.engine.sampler import GpuSampler
+    from blink.gpu.toolchain.cuda_api import Driver
+    from blink.gpu.toolchain.kernels import Kernels
 
     cp.zeros(1)
     drv = Driver()

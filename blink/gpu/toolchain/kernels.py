@@ -113,6 +113,8 @@ def nvcc_signatures(source: str) -> dict[str, Params]:
         str(SOURCE_DIRS[source]),
         "-I",
         str(INCLUDE),
+        "-I",
+        str(SCHEDULER_CSRC),  # blink_ring.h
         str(SOURCE_DIRS[source] / source),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True)
