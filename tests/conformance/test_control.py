@@ -85,6 +85,11 @@ def test_full_output_ring_pauses_only_that_slot_and_loses_nothing(make_rig):
         ("top_p > 1", SlotError.BAD_PARAMS),
         ("too many stop ids", SlotError.BAD_PARAMS),
         ("max_new_tokens = 0", SlotError.BAD_PARAMS),
+        ("temperature above 2", SlotError.BAD_PARAMS),
+        ("infinite temperature", SlotError.BAD_PARAMS),
+        ("top_k above 2^31 - 1", SlotError.BAD_PARAMS),
+        ("presence penalty above 2", SlotError.BAD_PARAMS),
+        ("NaN repetition penalty", SlotError.BAD_PARAMS),
     ],
 )
 def test_bad_requests_finish_with_error(clean: Rig, case: str, error: SlotError):
@@ -114,6 +119,16 @@ def test_bad_requests_finish_with_error(clean: Rig, case: str, error: SlotError)
         kw["n_stop"] = MAX_STOP_IDS + 1
     elif case == "max_new_tokens = 0":
         kw["max_new_tokens"] = 0
+    elif case == "temperature above 2":  # the ranges of blink/protocol/sampling_params.py
+        kw["temperature"] = 2.5
+    elif case == "infinite temperature":
+        kw["temperature"] = float("inf")
+    elif case == "top_k above 2^31 - 1":
+        kw["top_k"] = 2**31
+    elif case == "presence penalty above 2":
+        kw["fields"] = {"presence_penalty": 3.0}
+    elif case == "NaN repetition penalty":
+        kw["fields"] = {"repetition_penalty": float("nan")}
     r = c.generate(prompt, timeout=10, **kw)
     assert (r.finish, r.error, r.tokens) == (FinishReason.ERROR, error, [])
     # the device keeps serving

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conformance.rig import SMOLLM2, Rig, RigSpec, open_rig
 
-from blink.protocol.layout import UNLIMITED, FinishReason
+from blink.protocol.layout import UNLIMITED, DeviceFeatures, FinishReason, SlotFlags
 
 
 def prompts_of(rig: Rig, lengths, seed=0) -> list[list[int]]:
@@ -196,3 +196,18 @@ def test_smollm2_greedy_batched_equals_alone(smollm2: Rig, chat):
     batched = [r.tokens for r in c.wait([c.submit(p, max_new_tokens=8) for p in prompts], timeout=120)]
     assert batched == alone
     smollm2.assert_clean()
+
+
+def test_a_temperature_below_the_epsilon_is_greedy(clean: Rig):
+    """A temperature of 1e-40 written into the slot (a frontend writes 0 for it; any writer may not)
+    with top_p, top_k or logprobs: the greedy tokens, and the device keeps serving. Dividing the
+    logits by it used to overflow: the emulated device died, a GPU published ids outside the vocabulary."""
+    c = clean.client
+    p = [5, 6, 7, 8, 9]
+    want = c.generate(p, max_new_tokens=6, temperature=0.0).tokens
+    cases = [dict(top_p=0.9), dict(top_k=5), dict(top_p=0.5, top_k=2), dict(temperature=9.99e-6, top_p=0.9)]
+    if int(c.header()["features"]) & DeviceFeatures.LOGPROBS:
+        cases.append(dict(top_p=0.9, flags=SlotFlags.LOGPROBS, fields={"n_logprobs": 3}))
+    for kw in cases:
+        r = c.generate(p, max_new_tokens=6, **{"temperature": 1e-40, "seed": 3, **kw})
+        assert r.finish is FinishReason.LENGTH and r.tokens == want, kw
