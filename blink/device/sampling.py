@@ -13,8 +13,10 @@ whatever its values, gives a token id in [0, vocab).
 2. Penalties, from the sequence's state: `seen` (ids in the prompt or the output) and `counts`
    (occurrences in the output). Repetition r != 1, for seen ids: l > 0 ? l / r : l * r. Then
    l -= frequency * count + presence * (count > 0).
-3. Greedy (T < SAMPLING_EPS in float32, or T NaN): argmax, lowest index on ties. Done. A row of -inf (every
-   token masked) gives 0.
+   A per-row mask of allowed tokens (a grammar) belongs here: the tokens it forbids become -inf, and
+   steps 3-9 need nothing more (a row that forbids every token falls back as below).
+3. Greedy (T < SAMPLING_EPS in float32, or T NaN): argmax, lowest index on ties. Done. A row of -inf
+   (every token masked) gives 0.
 4. z = logits / T. When max z is not finite (+inf: a logit overflowed after the penalties or the
    division; -inf: every token masked), the row falls back to step 3's argmax of the logits. Else
    p = exp(z - max z) / sum in float32: finite, and the largest p is 1 / sum > 0.
