@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The cuda default of DeviceConfig.mixed_tokens, by arithmetic on step costs measured on the H200
-# (random Llama-3-8B bf16; the cost model and its sources: bench/mixed_budget_model.py). A step's
+# (random Llama-3-8B bf16; the cost model and its sources: bench/scheduler/mixed_budget_model.py). A step's
 # GEMMs read the 16 GB of weights (~4.2 ms) and do 14 GFLOP per token (~20 us at 700 TFLOP/s), so a
 # step stays memory-bound to ~200 tokens: the non-attention part is 4.4 ms at 1 row, 5.9 at 128,
 # 7.9 at 256, ~12 at 512. At 24 req/s of 256 -> 128 about 20 requests decode; a prompt arriving was
@@ -181,7 +181,7 @@ class DeviceConfig:
     0: exit at the first death."""
     executor: str = ""
     """emulated: a stand-in model's executor factory, "module:function" (benchmarks that measure the
-    frontend against a device whose step time is modeled, e.g. bench/paced_executor.py); "" = the
+    frontend against a device whose step time is modeled, e.g. bench/serving/paced_executor.py); "" = the
     numpy model."""
     kernel_cache: str | None = None
     """Directory of the compiled CUDA kernels (cuda only); None = build/kernels in a source checkout,

@@ -1,4 +1,4 @@
-"""bench/scaleout.py end to end without Ray (--launcher procs): engines as processes, the frontend
+"""bench/serving/scaleout.py end to end without Ray (--launcher procs): engines as processes, the frontend
 actor's module as a standalone process, 1 then 2 replicas, results JSON."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(180)
 def test_scaleout_procs_launcher(tmp_path: Path) -> None:
     out = tmp_path / "scaleout.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "scaleout.py"), "--launcher", "procs", "--device", "emulated"]
+    cmd = [sys.executable, "-m", "bench.serving.scaleout", "--launcher", "procs", "--device", "emulated"]
     cmd += ["--model", "random:tiny-llama", "--dataset", "random", "--input-len", "12", "--output-len", "6"]
     cmd += ["--requests", "8", "--concurrency", "4", "--per-replica", "--n-slots", "16", "--num-kv-blocks", "128"]
     cmd += ["--rate", "8", "--open-requests", "6", "--out", str(out)]

@@ -1,23 +1,24 @@
-"""bench/lm_eval_local.py's local task and its item-by-item comparison (no lm_eval, no server)."""
+"""bench/serving/lm_eval_local.py's local task and its item-by-item comparison (no lm_eval, no server)."""
 
 from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.serving import lm_eval_local
 
-import lm_eval_local  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_local_task_data_is_well_formed():
-    yaml = (ROOT / "bench" / "lm_eval" / "blink_mc_local.yaml").read_text()
-    assert "task: blink_mc_local" in yaml and "test: bench/lm_eval/mc_local.jsonl" in yaml
-    items = [json.loads(line) for line in (ROOT / "bench" / "lm_eval" / "mc_local.jsonl").read_text().splitlines()]
+    yaml = (ROOT / "bench" / "serving" / "lm_eval" / "blink_mc_local.yaml").read_text()
+    assert "task: blink_mc_local" in yaml and "test: bench/serving/lm_eval/mc_local.jsonl" in yaml
+    items = [
+        json.loads(line)
+        for line in (ROOT / "bench" / "serving" / "lm_eval" / "mc_local.jsonl").read_text().splitlines()
+    ]
     assert len(items) == 62
     assert len({it["question"] for it in items}) == 62
     for it in items:

@@ -1,5 +1,5 @@
 """The four-model scripts on the CPU, so the H200 call does not find the harness's bugs:
-bench/throughput.py --presets runs the MoE model too (not skipped), and bench/serve_check.py's checks pass against the
+bench/engine/throughput.py --presets runs the MoE model too (not skipped), and bench/serving/serve_check.py's checks pass against the
 emulated device (and fail when an answer is wrong)."""
 
 from __future__ import annotations
@@ -17,7 +17,17 @@ def test_models_bench_runs_the_moe_model(tmp_path):
     """The CUDA engine runs MoE models (blink/gpu/engine/moe_launch.py): qwen3-30b-a3b passes the device check
     and is not skipped; on a machine without a GPU it then fails at the engine, recorded as failed."""
     out = tmp_path / "models.json"
-    cmd = [sys.executable, "bench/throughput.py", "--presets", "qwen3-30b-a3b", "--commit", "abc", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.engine.throughput",
+        "--presets",
+        "qwen3-30b-a3b",
+        "--commit",
+        "abc",
+        "--out",
+        str(out),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     res = json.loads(out.read_text())
     assert res["commit"] == "abc" and res["date"] and res["device"] and "--presets" in res["command"]
@@ -29,7 +39,7 @@ def test_models_bench_runs_the_moe_model(tmp_path):
 
 def test_serve_check_passes_on_the_emulated_device(tmp_path):
     out = tmp_path / "serve.json"
-    cmd = [sys.executable, "bench/serve_check.py", "--model", "random:tiny-qwen3", "--device", "emulated"]
+    cmd = [sys.executable, "-m", "bench.serving.serve_check", "--model", "random:tiny-qwen3", "--device", "emulated"]
     r = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
@@ -38,7 +48,7 @@ def test_serve_check_passes_on_the_emulated_device(tmp_path):
 
 def test_serve_check_fails_when_a_request_fails():
     """max_tokens 0 with logprobs is vLLM's 400: the script says which request failed and exits 1."""
-    cmd = [sys.executable, "bench/serve_check.py", "--model", "random:tiny-qwen3", "--device", "emulated"]
+    cmd = [sys.executable, "-m", "bench.serving.serve_check", "--model", "random:tiny-qwen3", "--device", "emulated"]
     r = subprocess.run([*cmd, "--tokens", "0"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
     assert r.returncode == 1 and "FAILED POST" in r.stderr and "HTTP 400" in r.stderr, r.stdout + r.stderr
 
@@ -46,10 +56,9 @@ def test_serve_check_fails_when_a_request_fails():
 def test_models_bench_child_timeout_kills_its_group_and_budget_skips(tmp_path):
     """A model's process that outlives --timeout is killed with what it started (the load generator),
     without waiting for it; models past --budget-s are recorded as not run; the JSON is written."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import time
 
-    import throughput
+    from bench.engine import throughput
 
     pid_file = tmp_path / "grandchild"
     code = f"import subprocess, time; open({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '60']).pid)); time.sleep(60)"
@@ -60,7 +69,17 @@ def test_models_bench_child_timeout_kills_its_group_and_budget_skips(tmp_path):
     time.sleep(0.2)
     assert not os.path.exists(f"/proc/{grandchild}") or " Z " in open(f"/proc/{grandchild}/stat").read()
     out = tmp_path / "m.json"
-    cmd = [sys.executable, "bench/throughput.py", "--presets", "llama3-8b,phi-4", "--budget-s", "10", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.engine.throughput",
+        "--presets",
+        "llama3-8b,phi-4",
+        "--budget-s",
+        "10",
+        "--out",
+        str(out),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
     res = json.loads(out.read_text())
     assert r.returncode == 0 and res["complete"], r.stderr

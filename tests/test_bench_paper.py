@@ -1,6 +1,6 @@
-"""bench/paper.py, bench/plots.py and bench/hogs.py on the CPU: the hogs load the cores they are
-given, the plots draw every figure from JSON alone, and paper.py runs end to end on the emulated
-device (so the H200 call does not find the harness's bugs)."""
+"""bench/paper/evaluate.py, bench/paper/plots.py and bench/paper/hogs.py on the CPU: the hogs load the cores they are
+given, the plots draw every figure from JSON alone, and the evaluation runs end to end on the emulated
+device (so a GPU run does not find the harness's bugs)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,10 @@ import time
 
 import pytest
 
+from bench.paper import evaluate, hogs, plots
+from blink.benchmark import CDF_QUANTILES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-import hogs  # noqa: E402
-import plots  # noqa: E402
-
-from blink.benchmark import CDF_QUANTILES  # noqa: E402
 
 
 def _cpu_s(pid: int) -> float:
@@ -62,7 +59,7 @@ def _bench(rate: float | str, ttft: float, tpot: float) -> dict:
 
 
 def synthetic_docs() -> list[dict]:
-    """One JSON of each part, shaped as bench/paper.py writes them (numbers made up)."""
+    """One JSON of each part, shaped as bench/paper/evaluate.py writes them (numbers made up)."""
     meta = {"device": "h200", "device_name": "NVIDIA H200", "commit": "abc1234", "date": "2026-12-01T00:00:00Z"}
     closed = lambda v: {"steady_tok_per_s": v, **_bench("inf", 20, 6)}  # noqa: E731
     interf = {
@@ -123,19 +120,19 @@ def test_paper_quick_end_to_end_on_the_emulated_device(tmp_path):
     ]  # fmt: skip
     sg.write_text(json.dumps(convs))
     out = tmp_path / "out"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "paper.py"), "--device", "emulated", "--quick", "--commit", "c0ffee1",
+    cmd = [sys.executable, "-m", "bench.paper.evaluate", "--device", "emulated", "--quick", "--commit", "c0ffee1",
            "--parts", "interference,cpu,sigstop,sweep,ablation", "--sharegpt", str(sg), "--out", str(out)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "==== bench/paper.py summary ====" in r.stdout and "FAILED" not in r.stdout
+    assert "==== bench/paper/evaluate.py summary ====" in r.stdout and "FAILED" not in r.stdout
     docs = {}
     for part in ("interference", "cpu", "sigstop", "sweep", "ablation"):
         path = out / f"{part}-emulated-c0ffee1.json"
         docs[part] = json.loads(path.read_text(), parse_constant=lambda c, p=path: pytest.fail(f"{c} in {p}"))
         d = docs[part]
-        assert d["what"] == part and d["device"] == "emulated" and d["commit"] == "c0ffee1" and d["tree_sha256"]
-        assert "bench/paper.py" in d["command"] and set(d["results"]) == {"gpu", "host"}
+        assert d["what"] == part and d["device"] == "emulated" and d["commit"] == "c0ffee1"
+        assert "bench.paper.evaluate" in d["command"] and set(d["results"]) == {"gpu", "host"}
     for sched in ("gpu", "host"):
         c = docs["interference"]["results"][sched]["closed"]
         assert c["idle"]["steady_tok_per_s"] > 0 and c["hogs"]["steady_tok_per_s"] > 0 and c["idle"]["failed"] == 0
@@ -165,10 +162,9 @@ def test_paper_quick_end_to_end_on_the_emulated_device(tmp_path):
 
 
 def test_paper_json_has_no_nan_or_infinity():
-    """A part's numbers go through paper.finite before the strict dump: NaN and inf become null."""
-    import paper
+    """A part's numbers go through evaluate.finite before the strict dump: NaN and inf become null."""
 
-    doc = paper.finite({"a": float("nan"), "b": [1.0, float("inf"), {"c": -float("inf")}], "d": "inf", "e": 2})
+    doc = evaluate.finite({"a": float("nan"), "b": [1.0, float("inf"), {"c": -float("inf")}], "d": "inf", "e": 2})
     assert json.loads(json.dumps(doc, allow_nan=False)) == {
         "a": None,
         "b": [1.0, None, {"c": None}],
@@ -180,7 +176,7 @@ def test_paper_json_has_no_nan_or_infinity():
 def test_paper_server_that_does_not_start_is_a_failure_not_a_crash(tmp_path):
     """A server that exits at start is recorded (summary, exit code 1), and the other scheduler's
     server is still tried: one bad start must not lose the rest of a GPU call."""
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "paper.py"), "--device", "emulated", "--quick",
+    cmd = [sys.executable, "-m", "bench.paper.evaluate", "--device", "emulated", "--quick",
            "--parts", "ablation", "--model", "random:no-such-preset", "--out", str(tmp_path)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 1, r.stdout + r.stderr

@@ -1,9 +1,8 @@
-"""bench/ttft_breakdown.py on the emulated device: the ring tap traces every request's first-token
+"""bench/serving/ttft_breakdown.py on the emulated device: the ring tap traces every request's first-token
 path (submit <= claim <= launch <= first <= read) and the JSON holds the stages."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -14,9 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_ttft_breakdown_traces_every_request(tmp_path):
-    spec = importlib.util.spec_from_file_location("ttft_breakdown", ROOT / "bench" / "ttft_breakdown.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from bench.serving import ttft_breakdown as mod
+
     out = tmp_path / "ttft.json"
     argv = ["--device", "emulated", "--model", "random:tiny-llama", "--schedulers", "host", "--rate", "50",
             "--num-prompts", "12", "--input-len", "16", "--output-len", "4", "--max-num-seqs", "8", "--out", str(out)]  # fmt: skip

@@ -157,7 +157,7 @@ def test_chat_template_replaces_the_models():
 def test_device_executor_plugs_a_stand_in_model_into_the_emulated_device_only():
     from blink.launch import device_spec
 
-    ex = "bench.paced_executor:h200_llama3_8b"
+    ex = "bench.serving.paced_executor:h200_llama3_8b"
     cfg = C.BlinkConfig().replace(device={"kind": "emulated", "executor": ex})
     assert device_spec(cfg, "r").executor == ex
     with pytest.raises(C.ConfigError, match="emulated"):

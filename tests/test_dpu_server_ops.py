@@ -10,6 +10,7 @@ import logging
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -21,6 +22,8 @@ from blink.dpu.server import OpenAIServer
 from blink.dpu.tokenizer import load_tokenizer
 from blink.protocol.layout import UNLIMITED, DeviceStatus, FinishReason
 from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest, TokenEvent
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ScriptedHandle:
@@ -284,8 +287,7 @@ from blink.config import ServerConfig
 from blink.dpu import metrics
 from blink.dpu.server import OpenAIServer
 from blink.dpu.tokenizer import load_tokenizer
-sys.path.insert(0, "tests")
-from test_dpu_server_ops import ScriptedBackend
+from tests.test_dpu_server_ops import ScriptedBackend
 
 folder, index, n, restore = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 metrics.enable_multiprocess(folder, index, restore=restore)
@@ -308,7 +310,7 @@ def test_frontends_metrics_add_up_and_survive_a_restart(tmp_path):
 
     def frontend(index: int, n: int, restore: bool = False) -> dict[str, float]:
         args = [sys.executable, "-c", _FRONTEND, str(folder), str(index), str(n), "1" if restore else "0"]
-        out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         return metrics(out.stdout)
 

@@ -192,7 +192,7 @@ def test_fusion_only_on_the_gemv_path(fusion: str, signatures: dict):
         f.record(0, 2, 2, True)  # batch 2 > gemv_max_tokens: cuBLAS
         f.record(0, 1, 64, False)  # prefill
         f.gemv_max_tokens = 0
-        f.record(0, 1, 1, True)  # batch 1 on cuBLAS (bench/decode.py's cublas_only)
+        f.record(0, 1, 1, True)  # batch 1 on cuBLAS (bench/engine/decode.py's cublas_only)
         base_calls[fu] = [c[0] for c in calls]
     assert base_calls[fusion] == base_calls["none"]
 
@@ -274,13 +274,9 @@ def test_parse_signatures_of_preprocessed_macro_kernels():
 
 
 def test_only_launches_records_one_category(signatures: dict):
-    """The benchmarks' per-category graphs (bench/benchutil.py's only_launches): the step's launches
+    """The benchmarks' per-category graphs (bench/common.py's only_launches): the step's launches
     of that category alone, in order, and the engine's driver and cuBLAS back afterwards."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-    from benchutil import CATEGORIES, kernel_category, only_launches
+    from bench.common import CATEGORIES, kernel_category, only_launches
 
     f, calls = _forward("qwen2.5-7b", 1, "all", signatures)
     f.record(0, 4, 4, True)  # cuBLAS bucket: GEMMs, add_bias and every other category

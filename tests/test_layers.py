@@ -51,8 +51,7 @@ def offenders(package: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
         # "blink": the package root, for __version__
         ("dpu", ("blink.dpu", "blink.protocol", "blink.config", "blink.models", "blink")),
         ("device", ("blink.device", "blink.protocol", "blink.models")),
-        # blink.treedigest: a stdlib-only leaf that stamps benchmark results with the sources that ran
-        ("gpu", ("blink.gpu", "blink.device", "blink.protocol", "blink.models", "blink.treedigest")),
+        ("gpu", ("blink.gpu", "blink.device", "blink.protocol", "blink.models")),
         # the launch layer's device side: the spec, the ring, the device process (no frontend)
         ("launch.py", ("blink.config", "blink.protocol")),
         # drives `blink serve` from outside (a child process, HTTP): runs the blink it belongs to

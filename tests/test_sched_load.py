@@ -1,4 +1,4 @@
-"""bench/sched_load.py: the scheduler benchmarks' ring-level load, over blink's own frontend roles
+"""bench/scheduler/ring_load.py: the scheduler benchmarks' ring-level load, over blink's own frontend roles
 (RequestTracker), against the emulated device (the same ring protocol as the GPU scheduler)."""
 
 from __future__ import annotations
@@ -10,14 +10,12 @@ import sys
 
 import pytest
 
+from bench.scheduler.ring_load import LoadGen, random_requests, steady
 from blink.config import BlinkConfig
 from blink.launch import create_ring, device_spec, new_ring_name, start_device
 from blink.protocol.layout import FinishReason
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from sched_load import LoadGen, random_requests, steady  # noqa: E402
 
 
 @pytest.fixture
@@ -62,7 +60,7 @@ def test_run_counts_every_token_and_timed_phases_carry_over(ring):
 
 def test_cli_serves_one_workload_and_stops_the_device(ring):
     _, proc, name = ring
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "sched_load.py"), "--ring", name, "--n", "6"]
+    cmd = [sys.executable, "-m", "bench.scheduler.ring_load", "--ring", name, "--n", "6"]
     cmd += ["--prompt", "8", "--new", "4", "--concurrency", "3", "--shutdown", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
@@ -72,10 +70,9 @@ def test_cli_serves_one_workload_and_stops_the_device(ring):
 
 
 def test_sched_common_serves_a_workload_with_the_host_loop_and_a_numpy_executor():
-    """bench/sched_common.serve_workload's host path (the ablation's baseline): the device loop in
-    this process, sched_load.py in a child process, exact token counts, device counters."""
-    from sched_common import serve_workload
-
+    """bench.scheduler.harness.serve_workload's host path (the ablation's baseline): the device loop in
+    this process, ring_load in a child process, exact token counts, device counters."""
+    from bench.scheduler.harness import serve_workload
     from blink.device.numpy_executor import NumpyExecutor
 
     ex = NumpyExecutor.from_model("random:tiny-llama", num_blocks=128, block_size=16, max_batch=8, max_tokens=256)
@@ -86,10 +83,9 @@ def test_sched_common_serves_a_workload_with_the_host_loop_and_a_numpy_executor(
 
 
 def test_fresh_ring_is_unlinked_on_the_way_out_even_after_an_error():
-    """bench/sched_common.fresh_ring (serve_workload, sched_overhead.py, sm_steal.py): a ring of its
+    """bench.scheduler.harness.fresh_ring (serve_workload, the overhead and sm_steal benchmarks): a ring of its
     own under a new name, gone afterwards (a benchmark that fails leaves no ring in /dev/shm)."""
-    from sched_common import fresh_ring
-
+    from bench.scheduler.harness import fresh_ring
     from blink.protocol.layout import RingGeometry
     from blink.protocol.transport import shm_path
 

