@@ -3,6 +3,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+PARTS ?= tests conformance
 
 .PHONY: serve test install install-test lint gpu-test
 
@@ -16,11 +20,12 @@ install: $(BIN)/python
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 
-# Serve the embedded default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000.
+# Serve the embedded default model (SmolLM2-135M-Instruct) on $(HOST):$(PORT) (127.0.0.1:8000);
+# ARGS go to `blink serve` as they are, e.g. make serve PORT=8001 ARGS="--max-num-seqs 8".
 # Without a GPU the emulated device runs it on the CPU.
 serve: install
 	$(BIN)/blink pull
-	$(BIN)/blink serve
+	$(BIN)/blink serve --host $(HOST) --port $(PORT) $(ARGS)
 
 # Every test that can run on this machine (gpu/rdma-marked tests are skipped without the hardware).
 test: install-test
@@ -31,6 +36,9 @@ lint: install-test
 	$(BIN)/ruff check blink tests bench
 	$(BIN)/ruff format --check blink tests bench
 
-# On a machine with an NVIDIA GPU (the H200): every GPU test and benchmark.
+# On a machine with an NVIDIA GPU, after `pip install -e '.[cu13,test]'` (or [cu12]): the GPU tests and the
+# conformance suite on the CUDA device; benchmarks by name in PARTS (scripts/gpu_check.sh lists them).
+#   make gpu-test OUT=dir [PARTS="tests conformance decode models"] [COMMIT=sha]
 gpu-test:
-	bash bench/run_gpu.sh
+	@test -n "$(OUT)" || { echo "usage: make gpu-test OUT=dir [PARTS=...] [COMMIT=sha]"; exit 2; }
+	bash scripts/gpu_check.sh $(if $(COMMIT),--commit $(COMMIT)) $(OUT) $(PARTS)

@@ -89,6 +89,13 @@ def git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def add_commit_arg(ap: Any) -> None:
+    """--commit: the commit a result records (and its file name carries); default: git_commit()."""
+    ap.add_argument(
+        "--commit", default=None, type=str, help="commit recorded in the result (default: this checkout's HEAD)"
+    )
+
+
 def metadata(
     commit: str, argv: list[str] | None = None, *, gpu_key: str = "gpu", gpu: str | None = None
 ) -> dict[str, Any]:

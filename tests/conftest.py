@@ -25,7 +25,7 @@ def rdma_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run bench/run_gpu.sh on the H200)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (make gpu-test OUT=dir on a machine with one)")
     skip_rdma = pytest.mark.skip(reason="needs an RDMA device")
     for item in items:
         if "gpu" in item.keywords and not gpu_available():

@@ -38,6 +38,7 @@ import numpy as np
 
 from bench.common import (
     CATEGORIES,
+    add_commit_arg,
     alternate,
     category_times,
     copy_fraction,
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         help="--role-breakdown: other decode attention kernels timed alone on the same q and KV, checked against the engine's",
     )
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak for ideal times (H200: ~790)")
-    ap.add_argument("--commit", default="unknown")
+    add_commit_arg(ap)
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
     cfg = preset_config(a.model, a.layers)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import metadata, preset_config, write_json
+from bench.common import add_commit_arg, metadata, preset_config, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-new", type=int, default=128, help="generate_batch output tokens")
     ap.add_argument("--only-batch", action="store_true", help="generate_batch only (no batch-1 decode, no prefill)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--commit", default="unknown")
+    add_commit_arg(ap)
     ap.add_argument("--out", default="bench/results/hf.json")
     a = ap.parse_args(argv)
     c = preset_config(a.model, a.layers)

@@ -26,6 +26,7 @@ import numpy as np
 
 from bench.common import (
     CATEGORIES,
+    add_commit_arg,
     alternate,
     category_times,
     copy_fraction,
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--breakdown", default="1", help="batches whose kernel categories are timed one by one")
     ap.add_argument("--compare", action="store_true", help="also time every other MoE expert path at each batch")
-    ap.add_argument("--commit", default="unknown")
+    add_commit_arg(ap)
     ap.add_argument("--out", default="bench/results/moe_decode.json")
     a = ap.parse_args(argv)
     cfg = preset_config(a.model, a.layers)

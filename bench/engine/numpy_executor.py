@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from bench.common import RESULTS, git_commit, metadata
+from bench.common import RESULTS, add_commit_arg, git_commit, metadata
 from blink.device.numpy_executor import NumpyExecutor
 from blink.models.reference import PagedDriver
 from blink.models.registry import resolve_model
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "numpy_executor.json"))
-    ap.add_argument("--commit", default="", help="git commit of the tree (default: $BLINK_COMMIT or git)")
+    add_commit_arg(ap)
     args = ap.parse_args()
 
     bundle = resolve_model(args.model, progress=True)

@@ -20,6 +20,7 @@ import numpy as np
 
 from bench.common import (
     CATEGORIES,
+    add_commit_arg,
     alternate,
     category_times,
     load_synthetic,
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemm-rows", default="", help="row counts at which each layer GEMM shape is timed alone")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
-    ap.add_argument("--commit", default="unknown")
+    add_commit_arg(ap)
     ap.add_argument("--out", default="bench/results/prefill.json")
     a = ap.parse_args(argv)
     cfg = preset_config(a.model, a.layers)

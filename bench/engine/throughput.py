@@ -25,6 +25,7 @@ import tempfile
 import time
 
 from bench.common import (
+    add_commit_arg,
     copy_bandwidth,
     decode_bytes,
     gpu_name,
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per model (--presets)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="seconds for all models (--presets; 0: no limit)")
-    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
+    add_commit_arg(ap)
     ap.add_argument("--json-out", default="", help="(the child of --presets) where one model's result goes")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv[1:])

@@ -23,7 +23,7 @@ import pathlib
 
 import numpy as np
 
-from bench.common import metadata
+from bench.common import add_commit_arg, metadata
 from blink.gpu.engine.attention_launch import flash_grid_splits
 from blink.gpu.toolchain import kernels
 from blink.gpu.toolchain.cuda_api import Driver
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default="")
-    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
+    add_commit_arg(ap)
     a = ap.parse_args()
     import cupy as cp
 

@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-from bench.common import copy_bandwidth, git_commit, metadata, time_ms, write_json
+from bench.common import add_commit_arg, copy_bandwidth, git_commit, metadata, time_ms, write_json
 from blink.gpu.engine.forward import rope_launch
 from blink.gpu.toolchain import kernels
 from blink.gpu.toolchain.cuda_api import Driver
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-calls", type=int, default=32, help="RoPE launches per timed graph")
     ap.add_argument("--norm-calls", type=int, default=64, help="norm launches per timed graph")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--commit", default="", help="git commit of the tree (default: $BLINK_COMMIT or git)")
+    add_commit_arg(ap)
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     b = Bench(a.rope_calls, a.norm_calls, a.iters)

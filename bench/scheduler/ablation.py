@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.common import metadata, write_json
+from bench.common import add_commit_arg, metadata, write_json
 from bench.scheduler.harness import make_engine, serve_workload
 
 WORKLOADS = {  # name: (prompt tokens, output tokens)
@@ -48,7 +48,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--out", default="")
-    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
+    add_commit_arg(ap)
     a = ap.parse_args()
     eng = make_engine(a.preset, 64, 4096, 2048)
     rows = run(eng)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bench.common import metadata, write_json
+from bench.common import add_commit_arg, metadata, write_json
 from bench.scheduler.harness import fresh_ring
 from bench.scheduler.ring_load import LoadGen, random_requests
 from blink.protocol.layout import DeviceStatus, RingGeometry
@@ -143,7 +143,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--out", default="")
     ap.add_argument("--decode-attention", default="", help='decode attention table, e.g. "basic" ("": the default)')
-    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
+    add_commit_arg(ap)
     a = ap.parse_args()
     eng = make_engine(a.preset, 64, 256, 4096, decode_attention=a.decode_attention)
     rows = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from bench.common import metadata, write_json
+from bench.common import add_commit_arg, metadata, write_json
 from bench.scheduler.harness import make_engine, serve_workload
 
 
@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--phase", type=float, default=30.0)
     ap.add_argument("--out", default="")
-    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
+    add_commit_arg(ap)
     a = ap.parse_args()
     eng = make_engine(a.preset, 64, 1024, 1024)
     res = {"bench": "sigstop", **metadata(a.commit, gpu_key="device"), "preset": a.preset, **run(eng, a.phase)}

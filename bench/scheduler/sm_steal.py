@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from bench.common import load_synthetic, metadata, time_ms, write_json
+from bench.common import add_commit_arg, load_synthetic, metadata, time_ms, write_json
 from bench.scheduler.harness import fresh_ring, make_engine
 
 
@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sm-reserves", default="0,1", help="EngineConfig.gemm_sm_reserve values, one engine each")
-    ap.add_argument("--commit", default="unknown")
+    add_commit_arg(ap)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     runs, summary = [], {}

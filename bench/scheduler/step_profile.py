@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from bench.common import metadata, write_json
+from bench.common import add_commit_arg, metadata, write_json
 from bench.scheduler.harness import make_engine, serve_workload
 from blink.gpu.engine.host_executor import HostExecutor
 
@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=4096, help="engine max_tokens (the step's token budget)")
-    ap.add_argument("--commit", default="unknown")
+    add_commit_arg(ap)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     eng = make_engine(a.preset, 256, a.max_tokens, 2048)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import metadata
+from bench.common import add_commit_arg, metadata
 from bench.engine import throughput
 from bench.scheduler import ablation, sigstop
 from bench.scheduler.harness import make_engine
@@ -40,7 +40,7 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="small sizes: checks the benchmarks themselves")
     ap.add_argument("--kv-blocks", type=int, default=0, help="KV pool in blocks (0: from free memory)")
     ap.add_argument("--decode-attention", default="", help='decode attention table, e.g. "basic" ("": the default)')
-    ap.add_argument("--commit", default="unknown", help="git commit of the tree (the GPU machine has no .git)")
+    add_commit_arg(ap)
     ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
     ap.add_argument("--gemm-sm-reserve", type=int, default=-1, help="EngineConfig.gemm_sm_reserve (-1: its default)")
     ap.add_argument("--prefill-attention", default="", help='EngineConfig.prefill_attention ("": its default)')

@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import cpu_seconds, git_commit, metadata, smi_gpu_name, smi_gpu_names
+from bench.common import add_commit_arg, cpu_seconds, git_commit, metadata, smi_gpu_name, smi_gpu_names
 from blink import benchmark
 from blink.actors import deploy
 from blink.actors.config import DeployConfig, from_mapping
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         help="ray: GPU/frontend actors; procs: same pieces, no Ray",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--commit", default="", help="git commit of the tree (machines without .git)")
+    add_commit_arg(ap)
     ap.add_argument(
         "--blas-threads",
         type=int,

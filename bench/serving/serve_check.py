@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.common import metadata, write_json
+from bench.common import add_commit_arg, metadata, write_json
 from blink.testing import ServeProcess, rss_mib
 
 
@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--scheduler", default="gpu")
     ap.add_argument("--tokens", type=int, default=16, help="max_tokens of each request")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the server to start")
-    ap.add_argument("--commit", default="unknown")
+    add_commit_arg(ap)
     ap.add_argument("--out", default="")
     ap.add_argument("serve_args", nargs="*", help="more `blink serve` flags (after --)")
     a = ap.parse_args()

@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 
-from bench.common import RESULTS, git_commit, metadata, smi_gpu_name
+from bench.common import RESULTS, add_commit_arg, git_commit, metadata, smi_gpu_name
 from blink.testing import ServeProcess, rss_mib
 
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup-s", type=float, default=10.0, help="load before the first RSS sample")
-    ap.add_argument("--commit", default="", help="git commit of the tree (machines without .git)")
+    add_commit_arg(ap)
     ap.add_argument("--out", help="JSON file (default bench/results/soak-<device>-<date>.json)")
     ap.add_argument("serve_args", nargs="*", help="more `blink serve` flags (after --)")
     a = ap.parse_args(argv)

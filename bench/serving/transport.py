@@ -18,7 +18,7 @@ frontend process never touches the ring; the agent, its own process, does every 
 for tcp the agent's CPU (cores busy on the GPU host, and CPU-microseconds per output token): how
 many tokens/s one frontend carries over tcp, and what that costs the GPU host.
 
-Writes bench/results/transport-<device>-<commit>.json (BLINK_COMMIT or --commit names the commit).
+Writes bench/results/transport-<device>-<commit>.json (--commit names the commit).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from bench.common import RESULTS, cpu_seconds, metadata, write_json
+from bench.common import RESULTS, add_commit_arg, cpu_seconds, metadata, write_json
 from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, RingGeometry
 from blink.protocol.ring_agent import start_agent_process
 from blink.protocol.tcp_transport import TcpTransport
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transports", nargs="+", default=["shm", "tcp"], choices=("shm", "tcp", "rdma"))
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--skip-serve", action="store_true")
-    ap.add_argument("--commit", default=os.environ.get("BLINK_COMMIT", "unknown"))
+    add_commit_arg(ap)
     ap.add_argument("--out", help="result JSON (default bench/results/transport-<device>-<commit>.json)")
     a = ap.parse_args(argv)
     res = metadata(a.commit, [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"ITL mean {itl['mean']:.2f} ms  frontend {r['frontend_cores']:.2f} cores{extra}"
             )
     dev = "h200" if "H200" in res.get("gpu", "") else a.device
-    path = a.out or os.path.join(RESULTS, f"transport-{dev}-{a.commit}.json")
+    path = a.out or os.path.join(RESULTS, f"transport-{dev}-{res['commit']}.json")
     write_json(path, res)
     return 0
 

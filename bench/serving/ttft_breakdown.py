@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from bench.common import RESULTS, git_commit, metadata, smi_gpu_name
+from bench.common import RESULTS, add_commit_arg, metadata, smi_gpu_name
 from blink import benchmark
 from blink.protocol.transport import ShmTransport
 from blink.testing import ServeProcess
@@ -244,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--start-timeout", type=float, default=420.0)
     ap.add_argument("--out", default=str(RESULTS / "ttft_breakdown.json"))
+    add_commit_arg(ap)
     args = ap.parse_args(argv)
     command = [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]
-    meta = metadata(git_commit(), command, gpu=smi_gpu_name())  # the servers own the GPU: no CUDA here
+    meta = metadata(args.commit, command, gpu=smi_gpu_name())  # the servers own the GPU: no CUDA here
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     runs = []
     for s in args.schedulers.split(","):

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Blink's GPU checks on a machine with an NVIDIA GPU, from a clone with `pip install -e '.[cu13,test]'`
+# (or [cu12]) done:
+#
+#   scripts/gpu_check.sh [--commit SHA] OUT_DIR [PART ...]        (make gpu-test OUT=dir PARTS="...")
+#
+# The default parts are the tests: `tests` (every test marked gpu) and `conformance` (the ring
+# conformance suite against the CUDA device with the GPU-resident scheduler). Benchmarks run when
+# named; each writes OUT_DIR/<bench>-<gpu>-<commit>.json (the naming of bench/results/):
+#   decode       bench.engine.decode: decode step time vs copy bandwidth, batch 1..256       (~3 min)
+#   prefill      bench.engine.prefill: 1k and 4k prompts                                     (~1 min)
+#   models       bench.engine.throughput --presets: the four models, batch-1 decode and
+#                256 x (256 -> 128) with the GPU scheduler                                   (~4 min)
+#   scheduler    bench.scheduler.suite: throughput, CPU stress, Fig. 3 ablation, SIGSTOP     (~7 min)
+#   ttft         bench.serving.ttft_breakdown: open-loop 24 req/s, TTFT/ITL per scheduler    (~5 min)
+#   serve32b     bench.serving.serve_check: Qwen3-32B's shape served end to end              (~3 min)
+#   paper        bench.paper.evaluate --quick: the paper's evaluation, then its figures      (~10 min)
+#   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
+#   wheel        this clone's wheel installed alone (no nvcc on PATH) builds with NVRTC and serves
+# Each part runs in its own process (a CUDA fault cannot take the others down) under a timeout;
+# its output goes to OUT_DIR/<part>.log; a summary table prints last. Exit status: 0 when every part
+# passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+COMMIT=""
+if [ "${1:-}" = "--commit" ]; then
+  COMMIT=${2:?--commit needs a value}
+  shift 2
+fi
+OUT=${1:?usage: scripts/gpu_check.sh [--commit SHA] OUT_DIR [PART ...]}
+shift
+PARTS=" ${*:-tests conformance} "
+[ -n "$COMMIT" ] || COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+PY=${PY:-python3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | awk '{print tolower($NF)}')
+GPU=${GPU:-gpu}
+PT=("$PY" -m pytest -q -p no:cacheprovider -rfE)
+summary=()
+failed=0
+
+has() { [[ "$PARTS" == *" $1 "* ]]; }
+json() { echo "$OUT/$1-$GPU-$COMMIT.json"; }
+
+part() {  # part NAME TIMEOUT_S CMD...
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  echo "=== $name (timeout ${limit}s): $*" | tee "$OUT/$name.log"
+  timeout -k 10 "$limit" "$@" >>"$OUT/$name.log" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || failed=1
+  summary+=("$(printf '%-12s rc=%-3s %5ss' "$name" "$rc" "$((SECONDS - t0))")")
+  tail -n 15 "$OUT/$name.log"
+}
+
+wheel_check() {  # this clone's wheel alone in a fresh target, no CUDA toolkit on PATH: NVRTC builds, it serves
+  set -e
+  local t="$OUT/wheel" p="" d pid
+  rm -rf "$t" && mkdir -p "$t/whl"
+  "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$t/whl"
+  "$PY" -m pip install -q --no-deps --no-compile --target "$t/site" "$t"/whl/*.whl
+  for d in ${PATH//:/ }; do [ -x "$d/nvcc" ] || p="$p${p:+:}$d"; done
+  cd /tmp
+  PATH="$p" PYTHONPATH="$t/site" XDG_CACHE_HOME="$t/cache" "$PY" - <<'PYEOF'
+import json, os, subprocess, sys, time, urllib.request
+import blink
+assert "/wheel/site/" in blink.__file__, blink.__file__
+assert subprocess.run(["sh", "-c", "command -v nvcc"], capture_output=True).returncode != 0, "nvcc on PATH"
+log = open(os.environ["XDG_CACHE_HOME"] + ".serve.log", "w")
+cmd = [sys.executable, "-m", "blink.cli", "serve", "--device", "cuda", "--model", "random:tiny-llama", "--port", "8123"]
+srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+try:
+    for _ in range(600):
+        try:
+            urllib.request.urlopen("http://127.0.0.1:8123/health", timeout=2)
+            break
+        except OSError:
+            assert srv.poll() is None, "blink serve exited"
+            time.sleep(1)
+    body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 16, "ignore_eos": True}).encode()
+    req = urllib.request.Request("http://127.0.0.1:8123/v1/completions", body, {"content-type": "application/json"})
+    out = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    assert out["usage"]["completion_tokens"] == 16, out
+    print("wheel: blink from", blink.__file__, "built its kernels with NVRTC and served 16 tokens")
+finally:
+    srv.terminate()
+    srv.wait(60)
+PYEOF
+}
+
+{
+  date -u +%FT%TZ
+  echo "commit $COMMIT"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+} >"$OUT/env.log" 2>&1
+part build 900 "$PY" -m blink.gpu.toolchain.kernels
+
+if has tests; then
+  part tests 1800 "${PT[@]}" -m gpu tests
+fi
+if has conformance; then
+  part conformance 900 env BLINK_CONFORMANCE_DEVICE='{"kind": "cuda"}' "${PT[@]}" -m "not slow" tests/conformance
+fi
+if has decode; then
+  part decode 600 "$PY" -m bench.engine.decode --commit "$COMMIT" --out "$(json decode)"
+fi
+if has prefill; then
+  part prefill 300 "$PY" -m bench.engine.prefill --commit "$COMMIT" --out "$(json prefill)"
+fi
+if has models; then
+  part models 600 "$PY" -m bench.engine.throughput --presets llama3-8b,phi-4,qwen3-32b,qwen3-30b-a3b \
+    --schedulers gpu --commit "$COMMIT" --out "$(json models)"
+fi
+if has scheduler; then
+  part scheduler 900 "$PY" -m bench.scheduler.suite --preset llama3-8b --commit "$COMMIT" --out "$OUT/scheduler"
+fi
+if has ttft; then
+  part ttft 900 "$PY" -m bench.serving.ttft_breakdown --commit "$COMMIT" --out "$(json ttft_breakdown)"
+fi
+if has serve32b; then
+  part serve32b 600 "$PY" -m bench.serving.serve_check --commit "$COMMIT" --out "$(json serve-qwen3-32b)" \
+    -- --num-kv-blocks 2048
+fi
+if has paper; then
+  part paper 1800 "$PY" -m bench.paper.evaluate --device cuda --quick --commit "$COMMIT" --out "$OUT/paper"
+  part plots 120 "$PY" -m bench.paper.plots "$OUT"/paper/*.json --out "$OUT/paper/figures"
+fi
+if has kernels; then
+  part kernel_attn 300 "$PY" -m bench.kernels.decode_attention --commit "$COMMIT" --out "$(json decode_attention)"
+  part kernel_rope 300 "$PY" -m bench.kernels.rope_norm --commit "$COMMIT" --out "$(json rope_norm)"
+fi
+if has wheel; then
+  export -f wheel_check
+  part wheel 900 env OUT="$OUT" PY="$PY" bash -c wheel_check
+fi
+
+echo
+echo "=== summary (commit $COMMIT, $GPU, parts:$PARTS)"
+grep -h -E "^[=]* ?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests.log "$OUT"/conformance.log 2>/dev/null | tail -n 30
+for s in "${summary[@]}"; do echo "$s"; done
+exit $failed
