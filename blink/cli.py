@@ -36,7 +36,11 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         help="TOML/JSON/YAML file with server/ring/device/model/deploy sections, or a vLLM-style YAML whose keys "
         "are this command's flag names (model: ..., max-model-len: ...); flags given here win",
     )
-    p.add_argument("--model", dest="model.spec", help="default | FILE.gguf | HF_DIR | random:<preset>")
+    p.add_argument(
+        "--model",
+        dest="model.spec",
+        help="default | ORG/NAME (a Hugging Face model, as vllm serve takes it) | FILE.gguf | HF_DIR | random:<preset>",
+    )
     p.add_argument("--served-model-name", dest="model.name", help="model name served by the API")
     p.add_argument(
         "--chat-template", dest="model.chat_template", help="a jinja chat template, or a file holding one (as vLLM's)"
@@ -122,7 +126,7 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="also serve this server's ring to frontends on other hosts through a ring agent (port 0: any)",
     )
-    p.add_argument("--rdma-device", dest="ring.rdma_device", help="RDMA device name (ibv_devices); default: the first")
+    p.add_argument("--rdma-device", dest="ring.rdma_device", help="RDMA device name (ibv_devices) (default: the first)")
 
 
 def _origins_arg(v: str) -> str:
@@ -183,14 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="server.log_requests",
         action="store_const",
         const=False,
-        help="no log line per request",
+        help="turn off the log line per request (on unless given)",
     )
     s.add_argument(
         "--disable-log-stats",
         dest="server.log_stats",
         action="store_const",
         const=False,
-        help="no stats line every 10 s",
+        help="turn off the stats line every 10 s (on unless given)",
     )
     # --- Ray path (blink.actors): same actors as `blink deploy`, on an embedded local Ray ---
     s.add_argument("--ray", action="store_true", help="run the GPU and frontend actors on an embedded local Ray")
@@ -260,8 +264,12 @@ def describe_config_flags(p: argparse.ArgumentParser) -> None:
         default = getattr(sections[section](), name)
         if action.help is None:
             action.help = docs.get((section, name), "")
-        if action.help is not argparse.SUPPRESS:
-            action.help = f"{action.help} (default: {'unset' if default is None else default})".lstrip()
+        if action.help is not argparse.SUPPRESS and "(default" not in action.help:
+            if isinstance(action, argparse._StoreConstAction):  # a switch: the help says what giving it changes
+                pass
+            else:
+                shown = "unset" if default is None or default == "" else default
+                action.help = f"{action.help} (default: {shown})".lstrip()
         if action.metavar is None and not action.choices:
             action.metavar = _METAVARS.get(action.type, name.rsplit("_", 1)[-1].upper())  # type: ignore[arg-type]
 
@@ -411,7 +419,7 @@ def _fail(command: str, e: BaseException) -> int:
     return 1
 
 
-RAY_HINT = "Ray is not installed: pip install 'blink[ray]'"
+RAY_HINT = "Ray is not installed: pip install 'blink-serve[ray]'"
 
 
 def ray_installed() -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import re
@@ -46,8 +47,10 @@ Progress = Callable[[str], None]
 
 
 # -- the spec ------------------------------------------------------------------------------------
+@functools.cache
 def gpu_usable() -> bool:
-    """True when CUDA can see a device (probed in the launching process; the frontend never imports cupy)."""
+    """True when CUDA can see a device (probed in the launching process; the frontend never imports cupy).
+    Probed once per process: the model check and the device spec both ask, and the answer is logged once."""
     try:
         import cupy
 

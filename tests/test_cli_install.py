@@ -44,13 +44,44 @@ def test_help_describes_every_flag_with_its_default_and_a_readable_metavar():
                 assert "." not in a.metavar and a.metavar.isupper(), (cmd, a.metavar)
             shown = fmt._get_help_string(a) if hasattr(fmt, "_get_help_string") else a.help
             unset = a.default is None or a.default is False
-            if a.option_strings and "." in a.dest:  # a config field: its real default is the dataclass's
+            if isinstance(a, argparse._StoreConstAction):  # a switch: its help says what giving it changes
+                assert "(default" not in shown, (cmd, a.option_strings, shown)
+            elif a.option_strings and "." in a.dest:  # a config field: its real default is the dataclass's
                 assert "(default: " in shown, (cmd, a.option_strings, shown)
             elif a.option_strings and not unset:
                 assert "(default" in shown, (cmd, a.option_strings, shown)
     text = parsers["serve"].format_help()
     assert "--port N" in text and "(default: 8000)" in text and "--max-model-len N" in text
     assert "SERVER." not in text and "DEVICE." not in text
+    flat = " ".join(text.split())
+    assert "(default: )" not in flat and "(default: True)" not in flat and "(default: False)" not in flat
+    assert "--disable-log-requests turn off the log line per request (on unless given)" in flat
+    assert "--model SPEC default | ORG/NAME" in flat
+
+
+def test_the_distribution_name_is_not_the_unrelated_blink_and_the_license_is_spdx():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = meta["project"]
+    assert project["name"] == "blink-serve" and project["scripts"] == {"blink": "blink.cli:main"}
+    assert project["license"] == "Apache-2.0"  # PEP 639 string: setuptools prints no deprecation banner
+    assert any(r.startswith("setuptools>=77") for r in meta["build-system"]["requires"])
+    for extras in project["optional-dependencies"].values():  # self-references name this distribution
+        assert not any(d.startswith("blink[") for d in extras)
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install blink " not in readme and "pip install 'blink[" not in readme
+
+
+def test_no_usable_gpu_is_said_once_per_process(caplog):
+    import logging
+
+    from blink import launch
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here")
+    launch.gpu_usable.cache_clear()
+    with caplog.at_level(logging.INFO, logger="blink.launch"):
+        assert launch.resolve_kind("auto") == "emulated" and launch.resolve_kind("auto") == "emulated"
+    assert sum("no usable GPU" in r.getMessage() for r in caplog.records) == 1
 
 
 def _serve_config(argv: list[str]) -> C.BlinkConfig:
@@ -92,13 +123,13 @@ def test_ray_is_an_extra_and_its_commands_say_how_to_install_it(monkeypatch, cap
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any(d.startswith("ray") for d in meta["dependencies"])
     extras = meta["optional-dependencies"]
-    assert any(d.startswith("ray") for d in extras["ray"]) and "blink[ray]" in extras["test"]
+    assert any(d.startswith("ray") for d in extras["ray"]) and "blink-serve[ray]" in extras["test"]
     assert "'.[test]'" in (ROOT / "Makefile").read_text()  # CI (make test) installs Ray for the Ray tests
     monkeypatch.setattr(cli, "ray_installed", lambda: False)
     for argv in (["deploy"], ["status", "--address", "auto"], ["serve", "--ray", "--device", "emulated"]):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
-        assert "pip install 'blink[ray]'" in err and "Traceback" not in err
+        assert "pip install 'blink-serve[ray]'" in err and "Traceback" not in err
 
 
 def test_gpu_extras_carry_nvrtc_and_headers_for_both_cuda_majors():
@@ -112,7 +143,7 @@ def test_device_cuda_without_cupy_prints_the_install_command(monkeypatch, capsys
     monkeypatch.setattr(cli, "cupy_installed", lambda: False)
     assert cli.main(["serve", "--device", "cuda", "--model", "random:tiny-llama"]) == 2
     err = capsys.readouterr().err
-    assert "CuPy" in err and "pip install 'blink[cu13]'" in err and "Traceback" not in err
+    assert "CuPy" in err and "pip install 'blink-serve[cu13]'" in err and "Traceback" not in err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
@@ -124,7 +155,7 @@ def test_device_cuda_without_cupy_in_a_real_process():
         timeout=120,
         cwd=ROOT,
     )
-    assert r.returncode == 2 and "pip install 'blink[cu13]'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "pip install 'blink-serve[cu13]'" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,9 @@ def test_cluster_yaml_passes_ray_validation() -> None:
     text = (ROOT / "cluster.yaml").read_text()
     assert '"dpu"' in text and "pip install" in text
     assert any("blink" in c for c in raw["setup_commands"])
+    install = next(c for c in raw["setup_commands"] if "pip install" in c and "$HOME/blink" in c)
+    assert "blink[gpu,ray]" in install and "blink[ray]" in install  # ~/blink-venv/bin/ray on every node
+    assert "must share" not in text
 
 
 def test_ray_validation_catches_a_broken_cluster_yaml() -> None:
@@ -141,3 +145,84 @@ def test_ray_validation_catches_a_broken_cluster_yaml() -> None:
     raw["setup_command"] = raw.pop("setup_commands")  # misspelled key
     with pytest.raises(jsonschema.ValidationError):
         _prepared(raw)
+
+
+def _site_view(dest: Path, hide: tuple[str, ...]) -> Path:
+    """This interpreter's site-packages as symlinks, minus the distributions named in `hide`: a new
+    venv that sees it (a .pth) has every dependency already and installs only the hidden ones."""
+    import re
+    import sysconfig
+
+    dest.mkdir()
+    site = Path(sysconfig.get_paths()["purelib"])
+    for entry in site.iterdir():
+        dist = re.split(r"[-.]", entry.name.lower().lstrip("_"), maxsplit=1)[0]
+        if dist not in hide and not entry.name.endswith(".pth") and not entry.name.startswith("__editable__"):
+            (dest / entry.name).symlink_to(entry)
+    return dest
+
+
+def _node_env(home: Path, bindir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HOME=str(home), PATH=f"{bindir}{os.pathsep}{env['PATH']}", RAY_USAGE_STATS_ENABLED="0")
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cluster_yaml_setup_installs_ray_and_starts_a_head(tmp_path: Path) -> None:
+    """cluster.yaml's own setup commands on a CPU node (the non-GPU branch) in a fresh HOME: they
+    leave ~/blink-venv/bin/ray and blink; its head start command then starts Ray from that venv.
+    The venv sees this interpreter's packages except ray and blink (a .pth), so the setup installs
+    exactly those two; the head runs on a free port and is stopped by ending its session (never
+    `ray stop`, which stops every Ray node of the user on this machine)."""
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    home, bindir = tmp_path / "home", tmp_path / "bin"
+    home.mkdir(), bindir.mkdir()
+    (bindir / "python3").symlink_to(sys.executable)  # the venv gets this interpreter's version
+    assert raw["file_mounts"] == {"~/blink": "."}
+    shutil.copytree(ROOT, home / "blink", ignore=shutil.ignore_patterns(".git", ".venv", "build", "results", "*.egg-info", "__pycache__"))  # fmt: skip
+    env = _node_env(home, bindir)
+    view = _site_view(tmp_path / "site", hide=("ray", "blink", "blink_serve", "pip", "setuptools", "pkg_resources"))
+    for cmd in raw["setup_commands"]:
+        r = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
+        if "-m venv" in cmd:  # the venv exists: let it see the installed dependencies
+            (purelib,) = (home / "blink-venv" / "lib").glob("python3*/site-packages")
+            (purelib / "_deps_view.pth").write_text(f"{view}\n")
+    venv = home / "blink-venv" / "bin"
+    assert (venv / "ray").exists() and (venv / "blink").exists()
+    version = subprocess.run([str(venv / "blink"), "--version"], env=env, capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("blink "), version
+
+    (head_cmd,) = [c for c in raw["head_start_ray_commands"] if "ray start --head" in c]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="rayh", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    cmd = head_cmd.replace("--port=6379", f"--port={port}")
+    cmd = " ".join(w for w in cmd.split(" ") if not w.startswith("--autoscaling-config"))
+    cmd += f" --num-cpus=1 --node-ip-address=127.0.0.1 --temp-dir={temp}"
+    head = subprocess.Popen(["bash", "-c", cmd], env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        out = head.communicate(timeout=90)[0].decode()
+        assert head.returncode == 0 and "Ray runtime started" in out, out
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            ps = subprocess.run(["ps", "-e", "-o", "pid=,sid="], capture_output=True, text=True).stdout
+            for pid in [int(p) for p, s in (line.split() for line in ps.splitlines()) if int(s) == head.pid]:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(2.0)
+        shutil.rmtree(temp, ignore_errors=True)

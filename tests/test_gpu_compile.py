@@ -17,7 +17,7 @@ from blink.gpu.toolchain import build as B
 from blink.gpu.toolchain import kernels
 
 CU_FILES = sorted([*kernels.CSRC.glob("*.cu"), *S.CSRC.glob("*.cu")])
-needs_nvrtc = pytest.mark.skipif(B.find_nvrtc() is None, reason="NVRTC not installed (pip install 'blink[cu13]')")
+needs_nvrtc = pytest.mark.skipif(B.find_nvrtc() is None, reason="NVRTC not installed (pip install 'blink-serve[cu13]')")
 
 
 def test_engine_sources_exist():
@@ -158,7 +158,7 @@ def test_gpu_newer_than_nvrtc_gets_ptx_older_ones_a_message(tmp_path: pathlib.Pa
 
 def test_missing_nvrtc_names_the_install_command(monkeypatch):
     monkeypatch.setattr(B, "find_nvrtc", lambda: None)
-    with pytest.raises(B.BuildError, match=r"pip install 'blink\[cu13\]'"):
+    with pytest.raises(B.BuildError, match=r"pip install 'blink-serve\[cu13\]'"):
         kernels.build("sampling.cu", "/nonexistent", 90)
 
 

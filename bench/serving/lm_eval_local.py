@@ -2,7 +2,7 @@
 `local-completions` backend, and the same task on lm_eval's `hf` backend (transformers) over the very
 same weights, compared item by item.
 
-    pip install 'blink[lmeval]'            # lm_eval (and transformers + torch for the hf side)
+    pip install 'blink-serve[lmeval]'            # lm_eval (and transformers + torch for the hf side)
     python -m bench.serving.lm_eval_local          # ~5 min of CPU: blink serve (emulated) + transformers
     python -m bench.serving.lm_eval_local --skip-hf --device cuda --port 8124   # the served side alone
 

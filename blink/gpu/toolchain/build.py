@@ -31,7 +31,7 @@ GPU_DIR = pathlib.Path(__file__).resolve().parents[1]  # blink/gpu: engine/ and 
 MIN_ARCH = 80
 TARGET_ARCHS = (80, 89, 90, 100)  # Ampere, Ada, Hopper, Blackwell: compiled in CI
 
-INSTALL_HINT = "pip install 'blink[cu13]' (CUDA 13 driver) or 'blink[cu12]' (CUDA 12 driver)"
+INSTALL_HINT = "pip install 'blink-serve[cu13]' (CUDA 13 driver) or 'blink-serve[cu12]' (CUDA 12 driver)"
 
 # NVRTC 13.0 (the H200's CUDA 13.0) knows no __builtin_offsetof ("identifier is undefined"); 13.5
 # does. Below this version <stddef.h> has no offsetof and the generated headers skip their offset
