@@ -1,6 +1,6 @@
 """`blink bench serve`: load an OpenAI-compatible server and report what `vllm bench serve` reports.
 
-The one load generator of the project (bench/paper/evaluate.py and bench/serving/scaleout.py drive it too).
+The one load generator of the project (the serving benchmarks and the paper's evaluation drive it too).
 Requests are streamed /v1/completions with token-id prompts and `ignore_eos`, so every request
 produces exactly its output length, from one asyncio client. As in vLLM:
 

@@ -20,15 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# The cuda default of DeviceConfig.mixed_tokens, by arithmetic on step costs measured on the H200
-# (random Llama-3-8B bf16; the cost model and its sources: bench/scheduler/mixed_budget_model.py). A step's
-# GEMMs read the 16 GB of weights (~4.2 ms) and do 14 GFLOP per token (~20 us at 700 TFLOP/s), so a
-# step stays memory-bound to ~200 tokens: the non-attention part is 4.4 ms at 1 row, 5.9 at 128,
-# 7.9 at 256, ~12 at 512. At 24 req/s of 256 -> 128 about 20 requests decode; a prompt arriving was
-# admitted whole, 276 tokens run by the 512-token graph: the ITL p99. Replayed through the policy
-# (mixed_budget_model.py, 24 req/s): off, ITL p99/p50 4.0, TPOT p50 6.64 ms (measured: 2.8, 6.68);
-# 128: 1.19, but TTFT p50 +5.5 ms (3 steps per prompt); 192: 1.41, TPOT 5.80, TTFT p50 within
-# 0.6 ms (2 steps: 172 + 84 tokens); 256: 1.60 (a full 256-row step costs 1.6 decode steps).
+# The cuda default of DeviceConfig.mixed_tokens: a step stays memory-bound to ~200 tokens, so a mixed
+# step of this budget costs little more than a decode step; why 192: docs/decisions.md.
 DEFAULT_MIXED_TOKENS = 192
 
 
@@ -180,9 +173,8 @@ class DeviceConfig:
     row (a device that then serves for a minute starts the count over); past that it exits non-zero.
     0: exit at the first death."""
     executor: str = ""
-    """emulated: a stand-in model's executor factory, "module:function" (benchmarks that measure the
-    frontend against a device whose step time is modeled, e.g. bench/serving/paced_executor.py); "" = the
-    numpy model."""
+    """emulated: a stand-in model's executor factory, "module:function", imported by the device process
+    (benchmarks of the frontend use one whose steps take a modeled time); "" = the numpy model."""
     kernel_cache: str | None = None
     """Directory of the compiled CUDA kernels (cuda only); None = build/kernels in a source checkout,
     else $XDG_CACHE_HOME/blink/kernels (~/.cache/blink/kernels)."""

@@ -93,7 +93,7 @@ class Stack:
     The frontend reads the ring through `link` (blink.dpu.ring_link, ring.transport): the ring itself
     (shm), or the ring agent. ring.listen serves the ring to frontends on other hosts through a ring
     agent (restarted on the same address with each new ring); ring.transport tcp/rdma makes this
-    frontend go through that agent too (how bench/serving/transport.py measures the remote path on one
+    frontend go through that agent too (how the transport benchmark measures the remote path on one
     host). ring.address set: a frontend only, of the ring behind that agent; no ring or device
     here (the remote device is not this server's to restart): when the ring becomes unreachable (the
     agent, the link or the GPU host went away) the in-flight requests end with an error event and

@@ -28,13 +28,13 @@ if [ "${1:-}" = "--commit" ]; then
   COMMIT=${2:?--commit needs a value}
   shift 2
 fi
-OUT=${1:?usage: scripts/gpu_check.sh [--commit SHA] OUT_DIR [PART ...]}
+DEST=${1:?usage: scripts/gpu_check.sh [--commit SHA] OUT_DIR [PART ...]}
 shift
 PARTS=" ${*:-tests conformance} "
 [ -n "$COMMIT" ] || COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 PY=${PY:-python3}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+mkdir -p "$DEST"
+DEST=$(cd "$DEST" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | awk '{print tolower($NF)}')
 GPU=${GPU:-gpu}
@@ -43,22 +43,22 @@ summary=()
 failed=0
 
 has() { [[ "$PARTS" == *" $1 "* ]]; }
-json() { echo "$OUT/$1-$GPU-$COMMIT.json"; }
+json() { echo "$DEST/$1-$GPU-$COMMIT.json"; }
 
 part() {  # part NAME TIMEOUT_S CMD...
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
-  echo "=== $name (timeout ${limit}s): $*" | tee "$OUT/$name.log"
-  timeout -k 10 "$limit" "$@" >>"$OUT/$name.log" 2>&1
+  echo "=== $name (timeout ${limit}s): $*" | tee "$DEST/$name.log"
+  timeout -k 10 "$limit" "$@" >>"$DEST/$name.log" 2>&1
   rc=$?
   [ $rc -eq 0 ] || failed=1
   summary+=("$(printf '%-12s rc=%-3s %5ss' "$name" "$rc" "$((SECONDS - t0))")")
-  tail -n 15 "$OUT/$name.log"
+  tail -n 15 "$DEST/$name.log"
 }
 
 wheel_check() {  # this clone's wheel alone in a fresh target, no CUDA toolkit on PATH: NVRTC builds, it serves
   set -e
-  local t="$OUT/wheel" p="" d pid
+  local t="$DEST/wheel" p="" d pid
   rm -rf "$t" && mkdir -p "$t/whl"
   "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$t/whl"
   "$PY" -m pip install -q --no-deps --no-compile --target "$t/site" "$t"/whl/*.whl
@@ -95,7 +95,7 @@ PYEOF
   date -u +%FT%TZ
   echo "commit $COMMIT"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-} >"$OUT/env.log" 2>&1
+} >"$DEST/env.log" 2>&1
 part build 900 "$PY" -m blink.gpu.toolchain.kernels
 
 if has tests; then
@@ -115,18 +115,18 @@ if has models; then
     --schedulers gpu --commit "$COMMIT" --out "$(json models)"
 fi
 if has scheduler; then
-  part scheduler 900 "$PY" -m bench.scheduler.suite --preset llama3-8b --commit "$COMMIT" --out "$OUT/scheduler"
+  part scheduler 900 "$PY" -m bench.scheduler.suite --preset llama3-8b --commit "$COMMIT" --out "$DEST/scheduler"
 fi
 if has ttft; then
   part ttft 900 "$PY" -m bench.serving.ttft_breakdown --commit "$COMMIT" --out "$(json ttft_breakdown)"
 fi
 if has serve32b; then
-  part serve32b 600 "$PY" -m bench.serving.serve_check --commit "$COMMIT" --out "$(json serve-qwen3-32b)" \
+  part serve32b 600 "$PY" -m bench.serving.serve_check --commit "$COMMIT" --out "$(json serve_qwen3_32b)" \
     -- --num-kv-blocks 2048
 fi
 if has paper; then
-  part paper 1800 "$PY" -m bench.paper.evaluate --device cuda --quick --commit "$COMMIT" --out "$OUT/paper"
-  part plots 120 "$PY" -m bench.paper.plots "$OUT"/paper/*.json --out "$OUT/paper/figures"
+  part paper 1800 "$PY" -m bench.paper.evaluate --device cuda --quick --commit "$COMMIT" --out "$DEST/paper"
+  part plots 120 "$PY" -m bench.paper.plots "$DEST"/paper/*.json --out "$DEST/paper/figures"
 fi
 if has kernels; then
   part kernel_attn 300 "$PY" -m bench.kernels.decode_attention --commit "$COMMIT" --out "$(json decode_attention)"
@@ -134,11 +134,11 @@ if has kernels; then
 fi
 if has wheel; then
   export -f wheel_check
-  part wheel 900 env OUT="$OUT" PY="$PY" bash -c wheel_check
+  part wheel 900 env DEST="$DEST" PY="$PY" bash -c wheel_check
 fi
 
 echo
 echo "=== summary (commit $COMMIT, $GPU, parts:$PARTS)"
-grep -h -E "^[=]* ?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests.log "$OUT"/conformance.log 2>/dev/null | tail -n 30
+grep -h -E "^[=]* ?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$DEST"/tests.log "$DEST"/conformance.log 2>/dev/null | tail -n 30
 for s in "${summary[@]}"; do echo "$s"; done
 exit $failed

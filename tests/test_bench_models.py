@@ -1,4 +1,4 @@
-"""The four-model scripts on the CPU, so the H200 call does not find the harness's bugs:
+"""The four-model scripts on the CPU, so a GPU run does not find the harness's bugs:
 bench/engine/throughput.py --presets runs the MoE model too (not skipped), and bench/serving/serve_check.py's checks pass against the
 emulated device (and fail when an answer is wrong)."""
 

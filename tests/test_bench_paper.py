@@ -140,7 +140,7 @@ def test_paper_quick_end_to_end_on_the_emulated_device(tmp_path):
             (4.0, "idle"),
             (4.0, "hogs"),
         ]
-        # issue 12's TTFT bound: the prompt prefilled alone (device stage of 8 one-token requests) and
+        # the TTFT bound: the prompt prefilled alone (device stage of 8 one-token requests) and
         # each open-loop run's mean decode step, from the server's /metrics
         tb = docs["interference"]["results"][sched]["ttft_bound"]
         assert tb["alone_requests"] == 8 and tb["prefill_alone_ms"] > 0
@@ -175,7 +175,7 @@ def test_paper_json_has_no_nan_or_infinity():
 
 def test_paper_server_that_does_not_start_is_a_failure_not_a_crash(tmp_path):
     """A server that exits at start is recorded (summary, exit code 1), and the other scheduler's
-    server is still tried: one bad start must not lose the rest of a GPU call."""
+    server is still tried: one bad start must not lose the rest of the run."""
     cmd = [sys.executable, "-m", "bench.paper.evaluate", "--device", "emulated", "--quick",
            "--parts", "ablation", "--model", "random:no-such-preset", "--out", str(tmp_path)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))

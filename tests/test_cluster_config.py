@@ -175,7 +175,7 @@ def test_cluster_yaml_setup_installs_ray_and_starts_a_head(tmp_path: Path) -> No
     """cluster.yaml's own setup commands on a CPU node (the non-GPU branch) in a fresh HOME: they
     leave ~/blink-venv/bin/ray and blink; its head start command then starts Ray from that venv.
     The venv sees this interpreter's packages except ray and blink (a .pth), so the setup installs
-    exactly those two; the head runs on a free port and is stopped by ending its session (never
+    exactly those two; the head runs on a free port and is stopped by killing the processes it started (never
     `ray stop`, which stops every Ray node of the user on this machine)."""
     import shutil
     import signal

@@ -118,7 +118,7 @@ async def scrape(c: TestClient) -> dict[str, float]:
 
 @pytest.mark.asyncio
 async def test_deeply_nested_json_is_a_400(tok):
-    """Issue 13.2: depth >= 1000 raised RecursionError -> 500."""
+    """Depth >= 1000 raised RecursionError -> 500."""
     app = OpenAIServer(ScriptedBackend(), tok, ServerConfig()).app()
     deep = "[" * 5000 + "]" * 5000
     async with TestClient(serve(app)) as c:
@@ -135,7 +135,7 @@ async def test_deeply_nested_json_is_a_400(tok):
 
 @pytest.mark.asyncio
 async def test_completions_default_to_16_tokens(tok):
-    """Issue 13.4: /v1/completions without max_tokens generated without bound; OpenAI and vLLM stop at 16."""
+    """/v1/completions without max_tokens stops at 16 tokens, as OpenAI and vLLM do (not without bound)."""
     be = ScriptedBackend(n_tokens=40)
     app = OpenAIServer(be, tok, ServerConfig()).app()
     async with TestClient(serve(app)) as c:
@@ -150,7 +150,7 @@ async def test_completions_default_to_16_tokens(tok):
 
 @pytest.mark.asyncio
 async def test_finished_streams_count_as_ok(tok):
-    """Issue 13.3: clients that close the connection right after `[DONE]` were counted as
+    """Clients that close the connection right after `[DONE]` were counted as
     disconnected (and cancelled); every one of them was served in full."""
     app = OpenAIServer(ScriptedBackend(n_tokens=3), tok, ServerConfig()).app()
     async with TestClient(serve(app)) as c:
@@ -189,7 +189,7 @@ async def test_disconnect_mid_stream_counts_as_abort(tok):
 
 @pytest.mark.asyncio
 async def test_post_bodies_must_be_json(tok):
-    """Issue 13.7: a cross-origin text/plain POST needs no preflight; it must not run a generation."""
+    """A cross-origin text/plain POST needs no preflight; it must not run a generation."""
     be = ScriptedBackend()
     app = OpenAIServer(be, tok, ServerConfig()).app()
     body = '{"model": "tiny-llama", "prompt": "hi"}'
@@ -207,7 +207,7 @@ async def test_post_bodies_must_be_json(tok):
 
 @pytest.mark.asyncio
 async def test_loopback_server_refuses_foreign_host_headers(tok):
-    """Issue 13.7: DNS rebinding. Bound to loopback, Host must name loopback or --allowed-hosts."""
+    """DNS rebinding. Bound to loopback, Host must name loopback or --allowed-hosts."""
     cases = [
         (ServerConfig(), {"127.0.0.1:8000": 200, "localhost": 200, "[::1]:80": 200, "evil.example": 403}),
         (ServerConfig(allowed_hosts="api.example"), {"api.example:8000": 200, "localhost:1": 200, "b.example": 403}),

@@ -57,7 +57,7 @@ def test_cli_rejects_unknown_pull_target_and_bad_flags():
 
 
 def test_bad_model_is_one_line(tmp_path):
-    """Issue 13.8: a folder with config.json and no weights printed 44 lines ending in "No such file
+    """A folder with config.json and no weights printed 44 lines ending in "No such file
     or directory". One line says what is missing and where; the traceback only with debug."""
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
 

@@ -1,4 +1,4 @@
-"""Issue 13.1 end to end: one long prompt on the emulated device must not fail every request.
+"""One long prompt on the emulated device must not fail every request.
 
 A prompt of thousands of tokens used to be prefilled in one CPU step of tens of seconds: the
 device heartbeat stood still for the whole step, the frontend declared the device dead (503 for

@@ -940,7 +940,7 @@ def test_random_bodies_never_500(tiny):
 
 
 def test_streams_read_to_done_count_as_served(tiny):
-    """Issue 13.3: clients that close their connection as soon as they have read `[DONE]` (a new
+    """Clients that close their connection as soon as they have read `[DONE]` (a new
     connection per request) were counted as disconnected and cancelled (2 of 20 here before)."""
     before = tiny.metrics()
 

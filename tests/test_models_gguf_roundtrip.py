@@ -353,7 +353,7 @@ def test_gguf_bf16_tensors_are_the_rounded_float32_weights(tmp_path, name):
 
 
 def test_gguf_bf16_holds_one_tensor_at_a_time(tmp_path):
-    """Issue 17 for GGUF: dequantising per tensor straight into bf16 peaks at a few float32 copies
+    """GGUF: dequantising per tensor straight into bf16 peaks at a few float32 copies
     of the largest tensor (gguf's numpy dequantize keeps several temporaries: ~6 measured here);
     load_gguf's float32 dict holds the whole model."""
     import tracemalloc

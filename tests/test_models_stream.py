@@ -1,4 +1,4 @@
-"""The CUDA device's weight loading holds one tensor at a time on the host (issue 17).
+"""The CUDA device's weight loading holds one tensor at a time on the host.
 
 The device used to load an HF directory into a float32 dict of the whole model and round it to bf16
 on upload: host peak ~2x the bf16 checkpoint in float32, so Qwen3-32B (64 GB bf16) did not load on a
@@ -33,7 +33,7 @@ def cuda_spec(model: str) -> DeviceSpec:
 
 @pytest.mark.parametrize("dtypes", [("BF16",), ("BF16", "F32", "F16")], ids=["bf16", "mixed"])
 def test_cuda_device_hf_load_holds_one_tensor_at_a_time(tmp_path, dtypes):
-    """Issue 17: what the CUDA device reads from an HF directory (serve.weight_source, consumed as
+    """What the CUDA device reads from an HF directory (serve.weight_source, consumed as
     the upload consumes it) peaks at a few copies of the largest tensor, not at the whole model."""
     config = preset("tiny-qwen3").replace(num_layers=12)
     write_hf_dir(tmp_path, config, dtypes)

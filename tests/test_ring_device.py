@@ -340,7 +340,7 @@ class _SlowLayers(HashExecutor):
 
 
 def test_the_heartbeat_beats_inside_a_long_step(rig_factory):
-    """Issue 13.1: a step of seconds must not look like a dead device. A 0.5 s step beats every 25 ms."""
+    """A step of seconds must not look like a dead device. A 0.5 s step beats every 25 ms."""
     rig = rig_factory(_SlowLayers(VOCAB, num_blocks=64, block_size=16, max_batch=8, max_tokens=64))
     slot = rig.c.submit(list(range(1, 60)), max_new_tokens=2)
     gaps, last, t_last = [], rig.c.h("heartbeat"), time.monotonic()
@@ -356,7 +356,7 @@ def test_the_heartbeat_beats_inside_a_long_step(rig_factory):
 
 
 def test_device_main_reports_a_model_that_does_not_load_in_one_line(capsys, monkeypatch):
-    """Issue 13.8 in the device process: a loading error is one stderr line (exit 1); with
+    """In the device process, a loading error is one stderr line (exit 1); with
     spec.debug (blink serve --log-level debug) its traceback comes first."""
     import msgspec
 

@@ -14,7 +14,7 @@ GEMV fusions (EngineConfig.gemv_fusion): --gemv-fusion sets the engine's, --comp
 other settings as extra rows ("fusion_<spec>") in the same process, --gemv-max-tokens moves batches
 2-8 onto the GEMV path (the only steps that fuse).
 
-`--role-breakdown` (issue 12, item 3: where the batch-128/256 decode step's time goes) times only,
+`--role-breakdown` (where the batch-128/256 decode step's time goes) times only,
 for each batch of --batches and each context of --contexts: the whole captured decode step, and each
 kernel category captured as a graph of its own launches (the step's order and shapes; CUDA events
 around graph launches, outside the graphs): the cuBLAS GEMMs by layer role (qkv, o, gate_up, down,

@@ -1,5 +1,5 @@
 """The engine's two RoPE/KV-write kernels and two add-RMSNorm kernels (blink/gpu/engine/csrc/model_kernels.cu), per model
-shape and token count: "old" = rope_kv_write_warp / add_rmsnorm_rows (the kernels before the issue-12 rewrite, which
+shape and token count: "old" = rope_kv_write_warp / add_rmsnorm_rows (the earlier kernels, which
 the engine keeps for few-token RoPE steps and many-token norm steps: forward.rope_kernel / norm_kernel), "new" =
 rope_kv_write / add_rmsnorm.
 

@@ -14,7 +14,7 @@ persistent kernel; with the host loop it runs the scheduler. Per scheduler (gpu,
   interference   closed loop (streams x fixed lengths, --duration) and open loop (Poisson at each
                  of the rates, 256 -> 128), each idle and with bench/paper/hogs.py on the device cores:
                  output tok/s and its retention under hogs; TTFT / TPOT / ITL and their CDFs; and
-                 issue 12's bound TTFT p50 <= prefill alone + one decode step + 2 ms, from the
+                 the TTFT bound p50 <= prefill alone + one decode step + 2 ms, from the
                  server's /metrics: the mean decode step of each open-loop run (device step_ns_total
                  / steps) and the prompt prefilled alone (first-token "device" stage: its step's
                  launch to its token in the ring) over 8 one-token requests, one at a time
@@ -75,7 +75,7 @@ class Sizes:
     closed_in: int = 128
     closed_out: int = 256
     closed_s: float = 8.0
-    rates: tuple[float, ...] = (12.0, 24.0)  # interference open loop (issue 12's table)
+    rates: tuple[float, ...] = (12.0, 24.0)  # interference open loop
     open_in: int = 256
     open_out: int = 128
     open_s: float = 12.0
@@ -370,7 +370,7 @@ class Run:
 
     def attempt(self, name: str, fn: Any, *args: Any) -> dict:
         """fn(*args), or {"error": ...} when it raises: one failing part must not lose the others'
-        results of a 10-minute GPU call (the summary lists it, the exit code is 1)."""
+        results of a long run (the summary lists it, the exit code is 1)."""
         try:
             return fn(*args)
         except Exception as e:  # recorded in the JSON and the summary, not swallowed
@@ -430,7 +430,7 @@ class Run:
         return out
 
     def ttft_bound(self, srv: Server, sched: str, runs: list[dict]) -> dict:
-        """Issue 12: TTFT p50 <= prefill of the prompt alone + one decode step at the running batch + 2 ms,
+        """The TTFT bound: TTFT p50 <= prefill of the prompt alone + one decode step at the running batch + 2 ms,
         per open-loop run; the prefill alone is the mean "device" stage of 8 one-token requests sent one
         at a time to the idle server."""
         s = self.s

@@ -1,11 +1,11 @@
-"""The mixed-step token budget (DeviceConfig.mixed_tokens) chosen by arithmetic: issue 12's open-loop
+"""The mixed-step token budget (DeviceConfig.mixed_tokens) chosen by arithmetic: an open-loop
 load (Poisson arrivals, 256 -> 128 tokens, random Llama-3-8B on one H200) replayed through the real
 policy (blink.device.scheduler.Scheduler) with each step's time from a cost model of measured H200
 step costs, for several budgets. Prints TTFT / ITL / TPOT p50 and p99 per budget; no GPU.
 
     python -m bench.scheduler.mixed_budget_model [--rate 24] [--budgets 0,128,192,256,384] [--requests 2000]
 
-Cost model (ms; bench/results/archive: SUMMARY.md's decode table and sm_steal rows, diag_h200_ed68643_prefill.json):
+Cost model (ms; H200 step times measured by bench.engine.decode, bench.engine.prefill and bench.scheduler.sm_steal):
 - a decode step of batch bucket b: W(b) + 39.5e-6 x (sum of the batch's contexts). The per-context
   term is the difference of the measured steps at context 1024 and 320 (batch 128: 11.06 - 7.48 ms;
   batch 256: 18.26 - 11.15 ms: 39.7 and 39.4 ns per cached token); W is the rest: 4.42 ms at 1,

@@ -1,4 +1,4 @@
-"""Every scheduler benchmark in one process on one engine (one device call on the H200):
+"""Every scheduler benchmark in one process on one engine (one build of the graphs):
 throughput (256 x 256->128), the same under CPU stress, the Fig. 3 ablation, SIGSTOP.
 
     python -m bench.scheduler.suite --preset llama3-8b --out DIR [--phase 30] [--skip ablation,...]

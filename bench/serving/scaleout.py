@@ -115,7 +115,7 @@ class RayLauncher:
 
 
 class ProcLauncher:
-    """The same pieces without Ray (for machines without it, e.g. the lent GPU hosts): one engine
+    """The same pieces without Ray (for machines without Ray): one engine
     process per replica pinned with CUDA_VISIBLE_DEVICES, the frontend roles in deploy.frontends
     processes (python -m blink.actors.frontend_actor) on one port, the same rings, router and ingress."""
 

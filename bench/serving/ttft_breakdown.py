@@ -1,4 +1,4 @@
-"""Where a first token's time goes, GPU scheduler vs host loop, under open-loop load (issue 12).
+"""Where a first token's time goes, GPU scheduler vs host loop, under open-loop load.
 
     python -m bench.serving.ttft_breakdown [--schedulers gpu,host] [--rate 24] [--num-prompts 480]
         [--model random:llama3-8b] [--max-num-seqs 256] [--out bench/results/ttft_breakdown.json]
@@ -27,7 +27,7 @@ error is at most the shortest bracket, a few microseconds).
 Then, the load over and the server idle, `--alone` requests of the same prompt length (one output
 token, 0.2 s apart) time the prefill of one prompt alone (t_first - t_launch on the ring), and the
 ring header's decode-step counters over the load phase give the mean decode step at the running
-batch (the tap samples header.running): issue 12's bound TTFT p50 <= prefill alone + one decode
+batch (the tap samples header.running): the TTFT bound p50 <= prefill alone + one decode
 step + 2 ms.
 
 Prints the bench report, the stage table and the targets (ITL p99 <= 1.5 x ITL p50; TTFT p50 and p99

@@ -2,7 +2,7 @@
 
 Used by `blink serve --ray` (embedded local Ray, actors owned by the driver), `blink deploy`
 (running cluster, detached named actors in a namespace), `blink status`, `blink stop` and
-bench/serving/scaleout.py. Every Ray call here is start-up or control plane; after `deploy()` returns,
+the scale-out benchmark. Every Ray call here is start-up or control plane; after `deploy()` returns,
 requests and tokens flow HTTP -> frontend -> ring -> engine without Ray.
 """
 

@@ -8,8 +8,8 @@ it reads or writes, so a token-reader cycle is one round trip.
 This is not free the way RDMA is: every round trip costs the GPU host's CPU (the agent decodes
 the frame, copies the bytes and answers; tens of microseconds of one core per round trip), and
 the frontend's event loop blocks for the round trip (the interface is synchronous, as it is for
-shared memory and RDMA, where an access takes nanoseconds to a few microseconds). bench/serving/transport.py
-measures both.
+shared memory and RDMA, where an access takes nanoseconds to a few microseconds). The transport
+benchmark measures both.
 
 Ordering: the agent applies a batch's writes in order and then its reads in order, with plain
 x86-64 stores and loads on the shared mapping, so the rules of `transport.py` hold as they do for

@@ -356,9 +356,8 @@ def test_moe_combine_norm_is_combine_then_add_rmsnorm(variant: str):
 
 # MoE outputs are not continuous in the inputs: where a token's k-th and (k+1)-th experts are within the
 # noise of each other, two correct bf16 implementations route it differently, and its output moves by
-# that expert's weight (on the H200, round 1: tiny model outliers up to 0.24 rel err, Qwen3-30B-A3B shape
-# up to 6.7e-2, typical errors as the dense models' ~6e-3; sharpening the routers, round 2, made it worse:
-# bf16 router logits of magnitude ~20 move in steps of 0.125 and shift every routed weight). So the
+# that expert's weight (on the H200: tiny model outliers up to 0.24 rel err, Qwen3-30B-A3B shape up to 6.7e-2, typical
+# errors as the dense models' ~6e-3; sharper routers make it worse: bf16 router logits of magnitude ~20 move in steps of 0.125 and shift every routed weight). So the
 # engine comparisons bound the typical error (median) and the share of outliers, and print for each
 # outlier whether the reference's router was at a near-tie there; the kernel tests above check the MoE
 # math exactly on each kernel's own inputs.
@@ -427,7 +426,7 @@ def _compare_step(tag: str, mine: np.ndarray, theirs: np.ndarray, tok: np.ndarra
 
 
 TINY_TOL = 5e-2  # the tiny model against the float32 reference: bf16 activations, frequent near-ties
-# (round 3 on the H200: mixed steps median 2.3e-2, max 6.4e-2, greedy tokens equal at every step)
+# (on the H200: mixed steps median 2.3e-2, max 6.4e-2, greedy tokens equal at every step)
 
 
 def _check_steps(tag: str, errs: list[float], max_outliers: float) -> None:

@@ -1,5 +1,5 @@
 """Weights loaded for the CUDA device one tensor at a time (GpuWeights.from_bf16 over
-blink.models.weights.Bf16Tensors, issue 17) are bit for bit the weights GpuWeights.from_host makes
+blink.models.weights.Bf16Tensors) are bit for bit the weights GpuWeights.from_host makes
 from the whole-model float32 dict, in every device array; and the engine takes them."""
 
 from __future__ import annotations
