@@ -166,6 +166,8 @@ def _node_env(home: Path, bindir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HOME=str(home), PATH=f"{bindir}{os.pathsep}{env['PATH']}", RAY_USAGE_STATS_ENABLED="0")
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    # the user's pip cache, not the fresh HOME's: the packages the setup installs are fetched once per machine
+    env.setdefault("PIP_CACHE_DIR", str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pip"))
     return env
 
 
@@ -174,8 +176,8 @@ def _node_env(home: Path, bindir: Path) -> dict[str, str]:
 def test_cluster_yaml_setup_installs_ray_and_starts_a_head(tmp_path: Path) -> None:
     """cluster.yaml's own setup commands on a CPU node (the non-GPU branch) in a fresh HOME: they
     leave ~/blink-venv/bin/ray and blink; its head start command then starts Ray from that venv.
-    The venv sees this interpreter's packages except ray and blink (a .pth), so the setup installs
-    exactly those two; the head runs on a free port and is stopped by killing the processes it started (never
+    The venv is made without ensurepip and sees this interpreter's packages except ray and blink (a
+    .pth; its `pip` runs the view's), so the setup installs exactly those two; the head runs on a free port and is stopped by killing the processes it started (never
     `ray stop`, which stops every Ray node of the user on this machine)."""
     import shutil
     import signal
@@ -192,13 +194,18 @@ def test_cluster_yaml_setup_installs_ray_and_starts_a_head(tmp_path: Path) -> No
     assert raw["file_mounts"] == {"~/blink": "."}
     shutil.copytree(ROOT, home / "blink", ignore=shutil.ignore_patterns(".git", ".venv", "build", "results", "*.egg-info", "__pycache__"))  # fmt: skip
     env = _node_env(home, bindir)
-    view = _site_view(tmp_path / "site", hide=("ray", "blink", "blink_serve", "pip", "setuptools", "pkg_resources"))
+    view = _site_view(tmp_path / "site", hide=("ray", "blink", "blink_serve"))
     for cmd in raw["setup_commands"]:
-        r = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=180)
+        fast_venv = "-m venv" in cmd  # built without ensurepip: pip comes from the view (a .pth)
+        run = cmd.replace("-m venv", "-m venv --without-pip") if fast_venv else cmd
+        r = subprocess.run(["bash", "-c", run], env=env, capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
-        if "-m venv" in cmd:  # the venv exists: let it see the installed dependencies
+        if fast_venv:
             (purelib,) = (home / "blink-venv" / "lib").glob("python3*/site-packages")
             (purelib / "_deps_view.pth").write_text(f"{view}\n")
+            pip = home / "blink-venv" / "bin" / "pip"
+            pip.write_text('#!/bin/sh\nexec "$(dirname "$0")/python" -m pip "$@"\n')
+            pip.chmod(0o755)
     venv = home / "blink-venv" / "bin"
     assert (venv / "ray").exists() and (venv / "blink").exists()
     version = subprocess.run([str(venv / "blink"), "--version"], env=env, capture_output=True, text=True, timeout=60)
