@@ -4,8 +4,8 @@ The head node reports 2 (logical) GPUs and the config asks for one replica per G
 makes 2 GPU actors, each in a GPU bundle on the head; `device.kind = auto` then falls back to the
 emulated device inside the actor (no usable GPU here). The second node carries the custom `dpu`
 resource, so the frontend must land on it. Both nodes share this machine's /dev/shm, which the
-shared-memory rings need. The nodes are started with `ray start` in new sessions and torn down
-by killing exactly those sessions' processes (never `ray stop`, which would stop every Ray
+shared-memory rings need. The nodes are started with `ray start` as process groups of their own
+and torn down by killing exactly those processes (never `ray stop`, which would stop every Ray
 cluster on the machine).
 """
 

@@ -12,10 +12,10 @@ replicas get N copies of one replica's requests (the same prompts and lengths), 
 times the rate, so every point carries the same work per replica (independent draws would differ
 in their heavy tails). CPU use of the frontends and engines over each phase is recorded (cores).
 
-    # here (no GPU): 2 emulated replicas on CPU (one BLAS thread each), short random prompts
+    # without a GPU: 2 emulated replicas on CPU (one BLAS thread each), short random prompts
     python -m bench.serving.scaleout --device emulated --model default --dataset random --input-len 64 \
         --output-len 32 --requests 16 --concurrency 4 --per-replica --max-batch 8 --num-kv-blocks 256
-    # 2x H200 (bench/scaleout_gpu.sh carries Ray there and runs this with both launchers)
+    # 2x H200, replicas placed by Ray (pip install -e '.[ray]')
     python -m bench.serving.scaleout --device cuda --model random:llama3-8b --max-batch 256 --n-slots 512 \
         --per-replica --requests 384 --concurrency 128 --rate 16 --open-requests 480
     # ... without Ray: the same rings, router and ingress as processes
