@@ -1,0 +1,60 @@
+"""The repository's shape as a newcomer meets it: the two make targets, the one GPU script, bench/ as an
+importable package (no sys.path edits), kept results under one naming scheme and each cited, README
+tables that stay readable."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+NAME = re.compile(r"^[a-z0-9_]+-(h200|2xh200|emulated)-[0-9a-f]{7}\.(json|log|png)$")
+
+
+def _make(*args: str) -> str:
+    return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def test_make_serve_takes_a_port_and_passes_flags_on():
+    assert "blink serve --host 127.0.0.1 --port 8000" in _make("serve")
+    assert "blink serve --host 127.0.0.1 --port 8123 --max-num-seqs 8" in _make(
+        "serve", "PORT=8123", "ARGS=--max-num-seqs 8"
+    )
+
+
+def test_make_gpu_test_runs_the_gpu_script_on_the_tests():
+    out = _make("gpu-test", "OUT=/tmp/gpu", "COMMIT=abc1234")
+    assert "bash scripts/gpu_check.sh --commit abc1234 /tmp/gpu tests conformance" in out
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert 'part tests 1800 "${PT[@]}" -m gpu tests' in script  # the gpu-marked tests, not a benchmark
+
+
+def test_ci_runs_exactly_make_test():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.findall(r"^make .*$", ci, re.M) == ['make test PYTEST_ARGS="-q --durations=15"']
+
+
+def test_no_sys_path_edits_in_bench_or_tests():
+    for p in [*ROOT.glob("bench/**/*.py"), *ROOT.glob("tests/**/*.py")]:
+        if p != Path(__file__):
+            assert "sys.path.insert" not in p.read_text() and "sys.path.append" not in p.read_text(), p
+
+
+def test_kept_results_follow_one_scheme_and_are_cited():
+    cited = "".join((ROOT / f).read_text() for f in ("README.md", "bench/results/README.md", "docs/decisions.md"))
+    kept = [p for p in RESULTS.rglob("*") if p.is_file() and p.name != "README.md"]
+    assert kept
+    for p in kept:
+        assert NAME.match(p.name), p.name
+        assert p.name in cited, (
+            f"{p.name} is cited by neither the README, bench/results/README.md nor docs/decisions.md"
+        )
+
+
+def test_readme_table_rows_stay_short():
+    for f in ("README.md", "bench/README.md", "bench/results/README.md", "docs/decisions.md"):
+        for i, line in enumerate((ROOT / f).read_text().splitlines(), 1):
+            if line.lstrip().startswith("|"):
+                assert len(line) <= 300, f"{f}:{i} is {len(line)} characters"
