@@ -35,7 +35,8 @@ PARTS=" ${*:-tests conformance} "
 PY=${PY:-python3}
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# blink and bench from this clone, installed or not
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | awk '{print tolower($NF)}')
 GPU=${GPU:-gpu}
 PT=("$PY" -m pytest -q -p no:cacheprovider -rfE)
@@ -48,7 +49,7 @@ json() { echo "$DEST/$1-$GPU-$COMMIT.json"; }
 part() {  # part NAME TIMEOUT_S CMD...
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
-  echo "=== $name (timeout ${limit}s): $*" | tee "$DEST/$name.log"
+  echo "=== $name (timeout ${limit}s): $*" >"$DEST/$name.log"
   timeout -k 10 "$limit" "$@" >>"$DEST/$name.log" 2>&1
   rc=$?
   [ $rc -eq 0 ] || failed=1
