@@ -35,6 +35,7 @@ PARTS=" ${*:-tests conformance} "
 PY=${PY:-python3}
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
+DEPS_PATH=${PYTHONPATH:-}  # what the environment adds (dependencies), without this clone
 # blink and bench from this clone, installed or not
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | awk '{print tolower($NF)}')
@@ -59,13 +60,15 @@ part() {  # part NAME TIMEOUT_S CMD...
 
 wheel_check() {  # this clone's wheel alone in a fresh target, no CUDA toolkit on PATH: NVRTC builds, it serves
   set -e
-  local t="$DEST/wheel" p="" d pid
+  local t="$DEST/wheel" p="" d whl
   rm -rf "$t" && mkdir -p "$t/whl"
-  "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$t/whl"
-  "$PY" -m pip install -q --no-deps --no-compile --target "$t/site" "$t"/whl/*.whl
+  # a wheel built beforehand (pip wheel --no-deps . -w dist) where this machine cannot build one
+  whl=$(ls dist/blink_serve-*.whl 2>/dev/null | tail -n 1)
+  [ -n "$whl" ] || { "$PY" -m pip wheel -q --no-deps . -w "$t/whl" && whl=$(ls "$t"/whl/*.whl); }
+  "$PY" -m pip install -q --no-deps --no-compile --target "$t/site" "$whl"
   for d in ${PATH//:/ }; do [ -x "$d/nvcc" ] || p="$p${p:+:}$d"; done
   cd /tmp
-  PATH="$p" PYTHONPATH="$t/site" XDG_CACHE_HOME="$t/cache" "$PY" - <<'PYEOF'
+  PATH="$p" PYTHONPATH="$t/site${DEPS_PATH:+:$DEPS_PATH}" XDG_CACHE_HOME="$t/cache" "$PY" - <<'PYEOF'
 import json, os, subprocess, sys, time, urllib.request
 import blink
 assert "/wheel/site/" in blink.__file__, blink.__file__
@@ -135,7 +138,7 @@ if has kernels; then
 fi
 if has wheel; then
   export -f wheel_check
-  part wheel 900 env DEST="$DEST" PY="$PY" bash -c wheel_check
+  part wheel 900 env DEST="$DEST" PY="$PY" DEPS_PATH="$DEPS_PATH" bash -c wheel_check
 fi
 
 echo
