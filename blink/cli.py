@@ -88,6 +88,14 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     for flag in VLLM_NOOP_FLAGS:
         p.add_argument(flag, action="store_true", dest=f"noop_{flag[2:].replace('-', '_')}", help=argparse.SUPPRESS)
     p.add_argument(
+        "--quantization",
+        "-q",
+        dest="device.quantization",
+        metavar="METHOD",
+        help="fp8: linear layers' weights in FP8 e4m3 with per-channel scales, quantized at load (emulated "
+        "device only so far); other methods are refused",
+    )
+    p.add_argument(
         "--log-level",
         dest="server.log_level",
         choices=("debug", "info", "warning", "error"),

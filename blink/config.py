@@ -175,6 +175,10 @@ class DeviceConfig:
     executor: str = ""
     """emulated: a stand-in model's executor factory, "module:function", imported by the device process
     (benchmarks of the frontend use one whose steps take a modeled time); "" = the numpy model."""
+    quantization: str | None = None
+    """fp8: the linear layers' weights quantized at load to FP8 e4m3 with per-output-channel scales,
+    activations in bf16 (vLLM's --quantization fp8); None = the weights as the checkpoint holds them.
+    The emulated device only, so far: the CUDA device refuses it."""
     kernel_cache: str | None = None
     """Directory of the compiled CUDA kernels (cuda only); None = build/kernels in a source checkout,
     else $XDG_CACHE_HOME/blink/kernels (~/.cache/blink/kernels)."""
@@ -197,6 +201,8 @@ class DeviceConfig:
         _bounds("device", "max_restarts", self.max_restarts, 0, 1000)
         if self.executor and ":" not in self.executor:
             raise ConfigError(f"device.executor = {self.executor!r}; expected module:function")
+        if self.quantization is not None:
+            _choice("device", "quantization", self.quantization, ("fp8",))
 
     def step_tokens(self, kind: str) -> int:
         """Tokens per step on a device of `kind` ("cuda" | "emulated"): max_tokens or its default,

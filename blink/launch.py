@@ -71,6 +71,11 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
     kind = resolve_kind(d.kind)
     if d.executor and kind != "emulated":
         raise ConfigError(f"device.executor ({d.executor}) is for the emulated device, not {kind}")
+    if d.quantization and kind != "emulated":
+        raise ConfigError(
+            f"--quantization {d.quantization}: the {kind} device does not serve quantized weights yet "
+            "(the emulated device does: --device emulated)"
+        )
     return DeviceSpec(
         ring=ring,
         kind=kind,
@@ -86,6 +91,7 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
         debug=cfg.server.log_level == "debug",
         kernel_cache=d.kernel_cache or "",
         executor=d.executor,
+        quantization=d.quantization or "",
     )
 
 

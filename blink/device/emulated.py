@@ -47,8 +47,9 @@ def build_executor(spec: DeviceSpec) -> Executor:
         return getattr(importlib.import_module(mod), fn)(spec.model, **kw)
     from .numpy_executor import NumpyExecutor
 
-    phase(f"loading {spec.model}")
-    ex = NumpyExecutor.from_model(spec.model, progress=progress("loading weights", "B"), **kw)
+    phase(f"loading {spec.model}" + (f" ({spec.quantization} weights)" if spec.quantization else ""))
+    quant = spec.quantization or None
+    ex = NumpyExecutor.from_model(spec.model, progress=progress("loading weights", "B"), quantization=quant, **kw)
     c = ex.config
     gib = kv_gib(c.num_layers, ex.num_blocks, spec.kv_block_size, c.num_kv_heads, c.head_dim, 4)
     phase(f"KV cache: {ex.num_blocks} blocks of {spec.kv_block_size} tokens, {gib:.2f} GiB (float32, paged in as used)")

@@ -35,11 +35,12 @@ class NumpyExecutor:
         max_batch: int,
         max_tokens: int,
         max_blocks_per_seq: int | None = None,
+        quantization: str | None = None,
     ) -> None:
         if min(num_blocks, block_size, max_batch, max_tokens) <= 0:
             raise ValueError("num_blocks, block_size, max_batch and max_tokens must be positive")
         self.config = config
-        self.model = LlamaNumpy(config, weights)
+        self.model = LlamaNumpy(config, weights, quantization)
         self.vocab_size = config.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -68,14 +69,25 @@ class NumpyExecutor:
         max_tokens: int,
         max_blocks_per_seq: int | None = None,
         progress: bool | Callable[[int, int], None] = False,
+        quantization: str | None = None,
         **resolve_kwargs: Any,
     ) -> NumpyExecutor:
         """Executor for a model spec as `blink.models.registry.resolve_model` accepts it
-        (None/"default", a .gguf path, an HF directory, "random:<preset>")."""
+        (None/"default", a .gguf path, an HF directory, "random:<preset>"); `quantization` "fp8":
+        the linear layers' weights in FP8 (blink.models.fp8)."""
         from blink.models.registry import resolve_model
 
         bundle = resolve_model(spec, progress=progress, **resolve_kwargs)
-        return cls(bundle.config, bundle.weights, num_blocks, block_size, max_batch, max_tokens, max_blocks_per_seq)
+        return cls(
+            bundle.config,
+            bundle.weights,
+            num_blocks,
+            block_size,
+            max_batch,
+            max_tokens,
+            max_blocks_per_seq,
+            quantization,
+        )
 
     def _check(self, batch: StepBatch) -> None:
         S, T = batch.num_seqs, batch.num_tokens

@@ -12,6 +12,10 @@ mixed), every token at its own position. Per layer:
     p renormalised (norm_topk_prob); x += sum_e p_e * silu(g_e) * u_e @ W_down[e], one GEMM per hit expert
     over the rows routed to it (sorted by expert, as a grouped GEMM would see them)
 
+`quantization="fp8"`: every linear layer's weight (q/k/v/o, gate/up/down, the experts' too) is
+FP8 e4m3 with per-output-channel scales (blink.models.fp8), applied dequantized; activations, norms,
+embeddings, the router and the LM head are as without it.
+
 Writing K/V before attending makes a chunk see itself causally and earlier chunks through the
 cache, so prefill, chunked prefill and decode are the same code. Decode rows (one query each)
 attend in one batched matmul over their gathered blocks; longer chunks go one sequence at a time.
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blink.models.config import ModelConfig, rope_inv_freq
+from blink.models.fp8 import QUANTIZATIONS, as_device_weight, quantize
 from blink.models.weights import Weights, check_weights
 
 _Q_CHUNK = 256  # query rows per attention block in prefill (bounds the score matrix)
@@ -44,6 +49,13 @@ class _Layer:
     w_gate_up: np.ndarray  # (2*intermediate, hidden); MoE: (experts, 2*moe_intermediate, hidden)
     w_down: np.ndarray  # (hidden, intermediate); MoE: (experts, hidden, moe_intermediate)
     w_router: np.ndarray | None = None  # (experts, hidden)  MoE layers only
+
+
+def fp8_linear(w: np.ndarray) -> np.ndarray:
+    """w (out, in) or stacked (..., out, in) as FP8 with per-output-channel scales (blink.models.fp8),
+    dequantized to float32: of the weight's bf16 values, the values the quantized device computes with."""
+    rows = np.asarray(w).reshape(-1, w.shape[-1])
+    return quantize(as_device_weight(rows)).dequantize().reshape(w.shape)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -76,13 +88,20 @@ def _softmax_rows(s: np.ndarray) -> np.ndarray:
 class LlamaNumpy:
     """Weights fused and transposed once; `forward` runs one packed step against a KV pool."""
 
-    def __init__(self, config: ModelConfig, weights: Weights) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, quantization: str | None = None) -> None:
         check_weights(config, weights)
+        if quantization not in (None, "", *QUANTIZATIONS):
+            raise ValueError(f"quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
         c = config
         self.config = c
+        self.quantization = quantization or None
 
         def f32(a: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(a, dtype=np.float32)
+
+        def lin(a: np.ndarray) -> np.ndarray:
+            # A linear layer's weight (out, in), or experts stacked (E, out, in): as the device computes with it.
+            return f32(a) if self.quantization is None else fp8_linear(a)
 
         self.embed = f32(weights["model.embed_tokens.weight"])  # (vocab, hidden)
         # Tied: the head is the embedding; x @ embed.T is a transposed GEMM, no copy.
@@ -107,14 +126,14 @@ class LlamaNumpy:
             self.layers.append(
                 _Layer(
                     ln1=f32(weights[p + "input_layernorm.weight"]),
-                    w_qkv=f32(qkv),
+                    w_qkv=lin(qkv),
                     b_qkv=f32(np.concatenate([weights[a + n + "_proj.bias"] for n in "qkv"])) if c.attn_bias else None,
                     q_norm=f32(weights[a + "q_norm.weight"]) if c.qk_norm else None,
                     k_norm=f32(weights[a + "k_norm.weight"]) if c.qk_norm else None,
-                    w_o=f32(weights[a + "o_proj.weight"]),
+                    w_o=lin(weights[a + "o_proj.weight"]),
                     ln2=f32(weights[p + "post_attention_layernorm.weight"]),
-                    w_gate_up=f32(gu),
-                    w_down=f32(down),
+                    w_gate_up=lin(gu),
+                    w_down=lin(down),
                     w_router=router,
                 )
             )

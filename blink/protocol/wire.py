@@ -108,6 +108,7 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kernel_cache: str = (
         ""  # cuda: directory of the compiled kernels; "" = blink.gpu.toolchain.build.default_cache_dir()
     )
+    quantization: str = ""  # "fp8": linear layers' weights in FP8 e4m3, per-channel scales; "" = as the checkpoint
 
     def __post_init__(self) -> None:
         if self.kind not in ("emulated", "cuda") or self.scheduler not in ("gpu", "host"):
@@ -119,6 +120,8 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"device spec: sizes out of range in {self}")
         if self.executor and ":" not in self.executor:
             raise ValueError(f"device spec: executor must be 'module:function', got {self.executor!r}")
+        if self.quantization not in ("", "fp8"):
+            raise ValueError(f"device spec: quantization {self.quantization!r}")
 
 
 # -- ring access frames (TcpTransport <-> ring agent; RDMA bootstrap) -------------------------

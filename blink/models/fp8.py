@@ -1,0 +1,131 @@
+"""FP8 (float8 e4m3, the "fn" variant of OCP FP8) weight quantization: the one definition that the
+emulated device runs and the CUDA kernels are compared against.
+
+e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, 0x7F/0xFF are NaN; the largest
+finite value is 448 (0x7E), the smallest subnormal 2**-9. Byte layout as the hardware's
+(`__nv_fp8_e4m3`, torch.float8_e4m3fn): a value is its bit pattern in a uint8.
+
+A linear layer's weight W (out, in) is quantized per output channel (row), as vLLM's dynamic FP8:
+
+    scale[n] = amax(|W[n, :]|) / 448            float32; a row of zeros gets scale 1
+    code[n, k] = e4m3(W[n, k] / scale[n])       float32 division, round to nearest even, saturating to +-448
+
+and y[t, n] = scale[n] * sum_k x[t, k] * value(code[n, k]): the scale factors out of the dot product, so a
+kernel accumulates the decoded codes against the activations and multiplies once per output.
+Activations stay in the compute dtype (weight-only FP8, "W8A16"): no GEMM here reads FP8 activations.
+
+The source of the quantization is the weight as the device would hold it in bf16 (`quantize_bf16`
+takes the bf16 bits the CUDA loader streams), so the numpy model and the CUDA engine quantize the
+very same values and get the same codes and scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+E4M3_MAX = 448.0
+QUANTIZATIONS = ("fp8",)  # --quantization values served; None/"" = the checkpoint's dtype
+# The linear layers that FP8 quantizes (canonical name suffixes); embeddings, norms, the MoE router and
+# the LM head keep their dtype.
+QUANTIZED_SUFFIXES = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
+
+
+def _decode_table() -> np.ndarray:
+    """float32 value of each of the 256 codes (NaN for 0x7F and 0xFF)."""
+    c = np.arange(256, dtype=np.int32)
+    exp, man = (c >> 3) & 0xF, (c & 7).astype(np.float32)
+    mag = np.where(exp == 0, man * np.float32(2.0**-9), (1.0 + man / 8.0) * np.exp2(exp - 7.0)).astype(np.float32)
+    mag[(c & 0x7F) == 0x7F] = np.nan
+    return np.where(c >= 128, -mag, mag).astype(np.float32)
+
+
+E4M3_VALUES = _decode_table()
+
+
+def is_quantized(name: str) -> bool:
+    """Whether FP8 quantizes the canonical tensor `name` (a linear layer's weight, not the router)."""
+    return name.endswith(QUANTIZED_SUFFIXES)
+
+
+def e4m3_encode(x: np.ndarray) -> np.ndarray:
+    """float32 -> e4m3fn codes (uint8): round to nearest even, saturate to +-448; NaN -> 0x7F."""
+    x = np.asarray(x, dtype=np.float32)
+    nan = np.isnan(x)
+    a = np.where(nan, np.float32(0), np.minimum(np.abs(x), np.float32(E4M3_MAX)))
+    # The quantum of a's binade [2**b, 2**(b+1)) is 2**(b - 3); below 2**-6 (subnormals, and the first
+    # normal binade, which shares their quantum) it is 2**-9. frexp: a = m * 2**e, m in [0.5, 1), b = e - 1.
+    _, e = np.frexp(a)
+    q = np.where(a >= np.float32(2.0**-6), e - 4, -9)
+    # n = a in quanta, rounded half to even (scaling by 2**-q is exact). A normal's code is
+    # 8 * (b + 7) + (n - 8) = n + 8 * (q + 9), and the same formula gives n for q = -9; n = 16 (rounded
+    # up into the next binade) lands on that binade's first code.
+    n = np.rint(np.ldexp(a, -q)).astype(np.int32)
+    code = (n + 8 * (q + 9)).astype(np.uint8)
+    code |= np.where(np.signbit(x), np.uint8(0x80), np.uint8(0))
+    return np.where(nan, np.uint8(0x7F), code)
+
+
+def e4m3_decode(code: np.ndarray) -> np.ndarray:
+    """e4m3fn codes (uint8) -> float32 values."""
+    return E4M3_VALUES[np.asarray(code, dtype=np.uint8)]
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear layer's weight in FP8: codes (out, in) uint8 and scales (out,) float32."""
+
+    codes: np.ndarray  # (out, in) uint8, e4m3fn bit patterns
+    scales: np.ndarray  # (out,) float32: W[n, k] ~ scales[n] * value(codes[n, k])
+
+    def dequantize(self) -> np.ndarray:
+        """(out, in) float32: scales[n] * value(codes[n, k])."""
+        return e4m3_decode(self.codes) * self.scales[:, None]
+
+
+def channel_scales(w: np.ndarray) -> np.ndarray:
+    """Per-output-channel scales of w (out, in): amax of each row / 448, 1 for an all-zero row."""
+    amax = np.max(np.abs(np.asarray(w, dtype=np.float32)), axis=-1)
+    return np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
+
+
+def quantize(w: np.ndarray, scales: np.ndarray | None = None) -> Fp8Weight:
+    """w (out, in) float -> Fp8Weight, per output channel (scales given: those, as a checkpoint's)."""
+    w = np.asarray(w, dtype=np.float32)
+    s = channel_scales(w) if scales is None else np.asarray(scales, dtype=np.float32).reshape(-1)
+    if s.shape != (w.shape[0],):
+        raise ValueError(f"fp8 scales of shape {s.shape} for a weight of {w.shape[0]} rows")
+    return Fp8Weight(e4m3_encode(w / s[:, None]), s)
+
+
+def quantize_bf16(bits: np.ndarray) -> Fp8Weight:
+    """A weight given as bf16 bits (uint16, out x in) -> Fp8Weight of its values."""
+    return quantize(bf16_bits_to_f32(bits))
+
+
+def as_device_weight(w: np.ndarray) -> np.ndarray:
+    """The float32 values a bf16 device holds for w: the source every FP8 quantization starts from."""
+    return bf16_bits_to_f32(f32_to_bf16_bits(w))
+
+
+# (canonical name, bf16 bits) for tensors that stay bf16, (name, Fp8Weight) for the quantized ones
+MixedTensors = Iterator[tuple[str, "np.ndarray | Fp8Weight"]]
+
+
+def quantize_stream(tensors: Iterator[tuple[str, np.ndarray]]) -> MixedTensors:
+    """The loader's stream (canonical name, bf16 bits) with each linear layer's weight quantized as it
+    passes: one tensor at a time, so the host holds at most one bf16 tensor and its FP8 copy."""
+    for name, bits in tensors:
+        yield (name, quantize_bf16(bits)) if is_quantized(name) else (name, bits)
