@@ -1,0 +1,134 @@
+"""FP8 weights vs bf16 on real weights, with the numpy model (the definition the devices implement).
+
+    python bench/fp8_accuracy.py bench/results            # SmolLM2-135M-Instruct GGUF, 32 prompts x 64 tokens
+    python bench/fp8_accuracy.py OUT --model /path/to/hf-dir --prompts 8 --tokens 32
+
+Both models start from the weights as a bf16 device holds them (rounded to bf16); the fp8 one
+quantizes every linear layer (blink.models.fp8). Greedy decoding of each chat prompt, all prompts
+in one packed batch. Reported:
+  free-running: share of generated positions whose fp8 token equals the bf16 token at that index,
+      and the share of sequences identical throughout (one flip changes the rest of a sequence);
+  teacher-forced: the fp8 model scores the bf16 continuation: share of positions where its argmax
+      is the bf16 token (the per-token agreement), and the mean / max absolute difference of the
+      log-probability of the bf16 token between the two models (per-token loglikelihood).
+Writes OUT/fp8_accuracy-<model>-<commit>.json and prints a short table. Minutes of CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from benchutil import git_commit, metadata, write_json  # noqa: E402
+
+from blink.models.fp8 import as_device_weight  # noqa: E402
+from blink.models.llama_numpy import LlamaNumpy  # noqa: E402
+from blink.models.registry import resolve_model  # noqa: E402
+
+TOPICS = (
+    "the water cycle", "how a bicycle stays upright", "photosynthesis", "why the sky is blue", "the moon's phases",
+    "how vaccines work", "compound interest", "the French revolution", "black holes", "how to brew tea",
+    "plate tectonics", "the internet", "bees and pollination", "a healthy breakfast", "how rainbows form",
+    "the Roman empire", "electric cars", "how to learn a language", "volcanoes", "the human heart",
+    "recycling plastic", "chess openings", "the speed of light", "how bread rises", "climate and weather",
+    "the printing press", "how computers add numbers", "dolphins", "saving money", "the solar system",
+    "how a refrigerator works", "writing a good essay",
+)  # fmt: skip
+BLOCK = 16
+
+
+def prompts(tok: Any, n: int) -> list[list[int]]:
+    if n > len(TOPICS):
+        raise SystemExit(f"--prompts {n}: at most {len(TOPICS)}")
+    return [tok.encode_chat([{"role": "user", "content": f"Explain {t} in a few sentences."}]) for t in TOPICS[:n]]
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def greedy(model: LlamaNumpy, ps: list[list[int]], new: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens (S, new), log-prob of each chosen token (S, new)) of greedy decoding, all prompts packed."""
+    S = len(ps)
+    width = -(-(max(map(len, ps)) + new) // BLOCK)
+    bt = np.arange(S * width).reshape(S, width)
+    kc = np.zeros(model.kv_cache_shape(S * width, BLOCK), np.float32)
+    vc = np.zeros_like(kc)
+    lens = np.array([len(p) for p in ps])
+    ids, pos = np.concatenate(ps), np.concatenate([np.arange(n) for n in lens])
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    toks, lps = np.zeros((S, new), np.int64), np.zeros((S, new), np.float32)
+    for i in range(new):
+        lp = log_softmax(model.forward(ids, pos, cu, bt, kc, vc))
+        toks[:, i] = lp.argmax(-1)
+        lps[:, i] = lp[np.arange(S), toks[:, i]]
+        ids, pos, cu = toks[:, i], lens + i, np.arange(S + 1)
+    return toks, lps
+
+
+def teacher_forced(model: LlamaNumpy, ps: list[list[int]], cont: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(argmax (S, new), log-prob of cont (S, new)) of `model` scoring each prompt + continuation."""
+    S, new = cont.shape
+    am, lps = np.zeros((S, new), np.int64), np.zeros((S, new), np.float32)
+    for s, p in enumerate(ps):
+        seq = np.concatenate([p, cont[s]])
+        nb = -(-seq.size // BLOCK)
+        kc = np.zeros(model.kv_cache_shape(nb, BLOCK), np.float32)
+        rows = np.arange(len(p) - 1, seq.size - 1)  # the rows that predict the continuation
+        lp = log_softmax(
+            model.forward(seq, np.arange(seq.size), np.array([0, seq.size]), np.arange(nb)[None], kc, kc.copy(), rows)
+        )
+        am[s], lps[s] = lp.argmax(-1), lp[np.arange(new), cont[s]]
+    return am, lps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="results folder")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    a = ap.parse_args()
+    t0 = time.time()
+    b = resolve_model(a.model)
+    w = {k: as_device_weight(v) for k, v in b.weights.items()}
+    base, q = LlamaNumpy(b.config, w), LlamaNumpy(b.config, w, quantization="fp8")
+    del w
+    ps = prompts(b.tokenizer, a.prompts)
+    ref, ref_lp = greedy(base, ps, a.tokens)
+    got, _ = greedy(q, ps, a.tokens)
+    tf_arg, tf_lp = teacher_forced(q, ps, ref)
+    d = np.abs(tf_lp - ref_lp)
+    first = [int(np.argmax(r != g)) if (r != g).any() else a.tokens for r, g in zip(ref, got, strict=True)]
+    res = {
+        **metadata(git_commit(), gpu="cpu"),
+        "model": b.name,
+        "source": b.source,
+        "prompts": a.prompts,
+        "tokens": a.tokens,
+        "free_running_agreement": float((ref == got).mean()),
+        "identical_sequences": float(np.mean([x == a.tokens for x in first])),
+        "first_divergence_mean": float(np.mean(first)),
+        "teacher_forced_agreement": float((tf_arg == ref).mean()),
+        "logprob_abs_diff_mean": float(d.mean()),
+        "logprob_abs_diff_max": float(d.max()),
+        "seconds": round(time.time() - t0, 1),
+    }
+    print(f"{'metric':32s} value")
+    for k in list(res)[-8:]:
+        print(f"{k:32s} {res[k]}")
+    write_json(str(pathlib.Path(a.out) / f"fp8_accuracy-{pathlib.Path(b.source).stem}-{res['commit']}.json"), res)
+
+
+if __name__ == "__main__":
+    main()
