@@ -29,7 +29,15 @@ from blink.gpu.toolchain.cuda_api import Driver
 CSRC = B.GPU_DIR / "engine" / "csrc"
 SCHEDULER_CSRC = B.GPU_DIR / "scheduler" / "csrc"
 INCLUDE = B.GPU_DIR / "engine" / "include"
-SOURCES = ("model_kernels.cu", "attention.cu", "prefill_attention.cu", "flash_decode.cu", "sampling.cu", "moe.cu")
+SOURCES = (
+    "model_kernels.cu",
+    "attention.cu",
+    "prefill_attention.cu",
+    "flash_decode.cu",
+    "sampling.cu",
+    "moe.cu",
+    "fp8.cu",
+)
 HEADERS = ("common.cuh",)
 # sampling.cu reads SAMPLING_EPS from the generated ring header (blink/protocol/sampling_params.py)
 _EXTRA = {"sampling.cu": (SCHEDULER_CSRC / "blink_ring.h",)}
