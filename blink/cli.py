@@ -92,8 +92,8 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         "-q",
         dest="device.quantization",
         metavar="METHOD",
-        help="fp8: linear layers' weights in FP8 e4m3 with per-channel scales, quantized at load (emulated "
-        "device only so far); other methods are refused",
+        help="fp8: linear layers' weights in FP8 e4m3 with per-channel scales, quantized at load (activations "
+        "bf16); other methods are refused",
     )
     p.add_argument(
         "--log-level",

@@ -178,7 +178,7 @@ class DeviceConfig:
     quantization: str | None = None
     """fp8: the linear layers' weights quantized at load to FP8 e4m3 with per-output-channel scales,
     activations in bf16 (vLLM's --quantization fp8); None = the weights as the checkpoint holds them.
-    The emulated device only, so far: the CUDA device refuses it."""
+    Dense models on the CUDA device (MoE models: the emulated device only)."""
     kernel_cache: str | None = None
     """Directory of the compiled CUDA kernels (cuda only); None = build/kernels in a source checkout,
     else $XDG_CACHE_HOME/blink/kernels (~/.cache/blink/kernels)."""

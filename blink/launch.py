@@ -71,11 +71,6 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
     kind = resolve_kind(d.kind)
     if d.executor and kind != "emulated":
         raise ConfigError(f"device.executor ({d.executor}) is for the emulated device, not {kind}")
-    if d.quantization and kind != "emulated":
-        raise ConfigError(
-            f"--quantization {d.quantization}: the {kind} device does not serve quantized weights yet "
-            "(the emulated device does: --device emulated)"
-        )
     return DeviceSpec(
         ring=ring,
         kind=kind,

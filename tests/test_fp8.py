@@ -132,7 +132,7 @@ def test_unknown_quantization_is_refused():
         C.DeviceConfig(quantization="awq")
 
 
-def test_quantization_flag_reaches_the_emulated_device_and_cuda_refuses_it():
+def test_quantization_flag_reaches_both_devices():
     from blink.device.emulated import build_executor
     from blink.launch import device_spec
 
@@ -143,5 +143,9 @@ def test_quantization_flag_reaches_the_emulated_device_and_cuda_refuses_it():
     assert spec.quantization == "fp8"
     assert build_executor(spec).model.quantization == "fp8"
     assert device_spec(C.BlinkConfig().replace(device={"kind": "emulated"}), "r").quantization == ""
-    with pytest.raises(C.ConfigError, match="quantiz"):
-        device_spec(cfg.replace(device={"kind": "cuda"}), "r")
+    cuda = device_spec(cfg.replace(device={"kind": "cuda"}), "r")
+    assert cuda.quantization == "fp8"
+    from blink.gpu.serve import engine_config
+
+    assert engine_config(cuda, 4096).quantization == "fp8"
+    assert engine_config(device_spec(C.BlinkConfig().replace(device={"kind": "cuda"}), "r"), 4096).quantization == ""

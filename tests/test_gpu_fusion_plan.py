@@ -11,7 +11,16 @@ from types import SimpleNamespace
 import pytest
 
 from blink.gpu.engine.engine import EngineConfig, parse_gemv_fusion
-from blink.gpu.engine.forward import GEMV_FUSIONS, ROPE_WARP_MAX_TOKENS, Dims, Forward, RopeArgs, rope_kernel
+from blink.gpu.engine.forward import (
+    GEMV_FUSIONS,
+    ROPE_WARP_MAX_TOKENS,
+    Dims,
+    Forward,
+    RopeArgs,
+    fp8_scratch_elems,
+    rope_kernel,
+)
+from blink.gpu.engine.fp8_weights import FP8_GEMV_ROWS_PER_WARP, FP8_PROJECTIONS, Fp8Linear
 from blink.gpu.engine.moe_launch import (
     BIG_TILE_M,
     BIG_TILE_MIN_TOKENS,
@@ -115,6 +124,7 @@ def _finish(f: Forward, gemv_max_tokens: int, fusion: str, signatures: dict) -> 
     f._init_attention(f.k, SimpleNamespace(set_max_dynamic_smem=lambda fn, n: None))
     f.decode_table = ((1, "flashq"),)
     f.gemv_max_tokens = gemv_max_tokens
+    f.fp8, f.fp8_gemv_max_tokens, f.fp8_scratch = False, 8, _Arr(1)
     f.set_gemv_fusion(parse_gemv_fusion(fusion))
     calls: list = []
     f.drv = SimpleNamespace(
@@ -480,3 +490,44 @@ def test_norm_and_rope_kernels_by_step_size():
     ]  # fmt: skip
     name, grid, block = rope_kernel(nh, hd, 7, False, 132)
     assert name == "rope_kv_write_warp" and grid == (7, 6, 1) and block == (256, 1, 1)  # 8 heads (warps) a block
+
+
+def _fp8(f: Forward) -> Forward:
+    """f with every dense projection as an Fp8Linear (stand-in arrays), as GpuWeights.empty(fp8=True)."""
+    for lw in f.w.layers:
+        for p in FP8_PROJECTIONS:
+            n, k = getattr(lw, p).shape
+            setattr(lw, p, Fp8Linear(_Arr(n, k), _Arr(n)))
+    f.fp8 = True
+    return f
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen2.5-7b"])
+@pytest.mark.parametrize("T", [1, 2, 8, 16, 256])
+def test_fp8_projections_launch_the_fp8_gemv_or_dequantize_before_the_gemm(name: str, T: int, signatures: dict):
+    f, calls = _forward(name, 8, "all", signatures, layers=2)
+    f = _fp8(f)
+    S = min(T, 8)
+    f.record(0, S, T, T <= 8)
+    names = [c[0] for c in calls]
+    bf16_gemv = [n for n in names if n.startswith("gemv_") and "fp8" not in n]
+    assert bf16_gemv == [f"gemv_f32_t{S}"]  # the LM head's (S rows, bf16) only: no fusion
+    assert names.count("add_rmsnorm") == 2 * 2 and names.count("swiglu") == 2
+    if T <= 8:
+        assert names.count(f"gemv_fp8_t{T}") == 4 * 2 and "fp8_dequant_rows" not in names
+        assert "cublas" not in names
+        args = [c for c in calls if c[0] == f"gemv_fp8_t{T}"][0]
+        n_qkv = f.c.q_size + 2 * f.c.kv_size
+        assert args[1] == (-(-n_qkv // (8 * FP8_GEMV_ROWS_PER_WARP[T])), 1, 1)
+    else:  # each projection dequantized into the scratch right before its GEMM
+        seq = [n for n in names if n in ("fp8_dequant_rows", "cublas")]
+        assert seq == ["fp8_dequant_rows", "cublas"] * (4 * 2)
+        deq = [c for c in calls if c[0] == "fp8_dequant_rows"][0]
+        assert deq[1] == (-(-f.c.hidden_size // 4096), f.c.q_size + 2 * f.c.kv_size, 1)
+
+
+def test_fp8_scratch_holds_the_largest_projection():
+    c = preset("llama3-8b")
+    assert fp8_scratch_elems(c) == 2 * c.intermediate_size * c.hidden_size
+    c = preset("qwen3-32b")
+    assert fp8_scratch_elems(c) == max(2 * c.intermediate_size, c.q_size + 2 * c.kv_size) * c.hidden_size

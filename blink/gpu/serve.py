@@ -42,6 +42,7 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
         num_kv_blocks=spec.num_kv_blocks,
         seed=spec.seed,
         sampling_rows=sampling_rows,
+        quantization=spec.quantization,
         progress=True,  # warm-up, GEMM tuning and graph capture bars on stderr
     )
     if spec.decode_attention:
@@ -83,6 +84,8 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
     ecfg = engine_config(spec, mcfg.max_position, sampling_rows)
     engine = Engine.create(mcfg, ecfg, kernel_cache=spec.kernel_cache or DEFAULT_CACHE, bf16_tensors=tensors)
     d = engine.dims
+    if ecfg.quantization:
+        phase(f"weights: {ecfg.quantization}, {engine.weights.nbytes / 2**30:.2f} GiB on the device")
     gib = kv_gib(mcfg.num_layers, d.num_blocks, d.block_size, mcfg.num_kv_heads, mcfg.head_dim, 2)
     phase(f"KV cache: {d.num_blocks} blocks of {d.block_size} tokens, {gib:.2f} GiB (bf16); capturing graphs")
     engine.capture()

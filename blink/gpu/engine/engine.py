@@ -48,7 +48,8 @@ from blink.gpu.engine.engine_config import (  # noqa: F401 (the engine's public 
     parse_decode_attention,
     parse_gemv_fusion,
 )
-from blink.gpu.engine.forward import Dims, Forward
+from blink.gpu.engine.forward import Dims, Forward, fp8_scratch_elems
+from blink.gpu.engine.fp8_weights import Fp8Loader, quantize_layers
 from blink.gpu.engine.moe_launch import MoeLaunches
 from blink.gpu.engine.weights import GpuWeights
 from blink.gpu.toolchain.cuda_api import Cublas, Driver
@@ -115,6 +116,7 @@ class Engine:
             config, weights, self.dims, driver, kernels, self.cublas, sms, sampling_rows=ecfg.sampling_rows
         )
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
+        self.fwd.fp8_gemv_max_tokens = ecfg.fp8_gemv_max_tokens
         self.fwd.set_decode_table(ecfg.decode_table)
         self.fwd.set_gemv_fusion(ecfg.gemv_fusions)
         self.fwd.set_prefill_attention(ecfg.prefill_attention)
@@ -154,13 +156,22 @@ class Engine:
         driver = Driver()
         kernels = Kernels(driver, kernel_cache)  # type: ignore[arg-type]
         stream = cp.cuda.Stream(non_blocking=True)
+        fp8 = ecfg.quantization == "fp8"
+        if fp8 and host_weights is not None:
+            raise ValueError("Engine.create: fp8 weights come from bf16_tensors or random weights")
         if bf16_tensors is not None:
-            weights = GpuWeights.from_bf16(config, bf16_tensors)
+            loader = Fp8Loader(driver, kernels, fp8_scratch_elems(config)) if fp8 else None
+            weights = GpuWeights.from_bf16(config, bf16_tensors, loader)
+            del loader  # its staging buffer: freed once the last quantization ran (legacy stream order)
         elif host_weights is not None:
             weights = GpuWeights.from_host(config, host_weights)
         else:
             weights = GpuWeights.random(config, driver, kernels, int(stream.ptr), seed=ecfg.seed)
+            if fp8:
+                stream.synchronize()
+                quantize_layers(weights.layers, driver, kernels)
         stream.synchronize()
+        cp.cuda.Device().synchronize()
         return cls(config, ecfg, weights, driver, kernels, stream)
 
     @staticmethod
@@ -173,6 +184,8 @@ class Engine:
         act += 4 * Sm * c.vocab_size + 8 * Sm * 32 * c.q_size * 4
         if c.is_moe:
             act += MoeLaunches.device_bytes(c, Tm)
+        if ecfg.quantization:
+            act += 2 * fp8_scratch_elems(c)
         if ecfg.sampling_rows:  # processed logits, penalty state, logit_bias tables, prompt logprob rows
             act += 4 * Sm * c.vocab_size + ecfg.sampling_rows * (4 * c.vocab_size + 8 * MAX_LOGIT_BIAS)
             act += Tm * (4 * c.vocab_size + 2 * c.hidden_size + 4 + 8 * MAX_LOGPROBS)

@@ -89,6 +89,13 @@ class EngineConfig:
     """Decode buckets up to this size (1, 2, 4, 8) use the weight-streaming GEMV instead of cuBLAS.
     Measured on the H200 (bench/decode.py): the GEMV wins at 1 token; at 8 it is issue-bound
     (fp32 FMAs on CUDA cores) and cuBLAS's tensor-core kernels win."""
+    quantization: str = ""
+    """Weight format: "fp8" = the dense layers' projections (qkv, o, gate_up, down) in FP8 e4m3 with per-output-channel
+    scales, quantized on the GPU at load (blink/gpu/engine/fp8_weights.py); "" = bf16."""
+    fp8_gemv_max_tokens: int = 8
+    """FP8 weights: steps up to this many tokens (GEMV buckets 1, 2, 4, 8) run the FP8-weight GEMV
+    (fp8.cu), larger ones the bf16 GEMM over each projection dequantized just before it. Not yet
+    measured on a GPU: the FP8 GEMV reads 1 byte a weight, dequantize + GEMM moves 5 (read 1, write 2, read 2)."""
     decode_attention_table: tuple[tuple[int, str], ...] = DEFAULT_DECODE_ATTENTION
     """Decode attention kernel per batch bucket: (min_batch, variant) entries, min_batch ascending
     from 1; a bucket of S sequences uses the last entry with min_batch <= S. Variants: "flashq"
@@ -154,6 +161,12 @@ class EngineConfig:
         if self.decode_attention and self.decode_attention not in DECODE_VARIANTS:
             raise ValueError(f"decode_attention {self.decode_attention!r} not in {DECODE_VARIANTS}")
         parse_gemv_fusion(self.gemv_fusion)
+        if self.quantization not in ("", "fp8"):
+            raise ValueError(f"quantization {self.quantization!r} not in ('', 'fp8')")
+        if self.quantization and self.gemm_candidates:
+            raise ValueError("gemm_candidates (the cuBLASLt tuner) does not apply to fp8 weights")
+        if not 1 <= self.fp8_gemv_max_tokens <= 8:
+            raise ValueError("fp8_gemv_max_tokens must be in [1, 8]")
         if not 0 <= self.sampling_rows <= 1 << 16:
             raise ValueError("sampling_rows must be in [0, 65536]")
 

@@ -43,6 +43,7 @@ from blink.gpu.engine.attention_launch import (
     FLASH_VARIANTS,
     AttentionLaunches,
 )
+from blink.gpu.engine.fp8_weights import FP8_GEMV_BUCKETS, FP8_GEMV_ROWS_PER_WARP, Fp8Linear
 from blink.gpu.engine.moe_launch import MoeLaunches
 from blink.gpu.engine.step_arena import Dims, StepArena
 from blink.gpu.engine.weights import GpuWeights
@@ -115,6 +116,12 @@ def rope_kernel(
     if T <= ROPE_WARP_MAX_TOKENS[qk_norm]:
         return "rope_kv_write_warp", (T, -(-nh // 8), 1), (256, 1, 1)  # a warp per head, 8 heads a block
     return ("rope_kv_write", *rope_launch(nh, hd, T, num_sms))
+
+
+def fp8_scratch_elems(c: ModelConfig) -> int:
+    """Elements of the largest projection of a dense model (Forward.fp8_scratch)."""
+    qkv = c.q_size + 2 * c.kv_size
+    return max(qkv * c.hidden_size, c.hidden_size * c.q_size, 2 * c.intermediate_size * c.hidden_size)
 
 
 GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
@@ -206,6 +213,11 @@ class Forward(AttentionLaunches):
         self.moe = MoeLaunches(c, dims.max_tokens, driver, kernels) if c.is_moe else None
         self.gemv_fusion: frozenset[str] = frozenset()
         self.gemv_max_tokens = 1
+        # FP8 weights: steps past fp8_gemv_max_tokens run the bf16 GEMM on a dequantized copy of each
+        # projection, made in fp8_scratch (the largest projection) just before it.
+        self.fp8 = isinstance(weights.layers[0].qkv, Fp8Linear)
+        self.fp8_gemv_max_tokens = FP8_GEMV_BUCKETS[-1]
+        self.fp8_scratch = z(fp8_scratch_elems(c) if self.fp8 else 1)
 
     def set_gemv_fusion(self, fusion: frozenset[str]) -> None:
         """GEMV fusions (GEMV_FUSIONS) for the steps recorded from now on."""
@@ -218,8 +230,8 @@ class Forward(AttentionLaunches):
         return rows in GEMV_BUCKETS and rows <= self.gemv_max_tokens
 
     def fusions_for(self, T: int) -> frozenset[str]:
-        """The fusions a step of T tokens gets: none unless its projections run on the GEMV."""
-        if not self.uses_gemv(T) or self.moe is not None:  # MoE layers take the unfused path's delta
+        """The fusions a step of T tokens gets: none unless its projections run on the bf16 GEMV."""
+        if not self.uses_gemv(T) or self.moe is not None or self.fp8:  # MoE layers take the unfused path's delta
             return frozenset()
         out = set(self.gemv_fusion)
         if self.gemv_smem("norm", T, self.c.hidden_size) > GEMV_NORM_SMEM_MAX:
@@ -238,12 +250,31 @@ class Forward(AttentionLaunches):
 
     def linear(self, x: object, w: object, y: object, rows: int, stream: int, out_f32: bool = False) -> None:
         n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]
-        if self.uses_gemv(rows):
+        if isinstance(w, Fp8Linear):
+            self.fp8_linear(x, w, y, rows, stream)
+        elif self.uses_gemv(rows):
             name = f"gemv_{'f32' if out_f32 else 'bf16'}_t{rows}"
             grid = (-(-n_out // (8 * GEMV_ROWS_PER_WARP[rows])), 1, 1)
             self._launch(name, grid, (256, 1, 1), stream, W=w, X=x, Y=y, N=n_out, K=k)
         else:
             self.blas.linear(int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k, out_f32)  # type: ignore[attr-defined]
+
+    def fp8_linear(self, x: object, w: Fp8Linear, y: object, rows: int, stream: int) -> None:
+        """y (bf16) = x w^T for FP8 w: the FP8 GEMV up to fp8_gemv_max_tokens rows, else w dequantized
+        to bf16 into fp8_scratch and the bf16 GEMM."""
+        n_out, k = w.shape
+        if rows in FP8_GEMV_BUCKETS and rows <= self.fp8_gemv_max_tokens:
+            grid = (-(-n_out // (8 * FP8_GEMV_ROWS_PER_WARP[rows])), 1, 1)
+            self._launch(
+                f"gemv_fp8_t{rows}", grid, (256, 1, 1), stream, W=w.codes, scales=w.scales, X=x, Y=y, N=n_out, K=k
+            )
+            return
+        self._launch(
+            "fp8_dequant_rows", (-(-k // 4096), n_out, 1), (256, 1, 1), stream, codes=w.codes, scales=w.scales,
+            out=self.fp8_scratch, N=n_out, K=k,
+        )  # fmt: skip
+        s = int(self.fp8_scratch.data.ptr)  # type: ignore[attr-defined]
+        self.blas.linear(int(x.data.ptr), s, int(y.data.ptr), rows, n_out, k, False)  # type: ignore[attr-defined]
 
     @staticmethod
     def gemv_smem(kind: str, T: int, k: int) -> int:

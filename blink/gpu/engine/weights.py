@@ -8,6 +8,8 @@ Per layer (H hidden, I intermediate, hd head_dim, nq/nkv heads, shapes (out, in)
 MoE layers (qwen3_moe; E experts of intermediate size Im) instead of gate_up and down:
     router (E, H)  experts_gate_up (E, 2*Im, H) = [gate_proj; up_proj] per expert  experts_down (E, H, Im)
     (transformers 5's Qwen3MoeExperts layout: each expert's rows contiguous, what blink/gpu/engine/csrc/moe.cu streams)
+With fp8 (--quantization fp8; blink/gpu/engine/fp8_weights.py) qkv, o, gate_up and down are Fp8Linear
+(uint8 e4m3 codes + float32 per-row scales), quantized on the GPU as the tensors stream in.
 Sources: blink.models.weights.Bf16Tensors (`from_bf16`: canonical tensors as bf16 bits, one at a
 time, each copied into its rows of arrays allocated up front; what the CUDA device loads, so the
 host never holds the model), HF-named float32 host dicts rounded to bf16 (`from_host`: tests and
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blink.gpu.engine.fp8_weights import FP8_PROJECTIONS, Fp8Linear, Fp8Loader
 from blink.gpu.toolchain.cuda_api import Driver
 from blink.gpu.toolchain.kernels import Kernels
 from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
@@ -107,13 +110,18 @@ class GpuWeights:
         }
 
     @classmethod
-    def empty(cls, config: ModelConfig) -> GpuWeights:
-        """Uninitialised device arrays of every weight of `config` (the LM head is the embedding when tied)."""
+    def empty(cls, config: ModelConfig, fp8: bool = False) -> GpuWeights:
+        """Uninitialised device arrays of every weight of `config` (the LM head is the embedding when
+        tied); `fp8`: the dense layers' projections as Fp8Linear (blink.gpu.engine.fp8_weights)."""
         import cupy as cp
 
         c, sh = config, cls.shapes(config)
+        if fp8 and c.is_moe:
+            raise ValueError(f"{c.name}: fp8 weights of MoE models are not served on the CUDA device yet")
 
         def a(key: str) -> object:
+            if fp8 and key in FP8_PROJECTIONS:
+                return Fp8Linear.empty(sh[key])  # type: ignore[arg-type]
             return cp.empty(sh[key], dtype=cp.uint16)
 
         layers = []
@@ -140,18 +148,24 @@ class GpuWeights:
         return cls(c, embed, a("attn_norm"), lm_head, layers)
 
     @classmethod
-    def from_bf16(cls, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]) -> GpuWeights:
+    def from_bf16(
+        cls, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], fp8: Fp8Loader | None = None
+    ) -> GpuWeights:
         """From canonical tensors as bf16 bits (uint16; blink.models.weights.Bf16Tensors), in any
         order: each is copied into its rows of the fused arrays, allocated before the first (from
         pageable memory: the host array may go once `set` returns). The host holds one tensor at a time.
+        With `fp8`, the linear layers' tensors are quantized into their FP8 rows as they come.
         ValueError for a name that is not the config's, or given twice, a wrong shape or dtype, or
         one missing at the end."""
-        w = cls.empty(config)
+        w = cls.empty(config, fp8=fp8 is not None)
         dst = dict(w.hf_tensors())  # name -> the C-contiguous device view its bits go to
         for name, bits in tensors:
             view = dst.pop(name, None)
             if view is None:
                 raise ValueError(f"{name}: not a weight of {config.name}, or given twice")
+            if isinstance(view, Fp8Linear):
+                fp8.put(view, bits)  # type: ignore[union-attr]
+                continue
             if bits.dtype != np.uint16 or bits.shape != view.shape:  # type: ignore[attr-defined]
                 raise ValueError(f"{name}: {bits.dtype} {bits.shape}, expected uint16 {view.shape}")  # type: ignore[attr-defined]
             view.set(np.ascontiguousarray(bits))  # type: ignore[attr-defined]
