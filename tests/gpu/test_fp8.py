@@ -1,0 +1,169 @@
+"""FP8 weights on the GPU against the numpy definition (blink.models.fp8): the quantization kernel and
+the dequantization bit for bit, the FP8 GEMV to its bf16 output rounding, the engine's steps against
+the numpy model with the same FP8 weights, and `blink serve --quantization fp8` on both schedulers."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+from blink.models import fp8
+from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from blink.models.config import preset
+from blink.models.reference import PagedDriver
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    import cupy as cp
+
+    from blink.gpu.cuda_api import Driver
+    from blink.gpu.kernels import DEFAULT_CACHE, Kernels
+
+    cp.cuda.Device().use()
+    cp.zeros(1)
+    driver = Driver()
+    return driver, Kernels(driver, DEFAULT_CACHE)
+
+
+def _weights(n: int, k: int, seed: int) -> np.ndarray:
+    """bf16 bits of an (n, k) weight with rows of very different magnitudes, a zero row, an outlier."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * np.exp2(rng.integers(-12, 6, (n, 1))).astype(np.float32)
+    w[1] = 0.0
+    w[2, 7] = 3e4
+    return f32_to_bf16_bits(w)
+
+
+@pytest.mark.parametrize("n,k", [(300, 4096), (96, 576), (7, 14336)])
+def test_quantize_kernel_is_the_numpy_definition_bit_for_bit(gpu, n, k):
+    import cupy as cp
+
+    from blink.gpu.fp8_weights import Fp8Linear, quantize_rows
+
+    bits = _weights(n, k, n)
+    dst = Fp8Linear.empty((n, k))
+    quantize_rows(*gpu, 0, cp.asarray(bits), dst)
+    cp.cuda.Device().synchronize()
+    want = fp8.quantize_bf16(bits)
+    np.testing.assert_array_equal(cp.asnumpy(dst.scales), want.scales)
+    np.testing.assert_array_equal(cp.asnumpy(dst.codes), want.codes)
+
+
+def _codes(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+    return codes, rng.uniform(1e-4, 1e-2, n).astype(np.float32)
+
+
+@pytest.mark.parametrize("n,k", [(1000, 4096), (96, 576), (64, 14336)])
+def test_dequant_kernel_is_bf16_of_value_times_scale(gpu, n, k):
+    import cupy as cp
+
+    driver, kernels = gpu
+    codes, scales = _codes(n, k, 1)
+    out = cp.zeros((n, k), dtype=cp.uint16)
+    args = kernels.args(
+        "fp8_dequant_rows", {"codes": cp.asarray(codes), "scales": cp.asarray(scales), "out": out, "N": n, "K": k}
+    )
+    driver.launch(kernels["fp8_dequant_rows"], (-(-k // 4096), n, 1), (256, 1, 1), args, 0)
+    cp.cuda.Device().synchronize()
+    want = f32_to_bf16_bits(fp8.e4m3_decode(codes) * scales[:, None])
+    np.testing.assert_array_equal(cp.asnumpy(out), want)
+
+
+@pytest.mark.parametrize("nt", [1, 2, 4, 8])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 14336), (96, 576), (5, 1536)])
+def test_fp8_gemv_matches_the_definition(gpu, nt, n, k):
+    """y = bf16(scale * sum x e4m3(code)) against float64: off by the bf16 rounding of y (2**-9
+    relative) and fp32 summation, nothing more."""
+    import cupy as cp
+
+    from blink.gpu.fp8_weights import FP8_GEMV_ROWS_PER_WARP
+
+    driver, kernels = gpu
+    codes, scales = _codes(n, k, nt)
+    x = f32_to_bf16_bits(np.random.default_rng(9).standard_normal((nt, k)).astype(np.float32))
+    y = cp.zeros((nt, n), dtype=cp.uint16)
+    a = {"W": cp.asarray(codes), "scales": cp.asarray(scales), "X": cp.asarray(x), "Y": y, "N": n, "K": k}
+    grid = (-(-n // (8 * FP8_GEMV_ROWS_PER_WARP[nt])), 1, 1)
+    driver.launch(kernels[f"gemv_fp8_t{nt}"], grid, (256, 1, 1), kernels.args(f"gemv_fp8_t{nt}", a), 0)
+    cp.cuda.Device().synchronize()
+    ref = (bf16_bits_to_f32(x).astype(np.float64) @ fp8.e4m3_decode(codes).T.astype(np.float64)) * scales
+    got = bf16_bits_to_f32(cp.asnumpy(y)).astype(np.float64)
+    tol = 2.0**-8 * np.abs(ref) + 1e-5 * np.sqrt(np.mean(ref**2))
+    assert (np.abs(got - ref) <= tol).all(), float(np.max(np.abs(got - ref) / (tol + 1e-30)))
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m"])
+def test_fp8_engine_matches_the_numpy_fp8_model(name):
+    """Prefill chunks (the dequantize + GEMM path) and decode steps of 1-2 sequences (the FP8 GEMV)
+    against the numpy model with the same FP8 weights, teacher-forced; closer to it than to bf16."""
+    from blink.device.numpy_executor import NumpyExecutor
+    from blink.gpu.engine import Engine, EngineConfig
+    from blink.models.weights import random_bf16, random_weights
+
+    cfg = preset(name)
+    if name == "smollm2-135m":
+        cfg = cfg.replace(num_layers=4)
+    w = {k: fp8.as_device_weight(v) for k, v in random_weights(cfg, seed=5).items()}
+    ecfg = EngineConfig(
+        max_seqs=4, max_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
+        token_buckets=(16, 128), progress=False, quantization="fp8",
+    )  # fmt: skip
+    eng = Engine.create(cfg, ecfg, bf16_tensors=random_bf16(cfg, seed=5))
+    eng.capture()
+    assert eng.weights.layers[0].qkv.codes.dtype.itemsize == 1
+    kw = dict(num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
+    ref, bf = NumpyExecutor(cfg, w, quantization="fp8", **kw), NumpyExecutor(cfg, w, **kw)
+    rng = np.random.default_rng(2)
+    p0, p1 = rng.integers(0, cfg.vocab_size, 70).tolist(), rng.integers(0, cfg.vocab_size, 40).tolist()
+    drivers = [PagedDriver(64, 8, 64, shuffle_seed=1) for _ in range(3)]
+    steps = [[(0, p0[:50]), (1, p1)], [(0, p0[50:])]]
+    steps += [[(0, [t]), (1, [u])] for t, u in zip(p0[:8], p1[:8], strict=True)] + [[(0, [t])] for t in p0[8:12]]
+    errs, errs_bf16 = [], []
+    for chunks in steps:
+        b, b_ref, b_bf = (d.step(chunks) for d in drivers)
+        eng.step(b)
+        mine = eng.logits(b.num_seqs)
+        errs.append(_rel(mine, ref.forward_logits(b_ref)))
+        errs_bf16.append(_rel(mine, bf.forward_logits(b_bf)))
+    print(f"{name} fp8: rel err vs numpy fp8 max {max(errs):.2e}, vs numpy bf16 mean {np.mean(errs_bf16):.2e}")
+    assert max(errs) < 2e-2, errs
+    assert np.mean(errs) < np.mean(errs_bf16), (errs, errs_bf16)
+    eng.close()
+
+
+@pytest.mark.parametrize("scheduler", ["gpu", "host"])
+def test_serve_fp8_on_both_schedulers(scheduler):
+    from blink.testing import ServeProcess
+
+    s = ServeProcess(
+        ["--model", "random:tiny-llama", "--device", "cuda", "--scheduler", scheduler, "--num-kv-blocks", "256",
+         "--max-batch", "8", "--max-context", "512", "--quantization", "fp8"], timeout=600,
+    )  # fmt: skip
+    try:
+        assert "blink device: weights: fp8" in "".join(s.log), "".join(s.log)
+        outs = []
+        for _ in range(2):
+            body = {"model": "tiny-llama", "prompt": "hello there", "max_tokens": 16, "temperature": 0}
+            req = urllib.request.Request(
+                s.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=60) as r:
+                out = json.load(r)
+            assert out["usage"]["completion_tokens"] >= 1
+            outs.append(out["choices"][0]["text"])
+        assert outs[0] == outs[1]  # greedy: the same text twice
+    finally:
+        assert s.stop() == 0, "".join(s.log)
