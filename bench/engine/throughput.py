@@ -10,6 +10,9 @@ the experts a step routes to). A model the CUDA engine refuses is recorded as sk
 
     python -m bench.engine.throughput --presets llama3-8b,phi-4,qwen3-32b,qwen3-30b-a3b --schedulers gpu \\
         --commit $(git rev-parse --short HEAD) --out bench/results/models-h200-<commit>.json
+
+--quantization fp8: the dense projections in FP8 (EngineConfig.quantization); the batch-1 step's bytes
+are then the engine's own count (1-byte codes, fp32 scales, the rest bf16). MoE presets are skipped.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def decode_b1(eng, bandwidth: dict, context: int = DECODE_CONTEXT, iters: int = 
     moved = decode_bytes(cfg, 1, context)
     # one count of a step's bytes: the engine's own weights (MoE: the top-k experts of each layer) say the same
     rows = 2 * cfg.hidden_size * (not cfg.tie_word_embeddings)
+    if eng.ecfg.quantization:  # FP8 projections: the engine's count (1-byte codes, fp32 scales, the rest bf16)
+        moved["weights"] = eng.weights.active_bytes_per_step() + rows
+        moved["total"] = moved["weights"] + moved["kv"]
     assert moved["weights"] == eng.weights.active_bytes_per_step() + rows, (moved, eng.weights.active_bytes_per_step())
     load_synthetic(eng, 1, 1, context, np.random.default_rng(0))
     ms = time_ms(lambda: eng.driver.graph_launch(eng.pick_exec(1, 1, True), eng.s), eng.stream, iters=iters)
@@ -74,7 +80,9 @@ def decode_b1(eng, bandwidth: dict, context: int = DECODE_CONTEXT, iters: int = 
     }
 
 
-def one_model(preset_name: str, layers: int, schedulers: tuple[str, ...], n: int, prompt: int, new: int) -> dict:
+def one_model(
+    preset_name: str, layers: int, schedulers: tuple[str, ...], n: int, prompt: int, new: int, quantization: str = ""
+) -> dict:
     """Everything measured on one preset (in this process); `skipped` when the CUDA engine refuses it."""
     from blink.models.config import UnsupportedModelError, preset
     from blink.models.registry import check_device
@@ -84,6 +92,7 @@ def one_model(preset_name: str, layers: int, schedulers: tuple[str, ...], n: int
         cfg = cfg.replace(num_layers=layers)
     res: dict = {
         "preset": preset_name,
+        "quantization": quantization or "bf16",
         "layers": cfg.num_layers,
         "decode_bytes_b1": decode_bytes(cfg, 1, DECODE_CONTEXT),
     }
@@ -91,8 +100,8 @@ def one_model(preset_name: str, layers: int, schedulers: tuple[str, ...], n: int
     t0 = time.perf_counter()
     try:
         check_device(f"random:{preset_name}", "cuda")  # what `blink serve --device cuda` refuses, before any CUDA
-        eng = make_engine(preset_name, 256, 4096, 2048, layers=layers)
-    except UnsupportedModelError as e:
+        eng = make_engine(preset_name, 256, 4096, 2048, layers=layers, quantization=quantization)
+    except (UnsupportedModelError, ValueError) as e:  # ValueError: fp8 on a MoE model
         return {**res, "skipped": str(e)}
     build_s = time.perf_counter() - t0
     import cupy as cp
@@ -156,6 +165,7 @@ def all_models(a: argparse.Namespace, argv: list[str]) -> int:
             cmd = [sys.executable, "-m", "bench.engine.throughput", "--preset", name, "--json-out", tmp.name]
             cmd += ["--schedulers", a.schedulers, "--layers", str(a.layers)]
             cmd += ["--requests", str(a.requests), "--prompt", str(a.prompt), "--new", str(a.new)]
+            cmd += ["--quantization", a.quantization]
             t0 = time.perf_counter()
             rc, err = run_child(cmd, min(a.timeout, left))
             if rc == 0 and os.path.getsize(tmp.name) > 0:
@@ -199,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     add_commit_arg(ap)
     ap.add_argument("--json-out", default="", help="(the child of --presets) where one model's result goes")
     ap.add_argument("--out", default="")
+    ap.add_argument("--quantization", default="", choices=("", "fp8"), help="fp8: FP8 dense projections")
     a = ap.parse_args(argv[1:])
     schedulers = tuple(s for s in a.schedulers.split(",") if s)
     if a.presets:
@@ -206,12 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--presets needs --out")
         return all_models(a, argv)
     if a.json_out:
-        res = one_model(a.preset, a.layers, schedulers, a.requests, a.prompt, a.new)
+        res = one_model(a.preset, a.layers, schedulers, a.requests, a.prompt, a.new, a.quantization)
         with open(a.json_out, "w") as f:
             json.dump(res, f)
         return 0
-    eng = make_engine(a.preset, 256, 4096, 2048, layers=a.layers)
+    eng = make_engine(a.preset, 256, 4096, 2048, layers=a.layers, quantization=a.quantization)
     res = {"bench": "throughput", **metadata(a.commit, argv, gpu_key="device"), "preset": a.preset,
+           "quantization": a.quantization or "bf16",
            **run(eng, a.requests, a.prompt, a.new, schedulers)}  # fmt: skip
     if a.out:
         write_json(a.out, res)

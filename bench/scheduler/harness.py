@@ -34,8 +34,10 @@ def make_engine(
     gemm_sm_reserve: int = -1,
     prefill_attention: str = "",
     layers: int = 0,
+    quantization: str = "",
 ):
-    """An engine over random weights of `preset_name` (`layers`: that many of its layers; 0: all), captured."""
+    """An engine over random weights of `preset_name` (`layers`: that many of its layers; 0: all), captured;
+    `quantization` "fp8": its dense projections in FP8 (EngineConfig.quantization)."""
     from blink.gpu.engine.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
     from blink.models.config import preset
 
@@ -49,6 +51,7 @@ def make_engine(
         batch_buckets=batch,
         token_buckets=tokens,
         progress=False,
+        quantization=quantization,
         **({"gemm_candidates": gemm_candidates} if gemm_candidates >= 0 else {}),
         **({"gemm_sm_reserve": gemm_sm_reserve} if gemm_sm_reserve >= 0 else {}),
         **({"prefill_attention": prefill_attention} if prefill_attention else {}),

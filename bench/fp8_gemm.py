@@ -1,0 +1,138 @@
+"""FP8-weight projections against bf16, kernel by kernel, at a model's linear shapes (no engine).
+
+    python bench/fp8_gemm.py bench/results                      # Llama-3-8B and Qwen3-32B, ~1 min on an H200
+    python bench/fp8_gemm.py OUT --presets llama3-8b --rows 1,8,256
+
+For each projection (qkv, o, gate_up, down) and row count M: bf16 through cuBLAS and, for M <= 8, the
+bf16 GEMV (model_kernels.cu); FP8 through its GEMV (fp8.cu, M <= 8) and through dequantize + bf16 cuBLAS
+(the engine's path above 8 rows). Each timing cycles over enough copies of the weight to exceed 4x
+the L2, so every launch streams from HBM. Per M, the sum over a step's projections (x layers) of the
+best bf16 and the best FP8 path, and the M = 1 GEMVs' bandwidth against the copy bandwidth (bytes:
+weights + scales + activations). Writes OUT/fp8_gemm-<gpu>-<commit>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import copy_bandwidth, gemm_roles, git_commit, metadata, time_ms, write_json  # noqa: E402
+
+ROLES = ("qkv", "o", "gate_up", "down")
+L2_BYTES = 50 << 20
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, -(-4 * L2_BYTES // nbytes))
+
+
+def _setup():
+    import cupy as cp
+
+    from blink.gpu.toolchain.cuda_api import Cublas, Driver
+    from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
+
+    cp.cuda.Device().use()
+    cp.zeros(1)
+    drv = Driver()
+    stream = cp.cuda.Stream(non_blocking=True)
+    ws = cp.empty(64 << 20, dtype=cp.uint8)
+    return drv, Kernels(drv, DEFAULT_CACHE), Cublas(int(stream.ptr), int(ws.data.ptr), int(ws.nbytes)), stream, ws
+
+
+def _time_role(env, n: int, k: int, rows: list[int]) -> dict[int, dict[str, float]]:
+    """ms of each path at each M for one (n, k) projection."""
+    import cupy as cp
+
+    w16 = [cp.random.randint(0x3000, 0x3F80, (n, k), dtype=cp.uint16) for _ in range(_copies(2 * n * k))]
+    w8 = [cp.random.randint(0, 126, (n, k), dtype=cp.uint8) for _ in range(_copies(n * k))]
+    bufs = {
+        "w16": w16,
+        "w8": w8,
+        "sc": cp.full(n, 1e-3, dtype=cp.float32),
+        "x": cp.zeros((max(rows), k), dtype=cp.uint16),
+        "y": cp.zeros((max(rows), n), dtype=cp.uint16),
+        "scratch": cp.empty((n, k), dtype=cp.uint16),
+    }
+    out = {m: _time_m(env, bufs, m, n, k) for m in rows}
+    bufs.clear()
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def _time_m(env, b: dict, m: int, n: int, k: int) -> dict[str, float]:
+    """ms of each path at M = m, each launch on the next copy of the weight."""
+    drv, kern, blas, stream, _ = env
+    s, xp, yp = int(stream.ptr), int(b["x"].data.ptr), int(b["y"].data.ptr)
+    turn = [0]
+
+    def nxt(ws: list) -> object:
+        turn[0] += 1
+        return ws[turn[0] % len(ws)]
+
+    def launch(name: str, grid, **a) -> None:
+        drv.launch(kern[name], grid, (256, 1, 1), kern.args(name, a), s, 0, name)
+
+    def deq() -> None:
+        launch(
+            "fp8_dequant_rows", (-(-k // 4096), n, 1), codes=nxt(b["w8"]), scales=b["sc"], out=b["scratch"], N=n, K=k
+        )
+        blas.linear(xp, int(b["scratch"].data.ptr), yp, m, n, k)
+
+    r = {"bf16_cublas": time_ms(lambda: blas.linear(xp, int(nxt(b["w16"]).data.ptr), yp, m, n, k), stream, 30)}
+    if m <= 8:
+        g = (-(-n // (8 * (1 if m == 1 else 4))), 1, 1)
+        x, y = b["x"], b["y"]
+        r["bf16_gemv"] = time_ms(lambda: launch(f"gemv_bf16_t{m}", g, W=nxt(b["w16"]), X=x, Y=y, N=n, K=k), stream, 30)
+        r["fp8_gemv"] = time_ms(
+            lambda: launch(f"gemv_fp8_t{m}", g, W=nxt(b["w8"]), scales=b["sc"], X=x, Y=y, N=n, K=k), stream, 30
+        )
+    r["fp8_dequant_cublas"] = time_ms(deq, stream, 30)
+    return r
+
+
+def bench_preset(env, name: str, rows: list[int], bw: dict) -> dict:
+    from blink.models.config import preset
+
+    cfg = preset(name)
+    roles = gemm_roles(cfg)
+    per_role = {role: _time_role(env, *roles[role], rows) for role in ROLES}
+    steps = {}
+    for m in rows:
+        b16 = sum(min(v for p, v in per_role[r][m].items() if p.startswith("bf16")) for r in ROLES)
+        f8 = sum(min(v for p, v in per_role[r][m].items() if p.startswith("fp8")) for r in ROLES)
+        steps[m] = {"bf16_ms": b16 * cfg.num_layers, "fp8_ms": f8 * cfg.num_layers, "speedup": b16 / f8}
+        print(f"{name} M={m:4d}: projections of a step bf16 {b16 * cfg.num_layers:7.3f} ms, "
+              f"fp8 {f8 * cfg.num_layers:7.3f} ms ({b16 / f8:.2f}x)", flush=True)  # fmt: skip
+    gemv1 = {}
+    for r in ROLES:
+        n, k = roles[r]
+        ms = per_role[r][1]
+        for path, nbytes in (("fp8_gemv", n * k + 4 * n + 2 * k + 2 * n), ("bf16_gemv", 2 * n * k + 2 * k + 2 * n)):
+            if path in ms:
+                gbps = nbytes / ms[path] / 1e6
+                gemv1[f"{r}.{path}"] = {"GBps": gbps, "frac_of_read_bw": gbps / bw["read_GBps"]}
+    return {"shapes": roles, "layers": cfg.num_layers, "ms": per_role, "step_projections": steps, "gemv_m1": gemv1}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="results folder")
+    ap.add_argument("--presets", default="llama3-8b,qwen3-32b")
+    ap.add_argument("--rows", default="1,2,4,8,16,64,256")
+    ap.add_argument("--commit", default="", help="git commit of the tree (the GPU machine has no .git)")
+    a = ap.parse_args()
+    env = _setup()
+    bw = copy_bandwidth(1 << 30)
+    rows = [int(r) for r in a.rows.split(",")]
+    res = {"bench": "fp8_gemm", **metadata(a.commit or git_commit()), "copy_bandwidth": bw, "presets": {}}
+    for name in a.presets.split(","):
+        res["presets"][name] = bench_preset(env, name, rows, bw)
+    gpu = res["gpu"].replace(" ", "_").lower()
+    write_json(os.path.join(a.out, f"fp8_gemm-{gpu}-{res['commit']}.json"), res)
+
+
+if __name__ == "__main__":
+    main()
