@@ -9,10 +9,9 @@ import pytest
 from blink import cli
 from blink import config as C
 from blink.models import fp8
-from blink.models.bf16 import f32_to_bf16_bits
 from blink.models.config import preset
 from blink.models.llama_numpy import LlamaNumpy
-from blink.models.weights import random_bf16, random_weights
+from blink.models.weights import random_weights
 
 FINITE = np.flatnonzero(~np.isnan(fp8.E4M3_VALUES)).astype(np.uint8)
 
@@ -81,28 +80,6 @@ def test_per_channel_scales_map_each_rows_amax_to_448():
     assert not np.array_equal(q.dequantize(), w)  # it does quantize
 
 
-def test_given_scales_are_used_and_checked():
-    w = np.array([[1.0, -2.0], [0.5, 0.25]], dtype=np.float32)
-    q = fp8.quantize(w, scales=np.array([1.0, 0.5], dtype=np.float32))
-    assert fp8.e4m3_decode(q.codes).tolist() == [[1.0, -2.0], [1.0, 0.5]]
-    with pytest.raises(ValueError, match="scales"):
-        fp8.quantize(w, scales=np.ones(3, dtype=np.float32))
-
-
-def test_quantize_stream_takes_the_linear_layers_only():
-    c = preset("tiny-qwen3-moe")
-    out = dict(fp8.quantize_stream(random_bf16(c)))
-    ref = random_weights(c)
-    quantized = {n for n, v in out.items() if isinstance(v, fp8.Fp8Weight)}
-    assert quantized == {n for n in ref if fp8.is_quantized(n)}
-    assert "model.layers.0.mlp.experts.0.down_proj.weight" in quantized
-    assert not {"model.embed_tokens.weight", "model.layers.0.mlp.gate.weight"} & quantized
-    name = "model.layers.1.self_attn.o_proj.weight"
-    want = fp8.quantize(fp8.as_device_weight(ref[name]))
-    assert np.array_equal(out[name].codes, want.codes) and np.array_equal(out[name].scales, want.scales)
-    assert np.array_equal(out["model.norm.weight"], f32_to_bf16_bits(ref["model.norm.weight"]))
-
-
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe"])
 def test_fp8_model_is_close_to_the_unquantized_one(name):
     c = preset(name)
@@ -149,3 +126,24 @@ def test_quantization_flag_reaches_both_devices():
 
     assert engine_config(cuda, 4096).quantization == "fp8"
     assert engine_config(device_spec(C.BlinkConfig().replace(device={"kind": "cuda"}), "r"), 4096).quantization == ""
+
+
+@pytest.mark.parametrize(
+    "q",
+    [
+        {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        {"quant_method": "compressed-tensors", "format": "float-quantized"},
+        {"quant_method": "awq", "bits": 4},
+        {"quant_method": "gptq", "bits": 4},
+    ],
+)
+def test_quantized_checkpoints_are_refused_with_what_to_do(q):
+    from blink.models.checkpoint_config import from_hf_config
+    from blink.models.config import UnsupportedModelError
+
+    d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+         "max_position_embeddings": 1024}  # fmt: skip
+    assert from_hf_config(d).hidden_size == 64
+    with pytest.raises(UnsupportedModelError, match=f"quant_method '{q['quant_method']}'.*--quantization fp8"):
+        from_hf_config({**d, "quantization_config": q})

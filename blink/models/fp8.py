@@ -14,14 +14,15 @@ and y[t, n] = scale[n] * sum_k x[t, k] * value(code[n, k]): the scale factors ou
 kernel accumulates the decoded codes against the activations and multiplies once per output.
 Activations stay in the compute dtype (weight-only FP8, "W8A16"): no GEMM here reads FP8 activations.
 
-The source of the quantization is the weight as the device would hold it in bf16 (`quantize_bf16`
-takes the bf16 bits the CUDA loader streams), so the numpy model and the CUDA engine quantize the
-very same values and get the same codes and scales.
+The source of the quantization is the weight as a bf16 device holds it (`as_device_weight`,
+`quantize_bf16`): the CUDA loader quantizes the bf16 bits it streams on the GPU with this arithmetic
+(fp8_quantize_rows in blink/gpu/csrc/fp8.cu), so the numpy model and the CUDA engine hold the same
+codes and scales. Which layers: blink.models.llama_numpy (q/k/v/o, gate/up/down, the experts; not
+the router, the embeddings or the LM head).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,17 +31,6 @@ from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
 E4M3_MAX = 448.0
 QUANTIZATIONS = ("fp8",)  # --quantization values served; None/"" = the checkpoint's dtype
-# The linear layers that FP8 quantizes (canonical name suffixes); embeddings, norms, the MoE router and
-# the LM head keep their dtype.
-QUANTIZED_SUFFIXES = (
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "down_proj.weight",
-)
 
 
 def _decode_table() -> np.ndarray:
@@ -53,11 +43,6 @@ def _decode_table() -> np.ndarray:
 
 
 E4M3_VALUES = _decode_table()
-
-
-def is_quantized(name: str) -> bool:
-    """Whether FP8 quantizes the canonical tensor `name` (a linear layer's weight, not the router)."""
-    return name.endswith(QUANTIZED_SUFFIXES)
 
 
 def e4m3_encode(x: np.ndarray) -> np.ndarray:
@@ -101,12 +86,10 @@ def channel_scales(w: np.ndarray) -> np.ndarray:
     return np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
 
 
-def quantize(w: np.ndarray, scales: np.ndarray | None = None) -> Fp8Weight:
-    """w (out, in) float -> Fp8Weight, per output channel (scales given: those, as a checkpoint's)."""
+def quantize(w: np.ndarray) -> Fp8Weight:
+    """w (out, in) float -> Fp8Weight, per output channel."""
     w = np.asarray(w, dtype=np.float32)
-    s = channel_scales(w) if scales is None else np.asarray(scales, dtype=np.float32).reshape(-1)
-    if s.shape != (w.shape[0],):
-        raise ValueError(f"fp8 scales of shape {s.shape} for a weight of {w.shape[0]} rows")
+    s = channel_scales(w)
     return Fp8Weight(e4m3_encode(w / s[:, None]), s)
 
 
@@ -118,14 +101,3 @@ def quantize_bf16(bits: np.ndarray) -> Fp8Weight:
 def as_device_weight(w: np.ndarray) -> np.ndarray:
     """The float32 values a bf16 device holds for w: the source every FP8 quantization starts from."""
     return bf16_bits_to_f32(f32_to_bf16_bits(w))
-
-
-# (canonical name, bf16 bits) for tensors that stay bf16, (name, Fp8Weight) for the quantized ones
-MixedTensors = Iterator[tuple[str, "np.ndarray | Fp8Weight"]]
-
-
-def quantize_stream(tensors: Iterator[tuple[str, np.ndarray]]) -> MixedTensors:
-    """The loader's stream (canonical name, bf16 bits) with each linear layer's weight quantized as it
-    passes: one tensor at a time, so the host holds at most one bf16 tensor and its FP8 copy."""
-    for name, bits in tensors:
-        yield (name, quantize_bf16(bits)) if is_quantized(name) else (name, bits)
