@@ -16,7 +16,7 @@ Activations stay in the compute dtype (weight-only FP8, "W8A16"): no GEMM here r
 
 The source of the quantization is the weight as a bf16 device holds it (`as_device_weight`,
 `quantize_bf16`): the CUDA loader quantizes the bf16 bits it streams on the GPU with this arithmetic
-(fp8_quantize_rows in blink/gpu/csrc/fp8.cu), so the numpy model and the CUDA engine hold the same
+(fp8_quantize_rows in blink/gpu/engine/csrc/fp8.cu), so the numpy model and the CUDA engine hold the same
 codes and scales. Which layers: blink.models.llama_numpy (q/k/v/o, gate/up/down, the experts; not
 the router, the embeddings or the LM head).
 """

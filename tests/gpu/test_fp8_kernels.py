@@ -22,8 +22,8 @@ pytestmark = pytest.mark.gpu
 def gpu():
     import cupy as cp
 
-    from blink.gpu.cuda_api import Driver
-    from blink.gpu.kernels import DEFAULT_CACHE, Kernels
+    from blink.gpu.toolchain.cuda_api import Driver
+    from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
 
     cp.cuda.Device().use()
     cp.zeros(1)
@@ -44,7 +44,7 @@ def _weights(n: int, k: int, seed: int) -> np.ndarray:
 def test_quantize_kernel_is_the_numpy_definition_bit_for_bit(gpu, n, k):
     import cupy as cp
 
-    from blink.gpu.fp8_weights import Fp8Linear, quantize_rows
+    from blink.gpu.engine.fp8_weights import Fp8Linear, quantize_rows
 
     bits = _weights(n, k, n)
     dst = Fp8Linear.empty((n, k))
@@ -85,7 +85,7 @@ def test_fp8_gemv_matches_the_definition(gpu, nt, n, k):
     relative) and fp32 summation, nothing more."""
     import cupy as cp
 
-    from blink.gpu.fp8_weights import FP8_GEMV_ROWS_PER_WARP
+    from blink.gpu.engine.fp8_weights import FP8_GEMV_ROWS_PER_WARP
 
     driver, kernels = gpu
     codes, scales = _codes(n, k, nt)
@@ -110,7 +110,7 @@ def test_fp8_engine_matches_the_numpy_fp8_model(name):
     """Prefill chunks (the dequantize + GEMM path) and decode steps of 1-2 sequences (the FP8 GEMV)
     against the numpy model with the same FP8 weights, teacher-forced; closer to it than to bf16."""
     from blink.device.numpy_executor import NumpyExecutor
-    from blink.gpu.engine import Engine, EngineConfig
+    from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.weights import random_bf16, random_weights
 
     cfg = preset(name)
