@@ -126,24 +126,3 @@ def test_quantization_flag_reaches_both_devices():
 
     assert engine_config(cuda, 4096).quantization == "fp8"
     assert engine_config(device_spec(C.BlinkConfig().replace(device={"kind": "cuda"}), "r"), 4096).quantization == ""
-
-
-@pytest.mark.parametrize(
-    "q",
-    [
-        {"quant_method": "fp8", "activation_scheme": "dynamic"},
-        {"quant_method": "compressed-tensors", "format": "float-quantized"},
-        {"quant_method": "awq", "bits": 4},
-        {"quant_method": "gptq", "bits": 4},
-    ],
-)
-def test_quantized_checkpoints_are_refused_with_what_to_do(q):
-    from blink.models.checkpoint_config import from_hf_config
-    from blink.models.config import UnsupportedModelError
-
-    d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-         "max_position_embeddings": 1024}  # fmt: skip
-    assert from_hf_config(d).hidden_size == 64
-    with pytest.raises(UnsupportedModelError, match=f"quant_method '{q['quant_method']}'.*--quantization fp8"):
-        from_hf_config({**d, "quantization_config": q})

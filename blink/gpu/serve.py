@@ -82,6 +82,8 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
     phase(f"CUDA device {dev.id}: {name}, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
     mcfg, tensors = weight_source(spec)  # read while they upload, inside Engine.create
     ecfg = engine_config(spec, mcfg.max_position, sampling_rows)
+    if mcfg.quantization:  # an FP8 checkpoint: its weights are FP8 whatever the flag says
+        ecfg = dataclasses.replace(ecfg, quantization=mcfg.quantization)
     engine = Engine.create(mcfg, ecfg, kernel_cache=spec.kernel_cache or DEFAULT_CACHE, bf16_tensors=tensors)
     d = engine.dims
     if ecfg.quantization:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, RopeScaling, UnsupportedModelError
+from .fp8_checkpoint import check_quantization
 
 # HF `architectures` / `model_type` -> our arch.  Mistral-style models are plain Llama here.
 _HF_ARCH = {
@@ -57,17 +58,6 @@ def _eos_tuple(v: Any) -> tuple[int, ...]:
     return (int(v),)
 
 
-def _check_quantization(q: Mapping[str, Any] | None) -> None:
-    """Refuse a quantized checkpoint (config.json's quantization_config) with what it is and what to do."""
-    if not q:
-        return
-    method = q.get("quant_method", "?") if isinstance(q, Mapping) else "?"
-    raise UnsupportedModelError(
-        f"quantized checkpoint (quantization_config quant_method {method!r}) is not supported: Blink loads "
-        "bf16/fp16/fp32 checkpoints; for FP8, serve the unquantized checkpoint with --quantization fp8"
-    )
-
-
 def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
     """ModelConfig from a parsed HF config.json."""
     archs = d.get("architectures") or []
@@ -88,7 +78,7 @@ def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
         raise UnsupportedModelError("attention_bias / mlp_bias on a Llama-style model is not supported")
     if d.get("use_sliding_window"):
         raise UnsupportedModelError("sliding-window attention is not supported")
-    _check_quantization(d.get("quantization_config"))
+    quantization = check_quantization(d.get("quantization_config"))
     if arch == "phi3":
         _check_phi3(d, rope_params, scaling)
     moe: dict[str, Any] = {}
@@ -122,6 +112,7 @@ def from_hf_config(d: Mapping[str, Any], name: str = "") -> ModelConfig:
         bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
         eos_token_ids=_eos_tuple(d.get("eos_token_id")),
         name=name or str(d.get("_name_or_path", "") or arch),
+        quantization=quantization,
         **moe,
     )
 

@@ -67,6 +67,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    quantization: str = ""  # "fp8": the checkpoint stores its linear layers in FP8 (blink.models.fp8_checkpoint)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

@@ -75,6 +75,14 @@ class Fp8Weight:
     codes: np.ndarray  # (out, in) uint8, e4m3fn bit patterns
     scales: np.ndarray  # (out,) float32: W[n, k] ~ scales[n] * value(codes[n, k])
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    def __getitem__(self, rows: slice) -> Fp8Weight:
+        """Rows `rows` (a slice): a fused checkpoint tensor's pieces."""
+        return Fp8Weight(self.codes[rows], self.scales[rows])
+
     def dequantize(self) -> np.ndarray:
         """(out, in) float32: scales[n] * value(codes[n, k])."""
         return e4m3_decode(self.codes) * self.scales[:, None]

@@ -94,14 +94,16 @@ class LlamaNumpy:
             raise ValueError(f"quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
         c = config
         self.config = c
-        self.quantization = quantization or None
+        # An FP8 checkpoint's weights are FP8 values already (dequantized with their stored scales).
+        self.quantization = quantization or c.quantization or None
+        requantize = self.quantization is not None and not c.quantization
 
         def f32(a: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(a, dtype=np.float32)
 
         def lin(a: np.ndarray) -> np.ndarray:
             # A linear layer's weight (out, in), or experts stacked (E, out, in): as the device computes with it.
-            return f32(a) if self.quantization is None else fp8_linear(a)
+            return fp8_linear(a) if requantize else f32(a)
 
         self.embed = f32(weights["model.embed_tokens.weight"])  # (vocab, hidden)
         # Tied: the head is the embedding; x @ embed.T is a transposed GEMM, no copy.

@@ -27,7 +27,9 @@ them into the names above, so every engine sees one layout; the numpy and CUDA e
 Loaders: GGUF (dequantised to float32; llama.cpp's q/k row permutation undone so RoPE is the
 HF rotate-half form; `qwen3moe`'s stacked ffn_{gate,up,down}_exps split per expert, ffn_gate_inp
 the router), an HF directory (config.json + *.safetensors, bf16 widened to float32), and
-`random_weights` for tests and benchmarks.
+`random_weights` for tests and benchmarks. FP8 checkpoints (blink.models.fp8_checkpoint): the float32
+loader dequantizes each stored e4m3 tensor with its scale; the bf16 twin hands the projections on as
+Fp8Weight (the CUDA device uploads the codes and scales as they are).
 
 Each loader has a bf16 twin for the CUDA device (`gguf_bf16`, `hf_dir_bf16`, `random_bf16`): the
 same canonical tensors as `Bf16Tensors`, an iterator of (name, uint16 bf16 bits) produced one
@@ -53,11 +55,16 @@ import numpy as np
 from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from blink.models.checkpoint_config import from_gguf_metadata, from_hf_config
 from blink.models.config import ModelConfig, RopeScaling, UnsupportedModelError, rope_inv_freq
+from blink.models.fp8 import Fp8Weight
+from blink.models.fp8_checkpoint import SCALE_SUFFIX, scale_name, stored_fp8
 from blink.models.gguf_file import GGUFFile
 from blink.models.progress import ProgressFn, make_progress
 
 Weights = dict[str, np.ndarray]
+# The projections an FP8 checkpoint hands to the CUDA device as FP8 (GpuWeights' Fp8Linear rows)
+FP8_PROJECTION_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 # (canonical name, bf16 bits as uint16 of the canonical shape), each tensor once, in no fixed order
+# (an FP8 checkpoint's projections come as blink.models.fp8.Fp8Weight: codes and per-row scales as stored)
 Bf16Tensors = Iterator[tuple[str, np.ndarray]]
 
 _GGUF_LAYER = {
@@ -184,6 +191,10 @@ def _checked(config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]) -> 
     for name, bits in tensors:
         if name not in expected or name in seen:
             raise ValueError(f"{name}: {'given twice' if name in seen else 'not a tensor of ' + config.name}")
+        if isinstance(bits, Fp8Weight) and bits.shape == expected[name]:  # an FP8 checkpoint's projection
+            seen.add(name)
+            yield name, bits
+            continue
         if bits.dtype != np.uint16 or bits.shape != expected[name]:
             raise ValueError(f"{name}: {bits.dtype} {bits.shape}, expected uint16 (bf16 bits) {expected[name]}")
         seen.add(name)
@@ -379,7 +390,7 @@ def _open_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, ModelConfig]:
 # ---------------------------------------------------------------- HF directory
 
 # safetensors dtype -> numpy (little-endian); BF16 read as its bits
-_ST_DTYPES = {"BF16": "<u2", "F32": "<f4", "F16": "<f2", "F64": "<f8", "I64": "<i8", "I32": "<i4"}
+_ST_DTYPES = {"BF16": "<u2", "F32": "<f4", "F16": "<f2", "F64": "<f8", "I64": "<i8", "I32": "<i4", "F8_E4M3": "u1"}
 
 
 def _safetensors_header(path: pathlib.Path) -> tuple[dict[str, Any], int]:
@@ -406,8 +417,9 @@ def _open_hf_dir(path: str | os.PathLike[str]) -> tuple[ModelConfig, list[tuple[
         for name, info in header.items():
             if name not in wanted:
                 continue  # rotary inv_freq buffers, a duplicate tied lm_head: skipped unread
-            if info["dtype"] not in _ST_DTYPES:
-                raise UnsupportedModelError(f"{f.name}: tensor {name} has unsupported dtype {info['dtype']}")
+            dt = info["dtype"]
+            if dt not in _ST_DTYPES or (dt == "F8_E4M3" and config.quantization != "fp8"):  # FP8: with its config
+                raise UnsupportedModelError(f"{f.name}: tensor {name} has unsupported dtype {dt}")
             rows = fused_rows(config, name)
             if rows is None:
                 shapes[name] = tuple(info["shape"])
@@ -428,17 +440,38 @@ def _hf_tensors(
     total = sum(b - a for _, header, _ in tables for a, b in (t["data_offsets"] for t in header.values()))
     done = 0
     wanted = weight_shapes(config) | fused_shapes(config)
+    scales = _fp8_scales(tables) if config.quantization == "fp8" else {}
     for f, header, data_start in tables:
-        with open(f, "rb") as fh:
-            raw = np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        raw = _mapped(f)
         for name, info in header.items():
             a, b = info["data_offsets"]
             if name in wanted:
                 w = raw[data_start + a : data_start + b].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+                if info["dtype"] == "F8_E4M3":
+                    w = stored_fp8(name, w, scales.get(scale_name(name)))
                 yield from split_fused(config, name, w)
             done += b - a
             if report:
                 report(done, total)
+
+
+def _mapped(f: pathlib.Path) -> np.ndarray:
+    """The bytes of a file, mapped read-only."""
+    with open(f, "rb") as fh:
+        return np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+
+
+def _fp8_scales(tables: list[tuple[pathlib.Path, dict[str, Any], int]]) -> dict[str, np.ndarray]:
+    """Every `<name>.weight_scale` of an FP8 checkpoint (small: one value, or one a row), by name."""
+    out = {}
+    for f, header, data_start in tables:
+        names = [n for n in header if n.endswith(".weight" + SCALE_SUFFIX)]
+        raw = _mapped(f) if names else None
+        for n in names:
+            info = header[n]
+            a, b = info["data_offsets"]
+            out[n] = np.array(raw[data_start + a : data_start + b].view(_ST_DTYPES[info["dtype"]]), dtype=np.float32)
+    return out
 
 
 def load_hf_dir(path: str | os.PathLike[str], progress: bool | ProgressFn | None = None) -> tuple[ModelConfig, Weights]:
@@ -447,7 +480,10 @@ def load_hf_dir(path: str | os.PathLike[str], progress: bool | ProgressFn | None
     config, tables = _open_hf_dir(path)
     out: Weights = {}
     for name, w in _hf_tensors(config, tables, progress):
-        out[name] = bf16_bits_to_f32(w) if w.dtype == np.uint16 else np.array(w, dtype=np.float32)
+        if isinstance(w, Fp8Weight):
+            out[name] = w.dequantize()
+        else:
+            out[name] = bf16_bits_to_f32(w) if w.dtype == np.uint16 else np.array(w, dtype=np.float32)
     return config, out
 
 
@@ -457,7 +493,14 @@ def hf_dir_bf16(
     """`load_hf_dir` with the weights as Bf16Tensors: bf16 tensors as views of the mapped files
     (no copy), float32/float16 ones rounded to bf16 one at a time."""
     config, tables = _open_hf_dir(path)
-    tensors = (
-        (n, w if w.dtype == np.uint16 else f32_to_bf16_bits(w)) for n, w in _hf_tensors(config, tables, progress)
-    )
-    return config, _checked(config, tensors)
+    return config, _checked(config, (_as_bf16(n, w) for n, w in _hf_tensors(config, tables, progress)))
+
+
+def _as_bf16(name: str, w: Any) -> tuple[str, Any]:
+    """A stored tensor as the CUDA device takes it: bf16 bits; an FP8 checkpoint's projection as its
+    Fp8Weight, any other FP8 tensor (an MoE expert, a router) dequantized to bf16."""
+    if isinstance(w, Fp8Weight):
+        return name, w if name.endswith(FP8_PROJECTION_SUFFIXES) and ".experts." not in name else f32_to_bf16_bits(
+            w.dequantize()
+        )
+    return name, w if w.dtype == np.uint16 else f32_to_bf16_bits(w)

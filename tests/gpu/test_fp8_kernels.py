@@ -9,6 +9,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from checkpoints import write_fp8_hf_dir
 
 from blink.models import fp8
 from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
@@ -105,42 +106,72 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _fp8_engine(cfg, tensors):
+    from blink.gpu.engine.engine import Engine, EngineConfig
+
+    ecfg = EngineConfig(
+        max_seqs=4, max_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
+        token_buckets=(16, 128), progress=False, quantization="fp8",
+    )  # fmt: skip
+    eng = Engine.create(cfg, ecfg, bf16_tensors=tensors)
+    eng.capture()
+    assert eng.weights.layers[0].qkv.codes.dtype.itemsize == 1
+    return eng
+
+
+def _compare(eng, cfg, refs: list) -> list[list[float]]:
+    """Prefill chunks (the dequantize + GEMM path) and decode steps of 1-2 sequences (the FP8 GEMV),
+    teacher-forced: the engine's logits' relative error against each numpy executor in `refs`."""
+    rng = np.random.default_rng(2)
+    p0, p1 = rng.integers(0, cfg.vocab_size, 70).tolist(), rng.integers(0, cfg.vocab_size, 40).tolist()
+    drivers = [PagedDriver(64, 8, 64, shuffle_seed=1) for _ in range(1 + len(refs))]
+    steps = [[(0, p0[:50]), (1, p1)], [(0, p0[50:])]]
+    steps += [[(0, [t]), (1, [u])] for t, u in zip(p0[:8], p1[:8], strict=True)] + [[(0, [t])] for t in p0[8:12]]
+    errs: list[list[float]] = [[] for _ in refs]
+    for chunks in steps:
+        b, *b_refs = (d.step(chunks) for d in drivers)
+        eng.step(b)
+        mine = eng.logits(b.num_seqs)
+        for e, ref, br in zip(errs, refs, b_refs, strict=True):
+            e.append(_rel(mine, ref.forward_logits(br)))
+    return errs
+
+
+_KW = dict(num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m"])
 def test_fp8_engine_matches_the_numpy_fp8_model(name):
-    """Prefill chunks (the dequantize + GEMM path) and decode steps of 1-2 sequences (the FP8 GEMV)
-    against the numpy model with the same FP8 weights, teacher-forced; closer to it than to bf16."""
+    """Quantized on the GPU at load: against the numpy model with the same FP8 weights, and closer
+    to it than to the bf16 model."""
     from blink.device.numpy_executor import NumpyExecutor
-    from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.weights import random_bf16, random_weights
 
     cfg = preset(name)
     if name == "smollm2-135m":
         cfg = cfg.replace(num_layers=4)
     w = {k: fp8.as_device_weight(v) for k, v in random_weights(cfg, seed=5).items()}
-    ecfg = EngineConfig(
-        max_seqs=4, max_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
-        token_buckets=(16, 128), progress=False, quantization="fp8",
-    )  # fmt: skip
-    eng = Engine.create(cfg, ecfg, bf16_tensors=random_bf16(cfg, seed=5))
-    eng.capture()
-    assert eng.weights.layers[0].qkv.codes.dtype.itemsize == 1
-    kw = dict(num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
-    ref, bf = NumpyExecutor(cfg, w, quantization="fp8", **kw), NumpyExecutor(cfg, w, **kw)
-    rng = np.random.default_rng(2)
-    p0, p1 = rng.integers(0, cfg.vocab_size, 70).tolist(), rng.integers(0, cfg.vocab_size, 40).tolist()
-    drivers = [PagedDriver(64, 8, 64, shuffle_seed=1) for _ in range(3)]
-    steps = [[(0, p0[:50]), (1, p1)], [(0, p0[50:])]]
-    steps += [[(0, [t]), (1, [u])] for t, u in zip(p0[:8], p1[:8], strict=True)] + [[(0, [t])] for t in p0[8:12]]
-    errs, errs_bf16 = [], []
-    for chunks in steps:
-        b, b_ref, b_bf = (d.step(chunks) for d in drivers)
-        eng.step(b)
-        mine = eng.logits(b.num_seqs)
-        errs.append(_rel(mine, ref.forward_logits(b_ref)))
-        errs_bf16.append(_rel(mine, bf.forward_logits(b_bf)))
+    eng = _fp8_engine(cfg, random_bf16(cfg, seed=5))
+    refs = [NumpyExecutor(cfg, w, quantization="fp8", **_KW), NumpyExecutor(cfg, w, **_KW)]
+    errs, errs_bf16 = _compare(eng, cfg, refs)
     print(f"{name} fp8: rel err vs numpy fp8 max {max(errs):.2e}, vs numpy bf16 mean {np.mean(errs_bf16):.2e}")
     assert max(errs) < 2e-2, errs
     assert np.mean(errs) < np.mean(errs_bf16), (errs, errs_bf16)
+    eng.close()
+
+
+@pytest.mark.parametrize("layout", ["channel", "tensor", "fp8"])
+def test_fp8_checkpoint_engine_matches_numpy(tmp_path, layout):
+    """An FP8 checkpoint's codes and scales uploaded as stored, against the numpy model on its values."""
+    from blink.device.numpy_executor import NumpyExecutor
+    from blink.models.weights import hf_dir_bf16, load_hf_dir
+
+    write_fp8_hf_dir(tmp_path, preset("tiny-qwen2"), layout, seed=4)
+    cfg, tensors = hf_dir_bf16(tmp_path)
+    eng = _fp8_engine(cfg, tensors)
+    (errs,) = _compare(eng, cfg, [NumpyExecutor(cfg, load_hf_dir(tmp_path)[1], **_KW)])
+    print(f"fp8 checkpoint ({layout}): rel err vs numpy max {max(errs):.2e}")
+    assert max(errs) < 2e-2, errs
     eng.close()
 
 

@@ -30,6 +30,7 @@ from blink.gpu.toolchain.cuda_api import Driver
 from blink.gpu.toolchain.kernels import Kernels
 from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from blink.models.config import ModelConfig
+from blink.models.fp8 import Fp8Weight
 
 __all__ = ["GpuWeights", "LayerWeights", "bf16_bits_to_f32", "f32_to_bf16_bits"]  # the bf16 helpers: re-exported
 
@@ -164,8 +165,14 @@ class GpuWeights:
             if view is None:
                 raise ValueError(f"{name}: not a weight of {config.name}, or given twice")
             if isinstance(view, Fp8Linear):
-                fp8.put(view, bits)  # type: ignore[union-attr]
+                if isinstance(bits, Fp8Weight):  # an FP8 checkpoint's: its codes and scales as stored
+                    view.codes.set(np.ascontiguousarray(bits.codes))  # type: ignore[attr-defined]
+                    view.scales.set(np.ascontiguousarray(bits.scales))  # type: ignore[attr-defined]
+                else:
+                    fp8.put(view, bits)  # type: ignore[union-attr]
                 continue
+            if isinstance(bits, Fp8Weight):
+                raise ValueError(f"{name}: an FP8 tensor for a bf16 engine (EngineConfig.quantization is not fp8)")
             if bits.dtype != np.uint16 or bits.shape != view.shape:  # type: ignore[attr-defined]
                 raise ValueError(f"{name}: {bits.dtype} {bits.shape}, expected uint16 {view.shape}")  # type: ignore[attr-defined]
             view.set(np.ascontiguousarray(bits))  # type: ignore[attr-defined]
