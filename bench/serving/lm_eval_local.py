@@ -50,9 +50,11 @@ def tokenizer_dir(gguf: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def start_blink(gguf: pathlib.Path, device: str, port: int, log: pathlib.Path) -> subprocess.Popen:
+def start_blink(
+    gguf: pathlib.Path, device: str, port: int, log: pathlib.Path, quantization: str = ""
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "blink.cli", "serve", "--model", str(gguf), "--device", device]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)] + (["--quantization", quantization] if quantization else [])
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     t_end = time.monotonic() + 600
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8, help="prompts per completions request")
     ap.add_argument("--num-concurrent", type=int, default=2, help="completions requests in flight")
     ap.add_argument("--skip-hf", action="store_true", help="the served side only")
+    ap.add_argument("--quantization", default="", choices=("", "fp8"), help="blink serve --quantization")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/lmeval-<device>-<commit>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets / transformers are imported
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commit = git_commit()
     log = pathlib.Path("/tmp") / f"blink-lmeval-{os.getpid()}.log"
-    proc = start_blink(gguf, args.device, args.port, log)
+    proc = start_blink(gguf, args.device, args.port, log, args.quantization)
     try:
         name = served_name(args.port)
         blink_args = (
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "what": "lm-evaluation-harness loglikelihood task against blink serve (local-completions), and on the hf backend",
         **metadata(commit, ["python", *sys.argv]),
+        "quantization": args.quantization or "none",
         "device": f"blink --device {args.device}"
         + (f" ({os.cpu_count()} CPU cores, shared)" * (args.device == "emulated")),
         "lm_eval_version": lm_eval.__version__,
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             for a, b in zip(blink_items, hf_items, strict=True)
         ]
         rows.append(("transformers (hf)", hf_metrics, hf_s))
-    out = pathlib.Path(args.out) if args.out else ROOT / "bench" / "results" / f"lmeval-{args.device}-{commit}.json"
+    tag = args.device + (f"-{args.quantization}" if args.quantization else "")
+    out = pathlib.Path(args.out) if args.out else ROOT / "bench" / "results" / f"lmeval-{tag}-{commit}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"\n{'backend':34} {'acc':>7} {'acc_norm':>9} {'seconds':>8}")
     for label, m, s in rows:
