@@ -16,6 +16,8 @@
 #   serve32b     bench.serving.serve_check: Qwen3-32B's shape served end to end              (~3 min)
 #   paper        bench.paper.evaluate --quick: the paper's evaluation, then its figures      (~10 min)
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
+#   fp8          bench.kernels.fp8_gemm (each projection's FP8 and bf16 paths), then bench.engine.throughput
+#                --quantization fp8 for Llama-3-8B and Qwen3-32B (batch-1 decode, 256 x (256 -> 128)) (~5 min)
 #   wheel        this clone's wheel installed alone (no nvcc on PATH) builds with NVRTC and serves
 # Each part runs in its own process (a CUDA fault cannot take the others down) under a timeout;
 # its output goes to OUT_DIR/<part>.log; a summary table prints last. Exit status: 0 when every part
@@ -113,6 +115,11 @@ if has decode; then
 fi
 if has prefill; then
   part prefill 300 "$PY" -m bench.engine.prefill --commit "$COMMIT" --out "$(json prefill)"
+fi
+if has fp8; then
+  part fp8_gemm 300 "$PY" -m bench.kernels.fp8_gemm --commit "$COMMIT" --out "$(json fp8_gemm)"
+  part models_fp8 600 "$PY" -m bench.engine.throughput --presets llama3-8b,qwen3-32b --schedulers gpu \
+    --quantization fp8 --timeout 200 --commit "$COMMIT" --out "$(json models_fp8)"
 fi
 if has models; then
   part models 600 "$PY" -m bench.engine.throughput --presets llama3-8b,phi-4,qwen3-32b,qwen3-30b-a3b \

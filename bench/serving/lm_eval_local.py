@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             for a, b in zip(blink_items, hf_items, strict=True)
         ]
         rows.append(("transformers (hf)", hf_metrics, hf_s))
-    tag = args.device + (f"-{args.quantization}" if args.quantization else "")
-    out = pathlib.Path(args.out) if args.out else ROOT / "bench" / "results" / f"lmeval-{tag}-{commit}.json"
+    name = "lmeval" + (f"_{args.quantization}" if args.quantization else "")
+    out = pathlib.Path(args.out) if args.out else ROOT / "bench" / "results" / f"{name}-{args.device}-{commit}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"\n{'backend':34} {'acc':>7} {'acc_norm':>9} {'seconds':>8}")
     for label, m, s in rows:

@@ -1,7 +1,7 @@
 """FP8 weights vs bf16 on real weights, with the numpy model (the definition the devices implement).
 
-    python bench/fp8_accuracy.py bench/results            # SmolLM2-135M-Instruct GGUF, 32 prompts x 64 tokens
-    python bench/fp8_accuracy.py OUT --model /path/to/hf-dir --prompts 8 --tokens 32
+    python -m bench.engine.fp8_accuracy                    # SmolLM2-135M-Instruct GGUF, 32 prompts x 64 tokens
+    python -m bench.engine.fp8_accuracy --model /path/to/hf-dir --prompts 8 --tokens 32 --out x.json
 
 Both models start from the weights as a bf16 device holds them (rounded to bf16); the fp8 one
 quantizes every linear layer (blink.models.fp8). Greedy decoding of each chat prompt, all prompts
@@ -11,28 +11,21 @@ in one packed batch. Reported:
   teacher-forced: the fp8 model scores the bf16 continuation: share of positions where its argmax
       is the bf16 token (the per-token agreement), and the mean / max absolute difference of the
       log-probability of the bf16 token between the two models (per-token loglikelihood).
-Writes OUT/fp8_accuracy-<model>-<commit>.json and prints a short table. Minutes of CPU.
+Writes bench/results/fp8_accuracy-emulated-<commit>.json (or --out) and prints a short table. ~9 min of CPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from benchutil import git_commit, metadata, write_json  # noqa: E402
-
-from blink.models.fp8 import as_device_weight  # noqa: E402
-from blink.models.llama_numpy import LlamaNumpy  # noqa: E402
-from blink.models.registry import resolve_model  # noqa: E402
+from bench.common import add_commit_arg, git_commit, metadata, result_path, write_json
+from blink.models.fp8 import as_device_weight
+from blink.models.llama_numpy import LlamaNumpy
+from blink.models.registry import resolve_model
 
 TOPICS = (
     "the water cycle", "how a bicycle stays upright", "photosynthesis", "why the sky is blue", "the moon's phases",
@@ -94,7 +87,8 @@ def teacher_forced(model: LlamaNumpy, ps: list[list[int]], cont: np.ndarray) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", help="results folder")
+    ap.add_argument("--out", default="", help="result JSON (default bench/results/fp8_accuracy-emulated-<commit>.json)")
+    add_commit_arg(ap)
     ap.add_argument("--model", default="default")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
@@ -111,7 +105,7 @@ def main() -> None:
     d = np.abs(tf_lp - ref_lp)
     first = [int(np.argmax(r != g)) if (r != g).any() else a.tokens for r, g in zip(ref, got, strict=True)]
     res = {
-        **metadata(git_commit(), gpu="cpu"),
+        **metadata(a.commit or git_commit(), gpu="cpu"),
         "model": b.name,
         "source": b.source,
         "prompts": a.prompts,
@@ -127,7 +121,7 @@ def main() -> None:
     print(f"{'metric':32s} value")
     for k in list(res)[-8:]:
         print(f"{k:32s} {res[k]}")
-    write_json(str(pathlib.Path(a.out) / f"fp8_accuracy-{pathlib.Path(b.source).stem}-{res['commit']}.json"), res)
+    write_json(a.out or str(result_path("fp8_accuracy", "emulated", res["commit"])), res)
 
 
 if __name__ == "__main__":

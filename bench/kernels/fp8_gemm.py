@@ -1,24 +1,31 @@
 """FP8-weight projections against bf16, kernel by kernel, at a model's linear shapes (no engine).
 
-    python bench/fp8_gemm.py bench/results                      # Llama-3-8B and Qwen3-32B, ~1 min on an H200
-    python bench/fp8_gemm.py OUT --presets llama3-8b --rows 1,8,256
+    python -m bench.kernels.fp8_gemm --out fp8_gemm-h200-<commit>.json   # Llama-3-8B and Qwen3-32B, ~1 min on an H200
+    python -m bench.kernels.fp8_gemm --out x.json --presets llama3-8b --rows 1,8,256
 
 For each projection (qkv, o, gate_up, down) and row count M: bf16 through cuBLAS and, for M <= 8, the
 bf16 GEMV (model_kernels.cu); FP8 through its GEMV (fp8.cu, M <= 8) and through dequantize + bf16 cuBLAS
 (the engine's path above 8 rows). Each timing cycles over enough copies of the weight to exceed 4x
 the L2, so every launch streams from HBM. Per M, the sum over a step's projections (x layers) of the
 best bf16 and the best FP8 path, and the M = 1 GEMVs' bandwidth against the copy bandwidth (bytes:
-weights + scales + activations). Writes OUT/fp8_gemm-<gpu>-<commit>.json.
+weights + scales + activations). Writes --out (default bench/results/fp8_gemm-<gpu>-<commit>.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import copy_bandwidth, gemm_roles, git_commit, metadata, time_ms, write_json  # noqa: E402
+from bench.common import (
+    add_commit_arg,
+    copy_bandwidth,
+    gemm_roles,
+    git_commit,
+    metadata,
+    result_path,
+    short_device,
+    time_ms,
+    write_json,
+)
 
 ROLES = ("qkv", "o", "gate_up", "down")
 L2_BYTES = 50 << 20
@@ -119,10 +126,10 @@ def bench_preset(env, name: str, rows: list[int], bw: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", help="results folder")
+    ap.add_argument("--out", default="", help="result JSON (default bench/results/fp8_gemm-<gpu>-<commit>.json)")
     ap.add_argument("--presets", default="llama3-8b,qwen3-32b")
     ap.add_argument("--rows", default="1,2,4,8,16,64,256")
-    ap.add_argument("--commit", default="", help="git commit of the tree (the GPU machine has no .git)")
+    add_commit_arg(ap)
     a = ap.parse_args()
     env = _setup()
     bw = copy_bandwidth(1 << 30)
@@ -130,8 +137,7 @@ def main() -> None:
     res = {"bench": "fp8_gemm", **metadata(a.commit or git_commit()), "copy_bandwidth": bw, "presets": {}}
     for name in a.presets.split(","):
         res["presets"][name] = bench_preset(env, name, rows, bw)
-    gpu = res["gpu"].replace(" ", "_").lower()
-    write_json(os.path.join(a.out, f"fp8_gemm-{gpu}-{res['commit']}.json"), res)
+    write_json(a.out or str(result_path("fp8_gemm", short_device(res["gpu"]), res["commit"])), res)
 
 
 if __name__ == "__main__":
