@@ -309,6 +309,7 @@ def kernel_category(name: str) -> str:
         ("sample", "sample"),
         ("penalty_mark", "sample"),  # the sampling extensions (ext_on gated)
         ("logits_ext", "sample"),
+        ("token_mask", "sample"),  # structured output (mask_on gated)
         ("signal", "done"),
     ):
         if name.startswith(prefix):

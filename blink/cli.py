@@ -45,6 +45,9 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat-template", dest="model.chat_template", help="a jinja chat template, or a file holding one (as vLLM's)"
     )
+    parsers = ("auto", "hermes", "llama3_json", "phi4_mini_json")
+    p.add_argument("--tool-call-parser", dest="server.tool_call_parser", choices=parsers, help="auto: by chat template")
+    p.add_argument("--mask-slots", dest="ring.mask_slots", type=int, help="structured-output requests at once")
     p.add_argument("--device", dest="device.kind", choices=("auto", "emulated", "cuda"))
     p.add_argument("--scheduler", dest="device.scheduler", choices=("gpu", "host"))
     p.add_argument("--max-batch", "--max-num-seqs", dest="device.max_batch", type=int, help="sequences per step")

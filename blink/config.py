@@ -71,9 +71,15 @@ class ServerConfig:
     """A log line every 10 s (running, waiting, KV usage, tokens/s); --disable-log-stats turns it off."""
     log_level: str = "info"
     """debug | info | warning | error; debug also prints the traceback of start-up errors."""
+    tool_call_parser: str = "auto"
+    """How tool calls are found in the model's text (vLLM's --tool-call-parser): hermes (Hermes, Qwen2.5,
+    Qwen3) | llama3_json | phi4_mini_json | auto (by the chat template's tool format)."""
 
     def __post_init__(self) -> None:
         _choice("server", "log_level", self.log_level, ("debug", "info", "warning", "error"))
+        _choice(
+            "server", "tool_call_parser", self.tool_call_parser, ("auto", "hermes", "llama3_json", "phi4_mini_json")
+        )
         _bounds("server", "port", self.port, 0, 65535)
         _bounds("server", "max_body_bytes", self.max_body_bytes, 1024, 1 << 30)
         _bounds("server", "max_queue", self.max_queue, 0, 1 << 20)
@@ -117,11 +123,18 @@ class RingConfig:
     (port 0 picks one; the chosen address is printed)."""
     rdma_device: str = ""
     """RDMA device to use (ibv_devices name); "" = the first one."""
+    mask_slots: int = 64
+    """Allowed-token bitmasks in the ring: the most structured-output (or tool-call-enforced) requests
+    in flight at once; more wait for one. 0: structured output is refused."""
+    mask_vocab: int = 152_064
+    """Tokens a bitmask covers (the model's vocabulary must fit; 19,008 B a mask by default)."""
 
     def __post_init__(self) -> None:
         _bounds("ring", "n_slots", self.n_slots, 1, 1 << 16)
         _bounds("ring", "output_capacity", self.output_capacity, 1, 1 << 20)
         _bounds("ring", "prompt_arena_tokens", self.prompt_arena_tokens, self.n_slots, 1 << 28)
+        _bounds("ring", "mask_slots", self.mask_slots, 0, 1 << 16)
+        _bounds("ring", "mask_vocab", self.mask_vocab, 32, 1 << 22)
         _choice("ring", "transport", self.transport, ("auto", "shm", "tcp", "rdma"))
         for f in ("address", "listen"):
             v = getattr(self, f)

@@ -99,7 +99,8 @@ _SERVER_RING = re.compile(r"blink-(\d+)-[0-9a-f]{8}")  # new_ring_name()'s names
 
 
 def create_ring(name: str, rc: RingConfig) -> ShmTransport:
-    return ShmTransport.create(name, RingGeometry(rc.n_slots, rc.prompt_arena_tokens, rc.output_capacity))
+    masks = (rc.mask_slots, rc.mask_vocab) if rc.mask_slots else (0, 0)
+    return ShmTransport.create(name, RingGeometry(rc.n_slots, rc.prompt_arena_tokens, rc.output_capacity, *masks))
 
 
 def _alive(pid: int) -> bool:

@@ -196,7 +196,8 @@ class Stack:
 
         s = self.cfg.server
         kw = {"liveness": liveness} if device is not None else {}
-        tracker = RequestTracker(transport, s.max_queue, s.heartbeat_timeout_s, kw)
+        grammars = self.tokenizer.grammars if self.tokenizer is not None else None
+        tracker = RequestTracker(transport, s.max_queue, s.heartbeat_timeout_s, kw, grammars=grammars)
         await tracker.start()
         return tracker
 

@@ -85,7 +85,7 @@ def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict, lay
     f.w = SimpleNamespace(embed=_Arr(c.vocab_size, H), final_norm=_Arr(H), lm_head=_Arr(c.vocab_size, H), layers=layers)
     f.arena = SimpleNamespace(ptr=dict.fromkeys([f.name for f in STEP_FIELDS], 8192))
     names = "resid hid delta qkv q attn gu act last logits out_tokens done_seq kv cos sin part_o part_ml"
-    names += " proc chosen_lp top_ids top_lps lp_stats pen_state bias_n bias_ids bias_vals"
+    names += " proc chosen_lp top_ids top_lps lp_stats pen_state bias_n bias_ids bias_vals masks"
     names += " plp_hid plp_logits plp_lp plp_ids plp_lps"
     for b in names.split():
         setattr(f, b, _Arr(1))
@@ -118,6 +118,7 @@ def _layer(c, H: int, nqkv: int, qn, moe: bool, E: int, im: int) -> SimpleNamesp
 
 def _finish(f: Forward, gemv_max_tokens: int, fusion: str, signatures: dict) -> tuple[Forward, list]:
     f.sampling_rows = 4
+    f.mask_words = 1
     f.split_counters = _Arr(1)
     f.kv_layer_stride, f.kv_half = 1 << 20, 1 << 19
     f.k = _Kernels(signatures)
@@ -156,8 +157,9 @@ def test_fused_decode_launches(name: str, T: int, fusion: str, signatures: dict)
     for k, n in per_layer.items():
         assert sum(x.startswith(k) for x in names) == 2 * n, (k, names)
     assert "cublas" not in names
-    # the sampling extensions' kernels sit around sample_tokens in every graph (each gated by ext_on)
-    assert names[-5:] == ["penalty_mark", "logits_ext", "sample_tokens", "sample_post", "signal_done"]
+    # the sampling extensions' kernels sit around sample_tokens in every graph (each gated by ext_on;
+    # token_mask also by mask_on)
+    assert names[-6:] == ["penalty_mark", "logits_ext", "token_mask", "sample_tokens", "sample_post", "signal_done"]
     assert sum(n.startswith("attn_flashq_hd") for n in names) == 2
     assert f.fusions_for(T) == (fuse - {"rope"} if name != "llama3-8b" else fuse)
     for name_, _, args, smem in calls:

@@ -159,7 +159,13 @@ async def _run(t, reqs):
 
 def test_features_are_advertised(device):
     f = DeviceFeatures(int(device.t.view().header["features"]))
-    assert f == DeviceFeatures.LOGPROBS | DeviceFeatures.PROMPT_LOGPROBS | DeviceFeatures.PENALTIES
+    assert (
+        f
+        == DeviceFeatures.LOGPROBS
+        | DeviceFeatures.PROMPT_LOGPROBS
+        | DeviceFeatures.PENALTIES
+        | DeviceFeatures.TOKEN_MASK
+    )
 
 
 @pytest.mark.parametrize("chunk", [64, 7])  # 7: the prompt is prefilled in chunks, records cross them

@@ -508,3 +508,30 @@ def test_no_preemption_without_a_waiting_request_below_its_share():
     drain(s)
     assert not s.seqs and [x.finish for x in seqs] == [FinishReason.LENGTH] * 6
     assert all(x.preemptions == 0 for x in seqs)
+
+
+def test_a_gated_sequence_sits_out_until_its_gate_opens_and_holds_back_nobody():
+    """Token masks: a gated sequence whose gate is closed (its next mask not published) neither decodes
+    nor samples the last token of its prompt; the others run as if it were not there."""
+    s = make()
+    gated = s.add(0, range(1, 11), max_new_tokens=4)
+    gated.mask = 0
+    other = s.add(1, range(1, 6), max_new_tokens=4)
+    open_at: dict[int, int] = {}  # seq_id -> the token index whose mask is published
+    s.gate = lambda q: open_at.get(q.seq_id) == q.num_generated
+    plan = s.schedule()
+    by_seq = {c.seq.seq_id: c for c in plan.chunks}
+    assert by_seq[0].n == 9 and not by_seq[0].sample  # the prompt but its last token
+    assert by_seq[1].n == 5 and by_seq[1].sample
+    s.update(plan, [0] * len(plan.chunks))
+    for _ in range(3):  # the other finishes while the gated one waits
+        plan = s.schedule()
+        assert [c.seq.seq_id for c in plan.chunks] == [1]
+        s.update(plan, [7] * len(plan.chunks))
+    assert other.status is SeqStatus.FINISHED and gated.num_generated == 0
+    assert s.schedule() is None  # nothing can run: the device idles, not spins on the gated one
+    open_at[0] = 0
+    plan = s.schedule()
+    assert [(c.seq.seq_id, c.n, c.sample) for c in plan.chunks] == [(0, 1, True)]
+    s.update(plan, [9])
+    assert gated.num_generated == 1 and s.schedule() is None  # closed again for token 1

@@ -96,7 +96,10 @@ def test_load_step_writes_every_field_where_the_arena_has_it():
         if f.name == "block_tables":
             np.testing.assert_array_equal(got.reshape(4, 5)[:3, :4], b.block_tables)
         elif f.extent == "1":
-            assert int(got[0]) == {"num_seqs": 3, "num_tokens": 7, "step_seq": 77, "ext_on": 0, "plp_count": 0}[f.name]
+            assert (
+                int(got[0])
+                == {"num_seqs": 3, "num_tokens": 7, "step_seq": 77, "ext_on": 0, "plp_count": 0, "mask_on": 0}[f.name]
+            )
         elif f.ext:
             assert not got.any(), f.name  # not read while ext_on is 0
         else:

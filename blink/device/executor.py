@@ -21,7 +21,7 @@ from blink.protocol.step import StepBatch
 
 @dataclass
 class SamplingExt:
-    """Per-sequence logit_bias, penalties, min_p and logprob requests of a step, and the logprob
+    """Per-sequence logit_bias, penalties, min_p, token masks and logprob requests of a step, and the logprob
     records the executor writes back. S sequences, T packed tokens, B logit_bias entries."""
 
     slots: np.ndarray  # (S,) int32  the sequence's ring slot: the key of its penalty state
@@ -38,6 +38,8 @@ class SamplingExt:
     n_logprobs: np.ndarray  # (S,) int32  -1: no record for the sampled token; else alternatives
     targets: np.ndarray  # (T,) int32  the prompt token packed token i's logits score (-1: none)
     prompt_n: np.ndarray  # (S,) int32  alternatives of the sequence's prompt records
+    mask_slot: np.ndarray = field(default=None)  # type: ignore[assignment]  (S,) int32  -1: unconstrained
+    masks: np.ndarray | None = None  # (S, mask_words) uint32  allowed tokens of the masked rows (others ignored)
     # outputs (filled by execute)
     logprobs: np.ndarray = field(default=None)  # type: ignore[assignment]  (S,) LOGPROB_DTYPE
     prompt_logprobs: np.ndarray = field(default=None)  # type: ignore[assignment]  (T,) LOGPROB_DTYPE
@@ -45,6 +47,8 @@ class SamplingExt:
     def __post_init__(self) -> None:
         if self.logprobs is None:
             self.logprobs = np.zeros(self.slots.shape[0], LOGPROB_DTYPE)
+        if self.mask_slot is None:
+            self.mask_slot = np.full(self.slots.shape[0], -1, np.int32)
         if self.prompt_logprobs is None:
             self.prompt_logprobs = np.zeros(self.targets.shape[0], LOGPROB_DTYPE)
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from blink.device.executor import SamplingExt, StepBatch
-from blink.device.sampling import PenaltyState, logprob_record, process_logits, sample
+from blink.device.sampling import PenaltyState, apply_token_mask, logprob_record, process_logits, sample
 from blink.models.config import ModelConfig
 from blink.models.llama_numpy import LlamaNumpy
 from blink.models.weights import Weights
@@ -24,7 +24,9 @@ class NumpyExecutor:
     """KV pool: k_cache, v_cache (layers, num_blocks, block_size, kv_heads, head_dim) float32.
     Penalty state: one PenaltyState per ring slot whose sequence uses penalties or logit_bias."""
 
-    features = DeviceFeatures.LOGPROBS | DeviceFeatures.PROMPT_LOGPROBS | DeviceFeatures.PENALTIES
+    features = (
+        DeviceFeatures.LOGPROBS | DeviceFeatures.PROMPT_LOGPROBS | DeviceFeatures.PENALTIES | DeviceFeatures.TOKEN_MASK
+    )
 
     def __init__(
         self,
@@ -165,6 +167,8 @@ class NumpyExecutor:
                 float(x.frequency[s]),
                 float(x.repetition[s]),
             )
+            if x.masks is not None and x.mask_slot[s] >= 0:
+                apply_token_mask(processed[s], x.masks[s])
             states.append(st)
         toks = sample(processed, batch.temperature, batch.top_p, batch.top_k, batch.seeds, batch.sample_pos, x.min_p)
         for s in range(S):

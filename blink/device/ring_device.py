@@ -39,7 +39,7 @@ from blink.protocol.layout import (
 
 from .executor import Executor, StepBatch
 from .kv_blocks import BlockManager
-from .scheduler import Scheduler, SchedulerConfig, StepKind, StepPlan
+from .scheduler import Scheduler, SchedulerConfig, Seq, StepKind, StepPlan
 from .slot_request import sampling_of, validate
 from .step_batch import build_batch
 
@@ -109,6 +109,8 @@ class RingDevice:
         self._t_admit = slots["t_admit_ns"]
         self._t_first = slots["t_first_ns"]
         self._t_launch = slots["t_launch_ns"]
+        self._mask_position = slots["mask_position"]
+        self.sched.gate = self._mask_published
         # Counters continue from the header: a device restarted on the same ring keeps them monotonic.
         self.stats = {k: int(self.hdr[k]) for k in DEVICE_COUNTERS}
         self._shown: dict[int, int] = {}  # slot -> state last written by _sync_states
@@ -181,7 +183,7 @@ class RingDevice:
             return
         off, n = int(rec["prompt_offset"]), int(rec["prompt_len"])
         self._plp_offset[slot] = int(rec["prompt_logprobs_offset"])
-        self.sched.add(
+        seq = self.sched.add(
             slot,
             self.view.prompt_arena[off : off + n].tolist(),  # a copy: recompute after preemption needs it
             max_new_tokens=int(rec["max_new_tokens"]),
@@ -190,6 +192,11 @@ class RingDevice:
             sampling=sampling_of(rec, self.view),
             group=int(rec["group"]),
         )
+        seq.mask = int(rec["mask_slot"]) - 1  # validate checked it against the arena and the features
+
+    def _mask_published(self, s: Seq) -> bool:
+        """The frontend has published the token mask of s's next token (slot.mask_position)."""
+        return int(self._mask_position[s.seq_id]) == s.num_generated + 1
 
     def _scan(self) -> bool:
         t0 = time.perf_counter_ns()
@@ -246,6 +253,9 @@ class RingDevice:
     def _step(self, plan: StepPlan) -> int:
         """Run one step and publish its tokens; returns the executor's time (ns)."""
         batch = build_batch(plan, self.blocks, self.table_width)
+        x = batch.ext
+        if x is not None and (x.mask_slot >= 0).any():  # read after the gate saw mask_position (acquire)
+            x.masks = self.view.mask_arena[np.maximum(x.mask_slot, 0)]
         t_launch = time.time_ns()
         t0 = time.perf_counter_ns()
         sampled = self.ex.execute(batch)

@@ -13,8 +13,9 @@ whatever its values, gives a token id in [0, vocab).
 2. Penalties, from the sequence's state: `seen` (ids in the prompt or the output) and `counts`
    (occurrences in the output). Repetition r != 1, for seen ids: l > 0 ? l / r : l * r. Then
    l -= frequency * count + presence * (count > 0).
-   A per-row mask of allowed tokens (a grammar) belongs here: the tokens it forbids become -inf, and
-   steps 3-9 need nothing more (a row that forbids every token falls back as below).
+   The token mask (structured output) belongs here: the tokens the request's bitmask forbids become
+   -inf (apply_token_mask; logprobs stay those of the raw logits), and steps 3-9 need nothing more
+   (a row that forbids every token falls back as below).
 3. Greedy (T < SAMPLING_EPS in float32, or T NaN): argmax, lowest index on ties. Done. A row of -inf
    (every token masked) gives 0.
 4. z = logits / T. When max z is not finite (+inf: a logit overflowed after the penalties or the
@@ -133,6 +134,16 @@ def process_logits(
 def greedy_token(logits: np.ndarray) -> int:
     """Step 3: argmax, NaN as -inf, lowest index on ties (0 for a row without a number above -inf)."""
     return int(np.argmax(_nan_low(np.asarray(logits, np.float32))))
+
+
+def apply_token_mask(logits: np.ndarray, mask: np.ndarray) -> None:
+    """Step 2b in place: -inf where bit t % 32 of mask word t // 32 is clear (uint32 words; tokens
+    past the mask are not allowed)."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, "<u4").view(np.uint8), bitorder="little").astype(bool)
+    allowed = np.zeros(logits.shape[0], bool)
+    n = min(bits.size, allowed.size)
+    allowed[:n] = bits[:n]
+    logits[~allowed] = -np.inf
 
 
 def sample_row(

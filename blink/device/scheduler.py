@@ -45,6 +45,9 @@ comparison isolates the scheduler's placement):
   some group holds more than its share, that group's newest running sequence is preempted (the
   recompute preemption above), so the waiting one is admitted in the same step: one request's
   choices never keep another request waiting for them to end.
+- A gated sequence (structured output: its next token is sampled under a token mask the frontend
+  publishes) whose gate is closed (the mask for its next token is not published yet) sits out the
+  step: no decode, and a prefill chunk stops one token short of sampling; nobody else waits for it.
 - Admission never preempts; a running sequence never fails for lack of KV, because max_context
   fits the pool (the caller's duty).
 """
@@ -54,7 +57,7 @@ from __future__ import annotations
 import bisect
 import collections
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -183,6 +186,7 @@ class Seq:
     finish: FinishReason = FinishReason.NONE
 
     num_generated: int = 0  # == len(tokens) - prompt_len (kept, not derived: read every step)
+    mask: int = -1  # token mask of its samples (-1: none); it samples only when Scheduler.gate allows
 
     @property
     def prefilling(self) -> bool:
@@ -240,6 +244,7 @@ class Scheduler:
         self.waiting: list[Seq] = []  # arrival order (preempted ones re-inserted in place)
         self.running: list[Seq] = []
         self._arrivals = 0
+        self.gate: Callable[[Seq], bool] | None = None  # may a gated sequence sample its next token now
 
     # -- requests ---------------------------------------------------------------
     def add(
@@ -312,6 +317,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.seqs)
 
+    def _closed(self, s: Seq) -> bool:
+        """s may not sample now: it has a token mask, and its gate (that mask published) is closed."""
+        return s.mask >= 0 and self.gate is not None and not self.gate(s)
+
+    def _cut(self, s: Seq, start: int, n: int) -> int:
+        """A prefill chunk of n tokens from start, one token short when it would sample a gated
+        sequence whose gate is closed."""
+        return n - 1 if start + n == len(s.tokens) and self._closed(s) else n
+
     # -- policy -----------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step, or None when nothing can run now (idle, or every sequence blocked)."""
@@ -351,7 +365,7 @@ class Scheduler:
         for s in self.running:
             if s.num_generated == 0 or len(s.tokens) - s.num_computed > 1:
                 partial = True
-            elif s.num_generated - s.consumed < cap:
+            elif s.num_generated - s.consumed < cap and not (s.mask >= 0 and self._closed(s)):
                 ready.append(s)
         return ready, partial
 
@@ -394,7 +408,9 @@ class Scheduler:
                 break
             if s.status is not SeqStatus.RUNNING:
                 continue  # preempted by an older chunk's reservation in this loop
-            n = min(len(s.tokens) - s.num_computed, budget, cap)
+            n = self._cut(s, s.num_computed, min(len(s.tokens) - s.num_computed, budget, cap))
+            if n == 0:
+                continue
             if s.num_computed + n == len(s.tokens) and self.output_full(s):
                 continue  # a recompute that would publish into a full output ring waits
             if plan.chunks:  # shares the step: never preempt, cut the chunk to the free blocks
@@ -427,7 +443,9 @@ class Scheduler:
                 return None  # preempted by this very step: admitting it back would undo that
             if self.output_full(s):
                 continue
-            n = min(len(s.tokens), budget)
+            n = self._cut(s, 0, min(len(s.tokens), budget))
+            if n == 0:
+                continue
             if not self.blocks.can_allocate(n):
                 return None  # FCFS: no overtaking the head for lack of KV
             held[s.group] += 1

@@ -1,6 +1,6 @@
 """A claimed slot's request as the device reads it at admission: whether it can be served
 (`validate`: the SlotError it finishes with otherwise) and its sampling parameters (`sampling_of`:
-the request's blink.protocol.sampling_params.SamplingParams), each read from the slot record and
+the request's blink.protocol.sampling_params.SamplingParams; its token mask), each read from the slot record and
 the prompt region it names in the prompt arena (blink/protocol/layout.py).
 """
 
@@ -58,6 +58,11 @@ def _validate_sampling(rec: np.void, view: RingView, vocab_size: int, features: 
         need |= DeviceFeatures.PROMPT_LOGPROBS
     if sp.penalized or sp.min_p != 0.0:
         need |= DeviceFeatures.PENALTIES
+    mask = int(rec["mask_slot"])  # 0: none; m + 1: bitmask m of the mask arena
+    if mask:
+        need |= DeviceFeatures.TOKEN_MASK
+        if mask > view.geo.n_masks:
+            return SlotError.BAD_PARAMS
     return SlotError.NONE if need & features == need else SlotError.BAD_PARAMS
 
 

@@ -17,7 +17,7 @@ from .scheduler import StepPlan
 def _build_ext(plan: StepPlan, T: int) -> SamplingExt | None:
     """The step's SamplingExt, or None when no sequence of the plan uses an extension."""
     chunks = plan.chunks
-    if not any(c.seq.sampling.extended for c in chunks):
+    if not any(c.seq.sampling.extended or c.seq.mask >= 0 for c in chunks):
         return None
     sps = [c.seq.sampling for c in chunks]
 
@@ -54,6 +54,7 @@ def _build_ext(plan: StepPlan, T: int) -> SamplingExt | None:
         n_logprobs=per_seq("logprobs", np.int32),
         targets=targets,
         prompt_n=per_seq("prompt_logprobs", np.int32),
+        mask_slot=np.array([c.seq.mask if c.sample else -1 for c in chunks], np.int32),
     )
 
 

@@ -24,6 +24,7 @@ import msgspec
 from aiohttp import web
 
 from blink.config import ServerConfig
+from blink.protocol.wire import SubmitRequest
 
 from . import openai_api as api
 from .generation import Backend, GenerationError, TextEvent, stream_text
@@ -34,6 +35,7 @@ from .openai_responses import ChunkMaker, chat_response, completion_response, ne
 from .request_tracker import RequestHandle
 from .slot_tracker import region_words
 from .tokenizer import FrontendTokenizer, PromptError
+from .tool_parsers import JsonArray, Parser, ToolStream, parser_for
 
 log = logging.getLogger("blink.server")
 _json = msgspec.json.Encoder()
@@ -68,6 +70,8 @@ class Call:
     finish: list[str | None] = field(default_factory=list)  # per choice
     complete: bool = False  # the whole response is out: a disconnect after this is not one
     error: str | None = None  # an error event ended the stream
+    tool_parser: Parser | None = None  # tool calls are parsed out of each choice's text with this
+    tool_streams: list[ToolStream] = field(default_factory=list)  # per choice, when tool_parser is set
 
     def submitted(self, j: int, h: RequestHandle) -> None:
         if j == 0:
@@ -138,6 +142,8 @@ class CompletionHandler:
             raise api.APIError(400, "suffix is not supported", "suffix")
         if not chat and (r.best_of or 1) > 1:
             raise api.APIError(400, "best_of is not supported (as in vLLM V1); use n", "best_of")
+        if chat:
+            call.tool_parser = self._tool_parser(api.chat_tools(r))
         prompts = [r.messages] if chat else api.completion_prompts(r)
         n = api.choices_per_prompt(r, len(prompts), self.config.max_n)
         encoded = [await self._encode(chat, p, len(body), r) for p in prompts]
@@ -170,11 +176,7 @@ class CompletionHandler:
             for j, ids in enumerate(encoded)
             for i in range(n)
         ]
-        for sub in subs[::n]:
-            api.check_features(sub, self.backend.features)
-            why = self.backend.check_prompt(len(sub.prompt_ids), region_words(sub))
-            if why:
-                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
+        self._check_subs(subs[::n], chat)
         call.prompt_only = max_tokens == 0
         call.lps = [
             ChoiceLogprobs(
@@ -208,6 +210,29 @@ class CompletionHandler:
             )
             for j, sub in enumerate(subs)
         ]
+
+    def _tool_parser(self, tools: tuple[list[dict], str, str | None] | None) -> Parser | None:
+        """How the choices' tool calls are read: none without tools or with tool_choice none; the
+        grammar's JSON array for required / named; else the server's parser (auto: by template)."""
+        if tools is None or tools[1] == "none":
+            return None
+        if tools[1] in ("required", "named"):
+            return JsonArray()
+        return parser_for(self.config.tool_call_parser, self.tok.tok.chat_template)
+
+    def _check_subs(self, subs: list[SubmitRequest], chat: bool) -> None:
+        """A 400 for a ring request the device or the ring cannot serve: a feature the device lacks, a
+        grammar that does not compile for this model's tokenizer (quoting the engine), a prompt region
+        larger than a slot's."""
+        for sub in subs:
+            api.check_features(sub, self.backend.features)
+            why = self.tok.grammars.check(sub.grammar) if sub.grammar else ""
+            if why:
+                msg = f"the structured output constraint does not compile: {why.strip()}"
+                raise api.APIError(400, msg, "response_format")
+            why = self.backend.check_prompt(len(sub.prompt_ids), region_words(sub))
+            if why:
+                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
 
     async def _encode(self, chat: bool, prompt: Any, body_bytes: int, r: Any = None) -> list[int]:
         try:
@@ -302,14 +327,25 @@ class CompletionHandler:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-        make = chat_response if call.chat else completion_response
         pre = call.prefixes or [""] * len(texts)
         choices = [(p + text, f or "stop") for p, text, f in zip(pre, texts, call.finish, strict=True)]
         lps = call.lps
         logprobs = [lp.whole() for lp in lps] if lps[0].gen_n >= 0 else None
         prompt_field = [lp.prompt_field for lp in lps] if lps[0].field_n >= 0 else None
         call.complete = True
-        return json_response(make(call.rid, self.tok.name, choices, call.n_prompt, call.n_gen, logprobs, prompt_field))
+        args = (call.rid, self.tok.name, choices, call.n_prompt, call.n_gen, logprobs, prompt_field)
+        if not call.chat:
+            return json_response(completion_response(*args))
+        calls = None
+        if call.tool_parser is not None:
+            calls = []
+            for j, (text, finish) in enumerate(choices):
+                ts = ToolStream(call.tool_parser)
+                content = ts.push(text)
+                tail, found = ts.finish()
+                calls.append([c.openai(i) for i, c in enumerate(found)])
+                choices[j] = (content + tail, "tool_calls" if found and finish == "stop" else finish)
+        return json_response(chat_response(*args, tool_calls=calls))
 
     async def _stream(self, request: web.Request, call: Call) -> web.StreamResponse:
         """SSE of every choice, interleaved as their tokens arrive (chunks name their index);
@@ -408,14 +444,17 @@ class CompletionHandler:
                 self._observe(call, j, ev)
                 n_gen = call.n_gen
                 part = lp.add(ev.token_ids, ev.logprobs) if ev.token_ids else None
-                if ev.finish is not None:
-                    if ev.text and chat:
-                        await send(chunks.text(ev.text, None, n_gen, j, part))
-                        await send(chunks.text("", ev.finish, n_gen, j))
+                text, finish, tool_chunks = self._tool_split(call, chunks, j, ev)
+                if finish is not None:
+                    if (text or tool_chunks) and chat:
+                        await send(chunks.text(text, None, n_gen, j, part))
+                        for c in tool_chunks:
+                            await send(c)
+                        await send(chunks.text("", finish, n_gen, j))
                     else:
-                        await send(chunks.text(ev.text, ev.finish, n_gen, j, part))
-                elif ev.text or part is not None or (call.continuous and ev.n_tokens):
-                    await send(chunks.text(ev.text, None, n_gen, j, part))
+                        await send(chunks.text(text, finish, n_gen, j, part))
+                elif text or part is not None or (call.continuous and ev.n_tokens):
+                    await send(chunks.text(text, None, n_gen, j, part))
             if call.include_usage:
                 await send(chunks.usage(call.n_prompt, call.n_gen))
         except (api.APIError, GenerationError) as e:
@@ -431,6 +470,25 @@ class CompletionHandler:
         await resp.write(b"data: [DONE]\n\n")
         call.complete = True
         await resp.write_eof()
+
+    @staticmethod
+    def _tool_split(call: Call, chunks: ChunkMaker, j: int, ev: TextEvent) -> tuple[str, str | None, list]:
+        """(content to send now, the finish reason, tool call chunks) of choice j's event: without
+        tools, the event's own; with them, the content outside the calls, and on the last event the
+        calls as OpenAI streams them (finish_reason tool_calls)."""
+        if call.tool_parser is None:
+            return ev.text, ev.finish, []
+        if not call.tool_streams:
+            call.tool_streams = [ToolStream(call.tool_parser) for _ in call.gens]
+        ts = call.tool_streams[j]
+        text = ts.push(ev.text)
+        if ev.finish is None:
+            return text, None, []
+        tail, found = ts.finish()
+        if not found:
+            return text + tail, ev.finish, []
+        calls = chunks.tool_calls([c.openai(i) for i, c in enumerate(found)], j)
+        return text + tail, "tool_calls" if ev.finish == "stop" else ev.finish, calls
 
 
 class _OneChoice:

@@ -78,6 +78,8 @@ async def stream_text(
         raise api.APIError(429, f"server busy: {e}", code="rate_limit_exceeded") from e
     except DeviceDownError as e:
         raise api.APIError(503, f"device unavailable: {e}", type_="server_error") from e
+    except ValueError as e:  # the ring cannot take this request (RequestTracker.check_prompt / check_grammar)
+        raise api.APIError(400, str(e)) from e
     detok = tok.detokenizer(stop, include_stop, skip_special_tokens)
     try:
         async for ev in handle:

@@ -2,7 +2,10 @@
 response side is openai_responses.py (response and chunk objects) and openai_logprobs.py.
 
 Request bodies decode straight into msgspec Structs, so a wrong type is a 400 naming the field.
-Fields OpenAI defines that Blink does not implement (structured output, tools, suffix, best_of, ...)
+Structured output (response_format, structured_outputs, guided_*) becomes a grammar the frontend
+enforces per token (blink/dpu/structured.py); tools go to the chat template and tool calls are parsed
+out of the text (blink/dpu/tool_parsers.py). Fields OpenAI defines that Blink does not implement
+(functions, suffix, best_of, ...)
 are rejected with a 400 when set to a non-default value, never silently ignored. Logprobs,
 penalties, min_p and logit_bias are computed on the device (blink/device/sampling.py); a device
 that lacks one (header.features) gets those requests refused with a 400 too. `n` choices per
@@ -25,6 +28,9 @@ import msgspec
 from blink.protocol.layout import MAX_LOGPROBS, MAX_STOP_IDS, UNLIMITED, DeviceFeatures
 from blink.protocol.sampling_params import MAX_LOGIT_BIAS_VALUE, SamplingParams
 from blink.protocol.wire import SubmitRequest
+
+from .structured import GrammarError, json_schema_grammar, request_grammar
+from .tool_parsers import ToolError, check_tools, required_schema
 
 
 class APIError(Exception):
@@ -77,12 +83,15 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_p: float | None = None  # extension
     repetition_penalty: float | None = None  # extension
     prompt_logprobs: int | None = None  # extension
-    # vLLM's extensions Blink does not implement: declared so that using one is a 400
-    use_beam_search: bool = False
+    # structured output (blink/dpu/structured.py): OpenAI's, vLLM's, and vLLM's older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[Any] | None = None
     guided_grammar: str | None = None
+    # vLLM's extensions Blink does not implement: declared so that using one is a 400
+    use_beam_search: bool = False
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -90,10 +99,10 @@ class ChatRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True  # extension
     chat_template_kwargs: dict[str, Any] | None = None  # extension: extra variables of the chat template
-    # Declared so that asking for them is a 400, not silently unconstrained output:
-    response_format: dict[str, Any] | None = None
+    # tool calling (blink/dpu/tool_parsers.py); the deprecated `functions` is a 400
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
 
 
@@ -132,10 +141,27 @@ def chat_template_kwargs(r: ChatRequest | TokenizeRequest) -> dict[str, Any]:
     """The request's extra chat-template variables, checked: they may not replace what the
     template is given by Blink (messages, the special tokens, add_generation_prompt)."""
     kw = dict(r.chat_template_kwargs or {})
-    taken = sorted(set(kw) & {"messages", "bos_token", "eos_token", "add_generation_prompt"})
+    taken = sorted(set(kw) & {"messages", "bos_token", "eos_token", "add_generation_prompt", "tools"})
     if taken:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
+    if isinstance(r, ChatRequest) and r.tools:
+        kw["tools"] = r.tools  # as HF's apply_chat_template(tools=...)
     return kw
+
+
+def chat_tools(r: ChatRequest) -> tuple[list[dict], str, str | None] | None:
+    """The request's (tools, tool_choice: none | auto | required | named, the named function), or
+    None without tools; a 400 naming the field when malformed."""
+    if r.functions:
+        raise APIError(400, "functions (deprecated) is not supported; use tools", "functions")
+    if not r.tools:
+        if r.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        return None
+    try:
+        return check_tools(r.tools, r.tool_choice)
+    except ToolError as e:
+        raise APIError(400, str(e), e.param) from e
 
 
 def parse(cls: type[msgspec.Struct], body: bytes) -> Any:
@@ -232,6 +258,8 @@ def check_features(sub: SubmitRequest, features: int) -> None:
         raise APIError(400, "logprobs are not supported by this device", "logprobs")
     if sp.prompt_logprobs >= 0 and not f & DeviceFeatures.PROMPT_LOGPROBS:
         raise APIError(400, "prompt logprobs (echo with logprobs) are not supported by this device", "logprobs")
+    if sub.grammar and not f & DeviceFeatures.TOKEN_MASK:
+        raise APIError(400, "structured output is not supported by this device", "response_format")
     if not f & DeviceFeatures.PENALTIES:
         for name in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias"):
             if getattr(sp, name):
@@ -244,15 +272,6 @@ def _check_unsupported(r: _Sampling) -> None:
     """400 for the OpenAI / vLLM features Blink does not implement."""
     if r.use_beam_search:
         raise APIError(400, "beam search is not supported", "use_beam_search")
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(r, name) is not None:
-            raise APIError(400, f"{name} (structured output) is not supported", name)
-    if isinstance(r, ChatRequest):
-        fmt = (r.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(400, f"response_format {fmt!r} is not supported (structured output)", "response_format")
-        if (r.tools or r.functions) and r.tool_choice != "none":
-            raise APIError(400, "tool calling is not supported", "tools")
 
 
 def sampling_params(
@@ -272,6 +291,13 @@ def sampling_params(
     (completions with echo: the prompt's logprobs only) asks the device for 1 token, which the
     server drops. `group`: the API request's id when it has several choices (slot.group)."""
     _check_unsupported(r)
+    grammar = structured_grammar(r)
+    tools = chat_tools(r) if isinstance(r, ChatRequest) else None
+    if tools is not None and tools[1] in ("required", "named"):  # the grammar makes the calls parse
+        if grammar:
+            raise APIError(400, "tool_choice required or a function excludes response_format", "tool_choice")
+        parallel = r.parallel_tool_calls is not False  # type: ignore[attr-defined]
+        grammar = json_schema_grammar(required_schema(tools[0], tools[2], parallel), "tools")
     gen_lp, prompt_lp = logprobs_wanted(r)
     if max_tokens == 0 and not (isinstance(r, CompletionRequest) and r.echo):
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
@@ -311,7 +337,18 @@ def sampling_params(
         stop_ids=stop_ids,
         sampling=sp,
         group=group,
+        grammar=grammar or "",
     )
+
+
+def structured_grammar(r: _Sampling) -> str | None:
+    """The grammar text of the request's structured output fields (None: unconstrained); a 400
+    naming the field when one is malformed (blink/dpu/structured.py)."""
+    names = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    try:
+        return request_grammar({n: getattr(r, n) for n in names})
+    except GrammarError as e:
+        raise APIError(400, str(e), e.param) from e
 
 
 def stop_strings(r: _Sampling) -> list[str]:

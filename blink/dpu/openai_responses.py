@@ -39,8 +39,10 @@ def chat_response(
     n_gen: int,
     logprobs: list[Any] | None = None,
     prompt_logprobs: list[Any] | None = None,
+    tool_calls: list[list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """choices: (text, finish_reason) per choice index; logprobs: each choice's `logprobs` object."""
+    """choices: (text, finish_reason) per choice index; logprobs: each choice's `logprobs` object;
+    tool_calls: each choice's calls (OpenAI tool_call objects; content null when there are some)."""
     return _response(
         rid,
         "chat.completion",
@@ -48,7 +50,7 @@ def chat_response(
         [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
+                "message": _message(text, tool_calls[i] if tool_calls else []),
                 "logprobs": logprobs[i] if logprobs else None,
                 "finish_reason": finish,
             }
@@ -58,6 +60,13 @@ def chat_response(
         n_gen,
         **({"prompt_logprobs": prompt_logprobs[0]} if prompt_logprobs else {}),
     )
+
+
+def _message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    if not calls:
+        return {"role": "assistant", "content": text}
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    return {"role": "assistant", "content": text.strip() or None, "tool_calls": calls}
 
 
 def completion_response(
@@ -138,6 +147,18 @@ class ChunkMaker:
         if self.continuous_usage is not None:
             c["usage"] = usage(self.continuous_usage, n_gen)
         return c
+
+    def tool_calls(self, calls: list[dict[str, Any]], index: int = 0) -> list[dict[str, Any]]:
+        """A choice's tool calls as OpenAI streams them: per call, a delta with its index, id, type,
+        name and empty arguments, then one with the arguments."""
+        out = []
+        for c in calls:
+            head = {**c, "function": {"name": c["function"]["name"], "arguments": ""}}
+            args = {"index": c["index"], "function": {"arguments": c["function"]["arguments"]}}
+            for tc in (head, args):
+                out.append(self._chunk({"index": index, "delta": {"tool_calls": [tc]}, "logprobs": None,
+                                        "finish_reason": None}))  # fmt: skip
+        return out
 
     def usage(self, n_prompt: int, n_gen: int) -> dict[str, Any]:
         c = self._chunk({})

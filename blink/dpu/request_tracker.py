@@ -27,6 +27,8 @@ from blink.protocol.transport import Transport, TransportError
 from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest, TokenEvent
 
 from .slot_tracker import SlotTracker, attach_geometry, region_words
+from .structured import Grammars
+from .token_masks import Constraint, MaskArena
 from .token_reader import TokenReader
 
 log = logging.getLogger("blink.request_tracker")
@@ -92,9 +94,11 @@ class RequestTracker:
         reader_kwargs: dict | None = None,
         owner: int = 0,
         owners: int = 1,
+        grammars: Grammars | None = None,
     ):
         """owner / owners: this frontend's index and the number of frontend processes sharing the
-        ring; it serves only its share of the slots (blink.dpu.slot_tracker)."""
+        ring; it serves only its share of the slots (blink.dpu.slot_tracker). grammars: the model
+        tokenizer's grammar engine, for structured output (None: such requests are refused)."""
         self.t = transport
         self.geo = attach_geometry(transport)
         self.slots = SlotTracker(transport, self.geo, owner, owners)
@@ -110,6 +114,10 @@ class RequestTracker:
         self._ids = itertools.count(int(time.time_ns() & 0xFFFFFFFF) << 20)
         self._task: asyncio.Task[None] | None = None
         self.reclaimed = 0  # orphan slots taken over on attach
+        self.grammars = grammars
+        self.masks = MaskArena(self.geo, owner, owners)
+        self._slot_masks: dict[int, int] = {}  # slot -> the bitmask its constrained request holds
+        self._constraints: dict[int, Constraint] = {}  # claimed, not yet registered with the reader
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -200,10 +208,10 @@ class RequestTracker:
         """Claim a slot for `req` (waiting in the FIFO queue while the ring is full) and publish it."""
         if self.reader.failed:
             raise DeviceDownError(self.reader.failed)
-        why = self.check_prompt(len(req.prompt_ids), region_words(req))
+        why = self.check_prompt(len(req.prompt_ids), region_words(req)) or self.check_grammar(req)
         if why:
             raise ValueError(why)
-        slot = None if self._waiters else self._claim(req)
+        slot = None if self._waiters else self._try_claim(req)
         front = False  # a woken waiter that lost its slot to a newcomer keeps its place
         while slot is None:
             if not front and len(self._waiters) >= self.max_queue:
@@ -220,7 +228,7 @@ class RequestTracker:
                 raise
             if self.reader.failed:
                 raise DeviceDownError(self.reader.failed)
-            slot = self._claim(req)
+            slot = self._try_claim(req)
             front = True
         h = RequestHandle(self, req.request_id, slot, len(req.prompt_ids))
         prompt = None
@@ -236,12 +244,46 @@ class RequestTracker:
             backlog=h.queue.qsize,
             logprobs=sp.logprobs,
             prompt=prompt,
+            constraint=self._constraints.pop(slot, None),
         )
         return h
 
+    def check_grammar(self, req: SubmitRequest) -> str | None:
+        """Why a structured-output request cannot be served here (None if it can, or is not one)."""
+        if not req.grammar:
+            return None
+        if self.grammars is None or not self.masks.n_owned:
+            return "structured output is not enabled on this server (ring.mask_slots = 0)"
+        if self.grammars.words > self.geo.mask_words:
+            return f"the vocabulary ({self.grammars.vocab_size}) exceeds the ring's masks (ring.mask_vocab)"
+        return self.grammars.check(req.grammar) or None
+
     def _claim(self, req: SubmitRequest) -> int | None:
+        constraint = None
+        if req.grammar:
+            assert self.grammars is not None
+            mask = self.masks.take()
+            if mask is None:
+                return None  # waits for a constrained request to end, as for a slot
+            constraint = Constraint(self.grammars.matcher(req.grammar), mask, self.geo)
         try:
-            return self.slots.claim(req)
+            slot = self.slots.claim(req, constraint=constraint)
+        except BaseException:
+            if constraint is not None:
+                self.masks.give(constraint.mask)
+            raise
+        if slot is None:
+            if constraint is not None:
+                self.masks.give(constraint.mask)
+            return None
+        if constraint is not None:
+            self._slot_masks[slot] = constraint.mask
+            self._constraints[slot] = constraint
+        return slot
+
+    def _try_claim(self, req: SubmitRequest) -> int | None:
+        try:
+            return self._claim(req)
         except TransportError as e:  # the ring cannot be reached: the device is down for us
             self.fail(f"ring unreachable: {e}")
             raise DeviceDownError(self.reader.failed) from e
@@ -254,6 +296,9 @@ class RequestTracker:
                 w.set_exception(DeviceDownError(why))
 
     def _on_release(self, slot: int) -> None:
+        mask = self._slot_masks.pop(slot, None)
+        if mask is not None:
+            self.masks.give(mask)
         self._wake_one()
 
     def _wake_one(self) -> None:

@@ -41,6 +41,8 @@ from blink.protocol.layout import (
 from blink.protocol.transport import Read, Transport, Write
 from blink.protocol.wire import SubmitRequest
 
+from .token_masks import Constraint
+
 _STATE = SLOT_DTYPE.fields["state"][1]
 _CANCEL = SLOT_DTYPE.fields["cancel"][1]
 _GENERATED = SLOT_DTYPE.fields["generated"][1]
@@ -139,8 +141,10 @@ class SlotTracker:
         return None
 
     # -- frontend writes ----------------------------------------------------------------
-    def claim(self, req: SubmitRequest, slot: int | None = None) -> int | None:
-        """Publish `req` into a free slot; returns the slot, or None when the cache shows none free."""
+    def claim(self, req: SubmitRequest, slot: int | None = None, constraint: Constraint | None = None) -> int | None:
+        """Publish `req` into a free slot; returns the slot, or None when the cache shows none free.
+        constraint: a structured-output request's bitmask, whose mask for token 0 goes out with the
+        request (before the state word)."""
         words = region_words(req)
         if words > self.prompt_capacity:
             raise ValueError(f"request needs {words} words of prompt arena, a slot has {self.prompt_capacity}")
@@ -169,6 +173,10 @@ class SlotTracker:
         rec["prompt_logprobs_offset"] = self.prompt_logprobs_offset(slot, req)
         rec["t_submit_ns"] = time.time_ns()
         base = self.geo.slot_offset(slot)
+        if constraint is not None:
+            rec["mask_slot"] = constraint.mask + 1
+            writes += constraint.writes(slot, 0)[:1]  # the bits; the record carries mask_position 1
+            rec["mask_position"] = 1
         # In order, in one posted batch: the prompt (and logit bias) and the record (state still
         # EMPTY), then the state word (the release that hands the slot to the device), then the doorbell.
         writes += [

@@ -57,6 +57,7 @@ from blink.protocol.wire import DeviceHealth, Logprob, TokenEvent
 from .fine_timer import FineTimer
 from .poll_cadence import PollCadence
 from .slot_tracker import SlotTracker, read_header
+from .token_masks import Constraint
 
 log = logging.getLogger("blink.token_reader")
 _COMPLETED = int(SlotState.DECODE_COMPLETED)  # an IntEnum member's lookup costs a dict walk per use
@@ -71,6 +72,7 @@ class _Active:
     backlog: Callable[[], int] | None = None  # events delivered but not yet taken by the consumer
     logprobs: int = -1  # alternatives per generated token's record to deliver; -1: no records
     prompt: tuple[int, int, int, int] | None = None  # prompt records: (word offset, prompt_len, n in slot, n wanted)
+    constraint: Constraint | None = None  # structured output: the matcher and bitmask it advances
 
 
 class TokenReader:
@@ -132,9 +134,11 @@ class TokenReader:
         backlog: Callable[[], int] | None = None,
         logprobs: int = -1,
         prompt: tuple[int, int, int, int] | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
-        """logprobs / prompt: what the request asked of the device (SlotTracker.claim wrote it)."""
-        self.active[slot] = _Active(request_id, sink, delivered, timing, backlog, logprobs, prompt)
+        """logprobs / prompt: what the request asked of the device (SlotTracker.claim wrote it);
+        constraint: its token mask, advanced by every token read (structured output)."""
+        self.active[slot] = _Active(request_id, sink, delivered, timing, backlog, logprobs, prompt, constraint)
         self._active_mask[slot] = True
         self._delivered[slot] = delivered
         self._urgent.append(slot)
@@ -299,6 +303,8 @@ class TokenReader:
                 plps = self._read_prompt_logprobs(a.prompt) if a.delivered == 0 and a.prompt else None
                 a.delivered = gen
                 self._delivered[slot] = gen
+                if a.constraint is not None and not completed[slot]:
+                    writes += a.constraint.advance(slot, ids, gen)  # the next token's mask, then its position
                 writes.append(self.tracker.consumed_write(slot, gen))
                 n += len(ids)
                 if a.sink is not None and not completed[slot]:

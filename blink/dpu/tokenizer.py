@@ -12,11 +12,15 @@ import os
 import pathlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blink.models.tokenizer import Tokenizer
 
 from .detokenizer import IncrementalDetokenizer
+from .tool_parsers import template_messages
+
+if TYPE_CHECKING:
+    from .structured import Grammars
 
 
 class PromptError(ValueError):
@@ -79,11 +83,15 @@ class FrontendTokenizer:
             role = m.get("role")
             if role not in _ROLES:
                 raise PromptError(f"unknown role {role!r}", f"messages[{i}].role")
-            clean.append(
-                {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
-            )
+            msg = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
+            for k in ("tool_calls", "tool_call_id", "name"):  # tool calling (blink/dpu/tool_parsers.py)
+                if m.get(k) is not None:
+                    msg[k] = m[k]
+            clean.append(msg)
         try:
-            text = self.tok.apply_chat_template(clean, add_generation_prompt, **(template_kwargs or {}))
+            text = self.tok.apply_chat_template(
+                template_messages(clean), add_generation_prompt, **(template_kwargs or {})
+            )
         except ValueError as e:
             raise PromptError(str(e), "messages") from e
         return self.tok.encode(text, add_bos=False)
@@ -117,6 +125,13 @@ class FrontendTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The grammar engine over this tokenizer (structured output), built at first use (~0.5 s)."""
+        from .structured import Grammars
+
+        return Grammars(self.tok._tok.to_str(), self.info.vocab_size, list(self.eos_ids))
 
     def detokenizer(
         self, stop: Sequence[str] = (), include_stop: bool = False, skip_special_tokens: bool = True

@@ -125,6 +125,7 @@ def render() -> str:
         f"constexpr float MAX_PENALTY = {SP.MAX_PENALTY!r}f;",
         f"constexpr float MAX_LOGIT_BIAS_VALUE = {SP.MAX_LOGIT_BIAS_VALUE!r}f;",
         f"constexpr uint32_t MAX_TOP_K = {SP.MAX_TOP_K}u;",
+        f"constexpr uint32_t DEFAULT_MASK_VOCAB = {L.DEFAULT_MASK_VOCAB};",
         "",
     ]
     lines += _enum("SlotState", L.SlotState, "SLOT")

@@ -11,6 +11,7 @@ Memory map of a ring (all offsets in bytes from the start of the mapping)::
     prompt_arena_offset    int32 x prompt_arena_tokens   (frontend writes, device reads; see below)
     output_arena_offset    int32 x n_slots x output_capacity  (device writes, frontend reads)
     logprob_arena_offset   LOGPROB_DTYPE x n_slots x output_capacity  (device writes, frontend reads)
+    mask_arena_offset      uint32 x n_masks x mask_words  (frontend writes, device reads; see below)
 
 A slot's region of the prompt arena, from prompt_offset (int32 words):
 
@@ -24,6 +25,17 @@ token: the frontend reads them once generated >= 1.
 Logprob arena: with SlotFlags.LOGPROBS, the record of generated token k of slot s is at
 [s, k % output_capacity], written before `generated` covers k (the token's own release order).
 
+Mask arena (structured output): n_masks allowed-token bitmasks of mask_words uint32 words each
+(bit t % 32 of word t // 32 set = token t may be sampled; tokens past the mask are not). A mask
+covers a vocabulary of up to 32 * mask_words tokens (152,064 by default: 19,008 B a mask), so the
+arena has fewer masks than slots (ring.mask_slots): a constrained request takes one for its life
+(slot.mask_slot = index + 1; 0 = unconstrained) and gives it back when its slot is released. The
+frontend writes the mask for generated token k, then stores slot.mask_position = k + 1 (release);
+the device samples token k of a constrained slot only when it reads mask_position == k + 1 (acquire)
+before the step, and masks the logits with the bits; otherwise the slot sits out that step (no other
+slot waits). The mask for token 0 is written with the request, before PREFILL_PENDING. The frontend
+writes the mask for k + 1 only after reading token k, so it never rewrites a mask being sampled with.
+
 Ownership (single writer per word; no cross-party atomics, because GPU atomics on
 host-mapped memory are not atomic with respect to the host):
 
@@ -36,6 +48,9 @@ host-mapped memory are not atomic with respect to the host):
     slot.generated    device, release-store after the token is in the output arena
     slot.consumed     frontend, after reading tokens (flow control for the output ring)
     logprob arena, prompt logprob records   device (before the `generated` store that covers them)
+    slot.mask_slot    frontend, before PREFILL_PENDING (constant for the request)
+    slot.mask_position  frontend, release-store after the mask's bits (any state of a held slot)
+    mask arena        frontend-written (the mask of a held slot's mask_slot), device-read
     slot.t_submit_ns, t_read_ns     frontend;  t_admit_ns, t_launch_ns, t_first_ns     device
                  (the first token's path, one wall clock: the GPU scheduler adds a calibrated
                  offset to %globaltimer, see blink.gpu.scheduler.scheduler.GpuScheduler._clock_offset)
@@ -60,7 +75,7 @@ import enum
 import numpy as np
 
 RING_MAGIC = 0x474E524B4E494C42  # b"BLINKRNG" little-endian
-RING_VERSION = 4
+RING_VERSION = 5
 MAX_STOP_IDS = 8  # stop token ids carried in a slot (EOS included by the frontend)
 UNLIMITED = 0xFFFFFFFF  # max_new_tokens value meaning "until a stop condition or the context ends"
 HEADER_BYTES = 512
@@ -68,6 +83,7 @@ SLOT_BYTES = 192
 MAX_LOGPROBS = 20  # top alternatives per logprob record (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (vLLM checks each against the vocabulary only)
 ALIGN = 4096  # arenas start on page boundaries
+DEFAULT_MASK_VOCAB = 152_064  # tokens a mask covers by default (Qwen2/3's 151,936 rounded up)
 
 
 class SlotState(enum.IntEnum):
@@ -120,6 +136,7 @@ class DeviceFeatures(enum.IntFlag):
     LOGPROBS = 1  # SlotFlags.LOGPROBS
     PROMPT_LOGPROBS = 2  # SlotFlags.PROMPT_LOGPROBS
     PENALTIES = 4  # presence / frequency / repetition penalties, min_p, logit_bias
+    TOKEN_MASK = 8  # slot.mask_slot: allowed-token bitmasks from the mask arena (structured output)
 
 
 # fmt: off
@@ -171,6 +188,9 @@ HEADER_DTYPE = np.dtype([
     ("features", "<u4"),             # DeviceFeatures, written before device_status READY
     ("logprob_top", "<u4"),          # alternatives per logprob-arena record (MAX_LOGPROBS)
     ("logprob_arena_offset", "<u8"), # byte offset of the logprob arena
+    ("mask_arena_offset", "<u8"),    # byte offset of the mask arena
+    ("n_masks", "<u4"),              # bitmasks in the mask arena (0: no structured output)
+    ("mask_words", "<u4"),           # uint32 words per bitmask
 ], align=True)
 
 SLOT_DTYPE = np.dtype([
@@ -209,7 +229,9 @@ SLOT_DTYPE = np.dtype([
     ("t_read_ns", "<u8"),            # frontend clock when its token reader read the first token
     ("group", "<u8"),                # the API request this is a choice of (n > 1), 0 = none: the device
                                      # admits at most group_cap(max_batch) running sequences of a group
-    ("_pad2", "<u4", (2,)),
+    # structured output (see the mask arena)
+    ("mask_slot", "<u4"),            # 0 = unconstrained; m + 1 = samples under bitmask m of the mask arena
+    ("mask_position", "<u4"),        # k + 1: the bitmask for generated token k is published (frontend, release)
 ], align=True)
 
 # One logprob record: the logprob of the chosen token and its top alternatives (most likely first,
@@ -283,14 +305,22 @@ class RingGeometry:
         "prompt_arena_offset",
         "output_arena_offset",
         "logprob_arena_offset",
+        "n_masks",
+        "mask_words",
+        "mask_arena_offset",
         "total_bytes",
     )
 
-    def __init__(self, n_slots: int, prompt_arena_tokens: int, output_capacity: int):
+    def __init__(
+        self, n_slots: int, prompt_arena_tokens: int, output_capacity: int, n_masks: int = 0, mask_vocab: int = 0
+    ):
+        """n_masks bitmasks of mask_vocab tokens (rounded up to 32) for structured output; 0: none."""
         if not 1 <= n_slots <= 1 << 20:
             raise ValueError(f"n_slots must be in [1, 2^20], got {n_slots}")
         if prompt_arena_tokens < 1 or output_capacity < 1:
             raise ValueError("arena sizes must be positive")
+        if n_masks < 0 or mask_vocab < 0 or (n_masks > 0) != (mask_vocab > 0):
+            raise ValueError(f"n_masks ({n_masks}) and mask_vocab ({mask_vocab}) must both be 0 or both positive")
         self.n_slots = n_slots
         self.prompt_arena_tokens = prompt_arena_tokens
         self.output_capacity = output_capacity
@@ -298,14 +328,24 @@ class RingGeometry:
         self.prompt_arena_offset = _round_up(HEADER_BYTES + n_slots * SLOT_BYTES, ALIGN)
         self.output_arena_offset = _round_up(self.prompt_arena_offset + 4 * prompt_arena_tokens, ALIGN)
         self.logprob_arena_offset = _round_up(self.output_arena_offset + 4 * n_slots * output_capacity, ALIGN)
-        self.total_bytes = _round_up(
+        self.n_masks = n_masks
+        self.mask_words = (mask_vocab + 31) // 32
+        self.mask_arena_offset = _round_up(
             self.logprob_arena_offset + LOGPROB_DTYPE.itemsize * n_slots * output_capacity, ALIGN
         )
+        self.total_bytes = _round_up(self.mask_arena_offset + 4 * n_masks * self.mask_words, ALIGN)
 
     @classmethod
     def from_header(cls, hdr: np.ndarray) -> RingGeometry:
-        g = cls(int(hdr["n_slots"]), int(hdr["prompt_arena_tokens"]), int(hdr["output_capacity"]))
-        for f in ("slots_offset", "prompt_arena_offset", "output_arena_offset", "logprob_arena_offset", "total_bytes"):
+        g = cls(
+            int(hdr["n_slots"]),
+            int(hdr["prompt_arena_tokens"]),
+            int(hdr["output_capacity"]),
+            int(hdr["n_masks"]),
+            32 * int(hdr["mask_words"]),
+        )
+        fields = ("slots_offset", "prompt_arena_offset", "output_arena_offset", "logprob_arena_offset")
+        for f in (*fields, "mask_arena_offset", "total_bytes"):
             if int(hdr[f]) != getattr(g, f):
                 raise ValueError(f"ring header field {f}={int(hdr[f])} disagrees with geometry {getattr(g, f)}")
         return g
@@ -323,6 +363,10 @@ class RingGeometry:
             slot * self.output_capacity + k % self.output_capacity
         )
 
+    def mask_offset(self, m: int) -> int:
+        """Byte offset of bitmask m of the mask arena."""
+        return self.mask_arena_offset + 4 * m * self.mask_words
+
     def init_header(self, hdr: np.ndarray) -> None:
         """Fill the geometry fields of a zeroed header (magic last)."""
         hdr["version"] = RING_VERSION
@@ -336,6 +380,9 @@ class RingGeometry:
         hdr["output_arena_offset"] = self.output_arena_offset
         hdr["logprob_arena_offset"] = self.logprob_arena_offset
         hdr["logprob_top"] = MAX_LOGPROBS
+        hdr["mask_arena_offset"] = self.mask_arena_offset
+        hdr["n_masks"] = self.n_masks
+        hdr["mask_words"] = self.mask_words
         hdr["total_bytes"] = self.total_bytes
         hdr["device_status"] = DeviceStatus.STARTING
         hdr["magic"] = RING_MAGIC
@@ -365,6 +412,7 @@ class RingView:
         self.prompt_arena = np.ndarray((g.prompt_arena_tokens,), TOKEN_DTYPE, self.buf, g.prompt_arena_offset)
         self.output_arena = np.ndarray((g.n_slots, g.output_capacity), TOKEN_DTYPE, self.buf, g.output_arena_offset)
         self.logprob_arena = np.ndarray((g.n_slots, g.output_capacity), LOGPROB_DTYPE, self.buf, g.logprob_arena_offset)
+        self.mask_arena = np.ndarray((g.n_masks, g.mask_words), "<u4", self.buf, g.mask_arena_offset)
 
     @classmethod
     def create(cls, buf, geometry: RingGeometry) -> RingView:

@@ -69,6 +69,9 @@ STEP_FIELDS: tuple[StepField, ...] = (
     _f("plp_tok", "<i4", "T", "packed token of scored row j", ext=True),
     _f("plp_target", "<i4", "T", "prompt token id scored row j's logits score", ext=True),
     _f("plp_n", "<i4", "T", "alternatives in scored row j's record (<= MAX_LOGPROBS)", ext=True),
+    # token masks (structured output; kernel token_mask in sampling.cu)
+    _f("mask_on", "<u4", "1", "nonzero: some row samples under a token mask (read only when ext_on)", ext=True),
+    _f("mask_row", "<i4", "S", "-1: no token mask; else the row's bitmask in the engine's mask buffer", ext=True),
     _f("block_tables", "<i4", "S,W", "physical KV block of each logical block"),
 )
 # fmt: on

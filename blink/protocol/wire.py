@@ -26,6 +26,7 @@ class SubmitRequest(msgspec.Struct, **_OPTS):
     stop_ids: list[int] = []  # EOS included by the tokenizer role unless ignore_eos
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     group: int = 0  # the API request this is one of n > 1 choices of (slot.group); 0 = none
+    grammar: str = ""  # structured output: the grammar engine's text (blink/dpu/structured.py); "" = none
 
 
 class Logprob(msgspec.Struct, **_OPTS):

@@ -75,6 +75,8 @@ class RigSpec:
     max_tokens: int = 128
     max_context: int = 1024
     mixed_tokens: int = 0
+    n_masks: int = 4  # token masks in the ring (structured output)
+    mask_vocab: int = 49_152  # tokens a mask covers (SmolLM2 and the tiny models fit)
 
 
 _counter = itertools.count()
@@ -86,7 +88,13 @@ class Rig:
     def __init__(self, spec: RigSpec, start_timeout: float = 120.0, transport: str = "shm"):
         self.spec = spec
         self.name = f"blink-conf-{os.getpid()}-{next(_counter)}"
-        geo = RingGeometry(spec.n_slots, spec.n_slots * spec.prompt_tokens_per_slot, spec.output_capacity)
+        geo = RingGeometry(
+            spec.n_slots,
+            spec.n_slots * spec.prompt_tokens_per_slot,
+            spec.output_capacity,
+            spec.n_masks,
+            spec.mask_vocab if spec.n_masks else 0,
+        )
         self.transport = ShmTransport.create(self.name, geo)
         self.proc: DeviceProcess | None = None
         self.agent = None

@@ -14,6 +14,7 @@ import functools
 
 import numpy as np
 import pytest
+from kernel_rig import KernelRig
 
 from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
 
@@ -102,30 +103,9 @@ def ref_rope(qkv, pos, cu, bt, cos, sin, nq, nkv, hd, bs, qn, kn, eps, q_out, kc
     vc.reshape(-1, nkv, hd)[slot] = qkv.reshape(T, nh, hd)[:, nq + nkv :]
 
 
-class _Rig:
-    def __init__(self) -> None:
-        import cupy as cp
-
-        from blink.gpu.toolchain.cuda_api import Driver
-        from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
-
-        cp.cuda.Device().use()
-        cp.zeros(1)
-        self.drv = Driver()
-        self.k = Kernels(self.drv, DEFAULT_CACHE)
-        self.stream = cp.cuda.Stream(non_blocking=True)
-
-    def launch(self, name, grid, block, **args) -> None:
-        import cupy as cp
-
-        cp.cuda.Device().synchronize()  # the inputs were copied on CuPy's stream
-        self.drv.launch(self.k[name], grid, block, self.k.args(name, args), int(self.stream.ptr), 0, name)
-        self.stream.synchronize()
-
-
 @pytest.fixture(scope="module")
-def rig() -> _Rig:
-    return _Rig()
+def rig() -> KernelRig:
+    return KernelRig()
 
 
 def _bits(rng: np.random.Generator, shape, scale: float = 1.0) -> np.ndarray:

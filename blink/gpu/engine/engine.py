@@ -406,6 +406,9 @@ class Engine:
         h["presence"][:S], h["frequency"][:S] = x.presence, x.frequency
         h["repetition"][:S], h["min_p"][:S] = x.repetition, x.min_p
         h["n_logprobs"][:S] = np.minimum(x.n_logprobs, MAX_LOGPROBS)
+        masked = x.mask_slot >= 0 if x.masks is not None else np.zeros(S, bool)
+        h["mask_on"][0] = int(masked.any())
+        h["mask_row"][:S] = np.where(masked, np.arange(S), -1)  # row s of the engine's mask buffer
         scored = np.flatnonzero(x.targets >= 0)  # packed tokens whose logits score a prompt token
         P = scored.size
         h["plp_count"][0] = P
@@ -435,6 +438,21 @@ class Engine:
                 cp.cuda.runtime.memcpyAsync(int(dst.data.ptr) + off, src.ctypes.data, src.nbytes, 1, self.s)
         return keep
 
+    def _upload_masks(self, b: StepBatch) -> list[np.ndarray]:
+        """The token masks of the step's masked rows into the engine's mask buffer (row s for step
+        row s; words past the vocabulary dropped). Returns the host array the queued copy reads."""
+        x = b.ext
+        if x is None or x.masks is None or not (x.mask_slot >= 0).any():
+            return []
+        import cupy as cp
+
+        W = self.fwd.mask_words
+        rows = np.zeros((b.num_seqs, W), np.uint32)
+        n = min(W, x.masks.shape[1])
+        rows[:, :n] = x.masks[:, :n]
+        cp.cuda.runtime.memcpyAsync(int(self.fwd.masks.data.ptr), rows.ctypes.data, rows.nbytes, 1, self.s)
+        return [rows]
+
     def step(self, b: StepBatch) -> np.ndarray:
         """Run one step through its graph from the host; returns (S,) int32 sampled tokens. With
         b.ext, the logprob records of its rows with n_logprobs >= 0 are written into b.ext.logprobs,
@@ -442,7 +460,7 @@ class Engine:
         decode = self.load_step(b)
         P = int(self.arena.host["plp_count"][0]) if b.ext is not None else 0
         decode = decode and not P  # prompt logprobs are computed by the prefill graphs only
-        keep = self._upload_bias(b)
+        keep = self._upload_bias(b) + self._upload_masks(b)
         self.arena.upload(self.s, b.num_seqs)
         self.driver.graph_launch(self.pick_exec(b.num_seqs, b.num_tokens, decode), self.s)
         S, f, x = b.num_seqs, self.fwd, b.ext

@@ -177,6 +177,8 @@ class Forward(AttentionLaunches):
         self.bias_n = z(rows, dt=cp.int32)
         self.bias_ids = z(rows, MAX_LOGIT_BIAS, dt=cp.int32)
         self.bias_vals = z(rows, MAX_LOGIT_BIAS, dt=cp.float32)
+        self.mask_words = (V + 31) // 32  # token masks (token_mask): a row per step row (Engine._upload_masks)
+        self.masks = z(Sm if sampling_rows else 1, self.mask_words if sampling_rows else 1, dt=cp.uint32)
         # Prompt logprobs (plp_* in sampling.cu): the final-normed hidden state, the fp32 logits and
         # the record of every scored row; up to max_tokens rows (max_tokens * vocab * 4 bytes of
         # logits), allocated with the extension tables.
@@ -317,7 +319,8 @@ class Forward(AttentionLaunches):
 
     def record_sampling(self, stream: int, S: int) -> None:
         """Sampling over self.logits: the extension kernels (each returns at once unless the step's
-        ext_on is set, and then works only on the rows that use an extension), sample_tokens."""
+        ext_on is set, and then works only on the rows that use an extension; token_mask also needs
+        mask_on), sample_tokens."""
         V, a, ns = self.c.vocab_size, self.arena.ptr, self.arena.ptr["num_seqs"]
         on = a["ext_on"] if self.sampling_rows else None
         if on is not None:
@@ -331,6 +334,11 @@ class Forward(AttentionLaunches):
                 repetition=a["repetition"], bias_n=self.bias_n, bias_ids=self.bias_ids, bias_vals=self.bias_vals,
                 max_bias=MAX_LOGIT_BIAS, n_logprobs=a["n_logprobs"], max_lp=MAX_LOGPROBS, top_ids=self.top_ids,
                 top_lps=self.top_lps, stats=self.lp_stats, num_seqs=ns, ext_on=on,
+            )  # fmt: skip
+            self._launch(
+                "token_mask", (max(1, min(32, V // 4096)), S, 1), (256, 1, 1), stream, logits=self.logits,
+                proc=self.proc, V=V, pen_row=a["pen_row"], masks=self.masks, mask_words=self.mask_words,
+                mask_row=a["mask_row"], num_seqs=ns, ext_on=on, mask_on=a["mask_on"],
             )  # fmt: skip
         self._launch(
             "sample_tokens", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, V=V,

@@ -26,10 +26,11 @@ class HostExecutor:
         self.num_blocks = d.num_blocks
         self.max_batch = d.max_seqs
         self.max_tokens = d.max_tokens
-        # Logprobs, prompt logprobs, penalties, min_p and logit_bias run in the graphs when the engine
+        # Logprobs, prompt logprobs, penalties, min_p, logit_bias and token masks run in the graphs when the engine
         # has the tables (EngineConfig.sampling_rows = the ring's n_slots).
         on = engine.fwd.sampling_rows > 0
         every = DeviceFeatures.LOGPROBS | DeviceFeatures.PROMPT_LOGPROBS | DeviceFeatures.PENALTIES
+        every |= DeviceFeatures.TOKEN_MASK  # the ring device gates the masked rows and loads their masks
         self.features = every if on else DeviceFeatures.NONE
 
     @classmethod

@@ -376,6 +376,28 @@ extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, 
   }
 }
 
+// Token masks (structured output, sampling.py step 2b): a row with mask_row[s] = m >= 0 keeps only the
+// tokens whose bit is set in masks[m * mask_words ...] (bit t % 32 of word t / 32; tokens past the mask
+// are not allowed); the others become -inf in the row sample_tokens reads (proc when pen_row[s] >= 0,
+// else the logits, in place). Launched after logits_ext (the raw logprobs are the unmasked logits')
+// and before sample_tokens; an allowed token keeps its logit, so sample_post's chosen logprob holds.
+// Returns at once unless ext_on and mask_on. Grid (G, S), block 256: block x of row s covers a strided
+// share of the vocabulary.
+extern "C" __global__ void __launch_bounds__(256)
+    token_mask(float* __restrict__ logits, float* __restrict__ proc, int V, const int* __restrict__ pen_row,
+               const uint32_t* __restrict__ masks, int mask_words, const int* __restrict__ mask_row,
+               const uint32_t* __restrict__ num_seqs, const uint32_t* __restrict__ ext_on,
+               const uint32_t* __restrict__ mask_on) {
+  const int s = blockIdx.y;
+  if (!*ext_on || !*mask_on || s >= (int)*num_seqs || mask_row[s] < 0) return;
+  float* row = (pen_row[s] >= 0 ? proc : logits) + (size_t)s * V;
+  const uint32_t* m = masks + (size_t)mask_row[s] * mask_words;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x) {
+    const int w = i >> 5;
+    if (w >= mask_words || !((m[w] >> (i & 31)) & 1u)) row[i] = -INFINITY;
+  }
+}
+
 // proc / pen_row / min_p: read only when ext_on is non-null and *ext_on (the step uses an extension):
 // rows with pen_row[s] >= 0 then sample from proc (logits_ext's output), min_p applies; otherwise
 // every row samples from the logits with min_p 0.

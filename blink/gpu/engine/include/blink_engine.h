@@ -46,25 +46,27 @@ struct EngineABI {
   int32_t* plp_tok;  // offset 232  [T] packed token of scored row j
   int32_t* plp_target;  // offset 240  [T] prompt token id scored row j's logits score
   int32_t* plp_n;  // offset 248  [T] alternatives in scored row j's record (<= MAX_LOGPROBS)
-  int32_t* block_tables;  // offset 256  [S,W] physical KV block of each logical block
-  int32_t* out_tokens;  // offset 264  [max_seqs] sampled token of each sequence (last token of its chunk)
-  uint64_t* done_seq;  // offset 272  the graph's last kernel stores *step_seq here (st.release.gpu)
-  float* chosen_lp;  // offset 280  [max_seqs] raw logprob of out_tokens (rows with n_logprobs >= 0, emitted)
-  int32_t* top_ids;  // offset 288  [max_seqs][max_logprobs] the row's most likely ids (first n_logprobs valid)
-  float* top_lps;  // offset 296  [max_seqs][max_logprobs] their raw logprobs
-  float* plp_lp;  // offset 304  [max_tokens] prompt logprob of scored row j's target (plp_records)
-  int32_t* plp_ids;  // offset 312  [max_tokens][max_logprobs] scored row j's most likely ids (first plp_n[j] valid)
-  float* plp_lps;  // offset 320  [max_tokens][max_logprobs] their logprobs
-  uint32_t* pen_state;  // offset 328  [sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)
-  int32_t* bias_n;  // offset 336  [sampling_rows] logit_bias entries of the row's request (written at admission)
-  int32_t* bias_ids;  // offset 344  [sampling_rows][max_logit_bias]
-  float* bias_vals;  // offset 352  [sampling_rows][max_logit_bias]
-  uint32_t* batch_buckets;  // offset 360  [n_batch_buckets] sizes, ascending
-  uint32_t* token_buckets;  // offset 368  [n_token_buckets] sizes, ascending
-  uint16_t* batch_bucket_of;  // offset 376  [max_seqs+1]
-  uint16_t* token_bucket_of;  // offset 384  [max_tokens+1]
-  uint64_t* decode_execs;  // offset 392  [n_batch_buckets][execs_per_shape]
-  uint64_t* prefill_execs;  // offset 400  [n_batch_buckets][n_token_buckets][execs_per_shape]
+  uint32_t* mask_on;  // offset 256  nonzero: some row samples under a token mask (read only when ext_on)
+  int32_t* mask_row;  // offset 264  [S] -1: no token mask; else the row's bitmask in the engine's mask buffer
+  int32_t* block_tables;  // offset 272  [S,W] physical KV block of each logical block
+  int32_t* out_tokens;  // offset 280  [max_seqs] sampled token of each sequence (last token of its chunk)
+  uint64_t* done_seq;  // offset 288  the graph's last kernel stores *step_seq here (st.release.gpu)
+  float* chosen_lp;  // offset 296  [max_seqs] raw logprob of out_tokens (rows with n_logprobs >= 0, emitted)
+  int32_t* top_ids;  // offset 304  [max_seqs][max_logprobs] the row's most likely ids (first n_logprobs valid)
+  float* top_lps;  // offset 312  [max_seqs][max_logprobs] their raw logprobs
+  float* plp_lp;  // offset 320  [max_tokens] prompt logprob of scored row j's target (plp_records)
+  int32_t* plp_ids;  // offset 328  [max_tokens][max_logprobs] scored row j's most likely ids (first plp_n[j] valid)
+  float* plp_lps;  // offset 336  [max_tokens][max_logprobs] their logprobs
+  uint32_t* pen_state;  // offset 344  [sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)
+  int32_t* bias_n;  // offset 352  [sampling_rows] logit_bias entries of the row's request (written at admission)
+  int32_t* bias_ids;  // offset 360  [sampling_rows][max_logit_bias]
+  float* bias_vals;  // offset 368  [sampling_rows][max_logit_bias]
+  uint32_t* batch_buckets;  // offset 376  [n_batch_buckets] sizes, ascending
+  uint32_t* token_buckets;  // offset 384  [n_token_buckets] sizes, ascending
+  uint16_t* batch_bucket_of;  // offset 392  [max_seqs+1]
+  uint16_t* token_bucket_of;  // offset 400  [max_tokens+1]
+  uint64_t* decode_execs;  // offset 408  [n_batch_buckets][execs_per_shape]
+  uint64_t* prefill_execs;  // offset 416  [n_batch_buckets][n_token_buckets][execs_per_shape]
 };
 #ifdef offsetof
 static_assert(offsetof(EngineABI, max_seqs) == 0, "EngineABI.max_seqs offset");
@@ -105,26 +107,28 @@ static_assert(offsetof(EngineABI, plp_count) == 224, "EngineABI.plp_count offset
 static_assert(offsetof(EngineABI, plp_tok) == 232, "EngineABI.plp_tok offset");
 static_assert(offsetof(EngineABI, plp_target) == 240, "EngineABI.plp_target offset");
 static_assert(offsetof(EngineABI, plp_n) == 248, "EngineABI.plp_n offset");
-static_assert(offsetof(EngineABI, block_tables) == 256, "EngineABI.block_tables offset");
-static_assert(offsetof(EngineABI, out_tokens) == 264, "EngineABI.out_tokens offset");
-static_assert(offsetof(EngineABI, done_seq) == 272, "EngineABI.done_seq offset");
-static_assert(offsetof(EngineABI, chosen_lp) == 280, "EngineABI.chosen_lp offset");
-static_assert(offsetof(EngineABI, top_ids) == 288, "EngineABI.top_ids offset");
-static_assert(offsetof(EngineABI, top_lps) == 296, "EngineABI.top_lps offset");
-static_assert(offsetof(EngineABI, plp_lp) == 304, "EngineABI.plp_lp offset");
-static_assert(offsetof(EngineABI, plp_ids) == 312, "EngineABI.plp_ids offset");
-static_assert(offsetof(EngineABI, plp_lps) == 320, "EngineABI.plp_lps offset");
-static_assert(offsetof(EngineABI, pen_state) == 328, "EngineABI.pen_state offset");
-static_assert(offsetof(EngineABI, bias_n) == 336, "EngineABI.bias_n offset");
-static_assert(offsetof(EngineABI, bias_ids) == 344, "EngineABI.bias_ids offset");
-static_assert(offsetof(EngineABI, bias_vals) == 352, "EngineABI.bias_vals offset");
-static_assert(offsetof(EngineABI, batch_buckets) == 360, "EngineABI.batch_buckets offset");
-static_assert(offsetof(EngineABI, token_buckets) == 368, "EngineABI.token_buckets offset");
-static_assert(offsetof(EngineABI, batch_bucket_of) == 376, "EngineABI.batch_bucket_of offset");
-static_assert(offsetof(EngineABI, token_bucket_of) == 384, "EngineABI.token_bucket_of offset");
-static_assert(offsetof(EngineABI, decode_execs) == 392, "EngineABI.decode_execs offset");
-static_assert(offsetof(EngineABI, prefill_execs) == 400, "EngineABI.prefill_execs offset");
+static_assert(offsetof(EngineABI, mask_on) == 256, "EngineABI.mask_on offset");
+static_assert(offsetof(EngineABI, mask_row) == 264, "EngineABI.mask_row offset");
+static_assert(offsetof(EngineABI, block_tables) == 272, "EngineABI.block_tables offset");
+static_assert(offsetof(EngineABI, out_tokens) == 280, "EngineABI.out_tokens offset");
+static_assert(offsetof(EngineABI, done_seq) == 288, "EngineABI.done_seq offset");
+static_assert(offsetof(EngineABI, chosen_lp) == 296, "EngineABI.chosen_lp offset");
+static_assert(offsetof(EngineABI, top_ids) == 304, "EngineABI.top_ids offset");
+static_assert(offsetof(EngineABI, top_lps) == 312, "EngineABI.top_lps offset");
+static_assert(offsetof(EngineABI, plp_lp) == 320, "EngineABI.plp_lp offset");
+static_assert(offsetof(EngineABI, plp_ids) == 328, "EngineABI.plp_ids offset");
+static_assert(offsetof(EngineABI, plp_lps) == 336, "EngineABI.plp_lps offset");
+static_assert(offsetof(EngineABI, pen_state) == 344, "EngineABI.pen_state offset");
+static_assert(offsetof(EngineABI, bias_n) == 352, "EngineABI.bias_n offset");
+static_assert(offsetof(EngineABI, bias_ids) == 360, "EngineABI.bias_ids offset");
+static_assert(offsetof(EngineABI, bias_vals) == 368, "EngineABI.bias_vals offset");
+static_assert(offsetof(EngineABI, batch_buckets) == 376, "EngineABI.batch_buckets offset");
+static_assert(offsetof(EngineABI, token_buckets) == 384, "EngineABI.token_buckets offset");
+static_assert(offsetof(EngineABI, batch_bucket_of) == 392, "EngineABI.batch_bucket_of offset");
+static_assert(offsetof(EngineABI, token_bucket_of) == 400, "EngineABI.token_bucket_of offset");
+static_assert(offsetof(EngineABI, decode_execs) == 408, "EngineABI.decode_execs offset");
+static_assert(offsetof(EngineABI, prefill_execs) == 416, "EngineABI.prefill_execs offset");
 #endif
-static_assert(sizeof(EngineABI) == 408, "EngineABI size");
+static_assert(sizeof(EngineABI) == 424, "EngineABI size");
 
 }  // namespace blink

@@ -7,7 +7,7 @@
 namespace blink {
 
 constexpr uint64_t RING_MAGIC = 0x474E524B4E494C42ull;
-constexpr uint32_t RING_VERSION = 4;
+constexpr uint32_t RING_VERSION = 5;
 constexpr uint32_t MAX_STOP_IDS = 8;
 constexpr uint32_t UNLIMITED = 0xFFFFFFFFu;
 constexpr uint32_t HEADER_BYTES = 512;
@@ -21,6 +21,7 @@ constexpr float MAX_TEMPERATURE = 2.0f;
 constexpr float MAX_PENALTY = 2.0f;
 constexpr float MAX_LOGIT_BIAS_VALUE = 100.0f;
 constexpr uint32_t MAX_TOP_K = 2147483647u;
+constexpr uint32_t DEFAULT_MASK_VOCAB = 152064;
 
 enum SlotState : uint32_t {
   SLOT_EMPTY = 0,
@@ -66,6 +67,7 @@ enum DeviceFeatures : uint32_t {
   FEATURE_LOGPROBS = 1,
   FEATURE_PROMPT_LOGPROBS = 2,
   FEATURE_PENALTIES = 4,
+  FEATURE_TOKEN_MASK = 8,
 };
 
 struct RingHeader {
@@ -112,7 +114,10 @@ struct RingHeader {
   uint32_t features;  // offset 248
   uint32_t logprob_top;  // offset 252
   uint64_t logprob_arena_offset;  // offset 256
-  uint8_t _tail[248];
+  uint64_t mask_arena_offset;  // offset 264
+  uint32_t n_masks;  // offset 272
+  uint32_t mask_words;  // offset 276
+  uint8_t _tail[232];
 };
 #ifdef offsetof
 static_assert(offsetof(RingHeader, magic) == 0, "RingHeader.magic offset");
@@ -158,6 +163,9 @@ static_assert(offsetof(RingHeader, scans) == 240, "RingHeader.scans offset");
 static_assert(offsetof(RingHeader, features) == 248, "RingHeader.features offset");
 static_assert(offsetof(RingHeader, logprob_top) == 252, "RingHeader.logprob_top offset");
 static_assert(offsetof(RingHeader, logprob_arena_offset) == 256, "RingHeader.logprob_arena_offset offset");
+static_assert(offsetof(RingHeader, mask_arena_offset) == 264, "RingHeader.mask_arena_offset offset");
+static_assert(offsetof(RingHeader, n_masks) == 272, "RingHeader.n_masks offset");
+static_assert(offsetof(RingHeader, mask_words) == 276, "RingHeader.mask_words offset");
 #endif
 static_assert(sizeof(RingHeader) == 512, "RingHeader size");
 
@@ -194,7 +202,8 @@ struct RingSlot {
   uint64_t t_launch_ns;  // offset 160
   uint64_t t_read_ns;  // offset 168
   uint64_t group;  // offset 176
-  uint32_t _pad2[2];  // offset 184
+  uint32_t mask_slot;  // offset 184
+  uint32_t mask_position;  // offset 188
 };
 #ifdef offsetof
 static_assert(offsetof(RingSlot, state) == 0, "RingSlot.state offset");
@@ -229,7 +238,8 @@ static_assert(offsetof(RingSlot, _pad1) == 156, "RingSlot._pad1 offset");
 static_assert(offsetof(RingSlot, t_launch_ns) == 160, "RingSlot.t_launch_ns offset");
 static_assert(offsetof(RingSlot, t_read_ns) == 168, "RingSlot.t_read_ns offset");
 static_assert(offsetof(RingSlot, group) == 176, "RingSlot.group offset");
-static_assert(offsetof(RingSlot, _pad2) == 184, "RingSlot._pad2 offset");
+static_assert(offsetof(RingSlot, mask_slot) == 184, "RingSlot.mask_slot offset");
+static_assert(offsetof(RingSlot, mask_position) == 188, "RingSlot.mask_position offset");
 #endif
 static_assert(sizeof(RingSlot) == 192, "RingSlot size");
 

@@ -180,6 +180,7 @@ __device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
       !(mp >= 0.0f && mp <= 1.0f))
     return SLOTERR_BAD_PARAMS;
   if (r.n_logprobs > MAX_LOGPROBS || nb > MAX_LOGIT_BIAS) return SLOTERR_BAD_PARAMS;
+  if (r.mask_slot != 0) return SLOTERR_BAD_PARAMS;  // token masks: not implemented here (no FEATURE_TOKEN_MASK)
   if ((u64)r.prompt_offset + r.prompt_len + 2ull * nb > sh.arena_tokens) return SLOTERR_BAD_PARAMS;
   if ((r.flags & SLOTFLAG_PROMPT_LOGPROBS) &&
       (u64)r.prompt_logprobs_offset + (u64)r.prompt_len * (1ull + 2ull * r.n_logprobs) > sh.arena_tokens)

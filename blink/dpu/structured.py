@@ -1,0 +1,197 @@
+"""Structured output: a request's constraint (OpenAI `response_format`, vLLM `structured_outputs` and
+the older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`) as a grammar of the
+engine (llguidance, docs/decisions.md), checked against the model's tokenizer once per distinct
+grammar (a cache), and the matcher that follows a request's tokens and fills the allowed-token
+bitmask of its next position (blink/dpu/token_masks.py writes it into the ring).
+
+A grammar is carried as llguidance's grammar text (a JSON TopLevelGrammar or Lark), so a ring
+request (SubmitRequest.grammar) stays plain data. An invalid schema, regex or grammar is a 400 that
+names the field and quotes the engine's reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+# the engine's JSON options: no free whitespace (a model left free to emit whitespace can loop on it)
+_JSON_DEFAULTS = {"whitespace_flexible": False}
+_CACHE = 512  # distinct grammars kept compiled
+
+
+class GrammarError(ValueError):
+    """A constraint the engine cannot use (HTTP 400 naming `param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _engine():
+    import llguidance
+
+    return llguidance
+
+
+def json_schema_grammar(schema: Any, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"{param} is not valid JSON: {e}", param) from e
+    if not isinstance(schema, Mapping | bool):
+        raise GrammarError(f"{param} must be a JSON schema object", param)
+    return _engine().LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
+
+
+def regex_grammar(pattern: Any, param: str) -> str:
+    if not isinstance(pattern, str) or not pattern:
+        raise GrammarError(f"{param} must be a non-empty string", param)
+    return _engine().LLMatcher.grammar_from_regex(pattern)
+
+
+def choice_grammar(choices: Any, param: str) -> str:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str | int | float) for c in choices):
+        raise GrammarError(f"{param} must be a non-empty list of strings", param)
+    return "start: " + " | ".join(json.dumps(str(c)) for c in choices)
+
+
+def lark_grammar(text: Any, param: str) -> str:
+    """Lark (llguidance's syntax); a GBNF grammar (`::=` rules, llama.cpp / xgrammar) is converted."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError(f"{param} must be a non-empty grammar", param)
+    if "::=" in text:
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            return gbnf_to_lark(text)
+        except Exception as e:  # the converter's parse errors
+            raise GrammarError(f"{param}: {e}", param) from e
+    return text
+
+
+_KINDS = {
+    "json": json_schema_grammar,
+    "regex": regex_grammar,
+    "choice": choice_grammar,
+    "grammar": lark_grammar,
+}
+
+
+def _response_format(fmt: Any) -> str | None:
+    param = "response_format"
+    if not isinstance(fmt, Mapping):
+        raise GrammarError("response_format must be an object", param)
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar({"type": "object"}, param)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise GrammarError("response_format.json_schema must be an object", param)
+        # OpenAI's field is `schema`; a json_schema without one allows any JSON value
+        return json_schema_grammar(spec.get("schema", {}), "response_format.json_schema.schema")
+    raise GrammarError(f"response_format type {kind!r}; expected text, json_object or json_schema", param)
+
+
+def _structured_outputs(so: Any) -> str | None:
+    param = "structured_outputs"
+    if not isinstance(so, Mapping):
+        raise GrammarError("structured_outputs must be an object", param)
+    kinds = ("json", "regex", "choice", "grammar")
+    given = [k for k in kinds if so.get(k) is not None] + (["json_object"] if so.get("json_object") else [])
+    options = {"json_object", "disable_fallback", "disable_any_whitespace", "whitespace_pattern"}
+    unknown = set(so) - set(kinds) - options
+    if unknown:
+        raise GrammarError(f"structured_outputs: unknown field(s) {sorted(unknown)}", param)
+    if len(given) > 1:
+        raise GrammarError(f"structured_outputs: only one of {given} may be set", param)
+    if not given:
+        return None
+    if given[0] == "json_object":
+        return json_schema_grammar({"type": "object"}, param)
+    return _KINDS[given[0]](so[given[0]], f"{param}.{given[0]}")
+
+
+def request_grammar(fields: Mapping[str, Any]) -> str | None:
+    """The grammar text a request's fields ask for (None: unconstrained). `fields`: the request's
+    response_format, structured_outputs, guided_json, guided_regex, guided_choice, guided_grammar
+    (absent or None when not set). More than one constraint is a 400."""
+    found: list[tuple[str, str]] = []
+    if fields.get("response_format") is not None:
+        g = _response_format(fields["response_format"])
+        if g is not None:
+            found.append(("response_format", g))
+    if fields.get("structured_outputs") is not None:
+        g = _structured_outputs(fields["structured_outputs"])
+        if g is not None:
+            found.append(("structured_outputs", g))
+    for kind in ("json", "regex", "choice", "grammar"):
+        name = f"guided_{kind}"
+        if fields.get(name) is not None:
+            found.append((name, _KINDS[kind](fields[name], name)))
+    if len(found) > 1:
+        raise GrammarError(
+            f"only one structured output constraint per request, got {[n for n, _ in found]}", found[1][0]
+        )
+    return found[0][1] if found else None
+
+
+class Grammars:
+    """The engine's view of the model's tokenizer and the grammars checked against it (cached by
+    grammar text: a schema sent with every request compiles once)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
+        llg = _engine()
+        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._lock = threading.Lock()
+        self.check = functools.lru_cache(maxsize=_CACHE)(self._check)
+
+    def _check(self, grammar: str) -> str:
+        """'' when the grammar compiles against this tokenizer, else the engine's reason."""
+        with self._lock:
+            return _engine().LLMatcher.validate_grammar(grammar, self.tokenizer)
+
+    def validate(self, grammar: str, param: str) -> None:
+        why = self.check(grammar)
+        if why:
+            raise GrammarError(f"{param}: {why.strip()}", param)
+
+    def matcher(self, grammar: str) -> Matcher:
+        return Matcher(_engine().LLMatcher(self.tokenizer, grammar), self.words)
+
+
+class Matcher:
+    """One request's position in its grammar: fill the mask of the next token, advance by tokens."""
+
+    __slots__ = ("m", "words")
+
+    def __init__(self, m: Any, words: int):
+        self.m = m
+        self.words = words
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        """The allowed-token bitmask of the next position into out (uint32, >= words words; the
+        words past the vocabulary are cleared). A matcher in error allows nothing but EOS."""
+        out[self.words :] = 0
+        head = out[: self.words]
+        self.m.unsafe_compute_mask_ptr(head.ctypes.data, head.nbytes)
+
+    def advance(self, ids: list[int]) -> bool:
+        """Consume generated tokens; False when one was not allowed (the matcher is then in error)."""
+        if self.m.is_stopped():
+            return True  # tokens after the grammar's end (EOS) change nothing
+        return all(self.m.consume_token(int(t)) for t in ids)
+
+    @property
+    def error(self) -> str:
+        return self.m.get_error() or ""

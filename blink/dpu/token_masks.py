@@ -1,0 +1,61 @@
+"""Token masks in the ring: the frontend's side of structured output (blink/protocol/layout.py, the
+mask arena). A constrained request takes one of the arena's bitmasks for its life; the token reader
+advances the request's matcher by each token it reads and posts the mask of the next position: the
+bits, then slot.mask_position = next token index + 1 (the release the device acquires before it
+samples that token). Both go out in the reader's one posted batch per cycle, so the mask costs no
+round trip of its own on a remote transport.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blink.protocol.layout import SLOT_DTYPE, RingGeometry
+from blink.protocol.transport import Write
+
+from .structured import Matcher
+
+_MASK_POSITION = SLOT_DTYPE.fields["mask_position"][1]
+
+
+class MaskArena:
+    """Which of the ring's bitmasks this frontend holds (owner of `owners` frontends sharing the ring
+    takes the masks m with m % owners == owner, as with slots)."""
+
+    def __init__(self, geo: RingGeometry, owner: int = 0, owners: int = 1):
+        self.geo = geo
+        self.free = [m for m in range(geo.n_masks - 1, -1, -1) if m % owners == owner]
+        self.n_owned = len(self.free)
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def give(self, m: int) -> None:
+        self.free.append(m)
+
+
+class Constraint:
+    """One constrained request in a slot: its matcher and its bitmask of the arena."""
+
+    __slots__ = ("matcher", "mask", "geo", "buf", "failed")
+
+    def __init__(self, matcher: Matcher, mask: int, geo: RingGeometry):
+        self.matcher = matcher
+        self.mask = mask
+        self.geo = geo
+        self.buf = np.zeros(geo.mask_words, "<u4")
+        self.failed = False
+
+    def writes(self, slot: int, k: int) -> list[Write]:
+        """The bitmask for generated token k, then the position word that publishes it."""
+        self.matcher.fill_mask(self.buf)
+        pos = np.array([k + 1], "<u4")
+        return [(self.geo.mask_offset(self.mask), self.buf.copy()), (self.geo.slot_offset(slot) + _MASK_POSITION, pos)]
+
+    def advance(self, slot: int, ids: list[int], k: int) -> list[Write]:
+        """After reading tokens `ids` (the last one is token k - 1): the mask of token k. A token the
+        grammar did not allow (only a device that ignored the mask emits one) leaves the matcher in
+        error; its mask then allows nothing but what the engine allows in error (EOS)."""
+        if not self.matcher.advance(ids):
+            self.failed = True
+        return self.writes(slot, k)

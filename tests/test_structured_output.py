@@ -1,0 +1,233 @@
+"""Structured output through the OpenAI API: `blink serve` with the emulated device and the tiny
+random-weight model (its choices are noise, so only the token masks make the outputs valid), driven
+by the official openai client; and the request parsing of blink/dpu/structured.py without a server."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+from structured_schemas import SCHEMAS
+
+from blink.dpu.structured import GrammarError, request_grammar
+from blink.dpu.tokenizer import load_tokenizer
+from blink.testing import ServeProcess
+
+KEY = "sk-structured"
+
+
+# -- request parsing -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "json_object"}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": SCHEMAS[4], "strict": True},
+            }
+        },
+        {"structured_outputs": {"json": SCHEMAS[0]}},
+        {"structured_outputs": {"regex": "[ab]+"}},
+        {"structured_outputs": {"choice": ["a", "b"]}},
+        {"structured_outputs": {"grammar": 'start: "x" | "y"'}},
+        {"guided_json": json.dumps(SCHEMAS[1])},
+        {"guided_regex": r"\d+"},
+        {"guided_choice": ["yes", "no"]},
+        {"guided_grammar": 'root ::= "a" | "b"'},  # GBNF: converted to Lark
+    ],
+)
+def test_each_constraint_field_becomes_a_grammar_the_engine_accepts(fields):
+    g = request_grammar(fields)
+    assert g
+    assert load_tokenizer("random:tiny-llama").grammars.check(g) == ""
+
+
+def test_text_format_and_no_fields_are_unconstrained():
+    assert request_grammar({"response_format": {"type": "text"}}) is None
+    assert request_grammar({}) is None
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ],
+)
+def test_malformed_constraints_name_their_field(fields, param):
+    with pytest.raises(GrammarError) as e:
+        request_grammar(fields)
+    assert e.value.param == param
+
+
+def test_a_choice_mask_allows_exactly_the_first_tokens_of_the_choices():
+    tok = load_tokenizer("random:tiny-llama")
+    g = tok.grammars
+    m = g.matcher(request_grammar({"guided_choice": ["ab", "cd"]}))
+    import numpy as np
+
+    bits = np.zeros(g.words, "<u4")
+    m.fill_mask(bits)
+    allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+    assert sorted(allowed.tolist()) == sorted(tok.text_ids("a", False) + tok.text_ids("c", False))
+
+
+@pytest.mark.parametrize(
+    "masks, vocab, why",
+    [(0, 0, "not enabled"), (2, 64, "exceeds the ring's masks"), (2, 4096, "")],
+)
+def test_the_ring_must_have_masks_that_cover_the_vocabulary(masks, vocab, why):
+    import os
+
+    from blink.dpu.request_tracker import RequestTracker
+    from blink.protocol.layout import RingGeometry
+    from blink.protocol.transport import ShmTransport
+    from blink.protocol.wire import SubmitRequest
+
+    tok = load_tokenizer("random:tiny-llama")  # vocabulary 512
+    t = ShmTransport.create(f"blink-test-masks-{os.getpid()}", RingGeometry(4, 64, 8, masks, vocab))
+    try:
+        tracker = RequestTracker(t, grammars=tok.grammars)
+        req = SubmitRequest(1, [1, 2], 4, grammar=request_grammar({"guided_regex": "a+"}))
+        got = tracker.check_grammar(req)
+        assert (why in got) if why else got is None
+        assert tracker.masks.n_owned == masks
+    finally:
+        t.close()
+        t.unlink()
+
+
+# -- through the server ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    s = ServeProcess(
+        ["--device", "emulated", "--model", "random:tiny-llama", "--n-slots", "8", "--max-batch", "8",
+         "--num-kv-blocks", "256", "--api-key", KEY],
+        timeout=180,
+    )  # fmt: skip
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def valid_or_truncated(text: str, finish: str, schema: dict) -> None:
+    if finish == "length":
+        return  # cut by max_tokens: reported as such, not checked
+    assert finish == "stop", finish
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_every_output_validates_under_its_schema(client, server, i):
+    r = client.completions.create(
+        model=server.model,
+        prompt="data:",
+        max_tokens=160,
+        temperature=1.0,
+        seed=i,
+        extra_body={"guided_json": SCHEMAS[i]},
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "stop", "the test schemas are bounded: a truncated output means a runaway"
+    valid_or_truncated(c.text, c.finish_reason, SCHEMAS[i])
+
+
+def test_chat_response_format_json_schema_strict_and_json_object(client, server):
+    msgs = [{"role": "user", "content": "a point"}]
+    schema = SCHEMAS[9]
+    rf = {"type": "json_schema", "json_schema": {"name": "point", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=80, response_format=rf)
+    valid_or_truncated(r.choices[0].message.content, r.choices[0].finish_reason, schema)
+    r = client.chat.completions.create(
+        model=server.model, messages=msgs, max_tokens=200, seed=1, response_format={"type": "json_object"}
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_regex_and_choice_outputs_match(client, server):
+    pattern = r"[a-c]{2}-\d{3}"
+    for seed in range(3):
+        r = client.completions.create(
+            model=server.model, prompt="x", max_tokens=20, seed=seed, extra_body={"guided_regex": pattern}
+        )
+        assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
+        r = client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "pick"}],
+            max_tokens=10,
+            seed=seed,
+            extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}},
+        )
+        assert r.choices[0].message.content in ("alpha", "beta", "gamma")
+
+
+def test_a_lark_grammar_and_n_choices_streamed(client, server):
+    stream = client.completions.create(
+        model=server.model,
+        prompt="x",
+        max_tokens=30,
+        n=2,
+        stream=True,
+        extra_body={"guided_grammar": 'start: "(" item ("," item)* ")"\nitem: /[0-9]/'},
+    )
+    text = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            text[c.index] += c.text
+    for t in text:
+        assert re.fullmatch(r"\(\d(,\d)*\)", t) or len(t) >= 29, t
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=6)
+    age: int = pydantic.Field(ge=0, le=99)
+    pets: list[str] = pydantic.Field(max_length=2)
+
+
+def test_openai_parse_with_a_pydantic_model(client, server):
+    r = client.beta.chat.completions.parse(
+        model=server.model,
+        messages=[{"role": "user", "content": "a person"}],
+        response_format=Person,
+        max_tokens=120,
+        seed=7,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    p = r.choices[0].message.parsed
+    assert isinstance(p, Person) and 0 <= p.age <= 99
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"guided_json": {"type": "object", "properties": {"a": {"type": "wrong"}}}}, "wrong"),
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+        ({"guided_regex": "(ab"}, "unclosed group"),
+        ({"guided_grammar": "start: undefined_rule"}, "undefined_rule"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{bad"}}},
+            "not valid JSON",
+        ),
+    ],
+)
+def test_an_invalid_constraint_is_a_400_naming_what_is_wrong(client, server, extra, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="x", max_tokens=5, extra_body=extra)
+    assert needle in str(e.value)
+    # the server is fine afterwards
+    assert client.completions.create(model=server.model, prompt="x", max_tokens=2).choices[0].finish_reason
