@@ -1,8 +1,28 @@
-"""JSON schemas for the structured output tests: nested objects, arrays, enums, bounded numbers,
-anyOf, required fields. Strings and arrays are bounded so that a random-weight model finishes
-within a short max_tokens."""
+"""What the structured output and tool calling tests share: JSON schemas (nested objects, arrays,
+enums, bounded numbers, anyOf, required fields; strings and arrays bounded so that a random-weight
+model finishes within a short max_tokens) and the tiny-model server they run against."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+
+from blink.testing import ServeProcess
+
+TINY = ["--device", "emulated", "--model", "random:tiny-llama", "--n-slots", "8", "--max-batch", "8"]
+
+
+def tiny_server(key: str, *extra: str) -> Iterator[ServeProcess]:
+    """A module fixture's body: `blink serve` of the tiny model with API key `key`, stopped cleanly."""
+    s = ServeProcess([*TINY, "--num-kv-blocks", "256", "--api-key", key, *extra], timeout=180)
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+
+
+def client_of(server: ServeProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
 
 STR = {"type": "string", "maxLength": 6}
 INT = {"type": "integer", "minimum": -50, "maximum": 50}

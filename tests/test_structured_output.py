@@ -11,11 +11,10 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from structured_schemas import SCHEMAS
+from structured_schemas import SCHEMAS, client_of, tiny_server
 
 from blink.dpu.structured import GrammarError, request_grammar
 from blink.dpu.tokenizer import load_tokenizer
-from blink.testing import ServeProcess
 
 KEY = "sk-structured"
 
@@ -110,18 +109,12 @@ def test_the_ring_must_have_masks_that_cover_the_vocabulary(masks, vocab, why):
 # -- through the server ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
-    s = ServeProcess(
-        ["--device", "emulated", "--model", "random:tiny-llama", "--n-slots", "8", "--max-batch", "8",
-         "--num-kv-blocks", "256", "--api-key", KEY],
-        timeout=180,
-    )  # fmt: skip
-    yield s
-    assert s.stop() == 0, "".join(s.log)
+    yield from tiny_server(KEY)
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return client_of(server, KEY)
 
 
 def valid_or_truncated(text: str, finish: str, schema: dict) -> None:

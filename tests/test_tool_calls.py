@@ -10,10 +10,10 @@ import json
 
 import openai
 import pytest
+from structured_schemas import client_of, tiny_server
 
 from blink.dpu.tokenizer import load_tokenizer
 from blink.dpu.tool_parsers import Hermes, JsonArray, Llama3Json, Phi4MiniJson, ToolStream, parser_for
-from blink.testing import ServeProcess
 
 KEY = "sk-tools"
 TEMPLATE = (
@@ -110,18 +110,12 @@ def test_tools_tool_calls_and_tool_results_go_through_the_template():
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("tpl") / "template.jinja"
     path.write_text(TEMPLATE)
-    s = ServeProcess(
-        ["--device", "emulated", "--model", "random:tiny-llama", "--n-slots", "8", "--max-batch", "8",
-         "--num-kv-blocks", "256", "--api-key", KEY, "--chat-template", str(path)],
-        timeout=180,
-    )  # fmt: skip
-    yield s
-    assert s.stop() == 0, "".join(s.log)
+    yield from tiny_server(KEY, "--chat-template", str(path))
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return client_of(server, KEY)
 
 
 def check_weather(call) -> None:
