@@ -178,6 +178,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", dest="server.port", type=int)
     s.add_argument("--api-key", dest="server.api_key")
     s.add_argument("--max-body-bytes", dest="server.max_body_bytes", type=int)
+    s.add_argument(
+        "--public-metrics",
+        dest="server.public_metrics",
+        action="store_const",
+        const=True,
+        help="serve /metrics without the API key",
+    )
+    s.add_argument("--max-header-bytes", dest="server.max_header_bytes", type=int, metavar="N")
+    s.add_argument("--body-read-timeout", dest="server.body_read_timeout_s", type=float, metavar="S")
+    s.add_argument("--timeout-keep-alive", dest="server.keep_alive_timeout_s", type=float, metavar="S")
+    s.add_argument("--max-connections", dest="server.max_connections", type=int, metavar="N")
+    s.add_argument("--tokenizer-pool-size", dest="server.tokenizer_pool_size", type=int, metavar="N")
+    s.add_argument("--max-stop-strings", dest="server.max_stop_strings", type=int, metavar="N")
+    s.add_argument("--max-stop-string-chars", dest="server.max_stop_string_chars", type=int, metavar="N")
+    s.add_argument("--shutdown-timeout", dest="server.shutdown_timeout_s", type=float, metavar="S")
     s.add_argument("--max-queue", dest="server.max_queue", type=int)
     s.add_argument("--max-n", dest="server.max_n", type=int, help="most choices (n) per request")
     s.add_argument(

@@ -47,9 +47,35 @@ class ServerConfig:
     port: int = 8000
     """TCP port of the HTTP server; 0 picks a free one."""
     api_key: str | None = None
-    """When set, every /v1 request needs `Authorization: Bearer <api_key>`."""
+    """When set, every request but /health (and /metrics with public_metrics) needs
+    `Authorization: Bearer <api_key>`; the key is compared in constant time."""
+    public_metrics: bool = False
+    """Serve /metrics without the API key (as vLLM does), for a Prometheus that holds no key."""
     max_body_bytes: int = 4 << 20
     """Largest accepted request body; larger ones get 413."""
+    max_header_bytes: int = 8190
+    """Longest request line and longest header field; longer ones get 400 and the connection closes."""
+    body_read_timeout_s: float = 30.0
+    """A request body must arrive whole within this many seconds of its handler asking for it;
+    a slower one (a trickled or never-ending chunked body) gets 408 and the connection closes."""
+    keep_alive_timeout_s: float = 5.0
+    """A connection with no complete request head this many seconds after it opened or after its
+    previous response is closed: idle keep-alive connections and slowly trickled headers alike
+    (uvicorn's --timeout-keep-alive, which vLLM serves with, defaults to 5 s)."""
+    max_connections: int = 4096
+    """Open HTTP connections; one more gets `503` and is closed at once, so a flood of idle sockets
+    cannot use up the process's file descriptors (the soft fd limit is raised to fit, when allowed)."""
+    tokenizer_pool_size: int = 1
+    """Processes that tokenize prompts of more than 16 KiB (the tokenizer holds the GIL, so a long
+    prompt encoded in this process would pause every stream and health check); 0 = a thread here."""
+    max_stop_strings: int = 16
+    """Stop strings per request; more is a 400."""
+    max_stop_string_chars: int = 1024
+    """Characters per stop string; a longer one is a 400 (stop matching costs up to the sum of their
+    lengths once per request, then a constant per generated character)."""
+    shutdown_timeout_s: float = 5.0
+    """On SIGINT/SIGTERM: how long requests in flight may take to finish before each is ended with an
+    error event (a second signal ends them at once)."""
     max_queue: int = 1024
     """Requests that may wait for a free ring slot; beyond that new requests get 429."""
     max_n: int = 128
@@ -82,6 +108,14 @@ class ServerConfig:
         )
         _bounds("server", "port", self.port, 0, 65535)
         _bounds("server", "max_body_bytes", self.max_body_bytes, 1024, 1 << 30)
+        _bounds("server", "max_header_bytes", self.max_header_bytes, 256, 1 << 20)
+        _bounds("server", "body_read_timeout_s", self.body_read_timeout_s, 0.01, 3600)
+        _bounds("server", "keep_alive_timeout_s", self.keep_alive_timeout_s, 0.01, 3600)
+        _bounds("server", "max_connections", self.max_connections, 1, 1 << 20)
+        _bounds("server", "tokenizer_pool_size", self.tokenizer_pool_size, 0, 64)
+        _bounds("server", "max_stop_strings", self.max_stop_strings, 0, 1024)
+        _bounds("server", "max_stop_string_chars", self.max_stop_string_chars, 1, 1 << 20)
+        _bounds("server", "shutdown_timeout_s", self.shutdown_timeout_s, 0, 3600)
         _bounds("server", "max_queue", self.max_queue, 0, 1 << 20)
         _bounds("server", "max_n", self.max_n, 1, 256)
         _bounds("server", "heartbeat_timeout_s", self.heartbeat_timeout_s, 0.1, 3600)

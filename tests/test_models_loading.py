@@ -296,9 +296,7 @@ def test_chat_template_is_sandboxed_and_can_raise(smollm, tmp_path):
     assert t3.add_bos and t3.encode("What")[:1] == [1] and t3.encode("What", add_bos=False) == [1780]
     with pytest.raises(ValueError, match="no messages"):
         t2.apply_chat_template([])
-    from jinja2.exceptions import SecurityError
-
-    with pytest.raises(SecurityError):
+    with pytest.raises(ValueError, match="SecurityError"):  # the sandbox's refusal, a request's 400
         t2.apply_chat_template([{"role": "user", "content": "x"}])
 
 

@@ -5,14 +5,17 @@ A request is parsed and validated (openai_api), tokenized (tokenizer role), subm
 backend's request tracker (slot tracker + token reader) and its text streamed (generation.py: one
 generation per choice), as one JSON response or as SSE. A client that disconnects mid-stream gets
 its handler cancelled (aiohttp handler_cancellation), and the `finally` of the generation cancels
-its ring slot, so the slot is freed. A request's state is one `Call`; when it ends, it gives the
-request's log line and its metrics.
+its ring slot, so the slot is freed; a client gone while its stream is written is one INFO line
+(the request's own, outcome "disconnected"), not an error. A request's state is one `Call`; when it
+ends, it gives the request's log line and its metrics. abort_all() ends every request in flight
+(the server's shutdown): an error event on a stream whose headers are out, a 503 otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import time
@@ -29,9 +32,10 @@ from blink.protocol.wire import SubmitRequest
 from . import openai_api as api
 from .generation import Backend, GenerationError, TextEvent, stream_text
 from .metrics import Finished, Metrics
-from .middleware import json_response
+from .middleware import json_response, log_safe, read_body
 from .openai_logprobs import ChoiceLogprobs
 from .openai_responses import ChunkMaker, chat_response, completion_response, new_id
+from .prompt_encoder import PromptEncoder
 from .request_tracker import RequestHandle
 from .slot_tracker import region_words
 from .tokenizer import FrontendTokenizer, PromptError
@@ -39,7 +43,6 @@ from .tool_parsers import JsonArray, Parser, ToolStream, parser_for
 
 log = logging.getLogger("blink.server")
 _json = msgspec.json.Encoder()
-_INLINE_ENCODE_BYTES = 16 << 10  # bodies up to this size are tokenized on the event loop
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -72,6 +75,8 @@ class Call:
     error: str | None = None  # an error event ended the stream
     tool_parser: Parser | None = None  # tool calls are parsed out of each choice's text with this
     tool_streams: list[ToolStream] = field(default_factory=list)  # per choice, when tool_parser is set
+    disconnected: bool = False  # the client went away while its stream was written
+    abort: str | None = None  # abort_all's reason: the handler's cancellation is the server's, not the client's
 
     def submitted(self, j: int, h: RequestHandle) -> None:
         if j == 0:
@@ -83,11 +88,20 @@ class Call:
 class CompletionHandler:
     """`handle(request, chat)`: the handler of both generation endpoints."""
 
-    def __init__(self, backend: Backend, tokenizer: FrontendTokenizer, config: ServerConfig, metrics: Metrics):
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: FrontendTokenizer,
+        config: ServerConfig,
+        metrics: Metrics,
+        encoder: PromptEncoder | None = None,
+    ):
         self.backend = backend
         self.tok = tokenizer
         self.config = config
         self.metrics = metrics
+        self.encoder = encoder or PromptEncoder(tokenizer, config.tokenizer_pool_size)
+        self.active: dict[Call, asyncio.Task] = {}  # requests in flight, by their handler's task
         # one token's text for logprobs (special tokens kept: they were generated)
         self._decode_one = functools.lru_cache(maxsize=1 << 16)(lambda i: tokenizer.decode([i], False))
 
@@ -99,8 +113,30 @@ class CompletionHandler:
             t_http_ns=time.time_ns(),
             rid=new_id("chatcmpl" if chat else "cmpl"),
         )
+        task = asyncio.current_task()
+        assert task is not None
+        self.active[call] = task
         try:
-            await self._prepare(call, await request.read(), request.headers.get("X-Request-Id"))
+            return await self._handle(request, call)
+        except asyncio.CancelledError:
+            if call.abort is None or task.uncancel() > 0:
+                raise
+            raise api.APIError(503, call.abort, code="shutting_down") from None  # before any byte went out
+        finally:
+            del self.active[call]
+
+    def abort_all(self, reason: str) -> int:
+        """End every request in flight (their handlers' tasks are cancelled with `reason`); how many."""
+        for call, task in self.active.items():
+            if call.abort is None:
+                call.abort = reason
+                task.cancel()
+        return len(self.active)
+
+    async def _handle(self, request: web.Request, call: Call) -> web.StreamResponse:
+        try:
+            body = await read_body(request, self.config.body_read_timeout_s)
+            await self._prepare(call, body, request.headers.get("X-Request-Id"))
         except (api.APIError, web.HTTPException):
             self._end(call, "rejected")
             raise
@@ -115,7 +151,7 @@ class CompletionHandler:
             else:
                 resp = await self._complete(call)
                 self._trace(call)
-            outcome = "error" if call.error else "ok"
+            outcome = "disconnected" if call.disconnected else "error" if call.error else "ok"
             return resp
         except (api.APIError, GenerationError) as e:
             outcome = "busy" if getattr(e, "status", 0) == 429 else "error"
@@ -123,7 +159,8 @@ class CompletionHandler:
         except (asyncio.CancelledError, ConnectionResetError):
             # A client that closes its connection as soon as it has read `[DONE]` may cancel this
             # handler while it is still cleaning up: that request was served in full.
-            outcome = "ok" if call.complete else "disconnected"
+            outcome = "ok" if call.complete else "error" if call.abort else "disconnected"
+            call.error = call.error or call.abort
             raise
         finally:
             self._end(call, outcome)
@@ -146,7 +183,8 @@ class CompletionHandler:
             call.tool_parser = self._tool_parser(api.chat_tools(r))
         prompts = [r.messages] if chat else api.completion_prompts(r)
         n = api.choices_per_prompt(r, len(prompts), self.config.max_n)
-        encoded = [await self._encode(chat, p, len(body), r) for p in prompts]
+        stop = self._stop_strings(r)
+        encoded = [await self._encode(chat, p, r) for p in prompts]
         for ids in encoded:
             why = self.backend.check_prompt(len(ids))
             if why:
@@ -189,7 +227,6 @@ class CompletionHandler:
             )
             for sub in subs
         ]
-        stop = api.stop_strings(r)
         if not chat and r.echo:  # each completion choice starts with its prompt (token prompts decoded)
             call.prefixes = [p if isinstance(p, str) else self.tok.decode(p) for p in prompts for _ in range(n)]
         call.n_prompt = sum(len(ids) for ids in encoded)
@@ -234,18 +271,27 @@ class CompletionHandler:
             if why:
                 raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
 
-    async def _encode(self, chat: bool, prompt: Any, body_bytes: int, r: Any = None) -> list[int]:
+    async def _encode(self, chat: bool, prompt: Any, r: Any) -> list[int]:
+        """A prompt's ids (long ones off the event loop: prompt_encoder.py)."""
         try:
             if chat:
-                extra = (r.add_generation_prompt, api.chat_template_kwargs(r)) if r is not None else ()
-                encode = functools.partial(self.tok.chat_prompt, prompt, *extra)
-            else:
-                encode = functools.partial(self.tok.completion_prompt, prompt)
-            # A long prompt would stall every stream on this event loop while it is encoded;
-            # the Rust tokenizer releases the GIL, so a worker thread takes it off the loop.
-            return await asyncio.to_thread(encode) if body_bytes > _INLINE_ENCODE_BYTES else encode()
+                return await self.encoder.chat(prompt, r.add_generation_prompt, api.chat_template_kwargs(r))
+            return await self.encoder.completion(prompt)
         except PromptError as e:
             raise api.APIError(400, str(e), e.param) from e
+
+    def _stop_strings(self, r: Any) -> list[str]:
+        """The request's stop strings within server.max_stop_strings and max_stop_string_chars."""
+        stop = api.stop_strings(r)
+        cfg = self.config
+        if len(stop) > cfg.max_stop_strings:
+            raise api.APIError(400, f"at most {cfg.max_stop_strings} stop strings", "stop")
+        longest = max(map(len, stop), default=0)
+        if longest > cfg.max_stop_string_chars:
+            raise api.APIError(
+                400, f"a stop string is {longest} characters; at most {cfg.max_stop_string_chars}", "stop"
+            )
+        return stop
 
     def _trace(self, call: Call) -> None:
         """After the first response byte: where did the first token's time go?"""
@@ -280,7 +326,7 @@ class CompletionHandler:
             reason = ",".join(finish) if outcome == "ok" else (call.error or outcome)
             log.info(
                 "%s %s %s: prompt %d tokens, output %d tokens, ttft %s, total %.3f s, finish %s",
-                call.rid,
+                log_safe(call.rid),
                 call.endpoint,
                 outcome,
                 call.n_prompt,
@@ -389,7 +435,19 @@ class CompletionHandler:
                     early.append((j, kind, payload))
             resp = web.StreamResponse(headers=_SSE_HEADERS)
             await resp.prepare(request)
-            await self._send_stream(resp, call, early, items)
+            try:
+                await self._send_stream(resp, call, early, items)
+            except ConnectionResetError:  # the client went away: its request's log line says so
+                call.disconnected = True
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if call.abort is None or task is None or task.uncancel() > 0:
+                    raise
+                call.error = call.abort  # abort_all: the stream ends with an error event
+                with contextlib.suppress(ConnectionResetError):
+                    err = api.APIError(503, call.abort, code="shutting_down").body()
+                    await resp.write(b"data: " + _json.encode(err) + b"\n\ndata: [DONE]\n\n")
+                    await resp.write_eof()
             return resp
         finally:
             for t in tasks:

@@ -11,12 +11,16 @@ the next token. `finish()` flushes whatever is held back.
 Stop strings: text is emitted only up to the longest suffix that could still begin a stop string,
 so a stop string split across tokens is caught before any of it reaches the client; on a match the
 text is cut right before the stop string (OpenAI/vLLM behaviour: the stop string is not returned),
-or right after it with include_stop (vLLM's include_stop_str_in_output).
+or right after it with include_stop (vLLM's include_stop_str_in_output). The first stop string to
+end in the text wins. Each decoded character is looked at once (stop_matcher.py): the work is
+linear in the output, whatever the stop strings, and only the held-back suffix is kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from .stop_matcher import matcher
 
 _REPLACEMENT = "\ufffd"
 
@@ -30,12 +34,12 @@ class IncrementalDetokenizer:
         self._decode = decode
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
-        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._matcher = matcher(tuple(sorted(set(self.stop)))) if self.stop else None
+        self._state = 0  # the matcher's state after all text so far
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
-        self.text = ""  # all decoded text so far (emitted or held back by the stop-string rule)
-        self._emitted = 0  # chars of self.text already returned
+        self._held = ""  # decoded text not yet returned: a suffix that may begin a stop string
         self.stopped = False  # a stop string matched; no more text will be returned
 
     @property
@@ -58,54 +62,29 @@ class IncrementalDetokenizer:
             return ""
         self._ids.extend(ids)
         # One decode over all new tokens: a character split across them comes out whole.
-        self.text += self._decode_new()
-        return self._emit(final=False)
+        return self._emit(self._decode_new(), final=False)
 
     def finish(self) -> str:
         """End of generation: flush held-back bytes (an incomplete character stays U+FFFD) and text."""
         if self.stopped:
             return ""
+        new = ""
         if self._read < len(self._ids):
             prefix_text = self._decode(self._ids[self._prefix : self._read])
-            full = self._decode(self._ids[self._prefix :])
-            self.text += full[len(prefix_text) :]
+            new = self._decode(self._ids[self._prefix :])[len(prefix_text) :]
             self._prefix = self._read = len(self._ids)
-        return self._emit(final=True)
+        return self._emit(new, final=True)
 
-    def _emit(self, final: bool) -> str:
-        text = self.text
-        if self.stop:
-            # Any match must start at or after the first unemitted char minus (max_stop - 1):
-            # everything earlier was emitted because no stop string could start there.
-            start = max(0, self._emitted - self._max_stop + 1)
-            cut, end_of_stop = -1, -1
-            for s in self.stop:
-                i = text.find(s, start)
-                if i != -1 and (cut == -1 or i < cut):
-                    cut, end_of_stop = i, i + len(s)
-            if cut != -1:
-                if self.include_stop:
-                    cut = end_of_stop
-                out = text[self._emitted : cut]
-                self.text = text[:cut]
-                self._emitted = cut
-                self.stopped = True
-                return out
-            if not final:
-                end = len(text) - self._held_suffix(text)
-                out = text[self._emitted : end]
-                self._emitted = max(self._emitted, end)
-                return out
-        out = text[self._emitted :]
-        self._emitted = len(text)
-        return out
-
-    def _held_suffix(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+    def _emit(self, new: str, final: bool) -> str:
+        if self._matcher is None:
+            return new
+        m = self._matcher.feed(new, self._state)
+        text = self._held + new
+        if m.end != -1:  # a stop string ends at new[m.end - 1]
+            end = len(self._held) + m.end
+            self._held, self.stopped = "", True
+            return text[: end if self.include_stop else end - m.length]
+        self._state = m.state
+        keep = 0 if final else self._matcher.depth[m.state]  # may begin a stop string
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]

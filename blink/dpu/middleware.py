@@ -11,6 +11,7 @@ response with a 4xx/5xx status; the server keeps serving after any of them.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import logging
 from typing import Any
@@ -27,6 +28,17 @@ from .request_tracker import DeviceDownError, QueueFullError
 log = logging.getLogger("blink.server")
 _json = msgspec.json.Encoder()
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers' probes)
+_LOG_CHARS = 128  # a client's string in a log line is cut to this many characters
+
+
+def log_safe(text: str) -> str:
+    """A client's string (request id, path) fit for one log line: control characters (newlines,
+    ESC, ...) and other unprintables escaped, so it cannot forge lines or drive a terminal."""
+    cut = text[:_LOG_CHARS]
+    if not cut.isprintable():
+        cut = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in cut)
+    return cut + ("..." if len(text) > _LOG_CHARS else "")
 
 
 def is_loopback(host: str) -> bool:
@@ -54,6 +66,9 @@ class Middleware:
     def __init__(self, config: ServerConfig):
         self.config = config
         self._origins = config.origins  # CORS (parsed once)
+        self._key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self.draining = False  # set by OpenAIServer.drain
+        self._open = _OPEN_PATHS | ({"/metrics"} if config.public_metrics else set())
         # Host names accepted (None: any); loopback binds accept loopback names by default
         hosts = config.hosts
         self._hosts: frozenset[str] | None = None
@@ -62,7 +77,7 @@ class Middleware:
 
     @property
     def middlewares(self) -> list[Any]:
-        return [self.host_check, self.preflight, self.errors, self.auth, self.json_only]
+        return [self.drain_check, self.host_check, self.preflight, self.errors, self.auth, self.json_only]
 
     @property
     def on_response_prepare(self) -> list[Any]:
@@ -82,6 +97,10 @@ class Middleware:
             code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(e.status)
             msg = e.text if e.status != 413 else f"request body exceeds {self.config.max_body_bytes} bytes"
             return error_response(api.APIError(e.status, msg or e.reason, code=code))
+        except BodyTimeoutError as e:  # the connection holds the rest of a body nobody will read
+            resp = error_response(api.APIError(408, str(e), code="request_timeout"))
+            resp.force_close()
+            return resp
         except DeviceDownError as e:  # raised by the backend outside a submit (e.g. no replica up)
             return error_response(api.APIError(503, f"device unavailable: {e}"))
         except QueueFullError as e:
@@ -89,8 +108,17 @@ class Middleware:
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # a bug: answer in the API's shape, keep serving, keep the traceback
-            log.exception("%s %s failed", request.method, request.path)
+            log.exception("%s %s failed", request.method, log_safe(request.path))
             return error_response(api.APIError(500, f"internal error: {e!r}"))
+
+    @web.middleware
+    async def drain_check(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Shutting down (OpenAIServer.drain): a request on a connection kept alive gets 503 and close."""
+        if self.draining:
+            resp = error_response(api.APIError(503, "the server is shutting down", code="shutting_down"))
+            resp.force_close()
+            return resp
+        return await handler(request)
 
     @web.middleware
     async def host_check(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -145,11 +173,27 @@ class Middleware:
 
     @web.middleware
     async def auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        key = self.config.api_key
-        if key is not None and request.path.startswith("/v1/"):
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
+        """--api-key: every path but the open ones; compared in constant time (a timing side
+        channel would give the key away byte by byte)."""
+        if self._key is not None and request.path not in self._open:
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, self._key):
                 raise api.APIError(401, "invalid or missing API key", code="invalid_api_key")
         return await handler(request)
+
+
+class BodyTimeoutError(Exception):
+    """A request body did not arrive in time (408; the connection is closed)."""
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The request's body, whole, within `timeout_s` (its size is bounded by client_max_size:
+    413 past it); a body trickled slower than that, or a chunked one that never ends, is a 408."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise BodyTimeoutError(f"the request body did not arrive within {timeout_s:g} s") from None
 
 
 async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:

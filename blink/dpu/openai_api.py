@@ -193,7 +193,6 @@ def requested_max_tokens(r: _Sampling) -> int | None:
     return COMPLETION_MAX_TOKENS if r.max_tokens is None else r.max_tokens
 
 
-MAX_STOP_STRINGS = 16
 MAX_CHOICES = 256  # choices of one request (prompts x n): each is a ring request of its own
 DEFAULT_MAX_N = 128  # blink.config.ServerConfig.max_n
 
@@ -352,9 +351,8 @@ def structured_grammar(r: _Sampling) -> str | None:
 
 
 def stop_strings(r: _Sampling) -> list[str]:
+    """The request's non-empty stop strings (their number and length are the server's limits)."""
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-    if len(stop) > MAX_STOP_STRINGS:
-        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
     return [s for s in stop if s]
 
 

@@ -6,7 +6,10 @@
 This module holds the app (routes, the stats line) and the small endpoints. The generation
 endpoints are completions.py (one request from its body to its last byte); what every request
 passes through before and after its handler (browser safety, the API key, errors in OpenAI's
-shape) is middleware.py.
+shape) is middleware.py; what happens to a connection before a handler (the connection limit,
+header timeouts, compact logs) is http_edge.py. Prompts are encoded off the event loop when long
+(prompt_encoder.py). drain() is the graceful end: no new requests, those in flight get
+server.shutdown_timeout_s to finish, then each is ended with an error event.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from blink.config import ServerConfig
 from . import openai_api as api
 from .completions import CompletionHandler
 from .generation import Backend
+from .http_edge import LimitedSite, handler_options, raise_fd_limit
 from .metrics import LiveState, Metrics, StatsLine
-from .middleware import Middleware, json_response
+from .middleware import Middleware, json_response, read_body
+from .prompt_encoder import PromptEncoder
 from .tokenizer import FrontendTokenizer, PromptError
 
 log = logging.getLogger("blink.server")
@@ -38,7 +43,8 @@ class OpenAIServer:
         self.metrics = Metrics(tokenizer.name, self._live)
         self.stats_interval_s = stats_interval_s
         self.middleware = Middleware(config)
-        self.completion = CompletionHandler(backend, tokenizer, config, self.metrics)
+        self.encoder = PromptEncoder(tokenizer, config.tokenizer_pool_size)
+        self.completion = CompletionHandler(backend, tokenizer, config, self.metrics, self.encoder)
         self._stats_task: asyncio.Task | None = None
 
     # -- app ----------------------------------------------------------------------------
@@ -53,13 +59,40 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
-        app.router.add_post("/tokenize", self.tokenize)  # vLLM's extensions (unauthenticated, as there)
+        app.router.add_post("/tokenize", self.tokenize)  # vLLM's extensions
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
         if self.config.log_stats:
             app.on_startup.append(self._stats_start)
             app.on_cleanup.append(self._stats_stop)
+        app.on_cleanup.append(self._encoder_stop)
         return app
+
+    async def _encoder_stop(self, app: web.Application) -> None:
+        await self.encoder.close()
+
+    async def drain(self, runner: web.AppRunner, timeout_s: float, now: asyncio.Event) -> None:
+        """The graceful end: stop listening and answer new requests 503, give the requests in flight
+        up to timeout_s (or until `now` is set: a second signal) to finish, then end each of them
+        with an error event (a 503 before its headers)."""
+        for site in list(runner.sites):
+            await site.stop()
+        self.middleware.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        said = -1.0
+        while self.completion.active and not now.is_set() and (left := deadline - loop.time()) > 0:
+            if said < 0 or said - left >= 2:
+                said = left
+                log.info("shutting down: waiting up to %.1f s for %d request(s) in flight", left, len(self.completion.active))
+            await asyncio.wait([asyncio.ensure_future(now.wait())], timeout=min(left, 0.05))
+        if self.completion.active:
+            n = self.completion.abort_all("the server is shutting down")
+            log.warning("shutting down: ending %d request(s) still in flight with an error", n)
+            for _ in range(100):  # their error events go out (a client that does not read: not waited for)
+                if not self.completion.active:
+                    break
+                await asyncio.sleep(0.01)
 
     async def _stats_start(self, app: web.Application) -> None:
         self._stats_task = asyncio.ensure_future(self._stats_loop())
@@ -89,21 +122,21 @@ class OpenAIServer:
         return json_response({"object": "list", "data": [card]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        r = api.parse(api.TokenizeRequest, await request.read())
+        r = api.parse(api.TokenizeRequest, await read_body(request, self.config.body_read_timeout_s))
         api.check_model(r.model, self.tok.name)
         if (r.prompt is None) == (r.messages is None):
             raise api.APIError(400, "give either prompt or messages", "prompt")
         try:
             if r.messages is not None:
-                ids = self.tok.chat_prompt(r.messages, r.add_generation_prompt, api.chat_template_kwargs(r))
+                ids = await self.encoder.chat(r.messages, r.add_generation_prompt, api.chat_template_kwargs(r))
             else:
-                ids = self.tok.text_ids(r.prompt or "", r.add_special_tokens)
+                ids = await self.encoder.text(r.prompt or "", None if r.add_special_tokens else False)
         except PromptError as e:
             raise api.APIError(400, str(e), e.param) from e
         return json_response({"count": len(ids), "max_model_len": self.backend.max_context, "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        r = api.parse(api.DetokenizeRequest, await request.read())
+        r = api.parse(api.DetokenizeRequest, await read_body(request, self.config.body_read_timeout_s))
         api.check_model(r.model, self.tok.name)
         try:
             self.tok.check_ids(r.tokens, "tokens")
@@ -139,8 +172,16 @@ async def start_http(server: OpenAIServer, host: str, port: int, reuse_port: boo
     """Serve the app; returns the runner (await runner.cleanup() to stop) and the bound port.
     reuse_port: SO_REUSEPORT, so several frontend processes listen on one port and the kernel
     spreads the incoming connections over them."""
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    cfg = server.config
+    raise_fd_limit(cfg.max_connections)
+    runner = web.AppRunner(
+        server.app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=cfg.shutdown_timeout_s,
+        **handler_options(cfg),
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
+    site = LimitedSite(runner, host, port, cfg.max_connections, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
-    return runner, runner.addresses[0][1]
+    return runner, site.port

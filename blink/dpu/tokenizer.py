@@ -74,6 +74,15 @@ class FrontendTokenizer:
     ) -> list[int]:
         """The prompt ids of chat messages through the chat template; template_kwargs: extra
         variables for the template (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
+        return self.tok.encode(self.chat_text(messages, add_generation_prompt, template_kwargs), add_bos=False)
+
+    def chat_text(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Chat messages through the chat template, as text (chat_prompt encodes it)."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise PromptError("messages must be a non-empty list", "messages")
         clean = []
@@ -89,12 +98,9 @@ class FrontendTokenizer:
                     msg[k] = m[k]
             clean.append(msg)
         try:
-            text = self.tok.apply_chat_template(
-                template_messages(clean), add_generation_prompt, **(template_kwargs or {})
-            )
+            return self.tok.apply_chat_template(template_messages(clean), add_generation_prompt, template_kwargs)
         except ValueError as e:
             raise PromptError(str(e), "messages") from e
-        return self.tok.encode(text, add_bos=False)
 
     def completion_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -105,10 +111,6 @@ class FrontendTokenizer:
         if not ids:
             raise PromptError("the prompt is empty", "prompt")
         return ids
-
-    def text_ids(self, text: str, add_special: bool = True) -> list[int]:
-        """`text` as the model's tokenizer encodes it (add_special: with its BOS, if it adds one)."""
-        return self.tok.encode(text) if add_special else self.tok.encode(text, add_bos=False)
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)

@@ -79,26 +79,47 @@ class Tokenizer:
         return "" if i is None else (self._tok.id_to_token(int(i)) or "")
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return self.with_bos(self._tok.encode(text, add_special_tokens=False).ids, add_bos)
+
+    def with_bos(self, ids: list[int], add_bos: bool | None = None) -> list[int]:
+        """Encoded ids with the BOS this model adds (add_bos None), or as add_bos says."""
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def backend_json(self) -> str:
+        """The `tokenizers.Tokenizer` as JSON (Tokenizer.from_str rebuilds it in another process)."""
+        return self._tok.to_str()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
+        """The messages through the chat template; variables: extra template variables (a
+        request's chat_template_kwargs), which never replace the messages or the special tokens."""
         if self._template is None:
             raise ValueError("this model has no chat template")
-        return self._template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.token_str(self.bos_token_id),
-            eos_token=self.token_str(self.eos_token_id),
-            **kwargs,
-        )
+        # One mapping, not keywords: a variable named like render()'s own parameters ("self") is
+        # just a variable; the ones set here win over the caller's.
+        context = {
+            **(variables or {}),
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.token_str(self.bos_token_id),
+            "eos_token": self.token_str(self.eos_token_id),
+        }
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(context)
+        except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ArithmeticError) as e:
+            # a template that fails on these messages or variables (the sandbox's refusals too)
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template already contains any bos text; do not add another.
