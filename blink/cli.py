@@ -570,11 +570,25 @@ async def _serve_async(stack: Any) -> None:
     # The bound port on its own line: scripts that pass --port 0 read it from here.
     print(f"blink: serving {stack.tokenizer.name} on http://{cfg.server.host}:{port}/v1", file=sys.stderr, flush=True)
     loop = asyncio.get_running_loop()
+    now = asyncio.Event()  # a second signal: end the requests in flight at once
+
+    def on_signal() -> None:
+        (now if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         await stop.wait()
-        print("blink: " + ("device lost" if stack.gave_up else "shutting down"), file=sys.stderr, flush=True)
+        if stack.gave_up:
+            print("blink: device lost", file=sys.stderr, flush=True)
+        else:
+            n, wait = len(server.completion.active), cfg.server.shutdown_timeout_s
+            print(
+                f"blink: shutting down: {n} request(s) in flight get up to {wait:g} s (a second signal ends them now)",
+                file=sys.stderr,
+                flush=True,
+            )
+            await server.drain(runner, wait, now)
     finally:
         await runner.cleanup()
         await stack.stop_frontend()

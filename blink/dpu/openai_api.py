@@ -139,9 +139,10 @@ _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 
 def chat_template_kwargs(r: ChatRequest | TokenizeRequest) -> dict[str, Any]:
     """The request's extra chat-template variables, checked: they may not replace what the
-    template is given by Blink (messages, the special tokens, add_generation_prompt)."""
+    template is given by Blink (messages, the special tokens, add_generation_prompt, tools) nor jinja's
+    own `self` (the template's blocks)."""
     kw = dict(r.chat_template_kwargs or {})
-    taken = sorted(set(kw) & {"messages", "bos_token", "eos_token", "add_generation_prompt", "tools"})
+    taken = sorted(set(kw) & {"messages", "bos_token", "eos_token", "add_generation_prompt", "tools", "self"})
     if taken:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
     if isinstance(r, ChatRequest) and r.tools:

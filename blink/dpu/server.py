@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import msgspec
 from aiohttp import web
 
 from blink.config import ServerConfig
@@ -31,6 +32,8 @@ from .prompt_encoder import PromptEncoder
 from .tokenizer import FrontendTokenizer, PromptError
 
 log = logging.getLogger("blink.server")
+_json = msgspec.json.Encoder()
+_SLICE = 1 << 16  # token ids JSON-encoded between two turns of the event loop
 
 
 class OpenAIServer:
@@ -84,7 +87,9 @@ class OpenAIServer:
         while self.completion.active and not now.is_set() and (left := deadline - loop.time()) > 0:
             if said < 0 or said - left >= 2:
                 said = left
-                log.info("shutting down: waiting up to %.1f s for %d request(s) in flight", left, len(self.completion.active))
+                log.info(
+                    "shutting down: waiting up to %.1f s for %d request(s) in flight", left, len(self.completion.active)
+                )
             await asyncio.wait([asyncio.ensure_future(now.wait())], timeout=min(left, 0.05))
         if self.completion.active:
             n = self.completion.abort_all("the server is shutting down")
@@ -133,7 +138,14 @@ class OpenAIServer:
                 ids = await self.encoder.text(r.prompt or "", None if r.add_special_tokens else False)
         except PromptError as e:
             raise api.APIError(400, str(e), e.param) from e
-        return json_response({"count": len(ids), "max_model_len": self.backend.max_context, "tokens": ids})
+        head = {"count": len(ids), "max_model_len": self.backend.max_context}
+        if len(ids) <= _SLICE:
+            return json_response({**head, "tokens": ids})
+        parts = [_json.encode(head)[:-1], b',"tokens":[']  # a long prompt's ids: encoded in slices
+        for i in range(0, len(ids), _SLICE):
+            parts += (b"," if i else b"", _json.encode(ids[i : i + _SLICE])[1:-1])
+            await asyncio.sleep(0)
+        return web.Response(body=b"".join([*parts, b"]}"]), content_type="application/json")
 
     async def detokenize(self, request: web.Request) -> web.Response:
         r = api.parse(api.DetokenizeRequest, await read_body(request, self.config.body_read_timeout_s))
