@@ -98,6 +98,8 @@ class ServeProcess:
         preexec_fn: Callable[[], None] | None = None,
     ):
         self.command = [*prefix, sys.executable, "-m", "blink.cli", "serve", "--port", "0", *args]
+        # get() and metrics() send the server's --api-key, as its operator would
+        self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args[:-1] else None
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
         self.log: list[str] = []
@@ -151,8 +153,9 @@ class ServeProcess:
     # -- over HTTP ------------------------------------------------------------------------------
     def get(self, path: str, timeout: float = 10.0) -> tuple[int, str]:
         """(status, body) of GET url + path; status 0 (body: the error) when nothing answered."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            with urllib.request.urlopen(urllib.request.Request(self.url + path, headers=headers), timeout=timeout) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()

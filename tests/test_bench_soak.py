@@ -34,6 +34,18 @@ def test_soak_without_a_kill_loses_and_leaks_nothing(tmp_path):
     assert res["rss"]["server_mb_end"] > 0
 
 
+def test_soak_with_hostile_clients_reports_health_latency(tmp_path):
+    """Hostile loops (long prompts, slowloris, endless bodies, idle floods, stop floods, bad template
+    variables) beside honest clients: every attack gets its expected answer, nothing honest is lost,
+    and /health answers within 100 ms at the 99th percentile."""
+    rc, res = soak(tmp_path, "--kill-at", "0", "--hostile", "2", "--hostile-prompt-mb", "0.5",
+                   "--duration-s", "12", "--", "--timeout-keep-alive", "1")  # fmt: skip
+    assert res["hostile"]["unexpected"] == 0, res["hostile"]
+    assert sum(sum(k.values()) for k in res["hostile"]["by_kind"].values()) >= 2
+    assert res["lost"] == 0 and rc == 0, res
+    assert res["health_ms"]["n"] > 50 and res["health_ms"]["p99"] < 100, res["health_ms"]
+
+
 def test_soak_with_a_device_kill(tmp_path):
     rc, res = soak(tmp_path, "--kill-at", "0.5")
     kill = res["kill"]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import aiohttp
 import openai
@@ -67,6 +68,7 @@ class RemoteServer(Server):
             self.gpu.stop()
             raise
         self.proc, self.url, self.ring = self.fe.proc, self.fe.url, self.gpu.ring
+        self.api_key = self.fe.api_key
         assert any("ring transport tcp" in ln for ln in self.fe.log), "".join(self.fe.log)
 
     @property
@@ -515,9 +517,9 @@ def test_tokenize_detokenize_version(tiny):
     ):
         code, js = _post(tiny.url + path, json.dumps(body))
         assert code == status and js["error"]["param"] == param, (path, body, js)
-    import urllib.request
-
-    v = json.loads(urllib.request.urlopen(tiny.url + "/version").read())
+    code, v = tiny.get("/version")
+    assert code == 200
+    v = json.loads(v)
     assert v["version"]
 
 
@@ -609,6 +611,13 @@ def test_body_too_large_auth_and_still_serving(tiny):
         tiny.client(api_key="nope").models.list()
     code, js = _post(tiny.url + "/v1/nothing", "{}")
     assert code == 404 and "error" in js
+    # the key covers every endpoint but /health (--public-metrics opens /metrics)
+    for path in ("/tokenize", "/detokenize"):
+        code, js = _post(tiny.url + path, "{}", headers={"Authorization": "Bearer wrong"})
+        assert code == 401 and js["error"]["code"] == "invalid_api_key"
+    for path, want in (("/metrics", 401), ("/version", 401), ("/health", 200)):
+        code, _ = ServeProcess.get(SimpleNamespace(url=tiny.url, api_key=None), path)
+        assert code == want, path
     # a max_tokens beyond the context is vLLM's 400 naming it, not an overflow
     with pytest.raises(openai.BadRequestError) as e:
         tiny.client().completions.create(model="tiny-llama", prompt="ok", max_tokens=2**40, stop=["\n"], seed=1)

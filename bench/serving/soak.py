@@ -7,7 +7,10 @@ Load: `--concurrency` client loops, each drawing its next request from a mix: sh
 (streamed or not), completions with n = 2, long prompts (up to 90 % of the context), and streams
 the client aborts after a few chunks. At `--kill-at` (a fraction of the duration) the device
 process is sent SIGKILL; the server should end the requests then in flight with an error and
-(with self-healing) restart its device and come back to /health 200.
+(with self-healing) restart its device and come back to /health 200. Beside them, `--hostile`
+loops of hostile clients (bench/serving/hostile.py: 4 MB prompts, slowloris, endless bodies, idle-socket
+floods, stop-string floods, bad template variables), each attack with its expected answer, and a
+prober that GETs /health every 50 ms.
 
 Reported (and written as JSON to bench/results/soak-<device>-<commit>.json, with the command):
 - requests by outcome: ok, aborted (by the client, on purpose), rejected (4xx), unavailable (503),
@@ -17,7 +20,10 @@ Reported (and written as JSON to bench/results/soak-<device>-<commit>.json, with
   use (both must be 0), from /metrics; not measurable when the device is down at the end.
 - the server process's RSS after warm-up and at the end; the device's, before the kill and at the end.
 - the kill: when, which pid, how long until /health answered 200 again (null: it did not).
-Exit status 1 when anything was lost or leaked, or the device was not serving at the end.
+- /health latency (p50, p99, max) over the whole run, hostile clients included; the hostile
+  attacks by kind, as expected or not, and how long the server took to cut the slow ones.
+Exit status 1 when anything was lost or leaked, an attack was not answered as expected, or the
+device was not serving at the end.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import sys
 import time
 
 from bench.common import RESULTS, add_commit_arg, git_commit, metadata, smi_gpu_name
+from bench.serving import hostile
 from blink.testing import ServeProcess, rss_mib
 
 
@@ -45,6 +52,8 @@ class Tally:
         self.failed_examples: list[str] = []
         self.t_kill: float | None = None
         self.t_noticed: float | None = None  # when /health first said the device was down
+        self.hostile = hostile.HostileTally()
+        self.health: list[float] = []  # /health latencies (s), the whole run
 
     def at_kill(self, t0: float, t1: float) -> bool:
         """In flight when the device was killed, or sent after the kill but before the server could
@@ -154,7 +163,14 @@ async def drive(served: ServeProcess, a: argparse.Namespace, tally: Tally, model
                 return
             await asyncio.sleep(0.1)
 
-    await asyncio.gather(killer(), *(worker(i) for i in range(a.concurrency)))
+    attackers = (
+        hostile.hostile_loop(served.url, model, a.seed * 1000 + 500 + i, a.hostile_prompt_mb, t_end, tally.hostile)
+        for i in range(a.hostile)
+    )
+    results = await asyncio.gather(
+        hostile.probe_health(served.url, t_end), killer(), *(worker(i) for i in range(a.concurrency)), *attackers
+    )
+    tally.health = results[0]
     return kill
 
 
@@ -191,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="random:tiny-llama")
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hostile", type=int, default=1, help="hostile client loops (bench/serving/hostile.py)")
+    ap.add_argument("--hostile-prompt-mb", type=float, default=4.0, help="the hostile long prompts' size")
     ap.add_argument("--warmup-s", type=float, default=10.0, help="load before the first RSS sample")
     add_commit_arg(ap)
     ap.add_argument("--out", help="JSON file (default bench/results/soak-<device>-<date>.json)")
@@ -246,8 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         "rss": rss,
         "kill": kill,
         "server_exit": rc,
+        "health_ms": hostile.percentiles_ms(tally.health),
+        "hostile_loops": a.hostile,
+        "hostile": tally.hostile.summary(),
         # the device must be serving at the end (after a kill: restarted) for leaks to be measured
-        "ok": lost == 0 and measured and leaked == 0,
+        "ok": lost == 0 and measured and leaked == 0 and tally.hostile.unexpected == 0,
     }
     dev = "h200" if a.device == "cuda" else a.device
     out = pathlib.Path(a.out) if a.out else RESULTS / f"soak-{dev}-{result['commit'][:7] or 'nocommit'}.json"
@@ -258,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if not measured:
         print("leaks not measured: the device was not serving at the end (killed and not restarted)")
     print(f"RSS {rss}; kill {kill}")
+    print(f"/health ms {result['health_ms']}; hostile {result['hostile']}")
     print(f"-> {out}")
     return 0 if result["ok"] else 1
 

@@ -30,6 +30,7 @@ from blink.config import ServerConfig
 from blink.protocol.wire import SubmitRequest
 
 from . import openai_api as api
+from . import stop_matcher
 from .generation import Backend, GenerationError, TextEvent, stream_text
 from .metrics import Finished, Metrics
 from .middleware import json_response, log_safe, read_body
@@ -77,6 +78,7 @@ class Call:
     tool_streams: list[ToolStream] = field(default_factory=list)  # per choice, when tool_parser is set
     disconnected: bool = False  # the client went away while its stream was written
     abort: str | None = None  # abort_all's reason: the handler's cancellation is the server's, not the client's
+    stop_matcher: object = None  # the stop strings' automaton, held while the request runs
 
     def submitted(self, j: int, h: RequestHandle) -> None:
         if j == 0:
@@ -184,6 +186,7 @@ class CompletionHandler:
         prompts = [r.messages] if chat else api.completion_prompts(r)
         n = api.choices_per_prompt(r, len(prompts), self.config.max_n)
         stop = self._stop_strings(r)
+        call.stop_matcher = await stop_matcher.prepare(stop)  # built off the loop's critical path
         encoded = [await self._encode(chat, p, r) for p in prompts]
         for ids in encoded:
             why = self.backend.check_prompt(len(ids))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .stop_matcher import matcher
+from .stop_matcher import key, matcher
 
 _REPLACEMENT = "\ufffd"
 
@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
         self._decode = decode
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
-        self._matcher = matcher(tuple(sorted(set(self.stop)))) if self.stop else None
+        self._matcher = matcher(key(self.stop)) if self.stop else None
         self._state = 0  # the matcher's state after all text so far
         self._ids: list[int] = []
         self._prefix = 0
