@@ -23,7 +23,7 @@ ARGS = [
     "--model",
     "random:tiny-llama",
     "--device-executor",
-    "bench.paced_executor:h200_llama3_8b",
+    "bench.serving.paced_executor:h200_llama3_8b",
     "--n-slots",
     "8",
 ]
