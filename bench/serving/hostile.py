@@ -81,46 +81,41 @@ async def _raw(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection(u.hostname, u.port)
 
 
-async def _slowloris(url: str, tally: HostileTally) -> None:
+async def _trickled(url: str, head: bytes, piece: bytes, period_s: float) -> tuple[float | None, bytes]:
+    """Send `head`, then `piece` (%d: a counter) every period_s until the server closes the
+    connection: (seconds until it did, None if not within CUT_WAIT_S; what it sent)."""
     r, w = await _raw(url)
     t0 = time.monotonic()
-    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    w.write(head)
 
     async def trickle() -> None:
-        for i in range(1000):
-            w.write(b"X-Slow-%d: y\r\n" % i)
+        for i in range(1_000_000):
+            w.write(piece % i if b"%d" in piece else piece)
             await w.drain()
-            await asyncio.sleep(0.5)
-
-    t = asyncio.ensure_future(trickle())
-    took, _ = await _closed_after(r, t0)
-    t.cancel()
-    await asyncio.gather(t, return_exceptions=True)
-    w.close()
-    tally.add("slowloris", took is not None, "still open")
-    if took is not None:
-        tally.cut_after_s.setdefault("slowloris", []).append(took)
-
-
-async def _endless_body(url: str, tally: HostileTally) -> None:
-    r, w = await _raw(url)
-    t0 = time.monotonic()
-    w.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Transfer-Encoding: chunked\r\n\r\n"
-    )
-
-    async def trickle() -> None:
-        for _ in range(100_000):
-            w.write(b"1\r\n \r\n")
-            await w.drain()
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(period_s)
 
     t = asyncio.ensure_future(trickle())
     took, got = await _closed_after(r, t0)
     t.cancel()
     await asyncio.gather(t, return_exceptions=True)
     w.close()
+    return took, got
+
+
+async def _slowloris(url: str, tally: HostileTally) -> None:
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    took, _ = await _trickled(url, head, b"X-Slow-%d: y\r\n", 0.5)
+    tally.add("slowloris", took is not None, "still open")
+    if took is not None:
+        tally.cut_after_s.setdefault("slowloris", []).append(took)
+
+
+async def _endless_body(url: str, tally: HostileTally) -> None:
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    took, got = await _trickled(url, head, b"1\r\n \r\n", 0.2)
     ok = took is not None and b" 408 " in got[:20]
     tally.add("endless_body", ok, "still open" if took is None else got[:60].decode(errors="replace"))
     if took is not None:

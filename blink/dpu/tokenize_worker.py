@@ -6,11 +6,13 @@ while it encodes (the `tokenizers` binding keeps it for the whole call) is not t
 Frames both ways are a 4-byte little-endian length and a msgpack body. The first frame in is the
 tokenizer as `tokenizers` serializes it (Tokenizer.to_str); each later one is a text to encode, and
 its answer is [True, the ids as little-endian int32 bytes] or [False, an error message]. Nothing but
-`tokenizers` and msgspec is imported; the process ends when its stdin closes.
+`tokenizers` and msgspec is imported; the process ends when its stdin closes. It runs at a lower
+CPU priority than the frontend (nice +5).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 from typing import BinaryIO
@@ -18,6 +20,7 @@ from typing import BinaryIO
 import msgspec
 
 _LEN = struct.Struct("<I")
+_NICE = 5  # added to the worker's niceness
 
 
 def read_frame(f: BinaryIO) -> bytes | None:
@@ -38,6 +41,9 @@ def main() -> int:
     import numpy as np
     from tokenizers import Tokenizer
 
+    # Below the frontend in priority: where cores are few, streams and health checks come first
+    # and a long prompt waits a little longer.
+    os.nice(_NICE)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     first = read_frame(stdin)
     if first is None:
