@@ -8,7 +8,17 @@ import numpy as np
 import pytest
 from conformance.rig import Rig
 
-from blink.protocol.layout import MAX_STOP_IDS, UNLIMITED, DeviceStatus, FinishReason, SlotError, SlotState
+from blink.protocol.layout import (
+    LOGPROB_DTYPE,
+    MAX_STOP_IDS,
+    UNLIMITED,
+    DeviceFeatures,
+    DeviceStatus,
+    FinishReason,
+    SlotError,
+    SlotFlags,
+    SlotState,
+)
 
 
 def _wait_tokens(rig: Rig, slot: int, n: int, timeout: float = 30.0) -> None:
@@ -69,6 +79,48 @@ def test_full_output_ring_pauses_only_that_slot_and_loses_nothing(make_rig):
     assert got == alone[:cap]
     (rs,) = c.wait([slow], timeout=30)
     assert rs.tokens == alone and rs.finish is FinishReason.LENGTH  # longer than the ring, nothing lost
+
+
+def _wait_generated(rig: Rig, slot: int, n: int, timeout: float = 30.0) -> None:
+    """Until the device has published n tokens of the slot (without reading them)."""
+    t_end = time.monotonic() + timeout
+    while int(rig.client.slot(slot)["generated"]) < n:
+        assert time.monotonic() < t_end, f"slot {slot}: fewer than {n} tokens after {timeout} s"
+        time.sleep(0.001)
+
+
+def _chosen_logprobs(rig: Rig, slot: int, ks: range) -> np.ndarray:
+    c = rig.client
+    return np.array(
+        [c.t.read_into(c.geo.logprob_offset(slot, k), np.zeros(1, LOGPROB_DTYPE))[0]["logprob"] for k in ks]
+    )
+
+
+def test_logprob_records_after_a_pause_behind_a_plain_prefill(make_rig):
+    """A request with logprobs pauses on a full output ring; a plain request is prefilled alone (a
+    step without any extension) and decodes; the first resumes beside it in all-decode steps. Its
+    records there are its own: the GPU scheduler's all-decode path kept the previous step's ext_on,
+    so the logprob kernels did not run for it."""
+    cap = 8
+    rig = make_rig(output_capacity=cap)
+    c = rig.client
+    if not int(c.header()["features"]) & DeviceFeatures.LOGPROBS:
+        pytest.skip("this device does not write logprob records")
+    lp = dict(max_new_tokens=cap + 4, flags=SlotFlags.LOGPROBS, fields={"n_logprobs": 2})
+    alone = c.submit([11, 12, 13], **lp)
+    (ra,) = c.wait([alone], timeout=30, free=False)
+    want = _chosen_logprobs(rig, alone, range(cap, cap + 4))
+    c.free(alone)
+    slow = c.submit([11, 12, 13], **lp)
+    _wait_generated(rig, slow, cap)  # paused: its reader has not read
+    plain = c.submit([21, 22], max_new_tokens=6 * cap)
+    _wait_generated(rig, plain, 2)
+    (rs,) = c.wait([slow], timeout=30, free=False)  # reads: it resumes beside the plain decodes
+    assert rs.tokens == ra.tokens
+    got = _chosen_logprobs(rig, slow, range(cap, cap + 4))
+    c.free(slow)
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.05)
+    c.wait([plain], timeout=30)
 
 
 @pytest.mark.parametrize(
