@@ -101,3 +101,21 @@ def test_a_device_without_token_masks_rejects_a_masked_request(clean: Rig):
     slot = c.submit([5, 6, 7], max_new_tokens=2, fields={"mask_slot": 1, "mask_position": 1})
     (r,) = c.wait([slot])
     assert r.finish is FinishReason.ERROR and r.error is SlotError.BAD_PARAMS  # never sampled unmasked
+
+
+def test_a_request_whose_first_mask_is_late_prefills_but_samples_only_once_it_is_published(masked: Rig):
+    """The prefill chunk stops one token short of sampling while the mask of token 0 is unpublished
+    (Scheduler._cut); the step that carries the last prompt token samples under the published mask."""
+    c = masked.client
+    rng = np.random.default_rng(5)
+    bits = np.zeros(c.geo.mask_words, "<u4")
+    c.t.write(c.geo.mask_offset(2), bits)
+    late = c.submit(rng.integers(3, masked.vocab, 20).tolist(), max_new_tokens=2, fields={"mask_slot": 3})
+    other = c.submit(rng.integers(3, masked.vocab, 8).tolist(), max_new_tokens=16)
+    (r,) = c.wait([other], timeout=30)
+    assert r.finish is FinishReason.LENGTH and len(r.tokens) == 16  # not held back by the late one
+    time.sleep(0.05)
+    waiting = c.poll(late)
+    assert waiting.tokens == [] and not waiting.done
+    publish(c, late, 2, 0, [13])
+    assert drive(c, late, 2, [13, 17]) == [13, 17]

@@ -42,6 +42,7 @@ _SCALARS = [
     ("sampling_rows", "<u4", "penalty-state / logit_bias rows (one per ring slot); 0: no extension tables"),
     ("max_logit_bias", "<u4", "logit_bias entries per row of bias_ids / bias_vals (MAX_LOGIT_BIAS)"),
     ("max_logprobs", "<u4", "alternatives per row of top_ids / top_lps (MAX_LOGPROBS)"),
+    ("mask_words", "<u4", "uint32 words per row of masks ((vocab_size + 31) / 32; 0: no token masks)"),
 ]
 # device buffers besides the step inputs: (name, element dtype, extent)
 _BUFFERS = [
@@ -57,6 +58,7 @@ _BUFFERS = [
     ("bias_n", "<i4", "[sampling_rows] logit_bias entries of the row's request (written at admission)"),
     ("bias_ids", "<i4", "[sampling_rows][max_logit_bias]"),
     ("bias_vals", "<f4", "[sampling_rows][max_logit_bias]"),
+    ("masks", "<u4", "[max_seqs][mask_words] token mask of step row s (token_mask reads row mask_row[s])"),
     ("batch_buckets", "<u4", "[n_batch_buckets] sizes, ascending"),
     ("token_buckets", "<u4", "[n_token_buckets] sizes, ascending"),
     ("batch_bucket_of", "<u2", "[max_seqs+1]"),

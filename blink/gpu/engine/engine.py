@@ -341,6 +341,8 @@ class Engine:
             rec[name] = int(getattr(self.fwd, name).data.ptr)
         rec["bias_ids"] = int(self.fwd.bias_ids.data.ptr)
         rec["bias_vals"] = int(self.fwd.bias_vals.data.ptr)
+        rec["masks"] = int(self.fwd.masks.data.ptr)  # the GPU scheduler copies a masked row's bits here
+        rec["mask_words"] = self.fwd.mask_words if self.fwd.sampling_rows else 0
         for name, arr in self._tables.items():
             rec[name] = int(arr.data.ptr)  # type: ignore[attr-defined]
         self._abi_dev = cp.asarray(np.frombuffer(rec.tobytes(), np.uint8))

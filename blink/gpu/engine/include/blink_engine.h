@@ -21,6 +21,7 @@ struct EngineABI {
   uint32_t sampling_rows;  // offset 40  penalty-state / logit_bias rows (one per ring slot); 0: no extension tables
   uint32_t max_logit_bias;  // offset 44  logit_bias entries per row of bias_ids / bias_vals (MAX_LOGIT_BIAS)
   uint32_t max_logprobs;  // offset 48  alternatives per row of top_ids / top_lps (MAX_LOGPROBS)
+  uint32_t mask_words;  // offset 52  uint32 words per row of masks ((vocab_size + 31) / 32; 0: no token masks)
   uint32_t* num_seqs;  // offset 56  live sequences S of this step (<= the graph's batch bucket)
   uint32_t* num_tokens;  // offset 64  packed tokens T of this step (<= the graph's token bucket)
   uint64_t* step_seq;  // offset 72  written by the driver before the launch; the graph's last kernel stores it in *done_seq
@@ -61,12 +62,13 @@ struct EngineABI {
   int32_t* bias_n;  // offset 352  [sampling_rows] logit_bias entries of the row's request (written at admission)
   int32_t* bias_ids;  // offset 360  [sampling_rows][max_logit_bias]
   float* bias_vals;  // offset 368  [sampling_rows][max_logit_bias]
-  uint32_t* batch_buckets;  // offset 376  [n_batch_buckets] sizes, ascending
-  uint32_t* token_buckets;  // offset 384  [n_token_buckets] sizes, ascending
-  uint16_t* batch_bucket_of;  // offset 392  [max_seqs+1]
-  uint16_t* token_bucket_of;  // offset 400  [max_tokens+1]
-  uint64_t* decode_execs;  // offset 408  [n_batch_buckets][execs_per_shape]
-  uint64_t* prefill_execs;  // offset 416  [n_batch_buckets][n_token_buckets][execs_per_shape]
+  uint32_t* masks;  // offset 376  [max_seqs][mask_words] token mask of step row s (token_mask reads row mask_row[s])
+  uint32_t* batch_buckets;  // offset 384  [n_batch_buckets] sizes, ascending
+  uint32_t* token_buckets;  // offset 392  [n_token_buckets] sizes, ascending
+  uint16_t* batch_bucket_of;  // offset 400  [max_seqs+1]
+  uint16_t* token_bucket_of;  // offset 408  [max_tokens+1]
+  uint64_t* decode_execs;  // offset 416  [n_batch_buckets][execs_per_shape]
+  uint64_t* prefill_execs;  // offset 424  [n_batch_buckets][n_token_buckets][execs_per_shape]
 };
 #ifdef offsetof
 static_assert(offsetof(EngineABI, max_seqs) == 0, "EngineABI.max_seqs offset");
@@ -82,6 +84,7 @@ static_assert(offsetof(EngineABI, execs_per_shape) == 36, "EngineABI.execs_per_s
 static_assert(offsetof(EngineABI, sampling_rows) == 40, "EngineABI.sampling_rows offset");
 static_assert(offsetof(EngineABI, max_logit_bias) == 44, "EngineABI.max_logit_bias offset");
 static_assert(offsetof(EngineABI, max_logprobs) == 48, "EngineABI.max_logprobs offset");
+static_assert(offsetof(EngineABI, mask_words) == 52, "EngineABI.mask_words offset");
 static_assert(offsetof(EngineABI, num_seqs) == 56, "EngineABI.num_seqs offset");
 static_assert(offsetof(EngineABI, num_tokens) == 64, "EngineABI.num_tokens offset");
 static_assert(offsetof(EngineABI, step_seq) == 72, "EngineABI.step_seq offset");
@@ -122,13 +125,14 @@ static_assert(offsetof(EngineABI, pen_state) == 344, "EngineABI.pen_state offset
 static_assert(offsetof(EngineABI, bias_n) == 352, "EngineABI.bias_n offset");
 static_assert(offsetof(EngineABI, bias_ids) == 360, "EngineABI.bias_ids offset");
 static_assert(offsetof(EngineABI, bias_vals) == 368, "EngineABI.bias_vals offset");
-static_assert(offsetof(EngineABI, batch_buckets) == 376, "EngineABI.batch_buckets offset");
-static_assert(offsetof(EngineABI, token_buckets) == 384, "EngineABI.token_buckets offset");
-static_assert(offsetof(EngineABI, batch_bucket_of) == 392, "EngineABI.batch_bucket_of offset");
-static_assert(offsetof(EngineABI, token_bucket_of) == 400, "EngineABI.token_bucket_of offset");
-static_assert(offsetof(EngineABI, decode_execs) == 408, "EngineABI.decode_execs offset");
-static_assert(offsetof(EngineABI, prefill_execs) == 416, "EngineABI.prefill_execs offset");
+static_assert(offsetof(EngineABI, masks) == 376, "EngineABI.masks offset");
+static_assert(offsetof(EngineABI, batch_buckets) == 384, "EngineABI.batch_buckets offset");
+static_assert(offsetof(EngineABI, token_buckets) == 392, "EngineABI.token_buckets offset");
+static_assert(offsetof(EngineABI, batch_bucket_of) == 400, "EngineABI.batch_bucket_of offset");
+static_assert(offsetof(EngineABI, token_bucket_of) == 408, "EngineABI.token_bucket_of offset");
+static_assert(offsetof(EngineABI, decode_execs) == 416, "EngineABI.decode_execs offset");
+static_assert(offsetof(EngineABI, prefill_execs) == 424, "EngineABI.prefill_execs offset");
 #endif
-static_assert(sizeof(EngineABI) == 424, "EngineABI size");
+static_assert(sizeof(EngineABI) == 432, "EngineABI size");
 
 }  // namespace blink

@@ -77,6 +77,8 @@ struct Shared {
   const int32_t* arena;
   int32_t* out;
   LogprobRecord* lp;  // the ring's logprob arena [n_slots][cap]
+  const uint32_t* masks;  // the ring's mask arena [n_masks][mask_words] (frontend-written)
+  uint32_t n_masks, mask_words;
   const EngineABI* E;
   uint32_t n_slots, cap, arena_tokens, vocab, mbps, bs;
   cudaGraphExec_t self;
@@ -228,6 +230,9 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
     sh.arena = (const int32_t*)((const char*)sh.H + sh.H->prompt_arena_offset);
     sh.out = (int32_t*)((char*)sh.H + sh.H->output_arena_offset);
     sh.lp = (LogprobRecord*)((char*)sh.H + sh.H->logprob_arena_offset);
+    sh.masks = (const uint32_t*)((const char*)sh.H + sh.H->mask_arena_offset);
+    sh.n_masks = sh.H->n_masks;
+    sh.mask_words = sh.H->mask_words;
     sh.vocab = sh.E->vocab_size;
     sh.mbps = sh.E->max_blocks_per_seq;
     sh.bs = sh.E->block_size;

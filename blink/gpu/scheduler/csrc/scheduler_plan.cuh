@@ -73,6 +73,25 @@ __device__ void insert_running(SchedCtl* c, uint32_t r) {
   g_run[i] = r;
 }
 
+// ---- token masks (structured output): Scheduler._closed and Scheduler._cut ---------------------------
+// The gate of a sequence with token mask `mask` (slot.mask_slot; 0: none) that has generated g tokens:
+// closed until the frontend has published the mask of token g (slot.mask_position == g + 1; read with
+// acquire, so the bits it wrote before are visible to the reads after a barrier). Read once per step.
+__device__ __forceinline__ bool gate_closed(const Shared& sh, uint32_t mask, uint32_t slot, uint32_t g) {
+  return mask != 0 && ld_acq_sys(&sh.slots[slot].mask_position) != g + 1;
+}
+
+// A chunk of n tokens from start of a sequence of len tokens: one token short when it would sample a
+// sequence whose gate is closed (it sits out the sampling; its prompt still advances).
+__device__ __forceinline__ uint32_t gate_cut(bool closed, uint32_t start, uint32_t n, uint32_t len) {
+  return closed && start + n == len ? n - 1 : n;
+}
+
+// A decode may be planned for running row R (Scheduler._split_running's ready).
+__device__ __forceinline__ bool decode_ready(const Row& R, uint32_t cap) {
+  return R.running && !prefilling(R) && !output_full(R, cap) && !R.closed;
+}
+
 // A new row from a claimed slot (fields copied at claim time).
 __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   const uint32_t r = g_free_rows[--c->n_free_rows];
@@ -108,6 +127,8 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   R.prompt_n = (q.flags & SLOTFLAG_PROMPT_LOGPROBS) ? (int32_t)min(q.n_logprobs, MAX_LOGPROBS) : -1;
   R.prompt_lp_off = q.prompt_logprobs_offset;
   R.ext = R.pen || R.n_logprobs >= 0 || R.prompt_n >= 0 || R.min_p != 0.0f;
+  R.mask = q.mask_slot;
+  R.closed = 0;
   for (uint32_t i = 0; i < MAX_STOP_IDS; ++i) R.stop_ids[i] = q.stop_ids[i];
   return r;
 }
@@ -174,7 +195,8 @@ __device__ bool admit_pass(SchedCtl* c, Shared& sh, uint32_t& budget, bool over,
     if ((R.group != 0 && group_held(c, R.group, held) >= gcap) != over) { ++w; continue; }
     if (preempted_now(sh, r)) return false;
     if (output_full(R, sh.cap)) { ++w; continue; }
-    const uint32_t n = min(R.len, budget);
+    const uint32_t n = gate_cut(gate_closed(sh, R.mask, R.slot, generated(R)), 0, min(R.len, budget), R.len);
+    if (n == 0) { ++w; continue; }
     if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) return false;  // FCFS: no overtaking for lack of KV
     if (R.group != 0 && R.group == held.group) held.n++;
     kv_grow(c, sh, r, n);
@@ -197,7 +219,8 @@ __device__ bool admit_pass(SchedCtl* c, Shared& sh, uint32_t& budget, bool over,
     const u64 g = copy[slot].group;
     if ((g != 0 && group_held(c, g, held) >= gcap) != over) continue;
     const uint32_t plen = copy[slot].prompt_len;
-    const uint32_t n = min(plen, budget);
+    const uint32_t n = gate_cut(gate_closed(sh, copy[slot].mask_slot, slot, 0), 0, min(plen, budget), plen);
+    if (n == 0) continue;
     if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) return false;
     if (g != 0 && g == held.group) held.n++;
     const uint32_t r = new_row(c, slot, i);  // the FIFO index is the arrival order
@@ -265,7 +288,8 @@ __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
     const uint32_t r = g_run[p];
     Row& R = g_rows[r];
     if (!R.running || !prefilling(R)) continue;
-    uint32_t n = min(min(R.len - R.computed, budget), cap);
+    uint32_t n = gate_cut(R.closed, R.computed, min(min(R.len - R.computed, budget), cap), R.len);
+    if (n == 0) continue;
     if (R.computed + n == R.len && output_full(R, sh.cap)) continue;
     const uint32_t start = R.computed;
     if (sh.nseq > 0) {  // shares the step: never preempt, cut the chunk to the free blocks
@@ -291,7 +315,7 @@ __device__ void plan_decode_seq(SchedCtl* c, Shared& sh) {
   for (uint32_t p = 0; p < n; ++p) {
     const uint32_t r = g_tmp[p];
     Row& R = g_rows[r];
-    if (!R.running || prefilling(R) || output_full(R, sh.cap)) continue;
+    if (!decode_ready(R, sh.cap)) continue;
     if (reserve(c, sh, r, R.len)) add_chunk(sh, r, R.len - 1, 1, 1);
   }
 }
@@ -304,7 +328,7 @@ __device__ void plan_decode(SchedCtl* c, Shared& sh) {
   uint32_t ready = 0, need = 0;
   for (uint32_t i = lo; i < hi; ++i) {
     const Row& R = g_rows[g_run[i]];
-    if (R.running && !prefilling(R) && !output_full(R, sh.cap)) {
+    if (decode_ready(R, sh.cap)) {
       ready++;
       need += ceil_div(R.len, sh.bs) - min(R.n_blocks, ceil_div(R.len, sh.bs));
     }
@@ -322,7 +346,7 @@ __device__ void plan_decode(SchedCtl* c, Shared& sh) {
   for (uint32_t i = lo; i < hi; ++i) {
     const uint32_t r = g_run[i];
     Row& R = g_rows[r];
-    if (!(R.running && !prefilling(R) && !output_full(R, sh.cap))) continue;
+    if (!decode_ready(R, sh.cap)) continue;
     int32_t* b = row_blocks(c, sh, r);
     while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = (int32_t)kv[top - 1 - (int)ob++];
     g_plan_row[o] = r;
@@ -341,11 +365,15 @@ __device__ void plan_decode(SchedCtl* c, Shared& sh) {
   __syncthreads();
 }
 
+// fill_seq's result: the row uses a sampling extension (the step's ext_on), and it samples under a
+// token mask (the step's mask_on; FILL_MASK implies FILL_EXT).
+constexpr uint32_t FILL_EXT = 1, FILL_MASK = 2;
+
 // Engine row i of the step: chunk [start, start + n) of row r, packed at token offset cu.
 // A decode chunk (n == 1) also writes its input token here; prefill tokens are packed separately.
-// Returns whether the row uses a sampling extension (its fields are written when the engine has
-// the extension tables; the step's ext_on says whether the kernels read them).
-__device__ bool fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, uint32_t start, uint32_t n, uint32_t cu,
+// Returns FILL_EXT / FILL_MASK bits (its fields are written when the engine has the extension
+// tables; the step's ext_on and mask_on say whether the kernels read them).
+__device__ uint32_t fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, uint32_t start, uint32_t n, uint32_t cu,
                          bool decode) {
   const EngineABI* E = sh.E;
   const Row& R = g_rows[r];
@@ -377,7 +405,51 @@ __device__ bool fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, uint32
     E->min_p[i] = R.min_p;
     E->n_logprobs[i] = R.n_logprobs;
   }
-  return R.ext && E->sampling_rows;
+  const bool masked = R.mask != 0 && g_plan_sample[i] && E->mask_words;  // planned only with its gate open
+  if (E->sampling_rows) E->mask_row[i] = masked ? (int32_t)i : -1;       // engine mask row i (fill_masks)
+  if (!E->sampling_rows) return 0;
+  return (R.ext || masked ? FILL_EXT : 0u) | (masked ? FILL_MASK : 0u);
+}
+
+// The bits of the step's masked rows from the ring's mask arena into the engine's mask rows, row i
+// for step row i, as Engine._upload_masks does (all threads; sh.nseq and mask_row written before a
+// barrier). The gate's acquire of mask_position and a barrier order these reads after the frontend's
+// bits; relaxed.sys loads, so no line cached from an earlier step is read. Words past the ring's mask
+// are zero (tokens past a mask are not allowed). Each thread issues U loads before it stores.
+__device__ void copy_masks(Shared& sh) {
+  const EngineABI* E = sh.E;
+  const uint32_t nseq = sh.nseq, per = (nseq + SCHED_THREADS - 1) / SCHED_THREADS;
+  const uint32_t lo = min(nseq, threadIdx.x * per), hi = min(nseq, lo + per);
+  uint32_t mine = 0, total;
+  for (uint32_t i = lo; i < hi; ++i) mine += E->mask_row[i] >= 0;
+  uint32_t o = block_scan(mine, &total, sh.warp_sums);
+  for (uint32_t i = lo; i < hi; ++i)
+    if (E->mask_row[i] >= 0) g_tmp[o++] = i;
+  __syncthreads();
+  const uint32_t W = E->mask_words, Wc = min(W, sh.mask_words), n = total * W;
+  constexpr uint32_t U = 8;
+  for (uint32_t base = threadIdx.x; base < n; base += U * SCHED_THREADS) {
+    uint32_t v[U];
+#pragma unroll
+    for (uint32_t k = 0; k < U; ++k) {
+      const uint32_t j = base + k * SCHED_THREADS, m = j / W, w = j - m * W;
+      const uint32_t* src = sh.masks + (size_t)(g_rows[g_plan_row[g_tmp[m < total ? m : 0]]].mask - 1) * sh.mask_words;
+      v[k] = j < n && w < Wc ? ld_sys(src + w) : 0u;
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < U; ++k) {
+      const uint32_t j = base + k * SCHED_THREADS, m = j / W;
+      if (j < n) E->masks[(size_t)g_tmp[m] * W + (j - m * W)] = v[k];
+    }
+  }
+  __syncthreads();
+}
+
+// The step's mask_on and masks (all threads; f: this thread's fill_seq bits; sh.nseq visible).
+__device__ void fill_masks(Shared& sh, uint32_t f) {
+  const int mask_on = __syncthreads_or(f & FILL_MASK);
+  if (mask_on) copy_masks(sh);
+  if (threadIdx.x == 0) *sh.E->mask_on = (uint32_t)mask_on;
 }
 
 // Prompt tokens of chunk i scored by this step (ring_device._build_ext): the packed token at position
@@ -450,10 +522,11 @@ __device__ void fill_engine(SchedCtl* c, Shared& sh) {
   int32_t* input_ids = (int32_t*)E->input_ids;
   int32_t* positions = (int32_t*)E->positions;
   int32_t* cu_q = (int32_t*)E->cu_q_lens;
-  bool ext = false;
+  uint32_t f = 0;
   for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS)
-    ext |= fill_seq(c, sh, i, g_plan_row[i], g_plan_start[i], g_plan_n[i], g_plan_cu[i], sh.kind == KIND_DECODE);
-  const int ext_on = __syncthreads_or(ext);  // the extension kernels return at once without one
+    f |= fill_seq(c, sh, i, g_plan_row[i], g_plan_start[i], g_plan_n[i], g_plan_cu[i], sh.kind == KIND_DECODE);
+  const int ext_on = __syncthreads_or(f & FILL_EXT);  // the extension kernels return at once without one
+  fill_masks(sh, f);
   if (sh.kind == KIND_PREFILL) {
     for (uint32_t j = threadIdx.x; j < ntok; j += SCHED_THREADS) {
       uint32_t a = 0, b = nseq;

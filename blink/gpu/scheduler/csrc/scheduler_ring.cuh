@@ -12,8 +12,10 @@ __device__ void describe(SchedCtl* c, Shared& sh) {
   st_sys(&H->kv_block_size, sh.bs);
   st_sys(&H->kv_blocks_total, sh.E->num_kv_blocks);
   st_sys(&H->kv_blocks_free, (uint32_t)c->kv_free_top);
-  // logprobs, prompt logprobs, penalties, min_p and logit_bias when the engine has a table row per slot
-  const uint32_t every = FEATURE_LOGPROBS | FEATURE_PROMPT_LOGPROBS | FEATURE_PENALTIES;
+  // logprobs, prompt logprobs, penalties, min_p, logit_bias and token masks when the engine has a
+  // table row per slot (and so its mask rows: EngineABI.masks)
+  uint32_t every = FEATURE_LOGPROBS | FEATURE_PROMPT_LOGPROBS | FEATURE_PENALTIES;
+  if (sh.E->mask_words) every |= FEATURE_TOKEN_MASK;
   st_sys(&H->features, sh.E->sampling_rows >= sh.n_slots ? every : 0u);
   st_sys(&H->fault, 0);
   beat(c, sh, gtime());
@@ -98,10 +100,11 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
   const uint32_t lo = min(cnt, threadIdx.x * per), hi = min(cnt, lo + per);
   uint32_t ready = 0, need = 0, flags = 0;
   for (uint32_t i = lo; i < hi; ++i) {
-    const Row& R = g_rows[g_run[i]];
+    Row& R = g_rows[g_run[i]];
+    R.closed = gate_closed(sh, R.mask, R.slot, generated(R));  // this step's gate (read once)
     if (prefilling(R)) {
       flags |= 1;
-    } else if (!output_full(R, sh.cap)) {
+    } else if (decode_ready(R, sh.cap)) {
       ready++;
       need += ceil_div(R.len, sh.bs) - min(R.n_blocks, ceil_div(R.len, sh.bs));
     }
@@ -138,11 +141,11 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
   } else {
     if (threadIdx.x == 0) sh.kind = KIND_DECODE;
     const uint32_t* kv = (const uint32_t*)c->kv_free;
-    uint32_t o = off & 0xFFFFu, ob = off >> 16;
+    uint32_t o = off & 0xFFFFu, ob = off >> 16, f = 0;
     for (uint32_t i = lo; i < hi; ++i) {
       const uint32_t r = g_run[i];
       Row& R = g_rows[r];
-      if (prefilling(R) || output_full(R, sh.cap)) continue;
+      if (!decode_ready(R, sh.cap)) continue;
       int32_t* b = row_blocks(c, sh, r);
       while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = (int32_t)kv[top - 1 - (int)ob++];
       g_plan_row[o] = r;
@@ -150,7 +153,7 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
       g_plan_n[o] = 1;
       g_plan_sample[o] = 1;
       g_plan_cu[o] = o;
-      fill_seq(c, sh, o, r, R.len - 1, 1, o, true);
+      f |= fill_seq(c, sh, o, r, R.len - 1, 1, o, true);
       ++o;
     }
     if (threadIdx.x == 0) {
@@ -160,6 +163,9 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
       *(uint32_t*)sh.E->num_seqs = n_ready;
       *(uint32_t*)sh.E->num_tokens = n_ready;
     }
+    const int ext_on = __syncthreads_or(f & FILL_EXT);  // barrier: sh.nseq visible to fill_masks
+    if (threadIdx.x == 0) *sh.E->ext_on = (uint32_t)ext_on;
+    fill_masks(sh, f);
   }
   if (threadIdx.x == 0) c->last_kind = sh.kind;
   __syncthreads();
@@ -180,7 +186,7 @@ __device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
       !(mp >= 0.0f && mp <= 1.0f))
     return SLOTERR_BAD_PARAMS;
   if (r.n_logprobs > MAX_LOGPROBS || nb > MAX_LOGIT_BIAS) return SLOTERR_BAD_PARAMS;
-  if (r.mask_slot != 0) return SLOTERR_BAD_PARAMS;  // token masks: not implemented here (no FEATURE_TOKEN_MASK)
+  if (r.mask_slot != 0 && (!feats || !E->mask_words || r.mask_slot > sh.n_masks)) return SLOTERR_BAD_PARAMS;
   if ((u64)r.prompt_offset + r.prompt_len + 2ull * nb > sh.arena_tokens) return SLOTERR_BAD_PARAMS;
   if ((r.flags & SLOTFLAG_PROMPT_LOGPROBS) &&
       (u64)r.prompt_logprobs_offset + (u64)r.prompt_len * (1ull + 2ull * r.n_logprobs) > sh.arena_tokens)
