@@ -1,9 +1,9 @@
 """Structured output on a served model: the frontend's mask work per token, and what constrained
-streams cost on the device (default: random-weight Llama-3-8B on the CUDA device, host loop: the
-scheduler that applies token masks).
+streams cost on the device (default: random-weight Llama-3-8B on the CUDA device, GPU-resident
+scheduler; `--scheduler host` for the host loop: both apply token masks).
 
     python -m bench.serving.structured RESULTS_DIR [--model random:llama3-8b] [--device cuda]
-        [--scheduler host] [--streams 32] [--tokens 128] [--commit C]
+        [--scheduler gpu|host] [--streams 32] [--tokens 128] [--commit C]
 
 Writes RESULTS_DIR/structured_output-<h200|emulated>-<commit>.json with:
 - mask: per JSON schema of growing size (2 to 64 properties), the frontend's work per generated token
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="random:llama3-8b")
     ap.add_argument("--mask-model", default="", help="tokenizer of the mask timing (default: --model's)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--scheduler", default="host")
+    ap.add_argument("--scheduler", default="gpu", choices=("gpu", "host"))
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10)
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     result = metadata(commit, argv, gpu=gpu) | {"model": a.model, "device": a.device, "scheduler": a.scheduler}
     result["mask"] = mask_times(a.mask_model or a.model, a.reps)
     result |= device_runs(a)
-    name = f"structured_output-{'emulated' if a.device == 'emulated' else short_device(gpu)}-{commit[:7]}.json"
+    where = "emulated" if a.device == "emulated" else f"{short_device(gpu)}-{a.scheduler}"  # one file per scheduler
+    name = f"structured_output-{where}-{commit[:7]}.json"
     write_json(os.path.join(a.results, name), result)
     return 0
 
