@@ -102,7 +102,7 @@ PYEOF
   echo "commit $COMMIT"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 } >"$DEST/env.log" 2>&1
-part build 900 "$PY" -m blink.gpu.toolchain.kernels
+part build 900 "$PY" -m blink.gpu.build_kernels
 
 if has tests; then
   part tests 1800 "${PT[@]}" -m gpu tests

@@ -130,7 +130,7 @@ def test_kernel_signatures_file_is_fresh():
         assert kernels.signatures(s), s  # raises when the source changed since the file was made
     if shutil.which("nvcc") or pathlib.Path("/usr/local/cuda/bin/nvcc").exists():
         assert kernels.PARAMS_FILE.read_text() == kernels.render_params(), (
-            "run python -m blink.gpu.toolchain.kernels --params"
+            "run python -m blink.gpu.build_kernels --params"
         )
 
 

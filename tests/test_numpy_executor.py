@@ -108,7 +108,7 @@ def test_generation_is_deterministic_across_batch_composition(bundle):
 
 
 def test_models_cli_generates(capsys):
-    from blink.models.__main__ import main
+    from blink.device.generate import main
 
     assert main(["--model", "random:tiny-llama", "--max-tokens", "5", "hi", "a longer prompt"]) == 0
     out, err = capsys.readouterr()

@@ -92,10 +92,6 @@ class DeployConfig:
     def namespace(self) -> str:
         return self.deploy.namespace
 
-    @property
-    def frontend_name(self) -> str:
-        return self.frontend_actor_name(0)
-
     def frontend_actor_name(self, index: int) -> str:
         return f"{self.deploy.name}-frontend" + (f"-{index}" if index else "")
 

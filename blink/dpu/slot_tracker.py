@@ -45,7 +45,6 @@ from .token_masks import Constraint
 
 _STATE = SLOT_DTYPE.fields["state"][1]
 _CANCEL = SLOT_DTYPE.fields["cancel"][1]
-_GENERATED = SLOT_DTYPE.fields["generated"][1]
 _CONSUMED = SLOT_DTYPE.fields["consumed"][1]
 _T_READ = SLOT_DTYPE.fields["t_read_ns"][1]
 _SUBMIT_SEQ = HEADER_DTYPE.fields["submit_seq"][1]
@@ -199,9 +198,6 @@ class SlotTracker:
         """The store of a slot's `consumed` counter (the token reader batches these)."""
         return _u32(self.geo.slot_offset(slot) + _CONSUMED, consumed & 0xFFFFFFFF)
 
-    def store_consumed(self, slot: int, consumed: int) -> None:
-        self.t.post([self.consumed_write(slot, consumed)])
-
     def read_ns_write(self, slot: int, t_ns: int) -> Write:
         """The store stamping the first token's read into the slot (a frontend-owned word: the
         TTFT trace; the token reader batches it with the consumed counters)."""
@@ -226,12 +222,6 @@ class SlotTracker:
 
     def release(self, slot: int) -> None:
         self.t.post([self.release_write(slot)])
-
-    def load_state(self, slot: int) -> int:
-        return self.t.load_u32(self.geo.slot_offset(slot) + _STATE)
-
-    def load_generated(self, slot: int) -> int:
-        return self.t.load_u32(self.geo.slot_offset(slot) + _GENERATED)
 
     def orphans(self) -> list[int]:
         """Slots left non-EMPTY by a previous frontend (on (re)attach): not held by us, not EMPTY."""

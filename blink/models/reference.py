@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blink.device.executor import StepBatch
+from blink.protocol.step import StepBatch
 from blink.models.config import ModelConfig, rope_inv_freq
 from blink.models.weights import Weights
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from blink.device.scheduler import default_long_prefill
 from blink.gpu.toolchain.build import Unit, build, default_cache_dir, nvrtc, target_for
+from blink.gpu.toolchain.kernels import pack_args, signatures
 from blink.protocol.cgen import header_main, header_text, struct_lines
 from blink.protocol.layout import SLOT_DTYPE, RingView
 
@@ -151,8 +152,6 @@ def build_cubin(cache_dir: str | os.PathLike | None = None, arch: int = 90) -> p
 def launch_args(kernel: str, **kwargs: object) -> list:
     """The ctypes arguments of a scheduler kernel, checked against its signature in
     csrc/kernel_params.json (as the engine's launches are)."""
-    from blink.gpu.toolchain.kernels import pack_args, signatures
-
     return pack_args(kernel, signatures("scheduler.cu")[kernel], kwargs)
 
 

@@ -1,5 +1,5 @@
 """Thin libcuda helpers the scheduler launcher needs beyond `blink.gpu.toolchain.cuda_api.Driver`:
-mapping the ring (a /dev/shm file) into the device, module globals, stream queries."""
+mapping the ring (a /dev/shm file) into the device."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ _vp = ctypes.c_void_p
 
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
-CUDA_ERROR_NOT_READY = 600
 
 
 def host_register(drv: Driver, host_ptr: int, nbytes: int) -> int:
@@ -38,14 +37,3 @@ def host_register(drv: Driver, host_ptr: int, nbytes: int) -> int:
 def host_unregister(drv: Driver, host_ptr: int) -> None:
     drv.check(drv.lib.cuMemHostUnregister(_vp(host_ptr)), "cuMemHostUnregister(ring)")
 
-
-def module_global(drv: Driver, module: int, name: str) -> tuple[int, int]:
-    """(device address, size in bytes) of a __device__ variable."""
-    ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
-    drv.check(drv.lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), _vp(module), name.encode()), name)
-    return int(ptr.value), int(size.value)
-
-
-def stream_query(drv: Driver, stream: int) -> int:
-    """0 when the stream's work is done, CUDA_ERROR_NOT_READY while it runs, else the error."""
-    return int(drv.lib.cuStreamQuery(_vp(stream)))

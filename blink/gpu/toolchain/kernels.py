@@ -4,11 +4,11 @@ launch them by parameter name.
 Sources live in blink/gpu/engine/csrc/ (the scheduler's in blink/gpu/scheduler/csrc/). A cubin is
 rebuilt only when its source, the shared headers, the options, the architecture or the NVRTC
 version change; the cache can be filled on a machine without a GPU
-(`python -m blink.gpu.toolchain.kernels --arch 90 --cache-dir DIR`) and carried along.
+(`python -m blink.gpu.build_kernels --arch 90 --cache-dir DIR`) and carried along.
 
 Launch arguments are checked against the kernels' own signatures: PARAMS_FILE lists the parameters
 of every `extern "C"` kernel, read from nvcc's preprocessor output (so kernels defined by macros are
-listed under their real names) when a source changes (`python -m blink.gpu.toolchain.kernels --params`; a
+listed under their real names) when a source changes (`python -m blink.gpu.build_kernels --params`; a
 test fails while it is stale). `Kernels.args(name, kwargs)` orders keyword arguments by that list
 and converts each to the ctypes value its C type takes; a missing, unknown or mistyped argument is
 an error at the launch (during graph capture), not a wrong read.
@@ -16,7 +16,6 @@ an error at the launch (during graph capture), not a wrong read.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -144,7 +143,7 @@ def signatures(source: str) -> dict[str, Params]:
     entry = json.loads(PARAMS_FILE.read_text()).get(source)
     if entry is None or entry["key"] != source_key(source):
         raise RuntimeError(
-            f"{PARAMS_FILE.name} is stale for {source}: run `python -m blink.gpu.toolchain.kernels --params`"
+            f"{PARAMS_FILE.name} is stale for {source}: run `python -m blink.gpu.build_kernels --params`"
         )
     return {k: tuple(tuple(p) for p in v) for k, v in entry["kernels"].items()}  # type: ignore[misc]
 
@@ -219,27 +218,3 @@ class Kernels:
                 raise KeyError(f"kernel {name} not found in {SOURCES}")
             self._fns[name] = fn
         return fn
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Fill a kernel cache ahead of time (no GPU needed): every engine kernel and the scheduler;
-    or, with --params, regenerate the kernels' signature file (needs nvcc)."""
-    from blink.gpu.scheduler import scheduler
-
-    ap = argparse.ArgumentParser(prog="python -m blink.gpu.toolchain.kernels", description=main.__doc__)
-    ap.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 (repeatable; default 90)")
-    ap.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="where the cubins go (default: %(default)s)")
-    ap.add_argument("--params", action="store_true", help=f"regenerate {PARAMS_FILE.name} (nvcc -E) and exit")
-    args = ap.parse_args(argv)
-    if args.params:
-        PARAMS_FILE.write_text(render_params())
-        print(PARAMS_FILE)
-        return 0
-    for arch in args.arch or [90]:
-        for p in [*build_all(args.cache_dir, arch), scheduler.build_cubin(args.cache_dir, arch)]:
-            print(p)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

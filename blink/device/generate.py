@@ -1,6 +1,6 @@
 """Inspect a model and generate greedily with the numpy engine, no ring involved.
 
-    python -m blink.models [--model SPEC] [--max-tokens N] "prompt" ["prompt" ...]
+    python -m blink.device.generate [--model SPEC] [--max-tokens N] "prompt" ["prompt" ...]
 
 Prompts are wrapped in the chat template and decoded together as one batch.
 """
@@ -17,7 +17,7 @@ from blink.models.registry import resolve_model
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m blink.models", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m blink.device.generate", description=__doc__.splitlines()[0])
     ap.add_argument("prompts", nargs="+")
     ap.add_argument("--model", default="default", help="default | path.gguf | HF dir | random:<preset>")
     ap.add_argument("--cache-dir", default=None, help="model cache (default ~/.cache/blink/models)")
