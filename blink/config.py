@@ -203,7 +203,7 @@ class DeviceConfig:
     mixed_tokens: int | None = None
     """Token budget of a step that carries decodes, the running decodes included (Sarathi-Serve's
     token budget), doubled while it leaves a prompt less than half of itself or while prompts queue
-    behind the one admitted (never above max_tokens; blink/device/scheduler.py step_budget); 0 = max_tokens. None = DEFAULT_MIXED_TOKENS
+    behind the one admitted (never above max_tokens; blink/device/policy.py step_budget); 0 = max_tokens. None = DEFAULT_MIXED_TOKENS
     on cuda, 0 on the emulated device (no graphs there, so no bucket to fill). See mixed_step_tokens."""
     kv_block_size: int = 16
     """Tokens per KV cache block."""

@@ -68,7 +68,7 @@ def test_the_mixed_step_budget_reaches_the_spec_and_its_budgets_are_token_bucket
     """blink serve on cuda: mixed steps get DEFAULT_MIXED_TOKENS, and every budget a mixed step of
     up to max_batch decodes can fill is a captured token bucket (no padding to the next power of 2)."""
     from blink.config import DEFAULT_MIXED_TOKENS, build
-    from blink.device.scheduler import step_budget
+    from blink.device.policy import step_budget
     from blink.gpu.serve import engine_config
     from blink.launch import device_spec
 

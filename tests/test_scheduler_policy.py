@@ -8,14 +8,8 @@ import numpy as np
 import pytest
 
 from blink.device.kv_blocks import BlockManager
-from blink.device.scheduler import (
-    Scheduler,
-    SchedulerConfig,
-    SeqStatus,
-    StepKind,
-    mixed_budgets,
-    step_budget,
-)
+from blink.device.policy import mixed_budgets, step_budget
+from blink.device.scheduler import Scheduler, SchedulerConfig, SeqStatus, StepKind
 from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
 
 

@@ -27,7 +27,8 @@ import argparse
 import numpy as np
 
 from blink.device.kv_blocks import BlockManager
-from blink.device.scheduler import Scheduler, SchedulerConfig, StepKind, mixed_budgets
+from blink.device.policy import mixed_budgets
+from blink.device.scheduler import Scheduler, SchedulerConfig, StepKind
 
 W_POINTS = ((1, 4.42), (8, 4.95), (32, 5.26), (64, 5.55), (128, 5.85), (256, 7.90))
 P_POINTS = ((512, 12.1), (1024, 20.4), (2048, 43.2), (4096, 89.0))

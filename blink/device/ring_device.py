@@ -39,6 +39,7 @@ from blink.protocol.layout import (
 
 from .executor import Executor, StepBatch
 from .kv_blocks import BlockManager
+from .policy import step_limits
 from .scheduler import Scheduler, SchedulerConfig, Seq, StepKind, StepPlan
 from .slot_request import sampling_of, validate
 from .step_batch import build_batch
@@ -53,7 +54,7 @@ class RingDeviceConfig:
     long_prefill_tokens: int = 0
     """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_tokens."""
     mixed_tokens: int = 0
-    """Token budget of a step that carries decodes (blink.device.scheduler.step_budget); 0 = max_tokens."""
+    """Token budget of a step that carries decodes (blink.device.policy.step_budget); 0 = max_tokens."""
     spin_s: float = 200e-6
     """Busy-poll this long after the last activity before sleeping."""
     max_sleep_s: float = 500e-6
@@ -78,23 +79,28 @@ class RingDevice:
         self.ex = executor
         self.config = config or RingDeviceConfig()
         cfg = self.config
-        self.max_tokens = min(cfg.max_tokens or executor.max_tokens, executor.max_tokens)
-        self.max_batch = min(cfg.max_batch or executor.max_batch, executor.max_batch, self.max_tokens)
-        # A sequence that fits the context must fit the pool alone (never fail it for KV), so the
-        # context the device advertises is capped by the pool: L tokens hold L-1 K/V entries.
-        self.max_context = min(executor.max_context, executor.num_blocks * executor.block_size + 1)
-        self.blocks = BlockManager(executor.num_blocks, executor.block_size)
-        self.sched = Scheduler(
-            SchedulerConfig(
-                self.max_batch,
-                self.max_tokens,
-                self.max_context,
-                view.geo.output_capacity,
-                cfg.long_prefill_tokens,
-                min(cfg.mixed_tokens, self.max_tokens),
-            ),
-            self.blocks,
+        lim = step_limits(
+            executor.max_batch,
+            executor.max_tokens,
+            executor.max_context,
+            executor.num_blocks,
+            executor.block_size,
+            max_batch=cfg.max_batch,
+            max_tokens=cfg.max_tokens,
+            long_prefill_tokens=cfg.long_prefill_tokens,
+            mixed_tokens=cfg.mixed_tokens,
         )
+        self.max_batch, self.max_tokens, self.max_context = lim.max_batch, lim.max_tokens, lim.max_context
+        self.blocks = BlockManager(executor.num_blocks, executor.block_size)
+        sched_cfg = SchedulerConfig(
+            lim.max_batch,
+            lim.max_tokens,
+            lim.max_context,
+            view.geo.output_capacity,
+            lim.long_prefill_tokens,
+            lim.mixed_tokens,
+        )
+        self.sched = Scheduler(sched_cfg, self.blocks)
         self.table_width = self.blocks.blocks_for(executor.max_context)
         self.hdr = view.header
         self.features = DeviceFeatures(int(getattr(executor, "features", 0)))

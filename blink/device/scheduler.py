@@ -67,6 +67,7 @@ from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
 from blink.protocol.sampling_params import SamplingParams
 
 from .kv_blocks import BlockManager
+from .policy import BACKLOG_SCAN, default_long_prefill, group_cap, step_budget
 
 DEFAULT_SAMPLING = SamplingParams()
 
@@ -103,55 +104,6 @@ class SchedulerConfig:
             raise ValueError("long_prefill_tokens and mixed_tokens must be >= 0")
         if self.max_context < 2:
             raise ValueError("max_context must be >= 2 (a prompt token and a generated one)")
-
-
-BACKLOG_SCAN = 64
-"""Waiting sequences behind the first whose tokens count in a step's prefill backlog (step_budget)."""
-BACKLOG_FACTOR = 4
-"""A mixed budget doubles while the prefill backlog is at least this many times its prefill share."""
-
-
-def step_budget(max_tokens: int, mixed_tokens: int, num_decodes: int, backlog: int = 0) -> int:
-    """Tokens a step with `num_decodes` decodes may carry: max_tokens without decodes or without a
-    mixed budget; else mixed_tokens * 2**k for the smallest k that leaves prefill at least
-    mixed_tokens // 2 and, unless that reaches max_tokens, more than a BACKLOG_FACTOR-th of
-    `backlog`: the tokens queued behind the first waiting sequence (Scheduler._backlog). A prompt
-    arriving among decodes, however long, gets mixed_tokens per step (steps little slower than a
-    decode step); a queue of prompts gets larger steps, up to max_tokens, as a whole-prompt policy
-    would (throughput under saturation). The CUDA scheduler has the same function
-    (scheduler_plan.cuh step_budget); mixed_budgets() lists every value it returns."""
-    if mixed_tokens == 0 or num_decodes == 0 or mixed_tokens >= max_tokens:
-        return max_tokens
-    b = mixed_tokens
-    while b < max_tokens and (b < num_decodes + mixed_tokens // 2 or backlog >= BACKLOG_FACTOR * (b - num_decodes)):
-        b *= 2
-    return min(b, max_tokens)
-
-
-def mixed_budgets(max_tokens: int, mixed_tokens: int) -> tuple[int, ...]:
-    """Every budget step_budget can give a mixed step (the token buckets an engine should capture so
-    that a mixed step filling its budget runs a graph of exactly its size)."""
-    if mixed_tokens == 0 or mixed_tokens >= max_tokens:
-        return (max_tokens,)
-    out = [max_tokens]
-    b = mixed_tokens
-    while b < max_tokens:
-        out.append(b)
-        b *= 2
-    return tuple(sorted(out))
-
-
-def group_cap(max_batch: int) -> int:
-    """Most running sequences one group (the choices of one API request, Seq.group) may hold: half
-    the batch, at least one. The rest of the batch stays open to other requests, so a request with
-    many choices never makes another wait for its choices to finish. The CUDA scheduler has the
-    same rule (scheduler_plan.cuh group_cap)."""
-    return max(1, max_batch // 2)
-
-
-def default_long_prefill(max_tokens: int) -> int:
-    """A quarter of the step budget: a waiting prompt of up to 3/4 of it joins the next step."""
-    return max(1, max_tokens // 4)
 
 
 class SeqStatus(enum.Enum):

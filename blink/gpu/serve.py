@@ -26,7 +26,7 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
     (max_position_embeddings, as vLLM's max_model_len) unless given, rounded down to whole KV blocks.
     The token buckets include every budget of a mixed step (mixed_budgets), so a mixed step that
     fills its budget runs a graph of exactly its size."""
-    from blink.device.scheduler import mixed_budgets
+    from blink.device.policy import mixed_budgets
     from blink.gpu.engine.engine import DEFAULT_TOKEN_BUCKETS, EngineConfig, parse_decode_attention
 
     ctx = spec.max_context or max_position

@@ -97,7 +97,7 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     scheduler: str  # cuda: "gpu" (persistent scheduler kernel) | "host" (host-driven loop)
     max_batch: int  # sequences per step
     max_tokens: int  # tokens per step: every decode + prefill chunks
-    mixed_tokens: int = 0  # budget of a step that carries decodes (device/scheduler.py step_budget); 0 = max_tokens
+    mixed_tokens: int = 0  # budget of a step that carries decodes (device/policy.py step_budget); 0 = max_tokens
     kv_block_size: int  # tokens per KV block
     num_kv_blocks: int  # KV pool in blocks; 0 = sized by the device
     kv_cache_fraction: float  # cuda: share of the free GPU memory for the KV pool when num_kv_blocks is 0

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from blink.device.scheduler import default_long_prefill
+from blink.device.policy import StepLimits, step_limits
 from blink.gpu.toolchain.build import Unit, build, default_cache_dir, nvrtc, target_for
 from blink.gpu.toolchain.kernels import pack_args, signatures
 from blink.protocol.cgen import header_main, header_text, struct_lines
@@ -31,7 +31,15 @@ from blink.protocol.layout import SLOT_DTYPE, RingView
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 ENGINE_INCLUDE = pathlib.Path(__file__).resolve().parents[1] / "engine" / "include"
 CTL_HEADER_PATH = CSRC / "scheduler_ctl.cuh"
-SOURCES = ("scheduler.cu", "scheduler.cuh", "scheduler_plan.cuh", "scheduler_ring.cuh", "scheduler_ctl.cuh")
+SOURCES = (
+    "scheduler.cu",
+    "scheduler.cuh",
+    "scheduler_plan.cuh",
+    "scheduler_ring.cuh",
+    "scheduler_ctl.cuh",
+    "scheduler_budget.cuh",
+    "scheduler_policy.cuh",
+)
 KERNEL = "blink_sched"
 INIT_KERNEL = "blink_sched_init"
 THREADS = 256  # one block; the kernel's scan partition and row mapping assume exactly this
@@ -179,7 +187,7 @@ class GpuSchedulerConfig:
     long_prefill_tokens: int = 0
     """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_tokens."""
     mixed_tokens: int = 0
-    """Token budget of a step that carries decodes (blink.device.scheduler.step_budget); 0 = max_tokens."""
+    """Token budget of a step that carries decodes (blink.device.policy.step_budget); 0 = max_tokens."""
     window: int = LAUNCH_WINDOW
     """Fire-and-forget launches per scheduler instance before the tail self-relaunch (1..120)."""
     retry_max: int = 1000
@@ -228,14 +236,21 @@ class GpuScheduler:
         self._graph = 0
         self.started = False
 
-    # limits as the device advertises them (the same rules as blink.device.ring_device)
-    def _limits(self) -> tuple[int, int, int]:
-        d = self.engine.dims
-        cfg = self.config
-        max_tokens = min(cfg.max_tokens or d.max_tokens, d.max_tokens)
-        max_batch = min(cfg.max_batch or d.max_seqs, d.max_seqs, max_tokens, MAX_ROWS)
-        max_context = min(d.max_context, d.num_blocks * d.block_size + 1)
-        return max_batch, max_tokens, max_context
+    def limits(self) -> StepLimits:
+        """The limits the device schedules with and advertises (blink.device.policy.step_limits)."""
+        d, cfg = self.engine.dims, self.config
+        return step_limits(
+            d.max_seqs,
+            d.max_tokens,
+            d.max_context,
+            d.num_blocks,
+            d.block_size,
+            max_batch=cfg.max_batch,
+            max_tokens=cfg.max_tokens,
+            long_prefill_tokens=cfg.long_prefill_tokens,
+            mixed_tokens=cfg.mixed_tokens,
+            batch_cap=MAX_ROWS,
+        )
 
     def _clock_offset(self, fn_clock: int) -> int:
         """ns to add to %globaltimer to get time.time_ns(), never too small: the upper bound of
@@ -268,7 +283,8 @@ class GpuScheduler:
             raise RuntimeError("scheduler already started")
         eng, d, cfg = self.engine, self.engine.dims, self.config
         geo = self.view.geo
-        max_batch, max_tokens, max_context = self._limits()
+        lim = self.limits()
+        max_batch, max_tokens, max_context = lim.max_batch, lim.max_tokens, lim.max_context
         rows_cap = min(MAX_ROWS, 2 * max_batch + 8)  # running + preempted rows
         kernels = eng.kernels
         cubin = build_cubin(cache_dir or kernels.cache_dir, kernels.arch)
@@ -295,8 +311,7 @@ class GpuScheduler:
         c["beat_ns"] = int(cfg.beat_s * 1e9)
         c["rows_cap"], c["max_batch"], c["max_tokens"], c["max_context"] = rows_cap, max_batch, max_tokens, max_context
         c["window"], c["retry_max"] = cfg.window, cfg.retry_max
-        c["long_prefill"] = cfg.long_prefill_tokens or default_long_prefill(max_tokens)
-        c["mixed_tokens"] = cfg.mixed_tokens if cfg.mixed_tokens < max_tokens else 0
+        c["long_prefill"], c["mixed_tokens"] = lim.long_prefill_tokens, lim.mixed_tokens
         c["flags"] = FLAG_ALWAYS_SCAN if cfg.always_scan else 0
         b["ctl"] = cp.asarray(np.frombuffer(c.tobytes(), np.uint8))
         s = self._stream.ptr

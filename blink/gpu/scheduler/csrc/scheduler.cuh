@@ -15,6 +15,7 @@
 
 #include "blink_engine.h"
 #include "blink_ring.h"
+#include "scheduler_budget.cuh"
 #include "scheduler_ctl.cuh"
 
 namespace blink {

@@ -133,9 +133,6 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   return r;
 }
 
-// blink/device/scheduler.py group_cap: most running rows of one group (the choices of one API request).
-__device__ __forceinline__ uint32_t group_cap(const SchedCtl* c) { return c->max_batch / 2 > 1 ? c->max_batch / 2 : 1; }
-
 // Running rows of group g (thread 0). `cache` keeps the last group counted: a group's choices are
 // claimed together, so consecutive candidates mostly share it.
 struct GroupCount {
@@ -150,17 +147,6 @@ __device__ uint32_t group_held(const SchedCtl* c, u64 g, GroupCount& cache) {
     cache.n = n;
   }
   return cache.n;
-}
-
-// blink/device/scheduler.py BACKLOG_SCAN, BACKLOG_FACTOR, step_budget: tokens a step with n_dec
-// decodes may carry, given the prompt tokens waiting for prefill (backlog).
-constexpr uint32_t BACKLOG_SCAN = 64, BACKLOG_FACTOR = 4;
-__device__ uint32_t step_budget(const SchedCtl* c, uint32_t n_dec, uint32_t backlog) {
-  const uint32_t m = c->mixed_tokens;
-  if (m == 0 || n_dec == 0 || m >= c->max_tokens) return c->max_tokens;
-  uint32_t b = m;
-  while (b < c->max_tokens && (b < n_dec + m / 2 || backlog >= BACKLOG_FACTOR * (b - n_dec))) b *= 2;
-  return min(b, c->max_tokens);
 }
 
 // Scheduler._backlog (thread 0): the tokens of the BACKLOG_SCAN waiting sequences behind the first,
@@ -186,7 +172,7 @@ __device__ uint32_t prefill_backlog(const SchedCtl* c, const Shared& sh) {
 // step. A FIFO entry passed over stays queued (taken entries behind the head become DEAD; the head
 // moves over DEAD entries).
 __device__ bool admit_pass(SchedCtl* c, Shared& sh, uint32_t& budget, bool over, GroupCount& held) {
-  const uint32_t gcap = group_cap(c);
+  const uint32_t gcap = group_cap(c->max_batch);
   uint32_t w = 0;
   while (w < c->n_wait) {
     if (budget == 0 || c->n_run >= c->max_batch) return false;
@@ -242,7 +228,7 @@ __device__ bool admit_pass(SchedCtl* c, Shared& sh, uint32_t& budget, bool over,
 __device__ void fair_share_preempt(SchedCtl* c, Shared& sh) {
   const uint32_t cnt = c->n_run;
   if (cnt < c->max_batch || (c->n_wait == 0 && c->waitq_head == c->waitq_tail)) return;  // uniform
-  const uint32_t gcap = group_cap(c);
+  const uint32_t gcap = group_cap(c->max_batch);
   if (threadIdx.x == 0) sh.victim = 0;
   __syncthreads();
   for (uint32_t i = threadIdx.x; i < cnt; i += SCHED_THREADS) {
@@ -277,7 +263,8 @@ __device__ void fair_share_preempt(SchedCtl* c, Shared& sh) {
 // (sh.nseq of them) are planned: prefill chunks in the rest of the token budget.
 __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
   uint32_t budget = c->max_tokens - sh.ntok;  // max_tokens >= max_batch >= the decodes
-  if (c->mixed_tokens && sh.ntok) budget = step_budget(c, sh.ntok, prefill_backlog(c, sh)) - sh.ntok;
+  if (c->mixed_tokens && sh.ntok)
+    budget = step_budget(c->max_tokens, c->mixed_tokens, sh.ntok, prefill_backlog(c, sh)) - sh.ntok;
   uint32_t* wq = (uint32_t*)c->waitq;
   while (c->waitq_head != c->waitq_tail && wq[c->waitq_head % sh.n_slots] == DEAD) c->waitq_head++;
   bool waiting = c->waitq_head != c->waitq_tail;
