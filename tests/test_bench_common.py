@@ -141,10 +141,10 @@ def test_decode_engine_config_sizes_the_pool_for_the_largest_batch():
     largest batch's sequences each with ceil(context / 16) + 1 KV blocks; other fields passed on."""
     from bench.common import decode_engine_config
 
-    e = decode_engine_config([1, 8, 32], 1008, gemv_fusion="none")
+    e = decode_engine_config([1, 8, 32], 1008, gemv_max_tokens=8)
     assert (e.max_seqs, e.max_tokens, e.block_size, e.max_context) == (32, 32, 16, 1040)
     assert e.num_kv_blocks == 32 * (63 + 1) and e.batch_buckets == (1, 8, 32) and e.token_buckets == (32,)
-    assert e.gemv_fusion == "none"
+    assert e.gemv_max_tokens == 8
     assert decode_engine_config([4], 1024).num_kv_blocks == 4 * 65  # 1024 / 16 = 64 blocks exactly, + 1
 
 

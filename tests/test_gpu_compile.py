@@ -56,12 +56,9 @@ def test_compiles_for_every_target(src: pathlib.Path, arch: int, tmp_path: pathl
     data = out.read_bytes()
     assert data[:4] == b"\x7fELF"
     names = data.decode("latin-1")
-    if src.name == "attention.cu":
-        for hd in (16, 32, 64, 128):
-            assert f"attn_decode_hd{hd}_g4" in names and f"attn_decode_hd{hd}_g7" in names
     if src.name == "prefill_attention.cu":
         for hd in (16, 32, 64, 128):
-            assert all(f"attn_prefill_{v}_hd{hd}" in names for v in ("rego", "fa2"))
+            assert f"attn_prefill_fa2_hd{hd}" in names
     if src.name == "model_kernels.cu":
         for k in ("embed_tokens", "add_rmsnorm", "rope_kv_write", "swiglu", "signal_done", "gemv_bf16_t8"):
             assert k in names
@@ -141,7 +138,7 @@ def test_cache_key_tracks_source_arch_and_options(tmp_path: pathlib.Path):
     assert a.name.startswith("sampling-sm_90-")
     v = B.nvrtc().version
     u = kernels.UNITS["sampling.cu"]
-    assert u.key("sm_90", v) != kernels.UNITS["attention.cu"].key("sm_90", v)
+    assert u.key("sm_90", v) != kernels.UNITS["moe.cu"].key("sm_90", v)
     assert u.key("sm_90", v) != u.key("sm_80", v) != B.Unit(u.source, u.deps, ("-lineinfo",)).key("sm_80", v)
     assert (
         u.key("sm_90", (13, 0)) == u.key("sm_90", (13, 5)) != u.key("sm_90", (12, 9))
@@ -343,7 +340,7 @@ def test_flash_launches_per_bucket():
     arguments against the kernels' signatures)."""
     from types import SimpleNamespace
 
-    from blink.gpu.engine.attention_launch import decode_variant_for, flash_smem_bytes
+    from blink.gpu.engine.attention_launch import FLASHMMA_MIN_BATCH, flash_smem_bytes
     from blink.gpu.engine.forward import Dims, Forward
     from blink.models.config import preset
 
@@ -366,8 +363,9 @@ def test_flash_launches_per_bucket():
     calls.clear()
     f._record_flash(0, 1, "flashmma", 1 << 20, 2 << 20, 0.1)  # flashq's splits and combine, its own smem
     assert calls == [("attn_flashmma_hd128_g4", (32, 8, 1), 15, 73984), ("attn_flashq_combine_hd128", (8, 1, 1), 10, 0)]
-    table = (1, "flashq"), (64, "basic")
-    assert [decode_variant_for(table, b) for b in (1, 63, 64, 256)] == ["flashq", "flashq", "basic", "basic"]
+    f._decode_override = None  # the serving choice: flashq below FLASHMMA_MIN_BATCH, flashmma from there
+    assert FLASHMMA_MIN_BATCH == 128
+    assert [f.decode_variant(b) for b in (1, 127, 128, 256)] == ["flashq", "flashq", "flashmma", "flashmma"]
 
 
 @pytest.mark.parametrize("stages", [3, 4])
@@ -405,17 +403,15 @@ def test_flash_cp_async_ring_order(stages: int, ntiles: int):
 
 
 def test_decode_groups_are_the_instantiated_ones():
-    """The engine accepts exactly the GQA groups whose decode kernels exist (basic and flashq):
-    group 7 (Qwen2.5) was instantiated in the .cu files but refused by a hand-kept list."""
+    """The engine accepts exactly the GQA groups whose decode kernels exist (flashq and flashmma)."""
     import re
 
     from blink.gpu.engine.attention_launch import DECODE_GROUPS
 
-    basic = {int(g) for g in re.findall(r"^\s*DECODE\(HD, (\d+)\)", (kernels.CSRC / "attention.cu").read_text(), re.M)}
     src = (kernels.CSRC / "flash_decode.cu").read_text()
     flash = {int(g) for g in re.findall(r"^\s*FLASH\(flashq, HD, (\d+),", src, re.M)}
     mma = {int(g) for g in re.findall(r"^\s*FLASHMMA\(HD, (\d+)\)", src, re.M)}
-    assert basic == flash == mma == set(DECODE_GROUPS)
+    assert flash == mma == set(DECODE_GROUPS)
 
 
 def test_offset_asserts_are_skipped_only_without_offsetof():

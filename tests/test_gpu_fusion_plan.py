@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from blink.gpu.engine.engine import EngineConfig, parse_gemv_fusion
 from blink.gpu.engine.forward import (
     GEMV_FUSIONS,
     ROPE_WARP_MAX_TOKENS,
@@ -116,17 +115,22 @@ def _layer(c, H: int, nqkv: int, qn, moe: bool, E: int, im: int) -> SimpleNamesp
     )
 
 
+def _fusion(spec: str) -> frozenset[str]:
+    """A GEMV fusion set: "none", "all" or a comma list of GEMV_FUSIONS (serving uses "all")."""
+    if spec == "all":
+        return frozenset(GEMV_FUSIONS)
+    return frozenset(p.strip() for p in spec.split(",") if p.strip() not in ("", "none"))
+
+
 def _finish(f: Forward, gemv_max_tokens: int, fusion: str, signatures: dict) -> tuple[Forward, list]:
     f.sampling_rows = 4
     f.mask_words = 1
-    f.split_counters = _Arr(1)
     f.kv_layer_stride, f.kv_half = 1 << 20, 1 << 19
     f.k = _Kernels(signatures)
     f._init_attention(f.k, SimpleNamespace(set_max_dynamic_smem=lambda fn, n: None))
-    f.decode_table = ((1, "flashq"),)
     f.gemv_max_tokens = gemv_max_tokens
     f.fp8, f.fp8_gemv_max_tokens, f.fp8_scratch = False, 8, _Arr(1)
-    f.set_gemv_fusion(parse_gemv_fusion(fusion))
+    f.set_gemv_fusion(_fusion(fusion))
     calls: list = []
     f.drv = SimpleNamespace(
         launch=lambda fn, grid, block, args, stream, smem, name: calls.append((name, grid, args, smem))
@@ -142,7 +146,7 @@ def test_fused_decode_launches(name: str, T: int, fusion: str, signatures: dict)
     f, calls = _forward(name, 8, fusion, signatures)
     f.record(0, T, T, True)
     names = [c[0] for c in calls]
-    fuse = parse_gemv_fusion(fusion)
+    fuse = _fusion(fusion)
     rope = "rope" in fuse and name == "llama3-8b"  # qk-norm and qkv-bias models keep rope_kv_write
     per_layer = {
         "add_rmsnorm": 0 if "norm" in fuse else 2,
@@ -209,45 +213,31 @@ def test_fusion_only_on_the_gemv_path(fusion: str, signatures: dict):
     assert base_calls[fusion] == base_calls["none"]
 
 
-def test_gemv_fusion_config():
-    assert parse_gemv_fusion("all") == frozenset(GEMV_FUSIONS)
-    assert parse_gemv_fusion("none") == parse_gemv_fusion("") == frozenset()
-    assert parse_gemv_fusion("norm, swiglu") == {"norm", "swiglu"}
+def test_every_gemv_fusion_serves_and_a_bad_one_is_refused():
+    f = Forward.__new__(Forward)
+    f.gemv_fusion = frozenset(GEMV_FUSIONS)  # what __init__ sets: serving fuses wherever it applies
     with pytest.raises(ValueError):
-        parse_gemv_fusion("norm,bogus")
-    with pytest.raises(ValueError):
-        EngineConfig(gemv_fusion="fast")
-    assert EngineConfig(gemv_fusion="rope").gemv_fusions == {"rope"}
+        f.set_gemv_fusion(frozenset({"norm", "bogus"}))
     assert ctypes.sizeof(RopeArgs) == 10 * 8 + 5 * 4 + 4  # struct RopeArgs: padded to 8 bytes
-
-
-def test_prefill_attention_config():
-    from blink.gpu.engine.attention_launch import PREFILL_VARIANTS
-
-    for v in PREFILL_VARIANTS:
-        assert EngineConfig(prefill_attention=v).prefill_attention == v
-    with pytest.raises(ValueError):
-        EngineConfig(prefill_attention="fa3")
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "qwen3-8b", "qwen2.5-7b", "smollm2-135m"])
 def test_every_launch_matches_its_kernel_signature(name: str, signatures: dict):
-    """Every decode and prefill attention variant, GEMV and cuBLAS buckets, fused and not: each
+    """Both decode attention kernels, the prefill kernel, GEMV and cuBLAS buckets, fused and not: each
     launch's keyword arguments are exactly its kernel's parameters, of types they convert to."""
-    from blink.gpu.engine.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
+    from blink.gpu.engine.attention_launch import FLASH_VARIANTS
 
     for fusion in ("none", "all"):
         f, calls = _forward(name, 1, fusion, signatures)
-        for v in DECODE_VARIANTS:
+        for v in FLASH_VARIANTS:
             f.set_decode_attention(v)
             for S in (1, 4):
                 f.record(0, S, S, True)
-        for v in PREFILL_VARIANTS:
-            f.set_prefill_attention(v)
-            f.record(0, 2, 64, False)
+        f.set_decode_attention(None)
+        f.record(0, 2, 64, False)
         launched = {n for n, *_ in calls if n != "cublas"}
-        assert {
-            f"attn_{v}_hd{f.c.head_dim}_g{f.c.num_heads // f.c.num_kv_heads}" for v in ("flashq", "decode")
+        assert {f"attn_{v}_hd{f.c.head_dim}_g{f.c.num_heads // f.c.num_kv_heads}" for v in FLASH_VARIANTS} | {
+            f"attn_prefill_fa2_hd{f.c.head_dim}"
         } < launched
         for n, _, args, _ in calls:
             if n != "cublas":
@@ -303,24 +293,22 @@ def test_only_launches_records_one_category(signatures: dict):
     assert (f.drv, f.blas) == (drv, blas)
 
 
-@pytest.mark.parametrize("decode", ["flashq", "basic"])
-@pytest.mark.parametrize("prefill", ["rego", "fa2"])
-def test_prefill_graph_runs_decode_attention_first(decode: str, prefill: str, signatures: dict):
+@pytest.mark.parametrize("decode", ["flashq", "flashmma"])
+def test_prefill_graph_runs_decode_attention_first(decode: str, signatures: dict):
     """A prefill graph may carry one-token decode rows (mixed steps): in every layer the decode
     attention of the graph's bucket (one CTA column per sequence, splits by that bucket) comes before
     the prefill kernel, which skips one-token rows (prefill_tile_of_block) and rewrites the others."""
     f, calls = _forward("llama3-8b", 8, "none", signatures)
-    f.decode_table = ((1, decode),)
-    f.set_prefill_attention(prefill)
+    f.set_decode_attention(decode)
     S, T = 5, 64
     f.record(0, S, T, False)
     attn = [(n, grid) for n, grid, *_ in calls if n.startswith("attn_")]
     dec = f.decode_kernels[decode]
-    splits = f.flash_splits(S, decode) if decode == "flashq" else f.splits(S)
+    splits = f.flash_splits(S, decode)
     per_layer = [(dec, (splits, f.c.num_kv_heads, S))]
-    if decode == "flashq" and splits > 1:
+    if splits > 1:
         per_layer.append((f.flash_combine[decode], (-(-f.c.num_heads // 4), S, 1)))
-    per_layer.append((f.prefill_kernels[prefill], (T // 64 + S, f.c.num_heads, 1)))
+    per_layer.append((f.fn_prefill, (T // 64 + S, f.c.num_heads, 1)))
     names = [n for n, _ in attn]
     assert names == [n for n, _ in per_layer] * 2, names
     assert attn[0][1] == per_layer[0][1]

@@ -52,15 +52,14 @@ def test_engine_settings_derive_from_the_blink_serve_spec():
     assert e.kv_fraction == cfg.device.kv_cache_fraction == 0.9  # one default, in blink/config.py
 
 
-def test_engine_context_is_whole_kv_blocks_and_decode_attention_is_passed():
+def test_engine_context_is_whole_kv_blocks():
     from blink.config import build
     from blink.gpu.serve import engine_config
     from blink.launch import device_spec
 
     cfg = build(None, {"device": {"kind": "cuda", "max_context": 1000, "kv_block_size": 16}})
-    spec = msgspec.structs.replace(device_spec(cfg, "r"), decode_attention="basic")
-    e = engine_config(spec, max_position=2048)
-    assert e.max_context == 992 and e.decode_table == ((1, "basic"),)
+    spec = device_spec(cfg, "r")
+    assert engine_config(spec, max_position=2048).max_context == 992
     assert engine_config(msgspec.structs.replace(spec, max_context=0), max_position=500).max_context == 496
 
 

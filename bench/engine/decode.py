@@ -4,15 +4,15 @@ bf16 weights) for batch 1..256, against this GPU's device-to-device copy bandwid
 Bytes per step (common.decode_bytes) = every weight once (of the embedding table only the gathered
 rows) + the K/V of every sequence's context. Graphs are launched
 from the host back to back and timed with CUDA events (so host launch overhead overlaps).
-Every decode attention variant (--variants) is timed at every batch, as a whole step and as a
-graph of its attention launches alone; the best per batch is printed as a table for
-EngineConfig.decode_attention_table (`--decode-attention` of the benchmarks).
+Both decode attention kernels (--variants: flashq, flashmma) are timed at every batch, as a whole
+step and as a graph of their attention launches alone; the fastest per batch is printed (the engine
+switches from flashq to flashmma at attention_launch.FLASHMMA_MIN_BATCH).
 
-    python -m bench.engine.decode --out bench/results/decode_h200.json [--decode-attention basic] [--variants basic,flashq]
+    python -m bench.engine.decode --out DIR/decode.json [--variants flashq,flashmma]
 
-GEMV fusions (EngineConfig.gemv_fusion): --gemv-fusion sets the engine's, --compare-fusion times
-other settings as extra rows ("fusion_<spec>") in the same process, --gemv-max-tokens moves batches
-2-8 onto the GEMV path (the only steps that fuse).
+GEMV fusions (the engine serves every one): --compare-fusion times other sets as extra rows
+("fusion_<spec>") in the same process, --gemv-max-tokens moves batches 2-8 onto the GEMV path (the
+only steps that fuse).
 
 `--role-breakdown` (where the batch-128/256 decode step's time goes) times only,
 for each batch of --batches and each context of --contexts: the whole captured decode step, and each
@@ -57,8 +57,20 @@ from bench.common import (
     time_ms,
     write_json,
 )
-from blink.gpu.engine.attention_launch import DECODE_VARIANTS
-from blink.gpu.engine.engine import DEFAULT_DECODE_ATTENTION, parse_decode_attention, parse_gemv_fusion
+
+from blink.gpu.engine.attention_launch import FLASH_VARIANTS
+from blink.gpu.engine.forward import GEMV_FUSIONS
+
+
+def parse_gemv_fusion(spec: str) -> frozenset[str]:
+    """ "none" -> no fusion; "all" -> every fusion (what serves); else a comma list of GEMV_FUSIONS."""
+    spec = spec.strip()
+    if spec == "all":
+        return frozenset(GEMV_FUSIONS)
+    out = frozenset(p.strip() for p in spec.split(",") if p.strip() not in ("", "none"))
+    if out - set(GEMV_FUSIONS):
+        raise SystemExit(f"gemv fusion {sorted(out - set(GEMV_FUSIONS))} not in {GEMV_FUSIONS} (or none, all)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,20 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compare-cublas", default="1,8", help="batches also timed with cuBLAS instead of the GEMV")
-    ap.add_argument("--decode-attention", default="", help='the engine\'s decode attention table ("": its default)')
-    ap.add_argument("--variants", default=",".join(DECODE_VARIANTS), help="decode attention variants timed")
+    ap.add_argument("--variants", default=",".join(FLASH_VARIANTS), help="decode attention kernels timed")
     ap.add_argument("--breakdown", default="1,256", help="batches whose kernel categories are timed one by one")
-    ap.add_argument(
-        "--gemv-fusion", default="", help='EngineConfig.gemv_fusion ("": its default; none, all, norm, ...)'
-    )
     ap.add_argument("--compare-fusion", default="", help='other gemv fusions timed as rows, ";"-separated ("none;all")')
     ap.add_argument("--gemv-max-tokens", type=int, default=0, help="EngineConfig.gemv_max_tokens (0: its default)")
-    ap.add_argument(
-        "--compare-gemm-tuning",
-        action="store_true",
-        help='also time each step with every cuBLAS GEMM on cublasGemmEx (row "gemmex"; the engine tunes them)',
-    )
-    ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
     ap.add_argument("--role-breakdown", action="store_true", help="only the per-role breakdown (docstring)")
     ap.add_argument("--contexts", default="320,1024", help="contexts of --role-breakdown")
     ap.add_argument(
@@ -102,11 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     ecfg = decode_engine_config(
         batches,
         ctx,
-        decode_attention_table=parse_decode_attention(a.decode_attention)
-        if a.decode_attention
-        else DEFAULT_DECODE_ATTENTION,
-        gemv_fusion=a.gemv_fusion,
-        **({"gemm_candidates": a.gemm_candidates} if a.gemm_candidates >= 0 else {}),
         **({"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}),
     )
     compare_fusion = [f.strip() for f in a.compare_fusion.split(";") if f.strip()]
@@ -114,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         parse_gemv_fusion(f)
     timed_variants = [v for v in a.variants.split(",") if v]
     for v in timed_variants:
-        if v not in DECODE_VARIANTS:
-            raise SystemExit(f"unknown decode attention variant {v!r} (known: {DECODE_VARIANTS})")
+        if v not in FLASH_VARIANTS:
+            raise SystemExit(f"unknown decode attention kernel {v!r} (known: {tuple(FLASH_VARIANTS)})")
     eng, rep, bw = decode_engine(cfg, ecfg)
     weight_bytes = eng.weights.bytes_per_step
     rows = []
@@ -131,11 +128,6 @@ def main(argv: list[str] | None = None) -> int:
             execs = eng.capture_variant(b, b, True)
             eng.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
             variants["gemv" if b > ecfg.gemv_max_tokens else "cublas_only"] = alternate(eng, execs)
-        if a.compare_gemm_tuning and eng.cublas.tuner is not None:  # the same step, no cuBLASLt plans
-            tuner, eng.cublas.tuner = eng.cublas.tuner, None
-            execs = eng.capture_variant(b, b, True)
-            eng.cublas.tuner = tuner
-            variants["gemmex"] = alternate(eng, execs)
         engine_fusion = eng.fwd.gemv_fusion
         for f in compare_fusion:  # the same step with other GEMV fusions
             eng.fwd.set_gemv_fusion(parse_gemv_fusion(f))
@@ -189,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": rep.seconds,
             "device_bytes": rep.device_bytes,
             "decode_graph_nodes_max": rep.nodes_decode_max,
-            "gemm_tune_seconds": rep.tune_seconds,
         },
-        "gemm_tuning": rep.gemm_tuning,
         "rows": rows,
         "breakdown_ms": breakdown,
         "attention_only_ms": attn_only,
@@ -203,12 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             b, ms = r["batch"], r["ms_per_step"]
             if b not in best or ms < best[b][1]:
                 best[b] = (r["decode_attention"], ms)
-    table: list[str] = []
-    for b in sorted(best):
-        if not table or table[-1].split(":")[1] != best[b][0]:
-            table.append(f"{1 if not table else b}:{best[b][0]}")
     res["best_decode_attention"] = {str(b): {"variant": v, "ms_per_step": ms} for b, (v, ms) in best.items()}
-    res["best_decode_attention_table"] = ",".join(table)
     write_json(a.out, res)
     print(f"\ncopy bandwidth (read+write) {bw['read_plus_write_GBps']:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
     print(f"engine gemv fusion: {res['gemv_fusion']}, gemv_max_tokens {ecfg.gemv_max_tokens}")
@@ -226,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     for b, (v, ms) in sorted(best.items()):
         print(f"best at batch {b}: {v} {ms:.3f} ms/step ({b / ms * 1e3:.0f} tok/s)")
-    print(f"best table: --decode-attention {res['best_decode_attention_table']}")
     eng.close()
     return 0
 

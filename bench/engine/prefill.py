@@ -21,7 +21,6 @@ import numpy as np
 from bench.common import (
     CATEGORIES,
     add_commit_arg,
-    alternate,
     category_times,
     load_synthetic,
     metadata,
@@ -30,7 +29,7 @@ from bench.common import (
     time_ms,
     write_json,
 )
-from blink.gpu.engine.attention_launch import PREFILL_VARIANTS
+
 from blink.gpu.engine.engine import Engine, EngineConfig
 
 
@@ -42,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="time each kernel category on its own")
     ap.add_argument("--gemm-rows", default="", help="row counts at which each layer GEMM shape is timed alone")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
     add_commit_arg(ap)
     ap.add_argument("--out", default="bench/results/prefill.json")
     a = ap.parse_args(argv)
@@ -60,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         num_kv_blocks=max(n for n, _ in shapes) * per_seq,
         batch_buckets=tuple(sorted({n for n, _ in shapes})),
         token_buckets=tuple(sorted({n * m for n, m in shapes})),
-        **({"gemm_candidates": a.gemm_candidates} if a.gemm_candidates >= 0 else {}),
     )
     eng = Engine.create(cfg, ecfg)
     rep = eng.capture(decode=False, prefill=True)
@@ -71,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         n = S * m
         load_synthetic(eng, S, m, m, rng)  # S whole prompts of m tokens in one step
         label = f"{S}x{m}" if S > 1 else str(m)
-        variants = {ecfg.prefill_attention: lambda S=S, n=n: eng.driver.graph_launch(eng.pick_exec(S, n, False), eng.s)}
-        for other in PREFILL_VARIANTS:
-            if other != ecfg.prefill_attention:
-                eng.fwd.set_prefill_attention(other)
-                execs = eng.capture_variant(S, n, False)
-                eng.fwd.set_prefill_attention(ecfg.prefill_attention)
-                variants[other] = alternate(eng, execs)
+        variants = {"fa2": lambda S=S, n=n: eng.driver.graph_launch(eng.pick_exec(S, n, False), eng.s)}
         for name, fn in variants.items():
             ms = time_ms(fn, eng.stream, iters=a.iters, warmup=2)
             flops = 2 * n * (eng.weights.bytes_per_step / 2) + 4 * S * m * m / 2 * cfg.q_size * cfg.num_layers
@@ -99,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         **metadata(a.commit, argv),
         "model": cfg.name,
         "layers": cfg.num_layers,
-        "capture": {"graphs": rep.graphs, "seconds": rep.seconds, "gemm_tune_seconds": rep.tune_seconds},
-        "gemm_tuning": rep.gemm_tuning,
+        "capture": {"graphs": rep.graphs, "seconds": rep.seconds},
         "rows": rows,
         "breakdown_ms": breakdown,
         "gemm": gemm,
@@ -113,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     for g in gemm:
         print(
             f"gemm rows {g['rows']:>5} {g['name']:>8} ({g['n_out']}x{g['k']}): engine {g['engine_ms']:.3f} ms "
-            f"{g['engine_TFLOPs']:6.1f} TFLOP/s; gemmex {g['gemmex_ms']:.3f} ms; torch {g.get('torch_ms', float('nan')):.3f} ms "
+            f"{g['engine_TFLOPs']:6.1f} TFLOP/s; torch {g.get('torch_ms', float('nan')):.3f} ms "
             f"{g.get('torch_TFLOPs', float('nan')):6.1f} TFLOP/s"
         )
     eng.close()
@@ -147,9 +137,7 @@ def gemm_compare(eng, cfg, row_counts: list[int], iters: int) -> list[dict]:
             args = (int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k)
             flops = 2 * rows * n_out * k
             ms = time_ms(lambda args=args: eng.cublas.linear(*args), eng.stream, iters=iters * 4)
-            ex = time_ms(lambda args=args: eng.cublas.linear(*args, tuned=False), eng.stream, iters=iters * 4)
             r = {"rows": rows, "name": name, "n_out": n_out, "k": k, "engine_ms": ms, "engine_TFLOPs": flops / ms / 1e9}
-            r.update(gemmex_ms=ex, gemmex_TFLOPs=flops / ex / 1e9)
             if torch is not None:
                 tw = torch.randn(n_out, k, device="cuda", dtype=torch.bfloat16) * 0.02
                 tx = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)

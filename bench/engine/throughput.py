@@ -116,7 +116,6 @@ def one_model(
         "weight_bytes": eng.weights.nbytes,
         "graphs": eng.report.graphs,
         "capture_s": eng.report.seconds,
-        "gemm_tune_s": eng.report.tune_seconds,
     }
     res["decode_b1"] = d = decode_b1(eng, bw)
     print(

@@ -29,16 +29,13 @@ def make_engine(
     max_tokens: int,
     max_context: int,
     kv_blocks: int = 0,
-    decode_attention: str = "",
-    gemm_candidates: int = -1,
     gemm_sm_reserve: int = -1,
-    prefill_attention: str = "",
     layers: int = 0,
     quantization: str = "",
 ):
     """An engine over random weights of `preset_name` (`layers`: that many of its layers; 0: all), captured;
     `quantization` "fp8": its dense projections in FP8 (EngineConfig.quantization)."""
-    from blink.gpu.engine.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
+    from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
 
     batch = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_seqs)
@@ -52,12 +49,7 @@ def make_engine(
         token_buckets=tokens,
         progress=False,
         quantization=quantization,
-        **({"gemm_candidates": gemm_candidates} if gemm_candidates >= 0 else {}),
         **({"gemm_sm_reserve": gemm_sm_reserve} if gemm_sm_reserve >= 0 else {}),
-        **({"prefill_attention": prefill_attention} if prefill_attention else {}),
-        decode_attention_table=parse_decode_attention(decode_attention)
-        if decode_attention
-        else DEFAULT_DECODE_ATTENTION,
     )
     t0 = time.perf_counter()
     cfg = preset(preset_name)
@@ -65,8 +57,7 @@ def make_engine(
     rep = eng.capture()
     print(
         f"engine {preset_name}: {rep.graphs} graphs / {rep.execs} execs, {eng.dims.num_blocks} KV blocks, "
-        f"built in {time.perf_counter() - t0:.1f} s (GEMM tuning {rep.tune_seconds:.1f} s, "
-        f"{sum(g['lt'] for g in rep.gemm_tuning)}/{len(rep.gemm_tuning)} shapes on cuBLASLt)",
+        f"built in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
         flush=True,
     )

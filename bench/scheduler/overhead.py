@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from blink.gpu.scheduler.scheduler import GpuScheduler
 
 
-def make_engine(preset_name: str, max_seqs: int, max_tokens: int, kv_blocks: int, decode_attention: str = ""):
-    from blink.gpu.engine.engine import DEFAULT_DECODE_ATTENTION, Engine, EngineConfig, parse_decode_attention
+def make_engine(preset_name: str, max_seqs: int, max_tokens: int, kv_blocks: int):
+    from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
 
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_seqs)
@@ -42,9 +42,6 @@ def make_engine(preset_name: str, max_seqs: int, max_tokens: int, kv_blocks: int
         batch_buckets=buckets,
         token_buckets=tuple(t for t in (16, 64, 256, 1024, 4096) if t <= max_tokens),
         progress=False,
-        decode_attention_table=parse_decode_attention(decode_attention)
-        if decode_attention
-        else DEFAULT_DECODE_ATTENTION,
     )
     eng = Engine.create(preset(preset_name), ecfg)
     eng.capture()
@@ -142,10 +139,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--out", default="")
-    ap.add_argument("--decode-attention", default="", help='decode attention table, e.g. "basic" ("": the default)')
     add_commit_arg(ap)
     a = ap.parse_args()
-    eng = make_engine(a.preset, 64, 256, 4096, decode_attention=a.decode_attention)
+    eng = make_engine(a.preset, 64, 256, 4096)
     rows = []
     for b in [int(x) for x in a.batches.split(",")]:
         g = graph_time_us(eng, b)

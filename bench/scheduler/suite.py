@@ -39,11 +39,8 @@ def main() -> int:
     ap.add_argument("--skip", default="")
     ap.add_argument("--small", action="store_true", help="small sizes: checks the benchmarks themselves")
     ap.add_argument("--kv-blocks", type=int, default=0, help="KV pool in blocks (0: from free memory)")
-    ap.add_argument("--decode-attention", default="", help='decode attention table, e.g. "basic" ("": the default)')
     add_commit_arg(ap)
-    ap.add_argument("--gemm-candidates", type=int, default=-1, help="EngineConfig.gemm_candidates (-1: its default)")
     ap.add_argument("--gemm-sm-reserve", type=int, default=-1, help="EngineConfig.gemm_sm_reserve (-1: its default)")
-    ap.add_argument("--prefill-attention", default="", help='EngineConfig.prefill_attention ("": its default)')
     a = ap.parse_args()
     skip = set(a.skip.split(",")) - {""}
     os.makedirs(a.out, exist_ok=True)
@@ -53,10 +50,7 @@ def main() -> int:
         4096,
         2048,
         kv_blocks=a.kv_blocks or (8192 if a.small else 0),
-        decode_attention=a.decode_attention,
-        gemm_candidates=a.gemm_candidates,
         gemm_sm_reserve=a.gemm_sm_reserve,
-        prefill_attention=a.prefill_attention,
     )
     tput = (lambda: throughput.run(eng, 64, 64, 32)) if a.small else (lambda: throughput.run(eng))
     meta = {**metadata(a.commit, gpu_key="device"), "preset": a.preset}
@@ -64,11 +58,7 @@ def main() -> int:
         "kv_blocks": eng.dims.num_blocks,
         "graphs": eng.report.graphs,
         "capture_s": eng.report.seconds,
-        "gemm_candidates": eng.ecfg.gemm_candidates,
         "gemm_sm_reserve": eng.ecfg.gemm_sm_reserve,
-        "prefill_attention": eng.ecfg.prefill_attention,
-        "gemm_tune_s": eng.report.tune_seconds,
-        "gemm_tuning": eng.report.gemm_tuning,
     }
     summary = []
 

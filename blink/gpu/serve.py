@@ -10,7 +10,6 @@ host (the ablation baseline). Exit code 0 after a clean stop, 1 after a fault.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
@@ -27,12 +26,12 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
     The token buckets include every budget of a mixed step (mixed_budgets), so a mixed step that
     fills its budget runs a graph of exactly its size."""
     from blink.device.policy import mixed_budgets
-    from blink.gpu.engine.engine import DEFAULT_TOKEN_BUCKETS, EngineConfig, parse_decode_attention
+    from blink.gpu.engine.engine import DEFAULT_TOKEN_BUCKETS, EngineConfig
 
     ctx = spec.max_context or max_position
     max_tokens = max(spec.max_tokens, spec.max_batch)
     buckets = set(DEFAULT_TOKEN_BUCKETS) | set(mixed_budgets(max_tokens, spec.mixed_tokens))
-    ecfg = EngineConfig(
+    return EngineConfig(
         max_seqs=spec.max_batch,
         max_tokens=max_tokens,
         token_buckets=tuple(sorted(buckets)),
@@ -43,11 +42,8 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
         seed=spec.seed,
         sampling_rows=sampling_rows,
         quantization=spec.quantization,
-        progress=True,  # warm-up, GEMM tuning and graph capture bars on stderr
+        progress=True,  # warm-up and graph capture bars on stderr
     )
-    if spec.decode_attention:
-        ecfg = dataclasses.replace(ecfg, decode_attention_table=parse_decode_attention(spec.decode_attention))
-    return ecfg
 
 
 def weight_source(spec: DeviceSpec) -> tuple[Any, Any]:

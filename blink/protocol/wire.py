@@ -103,7 +103,6 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kv_cache_fraction: float  # cuda: share of the free GPU memory for the KV pool when num_kv_blocks is 0
     max_context: int  # tokens per sequence; 0 = the model's limit
     seed: int = 0  # seed of random weights
-    decode_attention: str = ""  # cuda: decode attention table ("basic", "1:flashq,64:basic"); "" = the engine's
     executor: str = ""  # emulated: executor factory "module:function" (tests); "" = the numpy model
     debug: bool = False  # a start-up error with its traceback (blink serve --log-level debug), else one line
     kernel_cache: str = (

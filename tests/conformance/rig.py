@@ -8,8 +8,7 @@ environment is read nowhere else):
     BLINK_CONFORMANCE_DEVICE='{"kind": "cuda"}' pytest tests/conformance  # the GPU-resident scheduler
 
 BLINK_CONFORMANCE_DEVICE holds DeviceSpec fields (blink.protocol.wire) as JSON, laid over the spec
-each test's RigSpec gives, e.g. '{"kind": "cuda", "scheduler": "host"}' (the host-driven loop) or
-'{"kind": "cuda", "decode_attention": "basic"}'. The device starts as `blink serve` starts it
+each test's RigSpec gives, e.g. '{"kind": "cuda", "scheduler": "host"}' (the host-driven loop). The device starts as `blink serve` starts it
 (blink.launch.start_device) after the test created the ring /dev/shm/<ring> (geometry chosen by the
 test); the suite waits for device_status READY, runs, sets header.shutdown and waits for STOPPED
 and for the process to exit. `model` is a spec of blink.models.registry: "random:tiny-llama" (most

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blink.gpu.engine.attention_launch import PREFILL_VARIANTS
+from blink.gpu.engine.attention_launch import FLASH_VARIANTS
+from blink.gpu.engine.forward import GEMV_FUSIONS
 from blink.models.config import ModelConfig, preset
 from blink.models.reference import PagedDriver
 
@@ -21,18 +22,27 @@ pytestmark = pytest.mark.gpu
 DECODE_STEPS = 32
 
 
-def _attention_pairs() -> list[tuple[str, str]]:
-    """Every decode attention variant, each with one of the prefill variants (basic-fa2, flashq-rego)."""
-    from blink.gpu.engine.attention_launch import DECODE_VARIANTS, PREFILL_VARIANTS
+def _fusion(spec: str) -> frozenset[str]:
+    """A GEMV fusion set: "none", "all" (what serves) or a comma list of GEMV_FUSIONS."""
+    if spec == "all":
+        return frozenset(GEMV_FUSIONS)
+    return frozenset(p.strip() for p in spec.split(",") if p.strip() not in ("", "none"))
 
-    return [(v, PREFILL_VARIANTS[(i + 1) % len(PREFILL_VARIANTS)]) for i, v in enumerate(DECODE_VARIANTS)]
+
+def _with_kernels(eng, decode_attention: str | None, gemv_fusion: str | None):
+    """Before capture: every decode bucket on one attention kernel (None: the serving choice, flashq
+    below 128 sequences, flashmma from there) and a GEMV fusion set (None: every fusion, as served)."""
+    eng.fwd.set_decode_attention(decode_attention)
+    if gemv_fusion is not None:
+        eng.fwd.set_gemv_fusion(_fusion(gemv_fusion))
+    return eng
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def small_engine(cfg: ModelConfig, **kw):
+def small_engine(cfg: ModelConfig, decode_attention: str | None = None, gemv_fusion: str | None = None, **kw):
     from blink.gpu.engine.engine import Engine, EngineConfig
 
     ecfg = EngineConfig(
@@ -45,7 +55,7 @@ def small_engine(cfg: ModelConfig, **kw):
         progress=False,
         **kw,
     )
-    eng = Engine.create(cfg, ecfg)
+    eng = _with_kernels(Engine.create(cfg, ecfg), decode_attention, gemv_fusion)
     eng.capture()
     return eng
 
@@ -172,24 +182,22 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
 @pytest.mark.parametrize(
     "name,attn",
     [
-        ("llama3-8b", ("basic", "rego")),
-        ("qwen3-8b", ("basic", "rego")),
-        ("llama3-8b", ("basic", "fa2")),
-        ("llama3-8b", ("flashq", "rego")),
-        ("qwen3-8b", ("flashq", "rego")),
-        ("llama3-8b", ("flashq", "fa2")),
-        ("qwen3-8b", ("flashq", "fa2")),
-        ("qwen2.5-7b", ("flashq", "rego")),
-        ("phi-4", ("basic", "rego")),
-        ("phi-4", ("flashq", "fa2")),
-        ("qwen3-32b", ("basic", "rego")),  # q_size 8192 > hidden 5120, GQA group 8, intermediate 25600
-        ("qwen3-32b", ("flashq", "fa2")),
+        ("llama3-8b", "flashmma"),
+        ("qwen3-8b", "flashmma"),
+        ("llama3-8b", "flashq"),
+        ("qwen3-8b", "flashq"),
+        ("qwen2.5-7b", "flashq"),
+        ("qwen2.5-7b", "flashmma"),
+        ("phi-4", "flashmma"),
+        ("phi-4", "flashq"),
+        ("qwen3-32b", "flashmma"),  # q_size 8192 > hidden 5120, GQA group 8, intermediate 25600
+        ("qwen3-32b", "flashq"),
     ],
-    ids=lambda x: "-".join(x) if isinstance(x, tuple) else x,
 )
 def test_engine_matches_transformers(name, attn):
+    """Both decode attention kernels at every bucket (the prefill kernel is fa2) against transformers."""
     cfg = preset(name).replace(num_layers=2)
-    eng = small_engine(cfg, decode_attention=attn[0], prefill_attention=attn[1])
+    eng = small_engine(cfg, decode_attention=attn)
     _compare_transformers(cfg, eng, name)
     eng.close()
 
@@ -220,68 +228,6 @@ def _compare_transformers(cfg: ModelConfig, eng, name: str):
     return rows, gen
 
 
-def test_gemm_tuning_cublaslt_plans(monkeypatch):
-    """Every cuBLAS GEMM shape forced onto its fastest usable cuBLASLt candidate (margin -100: the
-    tuner keeps a candidate even when slower than cublasGemmEx), so that the cuBLASLt path runs
-    whatever the timings: the engine still matches transformers, and a second run over other
-    block tables is bitwise equal (no order-dependent reductions in the chosen algorithms)."""
-    import blink.gpu.engine.cublaslt as cublaslt
-
-    monkeypatch.setattr(cublaslt, "_CHOSEN", {})
-    monkeypatch.setattr(cublaslt, "GEMM_MARGIN", -100.0)
-    cfg = preset("llama3-8b").replace(num_layers=2)
-    eng = small_engine(cfg, gemm_candidates=8)
-    rep = eng.report.gemm_tuning
-    for g in rep:
-        print(g)
-    assert rep and all(g["candidates"] > 0 and g["usable"] > 0 for g in rep), rep
-    assert all(g["lt"] for g in rep)
-    assert len(eng.cublas.tuner.plans) == len(rep)
-    rows, gen = _compare_transformers(cfg, eng, "llama3-8b, cuBLASLt plans")
-    rows2, gen2 = run_script(eng, PagedDriver(256, 16, 64, shuffle_seed=9), prompts_for(cfg), split=21)
-    assert gen == gen2
-    for s in (0, 1):
-        for (pa, la), (pb, lb) in zip(rows[s], rows2[s], strict=True):
-            assert pa == pb
-            np.testing.assert_array_equal(la, lb)
-    eng.close()
-
-
-def test_prefill_fa2_matches_rego_long_chunks():
-    """The "fa2" prefill kernel against "rego" on the same steps and KV cache: chunked prefill of a
-    700-token prompt (prefixes up to 650 keys, many 64-key tiles, partial tiles at both ends) next
-    to a 300-token one, GQA 4, shuffled block tables."""
-    cfg = preset("llama3-8b").replace(num_layers=2)
-    eng = small_engine(cfg)
-    rng = np.random.default_rng(4)
-    drv = PagedDriver(256, 16, eng.dims.max_blocks_per_seq, shuffle_seed=5)
-    p0, p1 = rng.integers(0, cfg.vocab_size, 700).tolist(), rng.integers(0, cfg.vocab_size, 300).tolist()
-    steps = [
-        [(0, p0[:200]), (1, p1[:56])],
-        [(0, p0[200:450])],
-        [(0, p0[450:650]), (1, p1[56:100])],
-        [(0, p0[650:]), (1, p1[100:])],
-    ]
-    for chunks in steps:
-        b = drv.step(chunks)
-        eng.step(b)  # rego (the engine's default), writes this chunk's K/V
-        ref = eng.logits(b.num_seqs)
-        S = eng.batch_buckets[int(np.searchsorted(eng.batch_buckets, b.num_seqs))]
-        T = eng.token_buckets[int(np.searchsorted(eng.token_buckets, b.num_tokens))]
-        eng.fwd.set_prefill_attention("fa2")
-        execs = eng.capture_variant(S, T, False)
-        eng.fwd.set_prefill_attention(eng.ecfg.prefill_attention)
-        assert not eng.load_step(b)
-        eng.arena.upload(eng.s, b.num_seqs)
-        eng.driver.graph_launch(execs[0], eng.s)
-        got = eng.logits(b.num_seqs)
-        err = rel_err(got, ref)
-        print(f"chunks {[len(c) for _, c in chunks]}: fa2 vs rego rel err {err:.2e}")
-        assert err < 1e-2, err
-        np.testing.assert_array_equal(np.argmax(got, axis=1), np.argmax(ref, axis=1))
-    eng.close()
-
-
 def test_shuffled_block_tables_match_contiguous():
     cfg = preset("llama3-8b").replace(num_layers=2)
     eng = small_engine(cfg)
@@ -296,15 +242,17 @@ def test_shuffled_block_tables_match_contiguous():
     eng.close()
 
 
-@pytest.mark.parametrize("attn", _attention_pairs(), ids=lambda a: "-".join(a))
+@pytest.mark.parametrize("attn", list(FLASH_VARIANTS))
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "smollm2-135m"])
 def test_engine_matches_numpy_executor(name, attn):
     """Small head dims (16, 32, 64), GQA groups 2/3, tied and untied heads, against the float64
     reference engine on the same (bf16-rounded) weights; chunked prefill and decode, teacher-forced."""
-    _check_numpy_executor(name, decode_attention=attn[0], prefill_attention=attn[1])
+    _check_numpy_executor(name, decode_attention=attn)
 
 
-def _check_numpy_executor(name: str, **ecfg_kw) -> None:
+def _check_numpy_executor(
+    name: str, decode_attention: str | None = None, gemv_fusion: str | None = None, **ecfg_kw
+) -> None:
     from blink.device.numpy_executor import NumpyExecutor
     from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
@@ -325,7 +273,7 @@ def _check_numpy_executor(name: str, **ecfg_kw) -> None:
         progress=False,
         **ecfg_kw,
     )
-    eng = Engine.create(cfg, ecfg, host_weights=w)
+    eng = _with_kernels(Engine.create(cfg, ecfg, host_weights=w), decode_attention, gemv_fusion)
     eng.capture()
     ref = NumpyExecutor(cfg, w, num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
     rng = np.random.default_rng(2)
@@ -341,14 +289,13 @@ def _check_numpy_executor(name: str, **ecfg_kw) -> None:
         mine = eng.logits(b1.num_seqs)
         theirs = ref.forward_logits(b2)
         errs.append(rel_err(mine, theirs))
-    print(f"{name} {ecfg_kw}: rel err max {max(errs):.2e}")
+    print(f"{name} {decode_attention} {gemv_fusion} {ecfg_kw}: rel err max {max(errs):.2e}")
     assert max(errs) < 2e-2, errs
     eng.close()
 
 
-@pytest.mark.parametrize("prefill", PREFILL_VARIANTS)  # blink.gpu.engine.engine_config validates against it
 @pytest.mark.parametrize("name", ["tiny-llama", "smollm2-135m"])
-def test_mixed_steps_match_numpy_executor(name, prefill):
+def test_mixed_steps_match_numpy_executor(name):
     """Mixed steps (blink/device/scheduler.py): one-token decode rows with cached context first,
     then prefill chunks (a cached prefix, a new prompt), in one prefill graph. Logits match the
     reference row by row and every row, decode rows included, samples argmax."""
@@ -370,7 +317,6 @@ def test_mixed_steps_match_numpy_executor(name, prefill):
         batch_buckets=(1, 2, 4),
         token_buckets=(16, 128),
         progress=False,
-        prefill_attention=prefill,
     )
     eng = Engine.create(cfg, ecfg, host_weights=w)
     eng.capture()
@@ -439,12 +385,12 @@ def test_graph_table_and_done_seq():
     eng.close()
 
 
-@pytest.mark.parametrize("variant", ["flashq", "flashmma"], ids=lambda v: f"{v}-long")
-def test_flash_decode_matches_basic_long_contexts(variant):
-    """Decode attention of flashq / flashmma against "basic" on one engine and one KV cache:
-    contexts 1..1000 (one split, many splits), fewer live sequences than the bucket."""
+def test_flashmma_matches_flashq_long_contexts():
+    """The two decode attention kernels on one engine and one KV cache: contexts 1..1000 (one split,
+    many splits), fewer live sequences than the bucket."""
+    variant = "flashmma"
     cfg = preset("llama3-8b").replace(num_layers=2)
-    eng = small_engine(cfg, decode_attention="basic")
+    eng = small_engine(cfg, decode_attention="flashq")
     rng = np.random.default_rng(4)
     lens = [1000, 300, 17, 1]
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
@@ -457,7 +403,7 @@ def test_flash_decode_matches_basic_long_contexts(variant):
         b = drv.step(chunks)
         bucket = eng.batch_buckets[int(np.searchsorted(eng.batch_buckets, b.num_seqs))]
         out = {}
-        for v in ("basic", variant):
+        for v in ("flashq", variant):
             eng.fwd.set_decode_attention(v)
             execs = eng.capture_variant(bucket, bucket, True)
             eng.fwd.set_decode_attention(None)
@@ -465,13 +411,13 @@ def test_flash_decode_matches_basic_long_contexts(variant):
             eng.arena.upload(eng.s, b.num_seqs)
             eng.driver.graph_launch(execs[0], eng.s)
             out[v] = eng.logits(b.num_seqs)
-        err = rel_err(out[variant], out["basic"])
-        print(f"{variant} vs basic, lens {b.seq_lens.tolist()}: rel err {err:.2e}")
+        err = rel_err(out[variant], out["flashq"])
+        print(f"{variant} vs flashq, lens {b.seq_lens.tolist()}: rel err {err:.2e}")
         assert err < 1e-2, err
     eng.close()
 
 
-# ---- GEMV fusions (EngineConfig.gemv_fusion). Test ids name "fusion_on" / "fusion_off" so that
+# ---- GEMV fusions (Forward.gemv_fusion: every fusion serves). Test ids name "fusion_on" / "fusion_off" so that
 # bench/fused_gpu.sh runs each setting in its own process (a kernel fault poisons the CUDA context).
 FUSION_BATCHES = (1, 2, 3, 8)  # 3: a dead row in the bucket of 4
 
@@ -526,7 +472,7 @@ def test_gemv_fusion_matches_transformers(fusion, n):
 
     cfg = preset("llama3-8b").replace(num_layers=2)
     eng = fusion_engine(cfg, fusion)
-    assert eng.fwd.fusions_for(n if n != 3 else 4) == eng.ecfg.gemv_fusions
+    assert eng.fwd.fusions_for(n if n != 3 else 4) == _fusion(fusion)
     model = hf_model(cfg, eng)
     fed, rows, _ = fusion_script(eng, n, cfg)
     errs, agree, total = [], 0, 0
@@ -548,8 +494,6 @@ def test_gemv_fusion_matches_transformers(fusion, n):
 def test_gemv_fusion_matches_unfused(n):
     """Fused and unfused decode graphs of one engine on the same KV cache: the fused kernels keep
     every bf16 rounding point, so logits agree to fp32 reduction-order noise at most."""
-    from blink.gpu.engine.engine import parse_gemv_fusion
-
     cfg = preset("llama3-8b").replace(num_layers=2)
     eng = fusion_engine(cfg, "all")
     rng = np.random.default_rng(8)
@@ -559,7 +503,7 @@ def test_gemv_fusion_matches_unfused(n):
     b = drv.step([(s, [int(rng.integers(0, cfg.vocab_size))]) for s in range(n)])
     out = {}
     for f in ("all", "none", "norm", "swiglu", "rope", "norm,rope"):
-        eng.fwd.set_gemv_fusion(parse_gemv_fusion(f))
+        eng.fwd.set_gemv_fusion(_fusion(f))
         execs = eng.capture_variant(bucket, bucket, True)
         assert eng.load_step(b)
         eng.arena.upload(eng.s, b.num_seqs)

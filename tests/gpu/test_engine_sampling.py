@@ -15,8 +15,8 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def sampler():
     import cupy as cp
+    from gpu_sampler import GpuSampler  # tests/gpu/gpu_sampler.py
 
-    from blink.gpu.engine.sampler import GpuSampler
     from blink.gpu.toolchain.cuda_api import Driver
     from blink.gpu.toolchain.kernels import Kernels
 

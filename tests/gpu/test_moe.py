@@ -364,7 +364,7 @@ def test_moe_combine_norm_is_combine_then_add_rmsnorm(variant: str):
 STEP_TOL = 3e-2  # an outlier: a step / position whose logits' relative error is above this
 
 
-def _numpy_pair(cfg, seed: int, **ecfg_kw):
+def _numpy_pair(cfg, seed: int, decode_attention: str | None = None, **ecfg_kw):
     from blink.device.numpy_executor import NumpyExecutor
     from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.weights import random_weights
@@ -375,6 +375,7 @@ def _numpy_pair(cfg, seed: int, **ecfg_kw):
         token_buckets=(16, 128), progress=False, **ecfg_kw,
     )  # fmt: skip
     eng = Engine.create(cfg, ecfg, host_weights=w)
+    eng.fwd.set_decode_attention(decode_attention)  # None: the serving choice
     eng.capture()
     ref = NumpyExecutor(cfg, w, num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
     return eng, ref
@@ -438,7 +439,7 @@ def _check_steps(tag: str, errs: list[float], max_outliers: float) -> None:
     assert out <= max_outliers, errs
 
 
-@pytest.mark.parametrize("decode_attention", ["basic", "flashq"])
+@pytest.mark.parametrize("decode_attention", ["flashq", "flashmma"])
 def test_tiny_moe_engine_matches_numpy_executor(decode_attention: str):
     """tiny-qwen3-moe (8 experts, top 2, layer 1 dense): chunked prefill, then decode steps of 2
     sequences, teacher-forced; then greedy decode where both engines pick their own tokens, equal."""

@@ -20,7 +20,7 @@ SEEDS = 16  # rows per case: one seed each
 def sampler():
     import cupy as cp
 
-    from blink.gpu.engine.sampler import GpuSampler
+    from gpu_sampler import GpuSampler  # tests/gpu/gpu_sampler.py
     from blink.gpu.toolchain.cuda_api import Driver
     from blink.gpu.toolchain.kernels import Kernels
 

@@ -1,12 +1,11 @@
 """Attention in a model step: which kernel serves each bucket, and its launches.
 
 Forward (blink/gpu/engine/forward.py) records the rest of the step; this mixin owns the attention role:
-the prefill kernel ("fa2", the default, or "rego": prefill_attention.cu), the decode kernel
-("flashq" below batch 128 and "flashmma" from 128, the defaults: flash_decode.cu; "basic": attention.cu), the split counts
-they are recorded with, and the per-bucket choice (a (min_batch, variant) table, or one
-override). It reads Forward's buffers (q, attn, part_o, part_ml, split_counters), its step arena
-and its `_launch`. Variants that lost on the H200 were retired or moved to bench/kernels/ (the
-kernel files' header comments cite the measurements).
+the prefill kernel (attn_prefill_fa2: prefill_attention.cu), the decode kernel (flash_decode.cu:
+"flashq" on CUDA cores below FLASHMMA_MIN_BATCH sequences, "flashmma" on tensor cores from there)
+and the split counts they are recorded with. It reads Forward's buffers (q, attn, part_o,
+part_ml), its step arena and its `_launch`. docs/decisions.md says why these kernels serve; the
+variants that lost are in bench/kernels/ or recorded there.
 """
 
 from __future__ import annotations
@@ -17,13 +16,11 @@ from blink.gpu.toolchain.kernels import Kernels
 DECODE_HEAD_DIMS = (16, 32, 64, 128)
 DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 PREFILL_TILE = 64
-# Decode attention kernels. basic: attention.cu, a fixed split count per bucket, merged by the
-# last split. flashq: flash_decode.cu, keys per split chosen at run time, separate combine;
-# flashmma: flash_decode.cu, flashq's splits on tensor cores (the G query heads of a KV head as
-# mma rows), merged by flashq's combine. FLASH_VARIANTS: (K/V vectors per lane per tile, the split
-# quantum's N; CTAs per SM at the compiled register count for G <= 4; cp.async ring stages).
-DECODE_VARIANTS = ("basic", "flashq", "flashmma")
-PREFILL_VARIANTS = ("rego", "fa2")
+# Decode attention kernels (flash_decode.cu). flashq: keys per split chosen at run time, separate
+# combine; flashmma: flashq's splits on tensor cores (the G query heads of a KV head as mma rows),
+# merged by flashq's combine. FLASH_VARIANTS: (K/V vectors per lane per tile, the split quantum's
+# N; CTAs per SM at the compiled register count for G <= 4; cp.async ring stages).
+FLASHMMA_MIN_BATCH = 128  # buckets of this many sequences and more decode on flashmma
 FLASH_VARIANTS = {"flashq": (4, 3, 4), "flashmma": (4, 3, 0)}
 FLASH_COMBINE_OF = {"flashq": "flashq", "flashmma": "flashq"}
 FLASH_WARPS = 4
@@ -52,33 +49,18 @@ def flash_grid_splits(s: int, nkv: int, head_dim: int, max_context: int, target:
     return max(1, min(max_splits, want, cap))
 
 
-def decode_variant_for(table: tuple[tuple[int, str], ...], batch: int) -> str:
-    """The variant of the last (min_batch, variant) entry with min_batch <= batch."""
-    out = table[0][1]
-    for lo, v in table:
-        if lo <= batch:
-            out = v
-    return out
-
-
 class AttentionLaunches:
     """Mixin of Forward: attention kernel handles, variant choice and launch recording."""
 
     def _init_attention(self, kernels: Kernels, driver: Driver) -> None:
-        """Kernel handles and shared-memory limits of every attention variant (at construction)."""
+        """Kernel handles and shared-memory limits of the attention kernels (at construction)."""
         c = self.c
         hd, group = c.head_dim, c.num_heads // c.num_kv_heads
-        wmma_smem = 2 * 64 * (hd + 8) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (hd + 4) * 4 + 3 * 64 * 4
-        # "rego": O accumulators kept in registers across tiles, no prefetch (WMMA);
-        # "fa2": scores, probabilities and O in registers (mma.sync), K/V double buffered by
-        # cp.async: Q + 2 x (K, V) tiles of 64 x (hd + 8) bf16.
-        self.prefill_kernels = {"rego": f"attn_prefill_rego_hd{hd}", "fa2": f"attn_prefill_fa2_hd{hd}"}
-        self.prefill_smem_of = {"rego": wmma_smem, "fa2": 5 * 64 * (hd + 8) * 2}
-        for v, name in self.prefill_kernels.items():
-            driver.set_max_dynamic_smem(kernels[name], self.prefill_smem_of[v])
-        self.fn_prefill, self.prefill_smem = self.prefill_kernels["rego"], wmma_smem
-        # "basic": one tile of K/V in registers, 4 blocks/SM.
-        self.decode_kernels = {"basic": f"attn_decode_hd{hd}_g{group}"}
+        # scores, probabilities and O in registers (mma.sync), K/V double buffered by cp.async:
+        # Q + 2 x (K, V) tiles of 64 x (hd + 8) bf16
+        self.fn_prefill, self.prefill_smem = f"attn_prefill_fa2_hd{hd}", 5 * 64 * (hd + 8) * 2
+        driver.set_max_dynamic_smem(kernels[self.fn_prefill], self.prefill_smem)
+        self.decode_kernels: dict[str, str] = {}
         self.flash_combine: dict[str, str] = {}
         self.flash_smem: dict[str, int] = {}
         for v in FLASH_VARIANTS:
@@ -87,35 +69,18 @@ class AttentionLaunches:
             self.flash_smem[v] = flash_smem_bytes(v, hd)
             if self.flash_smem[v]:
                 driver.set_max_dynamic_smem(kernels[self.decode_kernels[v]], self.flash_smem[v])
-        self.decode_table: tuple[tuple[int, str], ...] = ((1, "basic"),)
         self._decode_override: str | None = None
 
-    def set_prefill_attention(self, variant: str) -> None:
-        if variant not in self.prefill_kernels:
-            raise ValueError(f"prefill_attention {variant!r} not in {sorted(self.prefill_kernels)}")
-        self.fn_prefill, self.prefill_smem = self.prefill_kernels[variant], self.prefill_smem_of[variant]
-
     def set_decode_attention(self, variant: str | None) -> None:
-        """Use `variant` for every decode bucket recorded from now on; None: back to decode_table."""
+        """Record every decode bucket with `variant` from now on (tests and benchmarks compare the two
+        kernels on one KV cache); None: back to the serving choice (decode_variant)."""
         if variant is not None and variant not in self.decode_kernels:
             raise ValueError(f"decode_attention {variant!r} not in {sorted(self.decode_kernels)}")
         self._decode_override = variant
 
-    def set_decode_table(self, table: tuple[tuple[int, str], ...]) -> None:
-        for _, v in table:
-            if v not in self.decode_kernels:
-                raise ValueError(f"decode_attention {v!r} not in {sorted(self.decode_kernels)}")
-        self.decode_table = table
-
     def decode_variant(self, S: int) -> str:
         """The decode attention recorded for a bucket of S sequences."""
-        return self._decode_override or decode_variant_for(self.decode_table, S)
-
-    def splits(self, s: int) -> int:
-        """Decode split count for a bucket of s sequences: about one wave of blocks (4 per SM)."""
-        want = -(-4 * self.num_sms // (s * self.c.num_kv_heads))
-        cap = max(1, -(-self.d.max_context // PREFILL_TILE))
-        return max(1, min(self.max_splits, want, cap))
+        return self._decode_override or ("flashmma" if S >= FLASHMMA_MIN_BATCH else "flashq")
 
     def flash_target(self, variant: str) -> int:
         """CTAs the flash kernels aim for: one full wave at their occupancy."""
@@ -140,14 +105,7 @@ class AttentionLaunches:
 
     def _record_decode_attention(self, stream: int, S: int, kc: int, vc: int, scale_log2: float) -> None:
         """The decode kernel for a bucket of S sequences: one query (the last row) per sequence."""
-        variant = self.decode_variant(S)
-        if variant in FLASH_VARIANTS:
-            self._record_flash(stream, S, variant, kc, vc, scale_log2)
-            return
-        self._launch(
-            self.decode_kernels[variant], (self.splits(S), self.c.num_kv_heads, S), (128, 1, 1), stream,
-            po=self.part_o, pml=self.part_ml, cnt=self.split_counters, **self._attn_args(kc, vc, scale_log2),
-        )  # fmt: skip
+        self._record_flash(stream, S, self.decode_variant(S), kc, vc, scale_log2)
 
     def _attn_args(self, kc: int, vc: int, scale_log2: float) -> dict[str, object]:
         """The arguments every attention kernel takes: q, the paged KV, the output, the batch's

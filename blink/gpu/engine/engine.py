@@ -18,10 +18,9 @@ token bucket >= batch bucket. Shapes not captured are 0 in the table; a driver f
 largest shape. One step may be in flight at a time: all graphs share the activation buffers and
 the cuBLAS workspace.
 
-Decode attention is chosen per batch bucket at capture time from
-EngineConfig.decode_attention_table (e.g. parse_decode_attention("1:flashq,64:basic"); the
-benchmarks' --decode-attention); a graph never bakes in lengths, the flash kernels size their
-splits from the live num_seqs and seq_lens (blink/gpu/engine/csrc/flash_decode.cu).
+Decode attention is chosen per batch bucket at capture time (attention_launch.decode_variant); a
+graph never bakes in lengths, the flash kernels size their splits from the live num_seqs and
+seq_lens (blink/gpu/engine/csrc/flash_decode.cu).
 
 Why two execs per shape: relaunching an exec right after its completion token is seen fails with
 cudaErrorInvalidValue about half the time on the H200 (the exec still counts as running), so the
@@ -40,13 +39,8 @@ import numpy as np
 from blink.gpu.engine.abi import ENGINE_DTYPE
 from blink.gpu.engine.engine_config import (  # noqa: F401 (the engine's public names, re-exported)
     DEFAULT_BATCH_BUCKETS,
-    DEFAULT_DECODE_ATTENTION,
-    DEFAULT_GEMV_FUSION,
     DEFAULT_TOKEN_BUCKETS,
     EngineConfig,
-    check_decode_table,
-    parse_decode_attention,
-    parse_gemv_fusion,
 )
 from blink.gpu.engine.forward import Dims, Forward, fp8_scratch_elems
 from blink.gpu.engine.fp8_weights import Fp8Loader, quantize_layers
@@ -80,9 +74,6 @@ class CaptureReport:
     device_bytes: int = 0
     nodes_decode_max: int = 0
     shapes: list[tuple[str, int, int]] = field(default_factory=list)
-    gemm_tuning: list[dict] = field(default_factory=list)
-    """Per cuBLAS GEMM shape: cublasGemmEx vs the best cuBLASLt candidate (ms), and which one runs."""
-    tune_seconds: float = 0.0
 
 
 class Engine:
@@ -117,9 +108,6 @@ class Engine:
         )
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
         self.fwd.fp8_gemv_max_tokens = ecfg.fp8_gemv_max_tokens
-        self.fwd.set_decode_table(ecfg.decode_table)
-        self.fwd.set_gemv_fusion(ecfg.gemv_fusions)
-        self.fwd.set_prefill_attention(ecfg.prefill_attention)
         self.arena = self.fwd.arena
         nb, nt, E = len(self.batch_buckets), len(self.token_buckets), ecfg.execs_per_shape
         self.decode_execs = np.zeros((nb, E), np.uint64)
@@ -128,7 +116,6 @@ class Engine:
         self._next_exec: dict[tuple, int] = {}
         self.report = CaptureReport()
         self._abi_dev = None
-        self._tuned = False
         self._tables: dict[str, object] = {}
         # Buffers were zeroed on CuPy's (legacy) stream; ours is non-blocking: order them once.
         cp.cuda.Device().synchronize()
@@ -241,7 +228,7 @@ class Engine:
 
     def _warmup(self) -> None:
         """Run each distinct GEMM row count once outside capture (cuBLAS loads its kernels and
-        picks algorithms), with live counts 0 so the other kernels return at once; then tune."""
+        picks algorithms), with live counts 0 so the other kernels return at once."""
         self._gemm_sm_target()
         self.arena.host_bytes[:] = 0
         self.arena.upload(self.s, 0)
@@ -251,11 +238,6 @@ class Engine:
         self.fwd.record(self.s, self.batch_buckets[0], self.batch_buckets[0], True)
         self.fwd.record(self.s, 1, self.token_buckets[0], False)
         self.stream.synchronize()  # type: ignore[attr-defined]
-        if not self._tuned and self.ecfg.gemm_candidates:
-            from blink.gpu.engine.cublaslt import tune_engine
-
-            tune_engine(self, [r for r in rows if not self.fwd.uses_gemv(r)], _bar if self.ecfg.progress else None)
-        self._tuned = True
 
     def capture(
         self, decode: bool = True, prefill: bool = True, prefill_shapes: list[tuple[int, int]] | None = None
@@ -505,9 +487,6 @@ class Engine:
         self._graphs.clear()
         self.decode_execs[:] = 0
         self.prefill_execs[:] = 0
-        if self.cublas.tuner is not None:
-            self.cublas.tuner.close()
-            self.cublas.tuner = None
 
 
 def _bar(done: int, total: int, elapsed: float, what: str = "capturing graphs") -> None:

@@ -96,12 +96,10 @@ def rope_launch(nh: int, hd: int, T: int, num_sms: int) -> tuple[tuple[int, int,
 
 NORM_ROWS_MIN_TOKENS = 1024
 """Steps of at least this many tokens use add_rmsnorm_rows (model_kernels.cu), fewer add_rmsnorm: the same
-sums in the same order either way. H200, Llama-3-8B / Qwen3-8B / Phi-4 rows (bench/results/rope_norm-h200-0c493b6.json):
-add_rmsnorm 1.05-1.23x faster up to 256 tokens, add_rmsnorm_rows 1.35-1.42x faster at 1024 and 4096."""
+sums in the same order either way; each is the faster one on its side (docs/decisions.md)."""
 ROPE_WARP_MAX_TOKENS = (32, 128)
 """Steps of at most this many tokens (without, with q/k-norm) use rope_kv_write_warp, more rope_kv_write;
-bit-identical. H200 (same file): rope_kv_write_warp faster at 1 token (0.91x / 0.58x for rope_kv_write) and, with
-q/k-norm, at 64 (0.71x); rope_kv_write faster from 64 tokens without q/k-norm (1.07x) and 256 with it (1.23x)."""
+bit-identical; each is the faster one on its side (docs/decisions.md)."""
 
 
 def norm_kernel(T: int) -> tuple[str, tuple[int, int, int], tuple[int, int, int]]:
@@ -192,7 +190,6 @@ class Forward(AttentionLaunches):
         ws = max(s * max(self.splits(s), *(self.flash_splits(s, v) for v in FLASH_VARIANTS)) for s in range(1, Sm + 1))
         self.part_o = z(ws * c.num_heads * c.head_dim, dt=cp.float32)
         self.part_ml = z(ws * c.num_heads * 2, dt=cp.float32)
-        self.split_counters = z(Sm * c.num_kv_heads, dt=cp.int32)  # zero between steps (the kernel resets them)
         # RoPE tables as transformers computes them: fp32 inv_freq, fp32 position * inv_freq.
         inv = rope_inv_freq(c).astype(np.float32)
         ang = np.arange(dims.max_context, dtype=np.float32)[:, None] * inv[None, :]
@@ -213,7 +210,7 @@ class Forward(AttentionLaunches):
             if smem <= GEMV_NORM_SMEM_MAX:
                 driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
         self.moe = MoeLaunches(c, dims.max_tokens, driver, kernels) if c.is_moe else None
-        self.gemv_fusion: frozenset[str] = frozenset()
+        self.gemv_fusion = frozenset(GEMV_FUSIONS)  # every fusion where it applies (fusions_for)
         self.gemv_max_tokens = 1
         # FP8 weights: steps past fp8_gemv_max_tokens run the bf16 GEMM on a dequantized copy of each
         # projection, made in fp8_scratch (the largest projection) just before it.

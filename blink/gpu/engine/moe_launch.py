@@ -36,9 +36,7 @@ MMA_BN = WARPS * 16  # moe.cu MMA_BN: output columns per block of the tensor-cor
 MMA_MIN_TOKENS = 64  # graphs of at least this many tokens run the expert GEMMs on tensor cores
 FUSED_ROUTE_MAX_TOKENS = 64  # graphs of at most this many tokens route and align in one block (one launch)
 PAIR_MAX_TOKENS = 8  # graphs of at most this many tokens take the pair path: no permutation (moe_pair_*)
-# H200, Qwen3-30B-A3B decode step at batch 8 (bench/results/moe_decode-h200-084cd96.json): pair 9.77 ms, tile GEMV
-# 16.79, mma 15.95; the pair path's outputs equal the tile GEMV's bit for bit at T = 1, 2, 3-in-4 and 8
-# (tests/gpu/test_moe.py). Larger steps were not timed.
+# (the pair path's outputs equal the tile GEMV's bit for bit: tests/gpu/test_moe.py; why 8: docs/decisions.md)
 ROUTER_MAX_TOKENS = 4  # graphs of at most this many tokens compute the router logits with moe_router_t<T>
 ROUTER_WARPS = 2  # moe.cu ROUTER_WARPS: router rows per moe_router block (a warp each)
 ROUTE_WARPS = 4  # tokens per moe_route block (a warp each)

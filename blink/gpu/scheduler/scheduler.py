@@ -139,7 +139,7 @@ def render_ctl_header() -> str:
 # -ewp (extensible whole program): NVRTC declares the device runtime's cudaGraphLaunch and
 # cudaGetCurrentGraphExec only for separately compiled code; -ewp declares them while keeping one
 # whole-program cubin. The only external symbol left is cudaGraphLaunch, which the driver resolves
-# at load time (probe REPORT.md, Q2). A relocatable cubin (-rdc without a device link) would fail
+# at load time. A relocatable cubin (-rdc without a device link) would fail
 # cuModuleGetFunction with CUDA_ERROR_INVALID_IMAGE: its unified function tables stay unresolved.
 UNIT = Unit(
     CSRC / SOURCES[0],

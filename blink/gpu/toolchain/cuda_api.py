@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Any, Protocol
 
 import numpy as np
 
@@ -153,15 +152,6 @@ def loaded_library_path(fragment: str, exclude: str = "", near: str = "") -> str
     raise CudaError(f"{fragment} is not loaded in this process")
 
 
-class GemmPlans(Protocol):
-    """What Cublas.linear needs of a GEMM tuner (blink.gpu.engine.cublaslt.GemmTuner, which builds on this
-    module): a plan per (rows, n_out, k, fp32 output) it moved off cublasGemmEx, and how to run one."""
-
-    plans: dict[tuple[int, int, int, bool], Any]
-
-    def matmul(self, plan: Any, x: int, w: int, y: int) -> None: ...
-
-
 class Cublas:
     """cublasGemmEx on CuPy's handle, bound to one stream with a user workspace.
 
@@ -184,7 +174,6 @@ class Cublas:
         self._check(self.lib.cublasSetWorkspace_v2(self.handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
-        self.tuner: GemmPlans | None = None  # set by the engine when EngineConfig.gemm_candidates > 0
 
     @staticmethod
     def _check(st: int, what: str) -> None:
@@ -196,18 +185,10 @@ class Cublas:
         shared by every engine of the process: an engine sets its own target before it records."""
         self._check(self.lib.cublasSetSmCountTarget(self.handle, n), "cublasSetSmCountTarget")
 
-    def linear(
-        self, x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False, tuned: bool = True
-    ) -> None:
+    def linear(self, x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False) -> None:
         """Y[rows, n_out] = X[rows, k] @ W[n_out, k]^T, bf16 in, fp32 accumulate, bf16 or fp32 out.
         cuBLAS is column-major: row-major Y [rows, n_out] is column-major Y^T [n_out, rows] = W X^T,
-        with W [n_out, k] row-major read as op = T and X [rows, k] read as op = N: gemm(T, N, n_out, rows, k).
-        A shape the tuner moved to cuBLASLt runs its chosen algorithm (tuned=False: cublasGemmEx)."""
-        if tuned and self.tuner is not None:
-            plan = self.tuner.plans.get((rows, n_out, k, out_f32))
-            if plan is not None:
-                self.tuner.matmul(plan, x, w, y)
-                return
+        with W [n_out, k] row-major read as op = T and X [rows, k] read as op = N: gemm(T, N, n_out, rows, k)."""
         self._check(
             self.lib.cublasGemmEx(
                 self.handle,

@@ -30,7 +30,6 @@ SCHEDULER_CSRC = B.GPU_DIR / "scheduler" / "csrc"
 INCLUDE = B.GPU_DIR / "engine" / "include"
 SOURCES = (
     "model_kernels.cu",
-    "attention.cu",
     "prefill_attention.cu",
     "flash_decode.cu",
     "sampling.cu",

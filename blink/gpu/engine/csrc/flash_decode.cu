@@ -1,6 +1,6 @@
-// Paged decode attention, flash-decoding style (the engine's default, "flashq"): one CTA of
-// 4 warps per (context split, KV head, sequence), all G = nq/nkv query heads of the KV head at
-// once, so every K/V byte is read from HBM once. KV layout as in attention.cu: k_cache, v_cache
+// Paged decode attention, flash-decoding style ("flashq" on CUDA cores, "flashmma" on tensor cores):
+// one CTA of 4 warps per (context split, KV head, sequence), all G = nq/nkv query heads of the KV
+// head at once, so every K/V byte is read from HBM once. KV layout: k_cache, v_cache
 // [num_blocks, block_size, nkv, HD] bf16, token p of sequence s in block block_tables[s][p / bs].
 //
 // Splits: the grid is (NS, nkv, S) with NS fixed per captured batch bucket (flash_grid_splits in
@@ -343,14 +343,10 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
       int nq, int grid_splits, int target) {                                                                    \
     attn_flash_combine_impl<HD, N>(po, plse, out, cu, sl, ns, nkv, nq, grid_splits, target);                   \
   }
-// The engine's decode attention, "flashq": 4 K + 4 V vectors per lane per tile through a 4-tile
-// cp.async ring (64 KiB of dynamic shared memory). The template's other settings live in
-// bench/kernels/flash_decode_variants.cu ("flash8", "flashq8": 8 + 8 vectors, never timed
-// against flashq). Retired: "flash" (4 + 4 loaded into registers), slower at every batch
-// (attention alone 0.36 vs 0.33 ms at batch 1, 21.1 vs 11.3 ms at 256, Llama-3-8B, context 1024:
-// bench/results/archive/decode_h200_run5.json); "flashqc" (flashq with the combine folded into the last
-// split) at most 0.6 % faster at batches 2-16 and slower from 32 up
-// (bench/results/archive/gemm_tuning_h200_e3962d3_decode_flashqc.json).
+// The engine's decode attention below batch 128, "flashq": 4 K + 4 V vectors per lane per tile
+// through a 4-tile cp.async ring (64 KiB of dynamic shared memory). The template's other settings
+// live in bench/kernels/flash_decode_variants.cu ("flash8", "flashq8": 8 + 8 vectors); the variants
+// that lost are in docs/decisions.md.
 #define FLASH_PER_HD(HD)                       \
   FLASH(flashq, HD, 1, 4, 4, 3)                \
   FLASH(flashq, HD, 2, 4, 4, 3)                \
@@ -366,7 +362,7 @@ FLASH_PER_HD(32)
 FLASH_PER_HD(64)
 FLASH_PER_HD(128)
 
-// ---- "flashmma": GQA decode attention on tensor cores (issue 12, item 3) -------------------------
+// ---- "flashmma": GQA decode attention on tensor cores (the engine's from batch 128) ---------------
 // flashq does the G x keys dot products and the P V sums on CUDA cores in fp32 (per 8 keys per warp:
 // 32 FMAs per lane each way, a reduce-scatter and two warp-wide softmax reductions), which costs
 // about as many issue slots as the K/V bytes take to arrive at batch >= 128. Here the G query heads

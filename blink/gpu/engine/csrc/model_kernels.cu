@@ -293,8 +293,7 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS, 4)
 
 // add_rmsnorm for steps of many tokens (forward.norm_kernel): the same sums in the same order as
 // add_rmsnorm (bit-identical), a row per block in a loop of 16-byte loads with few registers, so more
-// blocks stay resident than add_rmsnorm's register-held rows allow (H200: 35 vs 50 us at 4096 tokens
-// of Llama-3-8B, bench/results/rope_norm-h200-0c493b6.json).
+// blocks stay resident than add_rmsnorm's register-held rows allow (the faster one from 1024 tokens).
 extern "C" __global__ void add_rmsnorm_rows(bf16* __restrict__ residual, const bf16* __restrict__ delta,
                                        const bf16* __restrict__ w, bf16* __restrict__ out,
                                        const uint32_t* __restrict__ num_tokens, int H, float eps) {
@@ -306,8 +305,7 @@ extern "C" __global__ void add_rmsnorm_rows(bf16* __restrict__ residual, const b
 }
 
 // rope_kv_write for steps of few tokens (forward.rope_kernel): bit-identical to it, a warp per head, no
-// shared-memory staging (H200: 2.4 vs 2.6 us at 1 token of Llama-3-8B, 2.7 vs 4.7 with q/k-norm, 4.0 vs 5.6
-// at 64 tokens with q/k-norm; bench/results/rope_norm-h200-0c493b6.json). Grid (token, head group). Q heads: [qk-norm], RoPE -> q_out. K heads:
+// shared-memory staging (the faster one for few tokens). Grid (token, head group). Q heads: [qk-norm], RoPE -> q_out. K heads:
 // [qk-norm], RoPE -> k cache slot. V heads -> v cache slot. The slot of token t of sequence s at
 // position p is block_tables[s][p / block_size] * block_size + p % block_size.
 extern "C" __global__ void rope_kv_write_warp(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,

@@ -1,34 +1,20 @@
-// Paged attention, prefill: packed varlen queries that also attend to previously cached context
-// (flash-style tiles on tensor cores: WMMA for "rego", the default; mma.sync for "fa2").
+// Paged attention, prefill: packed varlen queries that also attend to previously cached context,
+// FlashAttention-2's structure on tensor cores (mma.sync).
 //
 // KV cache of one layer: k_cache, v_cache [num_blocks, block_size, nkv, HD] bf16; token p of
 // sequence s lives in block block_tables[s][p / block_size], row p % block_size. Causality: the
 // query at position p attends keys 0..p, and the queries of a chunk sit at the end of the
 // sequence (prefix = seq_len - q_len), so chunked prefill needs no extra metadata.
 //
-// Prefill: grid (T/64 + S, nq), 128 threads = 4 warps, a 64-query tile of one sequence and one
-// head (tile -> sequence by a warp scan over cu_q_lens). Per 64-key tile: S = Q K^T (each warp
-// 16 rows x 64 keys on WMMA, Q kept in registers as A fragments), masked online softmax with a
-// lane pair per row, P (bf16) V on WMMA. "rego" keeps the O accumulators in registers across
-// tiles (rescaled in place through the sm_80+ accumulator layout) and loads K/V per tile. (An
-// "smem" variant with O in shared memory and the next K/V tile prefetched into registers was
-// retired: 181.5 vs 160.7 ms for a 4k-token Llama-3-8B prefill, bench/results/archive/prefill_h200_run4.json.)
-// Shared memory (HD=128): K,V 2 x 64 x 136 x 2 = 34 KiB, S 64 x 68 x 4 = 17 KiB, P 64 x 72 x 2
-// = 9 KiB, O 64 x 132 x 4 = 33 KiB (only for the final write), row stats 0.75 KiB: ~94 KiB, so
-// two blocks fit on an SM.
-// "fa2" (FlashAttention-2's structure; same grid and tile-to-sequence mapping): scores, softmax
-// and O never leave registers. mma.sync m16n8k16 (bf16 -> fp32) with ldmatrix operands: each warp
-// holds its 16 Q rows as A fragments, the 16 x 64 score tile as accumulators, turns the
-// probabilities into the A fragments of P V in place (bf16), and keeps O (16 x HD) in
-// accumulators; row max / sum over the 4 lanes of a quad by shuffles, the sum reduced once at the
-// end. K/V tiles arrive by cp.async, double buffered (the next tile's copies in flight during
-// this tile's math), rows past the context zero-filled. Shared memory: Q 64 x (HD+8) + 2 stages x
-// (K, V) 64 x (HD+8), bf16 = 85 KiB at HD=128.
-#include <mma.h>
-
+// Grid (T/64 + S, nq), 128 threads = 4 warps, a 64-query tile of one sequence and one head (tile ->
+// sequence by a warp scan over cu_q_lens). Scores, softmax and O never leave registers: mma.sync
+// m16n8k16 (bf16 -> fp32) with ldmatrix operands; each warp holds its 16 Q rows as A fragments,
+// the 16 x 64 score tile as accumulators, turns the probabilities into the A fragments of P V in
+// place (bf16), and keeps O (16 x HD) in accumulators; row max / sum over the 4 lanes of a quad by
+// shuffles, the sum reduced once at the end. K/V tiles arrive by cp.async, double buffered (the
+// next tile's copies in flight during this tile's math), rows past the context zero-filled.
+// Shared memory: Q 64 x (HD+8) + 2 stages x (K, V) 64 x (HD+8), bf16 = 85 KiB at HD=128.
 #include "common.cuh"
-
-using namespace nvcuda;
 
 // The (sequence, BM-query tile) a prefill block works on: tiles are numbered sequence after
 // sequence, so warp 0 scans the tile counts of cu_q_lens (a warp prefix sum per 32 sequences) for
@@ -69,174 +55,7 @@ __device__ __forceinline__ void prefill_tile_of_block(const int* __restrict__ cu
   __syncthreads();
 }
 
-template <int HD>
-__device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                                                  const bf16* __restrict__ v_cache, bf16* __restrict__ out,
-                                                  const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
-                                                  const int* __restrict__ block_tables,
-                                                  const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
-                                                  float scale_log2) {
-  constexpr int BM = 64, BN = 64, LDH = HD + 8, LDS = BN + 4, LDP = BN + 8, LDO = HD + 4;
-  constexpr int V8 = HD / 8;                 // 16-byte vectors per row
-  constexpr int PER = BN * V8 / 128;         // vectors of a K (or V) tile per thread
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(smem);  // also stages the Q tile before the loop
-  bf16* Vs = Ks + BN * LDH;
-  float* Ss = reinterpret_cast<float*>(Vs + BN * LDH);
-  bf16* Ps = reinterpret_cast<bf16*>(Ss + BM * LDS);
-  float* Os = reinterpret_cast<float*>(Ps + BM * LDP);
-  float* m_s = Os + BM * LDO;
-  float* l_s = m_s + BM;
-  float* a_s = l_s + BM;
-  __shared__ int sh_s, sh_tile;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
-  prefill_tile_of_block<BM>(cu_q_lens, num_seqs, sh_s, sh_tile);
-  const int s = sh_s;
-  if (s < 0) return;
-  const int q0 = cu_q_lens[s], ql = cu_q_lens[s + 1] - q0;
-  const int pre = seq_lens[s] - ql;
-  const int r0 = sh_tile * BM, rows = min(BM, ql - r0);
-  const int kv_end = pre + r0 + rows;
-  const int* bt = block_tables + (size_t)s * mbps;
-  const bf16x8 zero8 = {};
-  // Q tile -> smem (staged in the K buffer) -> this warp's A fragments, kept in registers.
-  for (int idx = tid; idx < BM * V8; idx += blockDim.x) {
-    const int r = idx / V8, c = (idx % V8) * 8;
-    *reinterpret_cast<bf16x8*>(Ks + r * LDH + c) =
-        r < rows ? *reinterpret_cast<const bf16x8*>(q + ((size_t)(q0 + r0 + r) * nq + h) * HD + c) : zero8;
-  }
-  for (int idx = tid; idx < BM * LDO; idx += blockDim.x) Os[idx] = 0.f;
-  if (tid < BM) {
-    m_s[tid] = -INFINITY;
-    l_s[tid] = 0.f;
-  }
-  __syncthreads();
-  const int wr = warp * 16;  // this warp's 16 query rows
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> qa[HD / 16];
-#pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk) wmma::load_matrix_sync(qa[kk], Ks + wr * LDH + kk * 16, LDH);
-  bf16x8 kreg[PER], vreg[PER];
-  auto fetch = [&](int kt) {
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int idx = tid + i * 128;
-      const int key = kt + idx / V8, c = (idx % V8) * 8;
-      if (key < kv_end) {
-        const size_t off = (((size_t)bt[key / bs] * bs + key % bs) * nkv + kvh) * HD + c;
-        kreg[i] = *reinterpret_cast<const bf16x8*>(k_cache + off);
-        vreg[i] = *reinterpret_cast<const bf16x8*>(v_cache + off);
-      } else {
-        kreg[i] = zero8;
-        vreg[i] = zero8;
-      }
-    }
-  };
-  // The O accumulators stay in registers across tiles (WMMA fragments, rescaled in place through
-  // the sm_80+ accumulator layout), so there is no prefetch: the registers go to O.
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> oacc[HD / 16];
-#pragma unroll
-  for (int n = 0; n < HD / 16; ++n) wmma::fill_fragment(oacc[n], 0.f);
-  for (int kt = 0; kt < kv_end; kt += BN) {
-    __syncthreads();  // every warp is done with the previous tile (and with the staged Q)
-    fetch(kt);
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int idx = tid + i * 128;
-      const int r = idx / V8, c = (idx % V8) * 8;
-      *reinterpret_cast<bf16x8*>(Ks + r * LDH + c) = kreg[i];
-      *reinterpret_cast<bf16x8*>(Vs + r * LDH + c) = vreg[i];
-    }
-    __syncthreads();
-    {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc[BN / 16];
-#pragma unroll
-      for (int n = 0; n < BN / 16; ++n) wmma::fill_fragment(sacc[n], 0.f);
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk) {
-#pragma unroll
-        for (int n = 0; n < BN / 16; ++n) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b;
-          wmma::load_matrix_sync(b, Ks + (n * 16) * LDH + kk * 16, LDH);
-          wmma::mma_sync(sacc[n], qa[kk], b, sacc[n]);
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < BN / 16; ++n)
-        wmma::store_matrix_sync(Ss + wr * LDS + n * 16, sacc[n], LDS, wmma::mem_row_major);
-    }
-    __syncwarp();
-    {
-      // Online softmax, all 16 rows of the warp at once: lane pair (2i, 2i+1) owns row wr + i,
-      // one half of its 64 scores each (the odd lane walks its half rotated by 16 columns, so
-      // the pair reads different banks); a_s[r] carries the rescale of O to the accumulators.
-      const int r = wr + (lane >> 1), half = lane & 1;
-      const int qpos = pre + r0 + r;
-      const bool live = r < rows;
-      const float* srow = Ss + r * LDS;
-      float mx = -INFINITY;
-#pragma unroll 8
-      for (int j = 0; j < 32; ++j) {
-        const int col = half * 32 + ((j + 16 * half) & 31);
-        if (live && kt + col <= qpos) mx = fmaxf(mx, srow[col] * scale_log2);
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
-      const float m_old = m_s[r];
-      const float m_new = fmaxf(m_old, mx);
-      bf16* prow = Ps + r * LDP;
-      float sum = 0.f, a = 1.f;
-      if (m_new == -INFINITY) {
-        for (int j = 0; j < 32; ++j) prow[half * 32 + j] = tobf(0.f);
-      } else {
-#pragma unroll 8
-        for (int j = 0; j < 32; ++j) {
-          const int col = half * 32 + ((j + 16 * half) & 31);
-          const float p = (live && kt + col <= qpos) ? exp2f(srow[col] * scale_log2 - m_new) : 0.f;
-          prow[col] = tobf(p);
-          sum += p;
-        }
-        a = exp2f(m_old - m_new);
-      }
-      sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-      __syncwarp();  // both lanes of the pair have read m_s[r]
-      if (half == 0) {
-        l_s[r] = l_s[r] * a + sum;
-        m_s[r] = m_new;
-        a_s[r] = a;
-      }
-    }
-    __syncwarp();
-    {
-      // accumulator element i of a 16x16 fragment: row lane/4 + 8*((i>>1)&1), col (lane%4)*2 + (i&1) + 8*(i>>2)
-      const float a_lo = a_s[wr + (lane >> 2)], a_hi = a_s[wr + (lane >> 2) + 8];
-#pragma unroll
-      for (int n = 0; n < HD / 16; ++n) {
-#pragma unroll
-        for (int i = 0; i < oacc[n].num_elements; ++i) oacc[n].x[i] *= ((i >> 1) & 1) ? a_hi : a_lo;
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
-          wmma::load_matrix_sync(a, Ps + wr * LDP + kk * 16, LDP);
-          wmma::load_matrix_sync(b, Vs + (kk * 16) * LDH + n * 16, LDH);
-          wmma::mma_sync(oacc[n], a, b, oacc[n]);
-        }
-      }
-    }
-    __syncwarp();
-  }
-#pragma unroll
-  for (int n = 0; n < HD / 16; ++n) wmma::store_matrix_sync(Os + wr * LDO + n * 16, oacc[n], LDO, wmma::mem_row_major);
-  __syncwarp();
-  for (int rr = 0; rr < 16; ++rr) {
-    const int r = wr + rr;
-    if (r >= rows) break;
-    const float inv = 1.f / l_s[r];
-    for (int d = lane; d < HD; d += 32) out[((size_t)(q0 + r0 + r) * nq + h) * HD + d] = tobf(Os[r * LDO + d] * inv);
-  }
-}
-
-// ---- "fa2" prefill (see the header comment) -------------------------------------------------
+// ---- the fa2 kernel's building blocks ---------------------------------------------------------
 __device__ __forceinline__ uint32_t fa2_smem(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void fa2_cp16(void* smem, const void* gmem, bool ok) {
@@ -433,11 +252,6 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
 }
 
 #define PREFILL_PER_HD(HD)                                                                                    \
-  extern "C" __global__ void __launch_bounds__(128) attn_prefill_rego_hd##HD(                                 \
-      const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
-      const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
-    attn_prefill_impl<HD>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                                  \
-  }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_fa2_hd##HD(                               \
       const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
       const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \

@@ -1,7 +1,7 @@
 """The on-device sampling kernels on their own: rows of fp32 logits in, one token per row out.
 
-The engine's graphs run the same kernel (sample_tokens) on the LM head's output; this wrapper
-exists so tests and tools can check the kernels against blink.device.sampling on fixed logits:
+The engine's graphs run the same kernel (sample_tokens) on the LM head's output; this test helper
+checks the kernels against blink.device.sampling on fixed logits:
 `sample` (temperature, top-k, top-p) and `sample_ext` (the extensions: logprobs, logit_bias,
 penalties with their per-row state, min_p), each kernel launched as the graphs would.
 """
