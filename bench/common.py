@@ -230,7 +230,7 @@ def decode_engine_config(batches: Sequence[int], context: int, **fields: Any) ->
     bmax, bs = max(batches), 16
     return EngineConfig(
         max_seqs=bmax,
-        max_tokens=bmax,
+        max_num_batched_tokens=bmax,
         max_context=context + bs * 2,
         block_size=bs,
         num_kv_blocks=bmax * (-(-context // bs) + 1),

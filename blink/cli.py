@@ -52,7 +52,10 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", dest="device.scheduler", choices=("gpu", "host"))
     p.add_argument("--max-batch", "--max-num-seqs", dest="device.max_batch", type=int, help="sequences per step")
     p.add_argument(
-        "--max-tokens-per-step", "--max-num-batched-tokens", dest="device.max_tokens", type=int, help="tokens per step"
+        "--max-num-batched-tokens",
+        dest="device.max_num_batched_tokens",
+        type=int,
+        help="tokens per step (decodes + prefill chunks)",
     )
     p.add_argument(
         "--mixed-step-tokens",

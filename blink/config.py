@@ -196,14 +196,14 @@ class DeviceConfig:
     """gpu: the persistent scheduler kernel; host: the host-driven loop (baseline). cuda only."""
     max_batch: int = 32
     """Sequences per decode step."""
-    max_tokens: int | None = None
+    max_num_batched_tokens: int | None = None
     """Tokens per step: every decode plus prefill chunks (vLLM's max_num_batched_tokens). None =
     2048 on cuda, 256 on the emulated device: a CPU step of 2048 prompt tokens at a long context runs
     for tens of seconds, and the heartbeat waits for the step. See step_tokens."""
     mixed_tokens: int | None = None
     """Token budget of a step that carries decodes, the running decodes included (Sarathi-Serve's
     token budget), doubled while it leaves a prompt less than half of itself or while prompts queue
-    behind the one admitted (never above max_tokens; blink/device/policy.py step_budget); 0 = max_tokens. None = DEFAULT_MIXED_TOKENS
+    behind the one admitted (never above max_num_batched_tokens; blink/device/policy.py step_budget); 0 = max_num_batched_tokens. None = DEFAULT_MIXED_TOKENS
     on cuda, 0 on the emulated device (no graphs there, so no bucket to fill). See mixed_step_tokens."""
     kv_block_size: int = 16
     """Tokens per KV cache block."""
@@ -234,8 +234,8 @@ class DeviceConfig:
         _choice("device", "kind", self.kind, ("auto", "emulated", "cuda"))
         _choice("device", "scheduler", self.scheduler, ("gpu", "host"))
         _bounds("device", "max_batch", self.max_batch, 1, 4096)
-        if self.max_tokens is not None:
-            _bounds("device", "max_tokens", self.max_tokens, 1, 1 << 20)
+        if self.max_num_batched_tokens is not None:
+            _bounds("device", "max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
         if self.mixed_tokens is not None:
             _bounds("device", "mixed_tokens", self.mixed_tokens, 0, 1 << 20)
         _bounds("device", "kv_block_size", self.kv_block_size, 1, 1024)
@@ -252,14 +252,14 @@ class DeviceConfig:
             _choice("device", "quantization", self.quantization, ("fp8",))
 
     def step_tokens(self, kind: str) -> int:
-        """Tokens per step on a device of `kind` ("cuda" | "emulated"): max_tokens or its default,
+        """Tokens per step on a device of `kind` ("cuda" | "emulated"): max_num_batched_tokens or its default,
         never below max_batch (a step carries one token of every decoding sequence)."""
         default = 2048 if kind == "cuda" else 256
-        return max(self.max_tokens if self.max_tokens is not None else default, self.max_batch)
+        return max(self.max_num_batched_tokens if self.max_num_batched_tokens is not None else default, self.max_batch)
 
     def mixed_step_tokens(self, kind: str) -> int:
         """Token budget of a step with decodes on a device of `kind`: mixed_tokens or its default,
-        0 (off: max_tokens) when it is 0 or not below step_tokens."""
+        0 (off: max_num_batched_tokens) when it is 0 or not below step_tokens."""
         m = self.mixed_tokens if self.mixed_tokens is not None else (DEFAULT_MIXED_TOKENS if kind == "cuda" else 0)
         return m if m < self.step_tokens(kind) else 0
 

@@ -77,7 +77,7 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
         model=cfg.model.spec,
         scheduler=d.scheduler,
         max_batch=d.max_batch,
-        max_tokens=d.step_tokens(kind),
+        max_num_batched_tokens=d.step_tokens(kind),
         mixed_tokens=d.mixed_step_tokens(kind),
         kv_block_size=d.kv_block_size,
         num_kv_blocks=d.num_kv_blocks or 0,

@@ -69,7 +69,7 @@ class Device:
 
 
 def _ex(cls=HashExecutor, **kw):
-    return cls(vocab_size=VOCAB, num_blocks=64, block_size=16, max_batch=8, max_tokens=64, **kw)
+    return cls(vocab_size=VOCAB, num_blocks=64, block_size=16, max_batch=8, max_num_batched_tokens=64, **kw)
 
 
 async def _collect(handle) -> tuple[list[int], list]:

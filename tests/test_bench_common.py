@@ -43,7 +43,7 @@ def test_reference_engine_runs_synthetic_steps():
         num_blocks=64,
         block_size=8,
         max_batch=4,
-        max_tokens=128,
+        max_num_batched_tokens=128,
         max_blocks_per_seq=16,
     )
     rng = np.random.default_rng(2)
@@ -142,7 +142,7 @@ def test_decode_engine_config_sizes_the_pool_for_the_largest_batch():
     from bench.common import decode_engine_config
 
     e = decode_engine_config([1, 8, 32], 1008, gemv_max_tokens=8)
-    assert (e.max_seqs, e.max_tokens, e.block_size, e.max_context) == (32, 32, 16, 1040)
+    assert (e.max_seqs, e.max_num_batched_tokens, e.block_size, e.max_context) == (32, 32, 16, 1040)
     assert e.num_kv_blocks == 32 * (63 + 1) and e.batch_buckets == (1, 8, 32) and e.token_buckets == (32,)
     assert e.gemv_max_tokens == 8
     assert decode_engine_config([4], 1024).num_kv_blocks == 4 * 65  # 1024 / 16 = 64 blocks exactly, + 1

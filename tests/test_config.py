@@ -107,7 +107,7 @@ def test_vllm_command_lines_carry_over():
     c = cli.config_from_args(cli.build_parser().parse_args(argv))
     d = c.device
     assert c.model.spec == "random:tiny-llama"
-    assert (d.max_batch, d.max_tokens, d.max_context, d.kv_block_size) == (8, 512, 1024, 32)
+    assert (d.max_batch, d.max_num_batched_tokens, d.max_context, d.kv_block_size) == (8, 512, 1024, 32)
     assert (d.num_kv_blocks, d.kv_cache_fraction) == (300, 0.7)
     assert (c.server.log_requests, c.server.log_stats) == (False, True)  # --disable-log-requests
     c = cli.config_from_args(cli.build_parser().parse_args(["serve", "--disable-log-stats", "--allowed-hosts", "a,b"]))

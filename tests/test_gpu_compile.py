@@ -194,7 +194,7 @@ def test_engine_config_rejects_bad_values():
     with pytest.raises(ValueError):
         EngineConfig(execs_per_shape=1)
     with pytest.raises(ValueError):
-        EngineConfig(max_seqs=64, max_tokens=32)
+        EngineConfig(max_seqs=64, max_num_batched_tokens=32)
     with pytest.raises(ValueError):
         EngineConfig(max_context=1000, block_size=16)
 

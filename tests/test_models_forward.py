@@ -27,7 +27,7 @@ def model(request):
 
 def make_exec(model) -> NumpyExecutor:
     config, weights = model
-    return NumpyExecutor(config, weights, num_blocks=NB, block_size=BS, max_batch=8, max_tokens=256)
+    return NumpyExecutor(config, weights, num_blocks=NB, block_size=BS, max_batch=8, max_num_batched_tokens=256)
 
 
 def prompts(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:

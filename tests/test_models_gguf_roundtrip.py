@@ -309,7 +309,7 @@ def test_qwen3moe_gguf_matches_hf_safetensors(tmp_path, mlp_only):
     ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
 
     def logits(c, weights):
-        ex = NumpyExecutor(c, weights, num_blocks=16, block_size=8, max_batch=2, max_tokens=64)
+        ex = NumpyExecutor(c, weights, num_blocks=16, block_size=8, max_batch=2, max_num_batched_tokens=64)
         return ex.forward_logits(PagedDriver(16, 8, 8).step([(0, ids)]), all_tokens=True)
 
     ours_gguf, ours_hf = logits(cfg, w), logits(hf_cfg, hf_w)

@@ -26,7 +26,7 @@ from blink.protocol.wire import DeviceSpec
 
 def cuda_spec(model: str) -> DeviceSpec:
     return DeviceSpec(
-        ring="unused", kind="cuda", model=model, scheduler="gpu", max_batch=1, max_tokens=1,
+        ring="unused", kind="cuda", model=model, scheduler="gpu", max_batch=1, max_num_batched_tokens=1,
         kv_block_size=16, num_kv_blocks=0, kv_cache_fraction=0.5, max_context=0,
     )  # fmt: skip
 

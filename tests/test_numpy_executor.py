@@ -19,19 +19,21 @@ def bundle():
 
 
 def make(bundle, **kw) -> NumpyExecutor:
-    args = dict(num_blocks=64, block_size=8, max_batch=4, max_tokens=64) | kw
+    args = dict(num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=64) | kw
     return NumpyExecutor(bundle.config, bundle.weights, **args)
 
 
 def test_from_model_attributes_and_protocol():
-    ex = NumpyExecutor.from_model("random:tiny-qwen3", num_blocks=10, block_size=4, max_batch=2, max_tokens=16)
+    ex = NumpyExecutor.from_model(
+        "random:tiny-qwen3", num_blocks=10, block_size=4, max_batch=2, max_num_batched_tokens=16
+    )
     for name in [*Executor.__annotations__, "execute", "close"]:
         assert hasattr(ex, name), name
-    assert (ex.vocab_size, ex.num_blocks, ex.block_size, ex.max_batch, ex.max_tokens) == (768, 10, 4, 2, 16)
+    assert (ex.vocab_size, ex.num_blocks, ex.block_size, ex.max_batch, ex.max_num_batched_tokens) == (768, 10, 4, 2, 16)
     assert ex.max_context == 40  # the whole pool; capped by max_blocks_per_seq when given
     assert ex.k_cache.shape == (3, 10, 4, 2, 32) == ex.v_cache.shape
     ex2 = NumpyExecutor.from_model(
-        "random:tiny-qwen3", num_blocks=10, block_size=4, max_batch=2, max_tokens=16, max_blocks_per_seq=3
+        "random:tiny-qwen3", num_blocks=10, block_size=4, max_batch=2, max_num_batched_tokens=16, max_blocks_per_seq=3
     )
     assert ex2.max_context == 12
     ex.close()
@@ -71,7 +73,7 @@ def test_sampling_follows_reference_definition(bundle):
 
 
 def test_limits_are_enforced(bundle):
-    ex = make(bundle, max_batch=2, max_tokens=8, num_blocks=8, block_size=2)
+    ex = make(bundle, max_batch=2, max_num_batched_tokens=8, num_blocks=8, block_size=2)
     with pytest.raises(ValueError, match="exceeds max_batch"):
         ex.execute(PagedDriver(8, 2, 4).step([(0, [1]), (1, [1]), (2, [1])]))
     with pytest.raises(ValueError, match="exceeds max_batch"):

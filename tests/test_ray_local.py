@@ -53,7 +53,7 @@ def _cfg(
                 "gpu_actor_cpus": 1.0,
                 "frontends": frontends,
             },
-            "device": {"kind": "emulated", "num_kv_blocks": 512, "max_batch": max_batch, "max_tokens": 128},
+            "device": {"kind": "emulated", "num_kv_blocks": 512, "max_batch": max_batch, "max_num_batched_tokens": 128},
             "model": {"spec": f"random:{MODEL}"},
             "ring": {"n_slots": 8, "prompt_arena_tokens": 8192, "output_capacity": 64, "transport": transport},
             "server": {"port": port, "heartbeat_timeout_s": 1.0},

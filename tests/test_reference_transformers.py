@@ -90,7 +90,9 @@ def hf_runs(hf_model, prompt_ids):
 @pytest.fixture(scope="module")
 def our_runs(ours, prompt_ids):
     """All prompts packed into one prefill step, then batched greedy decode steps."""
-    ex = NumpyExecutor(ours.config, ours.weights, num_blocks=128, block_size=16, max_batch=8, max_tokens=512)
+    ex = NumpyExecutor(
+        ours.config, ours.weights, num_blocks=128, block_size=16, max_batch=8, max_num_batched_tokens=512
+    )
     drv = PagedDriver(128, 16, 16, shuffle_seed=1)
     step = drv.step(list(enumerate(prompt_ids)))
     logits = ex.forward_logits(step, all_tokens=True)
@@ -256,7 +258,7 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
     ids = np.random.default_rng(0).integers(0, 300, 60).tolist()
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0].numpy()
-    ex = NumpyExecutor(config, weights, num_blocks=32, block_size=8, max_batch=2, max_tokens=128)
+    ex = NumpyExecutor(config, weights, num_blocks=32, block_size=8, max_batch=2, max_num_batched_tokens=128)
     drv = PagedDriver(32, 8, 16)
     mine = np.concatenate(
         [ex.forward_logits(drv.step([(0, ids[:40])]), all_tokens=True)]
@@ -272,7 +274,7 @@ def test_tiny_random_hf_model_matches(arch, tied, dtype, tmp_path):
         )
     theirs_toks = out[0, len(prompt) :].tolist()
     drv = PagedDriver(32, 8, 16)
-    ex = NumpyExecutor(config, weights, num_blocks=32, block_size=8, max_batch=2, max_tokens=128)
+    ex = NumpyExecutor(config, weights, num_blocks=32, block_size=8, max_batch=2, max_num_batched_tokens=128)
     toks = [int(ex.forward_logits(drv.step([(0, prompt)]))[0].argmax())]
     while len(toks) < NEW_TOKENS:
         toks.append(int(ex.forward_logits(drv.step([(0, [toks[-1]])]))[0].argmax()))

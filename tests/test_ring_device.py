@@ -58,7 +58,9 @@ def rig_factory():
     rigs = []
 
     def make(executor=None, **kw):
-        r = Rig(executor or HashExecutor(VOCAB, num_blocks=64, block_size=16, max_batch=8, max_tokens=64), **kw)
+        r = Rig(
+            executor or HashExecutor(VOCAB, num_blocks=64, block_size=16, max_batch=8, max_num_batched_tokens=64), **kw
+        )
         rigs.append(r)
         return r
 
@@ -80,13 +82,13 @@ def test_batched_outputs_match_the_cache_free_reference(rig_factory):
     assert int(h["prompt_tokens"]) == sum(map(len, prompts))
     assert int(h["tokens_generated"]) == 24 * len(prompts)
     assert int(h["requests_admitted"]) == int(h["requests_completed"]) == len(prompts)
-    assert max(t for _, t in rig.ex.steps) <= 64  # prompts > max_tokens were chunked
+    assert max(t for _, t in rig.ex.steps) <= 64  # prompts > max_num_batched_tokens were chunked
     assert int(h["steps"]) + int(h["prefill_steps"]) == int(h["launches"]) == len(rig.ex.steps)
 
 
 def test_kv_pressure_preempts_and_recomputes_without_changing_tokens(rig_factory):
     # 12 blocks of 4 = 48 tokens of KV; six 20 + 20 token requests need 240: preemption is forced.
-    ex = HashExecutor(VOCAB, num_blocks=12, block_size=4, max_batch=6, max_tokens=64, max_context=48)
+    ex = HashExecutor(VOCAB, num_blocks=12, block_size=4, max_batch=6, max_num_batched_tokens=64, max_context=48)
     rig = rig_factory(ex)
     assert int(rig.c.header()["max_context"]) == 48
     rng = np.random.default_rng(2)
@@ -128,7 +130,7 @@ def test_executor_fault_fails_in_flight_requests(rig_factory):
                 raise RuntimeError("launch failed")
             return super().execute(batch)
 
-    rig = rig_factory(Broken(VOCAB, num_blocks=16, block_size=16, max_batch=4, max_tokens=64))
+    rig = rig_factory(Broken(VOCAB, num_blocks=16, block_size=16, max_batch=4, max_num_batched_tokens=64))
     r = rig.c.generate([5, 6, 7], max_new_tokens=10)
     assert r.finish is FinishReason.ERROR and r.error is SlotError.DEVICE_FAULT
     assert len(r.tokens) == 1  # the prefill's token was published before the failing decode
@@ -170,7 +172,9 @@ def test_build_batch_packs_chunks_and_block_tables():
 
 
 def _spec(ring: str, **kw) -> DeviceSpec:
-    base = dict(ring=ring, kind="emulated", model="random:tiny-llama", scheduler="gpu", max_batch=16, max_tokens=256)
+    base = dict(
+        ring=ring, kind="emulated", model="random:tiny-llama", scheduler="gpu", max_batch=16, max_num_batched_tokens=256
+    )
     base.update(kv_block_size=16, num_kv_blocks=32, kv_cache_fraction=0.9, max_context=0)
     return DeviceSpec(**{**base, **kw})
 
@@ -228,7 +232,9 @@ def test_restart_on_the_same_ring_reaps_orphans_and_keeps_counters(rig_factory):
     slots = rig.t.view().slots
     slots[orphan]["state"] = 3  # as if a crashed device had it in DECODE_PROCESSING
     rig.c.shutdown(0)
-    dev = RingDevice(rig.t.view(), HashExecutor(VOCAB, num_blocks=64, block_size=16, max_batch=8, max_tokens=64))
+    dev = RingDevice(
+        rig.t.view(), HashExecutor(VOCAB, num_blocks=64, block_size=16, max_batch=8, max_num_batched_tokens=64)
+    )
     th = threading.Thread(target=dev.run, daemon=True)
     th.start()
     rig.c.wait_status(DeviceStatus.READY, timeout=5)
@@ -341,7 +347,7 @@ class _SlowLayers(HashExecutor):
 
 def test_the_heartbeat_beats_inside_a_long_step(rig_factory):
     """A step of seconds must not look like a dead device. A 0.5 s step beats every 25 ms."""
-    rig = rig_factory(_SlowLayers(VOCAB, num_blocks=64, block_size=16, max_batch=8, max_tokens=64))
+    rig = rig_factory(_SlowLayers(VOCAB, num_blocks=64, block_size=16, max_batch=8, max_num_batched_tokens=64))
     slot = rig.c.submit(list(range(1, 60)), max_new_tokens=2)
     gaps, last, t_last = [], rig.c.h("heartbeat"), time.monotonic()
     while not rig.c.poll(slot).done:
@@ -368,7 +374,9 @@ def test_device_main_reports_a_model_that_does_not_load_in_one_line(capsys, monk
     def run(spec):
         raise ValueError("/models/x.gguf: not a GGUF file")
 
-    base = dict(ring="r", kind="emulated", model="x", scheduler="gpu", max_batch=1, max_tokens=1, kv_block_size=16)
+    base = dict(
+        ring="r", kind="emulated", model="x", scheduler="gpu", max_batch=1, max_num_batched_tokens=1, kv_block_size=16
+    )
     base.update(num_kv_blocks=0, kv_cache_fraction=0.5, max_context=0)
     for debug in (False, True):
         spec = msgspec.json.encode(DeviceSpec(**base, debug=debug)).decode()

@@ -99,11 +99,13 @@ def test_repetition_penalty_zero_reads_as_off():
 class Device:
     """The emulated device (tiny random Llama) in a thread and a RequestTracker on the same ring."""
 
-    def __init__(self, n_slots=4, max_tokens=64, per_slot=2048):
-        self.ex = NumpyExecutor.from_model("random:tiny-llama", num_blocks=64, block_size=8, max_batch=4, max_tokens=64)
+    def __init__(self, n_slots=4, max_num_batched_tokens=64, per_slot=2048):
+        self.ex = NumpyExecutor.from_model(
+            "random:tiny-llama", num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=64
+        )
         self.name = f"blink-test-sx-{os.getpid()}-{id(self)}"
         self.t = ShmTransport.create(self.name, RingGeometry(n_slots, n_slots * per_slot, 16))
-        self.dev = RingDevice(self.t.view(), self.ex, RingDeviceConfig(max_tokens=max_tokens))
+        self.dev = RingDevice(self.t.view(), self.ex, RingDeviceConfig(max_num_batched_tokens=max_num_batched_tokens))
         self.thread = threading.Thread(target=self.dev.run, daemon=True)
         self.thread.start()
 
@@ -170,7 +172,7 @@ def test_features_are_advertised(device):
 
 @pytest.mark.parametrize("chunk", [64, 7])  # 7: the prompt is prefilled in chunks, records cross them
 def test_prompt_and_generated_logprobs_match_a_full_forward(chunk):
-    d = Device(max_tokens=chunk)
+    d = Device(max_num_batched_tokens=chunk)
     try:
         rng = np.random.default_rng(3)
         prompt = rng.integers(3, 512, 23).tolist()

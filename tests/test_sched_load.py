@@ -75,7 +75,9 @@ def test_sched_common_serves_a_workload_with_the_host_loop_and_a_numpy_executor(
     from bench.scheduler.harness import serve_workload
     from blink.device.numpy_executor import NumpyExecutor
 
-    ex = NumpyExecutor.from_model("random:tiny-llama", num_blocks=128, block_size=16, max_batch=8, max_tokens=256)
+    ex = NumpyExecutor.from_model(
+        "random:tiny-llama", num_blocks=128, block_size=16, max_batch=8, max_num_batched_tokens=256
+    )
     args = ["--n", "10", "--prompt", "12", "--new", "5", "--concurrency", "4"]
     res = serve_workload(None, "host", args, 8, 16, 32, max_batch=4, timeout_s=120, executor=ex)
     assert res["tokens"] == 50 and res["n"] == 10 and res["finish"] == {str(int(FinishReason.LENGTH)): 10}

@@ -44,10 +44,10 @@ def test_engine_settings_derive_from_the_blink_serve_spec():
     from blink.gpu.serve import engine_config
     from blink.launch import device_spec
 
-    cfg = build(None, {"device": {"kind": "cuda", "max_batch": 64, "max_tokens": 32, "num_kv_blocks": 900}})
+    cfg = build(None, {"device": {"kind": "cuda", "max_batch": 64, "max_num_batched_tokens": 32, "num_kv_blocks": 900}})
     e = engine_config(device_spec(cfg, "ring-x"), max_position=100_000)
     assert (e.max_seqs, e.num_kv_blocks, e.block_size) == (64, 900, cfg.device.kv_block_size)
-    assert e.max_tokens == 64  # a step holds at least one token per sequence
+    assert e.max_num_batched_tokens == 64  # a step holds at least one token per sequence
     assert e.max_context == 100_000 - 100_000 % 16  # the model's max_position_embeddings: no 8192 cap
     assert e.kv_fraction == cfg.device.kv_cache_fraction == 0.9  # one default, in blink/config.py
 
@@ -72,14 +72,14 @@ def test_the_mixed_step_budget_reaches_the_spec_and_its_budgets_are_token_bucket
     from blink.launch import device_spec
 
     spec = device_spec(build(None, {"device": {"kind": "cuda", "max_batch": 256}}), "r")
-    assert (spec.max_tokens, spec.mixed_tokens) == (2048, DEFAULT_MIXED_TOKENS)
+    assert (spec.max_num_batched_tokens, spec.mixed_tokens) == (2048, DEFAULT_MIXED_TOKENS)
     e = engine_config(spec, max_position=8192)
     budgets = {step_budget(2048, spec.mixed_tokens, d, n) for d in range(1, 257) for n in (0, 300, 3000, 30_000)}
     assert budgets <= set(e.token_buckets) and {192, 384, 768, 1536} <= budgets
     off = device_spec(build(None, {"device": {"kind": "cuda", "mixed_tokens": 0}}), "r")
     assert off.mixed_tokens == 0 and 192 not in engine_config(off, max_position=8192).token_buckets
     emulated = device_spec(build(None, {"device": {"kind": "emulated"}}), "r")
-    assert emulated.mixed_tokens == 0  # no graphs to fill: the whole max_tokens
+    assert emulated.mixed_tokens == 0  # no graphs to fill: the whole max_num_batched_tokens
 
 
 def test_slot_copy_holds_one_ring_slot_per_slot():

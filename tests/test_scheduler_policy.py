@@ -15,7 +15,7 @@ from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
 
 def make(
     max_batch=4,
-    max_tokens=64,
+    max_num_batched_tokens=64,
     max_context=256,
     output_capacity=1024,
     num_blocks=64,
@@ -23,7 +23,7 @@ def make(
     long_prefill=0,
     mixed_tokens=0,
 ):
-    cfg = SchedulerConfig(max_batch, max_tokens, max_context, output_capacity, long_prefill, mixed_tokens)
+    cfg = SchedulerConfig(max_batch, max_num_batched_tokens, max_context, output_capacity, long_prefill, mixed_tokens)
     return Scheduler(cfg, BlockManager(num_blocks, block_size))
 
 
@@ -68,7 +68,7 @@ def test_prefill_packs_prompts_fcfs_then_decodes():
 
 
 def test_chunked_prefill_of_a_prompt_longer_than_max_tokens():
-    s = make(max_tokens=32, max_context=512, num_blocks=128)
+    s = make(max_num_batched_tokens=32, max_context=512, num_blocks=128)
     s.add(0, range(100), max_new_tokens=2)
     chunks = []
     for _ in range(4):
@@ -152,7 +152,7 @@ def test_kv_exhaustion_preempts_newest_and_recomputes():
 
 
 def test_a_sequence_that_fits_alone_never_fails():
-    s = make(max_batch=8, num_blocks=4, block_size=4, max_context=17, max_tokens=16)
+    s = make(max_batch=8, num_blocks=4, block_size=4, max_context=17, max_num_batched_tokens=16)
     for i in range(8):
         s.add(i, [5] * (1 + i), max_new_tokens=UNLIMITED)
     _, events = drain(s)
@@ -204,7 +204,7 @@ def test_random_workload_keeps_every_invariant(seed):
     rng = np.random.default_rng(seed)
     cfg = dict(
         max_batch=int(rng.integers(1, 6)),
-        max_tokens=int(rng.integers(6, 40)),
+        max_num_batched_tokens=int(rng.integers(6, 40)),
         output_capacity=int(rng.integers(1, 6)),
         long_prefill=int(rng.integers(0, 8)),
         mixed_tokens=int(rng.integers(0, 12)),
@@ -241,9 +241,11 @@ def test_random_workload_keeps_every_invariant(seed):
                 break
             continue
         assert plan.num_seqs <= cfg["max_batch"] and s.num_running <= cfg["max_batch"]
-        assert plan.num_tokens <= cfg["max_tokens"]
+        assert plan.num_tokens <= cfg["max_num_batched_tokens"]
         queued = sum(len(x.tokens) for x in s.seqs.values())  # >= the queue the step saw (its bound is monotone)
-        assert plan.num_tokens <= step_budget(cfg["max_tokens"], cfg["mixed_tokens"], plan.num_decodes, queued)
+        assert plan.num_tokens <= step_budget(
+            cfg["max_num_batched_tokens"], cfg["mixed_tokens"], plan.num_decodes, queued
+        )
         assert all(c.n == 1 and c.sample for c in plan.chunks[: plan.num_decodes])
         assert [c.seq.arrival for c in plan.chunks[: plan.num_decodes]] == sorted(
             c.seq.arrival for c in plan.chunks[: plan.num_decodes]
@@ -275,7 +277,7 @@ def test_random_workload_keeps_every_invariant(seed):
 
 
 def test_decodes_produce_a_token_every_step_while_a_long_prompt_prefills():
-    s = make(max_batch=4, max_tokens=16, max_context=512, num_blocks=128)
+    s = make(max_batch=4, max_num_batched_tokens=16, max_context=512, num_blocks=128)
     for i in range(3):
         s.add(i, [1, 2], max_new_tokens=UNLIMITED)
     step(s)  # the three short prompts
@@ -291,7 +293,7 @@ def test_decodes_produce_a_token_every_step_while_a_long_prompt_prefills():
 
 
 def test_token_budget_counts_decodes_and_packs_prompts_fcfs():
-    s = make(max_batch=4, max_tokens=10, max_context=256)
+    s = make(max_batch=4, max_num_batched_tokens=10, max_context=256)
     s.add(0, [1, 2, 3], max_new_tokens=UNLIMITED)
     step(s)
     for i, n in ((1, 4), (2, 6), (3, 2)):
@@ -310,7 +312,7 @@ def test_token_budget_counts_decodes_and_packs_prompts_fcfs():
 
 
 def test_a_waiting_request_is_served_while_a_long_prompt_prefills():
-    s = make(max_batch=4, max_tokens=16, max_context=512, num_blocks=128, long_prefill=4)
+    s = make(max_batch=4, max_num_batched_tokens=16, max_context=512, num_blocks=128, long_prefill=4)
     s.add(0, range(200), max_new_tokens=1)
     plan, _ = step(s)
     assert [(c.seq.seq_id, c.n) for c in plan.chunks] == [(0, 16)]  # alone: the whole budget
@@ -330,7 +332,7 @@ def test_a_prefill_chunk_sharing_a_step_is_cut_to_the_free_blocks_never_preempti
     # 10 blocks of 4: seq 0 decodes while seq 1's 36-token prompt (9 blocks) prefills in chunks of
     # up to 7; once 0 holds 2 blocks, 1 gets the 8 left and waits (no preemption for a prefill
     # chunk) until 0 needs a third block and preempts 1, the newest, as a decode may.
-    s = make(max_batch=4, max_tokens=8, max_context=41, num_blocks=10, block_size=4)
+    s = make(max_batch=4, max_num_batched_tokens=8, max_context=41, num_blocks=10, block_size=4)
     s.add(0, [1, 2], max_new_tokens=UNLIMITED)
     s.add(1, range(36), max_new_tokens=1)
     events, cut = [], False
@@ -356,7 +358,7 @@ def test_half_prefilled_prompts_filling_the_pool_still_progress():
     # Two 30-token prompts over 8 blocks of 4 (32 tokens): 0 takes 12, then 6 while 1 is admitted
     # with 6; then 0 needs 3 more blocks with 1 free. No decode shares the step, so the older
     # preempts the newer and completes.
-    s = make(max_batch=2, max_tokens=12, max_context=32, num_blocks=8, block_size=4, long_prefill=6)
+    s = make(max_batch=2, max_num_batched_tokens=12, max_context=32, num_blocks=8, block_size=4, long_prefill=6)
     s.add(0, range(30), max_new_tokens=1)
     s.add(1, range(30), max_new_tokens=1)
     plans, events = drain(s)
@@ -366,7 +368,7 @@ def test_half_prefilled_prompts_filling_the_pool_still_progress():
 
 
 def test_max_tokens_below_max_batch_is_rejected():
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(8, 4, 64, 16)
 
 
@@ -377,14 +379,14 @@ def test_step_budget_doubles_until_the_prompt_gets_half_and_lists_its_values():
     assert step_budget(2048, 0, 20) == 2048  # off
     assert step_budget(2048, 192, 0) == 2048  # no decodes: the whole step
     assert [step_budget(2048, 192, d) for d in (1, 96, 97, 256, 288, 289)] == [192, 192, 384, 384, 384, 768]
-    assert step_budget(256, 192, 200) == 256  # never above max_tokens
+    assert step_budget(256, 192, 200) == 256  # never above max_num_batched_tokens
     assert mixed_budgets(2048, 192) == (192, 384, 768, 1536, 2048)
     assert mixed_budgets(2048, 0) == (2048,) and mixed_budgets(256, 256) == (256,)
     for d in range(1, 257):
         for backlog in (0, 256, 1000, 5000, 100_000):
             assert step_budget(2048, 192, d, backlog) in mixed_budgets(2048, 192)
             assert step_budget(2048, 192, d, backlog) - d >= 96
-    # one 256-token prompt among 20 decodes: 192; a queue: larger steps, up to max_tokens
+    # one 256-token prompt among 20 decodes: 192; a queue: larger steps, up to max_num_batched_tokens
     assert [step_budget(2048, 192, 20, n) for n in (256, 687, 688, 1455, 1456, 65536)] == [
         192, 192, 384, 384, 768, 2048,
     ]  # fmt: skip
@@ -393,12 +395,12 @@ def test_step_budget_doubles_until_the_prompt_gets_half_and_lists_its_values():
 def test_a_long_prompt_under_a_mixed_budget_fills_it_exactly_while_every_decode_advances():
     """Many decodes run, a long prompt arrives: every step carries every decode and exactly the
     budget's remainder of the prompt (the step fills its token bucket), so the prompt finishes in
-    ceil(len / (budget - decodes)) steps; without decodes a step may take max_tokens."""
-    s = make(max_batch=16, max_tokens=128, max_context=512, num_blocks=512, mixed_tokens=32)
+    ceil(len / (budget - decodes)) steps; without decodes a step may take max_num_batched_tokens."""
+    s = make(max_batch=16, max_num_batched_tokens=128, max_context=512, num_blocks=512, mixed_tokens=32)
     for i in range(10):
         s.add(i, [1, 2], max_new_tokens=UNLIMITED)
     plan, _ = step(s)
-    assert plan.kind is StepKind.PREFILL and plan.num_tokens == 20  # no decodes yet: max_tokens applies
+    assert plan.kind is StepKind.PREFILL and plan.num_tokens == 20  # no decodes yet: max_num_batched_tokens applies
     s.add(10, range(300), max_new_tokens=2)
     steps = 0
     while s.seqs[10].num_generated == 0:
@@ -412,7 +414,7 @@ def test_a_long_prompt_under_a_mixed_budget_fills_it_exactly_while_every_decode_
 
 
 def test_a_mixed_budget_doubles_when_decodes_would_starve_the_prompt():
-    s = make(max_batch=40, max_tokens=256, max_context=512, num_blocks=1024, mixed_tokens=32)
+    s = make(max_batch=40, max_num_batched_tokens=256, max_context=512, num_blocks=1024, mixed_tokens=32)
     for i in range(20):
         s.add(i, [1, 2], max_new_tokens=UNLIMITED)
     step(s)
@@ -423,7 +425,7 @@ def test_a_mixed_budget_doubles_when_decodes_would_starve_the_prompt():
 
 
 def test_a_burst_while_idle_takes_the_whole_step_then_mixed_steps_take_the_budget():
-    s = make(max_batch=8, max_tokens=128, max_context=512, num_blocks=512, mixed_tokens=32)
+    s = make(max_batch=8, max_num_batched_tokens=128, max_context=512, num_blocks=512, mixed_tokens=32)
     for i in range(4):
         s.add(i, range(40), max_new_tokens=UNLIMITED)
     plan, _ = step(s)
@@ -436,7 +438,7 @@ def test_a_queue_of_prompts_gets_large_steps_while_decodes_run():
     """The prefill backlog doubles a mixed budget while it holds BACKLOG_FACTOR of its prefill
     share: a burst of prompts behind running decodes is prefilled about as fast as without a
     mixed budget, and the steps shrink back to mixed_tokens as the queue drains."""
-    s = make(max_batch=64, max_tokens=256, max_context=512, num_blocks=4096, mixed_tokens=16)
+    s = make(max_batch=64, max_num_batched_tokens=256, max_context=512, num_blocks=4096, mixed_tokens=16)
     s.add(0, [1, 2], max_new_tokens=UNLIMITED)
     step(s)
     for i in range(1, 41):
@@ -445,7 +447,7 @@ def test_a_queue_of_prompts_gets_large_steps_while_decodes_run():
     while any(x.status is SeqStatus.WAITING for x in s.seqs.values()) or any(x.prefilling for x in s.running):
         plan, _ = step(s)
         sizes.append(plan.num_tokens)
-    # 40 x 20 = 800 prompt tokens: 780 queued behind the first >= 4 x (128 - 1), so max_tokens at once
+    # 40 x 20 = 800 prompt tokens: 780 queued behind the first >= 4 x (128 - 1), so max_num_batched_tokens at once
     assert sizes == [256, 256, 128, 128, 64, 64, 64, 60]  # then down as the queue drains
 
 
@@ -464,7 +466,7 @@ def test_a_request_with_many_choices_does_not_starve_another(grouped):
     """The reported case, scaled down: one request with n = 2 x max_batch long choices, then another
     user's request. As separate requests (no group) the newcomer waits for a whole wave of choices
     to end (the starvation); as a group it is admitted on the next step."""
-    s = make(max_batch=4, max_tokens=64, num_blocks=256)
+    s = make(max_batch=4, max_num_batched_tokens=64, num_blocks=256)
     for i in range(8):
         s.add(i, [1, 2, 3], max_new_tokens=400, group=77 if grouped else 0)
     for _ in range(3):
@@ -481,7 +483,7 @@ def test_a_request_with_many_choices_does_not_starve_another(grouped):
 
 
 def test_groups_within_their_share_are_admitted_first_and_nothing_is_lost():
-    s = make(max_batch=4, max_tokens=64, num_blocks=256)
+    s = make(max_batch=4, max_num_batched_tokens=64, num_blocks=256)
     for i in range(6):
         s.add(i, [1, 2, 3], max_new_tokens=50, group=9)
     s.add(10, [7], max_new_tokens=50, group=10)
@@ -497,7 +499,7 @@ def test_groups_within_their_share_are_admitted_first_and_nothing_is_lost():
 
 def test_no_preemption_without_a_waiting_request_below_its_share():
     """A full batch of one group and more of its own choices waiting: nobody is preempted."""
-    s = make(max_batch=4, max_tokens=64, num_blocks=256)
+    s = make(max_batch=4, max_num_batched_tokens=64, num_blocks=256)
     seqs = [s.add(i, [1, 2, 3], max_new_tokens=30, group=5) for i in range(6)]
     drain(s)
     assert not s.seqs and [x.finish for x in seqs] == [FinishReason.LENGTH] * 6

@@ -76,10 +76,15 @@ def test_cuda_group_cap_gives_the_python_share(tmp_path: pathlib.Path):
 
 
 def test_step_limits_cap_by_executor_pool_and_rows():
-    lim = policy.step_limits(256, 4096, 8192, 100, 16, max_batch=512, max_tokens=8192)
+    lim = policy.step_limits(256, 4096, 8192, 100, 16, max_batch=512, max_num_batched_tokens=8192)
     assert lim == policy.StepLimits(256, 4096, 1601, 1024, 0)  # context capped by the pool alone
-    lim = policy.step_limits(256, 4096, 8192, 1000, 16, max_batch=64, max_tokens=2048, mixed_tokens=256)
-    assert (lim.max_batch, lim.max_tokens, lim.long_prefill_tokens, lim.mixed_tokens) == (64, 2048, 512, 256)
+    lim = policy.step_limits(256, 4096, 8192, 1000, 16, max_batch=64, max_num_batched_tokens=2048, mixed_tokens=256)
+    assert (lim.max_batch, lim.max_num_batched_tokens, lim.long_prefill_tokens, lim.mixed_tokens) == (
+        64,
+        2048,
+        512,
+        256,
+    )
     assert policy.step_limits(256, 128, 4096, 1000, 16).max_batch == 128  # a step carries every decode
     assert policy.step_limits(2048, 4096, 4096, 1000, 16, batch_cap=1024).max_batch == 1024
     for mixed in (4096, 5000):  # a mixed budget at or above the step's tokens is off
@@ -93,17 +98,25 @@ def test_both_devices_take_their_limits_from_step_limits():
     from blink.device.ring_device import RingDevice, RingDeviceConfig
     from blink.protocol.layout import RingGeometry, RingView
 
-    dims = types.SimpleNamespace(max_seqs=64, max_tokens=512, max_context=2048, num_blocks=40, block_size=16)
+    dims = types.SimpleNamespace(
+        max_seqs=64, max_num_batched_tokens=512, max_context=2048, num_blocks=40, block_size=16
+    )
     ex = types.SimpleNamespace(
-        max_batch=64, max_tokens=512, max_context=2048, num_blocks=40, block_size=16, vocab_size=100, features=0
+        max_batch=64,
+        max_num_batched_tokens=512,
+        max_context=2048,
+        num_blocks=40,
+        block_size=16,
+        vocab_size=100,
+        features=0,
     )
     geo = RingGeometry(4, 64, 16)
     view = RingView.create(bytearray(geo.total_bytes), geo)
-    settings = dict(max_batch=32, max_tokens=256, long_prefill_tokens=0, mixed_tokens=256)
+    settings = dict(max_batch=32, max_num_batched_tokens=256, long_prefill_tokens=0, mixed_tokens=256)
     want = policy.step_limits(64, 512, 2048, 40, 16, **settings, batch_cap=S.MAX_ROWS)
     gpu = S.GpuScheduler(types.SimpleNamespace(dims=dims, driver=None), view, S.GpuSchedulerConfig(**settings))
     assert gpu.limits() == want and want.mixed_tokens == 0 and want.max_context == 641
     dev = RingDevice(view, ex, RingDeviceConfig(**settings))
-    assert (dev.max_batch, dev.max_tokens, dev.max_context) == want[:3]
+    assert (dev.max_batch, dev.max_num_batched_tokens, dev.max_context) == want[:3]
     c = dev.sched.config
     assert (c.long_prefill_tokens, c.mixed_tokens) == (want.long_prefill_tokens, want.mixed_tokens)

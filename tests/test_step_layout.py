@@ -67,7 +67,7 @@ def test_build_batch_gives_the_field_dtypes():
 
 
 def test_arena_layout_follows_the_fields():
-    d = Dims(max_seqs=5, max_tokens=33, max_blocks_per_seq=6, block_size=16, num_blocks=50, max_context=96)
+    d = Dims(max_seqs=5, max_num_batched_tokens=33, max_blocks_per_seq=6, block_size=16, num_blocks=50, max_context=96)
     layout, nbytes = arena_layout(d)
     assert list(layout) == [f.name for f in STEP_FIELDS]
     end = 0
@@ -81,7 +81,7 @@ def test_arena_layout_follows_the_fields():
 
 def test_load_step_writes_every_field_where_the_arena_has_it():
     """Engine.load_step over a host arena in plain memory: each field's bytes land at its layout offset."""
-    d = Dims(max_seqs=4, max_tokens=16, max_blocks_per_seq=5, block_size=16, num_blocks=50, max_context=80)
+    d = Dims(max_seqs=4, max_num_batched_tokens=16, max_blocks_per_seq=5, block_size=16, num_blocks=50, max_context=80)
     layout, nbytes = arena_layout(d)
     buf = np.zeros(nbytes, np.uint8)
     eng = object.__new__(Engine)
@@ -132,7 +132,7 @@ def test_load_step_writes_the_extension_fields():
     per-row parameters in their fields, the scored prompt tokens (targets >= 0) as plp rows with
     their sequence's alternatives (capped at MAX_LOGPROBS); slots past the engine's sampling rows are
     refused."""
-    d = Dims(max_seqs=4, max_tokens=16, max_blocks_per_seq=5, block_size=16, num_blocks=50, max_context=80)
+    d = Dims(max_seqs=4, max_num_batched_tokens=16, max_blocks_per_seq=5, block_size=16, num_blocks=50, max_context=80)
     layout, nbytes = arena_layout(d)
     buf = np.zeros(nbytes, np.uint8)
     eng = object.__new__(Engine)

@@ -59,7 +59,7 @@ def main() -> None:
         num_blocks=max_b * per_seq_blocks,
         block_size=16,
         max_batch=max_b,
-        max_tokens=max_b * args.prompt,
+        max_num_batched_tokens=max_b * args.prompt,
     )
     run_once(ex, 1, 8, 2, seed=0)  # warm up: page in weights, BLAS threads
     rows = []

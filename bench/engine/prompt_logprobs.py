@@ -45,7 +45,7 @@ def run_model(name: str, tokens: list[int], reps: int) -> list[dict]:
     cfg = preset(name)
     Tm = max(tokens)
     ecfg = EngineConfig(
-        max_seqs=1, max_tokens=Tm, max_context=2 * Tm, num_kv_blocks=2 * Tm // 16 + 8, block_size=16,
+        max_seqs=1, max_num_batched_tokens=Tm, max_context=2 * Tm, num_kv_blocks=2 * Tm // 16 + 8, block_size=16,
         batch_buckets=(1,), token_buckets=tuple(tokens), progress=False, sampling_rows=1,
     )  # fmt: skip
     eng = Engine.create(cfg, ecfg)

@@ -26,7 +26,7 @@ ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 def make_engine(
     preset_name: str,
     max_seqs: int,
-    max_tokens: int,
+    max_num_batched_tokens: int,
     max_context: int,
     kv_blocks: int = 0,
     gemm_sm_reserve: int = -1,
@@ -39,10 +39,10 @@ def make_engine(
     from blink.models.config import preset
 
     batch = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_seqs)
-    tokens = tuple(t for t in (64, 256, 1024, 4096, 8192) if t <= max_tokens)
+    tokens = tuple(t for t in (64, 256, 1024, 4096, 8192) if t <= max_num_batched_tokens)
     ecfg = EngineConfig(
         max_seqs=max_seqs,
-        max_tokens=max_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_context=max_context,
         num_kv_blocks=kv_blocks,
         batch_buckets=batch,

@@ -57,11 +57,13 @@ def step_ms(plan, token_buckets: tuple[int, ...]) -> float:
     return base + DECODE_CTX_MS * ctx + PREFILL_PAIR_MS * pairs
 
 
-def simulate(rate: float, mixed: int, n_req: int, prompt: int, out: int, max_batch: int, max_tokens: int, seed: int):
+def simulate(
+    rate: float, mixed: int, n_req: int, prompt: int, out: int, max_batch: int, max_num_batched_tokens: int, seed: int
+):
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1e3 / rate, n_req))  # ms
-    tb = tuple(sorted(set(TOKEN_BUCKETS) | set(mixed_budgets(max_tokens, mixed))))
-    cfg = SchedulerConfig(max_batch, max_tokens, 4096, 1 << 20, 0, mixed)
+    tb = tuple(sorted(set(TOKEN_BUCKETS) | set(mixed_budgets(max_num_batched_tokens, mixed))))
+    cfg = SchedulerConfig(max_batch, max_num_batched_tokens, 4096, 1 << 20, 0, mixed)
     s = Scheduler(cfg, BlockManager(40000, 16))
     t, nxt = 0.0, 0
     first: dict[int, float] = {}
@@ -108,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--max-batch", type=int, default=256)
-    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     print(f"rate {a.rate} req/s, {a.prompt} -> {a.output}, {a.requests} requests (model of H200 step costs, ms)")
     print(f"{'mixed':>6}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'p99/p50':>8}{'TPOT p50':>10}  steps")
     for m in (int(x) for x in a.budgets.split(",")):
-        r = simulate(a.rate, m, a.requests, a.prompt, a.output, a.max_batch, a.max_tokens, a.seed)
+        r = simulate(a.rate, m, a.requests, a.prompt, a.output, a.max_batch, a.max_num_batched_tokens, a.seed)
         print(
             f"{m:>6}{r['ttft_p50']:10.2f}{r['ttft_p99']:8.2f}{r['itl_p50']:9.2f}{r['itl_p99']:8.2f}"
             f"{r['itl_p99'] / r['itl_p50']:8.2f}{r['tpot_p50']:10.2f}  {r['steps']}"

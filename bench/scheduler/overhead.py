@@ -29,18 +29,18 @@ if TYPE_CHECKING:
     from blink.gpu.scheduler.scheduler import GpuScheduler
 
 
-def make_engine(preset_name: str, max_seqs: int, max_tokens: int, kv_blocks: int):
+def make_engine(preset_name: str, max_seqs: int, max_num_batched_tokens: int, kv_blocks: int):
     from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
 
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_seqs)
     ecfg = EngineConfig(
         max_seqs=max_seqs,
-        max_tokens=max_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_context=2048,
         num_kv_blocks=kv_blocks,
         batch_buckets=buckets,
-        token_buckets=tuple(t for t in (16, 64, 256, 1024, 4096) if t <= max_tokens),
+        token_buckets=tuple(t for t in (16, 64, 256, 1024, 4096) if t <= max_num_batched_tokens),
         progress=False,
     )
     eng = Engine.create(preset(preset_name), ecfg)

@@ -66,11 +66,11 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=4096, help="engine max_tokens (the step's token budget)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096, help="the engine's tokens per step")
     add_commit_arg(ap)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    eng = make_engine(a.preset, 256, a.max_tokens, 2048)
+    eng = make_engine(a.preset, 256, a.max_num_batched_tokens, 2048)
     ex = TimedExecutor(eng)
     n = a.requests
     args = ["--n", str(n), "--prompt", str(a.prompt), "--new", str(a.new), "--concurrency", str(n)]

@@ -38,7 +38,7 @@ class PacedExecutor:
         num_blocks: int,
         block_size: int,
         max_batch: int,
-        max_tokens: int,
+        max_num_batched_tokens: int,
         max_context: int,
         seed: int = 0,
     ):
@@ -47,7 +47,7 @@ class PacedExecutor:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_batch = max_batch
-        self.max_tokens = max_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_context = max_context
         self.rng = np.random.default_rng(seed)
 
@@ -56,8 +56,8 @@ class PacedExecutor:
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         S, T = batch.num_seqs, batch.num_tokens
-        if S > self.max_batch or T > self.max_tokens:
-            raise ValueError(f"step of {S} seqs / {T} tokens exceeds {self.max_batch} / {self.max_tokens}")
+        if S > self.max_batch or T > self.max_num_batched_tokens:
+            raise ValueError(f"step of {S} seqs / {T} tokens exceeds {self.max_batch} / {self.max_num_batched_tokens}")
         end = time.perf_counter() + self.step_s(S, T)
         while (left := end - time.perf_counter()) > 0:
             time.sleep(left)
@@ -72,7 +72,7 @@ def h200_llama3_8b(
     num_blocks: int,
     block_size: int,
     max_batch: int,
-    max_tokens: int,
+    max_num_batched_tokens: int,
     max_blocks_per_seq: int | None = None,
 ) -> PacedExecutor:
     """Random Llama-3-8B bf16 on one H200 (see the module docstring): decode 5.0 ms + 18 us per
@@ -87,6 +87,6 @@ def h200_llama3_8b(
         num_blocks=num_blocks,
         block_size=block_size,
         max_batch=max_batch,
-        max_tokens=max_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_context=ctx,
     )

@@ -8,7 +8,7 @@ after a device fault (status FAILED).
 
 `spec.executor = "module:function"` swaps the executor factory (tests use a hash-based stand-in
 model; anything with the `Executor` interface works). The factory is called as
-`factory(model, num_blocks=, block_size=, max_batch=, max_tokens=, max_blocks_per_seq=)`.
+`factory(model, num_blocks=, block_size=, max_batch=, max_num_batched_tokens=, max_blocks_per_seq=)`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def build_executor(spec: DeviceSpec) -> Executor:
         num_blocks=kv_blocks(spec),
         block_size=spec.kv_block_size,
         max_batch=spec.max_batch,
-        max_tokens=spec.max_tokens,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
         max_blocks_per_seq=width,
     )
     if spec.executor:

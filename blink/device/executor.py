@@ -59,7 +59,7 @@ class Executor(Protocol):
     block_size: int  # tokens per KV block
     num_blocks: int  # KV blocks in the pool
     max_batch: int  # sequences per step
-    max_tokens: int  # packed tokens per step
+    max_num_batched_tokens: int  # packed tokens per step
     features: int  # layout.DeviceFeatures: which parts of StepBatch.ext it implements
 
     def execute(self, batch: StepBatch) -> np.ndarray:

@@ -35,19 +35,19 @@ class NumpyExecutor:
         num_blocks: int,
         block_size: int,
         max_batch: int,
-        max_tokens: int,
+        max_num_batched_tokens: int,
         max_blocks_per_seq: int | None = None,
         quantization: str | None = None,
     ) -> None:
-        if min(num_blocks, block_size, max_batch, max_tokens) <= 0:
-            raise ValueError("num_blocks, block_size, max_batch and max_tokens must be positive")
+        if min(num_blocks, block_size, max_batch, max_num_batched_tokens) <= 0:
+            raise ValueError("num_blocks, block_size, max_batch and max_num_batched_tokens must be positive")
         self.config = config
         self.model = LlamaNumpy(config, weights, quantization)
         self.vocab_size = config.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_batch = max_batch
-        self.max_tokens = max_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         width = num_blocks if max_blocks_per_seq is None else max_blocks_per_seq
         self.max_context = min(config.max_position, width * block_size)
         shape = self.model.kv_cache_shape(num_blocks, block_size)
@@ -68,7 +68,7 @@ class NumpyExecutor:
         num_blocks: int,
         block_size: int,
         max_batch: int,
-        max_tokens: int,
+        max_num_batched_tokens: int,
         max_blocks_per_seq: int | None = None,
         progress: bool | Callable[[int, int], None] = False,
         quantization: str | None = None,
@@ -86,15 +86,15 @@ class NumpyExecutor:
             num_blocks,
             block_size,
             max_batch,
-            max_tokens,
+            max_num_batched_tokens,
             max_blocks_per_seq,
             quantization,
         )
 
     def _check(self, batch: StepBatch) -> None:
         S, T = batch.num_seqs, batch.num_tokens
-        if S > self.max_batch or T > self.max_tokens:
-            raise ValueError(f"step of {S} seqs / {T} tokens exceeds max_batch {self.max_batch} / {self.max_tokens}")
+        if S > self.max_batch or T > self.max_num_batched_tokens:
+            raise ValueError(f"step of {S} seqs / {T} tokens exceeds max_batch {self.max_batch} / {self.max_num_batched_tokens}")
         if batch.cu_q_lens.shape != (S + 1,) or int(batch.cu_q_lens[-1]) != T or int(batch.cu_q_lens[0]) != 0:
             raise ValueError("cu_q_lens must be (S+1,) prefix sums from 0 to num_tokens")
         if S and int(np.diff(batch.cu_q_lens).min()) < 1:

@@ -49,12 +49,12 @@ from .step_batch import build_batch
 class RingDeviceConfig:
     max_batch: int = 0
     """Sequences per step; 0 = the executor's max_batch (never more than it)."""
-    max_tokens: int = 0
-    """Tokens per step (decodes + prefill chunks); 0 = the executor's max_tokens (never more than it)."""
+    max_num_batched_tokens: int = 0
+    """Tokens per step (decodes + prefill chunks); 0 = the executor's max_num_batched_tokens (never more than it)."""
     long_prefill_tokens: int = 0
-    """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_tokens."""
+    """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_num_batched_tokens."""
     mixed_tokens: int = 0
-    """Token budget of a step that carries decodes (blink.device.policy.step_budget); 0 = max_tokens."""
+    """Token budget of a step that carries decodes (blink.device.policy.step_budget); 0 = max_num_batched_tokens."""
     spin_s: float = 200e-6
     """Busy-poll this long after the last activity before sleeping."""
     max_sleep_s: float = 500e-6
@@ -63,8 +63,8 @@ class RingDeviceConfig:
     """Scan the slots this often even when no doorbell moved."""
 
     def __post_init__(self) -> None:
-        if min(self.max_batch, self.max_tokens, self.long_prefill_tokens, self.mixed_tokens) < 0:
-            raise ValueError("max_batch, max_tokens, long_prefill_tokens and mixed_tokens must be >= 0")
+        if min(self.max_batch, self.max_num_batched_tokens, self.long_prefill_tokens, self.mixed_tokens) < 0:
+            raise ValueError("max_batch, max_num_batched_tokens, long_prefill_tokens and mixed_tokens must be >= 0")
         if not 0 < self.max_sleep_s <= 1e-3:
             raise ValueError(f"max_sleep_s must be in (0, 1 ms], got {self.max_sleep_s}")
         if self.spin_s < 0 or self.rescan_s <= 0:
@@ -81,20 +81,24 @@ class RingDevice:
         cfg = self.config
         lim = step_limits(
             executor.max_batch,
-            executor.max_tokens,
+            executor.max_num_batched_tokens,
             executor.max_context,
             executor.num_blocks,
             executor.block_size,
             max_batch=cfg.max_batch,
-            max_tokens=cfg.max_tokens,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
             long_prefill_tokens=cfg.long_prefill_tokens,
             mixed_tokens=cfg.mixed_tokens,
         )
-        self.max_batch, self.max_tokens, self.max_context = lim.max_batch, lim.max_tokens, lim.max_context
+        self.max_batch, self.max_num_batched_tokens, self.max_context = (
+            lim.max_batch,
+            lim.max_num_batched_tokens,
+            lim.max_context,
+        )
         self.blocks = BlockManager(executor.num_blocks, executor.block_size)
         sched_cfg = SchedulerConfig(
             lim.max_batch,
-            lim.max_tokens,
+            lim.max_num_batched_tokens,
             lim.max_context,
             view.geo.output_capacity,
             lim.long_prefill_tokens,

@@ -22,12 +22,12 @@ comparison isolates the scheduler's placement):
   several steps. The step is DECODE (decodes only), PREFILL (chunks only) or MIXED; a graph is
   chosen by (batch, tokens), so a MIXED step runs a prefill graph with one-token rows in it.
 - A step that carries decodes has the smaller budget `mixed_tokens` (Sarathi-Serve's token budget;
-  0 = max_tokens), doubled until it leaves prefill at least half of mixed_tokens and a fair share
-  of the queue of waiting prompts (step_budget; never above max_tokens): a mixed step fills a budget that
+  0 = max_num_batched_tokens), doubled until it leaves prefill at least half of mixed_tokens and a fair share
+  of the queue of waiting prompts (step_budget; never above max_num_batched_tokens): a mixed step fills a budget that
   is one of the engine's token buckets exactly (no graph padded to the next power of two), a lone
   prompt among decodes makes steps little slower than decode steps, a prompt advances by at least
   mixed_tokens / 2 per step however many decodes run, and a queue of prompts waiting behind the
-  one admitted gets larger steps. A step without decodes takes up to max_tokens.
+  one admitted gets larger steps. A step without decodes takes up to max_num_batched_tokens.
 - While a request waits for admission, a running prefill takes at most `long_prefill_tokens` of a
   step (vLLM's long_prefill_token_threshold), so a short request is served while a long prompt is
   still prefilling; alone, a prefill takes the whole budget.
@@ -81,7 +81,7 @@ _DECODE_PAUSED = int(SlotState.DECODE_PAUSED)
 class SchedulerConfig:
     max_batch: int
     """Sequences in the batch (running, holding KV), and so per step."""
-    max_tokens: int
+    max_num_batched_tokens: int
     """Tokens per step (>= max_batch: a step carries every decode, the rest goes to prefill chunks)."""
     max_context: int
     """prompt + generated tokens per sequence; must fit the KV pool."""
@@ -89,17 +89,19 @@ class SchedulerConfig:
     """Tokens of a sequence's output ring: generated - consumed never exceeds it."""
     long_prefill_tokens: int = 0
     """Most tokens a running prefill takes in one step while a request waits for admission;
-    0 = default_long_prefill(max_tokens)."""
+    0 = default_long_prefill(max_num_batched_tokens)."""
     mixed_tokens: int = 0
     """Token budget of a step that carries decodes (decodes + prefill chunks), doubled while it
-    leaves prefill less than half of itself or prompts queue; 0 = max_tokens. See step_budget."""
+    leaves prefill less than half of itself or prompts queue; 0 = max_num_batched_tokens. See step_budget."""
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_tokens", "max_context", "output_capacity"):
+        for name in ("max_batch", "max_num_batched_tokens", "max_context", "output_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_tokens < self.max_batch:
-            raise ValueError(f"max_tokens ({self.max_tokens}) must be >= max_batch ({self.max_batch})")
+        if self.max_num_batched_tokens < self.max_batch:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_batch ({self.max_batch})"
+            )
         if self.long_prefill_tokens < 0 or self.mixed_tokens < 0:
             raise ValueError("long_prefill_tokens and mixed_tokens must be >= 0")
         if self.max_context < 2:
@@ -291,9 +293,9 @@ class Scheduler:
         plan.num_decodes = len(plan.chunks)
         if wants_prefill:
             cfg = self.config
-            budget = cfg.max_tokens
+            budget = cfg.max_num_batched_tokens
             if cfg.mixed_tokens and plan.num_decodes:
-                budget = step_budget(cfg.max_tokens, cfg.mixed_tokens, plan.num_decodes, self._backlog())
+                budget = step_budget(cfg.max_num_batched_tokens, cfg.mixed_tokens, plan.num_decodes, self._backlog())
             self._schedule_prefill(plan, budget - plan.num_decodes)
         if not plan.chunks:
             return None
@@ -354,7 +356,7 @@ class Scheduler:
         bs = self.blocks.block_size
         cap = budget
         if len(self.running) < cfg.max_batch and self._admissible_waiting():
-            cap = min(budget, cfg.long_prefill_tokens or default_long_prefill(cfg.max_tokens))
+            cap = min(budget, cfg.long_prefill_tokens or default_long_prefill(cfg.max_num_batched_tokens))
         for s in sorted((s for s in self.running if s.prefilling), key=lambda s: s.arrival):
             if budget == 0:
                 break

@@ -29,11 +29,11 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
     from blink.gpu.engine.engine import DEFAULT_TOKEN_BUCKETS, EngineConfig
 
     ctx = spec.max_context or max_position
-    max_tokens = max(spec.max_tokens, spec.max_batch)
-    buckets = set(DEFAULT_TOKEN_BUCKETS) | set(mixed_budgets(max_tokens, spec.mixed_tokens))
+    max_num_batched_tokens = max(spec.max_num_batched_tokens, spec.max_batch)
+    buckets = set(DEFAULT_TOKEN_BUCKETS) | set(mixed_budgets(max_num_batched_tokens, spec.mixed_tokens))
     return EngineConfig(
         max_seqs=spec.max_batch,
-        max_tokens=max_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
         token_buckets=tuple(sorted(buckets)),
         block_size=spec.kv_block_size,
         max_context=ctx - ctx % spec.kv_block_size,

@@ -115,6 +115,12 @@ class StepBatch:
         return {"T": self.num_tokens, "S": self.num_seqs, "S+1": self.num_seqs + 1}[f.extent]
 
 
-def field_count(f: StepField, max_seqs: int, max_tokens: int, max_blocks_per_seq: int) -> int:
-    """Elements of field f in an arena sized for (max_seqs, max_tokens, max_blocks_per_seq)."""
-    return {"1": 1, "T": max_tokens, "S": max_seqs, "S+1": max_seqs + 1, "S,W": max_seqs * max_blocks_per_seq}[f.extent]
+def field_count(f: StepField, max_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> int:
+    """Elements of field f in an arena sized for (max_seqs, max_num_batched_tokens, max_blocks_per_seq)."""
+    return {
+        "1": 1,
+        "T": max_num_batched_tokens,
+        "S": max_seqs,
+        "S+1": max_seqs + 1,
+        "S,W": max_seqs * max_blocks_per_seq,
+    }[f.extent]

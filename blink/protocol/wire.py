@@ -96,8 +96,10 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     model: str  # blink.models.registry spec: default, a .gguf, an HF dir, random:<preset>
     scheduler: str  # cuda: "gpu" (persistent scheduler kernel) | "host" (host-driven loop)
     max_batch: int  # sequences per step
-    max_tokens: int  # tokens per step: every decode + prefill chunks
-    mixed_tokens: int = 0  # budget of a step that carries decodes (device/policy.py step_budget); 0 = max_tokens
+    max_num_batched_tokens: int  # tokens per step: every decode + prefill chunks
+    mixed_tokens: int = (
+        0  # budget of a step that carries decodes (device/policy.py step_budget); 0 = max_num_batched_tokens
+    )
     kv_block_size: int  # tokens per KV block
     num_kv_blocks: int  # KV pool in blocks; 0 = sized by the device
     kv_cache_fraction: float  # cuda: share of the free GPU memory for the KV pool when num_kv_blocks is 0
@@ -114,7 +116,7 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         if self.kind not in ("emulated", "cuda") or self.scheduler not in ("gpu", "host"):
             raise ValueError(f"device spec: kind {self.kind!r} / scheduler {self.scheduler!r}")
         if (
-            min(self.max_batch, self.max_tokens, self.kv_block_size) < 1
+            min(self.max_batch, self.max_num_batched_tokens, self.kv_block_size) < 1
             or min(self.num_kv_blocks, self.max_context, self.mixed_tokens) < 0
         ):
             raise ValueError(f"device spec: sizes out of range in {self}")

@@ -39,7 +39,7 @@ class HashExecutor:
         num_blocks: int = 64,
         block_size: int = 16,
         max_batch: int = 8,
-        max_tokens: int = 64,
+        max_num_batched_tokens: int = 64,
         max_context: int = 1024,
         step_delay_s: float = 0.0,
     ):
@@ -47,7 +47,7 @@ class HashExecutor:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_batch = max_batch
-        self.max_tokens = max_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_context = max_context
         self.step_delay_s = step_delay_s
         self.pool = np.full((num_blocks, block_size), _UNWRITTEN, np.int32)  # the "KV": token ids
@@ -55,8 +55,8 @@ class HashExecutor:
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         S, T = batch.num_seqs, batch.num_tokens
-        if S > self.max_batch or T > self.max_tokens:
-            raise ValueError(f"step of {S} seqs / {T} tokens exceeds {self.max_batch} / {self.max_tokens}")
+        if S > self.max_batch or T > self.max_num_batched_tokens:
+            raise ValueError(f"step of {S} seqs / {T} tokens exceeds {self.max_batch} / {self.max_num_batched_tokens}")
         self.steps.append((S, T))
         bs = self.block_size
         logits = np.empty((S, self.vocab_size), np.float32)
@@ -91,7 +91,7 @@ def make(
     num_blocks: int,
     block_size: int,
     max_batch: int,
-    max_tokens: int,
+    max_num_batched_tokens: int,
     max_blocks_per_seq: int | None = None,
 ) -> HashExecutor:
     """Executor factory for `python -m blink.device.emulated --executor conformance.hash_executor:make`.
@@ -105,6 +105,6 @@ def make(
         num_blocks=num_blocks,
         block_size=block_size,
         max_batch=max_batch,
-        max_tokens=max_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_context=width * block_size,
     )

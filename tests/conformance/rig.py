@@ -71,7 +71,7 @@ class RigSpec:
     kv_blocks: int = 128
     block_size: int = 16
     max_batch: int = 8
-    max_tokens: int = 128
+    max_num_batched_tokens: int = 128
     max_context: int = 1024
     mixed_tokens: int = 0
     n_masks: int = 4  # token masks in the ring (structured output)
@@ -120,7 +120,7 @@ class Rig:
                 "num_kv_blocks": s.kv_blocks,
                 "kv_block_size": s.block_size,
                 "max_batch": s.max_batch,
-                "max_tokens": s.max_tokens,
+                "max_num_batched_tokens": s.max_num_batched_tokens,
                 "max_context": s.max_context,
                 "mixed_tokens": s.mixed_tokens,
             },

@@ -17,7 +17,7 @@ from conformance.rig import Rig
 
 from blink.protocol.layout import FinishReason
 
-SPEC = dict(max_batch=4, max_tokens=32, max_context=1024, kv_blocks=160, output_capacity=512, n_slots=16)
+SPEC = dict(max_batch=4, max_num_batched_tokens=32, max_context=1024, kv_blocks=160, output_capacity=512, n_slots=16)
 LONG = 900  # prompt tokens: at least ceil(900 / 31) = 30 launches under a 32-token budget
 
 
@@ -43,7 +43,9 @@ def test_decodes_get_a_token_every_launch_while_a_long_prompt_prefills(make_rig)
         assert not c.poll(a).done, "the decoding request ended before the long prompt's first token"
     launches1, tokens1 = c.h("launches"), len(c.poll(a).tokens)
     launches = launches1 - launches0
-    assert launches >= -(-LONG // (SPEC["max_tokens"] - 1))  # the budget: the decode's token, the rest prefill
+    assert launches >= -(
+        -LONG // (SPEC["max_num_batched_tokens"] - 1)
+    )  # the budget: the decode's token, the rest prefill
     # a's decode rode on every launch; a GPU device publishes a step's tokens one launch later
     assert tokens1 - tokens0 >= launches - 2, (tokens1 - tokens0, launches)
     c.cancel(a)
@@ -96,7 +98,13 @@ def test_admission_stays_fcfs_with_decodes_running(make_rig):
 
 
 MIXED_SPEC = dict(
-    max_batch=16, max_tokens=64, mixed_tokens=16, max_context=1024, kv_blocks=256, output_capacity=512, n_slots=16
+    max_batch=16,
+    max_num_batched_tokens=64,
+    mixed_tokens=16,
+    max_context=1024,
+    kv_blocks=256,
+    output_capacity=512,
+    n_slots=16,
 )
 DECODERS = 8
 MIXED_LONG = 240  # 8 decodes leave 8 of the 16-token budget (>= 16 / 2: it does not double): 30 steps
@@ -118,7 +126,7 @@ def test_a_long_prompt_among_many_decodes_fills_the_mixed_budget_exactly(make_ri
     mixed = c.h("prefill_steps") - mixed0
     tokens = [len(c.poll(r).tokens) - t0 for r, t0 in zip(runners, tokens0, strict=True)]
     assert c.h("prompt_tokens") - prompt0 == MIXED_LONG
-    # at most the budget per step and the budget filled, exactly: max_tokens alone (64) would take 5
+    # at most the budget per step and the budget filled, exactly: max_num_batched_tokens alone (64) would take 5
     # steps, a chunk of less than budget - decodes more than 30
     assert mixed == -(-MIXED_LONG // (MIXED_SPEC["mixed_tokens"] - DECODERS)), mixed
     assert all(t >= mixed for t in tokens), (tokens, mixed)  # every decode rode on every one of them

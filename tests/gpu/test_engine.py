@@ -47,7 +47,7 @@ def small_engine(cfg: ModelConfig, decode_attention: str | None = None, gemv_fus
 
     ecfg = EngineConfig(
         max_seqs=8,
-        max_tokens=256,
+        max_num_batched_tokens=256,
         max_context=1024,
         num_kv_blocks=256,
         batch_buckets=(1, 2, 4, 8),
@@ -264,7 +264,7 @@ def _check_numpy_executor(
     w = {k: bf16_bits_to_f32(f32_to_bf16_bits(v)) for k, v in random_weights(cfg, seed=5).items()}
     ecfg = EngineConfig(
         max_seqs=4,
-        max_tokens=128,
+        max_num_batched_tokens=128,
         max_context=512,
         num_kv_blocks=64,
         block_size=8,
@@ -275,7 +275,9 @@ def _check_numpy_executor(
     )
     eng = _with_kernels(Engine.create(cfg, ecfg, host_weights=w), decode_attention, gemv_fusion)
     eng.capture()
-    ref = NumpyExecutor(cfg, w, num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
+    ref = NumpyExecutor(
+        cfg, w, num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=128, max_blocks_per_seq=64
+    )
     rng = np.random.default_rng(2)
     p0, p1 = rng.integers(0, cfg.vocab_size, 70).tolist(), rng.integers(0, cfg.vocab_size, 40).tolist()
     d1, d2 = PagedDriver(64, 8, 64, shuffle_seed=1), PagedDriver(64, 8, 64, shuffle_seed=1)
@@ -310,7 +312,7 @@ def test_mixed_steps_match_numpy_executor(name):
     w = {k: bf16_bits_to_f32(f32_to_bf16_bits(v)) for k, v in random_weights(cfg, seed=7).items()}
     ecfg = EngineConfig(
         max_seqs=4,
-        max_tokens=128,
+        max_num_batched_tokens=128,
         max_context=512,
         num_kv_blocks=64,
         block_size=8,
@@ -320,7 +322,9 @@ def test_mixed_steps_match_numpy_executor(name):
     )
     eng = Engine.create(cfg, ecfg, host_weights=w)
     eng.capture()
-    ref = NumpyExecutor(cfg, w, num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
+    ref = NumpyExecutor(
+        cfg, w, num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=128, max_blocks_per_seq=64
+    )
     rng = np.random.default_rng(3)
     p0, p1, p2 = (rng.integers(0, cfg.vocab_size, n).tolist() for n in (150, 90, 70))
     d1, d2 = PagedDriver(64, 8, 64, shuffle_seed=2), PagedDriver(64, 8, 64, shuffle_seed=2)
@@ -351,7 +355,7 @@ def test_graph_table_and_done_seq():
 
     ecfg = EngineConfig(
         max_seqs=8,
-        max_tokens=64,
+        max_num_batched_tokens=64,
         max_context=256,
         num_kv_blocks=64,
         block_size=16,
@@ -364,7 +368,7 @@ def test_graph_table_and_done_seq():
     host = np.empty(ENGINE_DTYPE.itemsize, np.uint8)
     cp.cuda.runtime.memcpy(host.ctypes.data, eng.abi_ptr, host.nbytes, 2)  # device -> host
     rec = host.view(ENGINE_DTYPE)[0]
-    assert rec["max_seqs"] == 8 and rec["max_tokens"] == 64 and rec["execs_per_shape"] == 2
+    assert rec["max_seqs"] == 8 and rec["max_num_batched_tokens"] == 64 and rec["execs_per_shape"] == 2
     assert rec["input_ids"] == eng.arena.ptr["input_ids"] and rec["done_seq"] == eng.fwd.done_seq.data.ptr
     dec = eng._tables["decode_execs"].get()
     pre = eng._tables["prefill_execs"].get()

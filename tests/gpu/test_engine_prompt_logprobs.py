@@ -58,12 +58,14 @@ def test_prompt_logprobs_match_definition_torch_cublas_and_the_emulated_device()
     cfg = preset("smollm2-135m").replace(num_layers=4)
     w = {k: bf16_bits_to_f32(f32_to_bf16_bits(v)) for k, v in random_weights(cfg, seed=5).items()}
     ecfg = EngineConfig(
-        max_seqs=4, max_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
+        max_seqs=4, max_num_batched_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
         token_buckets=(16, 128), progress=False, sampling_rows=4,
     )  # fmt: skip
     eng = Engine.create(cfg, ecfg, host_weights=w)
     eng.capture()
-    ref = NumpyExecutor(cfg, w, num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
+    ref = NumpyExecutor(
+        cfg, w, num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=128, max_blocks_per_seq=64
+    )
     rng = np.random.default_rng(2)
     prompts = {q: rng.integers(0, cfg.vocab_size, n).tolist() for q, n in ((0, 70), (1, 40), (2, 30))}
     prompt_n = {0: 5, 1: 20, 2: -1}

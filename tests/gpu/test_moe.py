@@ -28,7 +28,7 @@ class _Rig:
     """The MoE launches of one layer on a live GPU, outside any graph: MoeLaunches with a stand-in
     Forward whose linear is a CuPy fp32 GEMM of the bf16 bits (the router's logits)."""
 
-    def __init__(self, cfg, max_tokens: int, seed: int = 0) -> None:
+    def __init__(self, cfg, max_num_batched_tokens: int, seed: int = 0) -> None:
         import cupy as cp
 
         from blink.gpu.engine.moe_launch import MoeLaunches
@@ -40,7 +40,7 @@ class _Rig:
         self.cfg = cfg
         self.drv = Driver()
         self.k = Kernels(self.drv, DEFAULT_CACHE)
-        self.moe = MoeLaunches(cfg, max_tokens, self.drv, self.k)
+        self.moe = MoeLaunches(cfg, max_num_batched_tokens, self.drv, self.k)
         self.stream = cp.cuda.Stream(non_blocking=True)
         rng = np.random.default_rng(seed)
         E, H, im = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -51,7 +51,7 @@ class _Rig:
         up = lambda a: cp.asarray(f32_to_bf16_bits(a))  # noqa: E731
         self.d_router, self.d_gu, self.d_down = up(self.router), up(self.gu), up(self.down)
         self.num_tokens = cp.zeros(1, cp.uint32)
-        self.out = cp.zeros((max_tokens, H), cp.uint16)
+        self.out = cp.zeros((max_num_batched_tokens, H), cp.uint16)
         self.fwd = SimpleNamespace(_launch=self._launch, linear=self._linear)
 
     host_router = True
@@ -371,13 +371,15 @@ def _numpy_pair(cfg, seed: int, decode_attention: str | None = None, **ecfg_kw):
 
     w = {k: _rbf(v) for k, v in random_weights(cfg, seed=seed).items()}
     ecfg = EngineConfig(
-        max_seqs=4, max_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
+        max_seqs=4, max_num_batched_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
         token_buckets=(16, 128), progress=False, **ecfg_kw,
     )  # fmt: skip
     eng = Engine.create(cfg, ecfg, host_weights=w)
     eng.fwd.set_decode_attention(decode_attention)  # None: the serving choice
     eng.capture()
-    ref = NumpyExecutor(cfg, w, num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
+    ref = NumpyExecutor(
+        cfg, w, num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=128, max_blocks_per_seq=64
+    )
     return eng, ref
 
 

@@ -36,7 +36,7 @@ def engine():
     from blink.models.config import preset
 
     ecfg = EngineConfig(
-        max_seqs=4, max_tokens=64, block_size=16, max_context=512, num_kv_blocks=64, batch_buckets=(1, 2, 4),
+        max_seqs=4, max_num_batched_tokens=64, block_size=16, max_context=512, num_kv_blocks=64, batch_buckets=(1, 2, 4),
         token_buckets=(16, 32, 64), progress=False, sampling_rows=N_SLOTS,
     )  # fmt: skip
     eng = Engine.create(preset("tiny-llama"), ecfg)
@@ -65,7 +65,7 @@ def _recording_executor(engine):
     return Recording(engine)
 
 
-def _serve(engine, reqs, max_tokens=64, scheduler="host", sequential=False, prompt=False, recorder=None):
+def _serve(engine, reqs, max_num_batched_tokens=64, scheduler="host", sequential=False, prompt=False, recorder=None):
     """reqs through the frontend's RequestTracker on a fresh ring served by the host loop (with every
     step recorded) or the GPU-resident scheduler. Returns (features, [(ids, logprobs, finish)], steps);
     with `prompt`, each result also holds the prompt logprob records; `recorder`: a list that gets
@@ -79,13 +79,13 @@ def _serve(engine, reqs, max_tokens=64, scheduler="host", sequential=False, prom
         ex = _recording_executor(engine)
         if recorder is not None:
             recorder.append(ex)
-        dev = RingDevice(t.view(), ex, RingDeviceConfig(max_tokens=max_tokens))
+        dev = RingDevice(t.view(), ex, RingDeviceConfig(max_num_batched_tokens=max_num_batched_tokens))
         th = threading.Thread(target=dev.run, daemon=True)
         th.start()
     else:
         from blink.gpu.scheduler.scheduler import GpuScheduler, GpuSchedulerConfig
 
-        gpu = GpuScheduler(engine, t.view(), GpuSchedulerConfig(max_tokens=max_tokens))
+        gpu = GpuScheduler(engine, t.view(), GpuSchedulerConfig(max_num_batched_tokens=max_num_batched_tokens))
         gpu.start()
 
     async def run():
@@ -181,13 +181,13 @@ def test_features_and_plain_steps_keep_ext_off(engine):
     _replay(steps, engine.config.vocab_size)
 
 
-@pytest.mark.parametrize("max_tokens", [64, 7])  # 7: prompts prefilled in chunks (fresh only on the first)
-def test_extensions_match_the_definition_on_the_engines_logits(engine, max_tokens):
+@pytest.mark.parametrize("max_num_batched_tokens", [64, 7])  # 7: prompts prefilled in chunks (fresh only on the first)
+def test_extensions_match_the_definition_on_the_engines_logits(engine, max_num_batched_tokens):
     V = engine.config.vocab_size
     _, cases = _cases(V)
     reqs = _requests(V)
     # two rounds: the second runs on slots the first used (penalty state and logit_bias are reset)
-    feats, outs, steps = _serve(engine, reqs + reqs[::-1], max_tokens=max_tokens)
+    feats, outs, steps = _serve(engine, reqs + reqs[::-1], max_num_batched_tokens=max_num_batched_tokens)
     assert any(b.ext is not None for b, _, _ in steps)
     runs = _replay(steps, V)  # every sampled token equals the definition's on the same logits
     assert outs[4][0] == [300] * 14  # logit_bias reaches the graph
@@ -236,17 +236,17 @@ def _requests(V):
     return reqs
 
 
-@pytest.mark.parametrize("max_tokens", [64, 7])
-def test_gpu_scheduler_gives_the_host_loops_tokens_and_records(engine, max_tokens):
+@pytest.mark.parametrize("max_num_batched_tokens", [64, 7])
+def test_gpu_scheduler_gives_the_host_loops_tokens_and_records(engine, max_num_batched_tokens):
     """The GPU-resident scheduler fills the extension fields, copies logit_bias at claim and writes the
     logprob arena itself: one request at a time (the same one-row steps in both loops), every token
     and every logprob record equals the host loop's (which test_extensions_match_... ties to the
     definition). Twice through: the second round reuses the slots."""
     reqs = _requests(engine.config.vocab_size)
     reqs = reqs + reqs[::-1]
-    f_host, host, steps = _serve(engine, reqs, max_tokens, "host", sequential=True)
+    f_host, host, steps = _serve(engine, reqs, max_num_batched_tokens, "host", sequential=True)
     _replay(steps, engine.config.vocab_size)
-    f_gpu, gpu, _ = _serve(engine, reqs, max_tokens, "gpu", sequential=True)
+    f_gpu, gpu, _ = _serve(engine, reqs, max_num_batched_tokens, "gpu", sequential=True)
     assert f_gpu == f_host == EVERY
     assert gpu[4][0] == [300] * 14
     for (ids_h, lps_h, fin_h), (ids_g, lps_g, fin_g) in zip(host, gpu, strict=True):
@@ -342,8 +342,10 @@ def _check_scored_steps(scored) -> int:
     return n_rows
 
 
-@pytest.mark.parametrize("max_tokens", [64, 7])  # 7: prompts prefilled in chunks, each chunk scoring its rows
-def test_prompt_logprobs_host_loop_and_gpu_scheduler(engine, max_tokens):
+@pytest.mark.parametrize(
+    "max_num_batched_tokens", [64, 7]
+)  # 7: prompts prefilled in chunks, each chunk scoring its rows
+def test_prompt_logprobs_host_loop_and_gpu_scheduler(engine, max_num_batched_tokens):
     """Prompt logprob records through the ring on both CUDA loops: the host loop's equal the definition
     on the graph's logits of the scored rows and reach the frontend (one per prompt token but the
     first, with the alternatives asked); the GPU-resident scheduler, which builds the scored rows
@@ -352,7 +354,7 @@ def test_prompt_logprobs_host_loop_and_gpu_scheduler(engine, max_tokens):
     the sequential run up to rounding (other step shapes)."""
     reqs = _prompt_requests(engine.config.vocab_size)
     rec: list = []
-    f_host, host, _ = _serve(engine, reqs, max_tokens, "host", sequential=True, prompt=True, recorder=rec)
+    f_host, host, _ = _serve(engine, reqs, max_num_batched_tokens, "host", sequential=True, prompt=True, recorder=rec)
     assert f_host == EVERY
     assert _check_scored_steps(rec[0].scored) == 18 + 44 + 6
     for r, (ids, _, fin, plps) in zip(reqs, host, strict=True):
@@ -362,7 +364,7 @@ def test_prompt_logprobs_host_loop_and_gpu_scheduler(engine, max_tokens):
             continue
         assert len(plps) == len(r.prompt_ids) - 1
         assert all(len(p.top_ids) == r.prompt_logprobs and p.logprob <= 0.0 for p in plps)
-    _, gpu, _ = _serve(engine, reqs, max_tokens, "gpu", sequential=True, prompt=True)
+    _, gpu, _ = _serve(engine, reqs, max_num_batched_tokens, "gpu", sequential=True, prompt=True)
     for (ids_h, lps_h, fin_h, plps_h), (ids_g, lps_g, fin_g, plps_g) in zip(host, gpu, strict=True):
         assert ids_g == ids_h and fin_g == fin_h and len(lps_g) == len(lps_h)
         assert len(plps_g or []) == len(plps_h or [])
@@ -372,7 +374,7 @@ def test_prompt_logprobs_host_loop_and_gpu_scheduler(engine, max_tokens):
             np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, atol=1e-6)
     # other step shapes, other bf16 rounding: the random tiny model's logprobs reach -45 (H200: -45.64
     # batched vs -45.56 sequential), so the bound is relative
-    _, batched, _ = _serve(engine, reqs, max_tokens, "gpu", prompt=True)
+    _, batched, _ = _serve(engine, reqs, max_num_batched_tokens, "gpu", prompt=True)
     for (_, _, _, plps_h), (_, _, _, plps_b) in zip(host, batched, strict=True):
         assert len(plps_b or []) == len(plps_h or [])
         for a, b in zip(plps_b or [], plps_h or [], strict=True):

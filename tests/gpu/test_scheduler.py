@@ -30,7 +30,7 @@ def engine():
 
     ecfg = EngineConfig(
         max_seqs=8,
-        max_tokens=128,
+        max_num_batched_tokens=128,
         block_size=16,
         max_context=1024,
         num_kv_blocks=128,

@@ -24,7 +24,7 @@ def test_tokens_keep_flowing_while_the_device_process_is_stopped():
     name = f"blink-sigstop-{os.getpid()}"
     t = ShmTransport.create(name, RingGeometry(64, 64 * 64, 256))
     view = t.view()
-    device = {"kind": "cuda", "num_kv_blocks": 512, "max_batch": 32, "max_tokens": 256, "max_context": 1024}
+    device = {"kind": "cuda", "num_kv_blocks": 512, "max_batch": 32, "max_num_batched_tokens": 256, "max_context": 1024}
     cfg = BlinkConfig().replace(model={"spec": "random:tiny-llama"}, device=device)
     proc = start_device(device_spec(cfg, name))
     try:

@@ -79,11 +79,11 @@ def test_device_weight_source_builds_the_engine(tmp_path, name):
 
     write_hf_dir(tmp_path, preset(name), ("BF16", "F32"), seed=1)
     spec = DeviceSpec(
-        ring="unused", kind="cuda", model=str(tmp_path), scheduler="gpu", max_batch=4, max_tokens=64,
+        ring="unused", kind="cuda", model=str(tmp_path), scheduler="gpu", max_batch=4, max_num_batched_tokens=64,
         kv_block_size=16, num_kv_blocks=64, kv_cache_fraction=0.5, max_context=256,
     )  # fmt: skip
     ecfg = EngineConfig(
-        max_seqs=4, max_tokens=64, max_context=256, num_kv_blocks=64, batch_buckets=(1, 2, 4),
+        max_seqs=4, max_num_batched_tokens=64, max_context=256, num_kv_blocks=64, batch_buckets=(1, 2, 4),
         token_buckets=(16, 64), progress=False,
     )  # fmt: skip
     cfg, tensors = weight_source(spec)

@@ -30,7 +30,7 @@ HEADER_PATH = pathlib.Path(__file__).resolve().parent / "include" / "blink_engin
 # fmt: off
 _SCALARS = [
     ("max_seqs", "<u4", "rows of the largest graph"),
-    ("max_tokens", "<u4", "packed tokens of the largest graph"),
+    ("max_num_batched_tokens", "<u4", "packed tokens of the largest graph"),
     ("max_blocks_per_seq", "<u4", "block table width W"),
     ("block_size", "<u4", "tokens per KV block"),
     ("num_kv_blocks", "<u4", "blocks in the pool (ids 0..num_kv_blocks-1)"),
@@ -51,9 +51,9 @@ _BUFFERS = [
     ("chosen_lp", "<f4", "[max_seqs] raw logprob of out_tokens (rows with n_logprobs >= 0, emitted)"),
     ("top_ids", "<i4", "[max_seqs][max_logprobs] the row's most likely ids (first n_logprobs valid)"),
     ("top_lps", "<f4", "[max_seqs][max_logprobs] their raw logprobs"),
-    ("plp_lp", "<f4", "[max_tokens] prompt logprob of scored row j's target (plp_records)"),
-    ("plp_ids", "<i4", "[max_tokens][max_logprobs] scored row j's most likely ids (first plp_n[j] valid)"),
-    ("plp_lps", "<f4", "[max_tokens][max_logprobs] their logprobs"),
+    ("plp_lp", "<f4", "[max_num_batched_tokens] prompt logprob of scored row j's target (plp_records)"),
+    ("plp_ids", "<i4", "[max_num_batched_tokens][max_logprobs] scored row j's most likely ids (first plp_n[j] valid)"),
+    ("plp_lps", "<f4", "[max_num_batched_tokens][max_logprobs] their logprobs"),
     ("pen_state", "<u4", "[sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)"),
     ("bias_n", "<i4", "[sampling_rows] logit_bias entries of the row's request (written at admission)"),
     ("bias_ids", "<i4", "[sampling_rows][max_logit_bias]"),
@@ -62,7 +62,7 @@ _BUFFERS = [
     ("batch_buckets", "<u4", "[n_batch_buckets] sizes, ascending"),
     ("token_buckets", "<u4", "[n_token_buckets] sizes, ascending"),
     ("batch_bucket_of", "<u2", "[max_seqs+1]"),
-    ("token_bucket_of", "<u2", "[max_tokens+1]"),
+    ("token_bucket_of", "<u2", "[max_num_batched_tokens+1]"),
     ("decode_execs", "<u8", "[n_batch_buckets][execs_per_shape]"),
     ("prefill_execs", "<u8", "[n_batch_buckets][n_token_buckets][execs_per_shape]"),
 ]

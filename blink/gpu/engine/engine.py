@@ -4,7 +4,7 @@ Usage (the GPU scheduler reads the ABI record; the host path calls `step`):
 
     from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
-    eng = Engine.create(preset("llama3-8b"), EngineConfig(max_seqs=256, max_tokens=4096))  # random weights
+    eng = Engine.create(preset("llama3-8b"), EngineConfig(max_seqs=256, max_num_batched_tokens=4096))  # random weights
     # or Engine.create(cfg, EngineConfig(...), host_weights=hf_named_float32_dict)
     # or Engine.create(cfg, EngineConfig(...), bf16_tensors=registry.resolve_bf16(spec)[1])
     eng.capture()                       # decode + prefill graphs, 2 execs per shape, DeviceLaunch + uploaded
@@ -98,9 +98,9 @@ class Engine:
         max_context -= max_context % ecfg.block_size
         mbps = max_context // ecfg.block_size
         self.batch_buckets = _buckets(ecfg.batch_buckets, ecfg.max_seqs)
-        self.token_buckets = _buckets(ecfg.token_buckets, ecfg.max_tokens)
+        self.token_buckets = _buckets(ecfg.token_buckets, ecfg.max_num_batched_tokens)
         num_blocks = ecfg.num_kv_blocks or self._pool_blocks(ecfg, config, max_context)
-        self.dims = Dims(ecfg.max_seqs, ecfg.max_tokens, mbps, ecfg.block_size, num_blocks, max_context)
+        self.dims = Dims(ecfg.max_seqs, ecfg.max_num_batched_tokens, mbps, ecfg.block_size, num_blocks, max_context)
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.num_sms = int(sms)
         self.fwd = Forward(
@@ -166,7 +166,7 @@ class Engine:
         import cupy as cp
 
         # Activation buffers are allocated after this; estimate them to leave room.
-        Tm, Sm = ecfg.max_tokens, ecfg.max_seqs
+        Tm, Sm = ecfg.max_num_batched_tokens, ecfg.max_seqs
         act = 2 * Tm * (3 * c.hidden_size + (c.q_size + 2 * c.kv_size) + 2 * c.q_size + 3 * c.intermediate_size)
         act += 4 * Sm * c.vocab_size + 8 * Sm * 32 * c.q_size * 4
         if c.is_moe:
@@ -290,7 +290,7 @@ class Engine:
         bb = np.array(self.batch_buckets, np.uint32)
         tb = np.array(self.token_buckets, np.uint32)
         bof = bucket_of(self.batch_buckets, self.dims.max_seqs)
-        tof = bucket_of(self.token_buckets, self.dims.max_tokens)
+        tof = bucket_of(self.token_buckets, self.dims.max_num_batched_tokens)
         self._tables = {
             k: cp.asarray(v)
             for k, v in dict(
@@ -304,7 +304,7 @@ class Engine:
         }
         rec = np.zeros((), ENGINE_DTYPE)
         d, a = self.dims, self.arena.ptr
-        rec["max_seqs"], rec["max_tokens"] = d.max_seqs, d.max_tokens
+        rec["max_seqs"], rec["max_num_batched_tokens"] = d.max_seqs, d.max_num_batched_tokens
         rec["max_blocks_per_seq"], rec["block_size"] = d.max_blocks_per_seq, d.block_size
         rec["num_kv_blocks"], rec["vocab_size"], rec["max_context"] = (
             d.num_blocks,
@@ -361,8 +361,10 @@ class Engine:
     def load_step(self, b: StepBatch, step_seq: int = 0) -> bool:
         """Write a StepBatch into the host mirror of the step arena; returns whether it is a decode step."""
         S, T, d = b.num_seqs, b.num_tokens, self.dims
-        if S > d.max_seqs or T > d.max_tokens or S == 0:
-            raise ValueError(f"step of {S} sequences / {T} tokens exceeds the engine ({d.max_seqs}, {d.max_tokens})")
+        if S > d.max_seqs or T > d.max_num_batched_tokens or S == 0:
+            raise ValueError(
+                f"step of {S} sequences / {T} tokens exceeds the engine ({d.max_seqs}, {d.max_num_batched_tokens})"
+            )
         if int(np.max(b.seq_lens)) > d.max_context:
             raise ValueError(f"sequence longer than max_context {d.max_context}")
         h = self.arena.host

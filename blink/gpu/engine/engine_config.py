@@ -13,7 +13,7 @@ DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 class EngineConfig:
     max_seqs: int = 256
     """Sequences per step (largest batch bucket)."""
-    max_tokens: int = 4096
+    max_num_batched_tokens: int = 4096
     """Packed tokens per step (largest token bucket); >= max_seqs."""
     block_size: int = 16
     """Tokens per KV block."""
@@ -57,8 +57,8 @@ class EngineConfig:
             raise ValueError("execs_per_shape must be >= 2 (an exec cannot be relaunched right after it completes)")
         if not 0.0 < self.kv_fraction <= 0.95:
             raise ValueError("kv_fraction must be in (0, 0.95]")
-        if self.max_tokens < self.max_seqs:
-            raise ValueError("max_tokens must be >= max_seqs")
+        if self.max_num_batched_tokens < self.max_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_seqs")
         if not 0 <= self.gemm_sm_reserve <= 8:
             raise ValueError("gemm_sm_reserve must be in [0, 8]")
         if self.max_context % self.block_size:

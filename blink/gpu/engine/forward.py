@@ -147,13 +147,13 @@ class Forward(AttentionLaunches):
             raise ValueError(f"GQA group {c.num_heads // c.num_kv_heads} not in the compiled set {DECODE_GROUPS}")
         if c.hidden_size % 8 or c.intermediate_size % 8:
             raise ValueError("hidden and intermediate sizes must be multiples of 8 (16-byte vectors)")
-        if dims.max_tokens < dims.max_seqs:
-            raise ValueError("max_tokens must be >= max_seqs (a decode step has one token per sequence)")
+        if dims.max_num_batched_tokens < dims.max_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_seqs (a decode step has one token per sequence)")
         self.c, self.w, self.d = c, weights, dims
         self.drv, self.k, self.blas = driver, kernels, cublas
         self.num_sms, self.max_splits = num_sms, max_splits
         self.arena = StepArena(dims)
-        Tm, Sm, H, inter = dims.max_tokens, dims.max_seqs, c.hidden_size, c.intermediate_size
+        Tm, Sm, H, inter = dims.max_num_batched_tokens, dims.max_seqs, c.hidden_size, c.intermediate_size
         nqkv = c.q_size + 2 * c.kv_size
         z = lambda *shape, dt=cp.uint16: cp.zeros(shape, dtype=dt)  # noqa: E731
         self.resid, self.hid, self.delta = z(Tm, H), z(Tm, H), z(Tm, H)
@@ -178,7 +178,7 @@ class Forward(AttentionLaunches):
         self.mask_words = (V + 31) // 32  # token masks (token_mask): a row per step row (Engine._upload_masks)
         self.masks = z(Sm if sampling_rows else 1, self.mask_words if sampling_rows else 1, dt=cp.uint32)
         # Prompt logprobs (plp_* in sampling.cu): the final-normed hidden state, the fp32 logits and
-        # the record of every scored row; up to max_tokens rows (max_tokens * vocab * 4 bytes of
+        # the record of every scored row; up to max_num_batched_tokens rows (max_num_batched_tokens * vocab * 4 bytes of
         # logits), allocated with the extension tables.
         P = Tm if sampling_rows else 1
         self.plp_hid = z(P, H)
@@ -209,7 +209,7 @@ class Forward(AttentionLaunches):
             smem = self.gemv_smem("norm_rope", nt, c.hidden_size)
             if smem <= GEMV_NORM_SMEM_MAX:
                 driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
-        self.moe = MoeLaunches(c, dims.max_tokens, driver, kernels) if c.is_moe else None
+        self.moe = MoeLaunches(c, dims.max_num_batched_tokens, driver, kernels) if c.is_moe else None
         self.gemv_fusion = frozenset(GEMV_FUSIONS)  # every fusion where it applies (fusions_for)
         self.gemv_max_tokens = 1
         # FP8 weights: steps past fp8_gemv_max_tokens run the bf16 GEMM on a dequantized copy of each

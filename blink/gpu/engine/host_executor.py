@@ -25,7 +25,7 @@ class HostExecutor:
         self.block_size = d.block_size
         self.num_blocks = d.num_blocks
         self.max_batch = d.max_seqs
-        self.max_tokens = d.max_tokens
+        self.max_num_batched_tokens = d.max_num_batched_tokens
         # Logprobs, prompt logprobs, penalties, min_p, logit_bias and token masks run in the graphs when the engine
         # has the tables (EngineConfig.sampling_rows = the ring's n_slots).
         on = engine.fwd.sampling_rows > 0

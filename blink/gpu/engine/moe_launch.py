@@ -85,23 +85,23 @@ def align_reference(topk_ids: np.ndarray, experts: int, tile_m: int = TILE_M) ->
 
 
 class MoeLaunches:
-    """Buffers for `max_tokens` and the launches of one MoE layer (Forward.record calls `record`)."""
+    """Buffers for `max_num_batched_tokens` and the launches of one MoE layer (Forward.record calls `record`)."""
 
-    def __init__(self, c: ModelConfig, max_tokens: int, driver: Driver, kernels: Kernels) -> None:
+    def __init__(self, c: ModelConfig, max_num_batched_tokens: int, driver: Driver, kernels: Kernels) -> None:
         import cupy as cp
 
         check_moe(c)
         self.c = c
         E, k, H, inter = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
-        rows = self.rows(c, max_tokens)
+        rows = self.rows(c, max_num_batched_tokens)
         z = lambda *shape, dt=cp.uint16: cp.zeros(shape, dtype=dt)  # noqa: E731
-        self.logits = z(max_tokens, E, dt=cp.float32)  # router output
-        self.topk_ids = z(max_tokens * k, dt=cp.int32)
-        self.topk_w = z(max_tokens * k, dt=cp.float32)
+        self.logits = z(max_num_batched_tokens, E, dt=cp.float32)  # router output
+        self.topk_ids = z(max_num_batched_tokens * k, dt=cp.int32)
+        self.topk_w = z(max_num_batched_tokens * k, dt=cp.float32)
         self.expert_off = z(E + 1, dt=cp.int32)
         self.expert_cnt = z(E, dt=cp.int32)
         self.sorted_pair = z(rows, dt=cp.int32)
-        self.pair_pos = z(max_tokens * k, dt=cp.int32)
+        self.pair_pos = z(max_num_batched_tokens * k, dt=cp.int32)
         self.act = z(rows, inter)  # swiglu of the permuted rows
         self.y = z(rows, H)  # expert outputs, permuted rows
         for kind, K in (("gate_up", H), ("down", inter)):
@@ -142,12 +142,12 @@ class MoeLaunches:
         return aligned and T >= self.mma_min_tokens
 
     @staticmethod
-    def device_bytes(c: ModelConfig, max_tokens: int) -> int:
+    def device_bytes(c: ModelConfig, max_num_batched_tokens: int) -> int:
         """What the buffers take (the engine's KV pool sizing leaves room for it)."""
         E, k = c.num_experts, c.num_experts_per_tok
-        rows = MoeLaunches.rows(c, max_tokens)
+        rows = MoeLaunches.rows(c, max_num_batched_tokens)
         return (
-            max_tokens * (4 * E + 12 * k)
+            max_num_batched_tokens * (4 * E + 12 * k)
             + 4 * (2 * E + 1 + rows)
             + 2 * rows * (c.moe_intermediate_size + c.hidden_size)
         )

@@ -13,7 +13,7 @@ from blink.protocol.step import STEP_FIELDS, field_count
 @dataclass(frozen=True)
 class Dims:
     max_seqs: int
-    max_tokens: int
+    max_num_batched_tokens: int
     max_blocks_per_seq: int
     block_size: int
     num_blocks: int
@@ -27,7 +27,7 @@ def arena_layout(d: Dims) -> tuple[dict[str, tuple[int, int]], int]:
     off = 0
     for f in STEP_FIELDS:
         off = (off + 15) // 16 * 16
-        out[f.name] = off, field_count(f, d.max_seqs, d.max_tokens, d.max_blocks_per_seq)
+        out[f.name] = off, field_count(f, d.max_seqs, d.max_num_batched_tokens, d.max_blocks_per_seq)
         off += out[f.name][1] * f.dtype.itemsize
     return out, off
 

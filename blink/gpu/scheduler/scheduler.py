@@ -66,14 +66,14 @@ SCHED_CTL_DTYPE = np.dtype([
     ("rescan_ns", "<u8"),            # full slot scan (and cancel check) at least this often
     ("beat_ns", "<u8"),              # heartbeat period (<= 1 ms)
     ("rows_cap", "<u4"),             # rows (live sequences incl. preempted) the buffers hold, <= MAX_ROWS
-    ("max_batch", "<u4"),            # running sequences (<= engine max_seqs, max_tokens)
-    ("max_tokens", "<u4"),           # packed prompt tokens per prefill step (<= engine max_tokens)
+    ("max_batch", "<u4"),            # running sequences (<= engine max_seqs, max_num_batched_tokens)
+    ("max_num_batched_tokens", "<u4"),           # packed prompt tokens per prefill step (<= engine max_num_batched_tokens)
     ("max_context", "<u4"),          # prompt + generated per sequence (fits the KV pool)
     ("window", "<u4"),               # fire-and-forget launches per scheduler instance (<= 120)
     ("retry_max", "<u4"),            # retries of a launch that returns cudaErrorInvalidValue
     ("flags", "<u4"),                # FLAG_* bits
     ("long_prefill", "<u4"),         # most tokens of a running prefill per step while a request waits
-    ("mixed_tokens", "<u4"),         # token budget of a step with decodes (step_budget); 0 = max_tokens
+    ("mixed_tokens", "<u4"),         # token budget of a step with decodes (step_budget); 0 = max_num_batched_tokens
     ("self_exec", "<u8"),            # the scheduler's own exec, if cudaGetCurrentGraphExec() gives 0
     # kernel state: zero before the first launch; kept across tail relaunches
     ("seq", "<u8"),                  # last step_seq written
@@ -181,13 +181,13 @@ def device_buffers(
 @dataclass(frozen=True)
 class GpuSchedulerConfig:
     max_batch: int = 0
-    """Running sequences; 0 = the engine's max_seqs (never more than it, its max_tokens or MAX_ROWS)."""
-    max_tokens: int = 0
-    """Tokens per step (decodes + prefill chunks); 0 = the engine's max_tokens (never more)."""
+    """Running sequences; 0 = the engine's max_seqs (never more than it, its max_num_batched_tokens or MAX_ROWS)."""
+    max_num_batched_tokens: int = 0
+    """Tokens per step (decodes + prefill chunks); 0 = the engine's max_num_batched_tokens (never more)."""
     long_prefill_tokens: int = 0
-    """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_tokens."""
+    """Most tokens a running prefill takes per step while a request waits; 0 = a quarter of max_num_batched_tokens."""
     mixed_tokens: int = 0
-    """Token budget of a step that carries decodes (blink.device.policy.step_budget); 0 = max_tokens."""
+    """Token budget of a step that carries decodes (blink.device.policy.step_budget); 0 = max_num_batched_tokens."""
     window: int = LAUNCH_WINDOW
     """Fire-and-forget launches per scheduler instance before the tail self-relaunch (1..120)."""
     retry_max: int = 1000
@@ -202,8 +202,8 @@ class GpuSchedulerConfig:
     """Scan every slot on every iteration (benchmarks the scan)."""
 
     def __post_init__(self) -> None:
-        if min(self.max_batch, self.max_tokens, self.long_prefill_tokens, self.mixed_tokens) < 0:
-            raise ValueError("max_batch, max_tokens, long_prefill_tokens and mixed_tokens must be >= 0")
+        if min(self.max_batch, self.max_num_batched_tokens, self.long_prefill_tokens, self.mixed_tokens) < 0:
+            raise ValueError("max_batch, max_num_batched_tokens, long_prefill_tokens and mixed_tokens must be >= 0")
         if not 1 <= self.window <= LAUNCH_WINDOW:
             raise ValueError(f"window must be in [1, {LAUNCH_WINDOW}], got {self.window}")
         if self.retry_max < 0 or self.graph_timeout_s <= 0 or self.rescan_s <= 0:
@@ -241,12 +241,12 @@ class GpuScheduler:
         d, cfg = self.engine.dims, self.config
         return step_limits(
             d.max_seqs,
-            d.max_tokens,
+            d.max_num_batched_tokens,
             d.max_context,
             d.num_blocks,
             d.block_size,
             max_batch=cfg.max_batch,
-            max_tokens=cfg.max_tokens,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
             long_prefill_tokens=cfg.long_prefill_tokens,
             mixed_tokens=cfg.mixed_tokens,
             batch_cap=MAX_ROWS,
@@ -284,7 +284,7 @@ class GpuScheduler:
         eng, d, cfg = self.engine, self.engine.dims, self.config
         geo = self.view.geo
         lim = self.limits()
-        max_batch, max_tokens, max_context = lim.max_batch, lim.max_tokens, lim.max_context
+        max_batch, max_num_batched_tokens, max_context = lim.max_batch, lim.max_num_batched_tokens, lim.max_context
         rows_cap = min(MAX_ROWS, 2 * max_batch + 8)  # running + preempted rows
         kernels = eng.kernels
         cubin = build_cubin(cache_dir or kernels.cache_dir, kernels.arch)
@@ -309,7 +309,12 @@ class GpuScheduler:
         c["graph_timeout_ns"] = int(cfg.graph_timeout_s * 1e9)
         c["rescan_ns"] = int(cfg.rescan_s * 1e9)
         c["beat_ns"] = int(cfg.beat_s * 1e9)
-        c["rows_cap"], c["max_batch"], c["max_tokens"], c["max_context"] = rows_cap, max_batch, max_tokens, max_context
+        c["rows_cap"], c["max_batch"], c["max_num_batched_tokens"], c["max_context"] = (
+            rows_cap,
+            max_batch,
+            max_num_batched_tokens,
+            max_context,
+        )
         c["window"], c["retry_max"] = cfg.window, cfg.retry_max
         c["long_prefill"], c["mixed_tokens"] = lim.long_prefill_tokens, lim.mixed_tokens
         c["flags"] = FLAG_ALWAYS_SCAN if cfg.always_scan else 0

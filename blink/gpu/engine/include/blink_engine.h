@@ -9,7 +9,7 @@ namespace blink {
 
 struct EngineABI {
   uint32_t max_seqs;  // offset 0  rows of the largest graph
-  uint32_t max_tokens;  // offset 4  packed tokens of the largest graph
+  uint32_t max_num_batched_tokens;  // offset 4  packed tokens of the largest graph
   uint32_t max_blocks_per_seq;  // offset 8  block table width W
   uint32_t block_size;  // offset 12  tokens per KV block
   uint32_t num_kv_blocks;  // offset 16  blocks in the pool (ids 0..num_kv_blocks-1)
@@ -55,9 +55,9 @@ struct EngineABI {
   float* chosen_lp;  // offset 296  [max_seqs] raw logprob of out_tokens (rows with n_logprobs >= 0, emitted)
   int32_t* top_ids;  // offset 304  [max_seqs][max_logprobs] the row's most likely ids (first n_logprobs valid)
   float* top_lps;  // offset 312  [max_seqs][max_logprobs] their raw logprobs
-  float* plp_lp;  // offset 320  [max_tokens] prompt logprob of scored row j's target (plp_records)
-  int32_t* plp_ids;  // offset 328  [max_tokens][max_logprobs] scored row j's most likely ids (first plp_n[j] valid)
-  float* plp_lps;  // offset 336  [max_tokens][max_logprobs] their logprobs
+  float* plp_lp;  // offset 320  [max_num_batched_tokens] prompt logprob of scored row j's target (plp_records)
+  int32_t* plp_ids;  // offset 328  [max_num_batched_tokens][max_logprobs] scored row j's most likely ids (first plp_n[j] valid)
+  float* plp_lps;  // offset 336  [max_num_batched_tokens][max_logprobs] their logprobs
   uint32_t* pen_state;  // offset 344  [sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)
   int32_t* bias_n;  // offset 352  [sampling_rows] logit_bias entries of the row's request (written at admission)
   int32_t* bias_ids;  // offset 360  [sampling_rows][max_logit_bias]
@@ -66,13 +66,13 @@ struct EngineABI {
   uint32_t* batch_buckets;  // offset 384  [n_batch_buckets] sizes, ascending
   uint32_t* token_buckets;  // offset 392  [n_token_buckets] sizes, ascending
   uint16_t* batch_bucket_of;  // offset 400  [max_seqs+1]
-  uint16_t* token_bucket_of;  // offset 408  [max_tokens+1]
+  uint16_t* token_bucket_of;  // offset 408  [max_num_batched_tokens+1]
   uint64_t* decode_execs;  // offset 416  [n_batch_buckets][execs_per_shape]
   uint64_t* prefill_execs;  // offset 424  [n_batch_buckets][n_token_buckets][execs_per_shape]
 };
 #ifdef offsetof
 static_assert(offsetof(EngineABI, max_seqs) == 0, "EngineABI.max_seqs offset");
-static_assert(offsetof(EngineABI, max_tokens) == 4, "EngineABI.max_tokens offset");
+static_assert(offsetof(EngineABI, max_num_batched_tokens) == 4, "EngineABI.max_num_batched_tokens offset");
 static_assert(offsetof(EngineABI, max_blocks_per_seq) == 8, "EngineABI.max_blocks_per_seq offset");
 static_assert(offsetof(EngineABI, block_size) == 12, "EngineABI.block_size offset");
 static_assert(offsetof(EngineABI, num_kv_blocks) == 16, "EngineABI.num_kv_blocks offset");

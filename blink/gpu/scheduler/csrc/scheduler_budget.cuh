@@ -16,11 +16,11 @@ namespace blink {
 
 // Tokens a step with n_dec decodes may carry, given the prompt tokens queued behind the first
 // waiting sequence (backlog). b - n_dec cannot wrap: the left operand of || failed, so b >= n_dec.
-BLINK_POLICY_FN uint32_t step_budget(uint32_t max_tokens, uint32_t mixed, uint32_t n_dec, uint32_t backlog) {
-  if (mixed == 0 || n_dec == 0 || mixed >= max_tokens) return max_tokens;
+BLINK_POLICY_FN uint32_t step_budget(uint32_t max_num_batched_tokens, uint32_t mixed, uint32_t n_dec, uint32_t backlog) {
+  if (mixed == 0 || n_dec == 0 || mixed >= max_num_batched_tokens) return max_num_batched_tokens;
   uint32_t b = mixed;
-  while (b < max_tokens && (b < n_dec + mixed / 2 || backlog >= BACKLOG_FACTOR * (b - n_dec))) b *= 2;
-  return b < max_tokens ? b : max_tokens;
+  while (b < max_num_batched_tokens && (b < n_dec + mixed / 2 || backlog >= BACKLOG_FACTOR * (b - n_dec))) b *= 2;
+  return b < max_num_batched_tokens ? b : max_num_batched_tokens;
 }
 
 // Most running rows of one group (the choices of one API request).

@@ -26,7 +26,7 @@ struct SchedCtl {
   uint64_t beat_ns;  // offset 88
   uint32_t rows_cap;  // offset 96
   uint32_t max_batch;  // offset 100
-  uint32_t max_tokens;  // offset 104
+  uint32_t max_num_batched_tokens;  // offset 104
   uint32_t max_context;  // offset 108
   uint32_t window;  // offset 112
   uint32_t retry_max;  // offset 116
@@ -89,7 +89,7 @@ static_assert(offsetof(SchedCtl, rescan_ns) == 80, "SchedCtl.rescan_ns offset");
 static_assert(offsetof(SchedCtl, beat_ns) == 88, "SchedCtl.beat_ns offset");
 static_assert(offsetof(SchedCtl, rows_cap) == 96, "SchedCtl.rows_cap offset");
 static_assert(offsetof(SchedCtl, max_batch) == 100, "SchedCtl.max_batch offset");
-static_assert(offsetof(SchedCtl, max_tokens) == 104, "SchedCtl.max_tokens offset");
+static_assert(offsetof(SchedCtl, max_num_batched_tokens) == 104, "SchedCtl.max_num_batched_tokens offset");
 static_assert(offsetof(SchedCtl, max_context) == 108, "SchedCtl.max_context offset");
 static_assert(offsetof(SchedCtl, window) == 112, "SchedCtl.window offset");
 static_assert(offsetof(SchedCtl, retry_max) == 116, "SchedCtl.retry_max offset");

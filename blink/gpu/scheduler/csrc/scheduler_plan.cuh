@@ -262,9 +262,9 @@ __device__ void fair_share_preempt(SchedCtl* c, Shared& sh) {
 // blink/device/scheduler.py: Scheduler._schedule_prefill (thread 0), after the decodes of the step
 // (sh.nseq of them) are planned: prefill chunks in the rest of the token budget.
 __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
-  uint32_t budget = c->max_tokens - sh.ntok;  // max_tokens >= max_batch >= the decodes
+  uint32_t budget = c->max_num_batched_tokens - sh.ntok;  // max_num_batched_tokens >= max_batch >= the decodes
   if (c->mixed_tokens && sh.ntok)
-    budget = step_budget(c->max_tokens, c->mixed_tokens, sh.ntok, prefill_backlog(c, sh)) - sh.ntok;
+    budget = step_budget(c->max_num_batched_tokens, c->mixed_tokens, sh.ntok, prefill_backlog(c, sh)) - sh.ntok;
   uint32_t* wq = (uint32_t*)c->waitq;
   while (c->waitq_head != c->waitq_tail && wq[c->waitq_head % sh.n_slots] == DEAD) c->waitq_head++;
   bool waiting = c->waitq_head != c->waitq_tail;
