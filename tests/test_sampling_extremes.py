@@ -73,7 +73,9 @@ def test_a_tiny_repetition_penalty_that_overflows_the_logits_falls_back_to_greed
 
 def test_the_emulated_executor_survives_a_masked_row():
     """A whole vocabulary biased to -100 and one token at +100 through the executor: in range."""
-    ex = NumpyExecutor.from_model("random:tiny-llama", num_blocks=8, block_size=16, max_batch=2, max_tokens=32)
+    ex = NumpyExecutor.from_model(
+        "random:tiny-llama", num_blocks=8, block_size=16, max_batch=2, max_num_batched_tokens=32
+    )
     from blink.device.executor import SamplingExt
     from blink.protocol.step import StepBatch
 

@@ -57,7 +57,6 @@ from bench.common import (
     time_ms,
     write_json,
 )
-
 from blink.gpu.engine.attention_launch import FLASH_VARIANTS
 from blink.gpu.engine.forward import GEMV_FUSIONS
 

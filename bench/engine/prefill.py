@@ -29,7 +29,6 @@ from bench.common import (
     time_ms,
     write_json,
 )
-
 from blink.gpu.engine.engine import Engine, EngineConfig
 
 

@@ -16,7 +16,9 @@ from blink.gpu.toolchain import kernels
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m blink.gpu.build_kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 (repeatable; default 90)")
-    ap.add_argument("--cache-dir", default=str(kernels.DEFAULT_CACHE), help="where the cubins go (default: %(default)s)")
+    ap.add_argument(
+        "--cache-dir", default=str(kernels.DEFAULT_CACHE), help="where the cubins go (default: %(default)s)"
+    )
     ap.add_argument("--params", action="store_true", help=f"regenerate {kernels.PARAMS_FILE.name} (nvcc -E) and exit")
     args = ap.parse_args(argv)
     if args.params:

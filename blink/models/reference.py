@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blink.protocol.step import StepBatch
 from blink.models.config import ModelConfig, rope_inv_freq
 from blink.models.weights import Weights
+from blink.protocol.step import StepBatch
 
 
 def _rms64(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

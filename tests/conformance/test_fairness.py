@@ -12,7 +12,7 @@ from conformance.rig import Rig
 
 from blink.protocol.layout import FinishReason
 
-SPEC = dict(max_batch=4, max_tokens=64, max_context=1024, kv_blocks=160, output_capacity=512, n_slots=16)
+SPEC = dict(max_batch=4, max_num_batched_tokens=64, max_context=1024, kv_blocks=160, output_capacity=512, n_slots=16)
 N = 8  # choices of the big request: twice the batch
 LONG = 300  # tokens per choice
 GROUP = 0xB11C

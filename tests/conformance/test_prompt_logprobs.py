@@ -68,7 +68,7 @@ def _greedy(rig: Rig, prompt: list[int], k: int) -> list[int]:
     return r.tokens
 
 
-@pytest.mark.parametrize("length,n", [(40, 5), (23, 20), (200, 1)])  # 200 > max_tokens: a chunked prefill
+@pytest.mark.parametrize("length,n", [(40, 5), (23, 20), (200, 1)])  # 200 > max_num_batched_tokens: a chunked prefill
 def test_prompt_records_score_every_prompt_token_and_agree_with_greedy(clean: Rig, length: int, n: int):
     c = clean.client
     rng = np.random.default_rng(length)

@@ -19,8 +19,8 @@ SEEDS = 16  # rows per case: one seed each
 @pytest.fixture(scope="module")
 def sampler():
     import cupy as cp
-
     from gpu_sampler import GpuSampler  # tests/gpu/gpu_sampler.py
+
     from blink.gpu.toolchain.cuda_api import Driver
     from blink.gpu.toolchain.kernels import Kernels
 

@@ -36,4 +36,3 @@ def host_register(drv: Driver, host_ptr: int, nbytes: int) -> int:
 
 def host_unregister(drv: Driver, host_ptr: int) -> None:
     drv.check(drv.lib.cuMemHostUnregister(_vp(host_ptr)), "cuMemHostUnregister(ring)")
-
