@@ -178,8 +178,8 @@ class Forward(AttentionLaunches):
         self.mask_words = (V + 31) // 32  # token masks (token_mask): a row per step row (Engine._upload_masks)
         self.masks = z(Sm if sampling_rows else 1, self.mask_words if sampling_rows else 1, dt=cp.uint32)
         # Prompt logprobs (plp_* in sampling.cu): the final-normed hidden state, the fp32 logits and
-        # the record of every scored row; up to max_num_batched_tokens rows (max_num_batched_tokens * vocab * 4 bytes of
-        # logits), allocated with the extension tables.
+        # the record of every scored row; up to max_num_batched_tokens rows (that many times vocab * 4
+        # bytes of logits), allocated with the extension tables.
         P = Tm if sampling_rows else 1
         self.plp_hid = z(P, H)
         self.plp_logits = z(P, V if sampling_rows else 1, dt=cp.float32)
@@ -187,7 +187,7 @@ class Forward(AttentionLaunches):
         self.plp_ids = z(P, MAX_LOGPROBS, dt=cp.int32)
         self.plp_lps = z(P, MAX_LOGPROBS, dt=cp.float32)
         self.done_seq = z(1, dt=cp.uint64)
-        ws = max(s * max(self.splits(s), *(self.flash_splits(s, v) for v in FLASH_VARIANTS)) for s in range(1, Sm + 1))
+        ws = max(s * max(self.flash_splits(s, v) for v in FLASH_VARIANTS) for s in range(1, Sm + 1))
         self.part_o = z(ws * c.num_heads * c.head_dim, dt=cp.float32)
         self.part_ml = z(ws * c.num_heads * 2, dt=cp.float32)
         # RoPE tables as transformers computes them: fp32 inv_freq, fp32 position * inv_freq.
@@ -200,15 +200,7 @@ class Forward(AttentionLaunches):
         self.kv_layer_stride = 2 * dims.num_blocks * dims.block_size * c.kv_size * 2  # bytes
         self.kv_half = dims.num_blocks * dims.block_size * c.kv_size * 2
         self._init_attention(kernels, driver)
-        for nt in GEMV_BUCKETS:
-            for kind in ("norm", "norm_swiglu"):
-                smem = self.gemv_smem(kind, nt, c.hidden_size)
-                if smem <= GEMV_NORM_SMEM_MAX:
-                    driver.set_max_dynamic_smem(kernels[f"gemv_{kind}_t{nt}"], smem)
-        for nt in GEMV_BUCKETS:
-            smem = self.gemv_smem("norm_rope", nt, c.hidden_size)
-            if smem <= GEMV_NORM_SMEM_MAX:
-                driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
+        self._init_gemv_smem(kernels, driver)
         self.moe = MoeLaunches(c, dims.max_num_batched_tokens, driver, kernels) if c.is_moe else None
         self.gemv_fusion = frozenset(GEMV_FUSIONS)  # every fusion where it applies (fusions_for)
         self.gemv_max_tokens = 1
@@ -217,6 +209,19 @@ class Forward(AttentionLaunches):
         self.fp8 = isinstance(weights.layers[0].qkv, Fp8Linear)
         self.fp8_gemv_max_tokens = FP8_GEMV_BUCKETS[-1]
         self.fp8_scratch = z(fp8_scratch_elems(c) if self.fp8 else 1)
+
+    def _init_gemv_smem(self, kernels: Kernels, driver: Driver) -> None:
+        """Dynamic shared memory of the fused GEMVs whose prologue normalises into shared memory."""
+        H = self.c.hidden_size
+        for nt in GEMV_BUCKETS:
+            for kind in ("norm", "norm_swiglu"):
+                smem = self.gemv_smem(kind, nt, H)
+                if smem <= GEMV_NORM_SMEM_MAX:
+                    driver.set_max_dynamic_smem(kernels[f"gemv_{kind}_t{nt}"], smem)
+        for nt in GEMV_BUCKETS:
+            smem = self.gemv_smem("norm_rope", nt, H)
+            if smem <= GEMV_NORM_SMEM_MAX:
+                driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
 
     def set_gemv_fusion(self, fusion: frozenset[str]) -> None:
         """GEMV fusions (GEMV_FUSIONS) for the steps recorded from now on."""
@@ -373,90 +378,112 @@ class Forward(AttentionLaunches):
 
     def record(self, stream: int, S: int, T: int, decode: bool) -> None:
         """Issue every launch of one step for the bucket (S sequences, T tokens)."""
-        c, d, a = self.c, self.d, self.arena.ptr
-        H, inter, hd, eps = c.hidden_size, c.intermediate_size, c.head_dim, c.rms_eps
-        nt, ns = a["num_tokens"], a["num_seqs"]
-        scale_log2 = (1.0 / hd**0.5) * 1.4426950408889634
+        a = self.arena.ptr
+        scale_log2 = (1.0 / self.c.head_dim**0.5) * 1.4426950408889634
         self._launch(
             "embed_tokens", (T, 1, 1), (128, 1, 1), stream, ids=a["input_ids"], table=self.w.embed, out=self.resid,
-            num_tokens=nt, H=H,
+            num_tokens=a["num_tokens"], H=self.c.hidden_size,
         )  # fmt: skip
         fuse = self.fusions_for(T)
-        fuse_norm, fuse_swiglu, fuse_rope = "norm" in fuse, "swiglu" in fuse, "rope" in fuse
-        norm = {"out": self.hid, "num_tokens": nt, "H": H, "eps": eps}  # add_rmsnorm's common arguments
         normed = False  # hid already holds this layer's attention norm (the MoE combine before did it)
         for li, lw in enumerate(self.w.layers):
             kc = int(self.kv.data.ptr) + li * self.kv_layer_stride
             vc = kc + self.kv_half
-            if fuse_norm:
-                kind, y = ("norm_rope", self.rope_args(kc, vc)) if fuse_rope else ("norm", self.qkv)
-                self.fused_linear(kind, self.resid, lw.qkv, y, T, stream, nw=lw.attn_norm)
-            else:
-                delta = None if li == 0 else self.delta
-                if not normed:
-                    self._launch(
-                        *norm_kernel(T), stream, residual=self.resid, delta=delta,
-                        w=lw.attn_norm, **norm,
-                    )  # fmt: skip
-                normed = False
-                if fuse_rope:
-                    self.fused_linear("rope", self.hid, lw.qkv, self.rope_args(kc, vc), T, stream)
-                else:
-                    self.linear(self.hid, lw.qkv, self.qkv, T, stream)
-            if lw.qkv_bias is not None:  # never with fuse_rope (fusions_for)
-                n_qkv = c.q_size + 2 * c.kv_size
-                self._launch(
-                    "add_bias", (-(-n_qkv // (8 * 256)), T, 1), (256, 1, 1), stream, y=self.qkv, bias=lw.qkv_bias,
-                    num_tokens=nt, n=n_qkv,
-                )  # fmt: skip
-            if not fuse_rope:
-                self._launch(
-                    *rope_kernel(c.num_heads + 2 * c.num_kv_heads, hd, T, c.qk_norm, self.num_sms), stream,
-                    qkv=self.qkv, q_out=self.q, k_cache=kc, v_cache=vc, q_norm_w=lw.q_norm, k_norm_w=lw.k_norm,
-                    cos_tab=self.cos, sin_tab=self.sin, positions=a["positions"], cu_q_lens=a["cu_q_lens"],
-                    block_tables=a["block_tables"], num_tokens=nt, num_seqs=ns, nq=c.num_heads, nkv=c.num_kv_heads,
-                    hd=hd, bs=d.block_size, mbps=d.max_blocks_per_seq, eps=eps,
-                )  # fmt: skip
+            self._record_qkv(stream, li, lw, T, fuse, normed, kc, vc)
             self._record_attention(stream, S, T, decode, kc, vc, scale_log2)
-            if fuse_norm:
-                self.fused_linear("resid", self.attn, lw.o, self.resid, T, stream)
-                kind = "norm_swiglu" if fuse_swiglu else "norm"
-                out = self.act if fuse_swiglu else self.gu
-                self.fused_linear(kind, self.resid, lw.gate_up, out, T, stream, nw=lw.mlp_norm)
-            else:
-                self.linear(self.attn, lw.o, self.delta, T, stream)
+            normed = self._record_mlp(stream, li, lw, T, fuse)
+        self._record_head(stream, S, T, decode, "norm" in fuse)
+
+    def _norm_args(self) -> dict[str, object]:
+        """add_rmsnorm's arguments common to every call of a step."""
+        a = self.arena.ptr
+        return {"out": self.hid, "num_tokens": a["num_tokens"], "H": self.c.hidden_size, "eps": self.c.rms_eps}
+
+    def _record_qkv(
+        self, stream: int, li: int, lw: object, T: int, fuse: frozenset[str], normed: bool, kc: int, vc: int
+    ) -> None:
+        """A layer's attention input: add_rmsnorm (unless `normed` or fused), the qkv projection, its
+        bias, RoPE (q/k-norm) and the KV write (or the fused GEMV doing both)."""
+        c, d, a = self.c, self.d, self.arena.ptr
+        fuse_rope = "rope" in fuse
+        if "norm" in fuse:
+            kind, y = ("norm_rope", self.rope_args(kc, vc)) if fuse_rope else ("norm", self.qkv)
+            self.fused_linear(kind, self.resid, lw.qkv, y, T, stream, nw=lw.attn_norm)
+        else:
+            delta = None if li == 0 else self.delta
+            if not normed:
                 self._launch(
-                    *norm_kernel(T), stream, residual=self.resid, delta=self.delta,
-                    w=lw.mlp_norm, **norm,
+                    *norm_kernel(T), stream, residual=self.resid, delta=delta,
+                    w=lw.attn_norm, **self._norm_args(),
                 )  # fmt: skip
-                if lw.router is not None:  # MoE layer (no fusions: fusions_for)
-                    # its output goes into delta in the last layer; before, its combine does the next
-                    # layer's add_rmsnorm (resid += output, hid = norm), one launch fewer
-                    nxt = self.w.layers[li + 1] if li + 1 < len(self.w.layers) else None
-                    then = None if nxt is None else {"residual": self.resid, "w": nxt.attn_norm, "out": self.hid}
-                    self.moe.record(  # type: ignore[union-attr]
-                        self, stream, T, self.hid, lw.router, lw.experts_gate_up, lw.experts_down,
-                        self.delta, nt, then,
-                    )  # fmt: skip
-                    normed = then is not None
-                    continue
-                if fuse_swiglu:
-                    self.fused_linear("swiglu", self.hid, lw.gate_up, self.act, T, stream)
-                else:
-                    self.linear(self.hid, lw.gate_up, self.gu, T, stream)
-            if not fuse_swiglu:
-                self._launch(
-                    "swiglu", (-(-inter // (8 * 256)), T, 1), (256, 1, 1), stream, gu=self.gu, out=self.act,
-                    num_tokens=nt, I=inter,
-                )  # fmt: skip
-            if fuse_norm:
-                self.fused_linear("resid", self.act, lw.down, self.resid, T, stream)
+            if fuse_rope:
+                self.fused_linear("rope", self.hid, lw.qkv, self.rope_args(kc, vc), T, stream)
             else:
-                self.linear(self.act, lw.down, self.delta, T, stream)
+                self.linear(self.hid, lw.qkv, self.qkv, T, stream)
+        if lw.qkv_bias is not None:  # never with fuse_rope (fusions_for)
+            n_qkv = c.q_size + 2 * c.kv_size
+            self._launch(
+                "add_bias", (-(-n_qkv // (8 * 256)), T, 1), (256, 1, 1), stream, y=self.qkv, bias=lw.qkv_bias,
+                num_tokens=a["num_tokens"], n=n_qkv,
+            )  # fmt: skip
+        if not fuse_rope:
+            self._launch(
+                *rope_kernel(c.num_heads + 2 * c.num_kv_heads, c.head_dim, T, c.qk_norm, self.num_sms), stream,
+                qkv=self.qkv, q_out=self.q, k_cache=kc, v_cache=vc, q_norm_w=lw.q_norm, k_norm_w=lw.k_norm,
+                cos_tab=self.cos, sin_tab=self.sin, positions=a["positions"], cu_q_lens=a["cu_q_lens"],
+                block_tables=a["block_tables"], num_tokens=a["num_tokens"], num_seqs=a["num_seqs"], nq=c.num_heads,
+                nkv=c.num_kv_heads, hd=c.head_dim, bs=d.block_size, mbps=d.max_blocks_per_seq, eps=c.rms_eps,
+            )  # fmt: skip
+
+    def _record_mlp(self, stream: int, li: int, lw: object, T: int, fuse: frozenset[str]) -> bool:
+        """A layer's output projection, MLP norm and MLP (dense, or the MoE layer's experts). Returns
+        whether the next layer's attention norm is done already (an MoE combine did it)."""
+        nt, inter = self.arena.ptr["num_tokens"], self.c.intermediate_size
+        fuse_norm, fuse_swiglu = "norm" in fuse, "swiglu" in fuse
+        if fuse_norm:
+            self.fused_linear("resid", self.attn, lw.o, self.resid, T, stream)
+            kind = "norm_swiglu" if fuse_swiglu else "norm"
+            out = self.act if fuse_swiglu else self.gu
+            self.fused_linear(kind, self.resid, lw.gate_up, out, T, stream, nw=lw.mlp_norm)
+        else:
+            self.linear(self.attn, lw.o, self.delta, T, stream)
+            self._launch(
+                *norm_kernel(T), stream, residual=self.resid, delta=self.delta,
+                w=lw.mlp_norm, **self._norm_args(),
+            )  # fmt: skip
+            if lw.router is not None:  # MoE layer (no fusions: fusions_for)
+                # its output goes into delta in the last layer; before, its combine does the next
+                # layer's add_rmsnorm (resid += output, hid = norm), one launch fewer
+                nxt = self.w.layers[li + 1] if li + 1 < len(self.w.layers) else None
+                then = None if nxt is None else {"residual": self.resid, "w": nxt.attn_norm, "out": self.hid}
+                self.moe.record(  # type: ignore[union-attr]
+                    self, stream, T, self.hid, lw.router, lw.experts_gate_up, lw.experts_down,
+                    self.delta, nt, then,
+                )  # fmt: skip
+                return then is not None
+            if fuse_swiglu:
+                self.fused_linear("swiglu", self.hid, lw.gate_up, self.act, T, stream)
+            else:
+                self.linear(self.hid, lw.gate_up, self.gu, T, stream)
+        if not fuse_swiglu:
+            self._launch(
+                "swiglu", (-(-inter // (8 * 256)), T, 1), (256, 1, 1), stream, gu=self.gu, out=self.act,
+                num_tokens=nt, I=inter,
+            )  # fmt: skip
+        if fuse_norm:
+            self.fused_linear("resid", self.act, lw.down, self.resid, T, stream)
+        else:
+            self.linear(self.act, lw.down, self.delta, T, stream)
+        return False
+
+    def _record_head(self, stream: int, S: int, T: int, decode: bool, fuse_norm: bool) -> None:
+        """The step's end: the final norm at each sequence's last token, the LM head, sampling,
+        prompt logprobs (prefill steps with the extension tables) and the completion word."""
+        c, a = self.c, self.arena.ptr
         self._launch(
             "final_norm_gather", (S, 1, 1), (256, 1, 1), stream, residual=self.resid,
             delta=None if fuse_norm else self.delta, w=self.w.final_norm, out=self.last, cu_q_lens=a["cu_q_lens"],
-            num_seqs=ns, H=H, eps=eps,
+            num_seqs=a["num_seqs"], H=c.hidden_size, eps=c.rms_eps,
         )  # fmt: skip
         self.linear(self.last, self.w.lm_head, self.logits, S, stream, out_f32=True)
         self.record_sampling(stream, S)
