@@ -30,6 +30,14 @@ VLLM_NOOP_FLAGS = ("--trust-remote-code",)
 
 
 def _add_stack_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of every command that builds a serving stack: model, device, vLLM's, ring."""
+    _add_model_flags(p)
+    _add_device_flags(p)
+    _add_vllm_flags(p)
+    _add_ring_flags(p)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         metavar="FILE",
@@ -47,7 +55,9 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     )
     parsers = ("auto", "hermes", "llama3_json", "phi4_mini_json")
     p.add_argument("--tool-call-parser", dest="server.tool_call_parser", choices=parsers, help="auto: by chat template")
-    p.add_argument("--mask-slots", dest="ring.mask_slots", type=int, help="structured-output requests at once")
+
+
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", dest="device.kind", choices=("auto", "emulated", "cuda"))
     p.add_argument("--scheduler", dest="device.scheduler", choices=("gpu", "host"))
     p.add_argument("--max-batch", "--max-num-seqs", dest="device.max_batch", type=int, help="sequences per step")
@@ -75,6 +85,20 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         help="share of the GPU memory left free by the weights that the KV cache takes (vLLM's flag is a "
         "share of all GPU memory; both set how much memory goes to the KV cache)",
     )
+    p.add_argument(
+        "--max-device-restarts", dest="device.max_restarts", type=int, help="restarts of a dead device in a row"
+    )
+    p.add_argument("--kernel-cache-dir", dest="device.kernel_cache", metavar="DIR")
+    p.add_argument(
+        "--device-executor",
+        dest="device.executor",
+        metavar="MODULE:FUNCTION",
+        help="emulated only: the executor factory of a stand-in model (benchmarks of the frontend)",
+    )
+
+
+def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags that Blink accepts with its one meaning, and the log level."""
     p.add_argument(
         "--tensor-parallel-size",
         "-tp",
@@ -107,17 +131,11 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         choices=("debug", "info", "warning", "error"),
         help="debug also prints the traceback of start-up errors",
     )
-    p.add_argument(
-        "--max-device-restarts", dest="device.max_restarts", type=int, help="restarts of a dead device in a row"
-    )
-    p.add_argument("--kernel-cache-dir", dest="device.kernel_cache", metavar="DIR")
-    p.add_argument(
-        "--device-executor",
-        dest="device.executor",
-        metavar="MODULE:FUNCTION",
-        help="emulated only: the executor factory of a stand-in model (benchmarks of the frontend)",
-    )
+
+
+def _add_ring_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-slots", dest="ring.n_slots", type=int)
+    p.add_argument("--mask-slots", dest="ring.mask_slots", type=int, help="structured-output requests at once")
     p.add_argument("--prompt-arena-tokens", dest="ring.prompt_arena_tokens", type=int)
     p.add_argument("--output-capacity", dest="ring.output_capacity", type=int)
     p.add_argument(
@@ -167,14 +185,8 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{h} (default: %(default)s)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from blink import __version__
-
-    ap = argparse.ArgumentParser(prog="blink", description="LLM serving with a GPU-resident scheduler")
-    ap.add_argument("--version", action="version", version=f"blink {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible API", formatter_class=HelpFormatter)
+def _add_serve_flags(s: argparse.ArgumentParser) -> None:
+    """`blink serve`'s flags: the stack's, the HTTP server's and the Ray path's."""
     s.add_argument("model_arg", nargs="?", metavar="MODEL", help="as --model (`vllm serve MODEL`)")
     _add_stack_flags(s)
     s.add_argument("--host", dest="server.host")
@@ -242,6 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --ray: frontend processes on the one port (like vLLM's --api-server-count; 0 = one per replica)",
     )
 
+
+def build_parser() -> argparse.ArgumentParser:
+    from blink import __version__
+
+    ap = argparse.ArgumentParser(prog="blink", description="LLM serving with a GPU-resident scheduler")
+    ap.add_argument("--version", action="version", version=f"blink {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API", formatter_class=HelpFormatter)
+    _add_serve_flags(s)
     g = sub.add_parser("generate", help="print one completion (same stack, no HTTP)", formatter_class=HelpFormatter)
     _add_stack_flags(g)
     g.add_argument("prompt", help="the prompt text")
