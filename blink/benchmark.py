@@ -328,6 +328,19 @@ async def run(
         duration = time.perf_counter() - t0
         if side_task is not None:
             await side_task
+    return summarize(args, base, model, results, duration, timeline)
+
+
+def summarize(
+    args: argparse.Namespace,
+    base: str,
+    model: str,
+    results: list[RequestResult],
+    duration: float,
+    timeline: Timeline,
+) -> dict[str, Any]:
+    """run()'s results: the run's settings, throughput, TTFT / TPOT / ITL / E2E statistics and CDFs,
+    the token timeline and every request."""
     ok = [r for r in results if r.ok]
     pct = [float(x) for x in args.metric_percentiles.split(",")]
     out_tok = sum(r.tokens for r in ok)
