@@ -230,6 +230,25 @@ class TokenReader:
         The Python work is per slot with news, not per active slot: a cycle that finds nothing
         (most cycles of a polling reader) costs the bulk read and a few vector operations."""
         self.cycles += 1
+        found = self._read_news(first_apart)
+        if found is None:
+            return 0
+        recs, completed, order, win, gens = found
+        ids_of = self._tokens(order, win, gens)
+        n, stepped, writes, released = self._deliver(order, win, recs, completed, gens, ids_of)
+        if writes:
+            self.t.post(writes)  # consumed counters and releases, after the reads that justify them
+        if self.on_release is not None:
+            for slot in released:
+                self.on_release(slot)
+        if stepped:
+            self.cadence.saw_step(time.monotonic())
+        self.tokens_read += n
+        return n
+
+    def _read_news(self, first_apart: bool) -> tuple | None:
+        """The cycle's bulk read and what it found: (records, completed mask, the slots with news in
+        delivery order, their token windows, the final generated counts); None without news."""
         reads = [(0, self.header.reshape(1))]
         if self.window:
             win_slots = [s for s, a in self.active.items() if not self._backlogged(a)]
@@ -238,7 +257,7 @@ class TokenReader:
         recs = self.tracker.refresh(reads)
         self._check_device(time.monotonic())
         if not self.active:
-            return 0
+            return None
         # Vectorized change detection over all slots; the Python loop only visits slots with
         # news (new tokens or completion), urgent (newly registered) ones first.
         completed = recs["state"] == _COMPLETED
@@ -247,7 +266,7 @@ class TokenReader:
         self._registered = False
         order = np.flatnonzero(news).tolist()
         if not order:
-            return 0
+            return None
         if self.window:
             win: dict[int, tuple[np.ndarray, int] | None] = dict(zip(win_slots, spans, strict=True))
         else:  # a slow consumer's slot is left unread (see _backlogged)
@@ -275,7 +294,19 @@ class TokenReader:
             self.t.transact((), [(self.geo.slots_offset, again)])
             for s in done:
                 gens[s] = int(again["generated"][s])
-        ids_of = self._tokens(order, win, gens)
+        return recs, completed, order, win, gens
+
+    def _deliver(
+        self,
+        order: list[int],
+        win: dict[int, tuple[np.ndarray, int] | None],
+        recs: np.ndarray,
+        completed: np.ndarray,
+        gens: list[int],
+        ids_of: dict[int, list[int]],
+    ) -> tuple[int, bool, list, list[int]]:
+        """Hand each slot's new tokens (and its end) to its sink. Returns (tokens delivered, whether a
+        running sequence got tokens, the ring writes to post, the slots released)."""
         n = 0
         stepped = False  # a running sequence (not only first tokens) got tokens
         writes = []
@@ -331,15 +362,7 @@ class TokenReader:
                 self._active_mask[slot] = False
                 writes.append(self.tracker.release_write(slot))
                 released.append(slot)
-        if writes:
-            self.t.post(writes)  # consumed counters and releases, after the reads that justify them
-        if self.on_release is not None:
-            for slot in released:
-                self.on_release(slot)
-        if stepped:
-            self.cadence.saw_step(time.monotonic())
-        self.tokens_read += n
-        return n
+        return n, stepped, writes, released
 
     def _tokens(
         self, order: list[int], win: dict[int, tuple[np.ndarray, int] | None], gens: list[int]
