@@ -42,37 +42,37 @@ def test_the_kernel_build_covers_the_policy_headers():
     assert "constexpr" not in plan or "BACKLOG" not in plan  # no hand copy of the constants
 
 
-@pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
-def test_cuda_step_budget_gives_the_python_budget_on_every_case(tmp_path: pathlib.Path):
-    src = tmp_path / "budget.cpp"
+def _run_header_fn(tmp_path: pathlib.Path, call: str, rows: list[tuple[int, ...]]) -> list[int]:
+    """blink::<call> of scheduler_budget.cuh, built with the host compiler, on each row of ints."""
+    n = len(rows[0])
+    names = ", ".join(f"a{i}" for i in range(n))
+    src = tmp_path / "fn.cpp"
     src.write_text(
         '#include <cstdio>\n#include "scheduler_budget.cuh"\n'
-        "int main() { unsigned t, m, d, b;\n"
-        '  while (std::scanf("%u %u %u %u", &t, &m, &d, &b) == 4) std::printf("%u\\n", blink::step_budget(t, m, d, b));\n'
+        f"int main() {{ unsigned {names};\n"
+        f'  while (std::scanf("{" ".join(["%u"] * n)}", {", ".join("&a" + str(i) for i in range(n))}) == {n})\n'
+        f'    std::printf("%u\\n", blink::{call}({names}));\n'
         "}\n"
     )
-    exe = tmp_path / "budget"
+    exe = tmp_path / "fn"
     subprocess.run([CXX, "-std=c++17", "-O1", f"-I{S.CSRC}", str(src), "-o", str(exe)], check=True)
-    stdin = "".join(f"{t} {m} {d} {b}\n" for t, m, d, b in CASES)
+    stdin = "".join(" ".join(map(str, r)) + "\n" for r in rows)
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
+    return [int(x) for x in out]
+
+
+@pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
+def test_cuda_step_budget_gives_the_python_budget_on_every_case(tmp_path: pathlib.Path):
+    got = _run_header_fn(tmp_path, "step_budget", CASES)
     want = [policy.step_budget(t, m, d, b) for t, m, d, b in CASES]
-    got = [int(x) for x in out]
     bad = [(c, w, g) for c, w, g in zip(CASES, want, got, strict=True) if w != g]
     assert len(got) == len(CASES) and not bad, bad[:5]
 
 
 @pytest.mark.skipif(CXX is None, reason="no host C++ compiler")
 def test_cuda_group_cap_gives_the_python_share(tmp_path: pathlib.Path):
-    src = tmp_path / "group.cpp"
-    src.write_text(
-        '#include <cstdio>\n#include "scheduler_budget.cuh"\n'
-        'int main() { unsigned b; while (std::scanf("%u", &b) == 1) std::printf("%u\\n", blink::group_cap(b)); }\n'
-    )
-    exe = tmp_path / "group"
-    subprocess.run([CXX, "-std=c++17", f"-I{S.CSRC}", str(src), "-o", str(exe)], check=True)
     batches = [1, 2, 3, 4, 5, 7, 8, 63, 64, 255, 256, 1024]
-    out = subprocess.run([str(exe)], input="\n".join(map(str, batches)), capture_output=True, text=True, check=True)
-    assert [int(x) for x in out.stdout.split()] == [policy.group_cap(b) for b in batches]
+    assert _run_header_fn(tmp_path, "group_cap", [(b,) for b in batches]) == [policy.group_cap(b) for b in batches]
 
 
 def test_step_limits_cap_by_executor_pool_and_rows():
