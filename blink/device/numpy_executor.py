@@ -94,7 +94,9 @@ class NumpyExecutor:
     def _check(self, batch: StepBatch) -> None:
         S, T = batch.num_seqs, batch.num_tokens
         if S > self.max_batch or T > self.max_num_batched_tokens:
-            raise ValueError(f"step of {S} seqs / {T} tokens exceeds max_batch {self.max_batch} / {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"step of {S} seqs / {T} tokens exceeds max_batch {self.max_batch} / {self.max_num_batched_tokens}"
+            )
         if batch.cu_q_lens.shape != (S + 1,) or int(batch.cu_q_lens[-1]) != T or int(batch.cu_q_lens[0]) != 0:
             raise ValueError("cu_q_lens must be (S+1,) prefix sums from 0 to num_tokens")
         if S and int(np.diff(batch.cu_q_lens).min()) < 1:

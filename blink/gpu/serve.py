@@ -10,6 +10,7 @@ host (the ablation baseline). Exit code 0 after a clean stop, 1 after a fault.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 

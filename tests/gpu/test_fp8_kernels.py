@@ -110,7 +110,7 @@ def _fp8_engine(cfg, tensors):
     from blink.gpu.engine.engine import Engine, EngineConfig
 
     ecfg = EngineConfig(
-        max_seqs=4, max_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
+        max_seqs=4, max_num_batched_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
         token_buckets=(16, 128), progress=False, quantization="fp8",
     )  # fmt: skip
     eng = Engine.create(cfg, ecfg, bf16_tensors=tensors)
@@ -137,7 +137,7 @@ def _compare(eng, cfg, refs: list) -> list[list[float]]:
     return errs
 
 
-_KW = dict(num_blocks=64, block_size=8, max_batch=4, max_tokens=128, max_blocks_per_seq=64)
+_KW = dict(num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=128, max_blocks_per_seq=64)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m"])

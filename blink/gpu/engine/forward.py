@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import Any
 
 import numpy as np
 
@@ -162,30 +163,8 @@ class Forward(AttentionLaunches):
         self.last = z(Sm, H)
         self.logits = z(Sm, c.vocab_size, dt=cp.float32)
         self.out_tokens = z(Sm, dt=cp.int32)
-        # Sampling extensions (sampling.cu): outputs of the step, and the per-row tables (one row per
-        # ring slot; one dummy row when they are off, so the graphs' pointers stay valid).
         self.sampling_rows = sampling_rows
-        rows, V = max(1, sampling_rows), c.vocab_size
-        self.proc = z(Sm if sampling_rows else 1, V, dt=cp.float32)
-        self.chosen_lp = z(Sm, dt=cp.float32)
-        self.top_ids = z(Sm, MAX_LOGPROBS, dt=cp.int32)
-        self.top_lps = z(Sm, MAX_LOGPROBS, dt=cp.float32)
-        self.lp_stats = z(2 * Sm, dt=cp.float32)
-        self.pen_state = z(rows, V if sampling_rows else 1, dt=cp.uint32)
-        self.bias_n = z(rows, dt=cp.int32)
-        self.bias_ids = z(rows, MAX_LOGIT_BIAS, dt=cp.int32)
-        self.bias_vals = z(rows, MAX_LOGIT_BIAS, dt=cp.float32)
-        self.mask_words = (V + 31) // 32  # token masks (token_mask): a row per step row (Engine._upload_masks)
-        self.masks = z(Sm if sampling_rows else 1, self.mask_words if sampling_rows else 1, dt=cp.uint32)
-        # Prompt logprobs (plp_* in sampling.cu): the final-normed hidden state, the fp32 logits and
-        # the record of every scored row; up to max_num_batched_tokens rows (that many times vocab * 4
-        # bytes of logits), allocated with the extension tables.
-        P = Tm if sampling_rows else 1
-        self.plp_hid = z(P, H)
-        self.plp_logits = z(P, V if sampling_rows else 1, dt=cp.float32)
-        self.plp_lp = z(P, dt=cp.float32)
-        self.plp_ids = z(P, MAX_LOGPROBS, dt=cp.int32)
-        self.plp_lps = z(P, MAX_LOGPROBS, dt=cp.float32)
+        self._init_sampling_buffers(z, Sm, Tm)
         self.done_seq = z(1, dt=cp.uint64)
         ws = max(s * max(self.flash_splits(s, v) for v in FLASH_VARIANTS) for s in range(1, Sm + 1))
         self.part_o = z(ws * c.num_heads * c.head_dim, dt=cp.float32)
@@ -209,6 +188,35 @@ class Forward(AttentionLaunches):
         self.fp8 = isinstance(weights.layers[0].qkv, Fp8Linear)
         self.fp8_gemv_max_tokens = FP8_GEMV_BUCKETS[-1]
         self.fp8_scratch = z(fp8_scratch_elems(c) if self.fp8 else 1)
+
+    def _init_sampling_buffers(self, z: Any, Sm: int, Tm: int) -> None:
+        """The sampling extensions' buffers (`z` allocates zeros on the GPU)."""
+        import cupy as cp
+
+        sampling_rows, H = self.sampling_rows, self.c.hidden_size
+        # Sampling extensions (sampling.cu): outputs of the step, and the per-row tables (one row per
+        # ring slot; one dummy row when they are off, so the graphs' pointers stay valid).
+        rows, V = max(1, sampling_rows), self.c.vocab_size
+        self.proc = z(Sm if sampling_rows else 1, V, dt=cp.float32)
+        self.chosen_lp = z(Sm, dt=cp.float32)
+        self.top_ids = z(Sm, MAX_LOGPROBS, dt=cp.int32)
+        self.top_lps = z(Sm, MAX_LOGPROBS, dt=cp.float32)
+        self.lp_stats = z(2 * Sm, dt=cp.float32)
+        self.pen_state = z(rows, V if sampling_rows else 1, dt=cp.uint32)
+        self.bias_n = z(rows, dt=cp.int32)
+        self.bias_ids = z(rows, MAX_LOGIT_BIAS, dt=cp.int32)
+        self.bias_vals = z(rows, MAX_LOGIT_BIAS, dt=cp.float32)
+        self.mask_words = (V + 31) // 32  # token masks (token_mask): a row per step row (Engine._upload_masks)
+        self.masks = z(Sm if sampling_rows else 1, self.mask_words if sampling_rows else 1, dt=cp.uint32)
+        # Prompt logprobs (plp_* in sampling.cu): the final-normed hidden state, the fp32 logits and
+        # the record of every scored row; up to max_num_batched_tokens rows (that many times vocab * 4
+        # bytes of logits), allocated with the extension tables.
+        P = Tm if sampling_rows else 1
+        self.plp_hid = z(P, H)
+        self.plp_logits = z(P, V if sampling_rows else 1, dt=cp.float32)
+        self.plp_lp = z(P, dt=cp.float32)
+        self.plp_ids = z(P, MAX_LOGPROBS, dt=cp.int32)
+        self.plp_lps = z(P, MAX_LOGPROBS, dt=cp.float32)
 
     def _init_gemv_smem(self, kernels: Kernels, driver: Driver) -> None:
         """Dynamic shared memory of the fused GEMVs whose prologue normalises into shared memory."""
