@@ -1,6 +1,6 @@
 """Rows of logits no sampler may be driven out of the vocabulary by, with the token the definition
 (blink/device/sampling.py) gives for each: the cases the numpy device (tests/test_sampling_extremes.py)
-and the CUDA kernel (tests/gpu/test_sampling_extremes.py) are both held to."""
+and the CUDA kernel (tests/gpu/test_gpu_sampling_extremes.py) are both held to."""
 
 from __future__ import annotations
 

@@ -58,3 +58,11 @@ def test_readme_table_rows_stay_short():
         for i, line in enumerate((ROOT / f).read_text().splitlines(), 1):
             if line.lstrip().startswith("|"):
                 assert len(line) <= 300, f"{f}:{i} is {len(line)} characters"
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test files by basename (tests/ has no packages): two files of one name in
+    different folders stop the whole collection with "import file mismatch"."""
+    root = Path(__file__).parent
+    names = [p.name for p in root.rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
