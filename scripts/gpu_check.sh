@@ -16,8 +16,8 @@
 #   serve32b     bench.serving.serve_check: Qwen3-32B's shape served end to end              (~3 min)
 #   paper        bench.paper.evaluate --quick: the paper's evaluation, then its figures      (~10 min)
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
-#   fp8          bench.kernels.fp8_gemm (each projection's FP8 and bf16 paths), then bench.engine.throughput
-#                --quantization fp8 for Llama-3-8B and Qwen3-32B (batch-1 decode, 256 x (256 -> 128)) (~5 min)
+#   fp8          bench.kernels.fp8_gemm (each projection's FP8 and bf16 paths, M = 1..4096), then bench.engine.throughput
+#                --quantization fp8 for Llama-3-8B and Qwen3-32B (batch-1 decode, 256 x (256 -> 128)) (~7 min)
 #   wheel        this clone's wheel installed alone (no nvcc on PATH) builds with NVRTC and serves
 # Each part runs in its own process (a CUDA fault cannot take the others down) under a timeout;
 # its output goes to OUT_DIR/<part>.log; a summary table prints last. Exit status: 0 when every part

@@ -126,3 +126,65 @@ def test_quantization_flag_reaches_both_devices():
 
     assert engine_config(cuda, 4096).quantization == "fp8"
     assert engine_config(device_spec(C.BlinkConfig().replace(device={"kind": "cuda"}), "r"), 4096).quantization == ""
+
+
+def test_activations_are_quantized_per_token_with_the_weights_arithmetic():
+    x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
+    x[2] = 0.0
+    x[3] *= 1000.0
+    q = fp8.quantize_activations(x)
+    assert q.codes.shape == x.shape and q.scales.shape == (5,)
+    assert q.scales[2] == 1.0 and np.array_equal(q.scales, fp8.channel_scales(x))
+    for t in range(5):  # each row on its own: the other rows change nothing
+        one = fp8.quantize_activations(x[t : t + 1])
+        assert np.array_equal(one.codes[0], q.codes[t]) and one.scales[0] == q.scales[t]
+    assert np.array_equal(fp8.fake_quantize_activations(x), q.dequantize())
+
+
+def test_w8a8_linear_is_the_product_of_the_quantized_operands():
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((7, 96)).astype(np.float32), rng.standard_normal((40, 96)).astype(np.float32)
+    wq = fp8.quantize(w)
+    y = fp8.w8a8_linear(x, wq)
+    want = fp8.fake_quantize_activations(x).astype(np.float64) @ wq.dequantize().T.astype(np.float64)
+    assert np.allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(y - exact).max() > 1e-4 * np.abs(exact).max()  # activation rounding is visible
+    assert np.abs(y - exact).max() < 0.1 * np.abs(exact).max()
+
+
+def test_w8a8_in_every_step_but_small_decode_steps():
+    m = fp8.FP8_GEMV_MAX_TOKENS
+    assert not fp8.uses_w8a8(m, decode=True) and fp8.uses_w8a8(m + 1, decode=True)
+    assert fp8.uses_w8a8(1, decode=False) and fp8.uses_w8a8(m, decode=False)  # prefill graphs: >= 16 rows
+    assert fp8.uses_w8a8(5, decode=True, gemv_max_tokens=4)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe"])
+def test_fp8_model_quantizes_activations_only_in_large_steps(name):
+    c = preset(name)
+    w = random_weights(c, seed=4)
+    w8a8, weight_only = (
+        LlamaNumpy(c, w, quantization="fp8"),
+        LlamaNumpy(c, w, quantization="fp8", fp8_gemv_max_tokens=None),
+    )
+    kv = w8a8.kv_cache_shape(16, 8)
+
+    def run(m: LlamaNumpy, T: int) -> np.ndarray:
+        ids = np.random.default_rng(T).integers(0, c.vocab_size, T)
+        kc, vc = np.zeros(kv, np.float32), np.zeros(kv, np.float32)
+        return m.forward(ids, np.arange(T), np.array([0, T]), np.arange(8)[None], kc, vc)
+
+    def run_decode(m: LlamaNumpy, S: int) -> np.ndarray:  # S sequences, one token each at position 0
+        ids = np.random.default_rng(S).integers(0, c.vocab_size, S)
+        kc, vc = np.zeros(kv, np.float32), np.zeros(kv, np.float32)
+        return m.forward(ids, np.zeros(S, np.int64), np.arange(S + 1), np.arange(S)[:, None], kc, vc)
+
+    small = fp8.FP8_GEMV_MAX_TOKENS
+    assert np.array_equal(run_decode(w8a8, small), run_decode(weight_only, small))  # the GEMV: bf16 activations
+    assert not np.array_equal(run_decode(w8a8, small + 1), run_decode(weight_only, small + 1))
+    assert not np.array_equal(run(w8a8, 3), run(weight_only, 3))  # a prefill of 3 tokens: a GEMM step
+    a, b = run(w8a8, small + 4), run(weight_only, small + 4)
+    assert not np.array_equal(a, b)
+    cos = float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
+    assert 0.95 < cos < 1.0  # random weights (MoE routing may flip): closeness, not accuracy

@@ -19,7 +19,7 @@ from blink.gpu.engine.forward import (
     fp8_scratch_elems,
     rope_kernel,
 )
-from blink.gpu.engine.fp8_weights import FP8_GEMV_ROWS_PER_WARP, FP8_PROJECTIONS, Fp8Linear
+from blink.gpu.engine.fp8_weights import FP8_GEMV_ROWS_PER_WARP, FP8_LARGE_PATHS, FP8_PROJECTIONS, Fp8Linear
 from blink.gpu.engine.moe_launch import (
     BIG_TILE_M,
     BIG_TILE_MIN_TOKENS,
@@ -129,7 +129,8 @@ def _finish(f: Forward, gemv_max_tokens: int, fusion: str, signatures: dict) -> 
     f.k = _Kernels(signatures)
     f._init_attention(f.k, SimpleNamespace(set_max_dynamic_smem=lambda fn, n: None))
     f.gemv_max_tokens = gemv_max_tokens
-    f.fp8, f.fp8_gemv_max_tokens, f.fp8_scratch = False, 8, _Arr(1)
+    f.fp8, f.fp8_gemv_max_tokens, f.fp8_path, f.fp8_gemm = False, 8, "", None
+    f.fp8_scratch = f.fp8_x8 = f.fp8_xs = f.fp8_d32 = _Arr(1)
     f.set_gemv_fusion(_fusion(fusion))
     calls: list = []
     f.drv = SimpleNamespace(
@@ -482,38 +483,52 @@ def test_norm_and_rope_kernels_by_step_size():
     assert name == "rope_kv_write_warp" and grid == (7, 6, 1) and block == (256, 1, 1)  # 8 heads (warps) a block
 
 
-def _fp8(f: Forward) -> Forward:
-    """f with every dense projection as an Fp8Linear (stand-in arrays), as GpuWeights.empty(fp8=True)."""
+def _fp8(f: Forward, path: str, calls: list) -> Forward:
+    """f with every dense projection as an Fp8Linear (stand-in arrays), as GpuWeights.empty(fp8=True),
+    on FP8 path `path` (the GEMM's calls recorded as "fp8_gemm")."""
     for lw in f.w.layers:
         for p in FP8_PROJECTIONS:
             n, k = getattr(lw, p).shape
             setattr(lw, p, Fp8Linear(_Arr(n, k), _Arr(n)))
-    f.fp8 = True
+    f.fp8, f.fp8_path = True, path
+    if path != "dequant":
+        f.fp8_gemm = SimpleNamespace(matmul=lambda *a: calls.append(("fp8_gemm", None, a, 0)))
     return f
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "qwen2.5-7b"])
 @pytest.mark.parametrize("T", [1, 2, 8, 16, 256])
-def test_fp8_projections_launch_the_fp8_gemv_or_dequantize_before_the_gemm(name: str, T: int, signatures: dict):
+@pytest.mark.parametrize("path", FP8_LARGE_PATHS)
+def test_fp8_projections_launch_the_fp8_gemv_or_the_large_step_path(name: str, T: int, path: str, signatures: dict):
     f, calls = _forward(name, 8, "all", signatures, layers=2)
-    f = _fp8(f)
+    f = _fp8(f, path, calls)
     S = min(T, 8)
     f.record(0, S, T, T <= 8)
     names = [c[0] for c in calls]
     bf16_gemv = [n for n in names if n.startswith("gemv_") and "fp8" not in n]
     assert bf16_gemv == [f"gemv_f32_t{S}"]  # the LM head's (S rows, bf16) only: no fusion
     assert names.count("add_rmsnorm") == 2 * 2 and names.count("swiglu") == 2
+    fp8_kernels = ("fp8_dequant_rows", "fp8_quantize_rows", "fp8_gemm", "fp8_scale_rows", "cublas")
+    seq = [n for n in names if n in fp8_kernels]
+    n_qkv = f.c.q_size + 2 * f.c.kv_size
     if T <= 8:
-        assert names.count(f"gemv_fp8_t{T}") == 4 * 2 and "fp8_dequant_rows" not in names
-        assert "cublas" not in names
+        assert names.count(f"gemv_fp8_t{T}") == 4 * 2 and not seq
         args = [c for c in calls if c[0] == f"gemv_fp8_t{T}"][0]
-        n_qkv = f.c.q_size + 2 * f.c.kv_size
         assert args[1] == (-(-n_qkv // (8 * FP8_GEMV_ROWS_PER_WARP[T])), 1, 1)
-    else:  # each projection dequantized into the scratch right before its GEMM
-        seq = [n for n in names if n in ("fp8_dequant_rows", "cublas")]
+    elif path == "dequant":  # each projection dequantized into the scratch right before its GEMM
         assert seq == ["fp8_dequant_rows", "cublas"] * (4 * 2)
         deq = [c for c in calls if c[0] == "fp8_dequant_rows"][0]
-        assert deq[1] == (-(-f.c.hidden_size // 4096), f.c.q_size + 2 * f.c.kv_size, 1)
+        assert deq[1] == (-(-f.c.hidden_size // 4096), n_qkv, 1)
+    else:  # the input quantized per token (T rows), the FP8 GEMM, and for "epilogue" the scaling kernel
+        per = ["fp8_quantize_rows", "fp8_gemm"] + (["fp8_scale_rows"] if path == "epilogue" else [])
+        assert seq == per * (4 * 2)
+        q = [c for c in calls if c[0] == "fp8_quantize_rows"][0]
+        assert q[1] == (T, 1, 1)
+        g = [c for c in calls if c[0] == "fp8_gemm"][0][2]
+        assert g[:3] == (T, n_qkv, f.c.hidden_size)
+        if path == "epilogue":
+            sc = [c for c in calls if c[0] == "fp8_scale_rows"][0]
+            assert sc[1] == (-(-n_qkv // 2048), T, 1)
 
 
 def test_fp8_scratch_holds_the_largest_projection():
@@ -521,3 +536,19 @@ def test_fp8_scratch_holds_the_largest_projection():
     assert fp8_scratch_elems(c) == 2 * c.intermediate_size * c.hidden_size
     c = preset("qwen3-32b")
     assert fp8_scratch_elems(c) == max(2 * c.intermediate_size, c.q_size + 2 * c.kv_size) * c.hidden_size
+
+
+def test_fp8_decode_between_gemv_sizes_runs_in_pieces_and_prefill_never_on_the_gemv(signatures: dict):
+    f, calls = _forward("llama3-8b", 8, "all", signatures, layers=1)
+    f = _fp8(f, "outer", calls)
+    f.record(0, 6, 6, True)  # a batch bucket of 6 (max_seqs 6): rows 0-3 on the t4 GEMV, rows 4-5 on t2
+    g = [c for c in calls if c[0].startswith("gemv_fp8")]
+    assert [c[0] for c in g] == ["gemv_fp8_t4", "gemv_fp8_t2"] * 4
+    x = lambda c: c[2][2].value  # noqa: E731 (the X pointer)
+    y = lambda c: c[2][3].value  # noqa: E731
+    H, n_qkv = f.c.hidden_size, f.c.q_size + 2 * f.c.kv_size
+    assert x(g[1]) - x(g[0]) == 2 * 4 * H and y(g[1]) - y(g[0]) == 2 * 4 * n_qkv
+    calls.clear()
+    f.record(0, 1, 8, False)  # a prefill graph of 8 rows: the GEMM, as the numpy definition's prefill
+    names = [c[0] for c in calls]
+    assert not any(n.startswith("gemv_fp8") for n in names) and names.count("fp8_gemm") == 4

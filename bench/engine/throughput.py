@@ -81,7 +81,14 @@ def decode_b1(eng, bandwidth: dict, context: int = DECODE_CONTEXT, iters: int = 
 
 
 def one_model(
-    preset_name: str, layers: int, schedulers: tuple[str, ...], n: int, prompt: int, new: int, quantization: str = ""
+    preset_name: str,
+    layers: int,
+    schedulers: tuple[str, ...],
+    n: int,
+    prompt: int,
+    new: int,
+    quantization: str = "",
+    fp8_gemm: str = "",
 ) -> dict:
     """Everything measured on one preset (in this process); `skipped` when the CUDA engine refuses it."""
     from blink.models.config import UnsupportedModelError, preset
@@ -100,10 +107,12 @@ def one_model(
     t0 = time.perf_counter()
     try:
         check_device(f"random:{preset_name}", "cuda")  # what `blink serve --device cuda` refuses, before any CUDA
-        eng = make_engine(preset_name, 256, 4096, 2048, layers=layers, quantization=quantization)
+        eng = make_engine(preset_name, 256, 4096, 2048, layers=layers, quantization=quantization, fp8_gemm=fp8_gemm)
     except (UnsupportedModelError, ValueError) as e:  # ValueError: fp8 on a MoE model
         return {**res, "skipped": str(e)}
     build_s = time.perf_counter() - t0
+    if eng.fwd.fp8:
+        res["fp8_path"] = eng.fwd.fp8_path  # past the FP8 GEMV (EngineConfig.fp8_gemm)
     import cupy as cp
 
     bw = copy_bandwidth(1 << 30)  # 2 x 1 GB: what the KV pool (85% of the free memory) leaves room for
@@ -164,7 +173,7 @@ def all_models(a: argparse.Namespace, argv: list[str]) -> int:
             cmd = [sys.executable, "-m", "bench.engine.throughput", "--preset", name, "--json-out", tmp.name]
             cmd += ["--schedulers", a.schedulers, "--layers", str(a.layers)]
             cmd += ["--requests", str(a.requests), "--prompt", str(a.prompt), "--new", str(a.new)]
-            cmd += ["--quantization", a.quantization]
+            cmd += ["--quantization", a.quantization, "--fp8-gemm", a.fp8_gemm]
             t0 = time.perf_counter()
             rc, err = run_child(cmd, min(a.timeout, left))
             if rc == 0 and os.path.getsize(tmp.name) > 0:
@@ -209,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default="", help="(the child of --presets) where one model's result goes")
     ap.add_argument("--out", default="")
     ap.add_argument("--quantization", default="", choices=("", "fp8"), help="fp8: FP8 dense projections")
+    ap.add_argument(
+        "--fp8-gemm", default="", choices=("", "auto", "outer", "epilogue", "dequant"), help="EngineConfig.fp8_gemm"
+    )
     a = ap.parse_args(argv[1:])
     schedulers = tuple(s for s in a.schedulers.split(",") if s)
     if a.presets:
@@ -216,11 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--presets needs --out")
         return all_models(a, argv)
     if a.json_out:
-        res = one_model(a.preset, a.layers, schedulers, a.requests, a.prompt, a.new, a.quantization)
+        res = one_model(a.preset, a.layers, schedulers, a.requests, a.prompt, a.new, a.quantization, a.fp8_gemm)
         with open(a.json_out, "w") as f:
             json.dump(res, f)
         return 0
-    eng = make_engine(a.preset, 256, 4096, 2048, layers=a.layers, quantization=a.quantization)
+    eng = make_engine(a.preset, 256, 4096, 2048, layers=a.layers, quantization=a.quantization, fp8_gemm=a.fp8_gemm)
     res = {"bench": "throughput", **metadata(a.commit, argv, gpu_key="device"), "preset": a.preset,
            "quantization": a.quantization or "bf16",
            **run(eng, a.requests, a.prompt, a.new, schedulers)}  # fmt: skip

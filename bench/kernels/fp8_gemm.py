@@ -1,14 +1,18 @@
 """FP8-weight projections against bf16, kernel by kernel, at a model's linear shapes (no engine).
 
-    python -m bench.kernels.fp8_gemm --out fp8_gemm-h200-<commit>.json   # Llama-3-8B and Qwen3-32B, ~1 min on an H200
+    python -m bench.kernels.fp8_gemm --out fp8_gemm-h200-<commit>.json   # Llama-3-8B and Qwen3-32B, ~2-3 min on an H200
     python -m bench.kernels.fp8_gemm --out x.json --presets llama3-8b --rows 1,8,256
 
 For each projection (qkv, o, gate_up, down) and row count M: bf16 through cuBLAS and, for M <= 8, the
-bf16 GEMV (model_kernels.cu); FP8 through its GEMV (fp8.cu, M <= 8) and through dequantize + bf16 cuBLAS
-(the engine's path above 8 rows). Each timing cycles over enough copies of the weight to exceed 4x
-the L2, so every launch streams from HBM. Per M, the sum over a step's projections (x layers) of the
-best bf16 and the best FP8 path, and the M = 1 GEMVs' bandwidth against the copy bandwidth (bytes:
-weights + scales + activations). Writes --out (default bench/results/fp8_gemm-<gpu>-<commit>.json).
+bf16 GEMV (model_kernels.cu); FP8 through its GEMV (fp8.cu, M <= 8), through dequantize + bf16 cuBLAS
+(EngineConfig.fp8_gemm "dequant"), and W8A8 (blink/gpu/engine/fp8_gemm.py: the per-token activation
+quantization kernel plus the cuBLASLt FP8 GEMM with outer-vector scales, "fp8_w8a8_outer", or with
+fp32 sums and the scaling kernel, "fp8_w8a8_epilogue"; a mode cuBLASLt does not offer is left out).
+Activations are random bf16. Each timing cycles over enough copies of the weight to exceed 4x the L2,
+so every launch streams from HBM. Per M, the sum over a step's projections (x layers) of the best bf16
+and the best FP8 path and of each path alone (`paths_ms`), and the M = 1 GEMVs' bandwidth against the
+copy bandwidth (bytes: weights + scales + activations). Writes --out (default
+bench/results/fp8_gemm-<gpu>-<commit>.json).
 """
 
 from __future__ import annotations
@@ -49,6 +53,14 @@ def _setup():
     return drv, Kernels(drv, DEFAULT_CACHE), Cublas(int(stream.ptr), int(ws.data.ptr), int(ws.nbytes)), stream, ws
 
 
+def _w8a8(env) -> dict:
+    """scaling mode -> Fp8Gemm on the benchmark's stream and workspace."""
+    from blink.gpu.engine.fp8_gemm import SCALE_MODES, Fp8Gemm
+
+    drv, _, _, stream, ws = env
+    return {m: Fp8Gemm(drv, int(stream.ptr), int(ws.data.ptr), int(ws.nbytes), m) for m in SCALE_MODES}
+
+
 def _time_role(env, n: int, k: int, rows: list[int]) -> dict[int, dict[str, float]]:
     """ms of each path at each M for one (n, k) projection."""
     import cupy as cp
@@ -59,9 +71,13 @@ def _time_role(env, n: int, k: int, rows: list[int]) -> dict[int, dict[str, floa
         "w16": w16,
         "w8": w8,
         "sc": cp.full(n, 1e-3, dtype=cp.float32),
-        "x": cp.zeros((max(rows), k), dtype=cp.uint16),
+        "x": cp.random.randint(0x3000, 0x3F80, (max(rows), k), dtype=cp.uint16)
+        ^ (cp.random.randint(0, 2, (max(rows), k), dtype=cp.uint16) << 15),  # random signs
         "y": cp.zeros((max(rows), n), dtype=cp.uint16),
         "scratch": cp.empty((n, k), dtype=cp.uint16),
+        "x8": cp.zeros((max(rows), k), dtype=cp.uint8),
+        "xs": cp.zeros(max(rows), dtype=cp.float32),
+        "d32": cp.zeros((max(rows), n), dtype=cp.float32),
     }
     out = {m: _time_m(env, bufs, m, n, k) for m in rows}
     bufs.clear()
@@ -71,7 +87,7 @@ def _time_role(env, n: int, k: int, rows: list[int]) -> dict[int, dict[str, floa
 
 def _time_m(env, b: dict, m: int, n: int, k: int) -> dict[str, float]:
     """ms of each path at M = m, each launch on the next copy of the weight."""
-    drv, kern, blas, stream, _ = env
+    drv, kern, blas, stream = env[:4]
     s, xp, yp = int(stream.ptr), int(b["x"].data.ptr), int(b["y"].data.ptr)
     turn = [0]
 
@@ -97,7 +113,29 @@ def _time_m(env, b: dict, m: int, n: int, k: int) -> dict[str, float]:
             lambda: launch(f"gemv_fp8_t{m}", g, W=nxt(b["w8"]), scales=b["sc"], X=x, Y=y, N=n, K=k), stream, 30
         )
     r["fp8_dequant_cublas"] = time_ms(deq, stream, 30)
+    for mode, g in env[5].items():  # also at M <= 8: where the GEMV should hand over
+        if g.supported((m, n, k)):
+            r[f"fp8_w8a8_{mode}"] = time_ms(
+                lambda g=g, mode=mode: _w8a8_call(env, b, g, mode, m, n, k, nxt), stream, 30
+            )
     return r
+
+
+def _w8a8_call(env, b: dict, g, mode: str, m: int, n: int, k: int, nxt) -> None:
+    """One W8A8 projection as Forward.fp8_linear runs it: quantize the rows, the FP8 GEMM, (scale)."""
+    drv, kern, _, stream, _ = env[:5]
+    s = int(stream.ptr)
+
+    def launch(name: str, grid, **a) -> None:
+        drv.launch(kern[name], grid, (256, 1, 1), kern.args(name, a), s, 0, name)
+
+    x, x8, xs, y, d32 = b["x"][:m], b["x8"], b["xs"], b["y"], b["d32"]
+    launch("fp8_quantize_rows", (m, 1, 1), W=x, codes=x8, scales=xs, N=m, K=k)
+    d = y if mode == "outer" else d32
+    p = lambda a: int(a.data.ptr)  # noqa: E731
+    g.matmul(m, n, k, p(x8), p(nxt(b["w8"])), p(d), p(xs), p(b["sc"]))
+    if mode == "epilogue":
+        launch("fp8_scale_rows", (-(-n // 2048), m, 1), D=d32, xs=xs, ws=b["sc"], Y=y, T=m, N=n)
 
 
 def bench_preset(env, name: str, rows: list[int], bw: dict) -> dict:
@@ -113,6 +151,17 @@ def bench_preset(env, name: str, rows: list[int], bw: dict) -> dict:
         steps[m] = {"bf16_ms": b16 * cfg.num_layers, "fp8_ms": f8 * cfg.num_layers, "speedup": b16 / f8}
         print(f"{name} M={m:4d}: projections of a step bf16 {b16 * cfg.num_layers:7.3f} ms, "
               f"fp8 {f8 * cfg.num_layers:7.3f} ms ({b16 / f8:.2f}x)", flush=True)  # fmt: skip
+    paths = sorted({p for r in ROLES for ms in per_role[r].values() for p in ms})
+    paths_ms = {
+        p: {
+            m: cfg.num_layers * sum(per_role[r][m][p] for r in ROLES)
+            for m in rows
+            if all(p in per_role[r][m] for r in ROLES)
+        }
+        for p in paths
+    }
+    for p in paths:
+        print(f"{name} {p:20s} " + " ".join(f"M={m}:{v:.3f}" for m, v in paths_ms[p].items()), flush=True)
     gemv1 = {}
     for r in ROLES:
         n, k = roles[r]
@@ -121,17 +170,25 @@ def bench_preset(env, name: str, rows: list[int], bw: dict) -> dict:
             if path in ms:
                 gbps = nbytes / ms[path] / 1e6
                 gemv1[f"{r}.{path}"] = {"GBps": gbps, "frac_of_read_bw": gbps / bw["read_GBps"]}
-    return {"shapes": roles, "layers": cfg.num_layers, "ms": per_role, "step_projections": steps, "gemv_m1": gemv1}
+    return {
+        "shapes": roles,
+        "layers": cfg.num_layers,
+        "ms": per_role,
+        "step_projections": steps,
+        "paths_ms": paths_ms,
+        "gemv_m1": gemv1,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="", help="result JSON (default bench/results/fp8_gemm-<gpu>-<commit>.json)")
     ap.add_argument("--presets", default="llama3-8b,qwen3-32b")
-    ap.add_argument("--rows", default="1,2,4,8,16,64,256")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096")
     add_commit_arg(ap)
     a = ap.parse_args()
     env = _setup()
+    env = (*env, _w8a8(env))
     bw = copy_bandwidth(1 << 30)
     rows = [int(r) for r in a.rows.split(",")]
     res = {"bench": "fp8_gemm", **metadata(a.commit or git_commit()), "copy_bandwidth": bw, "presets": {}}

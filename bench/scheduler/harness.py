@@ -32,9 +32,11 @@ def make_engine(
     gemm_sm_reserve: int = -1,
     layers: int = 0,
     quantization: str = "",
+    fp8_gemm: str = "",
 ):
     """An engine over random weights of `preset_name` (`layers`: that many of its layers; 0: all), captured;
-    `quantization` "fp8": its dense projections in FP8 (EngineConfig.quantization)."""
+    `quantization` "fp8": its dense projections in FP8 (EngineConfig.quantization; `fp8_gemm`: its
+    EngineConfig.fp8_gemm, "" = the default)."""
     from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
 
@@ -49,6 +51,7 @@ def make_engine(
         token_buckets=tokens,
         progress=False,
         quantization=quantization,
+        **({"fp8_gemm": fp8_gemm} if fp8_gemm else {}),
         **({"gemm_sm_reserve": gemm_sm_reserve} if gemm_sm_reserve >= 0 else {}),
     )
     t0 = time.perf_counter()

@@ -84,7 +84,10 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
     engine = Engine.create(mcfg, ecfg, kernel_cache=spec.kernel_cache or DEFAULT_CACHE, bf16_tensors=tensors)
     d = engine.dims
     if ecfg.quantization:
-        phase(f"weights: {ecfg.quantization}, {engine.weights.nbytes / 2**30:.2f} GiB on the device")
+        phase(
+            f"weights: {ecfg.quantization}, {engine.weights.nbytes / 2**30:.2f} GiB on the device; FP8 GEMV up to "
+            f"{ecfg.fp8_gemv_max_tokens} decode tokens, then {engine.fwd.fp8_path}"
+        )
     gib = kv_gib(mcfg.num_layers, d.num_blocks, d.block_size, mcfg.num_kv_heads, mcfg.head_dim, 2)
     phase(f"KV cache: {d.num_blocks} blocks of {d.block_size} tokens, {gib:.2f} GiB (bf16); capturing graphs")
     engine.capture()

@@ -12,7 +12,15 @@ A linear layer's weight W (out, in) is quantized per output channel (row), as vL
 
 and y[t, n] = scale[n] * sum_k x[t, k] * value(code[n, k]): the scale factors out of the dot product, so a
 kernel accumulates the decoded codes against the activations and multiplies once per output.
-Activations stay in the compute dtype (weight-only FP8, "W8A16"): no GEMM here reads FP8 activations.
+
+Which steps quantize activations depends on the step's size, as on the CUDA device:
+  * decode steps (one token per sequence) of at most FP8_GEMV_MAX_TOKENS tokens are weight-only
+    ("W8A16"): the FP8-weight GEMV reads the activations in the compute dtype;
+  * every other step is W8A8, as vLLM's dynamic FP8: each projection's input rows are quantized per token
+    with the weights' arithmetic (`quantize_activations`: xs[t] = amax(|x[t, :]|) / 448, codes e4m3 of
+    x / xs[t]) and the GEMM runs on FP8 tensor cores,
+        y[t, n] = xs[t] * scale[n] * sum_k value(xcode[t, k]) * value(code[n, k])     (fp32 sums)
+    (`w8a8_linear`). Per-token quantization is row by row, so padding rows change nothing.
 
 The source of the quantization is the weight as a bf16 device holds it (`as_device_weight`,
 `quantize_bf16`): the CUDA loader quantizes the bf16 bits it streams on the GPU with this arithmetic
@@ -30,6 +38,7 @@ import numpy as np
 from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
 E4M3_MAX = 448.0
+FP8_GEMV_MAX_TOKENS = 8  # steps up to this many tokens keep bf16 activations; larger ones are W8A8
 QUANTIZATIONS = ("fp8",)  # --quantization values served; None/"" = the checkpoint's dtype
 
 
@@ -109,3 +118,31 @@ def quantize_bf16(bits: np.ndarray) -> Fp8Weight:
 def as_device_weight(w: np.ndarray) -> np.ndarray:
     """The float32 values a bf16 device holds for w: the source every FP8 quantization starts from."""
     return bf16_bits_to_f32(f32_to_bf16_bits(w))
+
+
+def quantize_activations(x: np.ndarray) -> Fp8Weight:
+    """Per-token quantization of a projection's input x (tokens, in): the rows' codes and scales, with
+    the weights' arithmetic (one scale per row). On the CUDA device the rows are bf16 values."""
+    return quantize(x)
+
+
+def fake_quantize_activations(x: np.ndarray) -> np.ndarray:
+    """x (tokens, in) float32 -> the float32 values its per-token FP8 quantization stands for."""
+    x = np.asarray(x, dtype=np.float32)
+    return quantize(x.reshape(-1, x.shape[-1])).dequantize().reshape(x.shape)
+
+
+def w8a8_linear(x: np.ndarray, w: Fp8Weight) -> np.ndarray:
+    """y (tokens, out) float32 = the W8A8 GEMM of x (tokens, in) and w: x quantized per token, the
+    codes' values multiplied and summed in fp32, then scaled by xs[t] * scale[n] (before any rounding
+    to the output dtype)."""
+    xq = quantize_activations(x)
+    acc = e4m3_decode(xq.codes) @ e4m3_decode(w.codes).T
+    return (acc * xq.scales[:, None]) * w.scales[None, :]
+
+
+def uses_w8a8(tokens: int, decode: bool, gemv_max_tokens: int = FP8_GEMV_MAX_TOKENS) -> bool:
+    """Whether a step of `tokens` tokens quantizes its activations (the FP8 GEMM) on the CUDA device:
+    every step but a decode step (one token per sequence) of at most gemv_max_tokens tokens. (A
+    prefill step of few tokens runs in a graph of at least 16 rows, on the GEMM.)"""
+    return not (decode and tokens <= gemv_max_tokens)

@@ -13,8 +13,11 @@ mixed), every token at its own position. Per layer:
     over the rows routed to it (sorted by expert, as a grouped GEMM would see them)
 
 `quantization="fp8"`: every linear layer's weight (q/k/v/o, gate/up/down, the experts' too) is
-FP8 e4m3 with per-output-channel scales (blink.models.fp8), applied dequantized; activations, norms,
-embeddings, the router and the LM head are as without it.
+FP8 e4m3 with per-output-channel scales (blink.models.fp8), applied dequantized; norms, embeddings, the
+router and the LM head are as without it. Every step but a decode step of at most `fp8_gemv_max_tokens`
+sequences also quantizes each linear layer's input per token (W8A8, blink.models.fp8.uses_w8a8), as the
+CUDA engine's FP8 GEMM does; those decode steps keep the activations in float32 (the FP8-weight GEMV). `fp8_gemv_max_tokens=None`:
+weight-only at every size (the CUDA engine's dequantize fallback).
 
 Writing K/V before attending makes a chunk see itself causally and earlier chunks through the
 cache, so prefill, chunked prefill and decode are the same code. Decode rows (one query each)
@@ -31,7 +34,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from blink.models.config import ModelConfig, rope_inv_freq
-from blink.models.fp8 import QUANTIZATIONS, as_device_weight, quantize
+from blink.models.fp8 import (
+    FP8_GEMV_MAX_TOKENS,
+    QUANTIZATIONS,
+    as_device_weight,
+    fake_quantize_activations,
+    quantize,
+    uses_w8a8,
+)
 from blink.models.weights import Weights, check_weights
 
 _Q_CHUNK = 256  # query rows per attention block in prefill (bounds the score matrix)
@@ -88,7 +98,13 @@ def _softmax_rows(s: np.ndarray) -> np.ndarray:
 class LlamaNumpy:
     """Weights fused and transposed once; `forward` runs one packed step against a KV pool."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, quantization: str | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        quantization: str | None = None,
+        fp8_gemv_max_tokens: int | None = FP8_GEMV_MAX_TOKENS,
+    ) -> None:
         check_weights(config, weights)
         if quantization not in (None, "", *QUANTIZATIONS):
             raise ValueError(f"quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
@@ -97,6 +113,7 @@ class LlamaNumpy:
         # An FP8 checkpoint's weights are FP8 values already (dequantized with their stored scales).
         self.quantization = quantization or c.quantization or None
         requantize = self.quantization is not None and not c.quantization
+        self.fp8_gemv_max_tokens = fp8_gemv_max_tokens
 
         def f32(a: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(a, dtype=np.float32)
@@ -183,9 +200,10 @@ class LlamaNumpy:
         rows = cu[1:] - 1 if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         scale = np.float32(1.0 / np.sqrt(D))
+        aq = self._activation_quantizer(T, bool((q_lens == 1).all()))
         x = self.embed[ids]  # (T, hidden)
         for li, L in enumerate(self.layers):
-            h = rmsnorm(x, L.ln1, c.rms_eps) @ L.w_qkv.T
+            h = aq(rmsnorm(x, L.ln1, c.rms_eps)) @ L.w_qkv.T
             if L.b_qkv is not None:
                 h = h + L.b_qkv
             q = h[:, : c.q_size].reshape(T, H, D)
@@ -209,16 +227,24 @@ class LlamaNumpy:
             attn = attn.reshape(T, c.q_size)
             if li == len(self.layers) - 1:  # only the logits rows matter past the last attention
                 x, attn = x[rows], attn[rows]
-            x = x + attn @ L.w_o.T
+            x = x + aq(attn) @ L.w_o.T
 
             h = rmsnorm(x, L.ln2, c.rms_eps)
-            x = x + (_swiglu(h @ L.w_gate_up.T) @ L.w_down.T if L.w_router is None else self._moe(h, L))
+            x = x + (aq(_swiglu(aq(h) @ L.w_gate_up.T)) @ L.w_down.T if L.w_router is None else self._moe(h, L, aq))
             if progress is not None:
                 progress()
 
         return rmsnorm(x, self.norm, c.rms_eps) @ self.lm_head.T
 
-    def _moe(self, h: np.ndarray, L: _Layer) -> np.ndarray:
+    def _activation_quantizer(self, T: int, decode: bool) -> Callable[[np.ndarray], np.ndarray]:
+        """What a linear layer's input goes through in a step of T tokens (`decode`: one per sequence):
+        per-token FP8 (W8A8 steps of an fp8 model) or nothing."""
+        m = self.fp8_gemv_max_tokens
+        if self.quantization is None or m is None or not uses_w8a8(T, decode, m):
+            return lambda a: a
+        return fake_quantize_activations
+
+    def _moe(self, h: np.ndarray, L: _Layer, aq: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """Routed experts of h (T, hidden): top-k of the router's softmax, each hit expert once over its rows."""
         c = self.config
         k, E = c.num_experts_per_tok, c.num_experts
@@ -234,7 +260,7 @@ class LlamaNumpy:
         for e in np.flatnonzero(np.diff(bounds)):
             pairs = order[bounds[e] : bounds[e + 1]]
             rows = pairs // k  # a token picks an expert at most once: rows are distinct
-            y = _swiglu(h[rows] @ L.w_gate_up[e].T) @ L.w_down[e].T
+            y = aq(_swiglu(aq(h[rows]) @ L.w_gate_up[e].T)) @ L.w_down[e].T
             out[rows] += y * w.ravel()[pairs, None]
         return out
 

@@ -106,6 +106,16 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# Steps past the GEMV round each activation to 3 mantissa bits, per token. Where the engine's bf16
+# activations and the numpy model's float32 ones straddle a rounding boundary the codes differ by a
+# quantum, and random-weight models amplify that: a numpy model fed bf16-rounded activations differs
+# from the definition by 4-12 % in the logits of tiny-llama, tiny-qwen2 and 4 layers of SmolLM2 (90
+# tokens, two sequences), as much as FP8 differs from bf16. So the engine's logits are held to a bound
+# that catches a wrong scale, operand or layout (errors near 100 %), and to being closer to the FP8
+# model than to the bf16 one; the GEMM's own accuracy is tested on identical operands (test_fp8_gemm.py).
+W8A8_REL_ERR = 0.25
+
+
 def _fp8_engine(cfg, tensors):
     from blink.gpu.engine.engine import Engine, EngineConfig
 
@@ -120,8 +130,8 @@ def _fp8_engine(cfg, tensors):
 
 
 def _compare(eng, cfg, refs: list) -> list[list[float]]:
-    """Prefill chunks (the dequantize + GEMM path) and decode steps of 1-2 sequences (the FP8 GEMV),
-    teacher-forced: the engine's logits' relative error against each numpy executor in `refs`."""
+    """Prefill chunks (past the GEMV: W8A8 on FP8 tensor cores) and decode steps of 1-2 sequences (the
+    FP8 GEMV), teacher-forced: the engine's logits' relative error against each numpy executor in `refs`."""
     rng = np.random.default_rng(2)
     p0, p1 = rng.integers(0, cfg.vocab_size, 70).tolist(), rng.integers(0, cfg.vocab_size, 40).tolist()
     drivers = [PagedDriver(64, 8, 64, shuffle_seed=1) for _ in range(1 + len(refs))]
@@ -155,7 +165,7 @@ def test_fp8_engine_matches_the_numpy_fp8_model(name):
     refs = [NumpyExecutor(cfg, w, quantization="fp8", **_KW), NumpyExecutor(cfg, w, **_KW)]
     errs, errs_bf16 = _compare(eng, cfg, refs)
     print(f"{name} fp8: rel err vs numpy fp8 max {max(errs):.2e}, vs numpy bf16 mean {np.mean(errs_bf16):.2e}")
-    assert max(errs) < 2e-2, errs
+    assert max(errs) < W8A8_REL_ERR, errs
     assert np.mean(errs) < np.mean(errs_bf16), (errs, errs_bf16)
     eng.close()
 
@@ -171,7 +181,7 @@ def test_fp8_checkpoint_engine_matches_numpy(tmp_path, layout):
     eng = _fp8_engine(cfg, tensors)
     (errs,) = _compare(eng, cfg, [NumpyExecutor(cfg, load_hf_dir(tmp_path)[1], **_KW)])
     print(f"fp8 checkpoint ({layout}): rel err vs numpy max {max(errs):.2e}")
-    assert max(errs) < 2e-2, errs
+    assert max(errs) < W8A8_REL_ERR, errs
     eng.close()
 
 

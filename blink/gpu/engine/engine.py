@@ -42,7 +42,8 @@ from blink.gpu.engine.engine_config import (  # noqa: F401 (the engine's public 
     DEFAULT_TOKEN_BUCKETS,
     EngineConfig,
 )
-from blink.gpu.engine.forward import Dims, Forward, fp8_scratch_elems
+from blink.gpu.engine.forward import Dims, Forward, fp8_activation_bytes, fp8_scratch_elems
+from blink.gpu.engine.fp8_gemm import SCALE_MODES, Fp8Gemm
 from blink.gpu.engine.fp8_weights import Fp8Loader, quantize_layers
 from blink.gpu.engine.moe_launch import MoeLaunches
 from blink.gpu.engine.weights import GpuWeights
@@ -108,6 +109,8 @@ class Engine:
         )
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
         self.fwd.fp8_gemv_max_tokens = ecfg.fp8_gemv_max_tokens
+        if self.fwd.fp8:
+            self._set_fp8_path()
         self.arena = self.fwd.arena
         nb, nt, E = len(self.batch_buckets), len(self.token_buckets), ecfg.execs_per_shape
         self.decode_execs = np.zeros((nb, E), np.uint64)
@@ -171,8 +174,8 @@ class Engine:
         act += 4 * Sm * c.vocab_size + 8 * Sm * 32 * c.q_size * 4
         if c.is_moe:
             act += MoeLaunches.device_bytes(c, Tm)
-        if ecfg.quantization:
-            act += 2 * fp8_scratch_elems(c)
+        if ecfg.quantization:  # the largest of the paths' buffers (the path is chosen after this)
+            act += max(fp8_activation_bytes(c, Tm, p) for p in ("epilogue", "dequant"))
         if ecfg.sampling_rows:  # processed logits, penalty state, logit_bias tables, prompt logprob rows
             act += 4 * Sm * c.vocab_size + ecfg.sampling_rows * (4 * c.vocab_size + 8 * MAX_LOGIT_BIAS)
             act += Tm * (4 * c.vocab_size + 2 * c.hidden_size + 4 + 8 * MAX_LOGPROBS)
@@ -182,6 +185,24 @@ class Engine:
         if n < max_context // ecfg.block_size:
             raise MemoryError(f"KV pool of {n} blocks cannot hold one {max_context}-token sequence")
         return n
+
+    def _set_fp8_path(self) -> None:
+        """Choose the FP8 projections' path past the GEMV (EngineConfig.fp8_gemm): a W8A8 scaling mode
+        that cuBLASLt supports for every projection shape, or dequantize + bf16 GEMM."""
+        want, r = self.ecfg.fp8_gemm, self.ecfg.gemm_sm_reserve
+        lw = self.weights.layers[0]
+        shapes = [tuple(w.shape) for w in (lw.qkv, lw.o, lw.gate_up, lw.down) if w is not None]
+        rows = sorted({*self.token_buckets, *(b for b in self.batch_buckets if b > self.ecfg.fp8_gemv_max_tokens)})
+        for scales in SCALE_MODES if want == "auto" else (want,) if want in SCALE_MODES else ():
+            g = Fp8Gemm(self.driver, self.s, int(self.workspace.data.ptr), int(self.workspace.nbytes), scales,
+                        self.num_sms - r if r else 0)  # fmt: skip
+            if all(g.supported((t, n, k)) for t in rows[:1] + rows[-1:] for n, k in shapes):
+                self.fwd.set_fp8_gemm(scales, g)
+                return
+            g.close()
+            if want != "auto":
+                raise ValueError(f"fp8_gemm {want!r}: cuBLASLt offers no such FP8 GEMM on this GPU")
+        self.fwd.set_fp8_gemm("dequant", None)
 
     # ------------------------------------------------------------------ graph cache
 
@@ -489,6 +510,9 @@ class Engine:
         self._graphs.clear()
         self.decode_execs[:] = 0
         self.prefill_execs[:] = 0
+        if self.fwd.fp8_gemm is not None:
+            self.fwd.fp8_gemm.close()
+            self.fwd.fp8_gemm = None
 
 
 def _bar(done: int, total: int, elapsed: float, what: str = "capturing graphs") -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blink.gpu.engine.fp8_weights import FP8_LARGE_PATHS
+
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -34,9 +36,16 @@ class EngineConfig:
     """Weight format: "fp8" = the dense layers' projections (qkv, o, gate_up, down) in FP8 e4m3 with per-output-channel
     scales, quantized on the GPU at load (blink/gpu/engine/fp8_weights.py); "" = bf16."""
     fp8_gemv_max_tokens: int = 8
-    """FP8 weights: steps up to this many tokens (GEMV buckets 1, 2, 4, 8) run the FP8-weight GEMV
-    (fp8.cu), larger ones the bf16 GEMM over each projection dequantized just before it. Not yet
-    measured on a GPU: the FP8 GEMV reads 1 byte a weight, dequantize + GEMM moves 5 (read 1, write 2, read 2)."""
+    """FP8 weights: decode steps up to this many tokens run the FP8-weight GEMV (fp8.cu, bf16
+    activations), every other step the path of fp8_gemm. The numpy definition quantizes activations in
+    the same steps (blink.models.fp8.uses_w8a8)."""
+    fp8_gemm: str = "auto"
+    """FP8 weights, steps past the GEMV (fp8_gemv_max_tokens): "outer" = activations quantized per token
+    and the W8A8 cuBLASLt GEMM applying the per-token x per-channel scales itself (outer-vector
+    scaling); "epilogue" = the same GEMM with fp32 sums scaled by fp8_scale_rows; "dequant" =
+    weight-only, each projection dequantized to bf16 before the bf16 GEMM (5 bytes moved a weight);
+    "auto" = the first of outer, epilogue, dequant that this GPU's cuBLASLt supports
+    (blink/gpu/engine/fp8_gemm.py). Not yet run on a GPU: `python -m bench.kernels.fp8_gemm` times them."""
     gemm_sm_reserve: int = 1
     """SMs the cuBLAS GEMMs leave free (cublasSetSmCountTarget: they are sized for the others). The
     GPU-resident scheduler's block holds one SM for as long as it runs, steps included; a GEMM
@@ -65,6 +74,8 @@ class EngineConfig:
             raise ValueError("max_context must be a multiple of block_size")
         if self.quantization not in ("", "fp8"):
             raise ValueError(f"quantization {self.quantization!r} not in ('', 'fp8')")
+        if self.fp8_gemm not in ("auto", *FP8_LARGE_PATHS):
+            raise ValueError(f"fp8_gemm {self.fp8_gemm!r} not in {('auto', *FP8_LARGE_PATHS)}")
         if not 1 <= self.fp8_gemv_max_tokens <= 8:
             raise ValueError("fp8_gemv_max_tokens must be in [1, 8]")
         if not 0 <= self.sampling_rows <= 1 << 16:

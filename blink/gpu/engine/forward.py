@@ -44,7 +44,8 @@ from blink.gpu.engine.attention_launch import (
     FLASH_VARIANTS,
     AttentionLaunches,
 )
-from blink.gpu.engine.fp8_weights import FP8_GEMV_BUCKETS, FP8_GEMV_ROWS_PER_WARP, Fp8Linear
+from blink.gpu.engine.fp8_gemm import Fp8Gemm
+from blink.gpu.engine.fp8_weights import FP8_GEMV_BUCKETS, FP8_GEMV_ROWS_PER_WARP, FP8_LARGE_PATHS, Fp8Linear
 from blink.gpu.engine.moe_launch import MoeLaunches
 from blink.gpu.engine.step_arena import Dims, StepArena
 from blink.gpu.engine.weights import GpuWeights
@@ -123,6 +124,23 @@ def fp8_scratch_elems(c: ModelConfig) -> int:
     return max(qkv * c.hidden_size, c.hidden_size * c.q_size, 2 * c.intermediate_size * c.hidden_size)
 
 
+def fp8_max_outputs(c: ModelConfig) -> int:
+    """Outputs of the widest projection of a dense model (rows of Forward.fp8_d32)."""
+    return max(c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size)
+
+
+def fp8_activation_bytes(c: ModelConfig, max_tokens: int, path: str) -> int:
+    """Device bytes of the FP8 path's buffers (Forward.set_fp8_gemm) at max_tokens rows."""
+    if path == "dequant":
+        return 2 * fp8_scratch_elems(c)
+    nbytes = max_tokens * (max(c.hidden_size, c.q_size, c.intermediate_size) + 4)
+    return nbytes + (4 * max_tokens * fp8_max_outputs(c) if path == "epilogue" else 0)
+
+
+def _ptr(a: object) -> int:
+    return int(a.data.ptr)  # type: ignore[attr-defined]
+
+
 GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
 
 
@@ -183,11 +201,12 @@ class Forward(AttentionLaunches):
         self.moe = MoeLaunches(c, dims.max_num_batched_tokens, driver, kernels) if c.is_moe else None
         self.gemv_fusion = frozenset(GEMV_FUSIONS)  # every fusion where it applies (fusions_for)
         self.gemv_max_tokens = 1
-        # FP8 weights: steps past fp8_gemv_max_tokens run the bf16 GEMM on a dequantized copy of each
-        # projection, made in fp8_scratch (the largest projection) just before it.
+        # FP8 weights: steps past the GEMV take the path set_fp8_gemm chose (fp8_decode: record's step kind)
         self.fp8 = isinstance(weights.layers[0].qkv, Fp8Linear)
-        self.fp8_gemv_max_tokens = FP8_GEMV_BUCKETS[-1]
-        self.fp8_scratch = z(fp8_scratch_elems(c) if self.fp8 else 1)
+        self.fp8_gemv_max_tokens, self.fp8_decode = FP8_GEMV_BUCKETS[-1], True
+        self.fp8_gemm: Fp8Gemm | None = None
+        self.fp8_path = ""
+        self.fp8_scratch = self.fp8_x8 = self.fp8_xs = self.fp8_d32 = z(1)
 
     def _init_sampling_buffers(self, z: Any, Sm: int, Tm: int) -> None:
         """The sampling extensions' buffers (`z` allocates zeros on the GPU)."""
@@ -231,6 +250,24 @@ class Forward(AttentionLaunches):
             if smem <= GEMV_NORM_SMEM_MAX:
                 driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
 
+    def set_fp8_gemm(self, path: str, gemm: Fp8Gemm | None) -> None:
+        """The path of FP8 projections past the GEMV (FP8_LARGE_PATHS), with its buffers: "outer" and
+        "epilogue" the W8A8 GEMM `gemm` (the per-token codes and scales of a step's activations; fp32
+        sums for "epilogue"), "dequant" the bf16 GEMM over fp8_scratch (the largest projection)."""
+        import cupy as cp
+
+        if path not in FP8_LARGE_PATHS or (gemm is None) != (path == "dequant"):
+            raise ValueError(f"fp8 path {path!r} (gemm {'given' if gemm else 'none'})")
+        c, Tm = self.c, self.d.max_num_batched_tokens
+        self.fp8_path, self.fp8_gemm = path, gemm
+        if path == "dequant":
+            self.fp8_scratch = cp.zeros(fp8_scratch_elems(c), dtype=cp.uint16)
+            return
+        self.fp8_x8 = cp.zeros((Tm, max(c.hidden_size, c.q_size, c.intermediate_size)), dtype=cp.uint8)
+        self.fp8_xs = cp.zeros(Tm, dtype=cp.float32)
+        if path == "epilogue":
+            self.fp8_d32 = cp.zeros((Tm, fp8_max_outputs(c)), dtype=cp.float32)
+
     def set_gemv_fusion(self, fusion: frozenset[str]) -> None:
         """GEMV fusions (GEMV_FUSIONS) for the steps recorded from now on."""
         bad = set(fusion) - set(GEMV_FUSIONS)
@@ -272,21 +309,41 @@ class Forward(AttentionLaunches):
             self.blas.linear(int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k, out_f32)  # type: ignore[attr-defined]
 
     def fp8_linear(self, x: object, w: Fp8Linear, y: object, rows: int, stream: int) -> None:
-        """y (bf16) = x w^T for FP8 w: the FP8 GEMV up to fp8_gemv_max_tokens rows, else w dequantized
-        to bf16 into fp8_scratch and the bf16 GEMM."""
+        """y (bf16) = x w^T for FP8 w: in decode steps of up to fp8_gemv_max_tokens rows the FP8 GEMV
+        (bf16 activations); in every other step x quantized per token and the W8A8 GEMM
+        (blink/gpu/engine/fp8_gemm.py), or on the "dequant" path w dequantized to bf16 and the bf16
+        GEMM. The numpy definition draws the same line (blink.models.fp8.uses_w8a8)."""
         n_out, k = w.shape
-        if rows in FP8_GEMV_BUCKETS and rows <= self.fp8_gemv_max_tokens:
-            grid = (-(-n_out // (8 * FP8_GEMV_ROWS_PER_WARP[rows])), 1, 1)
-            self._launch(
-                f"gemv_fp8_t{rows}", grid, (256, 1, 1), stream, W=w.codes, scales=w.scales, X=x, Y=y, N=n_out, K=k
-            )
+        if self.fp8_decode and rows <= self.fp8_gemv_max_tokens:
+            r0 = 0
+            for nt in sorted(FP8_GEMV_BUCKETS, reverse=True):  # a row count between buckets in pieces: 6 = 4 + 2
+                while rows - r0 >= nt:
+                    grid = (-(-n_out // (8 * FP8_GEMV_ROWS_PER_WARP[nt])), 1, 1)
+                    self._launch(
+                        f"gemv_fp8_t{nt}", grid, (256, 1, 1), stream, W=w.codes, scales=w.scales,
+                        X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 2 * r0 * n_out, N=n_out, K=k,
+                    )  # fmt: skip
+                    r0 += nt
             return
-        self._launch(
-            "fp8_dequant_rows", (-(-k // 4096), n_out, 1), (256, 1, 1), stream, codes=w.codes, scales=w.scales,
-            out=self.fp8_scratch, N=n_out, K=k,
-        )  # fmt: skip
-        s = int(self.fp8_scratch.data.ptr)  # type: ignore[attr-defined]
-        self.blas.linear(int(x.data.ptr), s, int(y.data.ptr), rows, n_out, k, False)  # type: ignore[attr-defined]
+        if self.fp8_path == "dequant":
+            self._launch(
+                "fp8_dequant_rows", (-(-k // 4096), n_out, 1), (256, 1, 1), stream, codes=w.codes, scales=w.scales,
+                out=self.fp8_scratch, N=n_out, K=k,
+            )  # fmt: skip
+            self.blas.linear(_ptr(x), _ptr(self.fp8_scratch), _ptr(y), rows, n_out, k, False)
+            return
+        if self.fp8_gemm is None:
+            raise RuntimeError("fp8 weights: set_fp8_gemm was not called")
+        x8, xs = self.fp8_x8, self.fp8_xs
+        self._launch("fp8_quantize_rows", (rows, 1, 1), (256, 1, 1), stream, W=x, codes=x8, scales=xs, N=rows, K=k)
+        outer = self.fp8_path == "outer"
+        d = y if outer else self.fp8_d32
+        self.fp8_gemm.matmul(rows, n_out, k, _ptr(x8), _ptr(w.codes), _ptr(d), _ptr(xs), _ptr(w.scales))
+        if not outer:
+            self._launch(
+                "fp8_scale_rows", (-(-n_out // 2048), rows, 1), (256, 1, 1), stream, D=d, xs=xs, ws=w.scales, Y=y,
+                T=rows, N=n_out,
+            )  # fmt: skip
 
     @staticmethod
     def gemv_smem(kind: str, T: int, k: int) -> int:
@@ -386,6 +443,7 @@ class Forward(AttentionLaunches):
 
     def record(self, stream: int, S: int, T: int, decode: bool) -> None:
         """Issue every launch of one step for the bucket (S sequences, T tokens)."""
+        self.fp8_decode = decode
         a = self.arena.ptr
         scale_log2 = (1.0 / self.c.head_dim**0.5) * 1.4426950408889634
         self._launch(

@@ -24,6 +24,10 @@ from blink.gpu.toolchain.kernels import Kernels
 FP8_GEMV_BUCKETS = (1, 2, 4, 8)
 FP8_GEMV_ROWS_PER_WARP = {1: 1, 2: 4, 4: 4, 8: 4}  # must match GEMV_FP8(NT, R, U) in fp8.cu
 FP8_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # LayerWeights fields that fp8 quantizes
+# Paths of FP8 projections past the GEMV (Forward.set_fp8_gemm; EngineConfig.fp8_gemm picks):
+# the W8A8 cuBLASLt GEMM with outer-vector scales or with the scaling epilogue kernel, or weight-only
+# dequantize + bf16 GEMM (where cuBLASLt has no FP8 GEMM).
+FP8_LARGE_PATHS = ("outer", "epilogue", "dequant")
 _LEGACY_STREAM = 0
 
 

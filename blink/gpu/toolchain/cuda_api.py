@@ -10,7 +10,7 @@ loaded (found in /proc/self/maps), so both agree on one library instance.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -34,6 +34,19 @@ CUBLAS_GEMM_DEFAULT = -1
 
 class CudaError(RuntimeError):
     pass
+
+
+class HeuristicResult(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t (cublasLt.h, CUDA 12/13): {cublasLtMatmulAlgo_t algo (8 x u64);
+    size_t workspaceSize; cublasStatus_t state; float wavesCount; int reserved[4]} = 96 bytes."""
+
+    _fields_ = [
+        ("algo", ctypes.c_uint64 * 8),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves_count", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
 
 
 class Driver:
@@ -96,6 +109,35 @@ class Driver:
         self.check(self.lib.cuStreamEndCapture(_vp(stream), ctypes.byref(g)), "end capture")
         return int(g.value)
 
+    def is_capturing(self, stream: int) -> bool:
+        """Whether `stream` is capturing (cuStreamIsCapturing: status ACTIVE)."""
+        st = ctypes.c_int(0)
+        self.check(self.lib.cuStreamIsCapturing(_vp(stream), ctypes.byref(st)), "cuStreamIsCapturing")
+        return st.value == 1
+
+    def device_launchable(self, stream: int, fn: Callable[[], None]) -> bool:
+        """Capture fn() (work enqueued on `stream`) alone and instantiate it for device launch: False
+        if fn raises CudaError, the capture is invalidated, or the instantiation fails (a library
+        kernel that a device-launched graph cannot hold)."""
+        self.begin_capture(stream)
+        ok = True
+        try:
+            fn()
+        except CudaError:
+            ok = False
+        try:
+            graph = self.end_capture(stream)
+        except CudaError:
+            return False
+        try:
+            if ok:
+                self.graph_exec_destroy(self.instantiate_device_launch(graph))
+        except CudaError:
+            ok = False
+        finally:
+            self.graph_destroy(graph)
+        return ok
+
     def graph_node_count(self, graph: int) -> int:
         if not hasattr(self.lib, "cuGraphGetNodes"):
             return -1
@@ -150,6 +192,26 @@ def loaded_library_path(fragment: str, exclude: str = "", near: str = "") -> str
     if same or found:
         return (same or found)[0]
     raise CudaError(f"{fragment} is not loaded in this process")
+
+
+def load_cublaslt() -> ctypes.CDLL:
+    """The cuBLASLt next to the libcublas the engine calls (a process with torch may map two), with the
+    argument types of the calls the engine makes."""
+    lt = ctypes.CDLL(loaded_library_path("libcublasLt.so", near=loaded_library_path("libcublas.so", "libcublasLt")))
+    pp, vp, i32, size = ctypes.POINTER(_vp), _vp, ctypes.c_int, ctypes.c_size_t
+    lt.cublasLtCreate.argtypes = [pp]
+    lt.cublasLtDestroy.argtypes = [vp]
+    lt.cublasLtMatmulDescCreate.argtypes = [pp, i32, i32]
+    lt.cublasLtMatmulDescDestroy.argtypes = [vp]
+    lt.cublasLtMatmulDescSetAttribute.argtypes = [vp, i32, vp, size]
+    lt.cublasLtMatrixLayoutCreate.argtypes = [pp, i32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]
+    lt.cublasLtMatrixLayoutDestroy.argtypes = [vp]
+    lt.cublasLtMatmulPreferenceCreate.argtypes = [pp]
+    lt.cublasLtMatmulPreferenceDestroy.argtypes = [vp]
+    lt.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, size]
+    lt.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp] * 7 + [i32, vp, ctypes.POINTER(i32)]
+    lt.cublasLtMatmul.argtypes = [vp] * 14 + [size, vp]
+    return lt
 
 
 class Cublas:

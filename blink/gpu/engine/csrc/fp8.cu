@@ -144,3 +144,26 @@ extern "C" __global__ void fp8_dequant_rows(const uint8_t* __restrict__ codes, c
   *reinterpret_cast<bf16x8*>(out + (size_t)n * K + k) = o[0];
   *reinterpret_cast<bf16x8*>(out + (size_t)n * K + k + 8) = o[1];
 }
+
+// ---- Larger steps, W8A8: activations quantized per token by fp8_quantize_rows (X [T, K] bf16 ->
+// codes [T, K] + scales [T]; the weights' arithmetic), the GEMM on FP8 tensor cores (cuBLASLt,
+// blink/gpu/engine/fp8_gemm.py). Where cuBLASLt cannot apply the per-token x per-channel scales
+// itself (outer-vector scaling), it writes the unscaled fp32 sums D [T, N] and this kernel scales and
+// rounds them: Y[t, n] = bf16((D[t, n] * xs[t]) * ws[n]). Grid (ceil(N / 2048), T), 256 threads of 8.
+extern "C" __global__ void fp8_scale_rows(const float* __restrict__ D, const float* __restrict__ xs,
+                                          const float* __restrict__ ws, bf16* __restrict__ Y, int T, int N) {
+  const int t = blockIdx.y, n = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (t >= T || n >= N) return;
+  const float s = xs[t];
+  const float* d = D + (size_t)t * N + n;
+  bf16x8 o;
+  if ((N & 7) == 0) {  // rows of whole 16-byte vectors
+    const float4 a = *reinterpret_cast<const float4*>(d), b = *reinterpret_cast<const float4*>(d + 4);
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.v[i] = tobf((v[i] * s) * ws[n + i]);
+    *reinterpret_cast<bf16x8*>(Y + (size_t)t * N + n) = o;
+  } else {
+    for (int i = 0; n + i < N; ++i) Y[(size_t)t * N + n + i] = tobf((d[i] * s) * ws[n + i]);
+  }
+}
