@@ -395,12 +395,12 @@ class _RouterGaps:
         self.calls: list[np.ndarray] = []
         model, k, orig = ref.model, cfg.num_experts_per_tok, ref.model._moe
 
-        def moe(h, L):
+        def moe(h, L, *args):
             lg = h.astype(np.float64) @ L.w_router.T
             p = np.exp(lg - lg.max(1, keepdims=True))
             p = -np.sort(-(p / p.sum(1, keepdims=True)), 1)
             self.calls.append(p[:, k - 1] - p[:, k])
-            return orig(h, L)
+            return orig(h, L, *args)
 
         model._moe = moe
 
