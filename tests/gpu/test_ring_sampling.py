@@ -9,10 +9,9 @@ scheduler must deliver the host loop's records."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import operator
-
-import asyncio
 import os
 import threading
 
