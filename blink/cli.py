@@ -158,6 +158,20 @@ def _add_ring_flags(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="also serve this server's ring to frontends on other hosts through a ring agent (port 0: any)",
     )
+    p.add_argument(
+        "--ring-secret-file",
+        dest="ring.secret_file",
+        metavar="PATH",
+        help="the ring agent's shared secret (mode 0600): made there by --ring-listen if missing, copied to "
+        "each --ring-address frontend (default: ~/.blink/ring_agent.secret)",
+    )
+    p.add_argument(
+        "--ring-frontends",
+        dest="ring.remote_frontends",
+        type=int,
+        metavar="N",
+        help="with --ring-listen: frontends on other hosts that may attach (each gets 1/(N+1) of the slots)",
+    )
     p.add_argument("--rdma-device", dest="ring.rdma_device", help="RDMA device name (ibv_devices) (default: the first)")
 
 

@@ -162,6 +162,15 @@ class RingConfig:
     in flight at once; more wait for one. 0: structured output is refused."""
     mask_vocab: int = 152_064
     """Tokens a bitmask covers (the model's vocabulary must fit; 19,008 B a mask by default)."""
+    secret_file: str | None = None
+    """The ring agent's shared secret (64 hex digits, mode 0600). With ring.listen it is created if
+    missing; a frontend with ring.address must hold a copy. None = ~/.blink/ring_agent.secret (an
+    agent only this server's frontend reaches, ring.transport tcp/rdma without ring.listen, gets a
+    fresh secret in memory instead)."""
+    remote_frontends: int = 1
+    """With ring.listen: how many frontends on other hosts may attach. The slots are split into
+    remote_frontends + 1 partitions (slot s to frontend s % (remote_frontends + 1); this server's own
+    frontend has partition 0), so that each slot has one frontend."""
 
     def __post_init__(self) -> None:
         _bounds("ring", "n_slots", self.n_slots, 1, 1 << 16)
@@ -170,6 +179,9 @@ class RingConfig:
         _bounds("ring", "mask_slots", self.mask_slots, 0, 1 << 16)
         _bounds("ring", "mask_vocab", self.mask_vocab, 32, 1 << 22)
         _choice("ring", "transport", self.transport, ("auto", "shm", "tcp", "rdma"))
+        _bounds("ring", "remote_frontends", self.remote_frontends, 1, 64)
+        if self.listen is not None and self.remote_frontends + 1 > self.n_slots:
+            raise ConfigError(f"ring.remote_frontends = {self.remote_frontends} leaves no slot to some frontend")
         for f in ("address", "listen"):
             v = getattr(self, f)
             if v is not None:

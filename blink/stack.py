@@ -40,14 +40,46 @@ log = logging.getLogger(__name__)
 
 
 # -- the ring agent and a remote ring ----------------------------------------------------------
-def start_ring_agent(ring: str, listen: str, rdma_device: str = "") -> tuple[subprocess.Popen, str]:
+def start_ring_agent(
+    ring: str, listen: str, rdma_device: str = "", *, secret: bytes, partitions: int = 1, reserved: tuple[int, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     """The ring agent (blink.protocol.ring_agent) for a local ring, as a child process that dies with
     this one; returns (process, bound address). Its own process: its CPU cost per round trip is
     visible as such, and it never holds the frontend's GIL."""
     from blink.protocol.ring_agent import start_agent_process
 
     extra = ["--rdma-device", rdma_device] if rdma_device else []
-    return start_agent_process(ring, listen, extra_args=extra, preexec_fn=die_with(os.getpid()))
+    return start_agent_process(
+        ring,
+        listen,
+        extra_args=extra,
+        secret=secret,
+        partitions=partitions,
+        reserved=reserved,
+        preexec_fn=die_with(os.getpid()),
+    )
+
+
+def agent_secret(rc, remote: bool) -> tuple[bytes | None, str]:
+    """The ring agent's secret for this server (read once, here) and where it came from: a frontend of a
+    remote ring reads ring.secret_file; a server whose agent other hosts reach (ring.listen) reads or
+    creates it; an agent only this server's frontend reaches gets a fresh one in memory."""
+    from blink.config import ConfigError
+    from blink.protocol import agent_auth
+
+    path = rc.secret_file or agent_auth.default_secret_file()
+    try:
+        if remote:
+            return agent_auth.read_secret_file(path), path
+        if rc.listen is not None:
+            return agent_auth.ensure_secret_file(path), path
+        if rc.transport in ("tcp", "rdma"):
+            if rc.secret_file:
+                return agent_auth.read_secret_file(path), path
+            return agent_auth.new_secret(), "in memory"
+    except agent_auth.SecretError as e:
+        raise ConfigError(str(e)) from None
+    return None, ""
 
 
 def stop_ring_agent(agent: subprocess.Popen) -> None:
@@ -107,6 +139,11 @@ class Stack:
         self.remote = cfg.ring.address is not None
         self.spec = None if self.remote else device_spec(cfg, new_ring_name())
         self.kind = "remote" if self.spec is None else self.spec.kind
+        rc = cfg.ring
+        self.secret, self.secret_source = agent_secret(rc, self.remote)
+        # This frontend's slot partition (owner of owners): a remote ring's agent grants one at the
+        # first attach; beside the device it is partition 0 of 1 + the remote frontends that may attach.
+        self.owner, self.owners = (-1, 0) if self.remote else (0, 1 + (rc.remote_frontends if rc.listen else 0))
         self.transport: ShmTransport | None = None  # the ring this process created (not when remote)
         self.link = None  # what the frontend reads the ring through (the ring itself, or via an agent)
         self.link_why = ""
@@ -168,8 +205,18 @@ class Stack:
         if listen is None:
             return
         # a restarted device's ring is served on the address the frontends already know
-        self.agent, self.agent_address = start_ring_agent(self.ring_name, self.agent_address or listen, rc.rdma_device)
-        self._say(f"ring agent for /dev/shm/{self.ring_name} listening on {self.agent_address}")
+        self.agent, self.agent_address = start_ring_agent(
+            self.ring_name,
+            self.agent_address or listen,
+            rc.rdma_device,
+            secret=self.secret,
+            partitions=self.owners,
+            reserved=() if rc.transport in ("tcp", "rdma") else (0,),  # (0,): this frontend maps the ring
+        )
+        self._say(
+            f"ring agent for /dev/shm/{self.ring_name} listening on {self.agent_address} (secret: "
+            f"{self.secret_source}; {self.owners - 1} remote frontend partition(s))"
+        )
 
     def _open_link(self) -> None:
         from blink.dpu.ring_link import open_link
@@ -179,8 +226,11 @@ class Stack:
         if address is None:
             self.link, self.link_why = self.transport, f"shm: /dev/shm/{self.ring_name} on this host"
         else:
-            link = open_link(None, address, rc.transport, rc.rdma_device)
+            link = open_link(
+                None, address, rc.transport, rc.rdma_device, secret=self.secret, owner=self.owner, owners=self.owners
+            )
             self.link, self.link_why = link.transport, link.why
+            self.owner, self.owners = link.owner, link.owners
         self._say(f"ring transport {self.link_why}")
 
     def _close_link(self) -> None:
@@ -197,7 +247,9 @@ class Stack:
         s = self.cfg.server
         kw = {"liveness": liveness} if device is not None else {}
         grammars = self.tokenizer.grammars if self.tokenizer is not None else None
-        tracker = RequestTracker(transport, s.max_queue, s.heartbeat_timeout_s, kw, grammars=grammars)
+        tracker = RequestTracker(
+            transport, s.max_queue, s.heartbeat_timeout_s, kw, self.owner, self.owners, grammars=grammars
+        )
         await tracker.start()
         return tracker
 
@@ -234,13 +286,23 @@ class Stack:
         from blink.dpu.ring_link import open_link
 
         rc = self.cfg.ring
-        link = open_link(None, rc.address, rc.transport, rc.rdma_device, timeout_s=5.0)
+        link = open_link(
+            None,
+            rc.address,
+            rc.transport,
+            rc.rdma_device,
+            timeout_s=5.0,
+            secret=self.secret,
+            owner=self.owner,
+            owners=self.owners,
+        )
         try:
             wait_ready_remote(link.transport, RECONNECT_S * 5)
         except BaseException:
             link.transport.close()
             raise
         self.link, self.link_why = link.transport, link.why
+        self.owner, self.owners = link.owner, link.owners
 
     async def _supervise(self, on_give_up: Callable[[], None] | None) -> None:
         limit = self.cfg.device.max_restarts

@@ -62,8 +62,9 @@ class Proc:
 
 
 @pytest.fixture
-def hosts() -> Iterator[tuple[Host, Host]]:
+def hosts(tmp_path) -> Iterator[tuple[Host, Host]]:
     gpu, dpu = Host("gpu"), Host("dpu")
+    gpu.secret_file = dpu.secret_file = str(tmp_path / "ring.secret")  # made by the GPU host, copied by hand in life
     try:
         link(gpu, dpu)
         yield gpu, dpu
@@ -73,6 +74,7 @@ def hosts() -> Iterator[tuple[Host, Host]]:
 
 
 def _start(gpu: Host, dpu: Host, model: list[str] = TINY) -> tuple[Proc, Proc, str]:
+    model = [*model, "--ring-secret-file", gpu.secret_file]
     g = Proc(gpu, ["-m", "blink.cli", "serve", *model, "--port", "0", "--ring-listen", f"{gpu.address}:0"],
              r"ring agent for /dev/shm/(\S+) listening on (\S+)")  # fmt: skip
     try:

@@ -14,6 +14,7 @@ from test_dpu_ring import HandDevice, _req
 from blink.dpu.request_tracker import DeviceDownError, RequestTracker
 from blink.dpu.slot_tracker import SlotTracker
 from blink.dpu.token_reader import TokenReader
+from blink.protocol.agent_auth import new_secret
 from blink.protocol.layout import FinishReason, RingGeometry, SlotState
 from blink.protocol.ring_agent import start_agent_process
 from blink.protocol.tcp_transport import TcpTransport
@@ -23,7 +24,8 @@ from blink.protocol.wire import TokenEvent
 @pytest.fixture
 def remote():
     dev = HandDevice(n_slots=16, per_slot=32, cap=64)
-    agent, addr = start_agent_process(dev.name)
+    dev.secret = new_secret()
+    agent, addr = start_agent_process(dev.name, secret=dev.secret)
     yield dev, agent, addr
     if agent.poll() is None:
         agent.terminate()
@@ -33,7 +35,7 @@ def remote():
 
 def test_one_poll_is_one_round_trip(remote):
     dev, _, addr = remote
-    fe = TcpTransport(addr)
+    fe = TcpTransport(addr, dev.secret)
     st = SlotTracker(fe, RingGeometry.from_header(dev.v.header))
     got: dict[int, list[int]] = {}
     rd = TokenReader(st, window=16)
@@ -78,7 +80,7 @@ def test_one_poll_is_one_round_trip(remote):
 @pytest.mark.asyncio
 async def test_killing_the_agent_ends_requests_with_an_error_and_nothing_hangs(remote):
     dev, agent, addr = remote
-    rt = RequestTracker(TcpTransport(addr, timeout_s=2.0), reader_kwargs={"health_interval_s": 0.02})
+    rt = RequestTracker(TcpTransport(addr, dev.secret, timeout_s=2.0), reader_kwargs={"health_interval_s": 0.02})
     await rt.start()
     try:
         dev.beat()

@@ -352,7 +352,7 @@ def test_wire_types_round_trip_as_msgpack_arrays():
 
 
 @pytest.mark.asyncio
-async def test_a_crashing_reader_fails_requests_instead_of_hanging(dev):
+async def test_a_crashing_reader_fails_requests_and_is_restarted(dev):
     st = SlotTracker(ShmTransport.open(dev.name), RingGeometry.from_header(dev.v.header))
     rd = TokenReader(st, health_interval_s=0.02)
     got: list[TokenEvent] = []
@@ -366,6 +366,22 @@ async def test_a_crashing_reader_fails_requests_instead_of_hanging(dev):
     task = asyncio.ensure_future(rd.run())
     dev.admit(a)
     dev.publish(a, [3])
-    await asyncio.wait_for(task, 2)  # the loop ends instead of spinning on a broken state
-    assert rd.failed and "boom" in rd.failed and not rd.health().ok
+    for _ in range(200):
+        if got:
+            break
+        await asyncio.sleep(0.01)
     assert got[-1].finish_reason == FinishReason.ERROR and "crashed" in got[-1].message
+    assert rd.restarts == 1 and not task.done()  # supervised: the loop runs again, not left dead
+    dev.beat()
+    c = st.claim(_req(3))
+    rd.register(c, 3, got.append)
+    dev.admit(c)
+    dev.publish(c, [5])
+    for _ in range(200):
+        if got[-1].token_ids == [5]:
+            break
+        await asyncio.sleep(0.01)
+    assert got[-1].request_id == 3 and got[-1].token_ids == [5]
+    assert rd.health().ok and rd.failed is None
+    rd.stop()
+    await asyncio.wait_for(task, 2)

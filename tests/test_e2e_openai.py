@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -60,10 +61,12 @@ class RemoteServer(Server):
     RDMA device, so it must choose tcp by itself). The tests talk to the frontend."""
 
     def __init__(self, *args: str, timeout: float = 180.0):
-        self.gpu = Server(*args, "--ring-listen", "127.0.0.1:0", timeout=timeout)
+        self.dir = tempfile.TemporaryDirectory()
+        key = ("--ring-secret-file", os.path.join(self.dir.name, "ring.secret"))  # made by the GPU host
+        self.gpu = Server(*args, *key, "--ring-listen", "127.0.0.1:0", timeout=timeout)
         assert self.gpu.agent, "".join(self.gpu.log)
         try:
-            self.fe = Server(*args, "--ring-address", self.gpu.agent, prefix=OWN_SHM)
+            self.fe = Server(*args, *key, "--ring-address", self.gpu.agent, prefix=OWN_SHM)
         except BaseException:
             self.gpu.stop()
             raise
@@ -76,7 +79,9 @@ class RemoteServer(Server):
         return self.fe.log + self.gpu.log
 
     def stop(self) -> int:
-        return self.fe.stop() or self.gpu.stop()
+        rc = self.fe.stop() or self.gpu.stop()
+        self.dir.cleanup()
+        return rc
 
 
 SERVERS = [
@@ -104,7 +109,9 @@ def tiny(request):
 
 @pytest.fixture(scope="module", params=SERVERS)
 def smol(request):
-    s = request.param("--n-slots", "2", "--max-queue", "1", "--max-batch", "4", "--num-kv-blocks", "256")
+    # two slots for the frontend under test: through the agent it owns half the ring's (partition 1 of 2)
+    n_slots = "4" if request.param is RemoteServer else "2"
+    s = request.param("--n-slots", n_slots, "--max-queue", "1", "--max-batch", "4", "--num-kv-blocks", "256")
     yield s
     assert s.stop() == 0, "".join(s.log)
 
@@ -146,7 +153,9 @@ def test_models_health_metrics(tiny):
 
     assert json.loads(urllib.request.urlopen(tiny.url + "/health").read()) == {"status": "ok"}
     m = tiny.metrics()
-    assert m["blink_device_up"] == 1 and m["blink_ring_slots"] == 16
+    # a frontend through the agent serves its partition: 1 of 2 (this host's and one remote frontend)
+    slots = 8 if isinstance(tiny, RemoteServer) else 16
+    assert m["blink_device_up"] == 1 and m["blink_ring_slots"] == slots
     assert m["blink_device_kv_blocks_total"] == 512
     # vLLM's names for the same series (dashboards written for vLLM), labelled with the model
     tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=2)

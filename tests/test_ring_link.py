@@ -10,16 +10,19 @@ import pytest
 from blink.config import BlinkConfig, ConfigError
 from blink.dpu import ring_link
 from blink.dpu.ring_link import RingLinkError, maps_ring_file, open_link
+from blink.protocol.agent_auth import new_secret
 from blink.protocol.layout import RingGeometry
 from blink.protocol.ring_agent import start_agent_process
 from blink.protocol.transport import ShmTransport
+
+SECRET = new_secret()
 
 
 @pytest.fixture
 def agent():
     name = f"blink-test-link-{os.getpid()}"
     ring = ShmTransport.create(name, RingGeometry(4, 256, 16))
-    proc, addr = start_agent_process(name)
+    proc, addr = start_agent_process(name, secret=SECRET)
     yield name, addr
     proc.terminate()
     proc.wait(10)
@@ -29,7 +32,7 @@ def agent():
 
 def test_auto_maps_the_rings_own_file_on_its_host(agent):
     name, addr = agent
-    link = open_link(None, addr, "auto")
+    link = open_link(None, addr, "auto", secret=SECRET)
     assert link.kind == "shm" and "the same file" in link.why
     assert maps_ring_file(os.getpid(), name)
     link.transport.close()
@@ -38,26 +41,26 @@ def test_auto_maps_the_rings_own_file_on_its_host(agent):
 def test_auto_takes_tcp_when_the_file_is_not_the_agents(agent, monkeypatch):
     name, addr = agent
     monkeypatch.setattr(ring_link, "file_id", lambda path: "0:0")  # another /dev/shm (see test_e2e_openai)
-    link = open_link(None, addr, "auto")
+    link = open_link(None, addr, "auto", secret=SECRET)
     assert link.kind == "tcp" and "auto: the GPU host has no RDMA device" in link.why
     assert link.transport.load_u64(0) == ShmTransport.open(name).load_u64(0)
     link.transport.close()
     with pytest.raises(RingLinkError, match="not this host's"):
-        open_link(None, addr, "shm")
+        open_link(None, addr, "shm", secret=SECRET)
 
 
 def test_explicit_choices(agent):
     name, addr = agent
-    link = open_link(None, addr, "tcp")
+    link = open_link(None, addr, "tcp", secret=SECRET)
     assert link.kind == "tcp" and "asked for" in link.why
     link.transport.close()
     with pytest.raises(RingLinkError, match="rdma: .*(python3-pyverbs|no RDMA device)"):
-        open_link(None, addr, "rdma")
+        open_link(None, addr, "rdma", secret=SECRET)
     with pytest.raises(RingLinkError, match="needs a ring agent"):
         open_link(name, None, "tcp")
     assert open_link(name, None, "auto").kind == "shm"
     with pytest.raises(RingLinkError, match="cannot reach the ring agent"):
-        open_link(None, "127.0.0.1:1", "auto")
+        open_link(None, "127.0.0.1:1", "auto", secret=SECRET)
 
 
 def test_ring_transport_config():

@@ -3,7 +3,9 @@
 `shm` maps the ring file; `tcp` goes through a ring agent in another process (the GPU host side);
 `rdma` (marker `rdma`) through a ring agent that registers the ring with a real RDMA device, and
 runs only where one exists. Each case checks the transport against the ring's own bytes, seen
-through a local shared-memory mapping (the "device" side).
+through a local shared-memory mapping (the "device" side). The accesses are a frontend's (its own
+words, a slot's output while it holds a request: what the agent's allow-list lets through; the
+allow-list itself is tests/test_agent_security.py's).
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, RingGeometry
+from blink.protocol.agent_auth import new_secret
+from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, RingGeometry, SlotState
 from blink.protocol.ring_agent import start_agent_process
 from blink.protocol.tcp_transport import TcpTransport
 from blink.protocol.transport import RangeError, ShmTransport, TransportError
 
 GEO = RingGeometry(8, 8 * 8192, 64)
-N = 16384  # ints published at once: a copy long enough for the other party to look in between
+N = 8192  # ints published at once (one slot's prompt region): long enough for the other party to look in between
 KINDS = ["shm", "tcp", pytest.param("rdma", marks=pytest.mark.rdma)]
+SECRET = new_secret()
+BUSY = SlotState.DECODE_PROCESSING  # a slot holding a request: its output is readable, its prompt the device's
 
 
 def _free_port() -> int:
@@ -50,7 +55,7 @@ class Ends:
         self.t = self.open()
 
     def start_agent(self) -> None:
-        self.agent, addr = start_agent_process(self.ring.path, self.address)
+        self.agent, addr = start_agent_process(self.ring.path, self.address, secret=SECRET)
         assert addr == self.address
 
     def kill_agent(self) -> None:
@@ -61,10 +66,10 @@ class Ends:
         if self.kind == "shm":
             return ShmTransport.open(self.ring.path)
         if self.kind == "tcp":
-            return TcpTransport(self.address, timeout_s=2.0)
+            return TcpTransport(self.address, SECRET, timeout_s=2.0)
         from blink.protocol.rdma_transport import RdmaTransport
 
-        return RdmaTransport(self.address, timeout_s=2.0)
+        return RdmaTransport(self.address, SECRET, timeout_s=2.0)
 
     def close(self) -> None:
         self.t.close()
@@ -92,6 +97,7 @@ def test_reads_and_writes_land_on_the_ring_bytes(ends: Ends):
     t.write(GEO.prompt_arena_offset, b"\x01\x02\x03")
     assert bytes(buf[GEO.prompt_arena_offset : GEO.prompt_arena_offset + 3]) == b"\x01\x02\x03"
     ends.local.output_arena[3, :] = np.arange(GEO.output_capacity) + 7
+    ends.local.slots["state"][3] = BUSY
     out = np.zeros(GEO.output_capacity, np.int32)
     assert t.read_into(GEO.output_offset(3, 0), out) is out
     assert (out == np.arange(GEO.output_capacity) + 7).all()
@@ -99,9 +105,10 @@ def test_reads_and_writes_land_on_the_ring_bytes(ends: Ends):
     rec = np.zeros(2, SLOT_DTYPE)  # structured arrays travel as their bytes
     rec["request_id"] = [11, 12]
     rec["temperature"] = [0.5, 0.25]
-    t.write(GEO.slot_offset(2), rec)
-    assert ends.local.slots["request_id"][2:4].tolist() == [11, 12]
-    back = t.read_into(GEO.slot_offset(2), np.zeros(2, SLOT_DTYPE))
+    t.write(GEO.slot_offset(4), rec[0])  # a frontend writes a record while the slot is EMPTY
+    t.write(GEO.slot_offset(5), rec[1])
+    assert ends.local.slots["request_id"][4:6].tolist() == [11, 12]
+    back = t.read_into(GEO.slot_offset(4), np.zeros(2, SLOT_DTYPE))
     assert back.tobytes() == rec.tobytes()
 
 
@@ -112,8 +119,8 @@ def test_words_publish_and_acquire(ends: Ends):
     assert int(h["submit_seq"]) == (1 << 63) + 5
     assert t.load_u64(off) == (1 << 63) + 5
     soff = GEO.slot_offset(1)
-    t.store_u32(soff, 0xFFFFFFFF)
-    assert int(ends.local.slots["state"][1]) == 0xFFFFFFFF
+    t.store_u32(soff + SLOT_DTYPE.fields["cancel"][1], 1)
+    assert int(ends.local.slots["cancel"][1]) == 1
     h["heartbeat"] = 42
     assert t.load_u64(HEADER_DTYPE.fields["heartbeat"][1]) == 42
     for bad in (lambda: t.store_u32(soff + 2, 1), lambda: t.load_u64(soff + 4), lambda: t.store_u64(3, 1)):
@@ -129,18 +136,25 @@ def test_a_batch_writes_in_order_then_reads_what_it_wrote(ends: Ends):
     toks = np.zeros(16, np.int32)
     ends.local.header["steps"] = 99
     t.transact(
-        [(a, np.full(16, 1, np.int32)), (a + 8, np.full(4, 2, np.int32)), (GEO.slot_offset(5), np.uint32(3).tobytes())],
+        [
+            (a, np.full(16, 1, np.int32)),
+            (a + 8, np.full(4, 2, np.int32)),
+            (GEO.slot_offset(5) + 4, np.uint32(1).tobytes()),
+            (GEO.slot_offset(0), np.uint32(SlotState.PREFILL_PENDING).tobytes()),
+        ],  # slot 0 published: its prompt readable
         [(0, hdr), (GEO.slots_offset, slots), (a, toks)],
     )
     # later writes win where they overlap; reads see every write of the batch
     assert toks.tolist() == [1, 1, 2, 2, 2, 2] + [1] * 10
-    assert int(slots["state"][5]) == 3 and int(hdr[0]["steps"]) == 99
+    assert int(slots["cancel"][5]) == 1 and int(hdr[0]["steps"]) == 99
     # a batch of reads only, of many regions
+    ends.local.slots["state"][:] = BUSY
     ends.local.output_arena[:, 0] = np.arange(GEO.n_slots) * 10
     outs = [np.zeros(1, np.int32) for _ in range(GEO.n_slots)]
     t.transact((), [(GEO.output_offset(s, 0), outs[s]) for s in range(GEO.n_slots)])
     assert [int(o[0]) for o in outs] == [s * 10 for s in range(GEO.n_slots)]
     t.transact((), ())  # an empty batch is fine
+    ends.local.slots["state"][:] = SlotState.EMPTY
     if hasattr(t, "round_trips"):
         before = t.round_trips
         t.transact([(a, b"\0" * 4)], [(b, np.zeros(4, np.uint8)), (0, np.zeros(8, np.uint8))])
@@ -168,6 +182,7 @@ def test_published_data_is_never_seen_before_its_word(ends: Ends):
     t = ends.t
     data_off, word_off = GEO.prompt_arena_offset, GEO.slot_offset(0) + SLOT_DTYPE.fields["generated"][1]
     arena, slots = ends.local.prompt_arena, ends.local.slots
+    slots["state"][0] = BUSY
     stop = threading.Event()
     bad: list[str] = []
 
@@ -192,12 +207,14 @@ def test_published_data_is_never_seen_before_its_word(ends: Ends):
 
     # the frontend publishing: data, then the word, in one batch; a local observer checks the order
     stop.clear()
+    slots["state"][0] = SlotState.EMPTY
+    word_off = GEO.slot_offset(0) + SLOT_DTYPE.fields["consumed"][1]
     arena[:N] = 0
-    slots["generated"][0] = 0
+    slots["consumed"][0] = 0
 
     def local_observer() -> None:
         while not stop.is_set():
-            w = int(slots["generated"][0])
+            w = int(slots["consumed"][0])
             d = int(arena[N - 1])  # the last element the publisher's copy writes: stale longest
             if d < w:
                 bad.append(f"observer: word {w}, data {d}")
@@ -214,6 +231,7 @@ def test_published_data_is_never_seen_before_its_word(ends: Ends):
 def test_reconnect(ends: Ends):
     t = ends.t
     t.write(GEO.prompt_arena_offset, np.arange(8, dtype=np.int32))
+    ends.local.slots["state"][0] = BUSY  # a published request: the frontend may read its prompt back
     if ends.kind == "shm":  # nothing remote: reopening the file is the reconnect
         t2 = ends.open()
         assert t2.read_into(GEO.prompt_arena_offset, np.zeros(8, np.int32)).tolist() == list(range(8))
@@ -266,7 +284,7 @@ def test_pyverbs_is_optional_and_rdma_without_a_device_says_how_to_fix_it():
         "import sys; sys.modules['pyverbs'] = None\n"
         "from blink.protocol import rdma_transport as r\n"
         "assert r.rdma_devices() == []\n"
-        "try:\n    r.RdmaTransport('127.0.0.1:1')\nexcept r.RdmaUnavailable as e:\n    print(e)\n"
+        "try:\n    r.RdmaTransport('127.0.0.1:1', bytes(32))\nexcept r.RdmaUnavailable as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -279,7 +297,7 @@ def test_pyverbs_is_optional_and_rdma_without_a_device_says_how_to_fix_it():
         from blink.protocol.rdma_transport import RdmaTransport
 
         with pytest.raises(RdmaUnavailable, match="no RDMA device"):
-            RdmaTransport("127.0.0.1:1")
+            RdmaTransport("127.0.0.1:1", SECRET)
 
 
 def test_posted_writes_land_before_every_later_batch(ends: Ends):

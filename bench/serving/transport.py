@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from bench.common import RESULTS, add_commit_arg, cpu_seconds, metadata, write_json
+from blink.protocol.agent_auth import new_secret
 from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, RingGeometry
 from blink.protocol.ring_agent import start_agent_process
 from blink.protocol.tcp_transport import TcpTransport
@@ -86,12 +87,13 @@ def ops_part(streams: int, iters: int) -> dict:
     geo = RingGeometry(256, 256 * 8192, 1024)
     name = f"blink-bench-transport-{os.getpid()}"
     ring = ShmTransport.create(name, geo)
-    agent, addr = start_agent_process(name)
+    secret = new_secret()
+    agent, addr = start_agent_process(name, secret=secret)
     agent_cpu0 = cpu_seconds(agent.pid)
     res: dict = {"geometry": {"n_slots": geo.n_slots, "bytes": geo.total_bytes}}
     try:
         res["shm"] = time_ops(ShmTransport.open(name), geo, streams, iters)
-        tcp = TcpTransport(addr)
+        tcp = TcpTransport(addr, secret)
         res["tcp"] = time_ops(tcp, geo, streams, iters)
         res["tcp_agent_cpu_s"] = cpu_seconds(agent.pid) - agent_cpu0
         res["tcp_round_trips"] = tcp.round_trips
@@ -99,7 +101,7 @@ def ops_part(streams: int, iters: int) -> dict:
         from blink.protocol.rdma_transport import RdmaTransport, rdma_devices
 
         if rdma_devices():
-            res["rdma"] = time_ops(RdmaTransport(addr), geo, streams, iters)
+            res["rdma"] = time_ops(RdmaTransport(addr, secret), geo, streams, iters)
         else:
             res["rdma"] = "not run: no RDMA device on this host"
     finally:

@@ -69,6 +69,8 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
     (a different replica count is refused); to change the config, `blink stop` first."""
     import ray
 
+    from blink.protocol.agent_auth import new_secret
+
     from .frontend_actor import FrontendActor
     from .gpu_actor import GpuActor
 
@@ -78,11 +80,15 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
     gpu_cls = ray.remote(GpuActor)
     fe_cls = ray.remote(FrontendActor)
     gpu_bundle = plan.bundles[plan.gpu_bundle(0)]
+    n_fe = cfg.frontend_count(plan.replicas)
+    # The ring agents' secret: every GPU actor serves its ring to the clients that prove it, and only
+    # the frontend actors get it (as an argument: Ray's own token authentication guards the cluster).
+    secret = new_secret()
     gpus = []
     for i in range(plan.replicas):
         opts = _actor_options(cfg, cfg.gpu_actor_name(i), pg, plan.gpu_bundle(i), detached)
         opts.update(num_cpus=gpu_bundle.get("CPU", 0.0), num_gpus=gpu_bundle.get("GPU", 0.0))
-        gpus.append(gpu_cls.options(**opts).remote(cfg.to_json(), i))
+        gpus.append(gpu_cls.options(**opts).remote(cfg.to_json(), i, secret, n_fe))
     try:
         rings = _get_all([a.start.remote() for a in gpus], timeout, "GPU actor start()", gpus)
     except (StartError, TimeoutError):
@@ -92,7 +98,6 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
         unlink_local_rings(cfg)
         raise
     fe_bundle = plan.bundles[plan.frontend_bundle]
-    n_fe = cfg.frontend_count(plan.replicas)
     frontends: list[Any] = []
     infos: list[dict[str, Any]] = []
     for k in range(n_fe):
@@ -102,7 +107,7 @@ def deploy(cfg: DeployConfig, detached: bool) -> Deployment:
         if "dpu" in fe_bundle:
             opts["resources"] = {"dpu": fe_bundle["dpu"] / n_fe}
         port = None if k == 0 else infos[0]["port"]
-        frontends.append(fe_cls.options(**opts).remote(cfg.to_json(), plan.replicas, k, n_fe, port))
+        frontends.append(fe_cls.options(**opts).remote(cfg.to_json(), plan.replicas, k, n_fe, port, secret))
         (info,) = _get_all([frontends[k].start.remote()], timeout, f"frontend {k} start()", frontends)
         infos.append(info)
     for fe in frontends:

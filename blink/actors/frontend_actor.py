@@ -38,9 +38,18 @@ log = logging.getLogger(__name__)
 
 
 class FrontendActor:
-    def __init__(self, cfg_json: str, replicas: int, index: int = 0, count: int = 1, port: int | None = None):
-        """index / count: this frontend among `count` sharing the replicas; port: the port to bind
-        (frontends 1.. take the one frontend 0 bound; None: the configured server.port)."""
+    def __init__(
+        self,
+        cfg_json: str,
+        replicas: int,
+        index: int = 0,
+        count: int = 1,
+        port: int | None = None,
+        secret: bytes | None = None,
+    ):
+        """index / count: this frontend among `count` sharing the replicas (its slot partition of every
+        ring); port: the port to bind (frontends 1.. take the one frontend 0 bound; None: the
+        configured server.port); secret: the GPU actors' ring agents' (blink deploy makes it)."""
         raycount.install()
         raycount.note_incoming("__init__")
         self.cfg = DeployConfig.from_json(cfg_json)
@@ -48,6 +57,7 @@ class FrontendActor:
         if not 0 <= index < count:
             raise ValueError(f"frontend index {index} out of range for {count} frontends")
         self.index, self.count, self.port = index, count, port
+        self._secret = secret
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -119,7 +129,15 @@ class FrontendActor:
         if rc.transport != "shm" and ray is not None and ray.is_initialized():
             locate = self._locate  # the rings may be on other hosts: ask their GPU actors where
         rings = [self.cfg.ring_name(i) for i in range(self.replicas)]
-        self._router = Router(rings, make_tracker, locate=locate, transport=rc.transport, rdma_device=rc.rdma_device)
+        self._router = Router(
+            rings,
+            make_tracker,
+            locate=locate,
+            transport=rc.transport,
+            rdma_device=rc.rdma_device,
+            secret=self._secret,
+            partition=(self.index, self.count),
+        )
         await self._router.start()
         metrics_dir = None
         try:

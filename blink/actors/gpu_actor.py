@@ -14,8 +14,9 @@ agent (blink.protocol.ring_agent) on a thread of this process, bound to this nod
 (port: ring.listen's, else any; loopback only on a one-node cluster), reported by ring_info() as
 "agent". Over TCP every round trip of
 a remote frontend runs on that thread (this host's CPU); over RDMA the agent only bootstraps each
-frontend's queue pair. The agent has no authentication: the node's address must be on a network
-only the cluster reaches.
+frontend's queue pair. The agent admits only clients that prove the deployment's secret (made by
+`blink deploy`, handed to every actor with its arguments) and splits the ring's slots into one
+partition per frontend actor (blink.protocol.ring_agent).
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ STATUS_FIELDS = DEVICE_GAUGES + DEVICE_COUNTERS + ("fault", "heartbeat_ns", "max
 
 
 class GpuActor:
-    def __init__(self, cfg_json: str, replica: int):
+    def __init__(self, cfg_json: str, replica: int, secret: bytes = b"", partitions: int = 1):
+        """secret: the ring agent's (blink deploy makes it); partitions: the frontend actors, one
+        partition of the ring's slots each."""
         raycount.install()
         raycount.note_incoming("__init__")
         self.cfg = DeployConfig.from_json(cfg_json)
         self.replica = replica
+        self._secret, self._partitions = secret, partitions
         self.ring_name = self.cfg.ring_name(replica)
         self._lock = threading.Lock()
         self._transport: ShmTransport | None = None
@@ -103,11 +107,13 @@ class GpuActor:
         from blink.protocol.ring_agent import RingAgent
 
         port = rc.listen.rpartition(":")[2] if rc.listen else "0"
-        # The agent has no authentication: on a one-node cluster (blink serve --ray) nobody outside
-        # this host needs it, so it listens on loopback only; otherwise on the node's address.
+        # On a one-node cluster (blink serve --ray) nobody outside this host needs the agent, so it
+        # listens on loopback only; otherwise on the node's address.
         alone = sum(1 for n in ray.nodes() if n.get("Alive")) <= 1
         host = "127.0.0.1" if alone else ray.util.get_node_ip_address()
-        self._agent = RingAgent(self.ring_name, f"{host}:{port}", rc.rdma_device)
+        self._agent = RingAgent(
+            self.ring_name, f"{host}:{port}", rc.rdma_device, secret=self._secret, partitions=self._partitions
+        )
         self._agent.start_thread()
         log.info("replica %d: ring agent on %s", self.replica, self._agent.address)
 

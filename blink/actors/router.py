@@ -95,9 +95,12 @@ class Router:
         locate: Locate | None = None,
         transport: str = "auto",
         rdma_device: str = "",
+        secret: bytes | None = None,
+        partition: tuple[int, int] = (0, 1),
     ):
         """locate: where each replica's ring is (None: every ring is a /dev/shm file on this host);
-        transport / rdma_device: ring.transport and ring.rdma_device (blink.dpu.ring_link)."""
+        transport / rdma_device: ring.transport and ring.rdma_device (blink.dpu.ring_link); secret: the
+        ring agents'; partition: (owner, owners), this frontend's slots of every ring."""
         if not rings:
             raise ValueError("a router needs at least one ring")
         self.replicas = [Replica(i, name) for i, name in enumerate(rings)]
@@ -105,6 +108,8 @@ class Router:
         self._locate = locate
         self._kind = transport
         self._rdma_device = rdma_device
+        self._secret = secret
+        self._partition = partition
         self.watch_interval_s = watch_interval_s
         self._watch: asyncio.Task[None] | None = None
         self._last = -1
@@ -152,7 +157,11 @@ class Router:
 
         def connect():
             info = self._locate(r.index)
-            link = open_link(r.ring, info.get("agent"), self._kind, self._rdma_device)
+            owner, owners = self._partition
+            agent = info.get("agent")
+            link = open_link(
+                r.ring, agent, self._kind, self._rdma_device, secret=self._secret, owner=owner, owners=owners
+            )
             try:
                 hdr = read_header(link.transport)
                 ready = int(hdr["magic"]) == RING_MAGIC and int(hdr["device_status"]) == DeviceStatus.READY

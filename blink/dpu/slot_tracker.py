@@ -17,6 +17,13 @@ one read of every record (plus whatever the token reader reads in the same round
 is one posted batch (prompt, logit bias, record, state word, doorbell, in that order), a cancel one
 posted batch (flag, doorbell). Over TCP or RDMA a submission therefore costs no round trip of its own.
 
+A request's prompt does not outlive it: the release (DECODE_COMPLETED -> EMPTY) is followed, in
+the same posted batch, by zeros over the slot's prompt region as far as the request used it (its
+prompt, logit bias and prompt logprob records; the whole region for a slot adopted from a previous
+frontend). While the slot is EMPTY that region is the frontend's (layout.py). The output and
+logprob rows are the device's; through the ring agent nobody reads them once the slot is EMPTY
+(blink/protocol/ring_access.py).
+
 Several frontend processes can share one ring (deploy.frontends > 1: more cores for HTTP and
 detokenization): frontend `owner` of `owners` only ever claims, reads and releases the slots s
 with s % owners == owner, so every slot word still has one host writer. The doorbells are the
@@ -91,6 +98,7 @@ class SlotTracker:
         self.prompt_capacity = geometry.prompt_arena_tokens // n  # tokens of prompt arena per slot
         self.records = np.zeros(n, SLOT_DTYPE)  # last bulk read of the slot records
         self.held = np.zeros(n, bool)  # slots this frontend claimed and has not released
+        self.used = np.zeros(n, np.int64)  # prompt-arena words each held slot's request used (zeroed at release)
         self._free = np.zeros(n, bool)  # cache: ring state EMPTY, not held, owned
         self._hint = 0
         hdr = read_header(transport)
@@ -120,7 +128,9 @@ class SlotTracker:
     @property
     def n_busy_ring(self) -> int:
         """Slots in use on the whole ring, by every frontend sharing it: not EMPTY as of the last
-        bulk read, or claimed by this frontend since. The load a router compares across replicas."""
+        bulk read, or claimed by this frontend since. The load a router compares across replicas.
+        Through a ring agent the other partitions' records read as EMPTY (blink/protocol/ring_access.py):
+        there it counts this frontend's slots only."""
         return int(((self.records["state"] != SlotState.EMPTY) | self.held).sum())
 
     def find_free(self) -> int | None:
@@ -186,6 +196,7 @@ class SlotTracker:
         self.t.post(writes)
         self._submit_seq += 1
         self.held[slot] = True
+        self.used[slot] = words
         self._free[slot] = False
         self._hint = (slot + 1) % self.geo.n_slots
         return slot
@@ -211,17 +222,21 @@ class SlotTracker:
     def _doorbell(self, offset: int, seq: int) -> Write:
         return offset, np.array([seq * self.owners + self.owner], "<u8")
 
-    def release_write(self, slot: int) -> Write:
-        """DECODE_COMPLETED -> EMPTY, after every token was read: the store, to be posted by the
-        caller (after its token reads completed). The slot is free again locally at once; a claim
-        of it posts its writes after this one, so the device sees them in that order."""
+    def release_writes(self, slot: int) -> list[Write]:
+        """DECODE_COMPLETED -> EMPTY, after every token was read, then zeros over the prompt region the
+        request used: the stores, to be posted by the caller (after its token reads completed). The
+        slot is free again locally at once; a claim of it posts its writes after these, so the
+        device sees them in that order."""
         assert self.owned[slot], f"slot {slot} belongs to another frontend"
         self.held[slot] = False
         self._free[slot] = True
-        return _u32(self.geo.slot_offset(slot) + _STATE, SlotState.EMPTY)
+        words = min(int(self.used[slot]), self.prompt_capacity)
+        self.used[slot] = 0
+        base = self.geo.prompt_arena_offset + 4 * slot * self.prompt_capacity
+        return [_u32(self.geo.slot_offset(slot) + _STATE, SlotState.EMPTY), (base, np.zeros(4 * words, np.uint8))]
 
     def release(self, slot: int) -> None:
-        self.t.post([self.release_write(slot)])
+        self.t.post(self.release_writes(slot))
 
     def orphans(self) -> list[int]:
         """Slots left non-EMPTY by a previous frontend (on (re)attach): not held by us, not EMPTY."""
@@ -232,4 +247,5 @@ class SlotTracker:
     def adopt(self, slot: int) -> None:
         """Take over an orphan slot so that the token reader drains and releases it."""
         self.held[slot] = True
+        self.used[slot] = self.prompt_capacity  # what its request used is unknown: clear the whole region
         self._free[slot] = False

@@ -30,6 +30,13 @@ advanced for `heartbeat_timeout_s`; every in-flight request then ends with an er
 `health()` reports not ok (the server answers /health with 503). A stall is not final: when the
 heartbeat advances again the frontend serves again (the requests it failed were cancelled on the
 ring and are drained and released when the device gets to them).
+
+A slot of this frontend whose record no conforming device could produce (EMPTY or an unknown state
+while it holds a request, `generated` going backwards or past the output ring's flow control) is a
+fault of that slot only: its request ends with an error event, the slot is cancelled and left
+alone until the device completes it (then released); the other requests go on. The reader itself
+is supervised: a crash (a bug) ends the in-flight requests with an error event, as a device stall
+does, and the loop starts again after a backoff (RESTART_BACKOFF_S), never left dead.
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ from .token_masks import Constraint
 
 log = logging.getLogger("blink.token_reader")
 _COMPLETED = int(SlotState.DECODE_COMPLETED)  # an IntEnum member's lookup costs a dict walk per use
+_EMPTY = int(SlotState.EMPTY)
+RESTART_BACKOFF_S = (0.05, 5.0)  # after a crash of the loop: first wait (doubling) and the longest
 
 
 @dataclass
@@ -73,6 +82,7 @@ class _Active:
     logprobs: int = -1  # alternatives per generated token's record to deliver; -1: no records
     prompt: tuple[int, int, int, int] | None = None  # prompt records: (word offset, prompt_len, n in slot, n wanted)
     constraint: Constraint | None = None  # structured output: the matcher and bitmask it advances
+    faulted: bool = False  # the slot showed an impossible record: no more reads, released once completed
 
 
 class TokenReader:
@@ -109,6 +119,7 @@ class TokenReader:
         self.window = window if window is not None else (0 if getattr(tracker.t, "kind", "") == "shm" else 16)
         self.active: dict[int, _Active] = {}
         self._active_mask = np.zeros(self.geo.n_slots, bool)  # slots in self.active
+        self._faulted = np.zeros(self.geo.n_slots, bool)  # active slots with a fault (see _slot_fault)
         self._delivered = np.zeros(self.geo.n_slots, np.int64)  # tokens read per slot (mirror of _Active)
         self._urgent: list[int] = []  # registered slots that have not delivered a token yet
         self._registered = False  # a slot was registered since the last cycle
@@ -121,6 +132,8 @@ class TokenReader:
         self._stalled = False  # failed only because the heartbeat stopped (recoverable)
         self.cycles = 0
         self.tokens_read = 0
+        self.restarts = 0  # crashes of the loop survived
+        self.slot_faults = 0
         self._cap = self.geo.output_capacity
 
     # -- registration (called by the request tracker) ---------------------------------------
@@ -140,6 +153,7 @@ class TokenReader:
         constraint: its token mask, advanced by every token read (structured output)."""
         self.active[slot] = _Active(request_id, sink, delivered, timing, backlog, logprobs, prompt, constraint)
         self._active_mask[slot] = True
+        self._faulted[slot] = False
         self._delivered[slot] = delivered
         self._urgent.append(slot)
         self._registered = True
@@ -158,7 +172,7 @@ class TokenReader:
         if self.failed:
             return DeviceHealth(False, status, self._hb, self.failed)
         if status != DeviceStatus.READY:
-            return DeviceHealth(False, status, self._hb, f"device status {DeviceStatus(status).name}")
+            return DeviceHealth(False, status, self._hb, f"device status {_status_name(status)}")
         return DeviceHealth(True, status, self._hb)
 
     def _check_device(self, now: float) -> None:
@@ -181,7 +195,7 @@ class TokenReader:
                 return
         status = int(self.header["device_status"])
         if status in (DeviceStatus.FAILED, DeviceStatus.STOPPED):
-            self._fail(f"device {DeviceStatus(status).name.lower()} (fault {int(self.header['fault'])})")
+            self._fail(f"device {_status_name(status).lower()} (fault {int(self.header['fault'])})")
         elif status == DeviceStatus.READY and now - self._hb_changed_at > self.heartbeat_timeout_s:
             self._fail(f"device heartbeat stalled for {now - self._hb_changed_at:.1f} s", stalled=True)
 
@@ -258,10 +272,11 @@ class TokenReader:
         self._check_device(time.monotonic())
         if not self.active:
             return None
+        self._check_slots(recs)
         # Vectorized change detection over all slots; the Python loop only visits slots with
         # news (new tokens or completion), urgent (newly registered) ones first.
         completed = recs["state"] == _COMPLETED
-        news = (recs["generated"] > self._delivered) | completed
+        news = (recs["generated"] > self._delivered) | completed | self._faulted
         news &= self._active_mask
         self._registered = False
         order = np.flatnonzero(news).tolist()
@@ -315,6 +330,9 @@ class TokenReader:
             a = self.active.get(slot)
             if a is None or slot not in win:
                 continue  # a slow consumer: its tokens stay in the ring (see _backlogged)
+            if a.faulted:
+                self._drop_faulted(slot, recs[slot], writes, released)
+                continue
             rec = recs[slot]
             gen = gens[slot]
             ids = ids_of.get(slot)
@@ -360,7 +378,7 @@ class TokenReader:
                     )
                 del self.active[slot]
                 self._active_mask[slot] = False
-                writes.append(self.tracker.release_write(slot))
+                writes += self.tracker.release_writes(slot)
                 released.append(slot)
         return n, stepped, writes, released
 
@@ -373,13 +391,14 @@ class TokenReader:
         out: dict[int, list[int]] = {}
         rest: list[tuple[int, int, int]] = []  # (slot, first token, end) still to read
         for s in order:
-            if s not in win or s not in self.active:
+            if s not in win or s not in self.active or self.active[s].faulted:
                 continue
             d, g = int(self._delivered[s]), gens[s]
             if g <= d:
                 continue
             if g - d > self._cap:  # cannot happen with a conforming device (flow control)
-                raise RuntimeError(f"slot {s}: device overran the output ring ({g - d} > {self._cap})")
+                self._slot_fault(s, f"generated {g} overran the output ring ({g - d} tokens > {self._cap})")
+                continue
             span = win[s]
             ids: list[int] = []
             if span is not None:
@@ -411,6 +430,45 @@ class TokenReader:
                 out[s] += bufs[at : at + g - d].tolist()
                 at += g - d
         return out
+
+    # -- faults of one slot ---------------------------------------------------------------
+    def _check_slots(self, recs: np.ndarray) -> None:
+        """Fault the active slots whose records no conforming device could show (module doc)."""
+        st = recs["state"]
+        gen = recs["generated"].astype(np.int64)
+        bad = (st == _EMPTY) | (st > _COMPLETED) | (gen < self._delivered) | (gen - self._delivered > self._cap)
+        bad &= self._active_mask & ~self._faulted
+        for s in np.flatnonzero(bad).tolist():
+            self._slot_fault(
+                s,
+                f"impossible slot record (state {int(st[s])}, generated {int(gen[s])}, read {int(self._delivered[s])})",
+            )
+
+    def _slot_fault(self, slot: int, why: str) -> None:
+        a = self.active[slot]
+        a.faulted = True
+        self._faulted[slot] = True
+        self.slot_faults += 1
+        log.error("slot %d (request %d): %s; ending that request", slot, a.request_id, why)
+        if a.sink is not None:
+            try:
+                a.sink(TokenEvent(a.request_id, [], FinishReason.ERROR, SlotError.DEVICE_FAULT, f"slot fault: {why}"))
+            except Exception:
+                log.exception("request %d: delivering the fault event", a.request_id)
+            a.sink = None
+        try:
+            self.tracker.cancel(slot)
+        except TransportError as e:
+            log.warning("slot %d: cancel not delivered: %s", slot, e)
+
+    def _drop_faulted(self, slot: int, rec: np.ndarray, writes: list, released: list) -> None:
+        """A faulted slot is released once the device completed it (or it shows EMPTY already)."""
+        if int(rec["state"]) not in (_COMPLETED, _EMPTY):
+            return
+        del self.active[slot]
+        self._active_mask[slot] = self._faulted[slot] = False
+        writes += self.tracker.release_writes(slot)
+        released.append(slot)
 
     def _backlogged(self, a: _Active) -> bool:
         """A slow consumer: leave its tokens in the ring. `consumed` stops advancing, so the device
@@ -455,19 +513,30 @@ class TokenReader:
 
     # -- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
-        try:
-            await self._run()
-        except TransportError as e:
-            # The ring cannot be reached (agent or network gone): the device may be fine, but no
-            # token can come back through this transport. Every request ends with an error event.
-            log.warning("ring unreachable: %s", e)
-            self._fail(f"ring unreachable: {e}")
-        except Exception as e:
-            # A bug here must not leave every request waiting forever: fail them all.
-            # Logged with its traceback and recorded in self.failed (/health shows it); not re-raised,
-            # since nothing awaits this background task until shutdown.
-            log.exception("token reader crashed")
-            self._fail(f"token reader crashed: {e!r}")
+        delay = RESTART_BACKOFF_S[0]
+        while not self._stop:
+            started = time.monotonic()
+            try:
+                await self._run()
+                return
+            except TransportError as e:
+                # The ring cannot be reached (agent or network gone): the device may be fine, but no
+                # token can come back through this transport. Every request ends with an error event.
+                log.warning("ring unreachable: %s", e)
+                self._fail(f"ring unreachable: {e}")
+                return
+            except Exception as e:
+                # A bug here must not leave every request waiting forever, nor the server without a
+                # reader: the in-flight requests end with an error event (their slots are cancelled
+                # and drained, as after a stall), /health says why meanwhile, and the loop restarts.
+                if time.monotonic() - started > 60.0:
+                    delay = RESTART_BACKOFF_S[0]
+                log.exception("token reader crashed; restarting it in %.2f s", delay)
+                self.restarts += 1
+                self._fail(f"token reader crashed: {e!r}", stalled=True)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RESTART_BACKOFF_S[1])
+                self.failed, self._stalled = None, False
 
     async def _run(self) -> None:
         timer = FineTimer()
@@ -500,6 +569,13 @@ class TokenReader:
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
+
+
+def _status_name(status: int) -> str:
+    try:
+        return DeviceStatus(status).name
+    except ValueError:  # not a status any device writes
+        return f"unknown ({status})"
 
 
 def _logprobs(lp: np.ndarray, ids: np.ndarray, lps: np.ndarray) -> list[Logprob]:

@@ -18,11 +18,15 @@ RDMA READ and WRITE; no CPU on the GPU host touches a request or a token. Two ha
   last WR is signaled; the transport busy-polls the CQ for it. On RC, completions arrive in order,
   so the last one means every earlier WR completed. Small writes go inline (no staging DMA).
 
-The bootstrap happens once, at start-up: the frontend connects to the ring agent over TCP, sends
+The bootstrap happens once, at start-up: the frontend connects to the ring agent over TCP, passes
+the agent's handshake (agent_auth.py: both prove the shared secret; the frontend is granted its
+slot partition) and only then sends
 its QPN, PSN, GID and LID (`RdmaHello`), and receives the GPU host's QPN, PSN, GID, LID, the rkey,
 the region's address and the ring size (`RdmaWelcome`). Nothing is exchanged per request. The TCP
 connection stays open: the GPU host's queue pair lives exactly as long as it (a frontend that dies
-releases its QP), and a frontend that restarts runs the bootstrap again (`reconnect`).
+releases its QP), and a frontend that restarts runs the bootstrap again (`reconnect`). The queue
+pair reaches the whole region: the agent's per-word allow-list (ring_access.py) cannot apply to
+one-sided accesses, so an RDMA frontend is trusted with the ring once it has proved the secret.
 
 Ordering (why a state word published after its data is never seen before it):
 
@@ -302,6 +306,7 @@ class RdmaTransport(BatchOfOne):
     def __init__(
         self,
         address: str,
+        secret: bytes,
         device: str = "",
         port: int = 1,
         gid_index: int | None = None,
@@ -309,12 +314,16 @@ class RdmaTransport(BatchOfOne):
         staging_bytes: int = 8 << 20,
         max_wr: int = 256,
         max_inline: int = 64,
+        owner: int = -1,
+        owners: int = 0,
     ):
         load_pyverbs()  # a clear RdmaUnavailable before anything else
         import pyverbs.enums as e
         from pyverbs.mr import MR
 
         self.address = address
+        self.secret = secret
+        self.owner, self.owners = owner, owners
         self.timeout_s = timeout_s
         self._e = e
         self.v = _Verbs(device, port, gid_index, cqe=max_wr)
@@ -331,7 +340,8 @@ class RdmaTransport(BatchOfOne):
         self._connect()
 
     def _connect(self) -> None:
-        self._sock, welcome = connect(self.address, self.timeout_s)
+        self._sock, welcome = connect(self.address, self.timeout_s, self.secret, self.owner, self.owners)
+        self.owner, self.owners = welcome.owner, welcome.owners
         self.identity = welcome.identity
         self.ring = welcome.ring
         qp = self.v.create_qp(self.max_wr, self.max_inline, remote_access=False)

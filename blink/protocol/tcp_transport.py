@@ -15,6 +15,11 @@ Ordering: the agent applies a batch's writes in order and then its reads in orde
 x86-64 stores and loads on the shared mapping, so the rules of `transport.py` hold as they do for
 `ShmTransport`; a 4- or 8-byte aligned write is one machine store (a state word is never torn).
 
+Authentication: a connection opens with agent_auth.py's handshake over the secret the transport
+is given (both ends prove they hold it), and is granted a partition of the ring's slots
+(`owner` of `owners`, in `welcome`): the frontend serves only those slots, and the agent refuses
+any other write and hides any other slot's bytes (ring_access.py).
+
 Failure: every socket operation has a deadline (`timeout_s`); a closed connection, a reset or a
 deadline raises TransportError, and the transport stays broken until `reconnect()`. The frontend
 then fails its in-flight requests with an error event (health 503) rather than hanging.
@@ -25,11 +30,13 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 
+from . import agent_auth
 from .transport import (
     BatchOfOne,
     RangeError,
@@ -40,10 +47,11 @@ from .transport import (
     check_range,
     out_bytes,
 )
-from .wire import AGENT_PROTOCOL, AgentFrame, AgentHello, AgentWelcome, RingBatch, RingReply
+from .wire import AGENT_PROTOCOL, AgentAuth, AgentChallenge, AgentFrame, AgentHello, AgentWelcome, RingBatch, RingReply
 
 _LEN = struct.Struct("<I")
-MAX_FRAME = 1 << 28  # a frame larger than this is a protocol error, not a ring access
+MAX_FRAME = 1 << 28  # a reply larger than this is a protocol error, not a ring access
+BUSY_RETRY_S = 0.05  # a partition held by a connection the agent has not seen close yet: ask again
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -81,8 +89,23 @@ def recv_frame(sock: socket.socket) -> AgentFrame:
     return _decoder.decode(recv_exact(sock, n))
 
 
-def connect(address: str, timeout_s: float) -> tuple[socket.socket, AgentWelcome]:
-    """A connection to the agent at `address`, past the hello; raises TransportError."""
+def connect(
+    address: str, timeout_s: float, secret: bytes, owner: int = -1, owners: int = 0
+) -> tuple[socket.socket, AgentWelcome]:
+    """An authenticated connection to the agent at `address`, granted partition `owner` of `owners`
+    (-1 / 0: any, the agent's count); raises TransportError. A partition that is held is asked for
+    again until `timeout_s` (its holder may be this frontend's own connection, closing)."""
+    t_end = time.monotonic() + timeout_s
+    while True:
+        sock, w = _attach(address, timeout_s, secret, owner, owners)
+        if isinstance(w, AgentWelcome):
+            return sock, w
+        if not w.busy or time.monotonic() > t_end:
+            raise TransportError(f"ring agent at {address} refused the attach: {w.error}")
+        time.sleep(BUSY_RETRY_S)
+
+
+def _attach(address: str, timeout_s: float, secret: bytes, owner: int, owners: int):
     host, port = parse_address(address)
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -90,25 +113,44 @@ def connect(address: str, timeout_s: float) -> tuple[socket.socket, AgentWelcome
         raise TransportError(f"cannot reach the ring agent at {address}: {e}") from e
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        send_frame(sock, AgentHello())
+        nonce = agent_auth.new_nonce()
+        send_frame(sock, AgentHello(AGENT_PROTOCOL, nonce))
+        ch = recv_frame(sock)
+        if not isinstance(ch, AgentChallenge):
+            raise TransportError(
+                f"ring agent at {address} answered {type(ch).__name__}; expected protocol {AGENT_PROTOCOL}"
+            )
+        if not agent_auth.proofs_equal(ch.proof, agent_auth.agent_proof(secret, nonce, ch.nonce)):
+            raise TransportError(f"ring agent at {address} does not hold this frontend's secret (wrong secret file?)")
+        send_frame(sock, AgentAuth(agent_auth.client_proof(secret, nonce, ch.nonce), owner, owners))
         w = recv_frame(sock)
     except (OSError, msgspec.DecodeError) as e:
         sock.close()
-        raise TransportError(f"ring agent at {address}: hello failed: {e}") from e
-    if not isinstance(w, AgentWelcome) or w.version != AGENT_PROTOCOL:
+        raise TransportError(
+            f"ring agent at {address}: attach failed ({type(e).__name__}: {e}); a wrong secret?"
+        ) from e
+    except TransportError:
         sock.close()
-        raise TransportError(f"ring agent at {address} answered {w!r}; expected protocol {AGENT_PROTOCOL}")
-    return sock, w
+        raise
+    if isinstance(w, AgentWelcome) and w.version == AGENT_PROTOCOL:
+        return sock, w
+    sock.close()
+    if isinstance(w, RingReply):
+        return None, w
+    raise TransportError(f"ring agent at {address} answered {w!r}; expected protocol {AGENT_PROTOCOL}")
 
 
 class TcpTransport(BatchOfOne):
-    """A ring reached through the ring agent at `address` ('host:port')."""
+    """A ring reached through the ring agent at `address` ('host:port'), with the agent's `secret`, as
+    the frontend of slot partition `owner` of `owners` (-1 / 0: whichever the agent grants)."""
 
     kind = "tcp"
 
-    def __init__(self, address: str, timeout_s: float = 5.0):
+    def __init__(self, address: str, secret: bytes, timeout_s: float = 5.0, owner: int = -1, owners: int = 0):
         self.address = address
+        self.secret = secret
         self.timeout_s = timeout_s
+        self.owner, self.owners = owner, owners
         self._lock = threading.Lock()  # one frame in flight (Ray's status calls come from other threads)
         self._sock: socket.socket | None = None
         self.round_trips = 0  # batches that waited for an answer
@@ -116,7 +158,8 @@ class TcpTransport(BatchOfOne):
         self._open()
 
     def _open(self) -> None:
-        self._sock, w = connect(self.address, self.timeout_s)
+        self._sock, w = connect(self.address, self.timeout_s, self.secret, self.owner, self.owners)
+        self.owner, self.owners = w.owner, w.owners  # a reconnect asks for the same partition again
         self.size = w.size
         self.identity = w.identity
         self.ring = w.ring

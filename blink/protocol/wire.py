@@ -8,6 +8,8 @@ layout lives in `layout.py`.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from .layout import FinishReason, SlotError
@@ -128,15 +130,37 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 # -- ring access frames (TcpTransport <-> ring agent; RDMA bootstrap) -------------------------
 # One frame on the socket = 4-byte little-endian length + a msgpack-encoded AgentFrame. The tag
-# (first array element) says which message it is.
+# (first array element) says which message it is. A connection opens with the handshake of
+# agent_auth.py (hello, challenge, auth, welcome); nothing else is accepted before it completes.
 _FRAME = dict(array_like=True, omit_defaults=True, gc=False, frozen=True, tag_field="op")
-AGENT_PROTOCOL = 1
+AGENT_PROTOCOL = 2
+MAX_BATCH_ENTRIES = 1 << 18  # writes or reads in one RingBatch (checked while decoding, before allocating)
+_Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+_Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
 class AgentHello(msgspec.Struct, tag="hello", **_FRAME):
-    """Client -> agent, first frame of a connection."""
+    """Client -> agent, first frame of a connection: the client's challenge to the agent."""
 
     version: int = AGENT_PROTOCOL
+    nonce: _Nonce = b"\0" * 16
+
+
+class AgentChallenge(msgspec.Struct, tag="challenge", **_FRAME):
+    """Agent -> client: the agent's proof that it holds the secret (over both nonces), and its own
+    challenge to the client."""
+
+    nonce: _Nonce
+    proof: _Mac
+
+
+class AgentAuth(msgspec.Struct, tag="auth", **_FRAME):
+    """Client -> agent: the client's proof, and the slot partition it asks for: `owner` of `owners`
+    (the slots s with s % owners == owner). owner -1: whichever is free; owners 0: the agent's count."""
+
+    proof: _Mac
+    owner: int = -1
+    owners: int = 0
 
 
 class AgentWelcome(msgspec.Struct, tag="welcome", **_FRAME):
@@ -151,13 +175,15 @@ class AgentWelcome(msgspec.Struct, tag="welcome", **_FRAME):
     host: str = ""  # the GPU host's boot id (transport.host_id)
     file: str = ""  # the ring file's identity there (transport.file_id): a frontend that sees the
     # same file under /dev/shm/<ring> on the same host can map it instead (auto -> shm)
+    owner: int = 0  # the slot partition granted to this connection: slots s % owners == owner
+    owners: int = 1
 
 
 class RingBatch(msgspec.Struct, tag="batch", **_FRAME):
     """Writes applied in order, then reads in order (Transport.transact), one round trip."""
 
-    writes: list[tuple[int, bytes]] = []  # (offset, bytes)
-    reads: list[tuple[int, int]] = []  # (offset, length)
+    writes: Annotated[list[tuple[int, bytes]], msgspec.Meta(max_length=MAX_BATCH_ENTRIES)] = []  # (offset, bytes)
+    reads: Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_BATCH_ENTRIES)] = []  # (offset, length)
     reply: bool = True  # False: a posted batch (writes only); the agent answers nothing, and closes
     # the connection if it fails (the client checked its ranges, so that is a broken agent or ring)
 
@@ -168,11 +194,12 @@ class RingReply(msgspec.Struct, tag="reply", **_FRAME):
     data: bytes = b""
     error: str = ""
     range_error: bool = False  # the error is an out-of-range access (the caller's bug)
+    busy: bool = False  # at attach: the partition asked for is held (by a connection closing, maybe)
 
 
 class RdmaHello(msgspec.Struct, tag="rdma_hello", **_FRAME):
-    """Frontend -> agent, once at start-up: its RC queue pair, to be connected to a new one on the
-    GPU host that can reach the ring's memory region."""
+    """Frontend -> agent, once at start-up, after the handshake: its RC queue pair, to be connected
+    to a new one on the GPU host that can reach the ring's memory region."""
 
     qpn: int
     psn: int
@@ -194,4 +221,4 @@ class RdmaWelcome(msgspec.Struct, tag="rdma_welcome", **_FRAME):
     size: int
 
 
-AgentFrame = AgentHello | AgentWelcome | RingBatch | RingReply | RdmaHello | RdmaWelcome
+AgentFrame = AgentHello | AgentChallenge | AgentAuth | AgentWelcome | RingBatch | RingReply | RdmaHello | RdmaWelcome

@@ -52,8 +52,11 @@ class Result:
 
 
 class RingClient:
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, control: Transport | None = None):
+        """control: where `shutdown` is stored (the launcher's own mapping of the ring: a ring agent
+        does not let a frontend stop the device); default the same transport."""
         self.t = transport
+        self.control = control or transport
         hdr = self.header()
         self.geo = RingGeometry.from_header(hdr)
         self.region = self.geo.prompt_arena_tokens // self.geo.n_slots  # prompt tokens per slot
@@ -77,7 +80,7 @@ class RingClient:
             time.sleep(0.005)
 
     def shutdown(self, mode: int) -> None:
-        self.t.store_u32(_hoff("shutdown"), mode)
+        self.control.store_u32(_hoff("shutdown"), mode)
 
     # -- slots ------------------------------------------------------------------
     def slot(self, i: int) -> np.void:

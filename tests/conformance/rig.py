@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -35,10 +35,11 @@ from conformance.client import RingClient
 
 from blink.config import BlinkConfig
 from blink.launch import DeviceProcess, device_spec, start_device
+from blink.protocol.agent_auth import new_secret
 from blink.protocol.layout import DeviceStatus, RingGeometry, SlotState
 from blink.protocol.ring_agent import start_agent_process
 from blink.protocol.tcp_transport import TcpTransport
-from blink.protocol.transport import ShmTransport
+from blink.protocol.transport import ShmTransport, TransportError
 from blink.protocol.wire import DeviceSpec
 
 TRANSPORTS = ("shm", "tcp")
@@ -101,9 +102,10 @@ class Rig:
         try:
             self.proc = start_device(self.device_spec())
             if transport == "tcp":
-                self.agent, addr = start_agent_process(self.name)
-                self.remote = TcpTransport(addr, timeout_s=30.0)
-            self.client = RingClient(self.remote or self.transport)
+                secret = new_secret()
+                self.agent, addr = start_agent_process(self.name, secret=secret)
+                self.remote = TcpTransport(addr, secret, timeout_s=30.0)
+            self.client = RingClient(self.remote or self.transport, control=self.transport)
             self.proc.wait_ready(self.transport, start_timeout)
         except BaseException:
             self._kill()
@@ -162,3 +164,16 @@ def open_rig(spec: RigSpec, transport: str = "shm") -> Iterator[Rig]:
         assert rig.stop() == 0
     finally:
         rig._kill()
+
+
+def refused_by_the_agent(rig: Rig, submit: Callable[[], object]) -> bool:
+    """Over tcp: a request whose prompt or records point outside its slot's region never reaches the
+    device: the ring agent refuses the publishing store (blink/protocol/ring_access.py) and closes
+    the connection. Checks that, reconnects, and returns True; over shm returns False (the device's
+    own check is the test's subject then)."""
+    if rig.remote is None:
+        return False
+    with pytest.raises(TransportError, match="refused"):
+        submit()
+    rig.remote.reconnect()
+    return True

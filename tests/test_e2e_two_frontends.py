@@ -1,0 +1,84 @@
+"""README's two-host example, end to end: `blink serve --ring-listen` (device, ring, agent and a
+frontend) serves a stream; while it is in flight a second `blink serve --ring-address` attaches
+through the agent. The stream must end as it would have alone (every token, finish "length"):
+the second frontend gets a partition of the slots of its own and never touches the first one's.
+A frontend without the secret, or with another one, is refused and cancels nothing."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+
+import pytest
+
+from blink.protocol import agent_auth
+from blink.protocol.layout import SlotState
+from blink.protocol.transport import ShmTransport
+from blink.testing import ServeProcess
+
+# a stand-in model whose steps take ~5 ms (bench/paced_executor.py): the stream is still running
+# when the second frontend attaches
+PACED = ["--device", "emulated", "--model", "random:llama3-8b", "--device-executor", "bench.paced_executor:h200_llama3_8b"]
+TINY = [*PACED, "--num-kv-blocks", "256", "--n-slots", "8"]
+TOKENS = 1000
+
+
+def _stream(url: str, model: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    host = url.removeprefix("http://")
+    conn = http.client.HTTPConnection(host, timeout=60)
+    body = {
+        "model": model,
+        "prompt": "hello",
+        "max_tokens": TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    return conn, resp
+
+
+def _rest(resp: http.client.HTTPResponse) -> tuple[str | None, int]:
+    finish, usage = None, 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        for ch in chunk.get("choices") or []:
+            finish = ch.get("finish_reason") or finish
+        if chunk.get("usage"):
+            usage = chunk["usage"]["completion_tokens"]
+    return finish, usage
+
+
+def test_a_second_frontend_attaching_leaves_the_first_ones_stream_alone(tmp_path):
+    key = str(tmp_path / "ring.secret")
+    gpu = ServeProcess([*TINY, "--ring-listen", "127.0.0.1:0", "--ring-secret-file", key], timeout=180)
+    try:
+        assert os.stat(key).st_mode & 0o777 == 0o600  # made by the GPU host, readable by its owner only
+        conn, resp = _stream(gpu.url, gpu.model)
+        assert resp.readline()  # the stream runs; unread, it is paused by backpressure, not ended
+        wrong = tmp_path / "wrong.secret"
+        agent_auth.ensure_secret_file(str(wrong))
+        with pytest.raises(RuntimeError, match="does not hold this frontend's secret"):
+            ServeProcess([*TINY, "--ring-address", gpu.agent, "--ring-secret-file", str(wrong)], timeout=60)
+        fe = ServeProcess([*TINY, "--ring-address", gpu.agent, "--ring-secret-file", key], timeout=180)
+        try:
+            assert any("partition 1 of 2" in ln for ln in fe.log), "".join(fe.log)
+            ring = ShmTransport.open(gpu.ring)
+            assert (ring.view().slots["state"] != SlotState.EMPTY).any()  # the stream was in flight meanwhile
+            ring.close()
+            finish, n = _rest(resp)
+            assert (finish, n) == ("length", TOKENS), "".join(gpu.log[-20:])
+            conn.close()
+            conn, resp = _stream(fe.url, fe.model)  # and the second frontend serves too
+            assert _rest(resp) == ("length", TOKENS)
+            conn.close()
+        finally:
+            assert fe.stop() == 0
+    finally:
+        assert gpu.stop() == 0
