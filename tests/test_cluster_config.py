@@ -138,6 +138,18 @@ def test_cluster_yaml_passes_ray_validation() -> None:
     assert "must share" not in text
 
 
+def test_cluster_yaml_turns_ray_token_authentication_on_everywhere() -> None:
+    """Every `ray` command on every node runs with RAY_AUTH_MODE=token, and the launcher copies the
+    token to each node (the mode alone, with no shared token, would lock the nodes out of each other)."""
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert raw["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        ray_cmds = [part for c in raw[key] for part in c.split(";") if "bin/ray " in part]
+        assert ray_cmds and all("RAY_AUTH_MODE=token" in c for c in ray_cmds), raw[key]
+    assert "disabled" not in (ROOT / "cluster.yaml").read_text()
+    assert from_mapping({}).deploy.ray_auth == "token"  # `blink deploy` refuses an open cluster by default
+
+
 def test_ray_validation_catches_a_broken_cluster_yaml() -> None:
     import jsonschema
 

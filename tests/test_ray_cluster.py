@@ -7,12 +7,19 @@ resource, so the frontend must land on it. Both nodes share this machine's /dev/
 shared-memory rings need. The nodes are started with `ray start` as process groups of their own
 and torn down by killing exactly those processes (never `ray stop`, which would stop every Ray
 cluster on the machine).
+
+The first cluster runs without Ray's token authentication (RAY_AUTH_MODE=disabled): `blink deploy`
+refuses it unless the config says deploy.ray_auth = "off". The second runs as cluster.yaml starts
+one: RAY_AUTH_MODE=token on every node with one shared token file (here in the cluster's own temp
+dir, RAY_AUTH_TOKEN_PATH, not ~/.ray): `blink deploy` with the token deploys and serves; a driver
+without it, or with another token, is refused and can run nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -40,8 +47,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict[str, str]:
+def _env(token_path: str | None = None) -> dict[str, str]:
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_AUTH_TOKEN", None)
+    if token_path is not None:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -63,45 +73,66 @@ def _kill_sessions(sids: set[int]) -> None:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    tmp = tempfile.mkdtemp(prefix="rayc", dir="/tmp")
+def _start_cluster(tmp: str, env: dict[str, str]) -> tuple[str, set[int]]:
+    """A head (2 logical GPUs) and a `dpu` node; returns (address, their session ids)."""
     port = _free_port()
     address = f"127.0.0.1:{port}"
     common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-    head = subprocess.Popen(
-        [RAY, "start", "--head", f"--port={port}", "--num-cpus=4", "--num-gpus=2", f"--temp-dir={tmp}"]
-        + ["--include-dashboard=false"]
-        + common,
-        env=_env(),
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    sids = {head.pid}
-    try:
-        out = head.communicate(timeout=60)[0].decode()
-        assert head.returncode == 0, out
-        dpu = subprocess.Popen(
-            [RAY, "start", f"--address={address}", "--num-cpus=2", '--resources={"dpu": 2}'] + common,
-            env=_env(),
+    sids: set[int] = set()
+    for argv in (
+        ["--head", f"--port={port}", "--num-cpus=4", "--num-gpus=2", f"--temp-dir={tmp}", "--include-dashboard=false"],
+        [f"--address={address}", "--num-cpus=2", '--resources={"dpu": 2}'],
+    ):
+        p = subprocess.Popen(
+            [RAY, "start", *argv, *common],
+            env=env,
             start_new_session=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        sids.add(dpu.pid)
-        out = dpu.communicate(timeout=60)[0].decode()
-        assert dpu.returncode == 0, out
-        yield address
+        sids.add(p.pid)
+        out = p.communicate(timeout=60)[0].decode()
+        if p.returncode != 0:
+            _kill_sessions(sids)
+            raise RuntimeError(out)
+    return address, sids
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    tmp = tempfile.mkdtemp(prefix="rayc", dir="/tmp")
+    try:
+        address, sids = _start_cluster(tmp, _env())
+        try:
+            yield address
+        finally:
+            _kill_sessions(sids)
     finally:
-        _kill_sessions(sids)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _blink(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def token_cluster() -> Iterator[tuple[str, str]]:
+    """A two-node cluster with Ray's token authentication; yields (address, token file)."""
+    tmp = tempfile.mkdtemp(prefix="rayt", dir="/tmp")
+    token = os.path.join(tmp, "auth_token")
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    try:
+        address, sids = _start_cluster(tmp, _env(token))
+        try:
+            yield address, token
+        finally:
+            _kill_sessions(sids)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _blink(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "blink.cli", *args],
-        env=_env(),
+        env=env or _env(),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -109,15 +140,13 @@ def _blink(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
-def test_deploy_status_stop_on_two_node_cluster(cluster: str, tmp_path: Path) -> None:
-    port = _free_port()
-    conf = tmp_path / "blink.toml"
-    conf.write_text(
-        f"""
+def _toml(name: str, port: int, extra: str = "") -> str:
+    return f"""
 [deploy]
-name = "cl"
+name = "{name}"
 namespace = "{NS}"
 replicas = 0  # one per GPU: the head reports 2
+{extra}
 [device]
 kind = "auto"
 num_kv_blocks = 256
@@ -132,17 +161,50 @@ output_capacity = 64
 port = {port}
 heartbeat_timeout_s = 2.0
 """
-    )
-    r = _blink("deploy", "--config", str(conf), "--address", cluster)
-    assert r.returncode == 0, r.stdout + r.stderr
-    url = f"http://127.0.0.1:{port}"
-    assert url in r.stdout
+
+
+def _complete(url: str) -> int:
     body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=30) as resp:
-        assert json.loads(resp.read())["usage"]["completion_tokens"] == 12
+        return json.loads(resp.read())["usage"]["completion_tokens"]
+
+
+def test_deploy_needs_ray_token_authentication(token_cluster: tuple[str, str], tmp_path: Path) -> None:
+    address, token = token_cluster
+    port = _free_port()
+    conf = tmp_path / "blink.toml"
+    conf.write_text(_toml("auth", port))
+    (tmp_path / "other").write_text(secrets.token_hex(32))
+    for env in (_env(), _env(str(tmp_path / "other"))):  # no token, another token
+        env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "3"  # Ray retries a refused driver for 60 s
+        r = _blink("deploy", "--config", str(conf), "--address", address, env=env)
+        assert r.returncode == 1 and "token" in r.stderr, r.stdout + r.stderr
+        assert "Traceback" not in r.stderr and "deployed" not in r.stdout
+    code = f"import ray; ray.init(address='{address}'); print(ray.get(ray.remote(lambda: 'ran').remote()))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
+    assert r.returncode != 0 and "ran" not in r.stdout  # no code runs without the token
+    r = _blink("deploy", "--config", str(conf), "--address", address, env=_env(token))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _complete(f"http://127.0.0.1:{port}") == 12
+    r = _blink("stop", "--config", str(conf), "--address", address, env=_env(token))
+    assert r.returncode == 0, r.stderr
+
+
+def test_deploy_status_stop_on_two_node_cluster(cluster: str, tmp_path: Path) -> None:
+    port = _free_port()
+    conf = tmp_path / "blink.toml"
+    conf.write_text(_toml("cl", port))
+    r = _blink("deploy", "--config", str(conf), "--address", cluster)
+    assert r.returncode == 1 and "without Ray's token authentication" in r.stderr, r.stdout + r.stderr
+    conf.write_text(_toml("cl", port, 'ray_auth = "off"  # this cluster runs without Ray\'s token authentication'))
+    r = _blink("deploy", "--config", str(conf), "--address", cluster)
+    assert r.returncode == 0, r.stdout + r.stderr
+    url = f"http://127.0.0.1:{port}"
+    assert url in r.stdout
+    assert _complete(url) == 12
 
     r = _blink("status", "--config", str(conf), "--address", cluster, "--json")
     assert r.returncode == 0, r.stderr

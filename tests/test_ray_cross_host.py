@@ -106,6 +106,7 @@ def test_frontend_on_the_dpu_host_reaches_the_ring_over_tcp(cluster, tmp_path: P
     conf.write_text(
         f"""
 [deploy]
+ray_auth = "off"  # this test's cluster runs without Ray's token authentication (test_ray_cluster checks it)
 name = "xh"
 namespace = "{NS}"
 replicas = 1

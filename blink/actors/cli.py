@@ -41,6 +41,22 @@ def _connect(address: str, namespace: str) -> None:
     ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="WARNING")
 
 
+def ray_token_auth() -> bool:
+    """Whether this driver reached the cluster with Ray's token authentication (a cluster that
+    requires tokens admits no driver without one, so a driver without is on a cluster without)."""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    return get_authentication_mode() == AuthenticationMode.TOKEN
+
+
+NO_RAY_AUTH = (
+    "the Ray cluster at {address} was reached without Ray's token authentication: anyone who reaches "
+    "its ports can run code on its GPU hosts. Start every node with RAY_AUTH_MODE=token and one shared "
+    "token (cluster.yaml does: ~/.ray/auth_token, made by `ray get-auth-token --generate`), or set "
+    'deploy.ray_auth = "off" for a cluster on a network only you reach'
+)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="blink", description="Blink on a Ray cluster")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -73,14 +89,28 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"blink {args.cmd}: {e}", file=sys.stderr)
         return 2
+    from ray.exceptions import AuthenticationError
+
     try:
         _connect(args.address, cfg.namespace)
     except ConnectionError as e:
-        print(f"blink {args.cmd}: no Ray cluster at {args.address!r}: {e}", file=sys.stderr)
+        print(
+            f"blink {args.cmd}: no Ray cluster at {args.address!r}: {e} (a cluster with token authentication "
+            "refuses a driver without its token: RAY_AUTH_MODE=token and ~/.ray/auth_token, as cluster.yaml sets up)",
+            file=sys.stderr,
+        )
+        return 1
+    except AuthenticationError as e:
+        print(
+            f"blink {args.cmd}: the Ray cluster at {args.address!r} refused this driver: {e.message}", file=sys.stderr
+        )
         return 1
     from . import deploy
 
     if args.cmd == "deploy":
+        if cfg.deploy.ray_auth == "token" and not ray_token_auth():
+            print(f"blink deploy: {NO_RAY_AUTH.format(address=args.address)}", file=sys.stderr)
+            return 1
         try:
             d = deploy.deploy(cfg, detached=True)
         except (ConfigError, TimeoutError, deploy.StartError) as e:

@@ -58,6 +58,11 @@ class DeploySection:
     """Bound on each actor's start(): model load, engine start, HTTP bind."""
     max_restarts: int = -1
     """How often Ray restarts a killed actor; -1 = unbounded."""
+    ray_auth: str = "token"
+    """token: `blink deploy` refuses a Ray cluster it reached without Ray's token authentication
+    (RAY_AUTH_MODE=token, the token shared by every node: cluster.yaml does that), since anyone who
+    reaches such a cluster's ports can run code on its GPU hosts; off: deploy anyway (a cluster on a
+    network only its operators reach)."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").isalnum():
@@ -76,6 +81,8 @@ class DeploySection:
             raise ConfigError("deploy.start_timeout_s must be > 0")
         if self.max_restarts < -1:
             raise ConfigError("deploy.max_restarts must be >= -1")
+        if self.ray_auth not in ("token", "off"):
+            raise ConfigError(f"deploy.ray_auth = {self.ray_auth!r}; expected token or off")
 
 
 @dataclass(frozen=True)
