@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 
 import pytest
 
@@ -19,18 +20,31 @@ from blink.testing import ServeProcess
 
 # a stand-in model whose steps take ~5 ms (bench/paced_executor.py): the stream is still running
 # when the second frontend attaches
-PACED = ["--device", "emulated", "--model", "random:llama3-8b", "--device-executor", "bench.paced_executor:h200_llama3_8b"]
+PACED = [
+    "--device",
+    "emulated",
+    "--model",
+    "random:llama3-8b",
+    "--device-executor",
+    "bench.paced_executor:h200_llama3_8b",
+]
 TINY = [*PACED, "--num-kv-blocks", "256", "--n-slots", "8"]
-TOKENS = 1000
+TOKENS = 3000
 
 
-def _stream(url: str, model: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    host = url.removeprefix("http://")
-    conn = http.client.HTTPConnection(host, timeout=60)
+def _stream(url: str, model: str, tokens: int = TOKENS) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A stream whose reader takes its time: a small receive buffer, so that the server's writes
+    (and then, through the ring's backpressure, the device) wait for the test to read."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.sock = socket.socket()
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn.sock.settimeout(60)
+    conn.sock.connect((host, int(port)))
     body = {
         "model": model,
         "prompt": "hello",
-        "max_tokens": TOKENS,
+        "max_tokens": tokens,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -57,10 +71,12 @@ def _rest(resp: http.client.HTTPResponse) -> tuple[str | None, int]:
 
 def test_a_second_frontend_attaching_leaves_the_first_ones_stream_alone(tmp_path):
     key = str(tmp_path / "ring.secret")
+    held: list[http.client.HTTPConnection] = []
     gpu = ServeProcess([*TINY, "--ring-listen", "127.0.0.1:0", "--ring-secret-file", key], timeout=180)
     try:
         assert os.stat(key).st_mode & 0o777 == 0o600  # made by the GPU host, readable by its owner only
         conn, resp = _stream(gpu.url, gpu.model)
+        held.append(conn)
         assert resp.readline()  # the stream runs; unread, it is paused by backpressure, not ended
         wrong = tmp_path / "wrong.secret"
         agent_auth.ensure_secret_file(str(wrong))
@@ -75,10 +91,15 @@ def test_a_second_frontend_attaching_leaves_the_first_ones_stream_alone(tmp_path
             finish, n = _rest(resp)
             assert (finish, n) == ("length", TOKENS), "".join(gpu.log[-20:])
             conn.close()
-            conn, resp = _stream(fe.url, fe.model)  # and the second frontend serves too
-            assert _rest(resp) == ("length", TOKENS)
+            conn, resp = _stream(fe.url, fe.model, 20)  # and the second frontend serves too
+            held.append(conn)
+            assert _rest(resp) == ("length", 20)
             conn.close()
         finally:
+            for c in held:
+                c.close()
             assert fe.stop() == 0
     finally:
+        for c in held:
+            c.close()
         assert gpu.stop() == 0
