@@ -151,7 +151,7 @@ def test_a_frontend_writes_only_its_own_words_of_its_own_slots(dev):
                 fe.transact([(off, data)])
             fe.reconnect()  # a refused batch closes the connection
         assert bytes(dev.t.read(0, dev.t.size)) == before
-        # its own words are fine: consumed, cancel, the doorbell, and the release once completed
+        # its own words are fine: consumed, cancel, and the release once the device completed the slot
         fe.transact([(_soff(dev, mine, "consumed"), u32(0)), (_soff(dev, mine, "cancel"), u32(1))])
         dev.complete(mine, FinishReason.CANCELLED)
         fe.transact(st.release_writes(mine))
