@@ -233,6 +233,10 @@ def test_partial_frames_and_silent_peers_are_timed_out(dev):
         with _raw(agent.address) as s:  # half a length header
             s.sendall(b"\x10\x00")
             assert _closed(s)
+        with _raw(agent.address) as s:  # a hello announced at 8 MiB: more than a handshake frame
+            s.sendall(struct.pack("<I", 8 << 20))
+            t0 = time.monotonic()
+            assert _closed(s) and time.monotonic() - t0 < 0.3
         fe = TcpTransport(agent.address, SECRET, timeout_s=2)
         fe._sock.sendall(struct.pack("<I", 100) + b"abc")  # authenticated, then a frame that never ends
         assert _closed(fe._sock)

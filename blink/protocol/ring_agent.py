@@ -76,6 +76,7 @@ from .wire import (
 
 log = logging.getLogger("blink.ring_agent")
 _LEN = struct.Struct("<I")
+HANDSHAKE_FRAME = 1024  # bytes of a hello or an auth frame at most: a peer not yet authenticated holds no more
 
 
 @dataclass(frozen=True)
@@ -242,14 +243,15 @@ class RingAgent:
                 qp.close()  # the frontend's bootstrap connection is gone: so is its QP
             writer.close()
 
-    async def _read_frame(self, reader: asyncio.StreamReader, decoder) -> AgentFrame:
+    async def _read_frame(self, reader: asyncio.StreamReader, decoder, limit: int = 0) -> AgentFrame:
         """One frame: its first byte whenever it comes, the rest within frame_timeout_s; the length
-        is checked before its body is read."""
+        is checked (against `limit`, default max_frame_bytes) before its body is read."""
+        limit = limit or self.limits.max_frame_bytes
         first = await reader.readexactly(1)
         async with asyncio.timeout(self.limits.frame_timeout_s):
             (n,) = _LEN.unpack(first + await reader.readexactly(3))
-            if n > self.limits.max_frame_bytes:
-                raise ValueError(f"frame of {n} bytes (at most {self.limits.max_frame_bytes})")
+            if n > limit:
+                raise ValueError(f"frame of {n} bytes (at most {limit})")
             return decoder.decode(await reader.readexactly(n))
 
     @staticmethod
@@ -261,14 +263,14 @@ class RingAgent:
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
         """agent_auth.py's exchange; returns the partition granted."""
         decoder = msgspec.msgpack.Decoder(AgentFrame)
-        hello = await self._read_frame(reader, decoder)
+        hello = await self._read_frame(reader, decoder, HANDSHAKE_FRAME)
         if not isinstance(hello, AgentHello):
             raise _Refused(f"{type(hello).__name__} before the hello")
         if hello.version != AGENT_PROTOCOL:
             raise _Refused(f"protocol {hello.version}, not {AGENT_PROTOCOL}")
         nonce = agent_auth.new_nonce()
         await self._send(writer, AgentChallenge(nonce, agent_auth.agent_proof(self.secret, hello.nonce, nonce)))
-        auth = await self._read_frame(reader, decoder)
+        auth = await self._read_frame(reader, decoder, HANDSHAKE_FRAME)
         if not isinstance(auth, AgentAuth):
             raise _Refused(f"{type(auth).__name__} instead of the proof")
         want = agent_auth.client_proof(self.secret, hello.nonce, nonce)
