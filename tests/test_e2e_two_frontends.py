@@ -26,7 +26,7 @@ PACED = [
     "--model",
     "random:llama3-8b",
     "--device-executor",
-    "bench.paced_executor:h200_llama3_8b",
+    "bench.serving.paced_executor:h200_llama3_8b",
 ]
 TINY = [*PACED, "--num-kv-blocks", "256", "--n-slots", "8"]
 TOKENS = 3000
