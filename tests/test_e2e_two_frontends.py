@@ -18,7 +18,7 @@ from blink.protocol.layout import SlotState
 from blink.protocol.transport import ShmTransport
 from blink.testing import ServeProcess
 
-# a stand-in model whose steps take ~5 ms (bench/paced_executor.py): the stream is still running
+# a stand-in model whose steps take ~5 ms (bench/serving/paced_executor.py): the stream is still running
 # when the second frontend attaches
 PACED = [
     "--device",
