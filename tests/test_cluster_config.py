@@ -203,7 +203,10 @@ def test_cluster_yaml_setup_installs_ray_and_starts_a_head(tmp_path: Path) -> No
     home, bindir = tmp_path / "home", tmp_path / "bin"
     home.mkdir(), bindir.mkdir()
     (bindir / "python3").symlink_to(sys.executable)  # the venv gets this interpreter's version
-    assert raw["file_mounts"] == {"~/blink": "."}
+    assert raw["file_mounts"] == {"~/blink": ".", "~/.ray/auth_token": "~/.ray/auth_token"}
+    (home / ".ray").mkdir()  # what the launcher's file_mounts copies: Ray's token (the head starts with it)
+    (home / ".ray" / "auth_token").write_text("a" * 64)
+    (home / ".ray" / "auth_token").chmod(0o600)
     shutil.copytree(ROOT, home / "blink", ignore=shutil.ignore_patterns(".git", ".venv", "build", "results", "*.egg-info", "__pycache__"))  # fmt: skip
     env = _node_env(home, bindir)
     view = _site_view(tmp_path / "site", hide=("ray", "blink", "blink_serve"))
