@@ -587,7 +587,10 @@ def _run(coro: Any) -> Any:
 def _serve(cfg: C.BlinkConfig) -> int:
     from blink.stack import Stack, stderr_progress
 
-    stack = Stack(cfg, stderr_progress)
+    try:
+        stack = Stack(cfg, stderr_progress)  # reads the ring agent's secret file, if any
+    except C.ConfigError as e:
+        return _fail("serve", e)
     try:
         stack.start_device()
         _run(_serve_async(stack))
@@ -636,7 +639,10 @@ async def _serve_async(stack: Any) -> None:
 def _generate(cfg: C.BlinkConfig, args: argparse.Namespace) -> int:
     from blink.stack import Stack
 
-    stack = Stack(cfg, progress=None)
+    try:
+        stack = Stack(cfg, progress=None)
+    except C.ConfigError as e:
+        return _fail("generate", e)
     try:
         stack.start_device()
         return _run(_generate_async(stack, args))

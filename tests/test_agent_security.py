@@ -407,3 +407,21 @@ def test_read_masks_match_a_byte_by_byte_reference():
         out = np.ones(n, np.uint8)
         acc.mask_read(off, out)
         assert (out.astype(bool) == ref[off : off + n]).all(), (off, n)
+
+
+def test_serve_without_a_usable_secret_says_so_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    wide = tmp_path / "wide.secret"
+    agent_auth.ensure_secret_file(str(wide))
+    wide.chmod(0o644)
+    for path, why in ((tmp_path / "missing", "not found"), (wide, "chmod 600")):
+        argv = ["serve", "--device", "emulated", "--model", "random:tiny-llama", "--ring-address", "127.0.0.1:9"]
+        r = subprocess.run(
+            [sys.executable, "-m", "blink.cli", *argv, "--ring-secret-file", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
