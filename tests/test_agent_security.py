@@ -122,74 +122,74 @@ def test_the_client_checks_the_agent_too(dev):
         other.stop_thread()
 
 
-def test_a_frontend_writes_only_its_own_words_of_its_own_slots(dev):
+@pytest.fixture
+def half(dev):
+    """An agent splitting the ring in two partitions, and a frontend of partition 0."""
     agent = _agent(dev, partitions=2)
-    try:
-        fe = TcpTransport(agent.address, SECRET, timeout_s=2, owner=0, owners=2)
-        st = SlotTracker(fe, RingGeometry.from_header(dev.v.header), fe.owner, fe.owners)
-        mine = st.claim(_req(1))
-        fe.load_u32(0)
-        dev.admit(mine)
-        other = 1  # partition 1's slot, busy with another frontend's request
-        dev.v.slots["state"][other] = SlotState.DECODE_PROCESSING
-        u32 = lambda v: np.array([v], "<u4")  # noqa: E731
-        attacks = [
-            (_soff(dev, mine, "generated"), u32(0xFFFFFFFF)),  # a device word of its own busy slot
-            (_soff(dev, mine, "state"), u32(SlotState.DECODE_COMPLETED)),
-            (_off("device_status"), u32(DeviceStatus.FAILED)),
-            (_off("shutdown"), u32(2)),
-            (_off("heartbeat"), np.array([0], "<u8")),
-            (_soff(dev, other, "cancel"), u32(1)),  # another frontend's request
-            (_soff(dev, other + 2, "request_id"), np.array([9], "<u8")),  # another partition's EMPTY slot
-            (_off("submit_seq"), np.array([7 * 2 + 1], "<u8")),  # a doorbell value of partition 1
-            (dev.v.geo.output_offset(mine, 0), u32(5)),  # the output arena is the device's
-            (dev.v.geo.prompt_arena_offset + 4 * st.prompt_capacity * mine, u32(5)),  # its prompt, now the device's
-        ]
-        before = bytes(dev.t.read(0, dev.t.size))
-        for off, data in attacks:
-            with pytest.raises(TransportError, match="refused"):
-                fe.transact([(off, data)])
-            fe.reconnect()  # a refused batch closes the connection
-        assert bytes(dev.t.read(0, dev.t.size)) == before
-        # its own words are fine: consumed, cancel, and the release once the device completed the slot
-        fe.transact([(_soff(dev, mine, "consumed"), u32(0)), (_soff(dev, mine, "cancel"), u32(1))])
-        dev.complete(mine, FinishReason.CANCELLED)
-        fe.transact(st.release_writes(mine))
-        assert dev.v.slots["state"][mine] == SlotState.EMPTY
-        fe.close()
-    finally:
-        agent.stop_thread()
+    fe = TcpTransport(agent.address, SECRET, timeout_s=2, owner=0, owners=2)
+    yield fe
+    fe.close()
+    agent.stop_thread()
 
 
-def test_a_frontend_reads_only_its_own_live_requests(dev):
-    agent = _agent(dev, partitions=2)
-    try:
-        fe = TcpTransport(agent.address, SECRET, timeout_s=2, owner=0, owners=2)
-        geo = dev.v.geo
-        region = geo.prompt_arena_tokens // geo.n_slots
-        for s in range(geo.n_slots):  # every slot busy with a request: prompt and output hold data
-            dev.v.slots["state"][s] = SlotState.DECODE_PROCESSING
-            dev.v.slots["request_id"][s] = 100 + s
-            dev.v.prompt_arena[s * region : (s + 1) * region] = 1000 + s
-            dev.v.output_arena[s] = 2000 + s
-        whole = np.zeros(geo.total_bytes, np.uint8)
-        fe.transact((), [(0, whole)])
-        view = np.ndarray((geo.n_slots,), SLOT_DTYPE, whole, geo.slots_offset)
-        prompts = np.ndarray((geo.prompt_arena_tokens,), np.int32, whole, geo.prompt_arena_offset)
-        outs = np.ndarray((geo.n_slots, geo.output_capacity), np.int32, whole, geo.output_arena_offset)
-        for s in range(geo.n_slots):
-            own = s % 2 == 0
-            assert int(view["request_id"][s]) == (100 + s if own else 0)
-            assert (prompts[s * region : (s + 1) * region] == (1000 + s if own else 0)).all()
-            assert (outs[s] == (2000 + s if own else 0)).all()
-        assert int(np.ndarray((), HEADER_DTYPE, whole, 0)["n_slots"]) == geo.n_slots  # the header is readable
-        # a request that ended (slot EMPTY) is no longer readable, even by its own frontend
-        dev.v.slots["state"][0] = SlotState.EMPTY
-        out = fe.read_into(geo.output_offset(0, 0), np.zeros(geo.output_capacity, np.int32))
-        assert (out == 0).all()
-        fe.close()
-    finally:
-        agent.stop_thread()
+def test_a_frontend_writes_only_its_own_words_of_its_own_slots(dev, half):
+    fe = half
+    st = SlotTracker(fe, RingGeometry.from_header(dev.v.header), fe.owner, fe.owners)
+    mine = st.claim(_req(1))
+    fe.load_u32(0)
+    dev.admit(mine)
+    other = 1  # partition 1's slot, busy with another frontend's request
+    dev.v.slots["state"][other] = SlotState.DECODE_PROCESSING
+    u32 = lambda v: np.array([v], "<u4")  # noqa: E731
+    attacks = [
+        (_soff(dev, mine, "generated"), u32(0xFFFFFFFF)),  # a device word of its own busy slot
+        (_soff(dev, mine, "state"), u32(SlotState.DECODE_COMPLETED)),
+        (_off("device_status"), u32(DeviceStatus.FAILED)),
+        (_off("shutdown"), u32(2)),
+        (_off("heartbeat"), np.array([0], "<u8")),
+        (_soff(dev, other, "cancel"), u32(1)),  # another frontend's request
+        (_soff(dev, other + 2, "request_id"), np.array([9], "<u8")),  # another partition's EMPTY slot
+        (_off("submit_seq"), np.array([7 * 2 + 1], "<u8")),  # a doorbell value of partition 1
+        (dev.v.geo.output_offset(mine, 0), u32(5)),  # the output arena is the device's
+        (dev.v.geo.prompt_arena_offset + 4 * st.prompt_capacity * mine, u32(5)),  # its prompt, now the device's
+    ]
+    before = bytes(dev.t.read(0, dev.t.size))
+    for off, data in attacks:
+        with pytest.raises(TransportError, match="refused"):
+            fe.transact([(off, data)])
+        fe.reconnect()  # a refused batch closes the connection
+    assert bytes(dev.t.read(0, dev.t.size)) == before
+    # its own words are fine: consumed, cancel, and the release once the device completed the slot
+    fe.transact([(_soff(dev, mine, "consumed"), u32(0)), (_soff(dev, mine, "cancel"), u32(1))])
+    dev.complete(mine, FinishReason.CANCELLED)
+    fe.transact(st.release_writes(mine))
+    assert dev.v.slots["state"][mine] == SlotState.EMPTY
+
+
+def test_a_frontend_reads_only_its_own_live_requests(dev, half):
+    fe = half
+    geo = dev.v.geo
+    region = geo.prompt_arena_tokens // geo.n_slots
+    for s in range(geo.n_slots):  # every slot busy with a request: prompt and output hold data
+        dev.v.slots["state"][s] = SlotState.DECODE_PROCESSING
+        dev.v.slots["request_id"][s] = 100 + s
+        dev.v.prompt_arena[s * region : (s + 1) * region] = 1000 + s
+        dev.v.output_arena[s] = 2000 + s
+    whole = np.zeros(geo.total_bytes, np.uint8)
+    fe.transact((), [(0, whole)])
+    view = np.ndarray((geo.n_slots,), SLOT_DTYPE, whole, geo.slots_offset)
+    prompts = np.ndarray((geo.prompt_arena_tokens,), np.int32, whole, geo.prompt_arena_offset)
+    outs = np.ndarray((geo.n_slots, geo.output_capacity), np.int32, whole, geo.output_arena_offset)
+    for s in range(geo.n_slots):
+        own = s % 2 == 0
+        assert int(view["request_id"][s]) == (100 + s if own else 0)
+        assert (prompts[s * region : (s + 1) * region] == (1000 + s if own else 0)).all()
+        assert (outs[s] == (2000 + s if own else 0)).all()
+    assert int(np.ndarray((), HEADER_DTYPE, whole, 0)["n_slots"]) == geo.n_slots  # the header is readable
+    # a request that ended (slot EMPTY) is no longer readable, even by its own frontend
+    dev.v.slots["state"][0] = SlotState.EMPTY
+    out = fe.read_into(geo.output_offset(0, 0), np.zeros(geo.output_capacity, np.int32))
+    assert (out == 0).all()
 
 
 def _rss_kb(pid: int) -> int:
