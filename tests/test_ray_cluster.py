@@ -111,7 +111,7 @@ def cluster() -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test uses it: gone before the next cluster starts (two clusters overload a small box)
 def token_cluster() -> Iterator[tuple[str, str]]:
     """A two-node cluster with Ray's token authentication; yields (address, token file)."""
     tmp = tempfile.mkdtemp(prefix="rayt", dir="/tmp")
