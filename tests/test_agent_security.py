@@ -425,3 +425,34 @@ def test_serve_without_a_usable_secret_says_so_in_one_line(tmp_path):
             timeout=120,
         )
         assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_bitmasks_of_the_mask_arena_follow_the_partition():
+    """Structured output's bitmasks: a frontend writes only its partition's (m % owners == owner),
+    names only those in a request's mask_slot, and stores mask_position of its busy slots."""
+    from blink.protocol.layout import RingView
+    from blink.protocol.ring_access import AccessDenied, RingAccess
+
+    geo = RingGeometry(4, 4 * 16, 8, n_masks=4, mask_vocab=64)
+    view = RingView.create(bytearray(geo.total_bytes), geo)
+    acc = RingAccess(view, 1, 2)
+    bits = bytes(4 * geo.mask_words)
+    acc.check_write(geo.mask_offset(1), bits)
+    acc.check_write(geo.mask_offset(3), bits)
+    for m in (0, 2):
+        with pytest.raises(AccessDenied, match="bitmask"):
+            acc.check_write(geo.mask_offset(m), bits)
+    with pytest.raises(AccessDenied):
+        acc.check_write(geo.mask_offset(1), bits + b"\0\0\0\0")  # into the next bitmask
+    rec = np.zeros((), SLOT_DTYPE)
+    rec["prompt_offset"], rec["prompt_len"], rec["state"] = 16, 2, SlotState.PREFILL_PENDING
+    for mask, ok in ((0, True), (2, True), (4, True), (1, False), (3, False), (5, False)):
+        rec["mask_slot"] = mask
+        publish = lambda: acc.check_write(geo.slot_offset(1), rec.tobytes())  # noqa: E731
+        if ok:
+            publish()
+        else:
+            with pytest.raises(AccessDenied, match="mask_slot"):
+                publish()
+    view.slots["state"][1] = SlotState.DECODE_PROCESSING
+    acc.check_write(geo.slot_offset(1) + SLOT_DTYPE.fields["mask_position"][1], np.uint32(3).tobytes())

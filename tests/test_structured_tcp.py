@@ -18,10 +18,11 @@ ARGS = ["--device", "emulated", "--model", "random:tiny-llama", "--n-slots", "4"
 
 
 @pytest.fixture(scope="module")
-def client():
-    gpu = ServeProcess([*ARGS, "--ring-listen", "127.0.0.1:0"], timeout=180)
+def client(tmp_path_factory):
+    key = ["--ring-secret-file", str(tmp_path_factory.mktemp("agent") / "ring.secret")]  # made by the GPU host
+    gpu = ServeProcess([*ARGS, *key, "--ring-listen", "127.0.0.1:0"], timeout=180)
     try:
-        fe = ServeProcess([*ARGS, "--ring-address", gpu.agent, "--transport", "tcp"], timeout=180)
+        fe = ServeProcess([*ARGS, *key, "--ring-address", gpu.agent, "--transport", "tcp"], timeout=180)
         try:
             assert any("ring transport tcp" in ln for ln in fe.log), "".join(fe.log)
             yield openai.OpenAI(base_url=fe.url + "/v1", api_key="x", max_retries=0, timeout=120), fe.model

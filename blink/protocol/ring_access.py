@@ -6,12 +6,15 @@ for a slot of that partition, in the slot's current state:
 
     slot record, slot EMPTY         the whole record (the frontend writes a request there); a store
                                     of `state` may only say EMPTY or PREFILL_PENDING
-    slot record, slot in use        `cancel` (1 only), `consumed`, `t_read_ns`; `state` = EMPTY only
-                                    from DECODE_COMPLETED (the release)
+    slot record, slot in use        `cancel` (1 only), `consumed`, `t_read_ns`, `mask_position`;
+                                    `state` = EMPTY only from DECODE_COMPLETED (the release)
     prompt arena, slot EMPTY        the slot's own region (prompt_arena_tokens // n_slots words)
     publish (state := PREFILL_PENDING)  only if the record's prompt (prompt_offset, prompt_len,
                                     logit bias, prompt logprob records at prompt_logprobs_offset)
                                     lies in the slot's own region: the device reads and writes there
+    mask arena                      the bitmasks m of the partition (m % owners == owner, as the
+                                    frontend's MaskArena takes them); a publish names one of those
+                                    in `mask_slot` (or none)
     header                          submit_seq / cancel_seq, 8-byte stores of a value that is this
                                     partition's (seq * owners + owner, see layout.py)
 
@@ -52,7 +55,7 @@ def _field(name: str) -> tuple[int, int]:
 
 _STATE = _field("state")
 _CANCEL = _field("cancel")
-_BUSY_WORDS = {_CANCEL, _field("consumed"), _field("t_read_ns"), _STATE}
+_BUSY_WORDS = {_CANCEL, _field("consumed"), _field("t_read_ns"), _field("mask_position"), _STATE}
 _DOORBELLS = tuple(HEADER_DTYPE.fields[f][1] for f in ("submit_seq", "cancel_seq"))
 _EMPTY, _PENDING, _COMPLETED = int(SlotState.EMPTY), int(SlotState.PREFILL_PENDING), int(SlotState.DECODE_COMPLETED)
 
@@ -112,6 +115,12 @@ class RingAccess:
             if int(self._states[self._own(s)]) != _EMPTY:
                 raise AccessDenied(f"slot {s}'s prompt region is the device's while the slot holds a request")
             return
+        stride = 4 * g.mask_words
+        if g.n_masks and g.mask_arena_offset <= off and end <= g.mask_arena_offset + stride * g.n_masks:
+            m, a = divmod(off - g.mask_arena_offset, stride)
+            if a + n > stride or m % self.owners != self.owner:
+                raise AccessDenied(f"write [{off}, {end}) is not within a bitmask of partition {self.owner}")
+            return
         raise AccessDenied(f"ring bytes [{off}, {end}) are not a frontend's to write")
 
     def _own(self, s: int) -> int:
@@ -149,6 +158,9 @@ class RingAccess:
         first = int(rec["prompt_offset"])
         if not (lo <= first and first + n + 2 * bias <= hi):
             raise AccessDenied(f"slot {s}: the prompt is outside the slot's region of the prompt arena")
+        mask = int(rec["mask_slot"])
+        if mask and not (mask <= self.geo.n_masks and (mask - 1) % self.owners == self.owner):
+            raise AccessDenied(f"slot {s}: mask_slot {mask} is not a bitmask of partition {self.owner}")
         if int(rec["flags"]) & SlotFlags.PROMPT_LOGPROBS:
             at = int(rec["prompt_logprobs_offset"])
             rec_words = prompt_logprob_record(min(int(rec["n_logprobs"]), 64)).itemsize // 4
