@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
 
 import pytest
@@ -16,20 +17,11 @@ import pytest
 from blink.protocol import agent_auth
 from blink.protocol.layout import SlotState
 from blink.protocol.transport import ShmTransport
-from blink.testing import ServeProcess
+from blink.testing import ServeProcess, child_pids
 
-# a stand-in model whose steps take ~5 ms (bench/serving/paced_executor.py): the stream is still running
-# when the second frontend attaches
-PACED = [
-    "--device",
-    "emulated",
-    "--model",
-    "random:llama3-8b",
-    "--device-executor",
-    "bench.serving.paced_executor:h200_llama3_8b",
-]
-TINY = [*PACED, "--num-kv-blocks", "256", "--n-slots", "8"]
-TOKENS = 3000
+# the stream is held in flight by pausing the device (SIGSTOP) while the second frontend attaches
+TINY = ["--device", "emulated", "--model", "random:tiny-llama", "--num-kv-blocks", "256", "--n-slots", "8"]
+TOKENS = 1000  # tiny-llama's context is 1024
 
 
 def _stream(url: str, model: str, tokens: int = TOKENS) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -69,15 +61,24 @@ def _rest(resp: http.client.HTTPResponse) -> tuple[str | None, int]:
     return finish, usage
 
 
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
 def test_a_second_frontend_attaching_leaves_the_first_ones_stream_alone(tmp_path):
     key = str(tmp_path / "ring.secret")
     held: list[http.client.HTTPConnection] = []
+    stopped = False
     gpu = ServeProcess([*TINY, "--ring-listen", "127.0.0.1:0", "--ring-secret-file", key], timeout=180)
     try:
         assert os.stat(key).st_mode & 0o777 == 0o600  # made by the GPU host, readable by its owner only
+        (device,) = [p for p in child_pids(gpu.proc.pid) if b"ring_agent" not in _cmdline(p)]
         conn, resp = _stream(gpu.url, gpu.model)
         held.append(conn)
-        assert resp.readline()  # the stream runs; unread, it is paused by backpressure, not ended
+        assert resp.readline()  # the stream runs
+        os.kill(device, signal.SIGSTOP)  # and stays in flight (well within the heartbeat timeout)
+        stopped = True
         wrong = tmp_path / "wrong.secret"
         agent_auth.ensure_secret_file(str(wrong))
         with pytest.raises(RuntimeError, match="does not hold this frontend's secret"):
@@ -88,6 +89,8 @@ def test_a_second_frontend_attaching_leaves_the_first_ones_stream_alone(tmp_path
             ring = ShmTransport.open(gpu.ring)
             assert (ring.view().slots["state"] != SlotState.EMPTY).any()  # the stream was in flight meanwhile
             ring.close()
+            os.kill(device, signal.SIGCONT)
+            stopped = False
             finish, n = _rest(resp)
             assert (finish, n) == ("length", TOKENS), "".join(gpu.log[-20:])
             conn.close()
@@ -100,6 +103,8 @@ def test_a_second_frontend_attaching_leaves_the_first_ones_stream_alone(tmp_path
                 c.close()
             assert fe.stop() == 0
     finally:
+        if stopped:
+            os.kill(device, signal.SIGCONT)
         for c in held:
             c.close()
         assert gpu.stop() == 0
