@@ -126,6 +126,13 @@ def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
         "bf16); other methods are refused",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        dest="device.kv_cache_dtype",
+        metavar="DTYPE",
+        help="auto (the model dtype) | fp8: the KV cache in FP8 e4m3, scale 1 (twice the blocks); "
+        "fp8_e5m2 and others are refused",
+    )
+    p.add_argument(
         "--log-level",
         dest="server.log_level",
         choices=("debug", "info", "warning", "error"),

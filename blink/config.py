@@ -238,6 +238,11 @@ class DeviceConfig:
     """fp8: the linear layers' weights quantized at load to FP8 e4m3 with per-output-channel scales,
     activations in bf16 (vLLM's --quantization fp8); None = the weights as the checkpoint holds them.
     Dense models on the CUDA device (MoE models: the emulated device only)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type (vLLM's --kv-cache-dtype): "auto" = the model dtype (bf16 on cuda,
+    float32 on the emulated device); "fp8" = float8 e4m3 with a per-tensor scale of 1 (values stored
+    directly, saturating to +-448): half the bytes of a bf16 cache, twice the blocks (cuda). Both devices
+    round K and V the same way (blink.models.fp8.kv_round)."""
     kernel_cache: str | None = None
     """Directory of the compiled CUDA kernels (cuda only); None = build/kernels in a source checkout,
     else $XDG_CACHE_HOME/blink/kernels (~/.cache/blink/kernels)."""
@@ -262,6 +267,7 @@ class DeviceConfig:
             raise ConfigError(f"device.executor = {self.executor!r}; expected module:function")
         if self.quantization is not None:
             _choice("device", "quantization", self.quantization, ("fp8",))
+        _choice("device", "kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8"))
 
     def step_tokens(self, kind: str) -> int:
         """Tokens per step on a device of `kind` ("cuda" | "emulated"): max_num_batched_tokens or its default,

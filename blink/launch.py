@@ -87,6 +87,7 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
         kernel_cache=d.kernel_cache or "",
         executor=d.executor,
         quantization=d.quantization or "",
+        kv_cache_dtype=d.kv_cache_dtype,
     )
 
 

@@ -120,6 +120,8 @@ if has fp8; then
   part fp8_gemm 300 "$PY" -m bench.kernels.fp8_gemm --commit "$COMMIT" --out "$(json fp8_gemm)"
   part models_fp8 600 "$PY" -m bench.engine.throughput --presets llama3-8b,qwen3-32b --schedulers gpu \
     --quantization fp8 --timeout 200 --commit "$COMMIT" --out "$(json models_fp8)"
+  part models_fp8kv 300 "$PY" -m bench.engine.throughput --presets llama3-8b --schedulers gpu \
+    --kv-cache-dtype fp8 --timeout 200 --commit "$COMMIT" --out "$(json models_fp8kv)"
 fi
 if has models; then
   part models 600 "$PY" -m bench.engine.throughput --presets llama3-8b,phi-4,qwen3-32b,qwen3-30b-a3b \

@@ -69,9 +69,12 @@ class _Arr:
             self.nbytes *= n
 
 
-def _forward(name: str, gemv_max_tokens: int, fusion: str, signatures: dict, layers: int = 2) -> tuple[Forward, list]:
+def _forward(
+    name: str, gemv_max_tokens: int, fusion: str, signatures: dict, layers: int = 2, kv_suffix: str = ""
+) -> tuple[Forward, list]:
     c = preset(name).replace(num_layers=layers)
     f = object.__new__(Forward)
+    f.kv_suffix = kv_suffix
     f.c, f.num_sms, f.max_splits = c, 132, 32
     f.d = Dims(8, 256, 66, 16, 1000, 1056)
     H, nqkv = c.hidden_size, c.q_size + 2 * c.kv_size
@@ -552,3 +555,19 @@ def test_fp8_decode_between_gemv_sizes_runs_in_pieces_and_prefill_never_on_the_g
     f.record(0, 1, 8, False)  # a prefill graph of 8 rows: the GEMM, as the numpy definition's prefill
     names = [c[0] for c in calls]
     assert not any(n.startswith("gemv_fp8") for n in names) and names.count("fp8_gemm") == 4
+
+
+@pytest.mark.parametrize("T", [1, 8, 200])
+def test_fp8_kv_cache_launches_the_fp8kv_kernels(T: int, signatures: dict):
+    """--kv-cache-dtype fp8: every kernel that touches the cache is its _fp8kv instantiation (the RoPE/KV
+    write, fa2 prefill, flashq decode); no rope-fused GEMV (it writes a bf16 cache)."""
+    f, calls = _forward("llama3-8b", 8, "all", signatures, kv_suffix="_fp8kv")
+    decode = T <= 8
+    f.record(0, 1 if decode else 2, T, decode)
+    names = [c[0] for c in calls]
+    assert "rope" not in f.fusions_for(T)
+    kv_kernels = [n for n in names if n.startswith(("rope_kv_write", "attn_"))]
+    assert kv_kernels and all(n.endswith("_fp8kv") or "_combine_" in n for n in kv_kernels), kv_kernels
+    assert not any("rope" in n for n in names if n.startswith("gemv_"))
+    assert sum(n.startswith("attn_prefill_fa2") for n in names) == (0 if decode else 2)
+    assert all(k.endswith("_fp8kv") for k in f.decode_kernels.values()) and f.fn_prefill.endswith("_fp8kv")

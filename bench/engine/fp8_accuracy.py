@@ -1,6 +1,8 @@
-"""FP8 weights vs bf16 on real weights, with the numpy model (the definition the devices implement).
+"""FP8 weights and/or an FP8 KV cache vs bf16 on real weights, with the numpy model (the definition the
+devices implement).
 
     python -m bench.engine.fp8_accuracy                    # SmolLM2-135M-Instruct GGUF, 32 prompts x 64 tokens
+    python -m bench.engine.fp8_accuracy --quantization none --kv-cache-dtype fp8   # the FP8 KV cache alone
     python -m bench.engine.fp8_accuracy --model /path/to/hf-dir --prompts 8 --tokens 32 --out x.json
 
 Both models start from the weights as a bf16 device holds them (rounded to bf16); the fp8 one
@@ -92,11 +94,14 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quantization", choices=("fp8", "none"), default="fp8", help="weights of the compared model")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="KV cache of the compared model")
     a = ap.parse_args()
     t0 = time.time()
     b = resolve_model(a.model)
     w = {k: as_device_weight(v) for k, v in b.weights.items()}
-    base, q = LlamaNumpy(b.config, w), LlamaNumpy(b.config, w, quantization="fp8")
+    quant = None if a.quantization == "none" else a.quantization
+    base, q = LlamaNumpy(b.config, w), LlamaNumpy(b.config, w, quantization=quant, kv_cache_dtype=a.kv_cache_dtype)
     del w
     ps = prompts(b.tokenizer, a.prompts)
     ref, ref_lp = greedy(base, ps, a.tokens)
@@ -110,6 +115,8 @@ def main() -> None:
         "source": b.source,
         "prompts": a.prompts,
         "tokens": a.tokens,
+        "quantization": a.quantization,
+        "kv_cache_dtype": a.kv_cache_dtype,
         "free_running_agreement": float((ref == got).mean()),
         "identical_sequences": float(np.mean([x == a.tokens for x in first])),
         "first_divergence_mean": float(np.mean(first)),
@@ -121,7 +128,8 @@ def main() -> None:
     print(f"{'metric':32s} value")
     for k in list(res)[-8:]:
         print(f"{k:32s} {res[k]}")
-    write_json(a.out or str(result_path("fp8_accuracy", "emulated", res["commit"])), res)
+    name = "fp8_accuracy" if a.kv_cache_dtype == "auto" else f"fp8_accuracy_kv_{a.quantization}"
+    write_json(a.out or str(result_path(name, "emulated", res["commit"])), res)
 
 
 if __name__ == "__main__":

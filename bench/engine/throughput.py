@@ -65,6 +65,9 @@ def decode_b1(eng, bandwidth: dict, context: int = DECODE_CONTEXT, iters: int = 
     if eng.ecfg.quantization:  # FP8 projections: the engine's count (1-byte codes, fp32 scales, the rest bf16)
         moved["weights"] = eng.weights.active_bytes_per_step() + rows
         moved["total"] = moved["weights"] + moved["kv"]
+    if eng.ecfg.kv_cache_dtype == "fp8":  # one byte a K/V value
+        moved["kv"] //= 2
+        moved["total"] = moved["weights"] + moved["kv"]
     assert moved["weights"] == eng.weights.active_bytes_per_step() + rows, (moved, eng.weights.active_bytes_per_step())
     load_synthetic(eng, 1, 1, context, np.random.default_rng(0))
     ms = time_ms(lambda: eng.driver.graph_launch(eng.pick_exec(1, 1, True), eng.s), eng.stream, iters=iters)
@@ -89,6 +92,7 @@ def one_model(
     new: int,
     quantization: str = "",
     fp8_gemm: str = "",
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """Everything measured on one preset (in this process); `skipped` when the CUDA engine refuses it."""
     from blink.models.config import UnsupportedModelError, preset
@@ -100,6 +104,7 @@ def one_model(
     res: dict = {
         "preset": preset_name,
         "quantization": quantization or "bf16",
+        "kv_cache_dtype": kv_cache_dtype,
         "layers": cfg.num_layers,
         "decode_bytes_b1": decode_bytes(cfg, 1, DECODE_CONTEXT),
     }
@@ -107,7 +112,10 @@ def one_model(
     t0 = time.perf_counter()
     try:
         check_device(f"random:{preset_name}", "cuda")  # what `blink serve --device cuda` refuses, before any CUDA
-        eng = make_engine(preset_name, 256, 4096, 2048, layers=layers, quantization=quantization, fp8_gemm=fp8_gemm)
+        eng = make_engine(
+            preset_name, 256, 4096, 2048, layers=layers, quantization=quantization, fp8_gemm=fp8_gemm,
+            kv_cache_dtype=kv_cache_dtype,
+        )  # fmt: skip
     except (UnsupportedModelError, ValueError) as e:  # ValueError: fp8 on a MoE model
         return {**res, "skipped": str(e)}
     build_s = time.perf_counter() - t0
@@ -173,7 +181,7 @@ def all_models(a: argparse.Namespace, argv: list[str]) -> int:
             cmd = [sys.executable, "-m", "bench.engine.throughput", "--preset", name, "--json-out", tmp.name]
             cmd += ["--schedulers", a.schedulers, "--layers", str(a.layers)]
             cmd += ["--requests", str(a.requests), "--prompt", str(a.prompt), "--new", str(a.new)]
-            cmd += ["--quantization", a.quantization, "--fp8-gemm", a.fp8_gemm]
+            cmd += ["--quantization", a.quantization, "--fp8-gemm", a.fp8_gemm, "--kv-cache-dtype", a.kv_cache_dtype]
             t0 = time.perf_counter()
             rc, err = run_child(cmd, min(a.timeout, left))
             if rc == 0 and os.path.getsize(tmp.name) > 0:
@@ -221,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fp8-gemm", default="", choices=("", "auto", "outer", "epilogue", "dequant"), help="EngineConfig.fp8_gemm"
     )
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="fp8: an FP8 e4m3 KV cache")
     a = ap.parse_args(argv[1:])
     schedulers = tuple(s for s in a.schedulers.split(",") if s)
     if a.presets:
@@ -228,13 +237,18 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--presets needs --out")
         return all_models(a, argv)
     if a.json_out:
-        res = one_model(a.preset, a.layers, schedulers, a.requests, a.prompt, a.new, a.quantization, a.fp8_gemm)
+        res = one_model(
+            a.preset, a.layers, schedulers, a.requests, a.prompt, a.new, a.quantization, a.fp8_gemm, a.kv_cache_dtype
+        )
         with open(a.json_out, "w") as f:
             json.dump(res, f)
         return 0
-    eng = make_engine(a.preset, 256, 4096, 2048, layers=a.layers, quantization=a.quantization, fp8_gemm=a.fp8_gemm)
+    eng = make_engine(
+        a.preset, 256, 4096, 2048, layers=a.layers, quantization=a.quantization, fp8_gemm=a.fp8_gemm,
+        kv_cache_dtype=a.kv_cache_dtype,
+    )  # fmt: skip
     res = {"bench": "throughput", **metadata(a.commit, argv, gpu_key="device"), "preset": a.preset,
-           "quantization": a.quantization or "bf16",
+           "quantization": a.quantization or "bf16", "kv_cache_dtype": a.kv_cache_dtype,
            **run(eng, a.requests, a.prompt, a.new, schedulers)}  # fmt: skip
     if a.out:
         write_json(a.out, res)

@@ -33,10 +33,11 @@ def make_engine(
     layers: int = 0,
     quantization: str = "",
     fp8_gemm: str = "",
+    kv_cache_dtype: str = "auto",
 ):
     """An engine over random weights of `preset_name` (`layers`: that many of its layers; 0: all), captured;
     `quantization` "fp8": its dense projections in FP8 (EngineConfig.quantization; `fp8_gemm`: its
-    EngineConfig.fp8_gemm, "" = the default)."""
+    EngineConfig.fp8_gemm, "" = the default); `kv_cache_dtype` "fp8": an FP8 KV cache (EngineConfig.kv_cache_dtype)."""
     from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
 
@@ -52,6 +53,7 @@ def make_engine(
         progress=False,
         quantization=quantization,
         **({"fp8_gemm": fp8_gemm} if fp8_gemm else {}),
+        kv_cache_dtype=kv_cache_dtype,
         **({"gemm_sm_reserve": gemm_sm_reserve} if gemm_sm_reserve >= 0 else {}),
     )
     t0 = time.perf_counter()

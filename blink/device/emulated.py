@@ -49,10 +49,14 @@ def build_executor(spec: DeviceSpec) -> Executor:
 
     phase(f"loading {spec.model}" + (f" ({spec.quantization} weights)" if spec.quantization else ""))
     quant = spec.quantization or None
-    ex = NumpyExecutor.from_model(spec.model, progress=progress("loading weights", "B"), quantization=quant, **kw)
+    ex = NumpyExecutor.from_model(
+        spec.model, progress=progress("loading weights", "B"), quantization=quant, kv_cache_dtype=spec.kv_cache_dtype,
+        **kw,
+    )  # fmt: skip
     c = ex.config
     gib = kv_gib(c.num_layers, ex.num_blocks, spec.kv_block_size, c.num_kv_heads, c.head_dim, 4)
-    phase(f"KV cache: {ex.num_blocks} blocks of {spec.kv_block_size} tokens, {gib:.2f} GiB (float32, paged in as used)")
+    held = "float32 holding fp8 e4m3 values" if spec.kv_cache_dtype == "fp8" else "float32"
+    phase(f"KV cache: {ex.num_blocks} blocks of {spec.kv_block_size} tokens, {gib:.2f} GiB ({held}, paged in as used)")
     return ex
 
 

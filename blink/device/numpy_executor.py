@@ -38,11 +38,12 @@ class NumpyExecutor:
         max_num_batched_tokens: int,
         max_blocks_per_seq: int | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if min(num_blocks, block_size, max_batch, max_num_batched_tokens) <= 0:
             raise ValueError("num_blocks, block_size, max_batch and max_num_batched_tokens must be positive")
         self.config = config
-        self.model = LlamaNumpy(config, weights, quantization)
+        self.model = LlamaNumpy(config, weights, quantization, kv_cache_dtype=kv_cache_dtype)
         self.vocab_size = config.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -72,11 +73,13 @@ class NumpyExecutor:
         max_blocks_per_seq: int | None = None,
         progress: bool | Callable[[int, int], None] = False,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         **resolve_kwargs: Any,
     ) -> NumpyExecutor:
         """Executor for a model spec as `blink.models.registry.resolve_model` accepts it
         (None/"default", a .gguf path, an HF directory, "random:<preset>"); `quantization` "fp8":
-        the linear layers' weights in FP8 (blink.models.fp8)."""
+        the linear layers' weights in FP8 (blink.models.fp8); `kv_cache_dtype` "fp8": K/V rounded as an FP8
+        cache stores them (blink.models.fp8.kv_round)."""
         from blink.models.registry import resolve_model
 
         bundle = resolve_model(spec, progress=progress, **resolve_kwargs)
@@ -89,6 +92,7 @@ class NumpyExecutor:
             max_num_batched_tokens,
             max_blocks_per_seq,
             quantization,
+            kv_cache_dtype,
         )
 
     def _check(self, batch: StepBatch) -> None:

@@ -43,6 +43,7 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
         seed=spec.seed,
         sampling_rows=sampling_rows,
         quantization=spec.quantization,
+        kv_cache_dtype=spec.kv_cache_dtype,
         progress=True,  # warm-up and graph capture bars on stderr
     )
 

@@ -22,6 +22,12 @@ Which steps quantize activations depends on the step's size, as on the CUDA devi
         y[t, n] = xs[t] * scale[n] * sum_k value(xcode[t, k]) * value(code[n, k])     (fp32 sums)
     (`w8a8_linear`). Per-token quantization is row by row, so padding rows change nothing.
 
+The KV cache (--kv-cache-dtype fp8): every K and V value the attention writes is stored as
+e4m3(x / KV_SCALE) and read back as KV_SCALE * value(code), with one per-tensor scale KV_SCALE = 1 (vLLM's
+default without calibration: values stored directly, saturating to +-448); `kv_round` is what a
+cache slot holds. Both devices apply it (LlamaNumpy, and the CUDA kernels of kv_cache.cuh, which convert
+the bf16 K/V they computed with the same rounding).
+
 The source of the quantization is the weight as a bf16 device holds it (`as_device_weight`,
 `quantize_bf16`): the CUDA loader quantizes the bf16 bits it streams on the GPU with this arithmetic
 (fp8_quantize_rows in blink/gpu/engine/csrc/fp8.cu), so the numpy model and the CUDA engine hold the same
@@ -40,6 +46,8 @@ from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 E4M3_MAX = 448.0
 FP8_GEMV_MAX_TOKENS = 8  # steps up to this many tokens keep bf16 activations; larger ones are W8A8
 QUANTIZATIONS = ("fp8",)  # --quantization values served; None/"" = the checkpoint's dtype
+KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values served; "auto" = the model dtype
+KV_SCALE = np.float32(1.0)  # the fp8 KV cache's per-tensor scale (docs/decisions.md)
 
 
 def _decode_table() -> np.ndarray:
@@ -146,3 +154,9 @@ def uses_w8a8(tokens: int, decode: bool, gemv_max_tokens: int = FP8_GEMV_MAX_TOK
     every step but a decode step (one token per sequence) of at most gemv_max_tokens tokens. (A
     prefill step of few tokens runs in a graph of at least 16 rows, on the GEMM.)"""
     return not (decode and tokens <= gemv_max_tokens)
+
+
+def kv_round(x: np.ndarray) -> np.ndarray:
+    """float32 K or V values -> the float32 values an fp8 KV cache slot holds (scale KV_SCALE, saturating)."""
+    x = np.asarray(x, dtype=np.float32)
+    return e4m3_decode(e4m3_encode(x / KV_SCALE)) * KV_SCALE

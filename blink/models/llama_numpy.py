@@ -19,6 +19,9 @@ sequences also quantizes each linear layer's input per token (W8A8, blink.models
 CUDA engine's FP8 GEMM does; those decode steps keep the activations in float32 (the FP8-weight GEMV). `fp8_gemv_max_tokens=None`:
 weight-only at every size (the CUDA engine's dequantize fallback).
 
+`kv_cache_dtype="fp8"`: K and V are rounded as an fp8 KV cache stores them (blink.models.fp8.kv_round)
+when written, so attention reads them back dequantized, as the CUDA kernels do.
+
 Writing K/V before attending makes a chunk see itself causally and earlier chunks through the
 cache, so prefill, chunked prefill and decode are the same code. Decode rows (one query each)
 attend in one batched matmul over their gathered blocks; longer chunks go one sequence at a time.
@@ -36,9 +39,11 @@ import numpy as np
 from blink.models.config import ModelConfig, rope_inv_freq
 from blink.models.fp8 import (
     FP8_GEMV_MAX_TOKENS,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     as_device_weight,
     fake_quantize_activations,
+    kv_round,
     quantize,
     uses_w8a8,
 )
@@ -104,10 +109,14 @@ class LlamaNumpy:
         weights: Weights,
         quantization: str | None = None,
         fp8_gemv_max_tokens: int | None = FP8_GEMV_MAX_TOKENS,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         check_weights(config, weights)
         if quantization not in (None, "", *QUANTIZATIONS):
             raise ValueError(f"quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+        self.kv_cache_dtype = kv_cache_dtype
         c = config
         self.config = c
         # An FP8 checkpoint's weights are FP8 values already (dequantized with their stored scales).
@@ -215,6 +224,8 @@ class LlamaNumpy:
             q = _rope(q, cos, sin) * scale
             k = _rope(k, cos, sin)
             kc, vc = k_cache[li], v_cache[li]
+            if self.kv_cache_dtype == "fp8":
+                k, v = kv_round(k), kv_round(v)
             kc[blk, off] = k
             vc[blk, off] = v
 

@@ -113,6 +113,7 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         ""  # cuda: directory of the compiled kernels; "" = blink.gpu.toolchain.build.default_cache_dir()
     )
     quantization: str = ""  # "fp8": linear layers' weights in FP8 e4m3, per-channel scales; "" = as the checkpoint
+    kv_cache_dtype: str = "auto"  # "fp8": K/V stored as FP8 e4m3, scale 1 (blink.models.fp8.kv_round); "auto" = model's
 
     def __post_init__(self) -> None:
         if self.kind not in ("emulated", "cuda") or self.scheduler not in ("gpu", "host"):
@@ -126,6 +127,8 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"device spec: executor must be 'module:function', got {self.executor!r}")
         if self.quantization not in ("", "fp8"):
             raise ValueError(f"device spec: quantization {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"device spec: kv_cache_dtype {self.kv_cache_dtype!r}")
 
 
 # -- ring access frames (TcpTransport <-> ring agent; RDMA bootstrap) -------------------------

@@ -185,16 +185,22 @@ def test_fp8_checkpoint_engine_matches_numpy(tmp_path, layout):
     eng.close()
 
 
+@pytest.mark.parametrize(
+    ("flag", "logged"),
+    [("--quantization", "blink device: weights: fp8"), ("--kv-cache-dtype", "(fp8 e4m3); capturing graphs")],
+    ids=["weights", "kv_cache"],
+)
 @pytest.mark.parametrize("scheduler", ["gpu", "host"])
-def test_serve_fp8_on_both_schedulers(scheduler):
+def test_serve_fp8_on_both_schedulers(scheduler, flag, logged):
+    """`blink serve --quantization fp8` and `--kv-cache-dtype fp8` (tests/gpu/test_fp8_kv.py) answer."""
     from blink.testing import ServeProcess
 
     s = ServeProcess(
         ["--model", "random:tiny-llama", "--device", "cuda", "--scheduler", scheduler, "--num-kv-blocks", "256",
-         "--max-batch", "8", "--max-context", "512", "--quantization", "fp8"], timeout=600,
+         "--max-batch", "8", "--max-context", "512", flag, "fp8"], timeout=600,
     )  # fmt: skip
     try:
-        assert "blink device: weights: fp8" in "".join(s.log), "".join(s.log)
+        assert logged in "".join(s.log), "".join(s.log)
         outs = []
         for _ in range(2):
             body = {"model": "tiny-llama", "prompt": "hello there", "max_tokens": 16, "temperature": 0}

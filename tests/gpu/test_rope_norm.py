@@ -17,6 +17,7 @@ import pytest
 from kernel_rig import KernelRig
 
 from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
+from blink.models import fp8
 
 pytestmark = pytest.mark.gpu
 
@@ -136,7 +137,8 @@ def _steps(rng: np.random.Generator, T: int, bs: int):
 @pytest.mark.parametrize("T,bucket", [(1, 1), (7, 8), (133, 160), (1001, 1024)])
 @pytest.mark.parametrize("sms", [132, 1], ids=["sms132", "sms1"])  # small blocks for small T, and 256 threads
 @pytest.mark.parametrize("kernel", ["rope_kv_write", "rope_kv_write_warp"])  # forward.rope_kernel picks by T
-def test_rope_kv_write_bitwise(rig, nq, nkv, hd, qk_norm, T, bucket, sms, kernel):
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])  # fp8: the _fp8kv kernels, codes = e4m3 of the bf16 values
+def test_rope_kv_write_bitwise(rig, nq, nkv, hd, qk_norm, T, bucket, sms, kernel, kv):
     import cupy as cp
 
     from blink.gpu.engine.forward import rope_launch
@@ -153,6 +155,8 @@ def test_rope_kv_write_bitwise(rig, nq, nkv, hd, qk_norm, T, bucket, sms, kernel
     cos, sin = np.cos(ang.astype(np.float64)).astype(np.float32), np.sin(ang.astype(np.float64)).astype(np.float32)
     q0 = _bits(rng, (bucket, nq * hd))
     kc0, vc0 = _bits(rng, (nblocks, bs, nkv, hd)), _bits(rng, (nblocks, bs, nkv, hd))
+    if kv == "fp8":  # the cache in codes; the reference writes bf16 into NaN-filled caches, then encodes
+        kc0, vc0 = (rng.integers(0, 256, (nblocks, bs, nkv, hd)).astype(np.uint8) for _ in range(2))
     d = {k: cp.asarray(v) for k, v in dict(qkv=qkv, q=q0, kc=kc0, vc=vc0, cos=cos, sin=sin, bt=bt).items()}
     pos_b = np.zeros(bucket, np.int32)
     pos_b[:T] = pos
@@ -164,14 +168,18 @@ def test_rope_kv_write_bitwise(rig, nq, nkv, hd, qk_norm, T, bucket, sms, kernel
     if kernel == "rope_kv_write_warp" and sms == 1:
         pytest.skip("rope_kv_write_warp's geometry does not depend on the SM count")
     rig.launch(
-        kernel, grid, block, qkv=d["qkv"], q_out=d["q"], k_cache=d["kc"], v_cache=d["vc"],
+        kernel + ("_fp8kv" if kv == "fp8" else ""), grid, block, qkv=d["qkv"], q_out=d["q"], k_cache=d["kc"], v_cache=d["vc"],
         q_norm_w=None if qn is None else cp.asarray(qn), k_norm_w=None if kn is None else cp.asarray(kn),
         cos_tab=d["cos"], sin_tab=d["sin"], positions=cp.asarray(pos_b), cu_q_lens=cp.asarray(cu_b),
         block_tables=d["bt"], num_tokens=cp.asarray(np.array([T], np.uint32)),
         num_seqs=cp.asarray(np.array([len(cu) - 1], np.uint32)), nq=nq, nkv=nkv, hd=hd, bs=bs, mbps=mbps, eps=eps,
     )  # fmt: skip
     q, kc, vc = q0.copy(), kc0.copy(), vc0.copy()
+    if kv == "fp8":
+        kc, vc = np.full(kc0.shape, 0x7FC0, np.uint16), np.full(vc0.shape, 0x7FC0, np.uint16)
     ref_rope(qkv[:T], pos, cu[:-1], bt, cos, sin, nq, nkv, hd, bs, qn, kn, eps, q, kc, vc)
+    if kv == "fp8":
+        kc, vc = (np.where(c != 0x7FC0, fp8.e4m3_encode(bf16_bits_to_f32(c)), c0) for c, c0 in ((kc, kc0), (vc, vc0)))
     for name, want in (("q_out", q), ("k_cache", kc), ("v_cache", vc)):
         got = cp.asnumpy(d[{"q_out": "q", "k_cache": "kc", "v_cache": "vc"}[name]])
         bad = np.argwhere(got != want)

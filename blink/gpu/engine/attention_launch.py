@@ -58,13 +58,15 @@ class AttentionLaunches:
         hd, group = c.head_dim, c.num_heads // c.num_kv_heads
         # scores, probabilities and O in registers (mma.sync), K/V double buffered by cp.async:
         # Q + 2 x (K, V) tiles of 64 x (hd + 8) bf16
-        self.fn_prefill, self.prefill_smem = f"attn_prefill_fa2_hd{hd}", 5 * 64 * (hd + 8) * 2
+        # An fp8 KV cache: the "_fp8kv" instantiations of every attention kernel (kv_suffix, kv_cache.cuh).
+        sfx = self.kv_suffix
+        self.fn_prefill, self.prefill_smem = f"attn_prefill_fa2_hd{hd}{sfx}", 5 * 64 * (hd + 8) * 2
         driver.set_max_dynamic_smem(kernels[self.fn_prefill], self.prefill_smem)
         self.decode_kernels: dict[str, str] = {}
         self.flash_combine: dict[str, str] = {}
         self.flash_smem: dict[str, int] = {}
         for v in FLASH_VARIANTS:
-            self.decode_kernels[v] = f"attn_{v}_hd{hd}_g{group}"
+            self.decode_kernels[v] = f"attn_{v}_hd{hd}_g{group}{sfx}"
             self.flash_combine[v] = f"attn_{FLASH_COMBINE_OF[v]}_combine_hd{hd}"
             self.flash_smem[v] = flash_smem_bytes(v, hd)
             if self.flash_smem[v]:

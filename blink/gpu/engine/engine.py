@@ -42,7 +42,7 @@ from blink.gpu.engine.engine_config import (  # noqa: F401 (the engine's public 
     DEFAULT_TOKEN_BUCKETS,
     EngineConfig,
 )
-from blink.gpu.engine.forward import Dims, Forward, fp8_activation_bytes, fp8_scratch_elems
+from blink.gpu.engine.forward import Dims, Forward, fp8_activation_bytes, fp8_scratch_elems, kv_element_bytes
 from blink.gpu.engine.fp8_gemm import SCALE_MODES, Fp8Gemm
 from blink.gpu.engine.fp8_weights import Fp8Loader, quantize_layers
 from blink.gpu.engine.moe_launch import MoeLaunches
@@ -105,7 +105,15 @@ class Engine:
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.num_sms = int(sms)
         self.fwd = Forward(
-            config, weights, self.dims, driver, kernels, self.cublas, sms, sampling_rows=ecfg.sampling_rows
+            config,
+            weights,
+            self.dims,
+            driver,
+            kernels,
+            self.cublas,
+            sms,
+            sampling_rows=ecfg.sampling_rows,
+            kv_cache_dtype=ecfg.kv_cache_dtype,
         )
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
         self.fwd.fp8_gemv_max_tokens = ecfg.fp8_gemv_max_tokens
@@ -180,7 +188,7 @@ class Engine:
             act += 4 * Sm * c.vocab_size + ecfg.sampling_rows * (4 * c.vocab_size + 8 * MAX_LOGIT_BIAS)
             act += Tm * (4 * c.vocab_size + 2 * c.hidden_size + 4 + 8 * MAX_LOGPROBS)
         free = cp.cuda.runtime.memGetInfo()[0] - act - (ecfg.graph_reserve_mib << 20)
-        per_block = c.num_layers * 2 * ecfg.block_size * c.kv_size * 2
+        per_block = c.num_layers * 2 * ecfg.block_size * c.kv_size * kv_element_bytes(ecfg.kv_cache_dtype)
         n = int(free * ecfg.kv_fraction) // per_block
         if n < max_context // ecfg.block_size:
             raise MemoryError(f"KV pool of {n} blocks cannot hold one {max_context}-token sequence")

@@ -35,6 +35,11 @@ class EngineConfig:
     quantization: str = ""
     """Weight format: "fp8" = the dense layers' projections (qkv, o, gate_up, down) in FP8 e4m3 with per-output-channel
     scales, quantized on the GPU at load (blink/gpu/engine/fp8_weights.py); "" = bf16."""
+    kv_cache_dtype: str = "auto"
+    """The paged KV cache's element type (vLLM's --kv-cache-dtype): "auto" = the model dtype (bf16); "fp8" =
+    float8 e4m3 with a per-tensor scale of 1 (values stored directly, saturating to +-448; kv_cache.cuh,
+    the definition blink/models/fp8.py kv_round), half the bytes a block, so twice the blocks in the same
+    memory."""
     fp8_gemv_max_tokens: int = 8
     """FP8 weights: decode steps up to this many tokens run the FP8-weight GEMV (fp8.cu, bf16
     activations), every other step the path of fp8_gemm. The numpy definition quantizes activations in
@@ -76,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization!r} not in ('', 'fp8')")
         if self.fp8_gemm not in ("auto", *FP8_LARGE_PATHS):
             raise ValueError(f"fp8_gemm {self.fp8_gemm!r} not in {('auto', *FP8_LARGE_PATHS)}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} not in ('auto', 'fp8')")
         if not 1 <= self.fp8_gemv_max_tokens <= 8:
             raise ValueError("fp8_gemv_max_tokens must be in [1, 8]")
         if not 0 <= self.sampling_rows <= 1 << 16:

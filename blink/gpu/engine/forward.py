@@ -118,6 +118,14 @@ def rope_kernel(
     return ("rope_kv_write", *rope_launch(nh, hd, T, num_sms))
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype: "auto" = the model dtype (bf16)
+
+
+def kv_element_bytes(kv_cache_dtype: str) -> int:
+    """Bytes of one KV cache value: 2 (bf16) or 1 (fp8 e4m3)."""
+    return 1 if kv_cache_dtype == "fp8" else 2
+
+
 def fp8_scratch_elems(c: ModelConfig) -> int:
     """Elements of the largest projection of a dense model (Forward.fp8_scratch)."""
     qkv = c.q_size + 2 * c.kv_size
@@ -156,6 +164,7 @@ class Forward(AttentionLaunches):
         num_sms: int,
         max_splits: int = 32,
         sampling_rows: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         import cupy as cp
 
@@ -192,10 +201,16 @@ class Forward(AttentionLaunches):
         ang = np.arange(dims.max_context, dtype=np.float32)[:, None] * inv[None, :]
         self.cos = cp.asarray(np.cos(ang.astype(np.float64)).astype(np.float32))
         self.sin = cp.asarray(np.sin(ang.astype(np.float64)).astype(np.float32))
-        # KV pool: [layers, 2, num_blocks, block_size, nkv, hd] bf16.
-        self.kv = z(c.num_layers, 2, dims.num_blocks, dims.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_layer_stride = 2 * dims.num_blocks * dims.block_size * c.kv_size * 2  # bytes
-        self.kv_half = dims.num_blocks * dims.block_size * c.kv_size * 2
+        # KV pool: [layers, 2, num_blocks, block_size, nkv, hd] bf16, or fp8 e4m3 codes (kv_cache.cuh): the
+        # kernels that touch it are the "_fp8kv" instantiations (kv_suffix).
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
+        self.kv_suffix = "_fp8kv" if kv_cache_dtype == "fp8" else ""
+        kv_bytes = kv_element_bytes(kv_cache_dtype)
+        kv_dt = cp.uint8 if kv_bytes == 1 else cp.uint16
+        self.kv = z(c.num_layers, 2, dims.num_blocks, dims.block_size, c.num_kv_heads, c.head_dim, dt=kv_dt)
+        self.kv_layer_stride = 2 * dims.num_blocks * dims.block_size * c.kv_size * kv_bytes  # bytes
+        self.kv_half = dims.num_blocks * dims.block_size * c.kv_size * kv_bytes
         self._init_attention(kernels, driver)
         self._init_gemv_smem(kernels, driver)
         self.moe = MoeLaunches(c, dims.max_num_batched_tokens, driver, kernels) if c.is_moe else None
@@ -289,6 +304,8 @@ class Forward(AttentionLaunches):
             out.discard("rope")  # qk-norm needs whole heads; a warp's rows must stay in one head
         if self.w.layers[0].qkv_bias is not None:
             out.discard("rope")  # the bias goes in between the projection and RoPE
+        if self.kv_suffix:
+            out.discard("rope")  # the fused epilogue writes a bf16 cache only
         return frozenset(out)
 
     def _launch(
@@ -493,8 +510,9 @@ class Forward(AttentionLaunches):
                 num_tokens=a["num_tokens"], n=n_qkv,
             )  # fmt: skip
         if not fuse_rope:
+            rope, grid, block = rope_kernel(c.num_heads + 2 * c.num_kv_heads, c.head_dim, T, c.qk_norm, self.num_sms)
             self._launch(
-                *rope_kernel(c.num_heads + 2 * c.num_kv_heads, c.head_dim, T, c.qk_norm, self.num_sms), stream,
+                rope + self.kv_suffix, grid, block, stream,
                 qkv=self.qkv, q_out=self.q, k_cache=kc, v_cache=vc, q_norm_w=lw.q_norm, k_norm_w=lw.k_norm,
                 cos_tab=self.cos, sin_tab=self.sin, positions=a["positions"], cu_q_lens=a["cu_q_lens"],
                 block_tables=a["block_tables"], num_tokens=a["num_tokens"], num_seqs=a["num_seqs"], nq=c.num_heads,

@@ -36,10 +36,10 @@ SOURCES = (
     "moe.cu",
     "fp8.cu",
 )
-HEADERS = ("common.cuh",)
+HEADERS = ("common.cuh", "kv_cache.cuh")
 # sampling.cu reads SAMPLING_EPS from the generated ring header (blink/protocol/sampling_params.py)
 _EXTRA = {"sampling.cu": (SCHEDULER_CSRC / "blink_ring.h",)}
-UNITS = {s: B.Unit(CSRC / s, (CSRC / HEADERS[0], *_EXTRA.get(s, ()))) for s in SOURCES}
+UNITS = {s: B.Unit(CSRC / s, (*(CSRC / h for h in HEADERS), *_EXTRA.get(s, ()))) for s in SOURCES}
 # every kernel Python launches: the engine's and the scheduler's
 SOURCE_DIRS = {**{s: CSRC for s in SOURCES}, "scheduler.cu": SCHEDULER_CSRC}
 PARAM_SOURCES = tuple(SOURCE_DIRS)

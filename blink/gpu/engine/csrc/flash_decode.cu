@@ -21,6 +21,7 @@
 // while one is computed without holding registers. Each lane reads back only the 16-byte
 // vectors it copied itself, so cp.async.wait_group alone orders a lane's reads (no barrier).
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 constexpr int FLASH_WARPS = 4;
 
@@ -58,9 +59,9 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
-template <int HD, int G, int N, int STAGES>
-__device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                                                const bf16* __restrict__ v_cache, float* __restrict__ part_o,
+template <int HD, int G, int N, int STAGES, typename KV>
+__device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, const KV* __restrict__ k_cache,
+                                                const KV* __restrict__ v_cache, float* __restrict__ part_o,
                                                 float* __restrict__ part_lse, bf16* __restrict__ out,
                                                 const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
                                                 const int* __restrict__ block_tables,
@@ -113,8 +114,13 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
       const int t = tt0 + KPI * i + h;
       const bool ok = t < end;
       const size_t off = ok ? (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + c * 8 : 0;
-      cp_async16(ring + ((stage * 2) * N + i) * 32 + lane, k_cache + off, ok);
-      cp_async16(ring + ((stage * 2 + 1) * N + i) * 32 + lane, v_cache + off, ok);
+      if constexpr (sizeof(KV) == 2) {
+        cp_async16(ring + ((stage * 2) * N + i) * 32 + lane, k_cache + off, ok);
+        cp_async16(ring + ((stage * 2 + 1) * N + i) * 32 + lane, v_cache + off, ok);
+      } else {
+        kv_tile8(ring + ((stage * 2) * N + i) * 32 + lane, k_cache + off, ok);
+        kv_tile8(ring + ((stage * 2 + 1) * N + i) * 32 + lane, v_cache + off, ok);
+      }
     }
   };
   if constexpr (STAGES > 0) {
@@ -144,8 +150,8 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
         const int t = t0 + KPI * i + h;
         if (t < end) {
           const size_t off = (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + c * 8;
-          kr[i] = *reinterpret_cast<const bf16x8*>(k_cache + off);
-          vr[i] = *reinterpret_cast<const bf16x8*>(v_cache + off);
+          kr[i] = kv_load8(k_cache + off);
+          vr[i] = kv_load8(v_cache + off);
         } else {
           kr[i] = zero8;
           vr[i] = zero8;
@@ -331,12 +337,16 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   }
 }
 
-#define FLASH(NAME, HD, G, N, STAGES, MINB)                                                                     \
-  extern "C" __global__ void __launch_bounds__(128, MINB) attn_##NAME##_hd##HD##_g##G(                         \
-      const bf16* q, const bf16* kc, const bf16* vc, float* po, float* plse, bf16* out, const int* cu,          \
+#define FLASH_KV(NAME, HD, G, N, STAGES, MINB, KV, SUFFIX)                                                      \
+  extern "C" __global__ void __launch_bounds__(128, MINB) attn_##NAME##_hd##HD##_g##G##SUFFIX(                 \
+      const bf16* q, const KV* kc, const KV* vc, float* po, float* plse, bf16* out, const int* cu,              \
       const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc, int target) {      \
-    attn_flash_impl<HD, G, N, STAGES>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target);   \
+    attn_flash_impl<HD, G, N, STAGES, KV>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target); \
   }
+// Each decode kernel twice: over a bf16 cache and, suffixed _fp8kv, over an fp8 one (kv_cache.cuh).
+#define FLASH(NAME, HD, G, N, STAGES, MINB)         \
+  FLASH_KV(NAME, HD, G, N, STAGES, MINB, bf16, )    \
+  FLASH_KV(NAME, HD, G, N, STAGES, MINB, kv8, _fp8kv)
 #define FLASH_COMBINE(NAME, HD, N)                                                                              \
   extern "C" __global__ void __launch_bounds__(128) attn_##NAME##_combine_hd##HD(                              \
       const float* po, const float* plse, bf16* out, const int* cu, const int* sl, const uint32_t* ns, int nkv, \
@@ -399,9 +409,9 @@ constexpr int MMA_BN = 64;  // keys per CTA tile (16 per warp)
 
 __host__ __device__ constexpr int flashmma_smem(int hd) { return (16 + 4 * MMA_BN) * (hd + 8) * 2; }
 
-template <int HD, int G>
-__device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                                                   const bf16* __restrict__ v_cache, float* __restrict__ part_o,
+template <int HD, int G, typename KV>
+__device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, const KV* __restrict__ k_cache,
+                                                   const KV* __restrict__ v_cache, float* __restrict__ part_o,
                                                    float* __restrict__ part_lse, bf16* __restrict__ out,
                                                    const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
                                                    const int* __restrict__ block_tables,
@@ -438,8 +448,13 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
       const bool ok = key < end;
       const int kk = ok ? key : start;
       const size_t off = (((size_t)bt[kk / bs] * bs + kk % bs) * nkv + kvh) * HD + c;
-      cp_async16(Kd + r * LD + c, k_cache + off, ok);
-      cp_async16(Vd + r * LD + c, v_cache + off, ok);
+      if constexpr (sizeof(KV) == 2) {
+        cp_async16(Kd + r * LD + c, k_cache + off, ok);
+        cp_async16(Vd + r * LD + c, v_cache + off, ok);
+      } else {
+        kv_tile8(Kd + r * LD + c, k_cache + off, ok);
+        kv_tile8(Vd + r * LD + c, v_cache + off, ok);
+      }
     }
   };
   const int n_tiles = (end - start + MMA_BN - 1) / MMA_BN;
@@ -557,12 +572,15 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
   }
 }
 
-#define FLASHMMA(HD, G)                                                                                         \
-  extern "C" __global__ void __launch_bounds__(128, 3) attn_flashmma_hd##HD##_g##G(                            \
-      const bf16* q, const bf16* kc, const bf16* vc, float* po, float* plse, bf16* out, const int* cu,          \
+#define FLASHMMA_KV(HD, G, KV, SUFFIX)                                                                          \
+  extern "C" __global__ void __launch_bounds__(128, 3) attn_flashmma_hd##HD##_g##G##SUFFIX(                    \
+      const bf16* q, const KV* kc, const KV* vc, float* po, float* plse, bf16* out, const int* cu,              \
       const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc, int target) {      \
-    attn_flashmma_impl<HD, G>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target);           \
+    attn_flashmma_impl<HD, G, KV>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target);       \
   }
+#define FLASHMMA(HD, G)        \
+  FLASHMMA_KV(HD, G, bf16, )   \
+  FLASHMMA_KV(HD, G, kv8, _fp8kv)
 #define FLASHMMA_PER_HD(HD) \
   FLASHMMA(HD, 1)             \
   FLASHMMA(HD, 2)             \

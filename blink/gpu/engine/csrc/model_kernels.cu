@@ -13,6 +13,7 @@
 //   k/v cache of one layer [num_blocks, block_size, nkv, hd] bf16
 //   rope tables [max_pos, hd/2] fp32
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 extern "C" __global__ void embed_tokens(const int* __restrict__ ids, const bf16* __restrict__ table,
                                         bf16* __restrict__ out, const uint32_t* __restrict__ num_tokens, int H) {
@@ -198,13 +199,13 @@ __device__ __forceinline__ int warp_seq_of_token(const int* __restrict__ cu, int
 constexpr int ROPE_THREADS = 256;               // most threads of a block (the launch may use fewer)
 constexpr int ROPE_MAX_TOKENS = ROPE_THREADS / 3 + 2;  // tokens one block can touch (nh >= 3)
 
-extern "C" __global__ void __launch_bounds__(ROPE_THREADS, 4)
-    rope_kv_write(const bf16* __restrict__ qkv, bf16* __restrict__ q_out, bf16* __restrict__ k_cache,
-                  bf16* __restrict__ v_cache, const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
-                  const float* __restrict__ cos_tab, const float* __restrict__ sin_tab,
-                  const int* __restrict__ positions, const int* __restrict__ cu_q_lens,
-                  const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens,
-                  const uint32_t* __restrict__ num_seqs, int nq, int nkv, int hd, int bs, int mbps, float eps) {
+template <typename KV>
+__device__ __forceinline__ void rope_kv_write_impl(
+    const bf16* __restrict__ qkv, bf16* __restrict__ q_out, KV* __restrict__ k_cache, KV* __restrict__ v_cache,
+    const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w, const float* __restrict__ cos_tab,
+    const float* __restrict__ sin_tab, const int* __restrict__ positions, const int* __restrict__ cu_q_lens,
+    const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens, const uint32_t* __restrict__ num_seqs,
+    int nq, int nkv, int hd, int bs, int mbps, float eps) {
   __shared__ long long tok_slot[ROPE_MAX_TOKENS];  // KV slot of the block's tokens, from its first
   __shared__ float head_rs[ROPE_THREADS];          // qk-norm: 1 / rms of each head of the block
   __shared__ __align__(16) bf16 rows[ROPE_THREADS * 16];  // qk-norm: the block's heads [HPB, hd]
@@ -264,9 +265,9 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS, 4)
   if (!live) return;
   const size_t slot = is_q ? 0 : (size_t)tok_slot[t - t0];
   if (is_v) {
-    bf16* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
-    *reinterpret_cast<bf16x8*>(dst + f) = lo;
-    *reinterpret_cast<bf16x8*>(dst + f + half) = hi;
+    KV* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
+    kv_store8(dst + f, lo);
+    kv_store8(dst + f + half, hi);
     return;
   }
   const float rs = norm ? head_rs[hl] : 0.f;
@@ -286,10 +287,34 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS, 4)
     olo.v[i] = tobf(rbf(a * cr) + rbf(-b * sr));
     ohi.v[i] = tobf(rbf(b * cr) + rbf(a * sr));
   }
-  bf16* dst = is_q ? q_out + ((size_t)t * nq + h) * hd : k_cache + (slot * nkv + (h - nq)) * hd;
-  *reinterpret_cast<bf16x8*>(dst + f) = olo;
-  *reinterpret_cast<bf16x8*>(dst + f + half) = ohi;
+  if constexpr (sizeof(KV) == 2) {  // the bf16 cache: q and k through one pointer, as before the template
+    bf16* dst = is_q ? q_out + ((size_t)t * nq + h) * hd : k_cache + (slot * nkv + (h - nq)) * hd;
+    *reinterpret_cast<bf16x8*>(dst + f) = olo;
+    *reinterpret_cast<bf16x8*>(dst + f + half) = ohi;
+  } else if (is_q) {
+    bf16* dst = q_out + ((size_t)t * nq + h) * hd;
+    *reinterpret_cast<bf16x8*>(dst + f) = olo;
+    *reinterpret_cast<bf16x8*>(dst + f + half) = ohi;
+  } else {
+    KV* dst = k_cache + (slot * nkv + (h - nq)) * hd;
+    kv_store8(dst + f, olo);
+    kv_store8(dst + f + half, ohi);
+  }
 }
+
+#define ROPE_KV_WRITE(NAME, KV)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(ROPE_THREADS, 4)                                                   \
+      NAME(const bf16* __restrict__ qkv, bf16* __restrict__ q_out, KV* __restrict__ k_cache,                     \
+           KV* __restrict__ v_cache, const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,        \
+           const float* __restrict__ cos_tab, const float* __restrict__ sin_tab, const int* __restrict__ positions, \
+           const int* __restrict__ cu_q_lens, const int* __restrict__ block_tables,                                \
+           const uint32_t* __restrict__ num_tokens, const uint32_t* __restrict__ num_seqs, int nq, int nkv, int hd, \
+           int bs, int mbps, float eps) {                                                                          \
+    rope_kv_write_impl<KV>(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos_tab, sin_tab, positions,         \
+                           cu_q_lens, block_tables, num_tokens, num_seqs, nq, nkv, hd, bs, mbps, eps);            \
+  }
+ROPE_KV_WRITE(rope_kv_write, bf16)
+ROPE_KV_WRITE(rope_kv_write_fp8kv, kv8)  // --kv-cache-dtype fp8
 
 // add_rmsnorm for steps of many tokens (forward.norm_kernel): the same sums in the same order as
 // add_rmsnorm (bit-identical), a row per block in a loop of 16-byte loads with few registers, so more
@@ -308,14 +333,13 @@ extern "C" __global__ void add_rmsnorm_rows(bf16* __restrict__ residual, const b
 // shared-memory staging (the faster one for few tokens). Grid (token, head group). Q heads: [qk-norm], RoPE -> q_out. K heads:
 // [qk-norm], RoPE -> k cache slot. V heads -> v cache slot. The slot of token t of sequence s at
 // position p is block_tables[s][p / block_size] * block_size + p % block_size.
-extern "C" __global__ void rope_kv_write_warp(const bf16* __restrict__ qkv, bf16* __restrict__ q_out,
-                                         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                                         const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w,
-                                         const float* __restrict__ cos_tab, const float* __restrict__ sin_tab,
-                                         const int* __restrict__ positions, const int* __restrict__ cu_q_lens,
-                                         const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens,
-                                         const uint32_t* __restrict__ num_seqs, int nq, int nkv, int hd, int bs,
-                                         int mbps, float eps) {
+template <typename KV>
+__device__ __forceinline__ void rope_kv_write_warp_impl(
+    const bf16* __restrict__ qkv, bf16* __restrict__ q_out, KV* __restrict__ k_cache, KV* __restrict__ v_cache,
+    const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w, const float* __restrict__ cos_tab,
+    const float* __restrict__ sin_tab, const int* __restrict__ positions, const int* __restrict__ cu_q_lens,
+    const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens, const uint32_t* __restrict__ num_seqs,
+    int nq, int nkv, int hd, int bs, int mbps, float eps) {
   const int t = blockIdx.x;
   if (t >= (int)*num_tokens) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -330,8 +354,8 @@ extern "C" __global__ void rope_kv_write_warp(const bf16* __restrict__ qkv, bf16
   for (int h = blockIdx.y * nw + warp; h < nh; h += nw * gridDim.y) {
     const bf16* src = row + (size_t)h * hd;
     if (h >= nq + nkv) {  // V head: plain copy into the cache
-      bf16* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
-      for (int i = lane; i < hd; i += 32) dst[i] = src[i];
+      KV* dst = v_cache + (slot * nkv + (h - nq - nkv)) * hd;
+      for (int i = lane; i < hd; i += 32) kv_store1(dst + i, src[i]);
       continue;
     }
     const bool is_q = h < nq;
@@ -345,7 +369,22 @@ extern "C" __global__ void rope_kv_write_warp(const bf16* __restrict__ qkv, bf16
       }
       rs = rsqrtf(warp_sum(ss) / hd + eps);
     }
-    bf16* dst = is_q ? q_out + ((size_t)t * nq + h) * hd : k_cache + (slot * nkv + (h - nq)) * hd;
+    if constexpr (sizeof(KV) == 2) {  // the bf16 cache: q and k through one pointer, as before the template
+      bf16* dst = is_q ? q_out + ((size_t)t * nq + h) * hd : k_cache + (slot * nkv + (h - nq)) * hd;
+      for (int f = lane; f < half; f += 32) {
+        float a = bf(src[f]), b = bf(src[f + half]);
+        if (nwt != nullptr) {
+          a = rbf(bf(nwt[f]) * rbf(a * rs));
+          b = rbf(bf(nwt[f + half]) * rbf(b * rs));
+        }
+        const float c = rbf(ct[f]), sn = rbf(st[f]);
+        dst[f] = tobf(rbf(a * c) + rbf(-b * sn));
+        dst[f + half] = tobf(rbf(b * c) + rbf(a * sn));
+      }
+      continue;
+    }
+    bf16* qdst = q_out + ((size_t)t * nq + h) * hd;
+    KV* kdst = k_cache + (slot * nkv + (h - nq)) * hd;
     for (int f = lane; f < half; f += 32) {
       float a = bf(src[f]), b = bf(src[f + half]);
       if (nwt != nullptr) {
@@ -353,11 +392,30 @@ extern "C" __global__ void rope_kv_write_warp(const bf16* __restrict__ qkv, bf16
         b = rbf(bf(nwt[f + half]) * rbf(b * rs));
       }
       const float c = rbf(ct[f]), sn = rbf(st[f]);
-      dst[f] = tobf(rbf(a * c) + rbf(-b * sn));
-      dst[f + half] = tobf(rbf(b * c) + rbf(a * sn));
+      const bf16 lo = tobf(rbf(a * c) + rbf(-b * sn)), hi = tobf(rbf(b * c) + rbf(a * sn));
+      if (is_q) {
+        qdst[f] = lo;
+        qdst[f + half] = hi;
+      } else {
+        kv_store1(kdst + f, lo);
+        kv_store1(kdst + f + half, hi);
+      }
     }
   }
 }
+
+#define ROPE_KV_WRITE_WARP(NAME, KV)                                                                               \
+  extern "C" __global__ void NAME(                                                                                 \
+      const bf16* __restrict__ qkv, bf16* __restrict__ q_out, KV* __restrict__ k_cache, KV* __restrict__ v_cache,  \
+      const bf16* __restrict__ q_norm_w, const bf16* __restrict__ k_norm_w, const float* __restrict__ cos_tab,     \
+      const float* __restrict__ sin_tab, const int* __restrict__ positions, const int* __restrict__ cu_q_lens,     \
+      const int* __restrict__ block_tables, const uint32_t* __restrict__ num_tokens,                              \
+      const uint32_t* __restrict__ num_seqs, int nq, int nkv, int hd, int bs, int mbps, float eps) {               \
+    rope_kv_write_warp_impl<KV>(qkv, q_out, k_cache, v_cache, q_norm_w, k_norm_w, cos_tab, sin_tab, positions,    \
+                                cu_q_lens, block_tables, num_tokens, num_seqs, nq, nkv, hd, bs, mbps, eps);       \
+  }
+ROPE_KV_WRITE_WARP(rope_kv_write_warp, bf16)
+ROPE_KV_WRITE_WARP(rope_kv_write_warp_fp8kv, kv8)  // --kv-cache-dtype fp8
 
 // gu [T, 2I] = [gate | up] -> out [T, I].
 extern "C" __global__ void swiglu(const bf16* __restrict__ gu, bf16* __restrict__ out,

@@ -15,6 +15,7 @@
 // next tile's copies in flight during this tile's math), rows past the context zero-filled.
 // Shared memory: Q 64 x (HD+8) + 2 stages x (K, V) 64 x (HD+8), bf16 = 85 KiB at HD=128.
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 // The (sequence, BM-query tile) a prefill block works on: tiles are numbered sequence after
 // sequence, so warp 0 scans the tile counts of cu_q_lens (a warp prefix sum per 32 sequences) for
@@ -96,9 +97,9 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-template <int HD>
-__device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                                                      const bf16* __restrict__ v_cache, bf16* __restrict__ out,
+template <int HD, typename KV>
+__device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q, const KV* __restrict__ k_cache,
+                                                      const KV* __restrict__ v_cache, bf16* __restrict__ out,
                                                       const int* __restrict__ cu_q_lens,
                                                       const int* __restrict__ seq_lens,
                                                       const int* __restrict__ block_tables,
@@ -137,8 +138,13 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
       const bool ok = key < kv_end;
       const int kk = ok ? key : 0;
       const size_t off = (((size_t)bt[kk / bs] * bs + kk % bs) * nkv + kvh) * HD + c;
-      fa2_cp16(Kd + r * LD + c, k_cache + off, ok);
-      fa2_cp16(Vd + r * LD + c, v_cache + off, ok);
+      if constexpr (sizeof(KV) == 2) {
+        fa2_cp16(Kd + r * LD + c, k_cache + off, ok);
+        fa2_cp16(Vd + r * LD + c, v_cache + off, ok);
+      } else {
+        kv_tile8(Kd + r * LD + c, k_cache + off, ok);
+        kv_tile8(Vd + r * LD + c, v_cache + off, ok);
+      }
     }
   };
   load_kv(0, 0);
@@ -255,7 +261,12 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
   extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_fa2_hd##HD(                               \
       const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
       const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
-    attn_prefill_fa2_impl<HD>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                              \
+    attn_prefill_fa2_impl<HD, bf16>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                        \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_fa2_hd##HD##_fp8kv(                       \
+      const bf16* q, const kv8* kc, const kv8* vc, bf16* out, const int* cu, const int* sl, const int* bt,     \
+      const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
+    attn_prefill_fa2_impl<HD, kv8>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                         \
   }
 PREFILL_PER_HD(16)
 PREFILL_PER_HD(32)
