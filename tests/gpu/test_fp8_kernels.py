@@ -192,7 +192,7 @@ def test_fp8_checkpoint_engine_matches_numpy(tmp_path, layout):
 )
 @pytest.mark.parametrize("scheduler", ["gpu", "host"])
 def test_serve_fp8_on_both_schedulers(scheduler, flag, logged):
-    """`blink serve --quantization fp8` and `--kv-cache-dtype fp8` (tests/gpu/test_fp8_kv.py) answer."""
+    """`blink serve --quantization fp8` and `--kv-cache-dtype fp8` (tests/gpu/test_gpu_fp8_kv.py) answer."""
     from blink.testing import ServeProcess
 
     s = ServeProcess(
