@@ -38,7 +38,12 @@ def test_a_request_with_many_choices_does_not_keep_another_waiting(make_rig):
     assert not any(c.poll(s).done for s in group), [len(c.poll(s).tokens) for s in group]
     res = c.wait(group, timeout=120)
     # one choice was preempted to make room and recomputed: every choice has the same greedy tokens
-    assert all(x.finish is FinishReason.LENGTH and x.tokens == res[0].tokens for x in res)
+    diverge = [next((i for i, (a, b) in enumerate(zip(x.tokens, res[0].tokens)) if a != b), None) for x in res]
+    assert all(x.finish is FinishReason.LENGTH and x.tokens == res[0].tokens for x in res), (
+        [x.finish for x in res],
+        [len(x.tokens) for x in res],
+        diverge,
+    )
     assert len(res[0].tokens) == LONG
 
 
