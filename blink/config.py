@@ -100,6 +100,9 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     """How tool calls are found in the model's text (vLLM's --tool-call-parser): hermes (Hermes, Qwen2.5,
     Qwen3) | llama3_json | phi4_mini_json | auto (by the chat template's tool format)."""
+    allow_reset_prefix_cache: bool = False
+    """Serve POST /reset_prefix_cache (vLLM serves it in its development mode only): anyone who can
+    reach the server could otherwise empty the cache every other request relies on."""
 
     def __post_init__(self) -> None:
         _choice("server", "log_level", self.log_level, ("debug", "info", "warning", "error"))
@@ -243,6 +246,9 @@ class DeviceConfig:
     float32 on the emulated device); "fp8" = float8 e4m3 with a per-tensor scale of 1 (values stored
     directly, saturating to +-448): half the bytes of a bf16 cache, twice the blocks (cuda). Both devices
     round K and V the same way (blink.models.fp8.kv_round)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full prompt blocks that an earlier request computed (vLLM's automatic prefix
+    caching, on by default as in vLLM V1); --no-enable-prefix-caching turns it off."""
     kernel_cache: str | None = None
     """Directory of the compiled CUDA kernels (cuda only); None = build/kernels in a source checkout,
     else $XDG_CACHE_HOME/blink/kernels (~/.cache/blink/kernels)."""

@@ -88,6 +88,7 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
         executor=d.executor,
         quantization=d.quantization or "",
         kv_cache_dtype=d.kv_cache_dtype,
+        prefix_caching=d.enable_prefix_caching,
     )
 
 

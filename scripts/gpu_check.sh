@@ -13,6 +13,9 @@
 #                256 x (256 -> 128) with the GPU scheduler                                   (~4 min)
 #   scheduler    bench.scheduler.suite: throughput, CPU stress, Fig. 3 ablation, SIGSTOP     (~7 min)
 #   ttft         bench.serving.ttft_breakdown: open-loop 24 req/s, TTFT/ITL per scheduler    (~5 min)
+#   prefix_host  the conformance suite's prefix caching cases on the host loop               (~1 min)
+#   prefix       bench.serving.prefix_cache: caching on vs off (shared 2k prefix at 8 and 16
+#                req/s, ShareGPT multi-turn, no reuse, claim-to-launch), GPU scheduler        (~5 min)
 #   serve32b     bench.serving.serve_check: Qwen3-32B's shape served end to end              (~3 min)
 #   paper        bench.paper.evaluate --quick: the paper's evaluation, then its figures      (~10 min)
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
@@ -109,6 +112,13 @@ if has tests; then
 fi
 if has conformance; then
   part conformance 900 env BLINK_CONFORMANCE_DEVICE='{"kind": "cuda"}' "${PT[@]}" -m "not slow" tests/conformance
+fi
+if has prefix_host; then
+  part prefix_host 300 env BLINK_CONFORMANCE_DEVICE='{"kind": "cuda", "scheduler": "host"}' "${PT[@]}" \
+    tests/conformance/test_prefix.py
+fi
+if has prefix; then
+  part prefix 600 "$PY" -m bench.serving.prefix_cache --device cuda --commit "$COMMIT" --out "$DEST"
 fi
 if has decode; then
   part decode 600 "$PY" -m bench.engine.decode --commit "$COMMIT" --out "$(json decode)"

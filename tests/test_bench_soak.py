@@ -32,6 +32,7 @@ def test_soak_without_a_kill_loses_and_leaks_nothing(tmp_path):
     assert res["lost"] == 0 and res["outcomes"].get("ok", 0) > 0
     assert res["leaks"]["slots_leaked"] == 0 and res["leaks"]["kv_blocks_leaked"] == 0
     assert res["rss"]["server_mb_end"] > 0
+    assert res["by_kind"].get("prefix") and res["prefix_cache_hit_rate"] > 0  # shared prefixes were found
 
 
 def test_soak_with_hostile_clients_reports_health_latency(tmp_path):

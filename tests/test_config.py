@@ -116,6 +116,19 @@ def test_vllm_command_lines_carry_over():
     assert (getattr(a, "deploy.replicas"), getattr(a, "deploy.frontends")) == (2, 3)
 
 
+def test_prefix_caching_flags():
+    from blink.launch import device_spec
+
+    def cfg(*argv: str):
+        return cli.config_from_args(cli.build_parser().parse_args(["serve", "--device", "emulated", *argv]))
+
+    on, off = cfg(), cfg("--no-enable-prefix-caching")
+    assert on.device.enable_prefix_caching and cfg("--enable-prefix-caching").device.enable_prefix_caching
+    assert not off.device.enable_prefix_caching
+    assert device_spec(on, "r").prefix_caching and not device_spec(off, "r").prefix_caching
+    assert not on.server.allow_reset_prefix_cache and cfg("--allow-reset-prefix-cache").server.allow_reset_prefix_cache
+
+
 @pytest.mark.parametrize(
     "argv,why",
     [

@@ -348,7 +348,7 @@ def test_wire_types_round_trip_as_msgpack_arrays():
         b = wire.encode(m)
         assert b[0] & 0xF0 == 0x90 or b[0] == 0xDC  # a msgpack array (array_like), not a map with field names
         assert wire.decoder(type(m)).decode(b) == m
-    assert len(wire.encode(TokenEvent(1, [9]))) < 10  # an array of values: no field names
+    assert len(wire.encode(TokenEvent(1, [9]))) <= 12  # an array of values (one byte each here): no field names
 
 
 @pytest.mark.asyncio

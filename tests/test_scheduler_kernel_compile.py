@@ -93,7 +93,22 @@ def test_slot_copy_holds_one_ring_slot_per_slot():
     n, dtype = bufs["slot_copy"]
     assert n * np.dtype(dtype).itemsize == 7 * slot_bytes
     # every buffer pointer of SchedCtl that the host allocates is in the table
-    assert set(bufs) == {"claim", "waitq", "kv_free", "row_blocks", "row_tokens", "slot_copy"}
+    kv = {"kv_ref", "kv_link", "kv_key", "kv_hash", "kv_takes", "slot_keys"}
+    assert set(bufs) == {"claim", "waitq", "kv_free", "row_blocks", "row_tokens", "slot_copy", *kv}
+    assert all(S.SCHED_CTL_DTYPE.fields[k][0] == np.dtype("<u8") for k in kv)
+
+
+def test_prefix_cache_buffers_are_sized_for_the_pool():
+    """The key table has a power of two of at least twice the pool's entries (linear probing stays
+    short and never fills: at most one key per block); the per-slot keys hold a full context's."""
+    for nb in (1, 2, 3, 1000, 1024, 1025, 100_000):
+        h = S.hash_entries(nb)
+        assert h >= 2 * nb and h & (h - 1) == 0 and h < 4 * nb + 2
+    bufs = S.device_buffers(n_slots=7, num_blocks=3, max_blocks_per_seq=2, rows_cap=5, max_context=11)
+    assert bufs["slot_keys"][0] == 7 * 2 * 4 and bufs["kv_link"][0] == 2 * 3
+    assert bufs["kv_hash"][0] == 5 * S.hash_entries(3) and bufs["kv_key"][0] == 5 * 3
+    # every row may free a shared block: the pending list has room for every table entry
+    assert bufs["kv_free"][0] >= 5 * 2
 
 
 def test_scheduler_launches_are_checked_against_the_kernels_signatures():

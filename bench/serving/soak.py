@@ -4,8 +4,9 @@
     python -m bench.serving.soak --device cuda --duration-s 600 --model default
 
 Load: `--concurrency` client loops, each drawing its next request from a mix: short chats
-(streamed or not), completions with n = 2, long prompts (up to 90 % of the context), and streams
-the client aborts after a few chunks. At `--kill-at` (a fraction of the duration) the device
+(streamed or not), completions with n = 2, long prompts (up to 90 % of the context), streams
+the client aborts after a few chunks, and prompts that share one of three system prefixes (prefix
+caching: blocks shared by running requests, some of them aborted mid-stream). At `--kill-at` (a fraction of the duration) the device
 process is sent SIGKILL; the server should end the requests then in flight with an error and
 (with self-healing) restart its device and come back to /health 200. Beside them, `--hostile`
 loops of hostile clients (bench/serving/hostile.py: 4 MB prompts, slowloris, endless bodies, idle-socket
@@ -42,8 +43,10 @@ from bench.common import RESULTS, add_commit_arg, git_commit, metadata, smi_gpu_
 from bench.serving import hostile
 from blink.testing import ServeProcess, rss_mib
 
-
 # -- the load ---------------------------------------------------------------------------------
+SHARED = [random.Random(k).choices(range(10, 250), k=n) for k, n in ((1, 96), (2, 200), (3, 320))]
+
+
 class Tally:
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
@@ -78,7 +81,8 @@ async def one_request(session, url: str, model: str, max_context: int, rng: rand
     """Send one request of a random kind; (kind, outcome, why)."""
     import aiohttp
 
-    kind = rng.choices(["chat", "chat_stream", "n2", "long", "abort"], weights=[3, 4, 1, 1, 2])[0]
+    kinds = ["chat", "chat_stream", "n2", "long", "abort", "prefix", "prefix_abort"]
+    kind = rng.choices(kinds, weights=[3, 4, 1, 1, 2, 3, 1])[0]
     if kind in ("chat", "chat_stream"):
         path = "/v1/chat/completions"
         words = " ".join(
@@ -89,9 +93,12 @@ async def one_request(session, url: str, model: str, max_context: int, rng: rand
     else:
         path = "/v1/completions"
         n_prompt = int(max_context * rng.uniform(0.5, 0.9)) if kind == "long" else rng.randint(4, 64)
-        body = {"model": model, "prompt": [rng.randint(10, 250) for _ in range(n_prompt)], "max_tokens": 16}
-        body.update(n=2 if kind == "n2" else 1, stream=kind == "abort", ignore_eos=True)
-        if kind == "abort":
+        prompt = [rng.randint(10, 250) for _ in range(n_prompt)]
+        if kind.startswith("prefix"):  # a shared system prompt of up to half the context, a turn of its own
+            prompt = SHARED[rng.randrange(len(SHARED))][: max_context // 2] + prompt[: rng.randint(1, 24)]
+        body = {"model": model, "prompt": prompt, "max_tokens": 16}
+        body.update(n=2 if kind == "n2" else 1, stream=kind.endswith("abort"), ignore_eos=True)
+        if kind.endswith("abort"):
             body["max_tokens"] = 400
     body["temperature"] = rng.choice([0.0, 0.7, 1.0])
     timeout = aiohttp.ClientTimeout(total=600)
@@ -177,6 +184,13 @@ async def drive(served: ServeProcess, a: argparse.Namespace, tally: Tally, model
 RECOVERY_WAIT_S = 60.0
 
 
+def prefix_hit_rate(served: ServeProcess) -> float | None:
+    """Prompt tokens the device took from its prefix cache over all it was asked for."""
+    m = served.metrics()
+    q = m.get("blink_device_prefix_cache_queries_total", 0.0)
+    return m.get("blink_device_prefix_cache_hits_total", 0.0) / q if q else None
+
+
 def idle_leaks(served: ServeProcess, wait_s: float) -> dict:
     """After the load: slots and KV blocks still in use once everything had time to settle."""
     t_end = time.monotonic() + wait_s
@@ -237,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         kill = asyncio.run(run())
         wall = time.monotonic() - t0
         leaks = idle_leaks(served, 30.0)
+        hit_rate = prefix_hit_rate(served)
         rss["server_mb_end"] = rss_mib(served.proc.pid)
         rss["device_mb_end"] = rss_mib(served.device_pid())
         if rss.get("server_mb_after_warmup") and rss["server_mb_end"]:
@@ -261,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "lost_examples": tally.lost_examples,
         "failed_examples": tally.failed_examples,
         "leaks": leaks,
+        "prefix_cache_hit_rate": hit_rate,
         "rss": rss,
         "kill": kill,
         "server_exit": rc,

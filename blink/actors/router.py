@@ -271,6 +271,10 @@ class Router:
             sum(p.free_slots for p in parts),
         )
 
+    def reset_prefix_cache(self) -> bool:
+        """Every live replica forgets its cached prefixes; True when any caches them."""
+        return any([r.tracker.reset_prefix_cache() for r in self.replicas if r.up])
+
     def device_counters(self) -> dict[str, int]:
         """Device counters summed over the live replicas (they are all monotonic counts or gauges)."""
         out: dict[str, int] = {}

@@ -20,7 +20,7 @@ from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import DeviceSpec
 
 from .executor import Executor
-from .process import device_main, kv_gib, phase, progress
+from .process import device_main, kv_cache_key, kv_gib, phase, progress
 from .ring_device import RingDevice, RingDeviceConfig
 
 DEFAULT_CONTEXT = 2048  # sizes the KV pool when neither num_kv_blocks nor max_context is given
@@ -67,7 +67,10 @@ def run(spec: DeviceSpec) -> DeviceStatus:
     view = transport.view()
     try:
         phase("serving the ring (scheduler: the emulated device's loop)")
-        return RingDevice(view, executor, RingDeviceConfig(mixed_tokens=spec.mixed_tokens)).run()
+        rcfg = RingDeviceConfig(
+            mixed_tokens=spec.mixed_tokens, prefix_caching=spec.prefix_caching, kv_cache_key=kv_cache_key(spec)
+        )
+        return RingDevice(view, executor, rcfg).run()
     finally:
         executor.close()
         del view

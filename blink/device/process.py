@@ -13,6 +13,7 @@ Start-up phases (weights, KV cache, graphs, scheduler) are one stderr line each 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import sys
@@ -27,6 +28,15 @@ from blink.protocol.layout import DeviceStatus
 from blink.protocol.wire import DeviceSpec
 
 PARENT_POLL_S = 0.5
+
+
+def kv_cache_key(spec: DeviceSpec) -> int:
+    """header.kv_cache_key: what makes this device's KV for given tokens what it is (the model and,
+    for random weights, their seed), 64 bits of blake2b; the frontends seed block keys with it."""
+    ident = msgspec.json.encode([spec.model, spec.seed])
+    return int.from_bytes(hashlib.blake2b(ident, digest_size=8).digest(), "little")
+
+
 # What loading a model raises (missing or unreadable files, bad formats, unknown presets or
 # architectures; NotImplementedError: the gguf package's dequantize for a quantization type it
 # lacks): reported as one line unless spec.debug; anything else keeps its traceback.

@@ -41,7 +41,7 @@ from .executor import Executor, StepBatch
 from .kv_blocks import BlockManager
 from .policy import step_limits
 from .scheduler import Scheduler, SchedulerConfig, Seq, StepKind, StepPlan
-from .slot_request import sampling_of, validate
+from .slot_request import block_keys, sampling_of, validate, validate_keys
 from .step_batch import build_batch
 
 
@@ -61,6 +61,11 @@ class RingDeviceConfig:
     """Longest idle sleep: with the wake-up overshoot of time.sleep, beats stay under 1 ms apart."""
     rescan_s: float = 5e-3
     """Scan the slots this often even when no doorbell moved."""
+    prefix_caching: bool = True
+    """Match the slots' block keys against the cached blocks (blink/device/kv_blocks.py)."""
+    kv_cache_key: int = 0
+    """Identity of the KV this device computes for given tokens (the model): header.kv_cache_key,
+    which seeds the frontends' block-key chains (blink.launch derives it from the model spec)."""
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.max_num_batched_tokens, self.long_prefill_tokens, self.mixed_tokens) < 0:
@@ -95,7 +100,7 @@ class RingDevice:
             lim.max_num_batched_tokens,
             lim.max_context,
         )
-        self.blocks = BlockManager(executor.num_blocks, executor.block_size)
+        self.blocks = BlockManager(executor.num_blocks, executor.block_size, cfg.prefix_caching)
         sched_cfg = SchedulerConfig(
             lim.max_batch,
             lim.max_num_batched_tokens,
@@ -108,6 +113,8 @@ class RingDevice:
         self.table_width = self.blocks.blocks_for(executor.max_context)
         self.hdr = view.header
         self.features = DeviceFeatures(int(getattr(executor, "features", 0)))
+        if cfg.prefix_caching:
+            self.features |= DeviceFeatures.PREFIX_CACHING
         slots = view.slots
         self._state = slots["state"]
         self._cancel = slots["cancel"]
@@ -121,13 +128,16 @@ class RingDevice:
         self._t_launch = slots["t_launch_ns"]
         self._mask_position = slots["mask_position"]
         self.sched.gate = self._mask_published
+        self._cached_tokens = slots["cached_tokens"]
         # Counters continue from the header: a device restarted on the same ring keeps them monotonic.
         self.stats = {k: int(self.hdr[k]) for k in DEVICE_COUNTERS}
+        self._cache_base = (self.stats["prefix_cache_queries"], self.stats["prefix_cache_hits"])
         self._shown: dict[int, int] = {}  # slot -> state last written by _sync_states
         self._plp_offset: dict[int, int] = {}  # slot -> its prompt logprob record 0 (int32 word)
         self._beats = int(self.hdr["heartbeat"])
         self._last_submit = -1
         self._last_cancel = -1
+        self._last_reset = int(self.hdr["reset_cache_seq"])
         self._next_rescan = 0.0
         set_progress = getattr(executor, "set_progress", None)
         if set_progress is not None:
@@ -141,11 +151,14 @@ class RingDevice:
 
     def _flush_stats(self) -> None:
         h = self.hdr
+        self.stats["prefix_cache_queries"] = self._cache_base[0] + self.sched.cache_queries
+        self.stats["prefix_cache_hits"] = self._cache_base[1] + self.sched.cache_hits
         for k, v in self.stats.items():
             h[k] = v
         h["running"] = self.sched.num_running
         h["waiting"] = self.sched.num_waiting
         h["kv_blocks_free"] = self.blocks.num_free
+        h["kv_blocks_cached"] = self.blocks.num_cached
 
     def _describe(self) -> None:
         h = self.hdr
@@ -157,6 +170,7 @@ class RingDevice:
         h["kv_blocks_free"] = self.blocks.num_free
         h["fault"] = 0
         h["features"] = self.features
+        h["kv_cache_key"] = self.config.kv_cache_key
         self._reap_orphans()
         self._flush_stats()
         self._beat()
@@ -182,25 +196,35 @@ class RingDevice:
         self._state[slot] = SlotState.PREFILL_PROCESSING
         self._shown[slot] = SlotState.PREFILL_PROCESSING
         self._t_admit[slot] = time.time_ns()
+        self._cached_tokens[slot] = 0
         self.stats["requests_admitted"] += 1
         rec = self.view.slots[slot].copy()  # the frontend wrote every field before the state
         if rec["cancel"]:
             self._finish(slot, FinishReason.CANCELLED)
             return
         err = validate(rec, self.view, self.max_context, self.ex.vocab_size, self.features)
+        if err is SlotError.NONE:
+            err = validate_keys(rec, self.view, self.blocks.block_size)
         if err is not SlotError.NONE:
             self._finish(slot, FinishReason.ERROR, err)
             return
         off, n = int(rec["prompt_offset"]), int(rec["prompt_len"])
         self._plp_offset[slot] = int(rec["prompt_logprobs_offset"])
+        sampling = sampling_of(rec, self.view)
+        # Computed in full, never from cached blocks: prompt logprobs (every prompt position's logits,
+        # as vLLM) and penalties (the executor marks the prompt's ids as its chunks pass, and a
+        # sequence's first chunk from position 0 starts its penalty state and logit bias).
+        cache_read = sampling.prompt_logprobs < 0 and not sampling.penalized
         seq = self.sched.add(
             slot,
             self.view.prompt_arena[off : off + n].tolist(),  # a copy: recompute after preemption needs it
             max_new_tokens=int(rec["max_new_tokens"]),
             min_new_tokens=int(rec["min_new_tokens"]),
             stop_ids=rec["stop_ids"][: int(rec["n_stop"])].tolist(),
-            sampling=sampling_of(rec, self.view),
+            sampling=sampling,
             group=int(rec["group"]),
+            block_keys=block_keys(rec, self.view) if self.blocks.caching else (),
+            cache_read=cache_read,
         )
         seq.mask = int(rec["mask_slot"]) - 1  # validate checked it against the arena and the features
 
@@ -241,6 +265,12 @@ class RingDevice:
         if cancel != self._last_cancel or rescan:
             self._last_cancel = cancel
             changed |= self._apply_cancels()
+        reset = int(self.hdr["reset_cache_seq"])
+        if reset != self._last_reset:
+            self._last_reset = reset
+            self.blocks.reset_cache()
+            self.stats["prefix_cache_resets"] += 1
+            changed = True
         for s in self.sched.seqs.values():
             if self.sched.output_full(s):
                 c = int(self._consumed[s.seq_id])
@@ -266,6 +296,9 @@ class RingDevice:
         x = batch.ext
         if x is not None and (x.mask_slot >= 0).any():  # read after the gate saw mask_position (acquire)
             x.masks = self.view.mask_arena[np.maximum(x.mask_slot, 0)]
+        for c in plan.chunks[plan.num_decodes :]:  # before the first token's `generated` store
+            if c.seq.num_generated == 0:
+                self._cached_tokens[c.seq.seq_id] = max(c.seq.cached_tokens, 0)
         t_launch = time.time_ns()
         t0 = time.perf_counter_ns()
         sampled = self.ex.execute(batch)

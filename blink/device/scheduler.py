@@ -50,6 +50,13 @@ comparison isolates the scheduler's placement):
   step: no decode, and a prefill chunk stops one token short of sampling; nobody else waits for it.
 - Admission never preempts; a running sequence never fails for lack of KV, because max_context
   fits the pool (the caller's duty).
+- Prefix caching (blink/device/kv_blocks.py): at admission (a re-admission after preemption too) a
+  sequence takes the cached blocks of its longest run of leading block keys and is prefilled from
+  the first token after them; the token of the prompt's last position is always computed (its
+  logits give the first token). The blocks a step completes are registered in `update`. A
+  sequence with `cache_read` False (it asked for prompt logprobs, which need every prompt
+  position's logits, as in vLLM) matches nothing but still registers its blocks. `cache_queries`
+  and `cache_hits` count prompt tokens at first admissions (vLLM's prefix cache queries and hits).
 """
 
 from __future__ import annotations
@@ -141,6 +148,9 @@ class Seq:
 
     num_generated: int = 0  # == len(tokens) - prompt_len (kept, not derived: read every step)
     mask: int = -1  # token mask of its samples (-1: none); it samples only when Scheduler.gate allows
+    block_keys: list[bytes] = field(default_factory=list)  # key of each full prompt block (prefix cache)
+    cache_read: bool = True  # may start from cached blocks (False: every prompt token is computed)
+    cached_tokens: int = -1  # prompt tokens taken from the cache at the first admission (-1: not yet)
 
     @property
     def prefilling(self) -> bool:
@@ -199,6 +209,8 @@ class Scheduler:
         self.running: list[Seq] = []
         self._arrivals = 0
         self.gate: Callable[[Seq], bool] | None = None  # may a gated sequence sample its next token now
+        self.cache_queries = 0  # prompt tokens of first admissions
+        self.cache_hits = 0  # of those, tokens taken from the prefix cache
 
     # -- requests ---------------------------------------------------------------
     def add(
@@ -211,6 +223,8 @@ class Scheduler:
         stop_ids: Iterable[int] = (),
         sampling: SamplingParams = DEFAULT_SAMPLING,
         group: int = 0,
+        block_keys: Sequence[bytes] = (),
+        cache_read: bool = True,
     ) -> Seq:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} is already scheduled")
@@ -229,6 +243,8 @@ class Scheduler:
             sampling=sampling,
             group=group,
             arrival=self._arrivals,
+            block_keys=list(block_keys),
+            cache_read=cache_read,
         )
         self._arrivals += 1
         self.seqs[seq_id] = s
@@ -397,17 +413,13 @@ class Scheduler:
                 return None  # preempted by this very step: admitting it back would undo that
             if self.output_full(s):
                 continue
-            n = self._cut(s, 0, min(len(s.tokens), budget))
+            n = self._admit_one(s, budget)
             if n == 0:
-                continue
-            if not self.blocks.can_allocate(n):
+                continue  # its gate is closed and its last token is all that is left to compute
+            if n is None:
                 return None  # FCFS: no overtaking the head for lack of KV
             held[s.group] += 1
-            self.blocks.allocate(s.seq_id, n)
-            self.waiting.remove(s)
-            self.running.append(s)
-            s.status = SeqStatus.RUNNING
-            plan.chunks.append(ScheduledChunk(s, 0, n, n == len(s.tokens)))
+            plan.chunks.append(ScheduledChunk(s, s.num_computed, n, s.num_computed + n == len(s.tokens)))
             budget -= n
         return budget
 
@@ -427,6 +439,28 @@ class Scheduler:
         if over and any(held[s.group] < gcap and not self.output_full(s) for s in self.waiting):
             self._preempt(max(over, key=lambda s: s.arrival), plan)
 
+    def _admit_one(self, s: Seq, budget: int) -> int | None:
+        """Give a waiting sequence its cached prefix and blocks for its first chunk; returns the
+        chunk's tokens (from s.num_computed): 0 when a closed gate leaves nothing to compute now, None
+        when the pool cannot hold it (nothing changed either way)."""
+        hits = self.blocks.match(s.block_keys, len(s.tokens)) if s.cache_read else []
+        start = len(hits) * self.blocks.block_size
+        n = self._cut(s, start, min(len(s.tokens) - start, budget))
+        if n == 0:
+            return 0
+        if not self.blocks.can_allocate(start + n, hits=hits):
+            return None
+        self.blocks.allocate(s.seq_id, start + n, hits)
+        s.num_computed = start
+        if s.cached_tokens < 0:
+            s.cached_tokens = start
+            self.cache_queries += s.prompt_len
+            self.cache_hits += start
+        self.waiting.remove(s)
+        self.running.append(s)
+        s.status = SeqStatus.RUNNING
+        return n
+
     # -- results ----------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int] | np.ndarray) -> list[TokenEvent]:
         """Advance the sequences of `plan` by the step's sampled tokens (one per chunk)."""
@@ -439,6 +473,8 @@ class Scheduler:
             if s.status is not SeqStatus.RUNNING:
                 continue  # aborted between schedule and update: its result is dropped
             s.num_computed = c.start + c.n
+            if s.block_keys:
+                self.blocks.register(s.seq_id, s.block_keys, s.num_computed)
             if not c.sample:
                 continue
             k = s.num_generated

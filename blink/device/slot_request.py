@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from blink.protocol.layout import (
+    BLOCK_KEY_WORDS,
     LOGIT_BIAS_DTYPE,
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
@@ -72,3 +73,23 @@ def sampling_of(rec: np.void, view: RingView) -> SamplingParams:
     n, off, nb = int(rec["prompt_len"]), int(rec["prompt_offset"]), int(rec["n_logit_bias"])
     bias = view.prompt_arena[off + n : off + n + 2 * nb].view(LOGIT_BIAS_DTYPE)
     return SamplingParams.from_slot(rec, bias)
+
+
+def validate_keys(rec: np.void, view: RingView, block_size: int) -> SlotError:
+    """The block keys (prefix caching): at most one per full prompt block, inside the arena."""
+    nk = int(rec["n_block_keys"])
+    if nk == 0:
+        return SlotError.NONE
+    if nk > int(rec["prompt_len"]) // block_size:
+        return SlotError.BAD_PARAMS
+    if int(rec["block_keys_offset"]) + BLOCK_KEY_WORDS * nk > view.geo.prompt_arena_tokens:
+        return SlotError.BAD_PARAMS
+    return SlotError.NONE
+
+
+def block_keys(rec: np.void, view: RingView) -> list[bytes]:
+    """The slot's block keys (validated by validate_keys), 16 bytes each."""
+    nk, off = int(rec["n_block_keys"]), int(rec["block_keys_offset"])
+    raw = view.prompt_arena[off : off + BLOCK_KEY_WORDS * nk].tobytes()
+    w = 4 * BLOCK_KEY_WORDS
+    return [raw[i : i + w] for i in range(0, len(raw), w)]

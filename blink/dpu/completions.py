@@ -58,6 +58,8 @@ class Call:
     t_http_ns: int  # wall clock then (the device stamps the ring with the same clock)
     rid: str  # the response id (chatcmpl-..., cmpl-...)
     n_prompt: int = 0  # each prompt counts once, whatever n (as OpenAI's usage)
+    n_per_prompt: int = 1  # choices per prompt (n)
+    cached: list[int] = field(default_factory=list)  # per choice: prompt tokens from the prefix cache
     gens: list[AsyncIterator[TextEvent]] = field(default_factory=list)  # one per choice
     prefixes: list[str] | None = None  # echo: the text each choice starts with
     lps: list[ChoiceLogprobs] = field(default_factory=list)  # per choice
@@ -79,6 +81,11 @@ class Call:
     disconnected: bool = False  # the client went away while its stream was written
     abort: str | None = None  # abort_all's reason: the handler's cancellation is the server's, not the client's
     stop_matcher: object = None  # the stop strings' automaton, held while the request runs
+
+    @property
+    def n_cached(self) -> int:
+        """Prompt tokens served from the prefix cache, each prompt once (its first choice's)."""
+        return sum(self.cached[:: self.n_per_prompt])
 
     def submitted(self, j: int, h: RequestHandle) -> None:
         if j == 0:
@@ -236,8 +243,8 @@ class CompletionHandler:
         call.stream = bool(r.stream)
         call.include_usage = bool(r.stream_options and r.stream_options.include_usage)
         call.continuous = bool(r.stream_options and r.stream_options.continuous_usage_stats)
-        call.t_prev = [None] * len(subs)
-        call.finish = [None] * len(subs)
+        call.t_prev, call.finish, call.cached = [None] * len(subs), [None] * len(subs), [0] * len(subs)
+        call.n_per_prompt = n
         call.gens = [
             stream_text(
                 self.backend,
@@ -302,6 +309,8 @@ class CompletionHandler:
 
     def _observe(self, call: Call, j: int, ev: TextEvent) -> None:
         """The tokens of one event of choice j; choice 0's first is the request's first token."""
+        if ev.cached_tokens:
+            call.cached[j] = ev.cached_tokens
         if ev.finish is not None:
             call.finish[j] = ev.finish
         if not ev.n_tokens:
@@ -384,7 +393,7 @@ class CompletionHandler:
         call.complete = True
         args = (call.rid, self.tok.name, choices, call.n_prompt, call.n_gen, logprobs, prompt_field)
         if not call.chat:
-            return json_response(completion_response(*args))
+            return json_response(completion_response(*args, cached=call.n_cached))
         calls = None
         if call.tool_parser is not None:
             calls = []
@@ -394,7 +403,7 @@ class CompletionHandler:
                 tail, found = ts.finish()
                 calls.append([c.openai(i) for i, c in enumerate(found)])
                 choices[j] = (content + tail, "tool_calls" if found and finish == "stop" else finish)
-        return json_response(chat_response(*args, tool_calls=calls))
+        return json_response(chat_response(*args, tool_calls=calls, cached=call.n_cached))
 
     async def _stream(self, request: web.Request, call: Call) -> web.StreamResponse:
         """SSE of every choice, interleaved as their tokens arrive (chunks name their index);
@@ -503,6 +512,7 @@ class CompletionHandler:
                         await send(chunks.text("", "length", call.n_gen, j))
                     continue
                 self._observe(call, j, ev)
+                chunks.cached_tokens = call.n_cached
                 n_gen = call.n_gen
                 part = lp.add(ev.token_ids, ev.logprobs) if ev.token_ids else None
                 text, finish, tool_chunks = self._tool_split(call, chunks, j, ev)

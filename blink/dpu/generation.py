@@ -28,6 +28,7 @@ class Backend(Protocol):
     def device_counters(self) -> dict[str, int]: ...
     def check_prompt(self, n_prompt: int, words: int | None = None) -> str | None: ...
     def new_request_id(self) -> int: ...
+    def reset_prefix_cache(self) -> bool: ...
 
     @property
     def max_context(self) -> int: ...
@@ -43,6 +44,7 @@ class TextEvent(NamedTuple):
     token_ids: list[int] = []  # the tokens (when the request asked for logprobs)
     logprobs: list[Logprob] = []  # one per token, when asked for
     prompt_logprobs: list[Logprob] | None = None  # prompt tokens 1.., on the first event, when asked for
+    cached_tokens: int = 0  # on the first event: prompt tokens served from the device's prefix cache
 
 
 def out_of_vocabulary(ev: TokenEvent, vocab_size: int) -> int | None:
@@ -91,14 +93,17 @@ async def stream_text(
                 log.error("request %d: the device returned token id %d, outside the vocabulary", req.request_id, bad)
                 raise GenerationError(503, f"the device returned token id {bad}, outside the vocabulary")
             text = detok.push(ev.token_ids)
-            lp = (ev.token_ids, ev.logprobs, ev.prompt_logprobs) if ev.logprobs or ev.prompt_logprobs else ()
+            lp = (
+                (ev.token_ids, ev.logprobs, ev.prompt_logprobs) if ev.logprobs or ev.prompt_logprobs else ([], [], None)
+            )
+            cached = ev.cached_tokens
             if detok.stopped:
                 handle.cancel()  # stop string: the device would keep generating
-                yield TextEvent(text, len(ev.token_ids), "stop", *lp)
+                yield TextEvent(text, len(ev.token_ids), "stop", *lp, cached)
                 return
             if ev.finished:
-                yield TextEvent(text + detok.finish(), len(ev.token_ids), finish_name(ev.finish_reason), *lp)
+                yield TextEvent(text + detok.finish(), len(ev.token_ids), finish_name(ev.finish_reason), *lp, cached)
                 return
-            yield TextEvent(text, len(ev.token_ids), None, *lp)
+            yield TextEvent(text, len(ev.token_ids), None, *lp, cached)
     finally:
         handle.cancel()  # no-op after the last event; frees the slot when the consumer went away

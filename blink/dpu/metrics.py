@@ -122,6 +122,10 @@ class _LiveCollector(Collector):
         usage = kv_usage(dev)
         yield vllm("vllm:kv_cache_usage_perc", usage, "KV cache usage (1 = full)")
         yield vllm("vllm:gpu_cache_usage_perc", usage, "KV cache usage (1 = full; the older name)")
+        for name, help_ in (("queries", "prompt tokens looked up"), ("hits", "prompt tokens found")):
+            c = CounterMetricFamily(f"vllm:prefix_cache_{name}", f"prefix cache: {help_}", labels=["model_name"])
+            c.add_metric([self.model_name], dev.get(f"prefix_cache_{name}", 0))
+            yield c
 
 
 def kv_usage(device: dict[str, int]) -> float:
@@ -262,6 +266,7 @@ class StatsLine:
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
         self.t, self.p, self.g = time.monotonic(), metrics.n_prompt, metrics.n_gen
+        self.cache: tuple[int, int] | None = None  # the device's (queries, hits) at the previous line
         self.idle = False
 
     def line(self, st: LiveState) -> str | None:
@@ -277,5 +282,13 @@ class StatsLine:
         self.idle = idle
         return (
             f"prompt {p:.1f} tok/s, generation {g:.1f} tok/s, running {running}, "
-            f"waiting {waiting}, KV cache {100 * kv_usage(dev):.1f} %" + ("" if st.up else ", device DOWN")
+            f"waiting {waiting}, KV cache {100 * kv_usage(dev):.1f} %{self._hit_rate(dev)}"
+            + ("" if st.up else ", device DOWN")
         )
+
+    def _hit_rate(self, dev: dict[str, int]) -> str:
+        """The prefix cache's hit rate (prompt tokens) since the previous line; "" before any query."""
+        now = (dev.get("prefix_cache_queries", 0), dev.get("prefix_cache_hits", 0))
+        prev, self.cache = self.cache or (0, 0), now
+        dq, dh = now[0] - prev[0], now[1] - prev[1]
+        return f", prefix cache hit rate {100 * dh / dq:.1f} %" if dq > 0 else ""

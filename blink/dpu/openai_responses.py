@@ -13,12 +13,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(n_prompt: int, n_gen: int) -> dict[str, int]:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+def usage(n_prompt: int, n_gen: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached: prompt tokens served from the prefix cache (OpenAI's
+    prompt_tokens_details.cached_tokens)."""
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_gen,
+        "total_tokens": n_prompt + n_gen,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _response(rid: str, obj: str, model: str, choices: list[dict[str, Any]], n_prompt: int, n_gen: int,
-              **extra: Any) -> dict[str, Any]:  # fmt: skip
+              cached: int = 0, **extra: Any) -> dict[str, Any]:  # fmt: skip
     """The envelope chat and text completions share around their choices."""
     return {
         "id": rid,
@@ -26,7 +33,7 @@ def _response(rid: str, obj: str, model: str, choices: list[dict[str, Any]], n_p
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(n_prompt, n_gen),
+        "usage": usage(n_prompt, n_gen, cached),
         **extra,
     }
 
@@ -40,6 +47,7 @@ def chat_response(
     logprobs: list[Any] | None = None,
     prompt_logprobs: list[Any] | None = None,
     tool_calls: list[list[dict[str, Any]]] | None = None,
+    cached: int = 0,
 ) -> dict[str, Any]:
     """choices: (text, finish_reason) per choice index; logprobs: each choice's `logprobs` object;
     tool_calls: each choice's calls (OpenAI tool_call objects; content null when there are some)."""
@@ -58,6 +66,7 @@ def chat_response(
         ],
         n_prompt,
         n_gen,
+        cached,
         **({"prompt_logprobs": prompt_logprobs[0]} if prompt_logprobs else {}),
     )
 
@@ -77,6 +86,7 @@ def completion_response(
     n_gen: int,
     logprobs: list[Any] | None = None,
     prompt_logprobs: list[Any] | None = None,
+    cached: int = 0,
 ) -> dict[str, Any]:
     return _response(
         rid,
@@ -94,6 +104,7 @@ def completion_response(
         ],
         n_prompt,
         n_gen,
+        cached,
     )
 
 
@@ -116,6 +127,7 @@ class ChunkMaker:
         self.model = model
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
+        self.cached_tokens = 0  # prompt tokens from the prefix cache, once the first tokens tell
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         c = {
@@ -145,7 +157,7 @@ class ChunkMaker:
         else:
             c = self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
         if self.continuous_usage is not None:
-            c["usage"] = usage(self.continuous_usage, n_gen)
+            c["usage"] = usage(self.continuous_usage, n_gen, self.cached_tokens)
         return c
 
     def tool_calls(self, calls: list[dict[str, Any]], index: int = 0) -> list[dict[str, Any]]:
@@ -163,5 +175,5 @@ class ChunkMaker:
     def usage(self, n_prompt: int, n_gen: int) -> dict[str, Any]:
         c = self._chunk({})
         c["choices"] = []
-        c["usage"] = usage(n_prompt, n_gen)
+        c["usage"] = usage(n_prompt, n_gen, self.cached_tokens)
         return c

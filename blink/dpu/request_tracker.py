@@ -163,6 +163,13 @@ class RequestTracker:
         """Requests on this ring from every frontend (slots in use) plus this frontend's queue."""
         return self.slots.n_busy_ring + len(self._waiters)
 
+    def reset_prefix_cache(self) -> bool:
+        """Ask the device to forget its cached prefixes; False when it caches none."""
+        if not self.slots.key_block:
+            return False
+        self.slots.reset_prefix_cache()
+        return True
+
     def device_counters(self) -> dict[str, int]:
         """Device statistics from the ring header (as of the token reader's last cycle)."""
         from .metrics import DEVICE_FIELDS
@@ -211,6 +218,8 @@ class RequestTracker:
         why = self.check_prompt(len(req.prompt_ids), region_words(req)) or self.check_grammar(req)
         if why:
             raise ValueError(why)
+        if not self.slots.described:  # attached before the device was READY
+            self.slots.describe(self.reader.header)
         slot = None if self._waiters else self._try_claim(req)
         front = False  # a woken waiter that lost its slot to a newcomer keeps its place
         while slot is None:
@@ -327,6 +336,7 @@ def _merged(a: TokenEvent, b: TokenEvent) -> TokenEvent:
         b.message,
         logprobs=a.logprobs + b.logprobs,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        cached_tokens=a.cached_tokens or b.cached_tokens,
     )
 
 

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health   GET /metrics
     POST /tokenize   POST /detokenize   GET /version    (vLLM's extensions)
+    POST /reset_prefix_cache   (with server.allow_reset_prefix_cache; the API key guards it too)
 
 This module holds the app (routes, the stats line) and the small endpoints. The generation
 endpoints are completions.py (one request from its body to its last byte); what every request
@@ -65,6 +66,7 @@ class OpenAIServer:
         app.router.add_post("/tokenize", self.tokenize)  # vLLM's extensions
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         if self.config.log_stats:
             app.on_startup.append(self._stats_start)
             app.on_cleanup.append(self._stats_stop)
@@ -160,6 +162,15 @@ class OpenAIServer:
         from blink import __version__
 
         return json_response({"version": __version__})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not self.config.allow_reset_prefix_cache:
+            raise api.APIError(403, "resetting the prefix cache is not allowed: start the server with "
+                               "--allow-reset-prefix-cache", code="not_allowed")  # fmt: skip
+        if not self.backend.reset_prefix_cache():
+            raise api.APIError(400, "the device has no prefix cache (--no-enable-prefix-caching)")
+        log.info("prefix cache reset")
+        return json_response({"status": "ok"})
 
     async def health(self, request: web.Request) -> web.Response:
         h = self.backend.health()

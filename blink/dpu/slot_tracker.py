@@ -38,9 +38,12 @@ import time
 import numpy as np
 
 from blink.protocol.layout import (
+    BLOCK_KEY_WORDS,
     HEADER_DTYPE,
     SLOT_DTYPE,
     TOKEN_DTYPE,
+    DeviceFeatures,
+    DeviceStatus,
     RingGeometry,
     SlotState,
     prompt_region_words,
@@ -48,6 +51,7 @@ from blink.protocol.layout import (
 from blink.protocol.transport import Read, Transport, Write
 from blink.protocol.wire import SubmitRequest
 
+from .prefix_keys import block_keys, chain_root
 from .token_masks import Constraint
 
 _STATE = SLOT_DTYPE.fields["state"][1]
@@ -56,6 +60,7 @@ _CONSUMED = SLOT_DTYPE.fields["consumed"][1]
 _T_READ = SLOT_DTYPE.fields["t_read_ns"][1]
 _SUBMIT_SEQ = HEADER_DTYPE.fields["submit_seq"][1]
 _CANCEL_SEQ = HEADER_DTYPE.fields["cancel_seq"][1]
+_RESET_SEQ = HEADER_DTYPE.fields["reset_cache_seq"][1]
 
 
 def _u32(offset: int, value: int) -> Write:
@@ -102,11 +107,23 @@ class SlotTracker:
         self._free = np.zeros(n, bool)  # cache: ring state EMPTY, not held, owned
         self._hint = 0
         hdr = read_header(transport)
+        self.describe(hdr)
+        self._reset_seq = int(hdr["reset_cache_seq"]) // owners + 1
         # Doorbell sequence numbers continue above whatever any frontend rang last (a restarted
         # frontend must not repeat a value the device may hold as its last seen).
         self._submit_seq = int(hdr["submit_seq"]) // owners + 1
         self._cancel_seq = int(hdr["cancel_seq"]) // owners + 1
         self.refresh()
+
+    def describe(self, hdr: np.ndarray) -> None:
+        """Take what the device says of its prefix cache from a header read: block keys are written
+        only for a device that is READY and matches them (DeviceFeatures.PREFIX_CACHING)."""
+        self.described = int(hdr["device_status"]) == DeviceStatus.READY
+        self.key_block = 0  # tokens per keyed block; 0: no block keys
+        self._key_root = b""
+        if self.described and int(hdr["features"]) & DeviceFeatures.PREFIX_CACHING and int(hdr["kv_block_size"]):
+            self.key_block = int(hdr["kv_block_size"])
+            self._key_root = chain_root(int(hdr["kv_cache_key"]), self.key_block)
 
     # -- cache ------------------------------------------------------------------------
     def refresh(self, reads: list[Read] | tuple[Read, ...] = ()) -> np.ndarray:
@@ -180,6 +197,7 @@ class SlotTracker:
         req.sampling.write_slot(rec)
         rec["group"] = req.group
         rec["prompt_logprobs_offset"] = self.prompt_logprobs_offset(slot, req)
+        writes += self._key_writes(req, off, words, rec)
         rec["t_submit_ns"] = time.time_ns()
         base = self.geo.slot_offset(slot)
         if constraint is not None:
@@ -200,6 +218,25 @@ class SlotTracker:
         self._free[slot] = False
         self._hint = (slot + 1) % self.geo.n_slots
         return slot
+
+    def _key_writes(self, req: SubmitRequest, off: int, words: int, rec: np.ndarray) -> list[Write]:
+        """The prompt's block keys after the rest of its region, as many as the region has room for
+        (fewer keys only cache less); sets the record's n_block_keys and block_keys_offset."""
+        if not self.key_block:
+            return []
+        room = (self.prompt_capacity - words) // BLOCK_KEY_WORDS
+        n = min(len(req.prompt_ids) // self.key_block, room)
+        if n <= 0:
+            return []
+        keys = block_keys(req.prompt_ids[: n * self.key_block], self.key_block, self._key_root)
+        rec["n_block_keys"] = n
+        rec["block_keys_offset"] = off + words
+        return [(self.geo.prompt_arena_offset + 4 * (off + words), np.frombuffer(keys, np.uint8))]
+
+    def reset_prefix_cache(self) -> None:
+        """Ring the device's reset_cache_seq doorbell: it forgets every cached block's key."""
+        self.t.post([self._doorbell(_RESET_SEQ, self._reset_seq)])
+        self._reset_seq += 1
 
     def prompt_logprobs_offset(self, slot: int, req: SubmitRequest) -> int:
         """int32 word of the request's prompt logprob record 0 (after its prompt and logit_bias)."""

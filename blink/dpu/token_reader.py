@@ -350,6 +350,7 @@ class TokenReader:
                     writes.append(self.tracker.read_ns_write(slot, t_read))
                 lps = self._read_logprobs(slot, a.delivered, gen, a.logprobs) if a.logprobs >= 0 else []
                 plps = self._read_prompt_logprobs(a.prompt) if a.delivered == 0 and a.prompt else None
+                cached = int(rec["cached_tokens"]) if a.delivered == 0 else 0
                 a.delivered = gen
                 self._delivered[slot] = gen
                 if a.constraint is not None and not completed[slot]:
@@ -357,10 +358,10 @@ class TokenReader:
                 writes.append(self.tracker.consumed_write(slot, gen))
                 n += len(ids)
                 if a.sink is not None and not completed[slot]:
-                    a.sink(TokenEvent(a.request_id, ids, logprobs=lps, prompt_logprobs=plps))
+                    a.sink(TokenEvent(a.request_id, ids, logprobs=lps, prompt_logprobs=plps, cached_tokens=cached))
                     ids = None
             else:
-                lps, plps = [], None
+                lps, plps, cached = [], None, 0
             if completed[slot]:
                 if a.sink is not None:
                     reason, err = int(rec["finish_reason"]), int(rec["error"])
@@ -374,6 +375,7 @@ class TokenReader:
                             msg,
                             logprobs=lps if ids else [],
                             prompt_logprobs=plps if ids else None,
+                            cached_tokens=cached if ids else 0,
                         )
                     )
                 del self.active[slot]

@@ -14,7 +14,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from blink.device.process import device_main, kv_gib, phase, progress
+from blink.device.process import device_main, kv_cache_key, kv_gib, phase, progress
 from blink.protocol.wire import DeviceSpec
 
 SMALL_RANDOM_PARAMS = 1_000_000_000
@@ -115,7 +115,14 @@ def run(spec: DeviceSpec) -> int:
             from blink.gpu.scheduler.scheduler import GpuScheduler, GpuSchedulerConfig
 
             sched = GpuScheduler(
-                engine, view, GpuSchedulerConfig(max_batch=spec.max_batch, mixed_tokens=spec.mixed_tokens)
+                engine,
+                view,
+                GpuSchedulerConfig(
+                    max_batch=spec.max_batch,
+                    mixed_tokens=spec.mixed_tokens,
+                    prefix_caching=spec.prefix_caching,
+                    kv_cache_key=kv_cache_key(spec),
+                ),
             )
             sched.start()
             phase("persistent scheduler kernel launched")
@@ -128,7 +135,12 @@ def run(spec: DeviceSpec) -> int:
         from blink.gpu.engine.host_executor import HostExecutor
 
         phase("serving the ring (scheduler: the host loop)")
-        rcfg = RingDeviceConfig(max_batch=spec.max_batch, mixed_tokens=spec.mixed_tokens)
+        rcfg = RingDeviceConfig(
+            max_batch=spec.max_batch,
+            mixed_tokens=spec.mixed_tokens,
+            prefix_caching=spec.prefix_caching,
+            kv_cache_key=kv_cache_key(spec),
+        )
         return RingDevice(view, HostExecutor(engine), rcfg).run()
     except BaseException:
         view.header["device_status"] = DeviceStatus.FAILED

@@ -119,6 +119,7 @@ def render() -> str:
         f"constexpr uint32_t MAX_LOGPROBS = {L.MAX_LOGPROBS};",
         f"constexpr uint32_t MAX_LOGIT_BIAS = {L.MAX_LOGIT_BIAS};",
         f"constexpr uint32_t ARENA_ALIGN = {L.ALIGN};",
+        f"constexpr uint32_t BLOCK_KEY_WORDS = {L.BLOCK_KEY_WORDS};",
         "// sampling parameter ranges (blink/protocol/sampling_params.py)",
         f"constexpr float SAMPLING_EPS = {SP.SAMPLING_EPS!r}f;",
         f"constexpr float MAX_TEMPERATURE = {SP.MAX_TEMPERATURE!r}f;",
@@ -138,6 +139,7 @@ def render() -> str:
     lines += struct_lines("RingSlot", L.SLOT_DTYPE)
     lines += struct_lines("LogprobRecord", L.LOGPROB_DTYPE)
     lines += struct_lines("LogitBias", L.LOGIT_BIAS_DTYPE)
+    lines += struct_lines("BlockKey", L.BLOCK_KEY_DTYPE)
     about = ["The ring layout, states and constants shared by the frontend and the device."]
     return header_text("blink.protocol.cgen", "blink/protocol/layout.py, sampling_params.py", about, lines)
 

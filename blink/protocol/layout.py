@@ -7,7 +7,7 @@ Everything about the ring's bytes is defined here, once. The CUDA header
 Memory map of a ring (all offsets in bytes from the start of the mapping)::
 
     0                      HEADER_DTYPE (512 B)
-    slots_offset           SLOT_DTYPE x n_slots (192 B each)
+    slots_offset           SLOT_DTYPE x n_slots (208 B each)
     prompt_arena_offset    int32 x prompt_arena_tokens   (frontend writes, device reads; see below)
     output_arena_offset    int32 x n_slots x output_capacity  (device writes, frontend reads)
     logprob_arena_offset   LOGPROB_DTYPE x n_slots x output_capacity  (device writes, frontend reads)
@@ -16,11 +16,20 @@ Memory map of a ring (all offsets in bytes from the start of the mapping)::
 A slot's region of the prompt arena, from prompt_offset (int32 words):
 
     prompt_len tokens | n_logit_bias x LOGIT_BIAS_DTYPE | prompt logprob records (PROMPT_LOGPROBS)
+        | n_block_keys x BLOCK_KEY_DTYPE (at block_keys_offset)
 
-The frontend writes the first two parts before PREFILL_PENDING. With SlotFlags.PROMPT_LOGPROBS the
+The frontend writes the tokens, the logit bias and the block keys before PREFILL_PENDING. With SlotFlags.PROMPT_LOGPROBS the
 device writes `prompt_logprob_record(n_logprobs)` records at word prompt_logprobs_offset, record j
 for prompt token j (j >= 1; record 0 is not written), all before it publishes the first generated
 token: the frontend reads them once generated >= 1.
+
+Block keys (prefix caching, DeviceFeatures.PREFIX_CACHING): key i names the KV of prompt tokens
+[0, (i + 1) * kv_block_size): the frontend chains them (blink/dpu/prefix_keys.py: blake2b-128 over
+the parent key and the block's token ids, the chain seeded by header.kv_cache_key and
+kv_block_size), one per full block of the prompt (n_block_keys <= prompt_len // kv_block_size; fewer,
+or none, is allowed and only caches less: a frontend writes what fits its region of the arena). The device matches the longest run of leading keys it
+holds, prefills from the first unmatched token and stores slot.cached_tokens before the first
+token's `generated` store. The keys are hints: a device without the feature ignores them.
 
 Logprob arena: with SlotFlags.LOGPROBS, the record of generated token k of slot s is at
 [s, k % output_capacity], written before `generated` covers k (the token's own release order).
@@ -51,6 +60,7 @@ host-mapped memory are not atomic with respect to the host):
     slot.mask_slot    frontend, before PREFILL_PENDING (constant for the request)
     slot.mask_position  frontend, release-store after the mask's bits (any state of a held slot)
     mask arena        frontend-written (the mask of a held slot's mask_slot), device-read
+    slot.cached_tokens              device (at admission, before the first `generated` store)
     slot.t_submit_ns, t_read_ns     frontend;  t_admit_ns, t_launch_ns, t_first_ns     device
                  (the first token's path, one wall clock: the GPU scheduler adds a calibrated
                  offset to %globaltimer, see blink.gpu.scheduler.scheduler.GpuScheduler._clock_offset)
@@ -60,6 +70,8 @@ host-mapped memory are not atomic with respect to the host):
                  own seq increasing, a plain aligned 8-byte store (no read-modify-write), so every
                  store writes a value no store wrote before and the device, which only compares
                  the doorbell with the last value it saw, never misses a change.
+    header.reset_cache_seq   frontend doorbell like submit_seq (seq * F + index): the device drops
+                 every key of its prefix cache (blocks in use keep their KV, unnamed)
     header device fields (status, heartbeat, stats, kv counters)   device
 
 Output ring: token k of slot s is at output[s, k % output_capacity]. The device never
@@ -75,15 +87,16 @@ import enum
 import numpy as np
 
 RING_MAGIC = 0x474E524B4E494C42  # b"BLINKRNG" little-endian
-RING_VERSION = 5
+RING_VERSION = 6
 MAX_STOP_IDS = 8  # stop token ids carried in a slot (EOS included by the frontend)
 UNLIMITED = 0xFFFFFFFF  # max_new_tokens value meaning "until a stop condition or the context ends"
 HEADER_BYTES = 512
-SLOT_BYTES = 192
+SLOT_BYTES = 208
 MAX_LOGPROBS = 20  # top alternatives per logprob record (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (vLLM checks each against the vocabulary only)
 ALIGN = 4096  # arenas start on page boundaries
 DEFAULT_MASK_VOCAB = 152_064  # tokens a mask covers by default (Qwen2/3's 151,936 rounded up)
+BLOCK_KEY_WORDS = 4  # int32 words of a block key (128 bits)
 
 
 class SlotState(enum.IntEnum):
@@ -137,6 +150,7 @@ class DeviceFeatures(enum.IntFlag):
     PROMPT_LOGPROBS = 2  # SlotFlags.PROMPT_LOGPROBS
     PENALTIES = 4  # presence / frequency / repetition penalties, min_p, logit_bias
     TOKEN_MASK = 8  # slot.mask_slot: allowed-token bitmasks from the mask arena (structured output)
+    PREFIX_CACHING = 16  # block keys are matched (slot.n_block_keys; the frontend writes none without it)
 
 
 # fmt: off
@@ -191,6 +205,13 @@ HEADER_DTYPE = np.dtype([
     ("mask_arena_offset", "<u8"),    # byte offset of the mask arena
     ("n_masks", "<u4"),              # bitmasks in the mask arena (0: no structured output)
     ("mask_words", "<u4"),           # uint32 words per bitmask
+    # prefix caching (see "Block keys" above)
+    ("kv_cache_key", "<u8"),         # identity of the device's KV for given tokens (model); seeds the key chain
+    ("reset_cache_seq", "<u8"),      # frontend doorbell: drop every key of the prefix cache
+    ("prefix_cache_queries", "<u8"), # prompt tokens of admitted requests (first admission), vLLM's queries
+    ("prefix_cache_hits", "<u8"),    # of those, tokens found in the cache
+    ("prefix_cache_resets", "<u8"),  # reset_cache_seq changes acted on
+    ("kv_blocks_cached", "<u4"),     # blocks holding a registered key (in use or evictable)
 ], align=True)
 
 SLOT_DTYPE = np.dtype([
@@ -223,7 +244,7 @@ SLOT_DTYPE = np.dtype([
     ("n_logprobs", "<u4"),           # alternatives per logprob record, <= MAX_LOGPROBS
     ("n_logit_bias", "<u4"),         # LOGIT_BIAS_DTYPE entries after the prompt, <= MAX_LOGIT_BIAS
     ("prompt_logprobs_offset", "<u4"),  # int32 word in the prompt arena of prompt logprob record 0
-    ("_pad1", "<u4"),
+    ("n_block_keys", "<u4"),         # BLOCK_KEY_DTYPE entries at block_keys_offset (prefix caching)
     # the first token's path (TTFT trace; one wall clock, see the ownership table)
     ("t_launch_ns", "<u8"),          # device clock at the launch of the step that sampled the first token
     ("t_read_ns", "<u8"),            # frontend clock when its token reader read the first token
@@ -232,6 +253,9 @@ SLOT_DTYPE = np.dtype([
     # structured output (see the mask arena)
     ("mask_slot", "<u4"),            # 0 = unconstrained; m + 1 = samples under bitmask m of the mask arena
     ("mask_position", "<u4"),        # k + 1: the bitmask for generated token k is published (frontend, release)
+    ("block_keys_offset", "<u4"),    # int32 word in the prompt arena of block key 0
+    ("cached_tokens", "<u4"),        # prompt tokens taken from the prefix cache (device, at admission)
+    ("_pad2", "<u4", (2,)),
 ], align=True)
 
 # One logprob record: the logprob of the chosen token and its top alternatives (most likely first,
@@ -246,6 +270,12 @@ LOGPROB_DTYPE = np.dtype([
 LOGIT_BIAS_DTYPE = np.dtype([
     ("token", "<i4"),                # < vocab_size
     ("bias", "<f4"),                 # added to the logit; in [-100, 100]
+], align=True)
+
+# A full KV block's key: 128 bits, the digest's bytes in order (words loaded as 4 x u32 on the GPU:
+# the prompt arena is int32-aligned only).
+BLOCK_KEY_DTYPE = np.dtype([
+    ("words", "<u4", (BLOCK_KEY_WORDS,)),
 ], align=True)
 # fmt: on
 
@@ -267,8 +297,19 @@ DEVICE_COUNTERS = (
     "step_ns_total",
     "scan_ns_total",
     "scans",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "prefix_cache_resets",
 )
-DEVICE_GAUGES = ("device_status", "heartbeat", "running", "waiting", "kv_blocks_free", "kv_blocks_total")
+DEVICE_GAUGES = (
+    "device_status",
+    "heartbeat",
+    "running",
+    "waiting",
+    "kv_blocks_free",
+    "kv_blocks_total",
+    "kv_blocks_cached",
+)
 
 assert SLOT_DTYPE.itemsize == SLOT_BYTES, SLOT_DTYPE.itemsize
 assert set(DEVICE_COUNTERS + DEVICE_GAUGES) <= set(HEADER_DTYPE.names)
@@ -281,10 +322,10 @@ def prompt_logprob_record(n: int) -> np.dtype:
     return np.dtype([("logprob", "<f4"), ("top_ids", "<i4", (n,)), ("top_logprobs", "<f4", (n,))])
 
 
-def prompt_region_words(prompt_len: int, n_logit_bias: int, prompt_logprobs: int | None) -> int:
+def prompt_region_words(prompt_len: int, n_logit_bias: int, prompt_logprobs: int | None, n_block_keys: int = 0) -> int:
     """int32 words of a slot's prompt-arena region (see the memory map); prompt_logprobs: the
     alternatives per prompt record, None when the request wants none."""
-    words = prompt_len + 2 * n_logit_bias
+    words = prompt_len + 2 * n_logit_bias + BLOCK_KEY_WORDS * n_block_keys
     if prompt_logprobs is not None:
         words += prompt_len * prompt_logprob_record(prompt_logprobs).itemsize // 4
     return words

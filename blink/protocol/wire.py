@@ -49,6 +49,7 @@ class TokenEvent(msgspec.Struct, **_OPTS):
     message: str = ""  # human-readable cause of an ERROR (device failure, rejected request)
     logprobs: list[Logprob] = []  # one per token_ids entry, when the request asked for them
     prompt_logprobs: list[Logprob] | None = None  # prompt tokens 1.. (with the first tokens only)
+    cached_tokens: int = 0  # on the first event: prompt tokens the device took from its prefix cache
 
     @property
     def finished(self) -> bool:
@@ -114,6 +115,7 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     )
     quantization: str = ""  # "fp8": linear layers' weights in FP8 e4m3, per-channel scales; "" = as the checkpoint
     kv_cache_dtype: str = "auto"  # "fp8": K/V stored as FP8 e4m3, scale 1 (blink.models.fp8.kv_round); "auto" = model's
+    prefix_caching: bool = True  # match the slots' block keys against cached KV blocks (layout.py)
 
     def __post_init__(self) -> None:
         if self.kind not in ("emulated", "cuda") or self.scheduler not in ("gpu", "host"):

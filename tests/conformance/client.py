@@ -9,6 +9,8 @@ store `consumed`; free a DECODE_COMPLETED slot (state EMPTY) after reading every
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,10 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from blink.protocol.layout import (
+    BLOCK_KEY_WORDS,
     HEADER_DTYPE,
     MAX_STOP_IDS,
     SLOT_DTYPE,
     UNLIMITED,
+    DeviceFeatures,
     DeviceStatus,
     FinishReason,
     RingGeometry,
@@ -48,6 +52,7 @@ class Result:
     t_admit_ns: int = 0
     t_first_ns: int = 0
     t_launch_ns: int = 0
+    cached_tokens: int = 0
     done: bool = False
 
 
@@ -63,6 +68,26 @@ class RingClient:
         self.active: dict[int, Result] = {}
         self._next_id = 1
         self._last_stamp = 0
+        self.describe(hdr)
+
+    def describe(self, hdr: np.void | None = None) -> None:
+        """Read what the device says of itself (call once it is READY)."""
+        hdr = self.header() if hdr is None else hdr
+        self.block_size = int(hdr["kv_block_size"])
+        self.caching = bool(int(hdr["features"]) & DeviceFeatures.PREFIX_CACHING)
+
+    def block_keys(self, tokens: np.ndarray, salt: bytes = b"") -> np.ndarray:
+        """The chained keys of the prompt's full blocks (layout.py "Block keys"): blake2b-128 over the
+        parent key and the block's tokens, written here apart from blink.dpu.prefix_keys on purpose.
+        `salt` seeds the chain (two salts: two caches that never match each other)."""
+        bs = self.block_size
+        parent = hashlib.blake2b(b"conformance" + salt + struct.pack("<I", bs), digest_size=16).digest()
+        keys = []
+        for i in range(tokens.size // bs):
+            parent = hashlib.blake2b(parent + tokens[i * bs : (i + 1) * bs].astype("<i4").tobytes(), digest_size=16)
+            parent = parent.digest()
+            keys.append(parent)
+        return np.frombuffer(b"".join(keys), np.int32)
 
     # -- header -----------------------------------------------------------------
     def header(self) -> np.void:
@@ -119,10 +144,13 @@ class RingClient:
         cancel: bool = False,
         doorbell: bool = True,
         fields: dict | None = None,
+        keys: bool | None = None,
+        salt: bytes = b"",
     ) -> int:
         """Publish a request; returns its slot. prompt_offset / prompt_len / n_stop override the
         honest values (to build malformed requests); doorbell=False skips the submit_seq bump; `fields`
-        sets further slot fields by name (the sampling extensions)."""
+        sets further slot fields by name (the sampling extensions). keys: write the prompt's block
+        keys at the end of the slot's region (None: when the device caches prefixes); salt: their seed."""
         i = self._free_slot() if slot is None else slot
         tokens = np.asarray(list(prompt), np.int32)
         if tokens.size > self.region:
@@ -146,6 +174,14 @@ class RingClient:
         rec["n_stop"] = len(stops) if n_stop is None else n_stop
         rec["stop_ids"][0, : len(stops)] = stops
         rec["flags"] = flags
+        if self.caching if keys is None else keys:
+            room = (self.region - tokens.size) // BLOCK_KEY_WORDS * BLOCK_KEY_WORDS  # keys only cache
+            kw = self.block_keys(tokens, salt)[:room]  # the prefix they name: fewer is allowed
+            if kw.size:
+                koff = off + self.region - kw.size  # the end of the region: clear of every other part
+                self.t.write(self.geo.prompt_arena_offset + 4 * koff, kw)
+                rec["n_block_keys"] = kw.size // BLOCK_KEY_WORDS
+                rec["block_keys_offset"] = koff
         for k, v in (fields or {}).items():
             rec[k] = v
         stamp = max(time.time_ns(), self._last_stamp + 1)  # strictly increasing: FCFS is by this clock
@@ -163,6 +199,10 @@ class RingClient:
     def doorbell(self) -> None:
         """Bump submit_seq: tells the device that slots became PREFILL_PENDING."""
         self.t.store_u64(_hoff("submit_seq"), self.t.load_u64(_hoff("submit_seq")) + 1)
+
+    def reset_prefix_cache(self) -> None:
+        """Bump reset_cache_seq: the device forgets every cached block's key."""
+        self.t.store_u64(_hoff("reset_cache_seq"), self.t.load_u64(_hoff("reset_cache_seq")) + 1)
 
     def cancel(self, i: int) -> None:
         self.t.store_u32(self.geo.slot_offset(i) + _soff("cancel"), 1)
@@ -190,6 +230,7 @@ class RingClient:
             r.t_admit_ns = int(rec["t_admit_ns"])
             r.t_first_ns = int(rec["t_first_ns"])
             r.t_launch_ns = int(rec["t_launch_ns"])
+            r.cached_tokens = int(rec["cached_tokens"])
             if int(rec["request_id"]) != r.request_id:
                 raise AssertionError(f"slot {i}: request_id {int(rec['request_id'])} != {r.request_id}")
             r.done = True

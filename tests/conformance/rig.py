@@ -77,6 +77,7 @@ class RigSpec:
     mixed_tokens: int = 0
     n_masks: int = 4  # token masks in the ring (structured output)
     mask_vocab: int = 49_152  # tokens a mask covers (SmolLM2 and the tiny models fit)
+    prefix_caching: bool = True
 
 
 _counter = itertools.count()
@@ -107,6 +108,7 @@ class Rig:
                 self.remote = TcpTransport(addr, secret, timeout_s=30.0)
             self.client = RingClient(self.remote or self.transport, control=self.transport)
             self.proc.wait_ready(self.transport, start_timeout)
+            self.client.describe()
         except BaseException:
             self._kill()
             raise
@@ -125,6 +127,7 @@ class Rig:
                 "max_num_batched_tokens": s.max_num_batched_tokens,
                 "max_context": s.max_context,
                 "mixed_tokens": s.mixed_tokens,
+                "enable_prefix_caching": s.prefix_caching,
             },
         )
         return msgspec.structs.replace(device_spec(cfg, self.name), **DEVICE_FIELDS)

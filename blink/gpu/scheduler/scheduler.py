@@ -26,7 +26,7 @@ from blink.device.policy import StepLimits, step_limits
 from blink.gpu.toolchain.build import Unit, build, default_cache_dir, nvrtc, target_for
 from blink.gpu.toolchain.kernels import pack_args, signatures
 from blink.protocol.cgen import header_main, header_text, struct_lines
-from blink.protocol.layout import SLOT_DTYPE, RingView
+from blink.protocol.layout import BLOCK_KEY_WORDS, SLOT_DTYPE, RingView
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 ENGINE_INCLUDE = pathlib.Path(__file__).resolve().parents[1] / "engine" / "include"
@@ -34,6 +34,7 @@ CTL_HEADER_PATH = CSRC / "scheduler_ctl.cuh"
 SOURCES = (
     "scheduler.cu",
     "scheduler.cuh",
+    "scheduler_kv.cuh",
     "scheduler_plan.cuh",
     "scheduler_ring.cuh",
     "scheduler_ctl.cuh",
@@ -57,7 +58,7 @@ SCHED_CTL_DTYPE = np.dtype([
     ("engine", "<u8"),               # const EngineABI*  (device memory, filled by the engine)
     ("claim", "<u8"),                # u32* [n_slots]  device-side claim word per slot (CAS 0 -> 1)
     ("waitq", "<u8"),                # u32* [n_slots]  FIFO of claimed slots not yet admitted
-    ("kv_free", "<u8"),              # u32* [num_kv_blocks]  free-list stack of KV block ids
+    ("kv_free", "<u8"),              # u32* [rows_cap * max_blocks_per_seq]  blocks freed by rows, drained by the plan
     ("row_blocks", "<u8"),           # i32* [rows_cap, max_blocks_per_seq]  block table of each row
     ("row_tokens", "<u8"),           # i32* [rows_cap, max_context]  prompt + generated of each row
     ("slot_copy", "<u8"),            # RingSlot* [n_slots]  request fields copied at claim time
@@ -75,6 +76,16 @@ SCHED_CTL_DTYPE = np.dtype([
     ("long_prefill", "<u4"),         # most tokens of a running prefill per step while a request waits
     ("mixed_tokens", "<u4"),         # token budget of a step with decodes (step_budget); 0 = max_num_batched_tokens
     ("self_exec", "<u8"),            # the scheduler's own exec, if cudaGetCurrentGraphExec() gives 0
+    # KV pool and prefix cache (csrc/scheduler_kv.cuh)
+    ("kv_ref", "<u8"),               # u32* [num_kv_blocks]  rows holding each block
+    ("kv_link", "<u8"),              # i32* [2, num_kv_blocks]  free queue: next, prev (-1: none)
+    ("kv_key", "<u8"),               # u32* [num_kv_blocks, 5]  a block's key words, then 1 when keyed
+    ("kv_hash", "<u8"),              # u32* [hash_mask + 1, 5]  key words, then block + 1 (0: empty)
+    ("kv_takes", "<u8"),             # i32* [num_kv_blocks]  blocks taken by thread 0 for a parallel hand-out
+    ("slot_keys", "<u8"),            # u32* [n_slots, max_blocks_per_seq, 4]  block keys copied at claim
+    ("kv_cache_key", "<u8"),         # header.kv_cache_key (the model's identity; seeds the key chains)
+    ("hash_mask", "<u4"),            # key table entries - 1 (a power of two >= 2 x num_kv_blocks)
+    ("prefix_caching", "<u4"),       # 1: match and register block keys (DeviceFeatures.PREFIX_CACHING)
     # kernel state: zero before the first launch; kept across tail relaunches
     ("seq", "<u8"),                  # last step_seq written
     ("instances", "<u8"),            # scheduler graph executions so far
@@ -86,7 +97,17 @@ SCHED_CTL_DTYPE = np.dtype([
     ("last_kind", "<u4"),            # 1 prefill (mixed included), 2 decode: the last step's graph family
     ("waitq_head", "<u4"),           # FIFO indices (monotonic, modulo n_slots)
     ("waitq_tail", "<u4"),
-    ("kv_free_top", "<i4"),          # free blocks on the stack
+    ("kv_free_top", "<i4"),          # blocks in the free queue (cached ones included)
+    ("kv_head", "<i4"),              # free queue: next block out (-1: empty)
+    ("kv_tail", "<i4"),              # free queue: most recently released keyed block
+    ("kv_pending", "<u4"),           # entries of kv_free not drained yet
+    ("kv_cached", "<u4"),            # keys registered (blocks held or evictable)
+    ("last_reset_seq", "<u8"),       # header.reset_cache_seq as last acted on
+    ("prefix_cache_queries", "<u8"), # prompt tokens of first admissions
+    ("prefix_cache_hits", "<u8"),    # of those, taken from the cache
+    ("prefix_cache_resets", "<u8"),
+    ("reset_pending", "<u4"),        # the reset doorbell moved: the next plan forgets every key
+    ("_pad_kv", "<u4"),
     ("n_run", "<u4"),                # running rows (g_run, arrival order)
     ("n_wait", "<u4"),               # preempted rows waiting for recompute (g_wait, arrival order)
     ("n_free_rows", "<u4"),          # free row ids on the stack
@@ -163,6 +184,11 @@ def launch_args(kernel: str, **kwargs: object) -> list:
     return pack_args(kernel, signatures("scheduler.cu")[kernel], kwargs)
 
 
+def hash_entries(num_blocks: int) -> int:
+    """Entries of the key table: the power of two at least twice the pool (load <= 1/2)."""
+    return 1 << max(1, (2 * num_blocks - 1).bit_length())
+
+
 def device_buffers(
     n_slots: int, num_blocks: int, max_blocks_per_seq: int, rows_cap: int, max_context: int
 ) -> dict[str, tuple[int, type]]:
@@ -171,11 +197,21 @@ def device_buffers(
     return {
         "claim": (n_slots, np.uint32),
         "waitq": (n_slots, np.uint32),
-        "kv_free": (num_blocks, np.uint32),
+        # a block shared by several rows is freed once by each: the pending list holds every table entry
+        "kv_free": (max(num_blocks, rows_cap * max_blocks_per_seq), np.uint32),
+        "kv_ref": (num_blocks, np.uint32),
+        "kv_link": (2 * num_blocks, np.int32),
+        "kv_key": (5 * num_blocks, np.uint32),
+        "kv_hash": (5 * hash_entries(num_blocks), np.uint32),
+        "kv_takes": (num_blocks, np.int32),
+        "slot_keys": (n_slots * max_blocks_per_seq * BLOCK_KEY_WORDS, np.uint32),
         "row_blocks": (rows_cap * max_blocks_per_seq, np.int32),
         "row_tokens": (rows_cap * max_context, np.int32),
         "slot_copy": (n_slots * SLOT_DTYPE.itemsize, np.uint8),
     }
+
+
+_KV_BUFFERS = ("kv_ref", "kv_link", "kv_key", "kv_hash", "kv_takes", "slot_keys")
 
 
 @dataclass(frozen=True)
@@ -200,6 +236,10 @@ class GpuSchedulerConfig:
     """Heartbeat period (the ring promises <= 1 ms)."""
     always_scan: bool = False
     """Scan every slot on every iteration (benchmarks the scan)."""
+    prefix_caching: bool = True
+    """Match the slots' block keys against cached KV blocks (blink/device/kv_blocks.py's policy)."""
+    kv_cache_key: int = 0
+    """header.kv_cache_key: the model's identity, which seeds the frontends' key chains."""
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.max_num_batched_tokens, self.long_prefill_tokens, self.mixed_tokens) < 0:
@@ -303,8 +343,10 @@ class GpuScheduler:
         c = self.ctl
         c["ring"] = self._registered
         c["engine"] = eng.abi_ptr
-        for k in ("claim", "waitq", "kv_free", "row_blocks", "row_tokens", "slot_copy"):
+        for k in ("claim", "waitq", "kv_free", "row_blocks", "row_tokens", "slot_copy", *_KV_BUFFERS):
             c[k] = int(b[k].data.ptr)
+        c["hash_mask"] = hash_entries(d.num_blocks) - 1
+        c["prefix_caching"], c["kv_cache_key"] = int(cfg.prefix_caching), cfg.kv_cache_key
         c["clock_offset_ns"] = self._clock_offset(fn_clock)
         c["graph_timeout_ns"] = int(cfg.graph_timeout_s * 1e9)
         c["rescan_ns"] = int(cfg.rescan_s * 1e9)

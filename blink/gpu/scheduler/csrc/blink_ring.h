@@ -7,14 +7,15 @@
 namespace blink {
 
 constexpr uint64_t RING_MAGIC = 0x474E524B4E494C42ull;
-constexpr uint32_t RING_VERSION = 5;
+constexpr uint32_t RING_VERSION = 6;
 constexpr uint32_t MAX_STOP_IDS = 8;
 constexpr uint32_t UNLIMITED = 0xFFFFFFFFu;
 constexpr uint32_t HEADER_BYTES = 512;
-constexpr uint32_t SLOT_BYTES = 192;
+constexpr uint32_t SLOT_BYTES = 208;
 constexpr uint32_t MAX_LOGPROBS = 20;
 constexpr uint32_t MAX_LOGIT_BIAS = 1024;
 constexpr uint32_t ARENA_ALIGN = 4096;
+constexpr uint32_t BLOCK_KEY_WORDS = 4;
 // sampling parameter ranges (blink/protocol/sampling_params.py)
 constexpr float SAMPLING_EPS = 1e-05f;
 constexpr float MAX_TEMPERATURE = 2.0f;
@@ -68,6 +69,7 @@ enum DeviceFeatures : uint32_t {
   FEATURE_PROMPT_LOGPROBS = 2,
   FEATURE_PENALTIES = 4,
   FEATURE_TOKEN_MASK = 8,
+  FEATURE_PREFIX_CACHING = 16,
 };
 
 struct RingHeader {
@@ -117,7 +119,13 @@ struct RingHeader {
   uint64_t mask_arena_offset;  // offset 264
   uint32_t n_masks;  // offset 272
   uint32_t mask_words;  // offset 276
-  uint8_t _tail[232];
+  uint64_t kv_cache_key;  // offset 280
+  uint64_t reset_cache_seq;  // offset 288
+  uint64_t prefix_cache_queries;  // offset 296
+  uint64_t prefix_cache_hits;  // offset 304
+  uint64_t prefix_cache_resets;  // offset 312
+  uint32_t kv_blocks_cached;  // offset 320
+  uint8_t _tail[184];
 };
 #ifdef offsetof
 static_assert(offsetof(RingHeader, magic) == 0, "RingHeader.magic offset");
@@ -166,6 +174,12 @@ static_assert(offsetof(RingHeader, logprob_arena_offset) == 256, "RingHeader.log
 static_assert(offsetof(RingHeader, mask_arena_offset) == 264, "RingHeader.mask_arena_offset offset");
 static_assert(offsetof(RingHeader, n_masks) == 272, "RingHeader.n_masks offset");
 static_assert(offsetof(RingHeader, mask_words) == 276, "RingHeader.mask_words offset");
+static_assert(offsetof(RingHeader, kv_cache_key) == 280, "RingHeader.kv_cache_key offset");
+static_assert(offsetof(RingHeader, reset_cache_seq) == 288, "RingHeader.reset_cache_seq offset");
+static_assert(offsetof(RingHeader, prefix_cache_queries) == 296, "RingHeader.prefix_cache_queries offset");
+static_assert(offsetof(RingHeader, prefix_cache_hits) == 304, "RingHeader.prefix_cache_hits offset");
+static_assert(offsetof(RingHeader, prefix_cache_resets) == 312, "RingHeader.prefix_cache_resets offset");
+static_assert(offsetof(RingHeader, kv_blocks_cached) == 320, "RingHeader.kv_blocks_cached offset");
 #endif
 static_assert(sizeof(RingHeader) == 512, "RingHeader size");
 
@@ -198,12 +212,15 @@ struct RingSlot {
   uint32_t n_logprobs;  // offset 144
   uint32_t n_logit_bias;  // offset 148
   uint32_t prompt_logprobs_offset;  // offset 152
-  uint32_t _pad1;  // offset 156
+  uint32_t n_block_keys;  // offset 156
   uint64_t t_launch_ns;  // offset 160
   uint64_t t_read_ns;  // offset 168
   uint64_t group;  // offset 176
   uint32_t mask_slot;  // offset 184
   uint32_t mask_position;  // offset 188
+  uint32_t block_keys_offset;  // offset 192
+  uint32_t cached_tokens;  // offset 196
+  uint32_t _pad2[2];  // offset 200
 };
 #ifdef offsetof
 static_assert(offsetof(RingSlot, state) == 0, "RingSlot.state offset");
@@ -234,14 +251,17 @@ static_assert(offsetof(RingSlot, min_p) == 140, "RingSlot.min_p offset");
 static_assert(offsetof(RingSlot, n_logprobs) == 144, "RingSlot.n_logprobs offset");
 static_assert(offsetof(RingSlot, n_logit_bias) == 148, "RingSlot.n_logit_bias offset");
 static_assert(offsetof(RingSlot, prompt_logprobs_offset) == 152, "RingSlot.prompt_logprobs_offset offset");
-static_assert(offsetof(RingSlot, _pad1) == 156, "RingSlot._pad1 offset");
+static_assert(offsetof(RingSlot, n_block_keys) == 156, "RingSlot.n_block_keys offset");
 static_assert(offsetof(RingSlot, t_launch_ns) == 160, "RingSlot.t_launch_ns offset");
 static_assert(offsetof(RingSlot, t_read_ns) == 168, "RingSlot.t_read_ns offset");
 static_assert(offsetof(RingSlot, group) == 176, "RingSlot.group offset");
 static_assert(offsetof(RingSlot, mask_slot) == 184, "RingSlot.mask_slot offset");
 static_assert(offsetof(RingSlot, mask_position) == 188, "RingSlot.mask_position offset");
+static_assert(offsetof(RingSlot, block_keys_offset) == 192, "RingSlot.block_keys_offset offset");
+static_assert(offsetof(RingSlot, cached_tokens) == 196, "RingSlot.cached_tokens offset");
+static_assert(offsetof(RingSlot, _pad2) == 200, "RingSlot._pad2 offset");
 #endif
-static_assert(sizeof(RingSlot) == 192, "RingSlot size");
+static_assert(sizeof(RingSlot) == 208, "RingSlot size");
 
 struct LogprobRecord {
   float logprob;  // offset 0
@@ -264,5 +284,13 @@ static_assert(offsetof(LogitBias, token) == 0, "LogitBias.token offset");
 static_assert(offsetof(LogitBias, bias) == 4, "LogitBias.bias offset");
 #endif
 static_assert(sizeof(LogitBias) == 8, "LogitBias size");
+
+struct BlockKey {
+  uint32_t words[4];  // offset 0
+};
+#ifdef offsetof
+static_assert(offsetof(BlockKey, words) == 0, "BlockKey.words offset");
+#endif
+static_assert(sizeof(BlockKey) == 16, "BlockKey size");
 
 }  // namespace blink

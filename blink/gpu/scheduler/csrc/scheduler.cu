@@ -115,15 +115,16 @@ __device__ void finish_slot(Shared& sh, uint32_t slot, uint32_t reason, uint32_t
   atomicAdd(&sh.completed, 1u);
 }
 
-// Returns a row's blocks and the row itself (device state only). The slot's claim word is
+// Returns a row's blocks (into the pending list, tail first: the next plan drains it into the
+// free queue, scheduler_kv.cuh) and the row itself (device state only). The slot's claim word is
 // cleared here; the slot's COMPLETED store follows in flush(), before the next scan, and the
-// frontend recycles a slot only after it sees COMPLETED. Pushes only (no pops) may run
-// concurrently with this: pops happen in the plan phase, behind a barrier.
+// frontend recycles a slot only after it sees COMPLETED. The row's table and keys stay readable
+// until the next plan (prefix_register after account reads them).
 __device__ void free_row(SchedCtl* c, Shared& sh, uint32_t r) {
   Row& R = g_rows[r];
   uint32_t* kv = (uint32_t*)c->kv_free;
   const int32_t* b = row_blocks(c, sh, r);
-  const int top = atomicAdd(&c->kv_free_top, (int)R.n_blocks);
+  const uint32_t top = atomicAdd(&c->kv_pending, R.n_blocks);
   for (uint32_t i = 0; i < R.n_blocks; ++i) kv[top + i] = (uint32_t)b[R.n_blocks - 1 - i];
   R.n_blocks = 0;
   R.kv_gen++;
@@ -169,6 +170,7 @@ __device__ void compact(uint32_t* list, uint32_t* n, uint32_t want, Shared& sh) 
   __syncthreads();
 }
 
+#include "scheduler_kv.cuh"
 #include "scheduler_plan.cuh"
 
 __device__ void beat(SchedCtl* c, Shared& sh, u64 now) {
@@ -258,6 +260,8 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
     if (sh.action != ACT_RUN) flush(c, sh);  // the last step's tokens reach the ring first
     if (sh.action == ACT_EXIT) {
       if (sh.shutdown >= 2 || sh.fault) abort_all(c, sh);
+      if (tid == 0) kv_drain(c, sh.E->num_kv_blocks);  // the header's last word on the pool: all of it
+      __syncthreads();
       mirror_stats(c, sh);
       __syncthreads();
       if (tid == 0) set_status(c, sh, sh.fault ? DEV_FAILED : DEV_STOPPED);
@@ -320,11 +324,21 @@ extern "C" __global__ void blink_sched_init(SchedCtl* c, uint32_t n_slots, uint3
     if (i < c->rows_cap) g_free_rows[c->rows_cap - 1 - i] = i;
   }
   for (uint32_t i = tid; i < n_slots; i += nth) ((uint32_t*)c->claim)[i] = 0;
-  // pop() yields block 0 first, as blink/device/kv_blocks.py does
-  for (uint32_t i = tid; i < num_kv_blocks; i += nth) ((uint32_t*)c->kv_free)[i] = num_kv_blocks - 1 - i;
+  // the free queue holds every block in order (block 0 out first, as blink/device/kv_blocks.py)
+  int32_t* link = (int32_t*)c->kv_link;
+  for (uint32_t i = tid; i < num_kv_blocks; i += nth) {
+    link[i] = i + 1 < num_kv_blocks ? (int32_t)(i + 1) : -1;
+    link[num_kv_blocks + i] = (int32_t)i - 1;
+    ((uint32_t*)c->kv_ref)[i] = 0;
+    ((uint32_t*)c->kv_key)[(size_t)i * HASH_WORDS + KV_KEYED] = 0;
+  }
+  for (uint32_t i = tid; i <= c->hash_mask; i += nth) ((uint32_t*)c->kv_hash)[(size_t)i * HASH_WORDS + KEY_WORDS] = 0;
   if (tid == 0) {
     g_n_ev = g_n_fin = g_mirror = 0;
     c->kv_free_top = (int)num_kv_blocks;
+    c->kv_head = num_kv_blocks ? 0 : -1;
+    c->kv_tail = (int)num_kv_blocks - 1;
+    c->kv_pending = c->kv_cached = 0;
     c->n_free_rows = c->rows_cap;
     c->n_run = c->n_wait = 0;
     c->waitq_head = c->waitq_tail = 0;

@@ -96,6 +96,11 @@ struct Row {
   uint32_t ext;          // uses an extension (pen, logprobs, prompt logprobs or min_p): the step's ext_on
   uint32_t mask;         // slot.mask_slot: 0 = unconstrained; m + 1 = samples under bitmask m of the mask arena
   uint32_t closed;       // gate of a masked row, read once per step (plan): its next token's mask is unpublished
+  // prefix caching (scheduler_kv.cuh): the slot's block keys are in slot_keys[slot]
+  uint32_t n_keys;       // block keys of the prompt
+  uint32_t checked;      // leading blocks of the table offered for registration (or matched)
+  uint32_t cache_read;   // may start from cached blocks (not with prompt logprobs or penalties)
+  uint32_t cache_seen;   // the first admission counted its queries and hits
   u64 seed;
   u64 arrival;           // FCFS order (claim order)
   u64 group;             // slot.group: the API request it is a choice of (0: none)

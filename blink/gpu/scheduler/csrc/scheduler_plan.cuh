@@ -9,19 +9,20 @@ __device__ bool kv_grow(SchedCtl* c, Shared& sh, uint32_t r, uint32_t ntok) {
   if (need <= R.n_blocks) return true;
   if ((int)(need - R.n_blocks) > c->kv_free_top) return false;
   int32_t* b = row_blocks(c, sh, r);
-  const uint32_t* kv = (const uint32_t*)c->kv_free;
-  while (R.n_blocks < need) b[R.n_blocks++] = (int32_t)kv[--c->kv_free_top];
+  while (R.n_blocks < need) b[R.n_blocks++] = kv_take(c, sh.E->num_kv_blocks);
   return true;
 }
 
+// A preempted row's blocks, released now (tail first: BlockManager.free).
 __device__ void kv_free_row(SchedCtl* c, Shared& sh, uint32_t r) {
   Row& R = g_rows[r];
-  uint32_t* kv = (uint32_t*)c->kv_free;
   const int32_t* b = row_blocks(c, sh, r);
-  for (uint32_t i = R.n_blocks; i-- > 0;) kv[c->kv_free_top++] = (uint32_t)b[i];
+  for (uint32_t i = R.n_blocks; i-- > 0;) kv_release(c, sh.E->num_kv_blocks, b[i]);
   R.n_blocks = 0;
+  R.checked = 0;
   R.kv_gen++;
 }
+
 
 // Preempt the running row at position pos of g_run (recompute later). Returns the row.
 __device__ uint32_t preempt_at(SchedCtl* c, Shared& sh, uint32_t pos) {
@@ -87,6 +88,31 @@ __device__ __forceinline__ uint32_t gate_cut(bool closed, uint32_t start, uint32
   return closed && start + n == len ? n - 1 : n;
 }
 
+// Scheduler._admit_one for row r (waiting, no blocks): its cached prefix and blocks for its first
+// chunk of at most `budget` tokens, cut short of sampling while its gate is `closed`. Returns the
+// chunk's tokens (from R.computed): 0 when the gate leaves nothing to compute now, NO_KV when the pool
+// cannot hold it (nothing changed either way). Counts the first admission's queries and hits, and
+// tells the slot.
+constexpr uint32_t NO_KV = 0xFFFFFFFFu;
+__device__ uint32_t admit_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t budget, bool closed) {
+  Row& R = g_rows[r];
+  uint32_t idle;
+  const uint32_t hits = prefix_hits(c, sh, R, &idle), start = hits * sh.bs;
+  const uint32_t n = gate_cut(closed, start, min(R.len - start, budget), R.len);
+  if (n == 0) return 0;
+  if (ceil_div(start + n, sh.bs) - hits > (uint32_t)c->kv_free_top - idle) return NO_KV;
+  prefix_take(c, sh, r, hits);
+  R.computed = start;
+  kv_grow(c, sh, r, start + n);
+  if (!R.cache_seen) {
+    R.cache_seen = 1;
+    c->prefix_cache_queries += R.prompt_len;
+    c->prefix_cache_hits += start;
+    st_sys(&sh.slots[R.slot].cached_tokens, start);  // before the first token's `generated` store
+  }
+  return n;
+}
+
 // A decode may be planned for running row R (Scheduler._split_running's ready).
 __device__ __forceinline__ bool decode_ready(const Row& R, uint32_t cap) {
   return R.running && !prefilling(R) && !output_full(R, cap) && !R.closed;
@@ -129,6 +155,10 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   R.ext = R.pen || R.n_logprobs >= 0 || R.prompt_n >= 0 || R.min_p != 0.0f;
   R.mask = q.mask_slot;
   R.closed = 0;
+  R.n_keys = c->prefix_caching ? q.n_block_keys : 0;  // validated and copied at claim
+  R.checked = 0;
+  R.cache_read = R.prompt_n < 0 && !R.pen;  // prompt logprobs and penalties see every prompt token
+  R.cache_seen = 0;
   for (uint32_t i = 0; i < MAX_STOP_IDS; ++i) R.stop_ids[i] = q.stop_ids[i];
   return r;
 }
@@ -181,16 +211,15 @@ __device__ bool admit_pass(SchedCtl* c, Shared& sh, uint32_t& budget, bool over,
     if ((R.group != 0 && group_held(c, R.group, held) >= gcap) != over) { ++w; continue; }
     if (preempted_now(sh, r)) return false;
     if (output_full(R, sh.cap)) { ++w; continue; }
-    const uint32_t n = gate_cut(gate_closed(sh, R.mask, R.slot, generated(R)), 0, min(R.len, budget), R.len);
-    if (n == 0) { ++w; continue; }
-    if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) return false;  // FCFS: no overtaking for lack of KV
+    const uint32_t n = admit_row(c, sh, r, budget, gate_closed(sh, R.mask, R.slot, generated(R)));
+    if (n == 0) { ++w; continue; }  // its gate is closed and its last token is all that is left
+    if (n == NO_KV) return false;   // FCFS: no overtaking for lack of KV
     if (R.group != 0 && R.group == held.group) held.n++;
-    kv_grow(c, sh, r, n);
     for (uint32_t i = w + 1; i < c->n_wait; ++i) g_wait[i - 1] = g_wait[i];
     c->n_wait--;
     R.running = 1;
     insert_running(c, r);
-    add_chunk(sh, r, 0, n, n == R.len);
+    add_chunk(sh, r, R.computed, n, R.computed + n == R.len);
     budget -= n;
   }
   uint32_t* wq = (uint32_t*)c->waitq;
@@ -205,17 +234,20 @@ __device__ bool admit_pass(SchedCtl* c, Shared& sh, uint32_t& budget, bool over,
     const u64 g = copy[slot].group;
     if ((g != 0 && group_held(c, g, held) >= gcap) != over) continue;
     const uint32_t plen = copy[slot].prompt_len;
-    const uint32_t n = gate_cut(gate_closed(sh, copy[slot].mask_slot, slot, 0), 0, min(plen, budget), plen);
-    if (n == 0) continue;
-    if (ceil_div(n, sh.bs) > (uint32_t)c->kv_free_top) return false;
-    if (g != 0 && g == held.group) held.n++;
     const uint32_t r = new_row(c, slot, i);  // the FIFO index is the arrival order
-    kv_grow(c, sh, r, n);
+    const uint32_t n = admit_row(c, sh, r, budget, gate_closed(sh, copy[slot].mask_slot, slot, 0));
+    if (n == 0 || n == NO_KV) {  // its gate is closed, or (FCFS) the head waits for KV: the row goes back
+      g_rows[r].used = 0;
+      g_free_rows[c->n_free_rows++] = r;
+      if (n == NO_KV) return false;
+      continue;
+    }
+    if (g != 0 && g == held.group) held.n++;
     g_rows[r].running = 1;
     insert_running(c, r);  // an entry passed over earlier may be admitted after newer ones
     wq[i % sh.n_slots] = DEAD;
     if (i == c->waitq_head) c->waitq_head++;
-    add_chunk(sh, r, 0, n, n == plen);
+    add_chunk(sh, r, g_rows[r].computed, n, g_rows[r].computed + n == plen);
     budget -= n;
   }
   return true;
@@ -323,19 +355,22 @@ __device__ void plan_decode(SchedCtl* c, Shared& sh) {
   uint32_t n_ready, n_need;
   uint32_t o = block_scan(ready, &n_ready, sh.warp_sums);
   uint32_t ob = block_scan(need, &n_need, sh.warp_sums);
-  if (n_need > (uint32_t)c->kv_free_top) {
+  const bool short_pool = n_need > (uint32_t)c->kv_free_top;
+  __syncthreads();  // every thread has read kv_free_top before thread 0 changes it
+  if (short_pool) {
     if (threadIdx.x == 0) plan_decode_seq(c, sh);
     __syncthreads();
     return;
   }
-  const uint32_t* kv = (const uint32_t*)c->kv_free;
-  const int top = c->kv_free_top;
+  if (threadIdx.x == 0) kv_take_n(c, sh.E->num_kv_blocks, n_need);
+  __syncthreads();
+  const int32_t* takes = (const int32_t*)c->kv_takes;
   for (uint32_t i = lo; i < hi; ++i) {
     const uint32_t r = g_run[i];
     Row& R = g_rows[r];
     if (!decode_ready(R, sh.cap)) continue;
     int32_t* b = row_blocks(c, sh, r);
-    while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = (int32_t)kv[top - 1 - (int)ob++];
+    while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = takes[ob++];
     g_plan_row[o] = r;
     g_plan_start[o] = R.len - 1;
     g_plan_n[o] = 1;
@@ -345,7 +380,6 @@ __device__ void plan_decode(SchedCtl* c, Shared& sh) {
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    c->kv_free_top -= (int)n_need;
     sh.nseq = n_ready;
     sh.ntok = n_ready;
   }

@@ -16,7 +16,10 @@ __device__ void describe(SchedCtl* c, Shared& sh) {
   // table row per slot (and so its mask rows: EngineABI.masks)
   uint32_t every = FEATURE_LOGPROBS | FEATURE_PROMPT_LOGPROBS | FEATURE_PENALTIES;
   if (sh.E->mask_words) every |= FEATURE_TOKEN_MASK;
-  st_sys(&H->features, sh.E->sampling_rows >= sh.n_slots ? every : 0u);
+  const uint32_t cache = c->prefix_caching ? (uint32_t)FEATURE_PREFIX_CACHING : 0u;
+  st_sys(&H->features, (sh.E->sampling_rows >= sh.n_slots ? every : 0u) | cache);
+  st_sys64(&H->kv_cache_key, c->kv_cache_key);
+  c->last_reset_seq = ld_acq_sys64(&H->reset_cache_seq);  // a reset rung before this device is not for it
   st_sys(&H->fault, 0);
   beat(c, sh, gtime());
   set_status(c, sh, DEV_READY);  // release: the description is visible before READY
@@ -28,15 +31,18 @@ __device__ void mirror_stats(SchedCtl* c, Shared& sh) {
   const uint32_t t = threadIdx.x;
   const u64* src[] = {&c->steps, &c->prefill_steps, &c->tokens_generated, &c->prompt_tokens,
                       &c->requests_admitted, &c->requests_completed, &c->launches, &c->relaunches,
-                      &c->launch_errors, &c->sched_ns_total, &c->step_ns_total, &c->scan_ns_total, &c->scans};
+                      &c->launch_errors, &c->sched_ns_total, &c->step_ns_total, &c->scan_ns_total, &c->scans,
+                      &c->prefix_cache_queries, &c->prefix_cache_hits, &c->prefix_cache_resets};
   u64* dst[] = {&H->steps, &H->prefill_steps, &H->tokens_generated, &H->prompt_tokens,
                 &H->requests_admitted, &H->requests_completed, &H->launches, &H->relaunches,
-                &H->launch_errors, &H->sched_ns_total, &H->step_ns_total, &H->scan_ns_total, &H->scans};
+                &H->launch_errors, &H->sched_ns_total, &H->step_ns_total, &H->scan_ns_total, &H->scans,
+                &H->prefix_cache_queries, &H->prefix_cache_hits, &H->prefix_cache_resets};
   constexpr uint32_t N = sizeof(src) / sizeof(src[0]);
   if (t < N) st_sys64(dst[t], *src[t]);
   if (t == N) st_sys(&H->running, c->n_run);
   if (t == N + 1) st_sys(&H->waiting, c->n_wait + (c->waitq_tail - c->waitq_head));
   if (t == N + 2) st_sys(&H->kv_blocks_free, (uint32_t)c->kv_free_top);
+  if (t == N + 3) st_sys(&H->kv_blocks_cached, c->kv_cached);
 }
 
 // Thread 0 at the top of an iteration: heartbeat, shutdown, window.
@@ -95,6 +101,9 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
 // running rows and one block scan decide; a step of decodes only (no prefill wanted, every block
 // it needs free: the common case) is written into the engine's buffers in the same pass (all threads).
 __device__ void plan(SchedCtl* c, Shared& sh) {
+  if (c->reset_pending) prefix_reset(c, sh.E->num_kv_blocks);  // uniform; ends with thread 0 clearing it
+  if (threadIdx.x == 0) kv_drain(c, sh.E->num_kv_blocks);      // the blocks rows freed since the last plan
+  __syncthreads();
   fair_share_preempt(c, sh);  // before anything is planned: the victim is in no chunk of this step
   const uint32_t cnt = c->n_run, per = (cnt + SCHED_THREADS - 1) / SCHED_THREADS;
   const uint32_t lo = min(cnt, threadIdx.x * per), hi = min(cnt, lo + per);
@@ -139,15 +148,20 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
     if (sh.kind == KIND_NONE) return;
     fill_engine(c, sh);
   } else {
-    if (threadIdx.x == 0) sh.kind = KIND_DECODE;
-    const uint32_t* kv = (const uint32_t*)c->kv_free;
+    __syncthreads();  // every thread has read kv_free_top before thread 0 takes the blocks
+    if (threadIdx.x == 0) {
+      sh.kind = KIND_DECODE;
+      kv_take_n(c, sh.E->num_kv_blocks, n_need);
+    }
+    __syncthreads();
+    const int32_t* takes = (const int32_t*)c->kv_takes;
     uint32_t o = off & 0xFFFFu, ob = off >> 16, f = 0;
     for (uint32_t i = lo; i < hi; ++i) {
       const uint32_t r = g_run[i];
       Row& R = g_rows[r];
       if (!decode_ready(R, sh.cap)) continue;
       int32_t* b = row_blocks(c, sh, r);
-      while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = (int32_t)kv[top - 1 - (int)ob++];
+      while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = takes[ob++];
       g_plan_row[o] = r;
       g_plan_start[o] = R.len - 1;
       g_plan_n[o] = 1;
@@ -157,7 +171,6 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
       ++o;
     }
     if (threadIdx.x == 0) {
-      c->kv_free_top = top - (int)n_need;
       sh.nseq = sh.ntok = sh.n_dec = n_ready;
       ((int32_t*)sh.E->cu_q_lens)[0] = 0;
       *(uint32_t*)sh.E->num_seqs = n_ready;
@@ -204,6 +217,32 @@ __device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
   }
   E->bias_n[s] = (int32_t)nb;
   return 0;
+}
+
+// The block keys of the admitted claims into slot_keys (all threads; ends with a barrier): the
+// plan matches and registers them from device memory, not over PCIe.
+__device__ void copy_keys(SchedCtl* c, Shared& sh, uint32_t n, uint32_t qlo, uint32_t qhi) {
+  const RingSlot* copy = (const RingSlot*)c->slot_copy;
+  uint32_t mine = 0;
+  for (uint32_t q = qlo; q < qhi; ++q)
+    mine += sh.claim_err[q] == 0 ? copy[sh.claim_sorted[q]].n_block_keys * KEY_WORDS : 0;
+  uint32_t total;
+  uint32_t o = block_scan(mine, &total, sh.warp_sums);
+  for (uint32_t q = qlo; q < qhi; ++q) {
+    sh.claim_cu[q] = o;
+    o += sh.claim_err[q] == 0 ? copy[sh.claim_sorted[q]].n_block_keys * KEY_WORDS : 0;
+  }
+  if (threadIdx.x == 0) sh.claim_cu[n] = total;
+  __syncthreads();
+  uint32_t* dst = (uint32_t*)c->slot_keys;
+  for (uint32_t j = threadIdx.x; j < total; j += SCHED_THREADS) {
+    uint32_t a = 0, b = n;  // last a with claim_cu[a] <= j, past the claims that copy nothing
+    while (b - a > 1) { const uint32_t m = (a + b) / 2; if (sh.claim_cu[m] <= j) a = m; else b = m; }
+    while (a + 1 < n && sh.claim_cu[a + 1] <= j) ++a;
+    const uint32_t slot = sh.claim_sorted[a], w = j - sh.claim_cu[a];
+    dst[(size_t)slot * sh.mbps * KEY_WORDS + w] = ld_sys((const uint32_t*)&sh.arena[copy[slot].block_keys_offset + w]);
+  }
+  __syncthreads();
 }
 
 // RingDevice._scan + _admit + _validate: claim every PREFILL_PENDING slot, FCFS by t_submit_ns.
@@ -323,6 +362,10 @@ __device__ void scan_claims(SchedCtl* c, Shared& sh) {
         e = SLOTERR_BAD_PARAMS;
       else
         e = claim_ext(sh, s, r);
+      if (e == 0 && r.n_block_keys &&  // RingDevice validate_keys: one key per full block at most, in the arena
+          (r.n_block_keys > r.prompt_len / sh.bs ||
+           (u64)r.block_keys_offset + (u64)KEY_WORDS * r.n_block_keys > sh.arena_tokens))
+        e = SLOTERR_BAD_PARAMS;
     } else if (e == 0x100) {
       e = SLOTERR_BAD_PROMPT;
     }
@@ -343,6 +386,7 @@ __device__ void scan_claims(SchedCtl* c, Shared& sh) {
     }
   }
   __syncthreads();
+  if (c->prefix_caching) copy_keys(c, sh, n, qlo, qhi);
   if (threadIdx.x == 0) {
     c->waitq_tail += n_ok;
     c->requests_admitted += n;
@@ -366,6 +410,11 @@ __device__ void overlap(SchedCtl* c, Shared& sh) {
     c->last_submit_seq = submit;
     c->last_cancel_seq = cancel;
     if (rescan) c->last_scan_ns = now;
+    const u64 reset = ld_acq_sys64(&H->reset_cache_seq);  // acted on by the next plan
+    if (reset != c->last_reset_seq) {
+      c->last_reset_seq = reset;
+      c->reset_pending = 1;
+    }
     sh.nclaim = 0;
     sh.overflow = 0;
   }
@@ -484,7 +533,11 @@ __device__ void account(SchedCtl* c, Shared& sh) {
     }
     if (mine) atomicAdd(&sh.tokens, mine);
   }
+  __syncthreads();  // every row's `computed` is in
   if (threadIdx.x == 0) {
+    if (c->prefix_caching && sh.launch_ok)  // Scheduler.update: the full blocks the step completed
+      for (uint32_t i = 0; i < nseq; ++i)
+        if (g_rows[g_plan_row[i]].n_keys) prefix_register(c, sh, g_plan_row[i]);
     g_n_ev = nseq;
     g_ev_ns = unix_ns(c);
     g_ev_launch_ns = sh.t_launch + (u64)c->clock_offset_ns;
