@@ -22,7 +22,15 @@ from test_dpu_ring import HandDevice, _req
 from blink.dpu.request_tracker import RequestTracker
 from blink.dpu.slot_tracker import SlotTracker
 from blink.protocol import agent_auth
-from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, DeviceStatus, FinishReason, RingGeometry, SlotState
+from blink.protocol.layout import (
+    HEADER_DTYPE,
+    SLOT_DTYPE,
+    DeviceFeatures,
+    DeviceStatus,
+    FinishReason,
+    RingGeometry,
+    SlotState,
+)
 from blink.protocol.ring_agent import AgentLimits, RingAgent, start_agent_process
 from blink.protocol.tcp_transport import TcpTransport
 from blink.protocol.transport import ShmTransport, TransportError
@@ -338,6 +346,9 @@ async def test_an_impossible_slot_record_faults_that_request_only(dev):
 
 @pytest.mark.asyncio
 async def test_a_released_slot_holds_no_prompt(dev):
+    """Nor its block keys (a prefix-caching device: the keys follow the prompt in its region)."""
+    dev.v.header["features"] = int(dev.v.header["features"]) | DeviceFeatures.PREFIX_CACHING
+    dev.v.header["kv_block_size"] = 4
     rt = RequestTracker(ShmTransport.open(dev.name), reader_kwargs={"health_interval_s": 0.02})
     await rt.start()
     try:
@@ -346,6 +357,9 @@ async def test_a_released_slot_holds_no_prompt(dev):
         region = rt.slots.prompt_capacity
         words = dev.v.prompt_arena[h.slot * region : (h.slot + 1) * region]
         assert (words[:20] == np.arange(10, 30)).all()
+        rec = dev.v.slots[h.slot]
+        keys = int(rec["block_keys_offset"]) - h.slot * region
+        assert int(rec["n_block_keys"]) == 5 and keys >= 20 and words[keys : keys + 20].any()
         dev.admit(h.slot)
         dev.publish(h.slot, [7])
         dev.complete(h.slot, FinishReason.LENGTH)
@@ -456,3 +470,4 @@ def test_bitmasks_of_the_mask_arena_follow_the_partition():
                 publish()
     view.slots["state"][1] = SlotState.DECODE_PROCESSING
     acc.check_write(geo.slot_offset(1) + SLOT_DTYPE.fields["mask_position"][1], np.uint32(3).tobytes())
+

@@ -198,6 +198,7 @@ class SlotTracker:
         rec["group"] = req.group
         rec["prompt_logprobs_offset"] = self.prompt_logprobs_offset(slot, req)
         writes += self._key_writes(req, off, words, rec)
+        used = words + BLOCK_KEY_WORDS * int(rec["n_block_keys"])  # the release zeroes the keys too
         rec["t_submit_ns"] = time.time_ns()
         base = self.geo.slot_offset(slot)
         if constraint is not None:
@@ -214,7 +215,7 @@ class SlotTracker:
         self.t.post(writes)
         self._submit_seq += 1
         self.held[slot] = True
-        self.used[slot] = words
+        self.used[slot] = used
         self._free[slot] = False
         self._hint = (slot + 1) % self.geo.n_slots
         return slot
