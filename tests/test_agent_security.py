@@ -471,3 +471,49 @@ def test_bitmasks_of_the_mask_arena_follow_the_partition():
     view.slots["state"][1] = SlotState.DECODE_PROCESSING
     acc.check_write(geo.slot_offset(1) + SLOT_DTYPE.fields["mask_position"][1], np.uint32(3).tobytes())
 
+
+def test_prefix_caching_words_follow_the_partition():
+    """Prefix caching through the agent: a publish's block keys lie in the slot's own region of the
+    prompt arena, reset_cache_seq is a doorbell of the partition, and the device's cached_tokens and
+    prefix counters are readable."""
+    from blink.protocol.layout import BLOCK_KEY_WORDS, RingView
+    from blink.protocol.ring_access import AccessDenied, RingAccess
+
+    geo = RingGeometry(4, 4 * 64, 8)
+    view = RingView.create(bytearray(geo.total_bytes), geo)
+    acc = RingAccess(view, 1, 2)
+    region = geo.prompt_arena_tokens // geo.n_slots
+    keys = bytes(4 * BLOCK_KEY_WORDS * 2)
+    acc.check_write(geo.prompt_arena_offset + 4 * (region + 40), keys)  # slot 1's region, EMPTY
+    rec = np.zeros((), SLOT_DTYPE)
+    rec["prompt_offset"], rec["prompt_len"], rec["state"] = region, 40, SlotState.PREFILL_PENDING
+    rec["n_block_keys"] = 2
+    for at, ok in ((region + 40, True), (2 * region - 2 * BLOCK_KEY_WORDS, True), (2 * region - 7, False),
+                   (region - 1, False), (3 * region + 40, False), (1 << 30, False)):  # fmt: skip
+        rec["block_keys_offset"] = at
+        publish = lambda: acc.check_write(geo.slot_offset(1), rec.tobytes())  # noqa: E731
+        if ok:
+            publish()
+        else:
+            with pytest.raises(AccessDenied, match="block keys"):
+                publish()
+    view.slots["state"][1] = SlotState.DECODE_PROCESSING
+    for field in ("n_block_keys", "block_keys_offset", "cached_tokens"):  # fixed while it holds a request
+        with pytest.raises(AccessDenied):
+            acc.check_write(geo.slot_offset(1) + SLOT_DTYPE.fields[field][1], np.uint32(0).tobytes())
+    reset = HEADER_DTYPE.fields["reset_cache_seq"][1]
+    acc.check_write(reset, np.uint64(5 * 2 + 1).tobytes())
+    with pytest.raises(AccessDenied, match="partition"):
+        acc.check_write(reset, np.uint64(5 * 2).tobytes())
+    for name in ("kv_cache_key", "prefix_cache_hits", "kv_blocks_cached"):  # the device's header words
+        with pytest.raises(AccessDenied, match="device"):
+            acc.check_write(HEADER_DTYPE.fields[name][1], bytes(HEADER_DTYPE.fields[name][0].itemsize))
+    view.header["kv_cache_key"], view.header["prefix_cache_hits"] = 0x1234, 77
+    view.slots["cached_tokens"][1], view.slots["cached_tokens"][0] = 32, 48
+    head = np.frombuffer(view.header.tobytes(), np.uint8).copy()
+    acc.mask_read(0, head)
+    got = head.view(HEADER_DTYPE)[0]
+    assert int(got["kv_cache_key"]) == 0x1234 and int(got["prefix_cache_hits"]) == 77
+    recs = np.frombuffer(view.slots.tobytes(), np.uint8).copy()
+    acc.mask_read(geo.slots_offset, recs)
+    assert recs.view(SLOT_DTYPE)["cached_tokens"].tolist() == [0, 32, 0, 0]  # its own slots only

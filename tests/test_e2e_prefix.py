@@ -10,6 +10,8 @@ import json
 import pytest
 from test_e2e_openai import API_KEY, Server, _post, _sse
 
+from blink.testing import ServeProcess
+
 MODEL = "tiny-llama"
 BASE = ("--model", "random:tiny-llama", "--num-kv-blocks", "256", "--n-slots", "8", "--api-key", API_KEY)
 PROMPT = list(range(5, 5 + 150))  # token ids: 150 tokens, 9 full blocks of 16 before the last one's
@@ -110,3 +112,28 @@ def test_bench_multiturn_replay_resends_the_history(on):
     assert w["conversations"] == 2 and res["completed"] == w["turns"] >= 4
     reqs = res["requests"]
     assert sum(r["cached_tokens"] for r in reqs) > 0  # later turns find the history cached
+
+
+def test_a_frontend_through_the_ring_agent_hits_and_resets_the_cache(tmp_path):
+    """A frontend of a remote ring (`--ring-address`: the tcp transport through the ring agent, which
+    checks every store): its block keys pass the agent's publish check, so its repeated prompt
+    reports cached tokens, and its operator's reset rings reset_cache_seq through the agent."""
+    key = str(tmp_path / "ring.secret")
+    gpu = ServeProcess([*BASE, "--device", "emulated", "--ring-listen", "127.0.0.1:0", "--ring-secret-file", key])
+    try:
+        remote = ("--ring-address", gpu.agent, "--ring-secret-file", key, "--transport", "tcp")
+        fe = ServeProcess([*BASE, *remote, "--allow-reset-prefix-cache"])
+        try:
+            assert any("ring transport tcp" in ln and "partition 1 of 2" in ln for ln in fe.log), "".join(fe.log)
+            p = PROMPT[:100]
+            assert complete(fe, p)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+            again = complete(fe, p)
+            assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}, "".join(gpu.log[-20:])
+            status, r = _post(fe.url + "/reset_prefix_cache", b"{}")
+            assert status == 200 and r == {"status": "ok"}, r
+            assert complete(fe, p)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+            assert complete(fe, p)["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
+        finally:
+            assert fe.stop() == 0, "".join(fe.log[-20:])
+    finally:
+        assert gpu.stop() == 0, "".join(gpu.log[-20:])

@@ -60,6 +60,8 @@ host-mapped memory are not atomic with respect to the host):
     slot.mask_slot    frontend, before PREFILL_PENDING (constant for the request)
     slot.mask_position  frontend, release-store after the mask's bits (any state of a held slot)
     mask arena        frontend-written (the mask of a held slot's mask_slot), device-read
+    slot.n_block_keys, block_keys_offset, block keys   frontend, before PREFILL_PENDING (in the slot's
+                 own region of the prompt arena, after the rest of the request)
     slot.cached_tokens              device (at admission, before the first `generated` store)
     slot.t_submit_ns, t_read_ns     frontend;  t_admit_ns, t_launch_ns, t_first_ns     device
                  (the first token's path, one wall clock: the GPU scheduler adds a calibrated
@@ -71,7 +73,9 @@ host-mapped memory are not atomic with respect to the host):
                  store writes a value no store wrote before and the device, which only compares
                  the doorbell with the last value it saw, never misses a change.
     header.reset_cache_seq   frontend doorbell like submit_seq (seq * F + index): the device drops
-                 every key of its prefix cache (blocks in use keep their KV, unnamed)
+                 every key of its prefix cache (blocks in use keep their KV, unnamed). An operator
+                 action: a server rings it only with --allow-reset-prefix-cache; the ring agent
+                 takes it from any authenticated frontend, as its other doorbells
     header device fields (status, heartbeat, stats, kv counters)   device
 
 Output ring: token k of slot s is at output[s, k % output_capacity]. The device never
@@ -312,6 +316,13 @@ DEVICE_GAUGES = (
 )
 
 assert SLOT_DTYPE.itemsize == SLOT_BYTES, SLOT_DTYPE.itemsize
+
+# The ownership table's frontend words, as the ring agent enforces them (blink/protocol/ring_access.py):
+# the record words a frontend stores while its slot holds a request (each whole), and the header
+# doorbells it rings (seq * F + index). Every other word of a held slot and of the header is the device's.
+FRONTEND_SLOT_WORDS = ("state", "cancel", "consumed", "t_read_ns", "mask_position")
+FRONTEND_DOORBELLS = ("submit_seq", "cancel_seq", "reset_cache_seq")
+assert set(FRONTEND_SLOT_WORDS) <= set(SLOT_DTYPE.names) and set(FRONTEND_DOORBELLS) <= set(HEADER_DTYPE.names)
 assert set(DEVICE_COUNTERS + DEVICE_GAUGES) <= set(HEADER_DTYPE.names)
 
 TOKEN_DTYPE = np.dtype("<i4")

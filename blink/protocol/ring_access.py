@@ -10,13 +10,22 @@ for a slot of that partition, in the slot's current state:
                                     `state` = EMPTY only from DECODE_COMPLETED (the release)
     prompt arena, slot EMPTY        the slot's own region (prompt_arena_tokens // n_slots words)
     publish (state := PREFILL_PENDING)  only if the record's prompt (prompt_offset, prompt_len,
-                                    logit bias, prompt logprob records at prompt_logprobs_offset)
-                                    lies in the slot's own region: the device reads and writes there
+                                    logit bias, prompt logprob records at prompt_logprobs_offset,
+                                    block keys at block_keys_offset) lies in the slot's own region:
+                                    the device reads and writes there
     mask arena                      the bitmasks m of the partition (m % owners == owner, as the
                                     frontend's MaskArena takes them); a publish names one of those
                                     in `mask_slot` (or none)
-    header                          submit_seq / cancel_seq, 8-byte stores of a value that is this
-                                    partition's (seq * owners + owner, see layout.py)
+    header                          the doorbells (submit_seq, cancel_seq, reset_cache_seq),
+                                    8-byte stores of a value that is this partition's
+                                    (seq * owners + owner, see layout.py)
+
+The word lists come from layout.py (FRONTEND_SLOT_WORDS, FRONTEND_DOORBELLS). reset_cache_seq makes
+the device forget its prefix cache's keys, every partition's: no request's data is read or changed
+(blocks in use keep their KV), only later hits are lost. Resetting is an operator action that the
+server gates (POST /reset_prefix_cache answers 403 without --allow-reset-prefix-cache); a client
+holding the ring secret is a frontend the operator started, so the agent takes the doorbell from it
+like submit_seq.
 
 Everything else (device words, `shutdown`, the output and logprob arenas, another partition's
 slots) is refused: the batch fails and the connection closes. Reads return the ring's bytes where
@@ -32,6 +41,9 @@ from __future__ import annotations
 import numpy as np
 
 from .layout import (
+    BLOCK_KEY_WORDS,
+    FRONTEND_DOORBELLS,
+    FRONTEND_SLOT_WORDS,
     HEADER_BYTES,
     HEADER_DTYPE,
     LOGPROB_DTYPE,
@@ -55,8 +67,8 @@ def _field(name: str) -> tuple[int, int]:
 
 _STATE = _field("state")
 _CANCEL = _field("cancel")
-_BUSY_WORDS = {_CANCEL, _field("consumed"), _field("t_read_ns"), _field("mask_position"), _STATE}
-_DOORBELLS = tuple(HEADER_DTYPE.fields[f][1] for f in ("submit_seq", "cancel_seq"))
+_BUSY_WORDS = {_field(name) for name in FRONTEND_SLOT_WORDS}
+_DOORBELLS = tuple(HEADER_DTYPE.fields[f][1] for f in FRONTEND_DOORBELLS)
 _EMPTY, _PENDING, _COMPLETED = int(SlotState.EMPTY), int(SlotState.PREFILL_PENDING), int(SlotState.DECODE_COMPLETED)
 
 
@@ -158,6 +170,9 @@ class RingAccess:
         first = int(rec["prompt_offset"])
         if not (lo <= first and first + n + 2 * bias <= hi):
             raise AccessDenied(f"slot {s}: the prompt is outside the slot's region of the prompt arena")
+        keys, at = int(rec["n_block_keys"]), int(rec["block_keys_offset"])
+        if keys and not (lo <= at and at + keys * BLOCK_KEY_WORDS <= hi):
+            raise AccessDenied(f"slot {s}: the block keys are outside the slot's region of the prompt arena")
         mask = int(rec["mask_slot"])
         if mask and not (mask <= self.geo.n_masks and (mask - 1) % self.owners == self.owner):
             raise AccessDenied(f"slot {s}: mask_slot {mask} is not a bitmask of partition {self.owner}")

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conformance.rig import Rig
+from conformance.rig import Rig, refused_by_the_agent
 
 from blink.protocol.layout import UNLIMITED, FinishReason, SlotError, SlotFlags
 
@@ -208,9 +208,15 @@ def test_penalized_requests_compute_every_token(cached: Rig, fields: dict):
 def test_bad_block_keys_are_rejected(cached: Rig):
     c = cached.client
     p = prompt(cached, 40)  # 2 full blocks: 3 keys is one too many
-    for fields in ({"n_block_keys": 3, "block_keys_offset": 0}, {"n_block_keys": 1, "block_keys_offset": 1 << 30}):
-        r = c.generate(p, max_new_tokens=1, keys=False, fields=fields)
-        assert r.finish is FinishReason.ERROR and r.error is SlotError.BAD_PARAMS, fields
+    slot = c._free_slot()
+    too_many = {"n_block_keys": 3, "block_keys_offset": slot * c.region}  # in the slot's own region
+    r = c.generate(p, max_new_tokens=1, keys=False, slot=slot, fields=too_many)
+    assert r.finish is FinishReason.ERROR and r.error is SlotError.BAD_PARAMS
+    outside = {"n_block_keys": 1, "block_keys_offset": 1 << 30}  # past the arena
+    if refused_by_the_agent(cached, lambda: c.submit(p, max_new_tokens=1, keys=False, fields=outside)):
+        return
+    r = c.generate(p, max_new_tokens=1, keys=False, fields=outside)
+    assert r.finish is FinishReason.ERROR and r.error is SlotError.BAD_PARAMS
 
 
 def _workload(rig: Rig) -> list[list[int]]:
