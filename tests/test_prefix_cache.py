@@ -204,3 +204,17 @@ def test_leaked_blocks_none_after_a_random_mix(bs):
             s.abort(rnd.choice(list(s.seqs)))
     drain(s)
     assert not s.seqs and s.blocks.num_free == s.blocks.num_blocks and s.cache_hits > 0
+
+
+def test_the_kv_cache_key_names_what_makes_the_kv():
+    """header.kv_cache_key, the seed of every block key chain, changes with whatever changes a token's
+    K/V: the model, its random seed, the weights' quantization and the KV cache's dtype."""
+    from blink.device.process import kv_cache_key
+    from blink.protocol.wire import DeviceSpec
+
+    base = dict(ring="r", kind="emulated", model="random:tiny-llama", scheduler="host", max_batch=4)
+    base.update(max_num_batched_tokens=64, kv_block_size=16, num_kv_blocks=32, kv_cache_fraction=0.9, max_context=0)
+    key = lambda **kw: kv_cache_key(DeviceSpec(**{**base, **kw}))  # noqa: E731
+    assert key() == key(max_batch=8)  # scheduling does not change the KV
+    changed = [key(model="random:tiny-qwen3"), key(seed=1), key(quantization="fp8"), key(kv_cache_dtype="fp8")]
+    assert len({key(), *changed}) == 5

@@ -32,8 +32,9 @@ PARENT_POLL_S = 0.5
 
 def kv_cache_key(spec: DeviceSpec) -> int:
     """header.kv_cache_key: what makes this device's KV for given tokens what it is (the model and,
-    for random weights, their seed), 64 bits of blake2b; the frontends seed block keys with it."""
-    ident = msgspec.json.encode([spec.model, spec.seed])
+    for random weights, their seed; the weights' quantization and the KV cache's dtype), 64 bits of
+    blake2b; the frontends seed block keys with it."""
+    ident = msgspec.json.encode([spec.model, spec.seed, spec.quantization, spec.kv_cache_dtype])
     return int.from_bytes(hashlib.blake2b(ident, digest_size=8).digest(), "little")
 
 
