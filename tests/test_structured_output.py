@@ -224,3 +224,12 @@ def test_an_invalid_constraint_is_a_400_naming_what_is_wrong(client, server, ext
     assert needle in str(e.value)
     # the server is fine afterwards
     assert client.completions.create(model=server.model, prompt="x", max_tokens=2).choices[0].finish_reason
+
+
+def test_grammars_of_a_synthetic_tokenizer_whose_eos_lies_past_its_tokens():
+    """random:llama3-8b's byte tokenizer has 258 tokens and EOS 128009: `blink serve` built its grammar
+    engine at start and died with llguidance's "EOS token ID 128009 is out of range"."""
+    from blink.dpu.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("random:llama3-8b")
+    assert tok.grammars.vocab_size == 128256
