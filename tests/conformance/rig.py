@@ -132,6 +132,14 @@ class Rig:
         )
         return msgspec.structs.replace(device_spec(cfg, self.name), **DEVICE_FIELDS)
 
+    @property
+    def exact(self) -> bool:
+        """The device computes every token's logits the same whatever the step holds (the emulated
+        device's float32 numpy). A CUDA step sums in an order that depends on how many tokens it
+        carries (GEMV vs GEMM, prefill vs decode kernels), so a sequence recomputed or prefilled in
+        other chunks can part from the first run at a near-tie of a random model's logits."""
+        return self.device_spec().kind == "emulated"
+
     def assert_clean(self) -> None:
         """Every slot EMPTY (the client freed its requests) and the KV pool whole again."""
         states = self.client.states()

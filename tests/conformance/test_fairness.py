@@ -7,6 +7,8 @@ waiting a minute for its first token). Through the ring only.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 from conformance.rig import Rig
 
@@ -38,12 +40,10 @@ def test_a_request_with_many_choices_does_not_keep_another_waiting(make_rig):
     assert not any(c.poll(s).done for s in group), [len(c.poll(s).tokens) for s in group]
     res = c.wait(group, timeout=120)
     # one choice was preempted to make room and recomputed: every choice has the same greedy tokens
-    diverge = [next((i for i, (a, b) in enumerate(zip(x.tokens, res[0].tokens)) if a != b), None) for x in res]
-    assert all(x.finish is FinishReason.LENGTH and x.tokens == res[0].tokens for x in res), (
-        [x.finish for x in res],
-        [len(x.tokens) for x in res],
-        diverge,
-    )
+    # (on CUDA the recomputed one may part from the others at a near-tie: Rig.exact)
+    assert all(x.finish is FinishReason.LENGTH and len(x.tokens) == LONG for x in res), [x.finish for x in res]
+    parted = len(res) - max(Counter(tuple(x.tokens) for x in res).values())
+    assert parted == 0 if rig.exact else parted <= 1, parted
     assert len(res[0].tokens) == LONG
 
 
