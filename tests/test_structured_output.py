@@ -233,3 +233,11 @@ def test_grammars_of_a_synthetic_tokenizer_whose_eos_lies_past_its_tokens():
 
     tok = load_tokenizer("random:llama3-8b")
     assert tok.grammars.vocab_size == 128256
+
+
+def test_the_structured_benchmark_times_masks_on_a_model_tokenizer():
+    """bench.serving.structured's frontend part (it called a tokenizer method that no longer exists)."""
+    from bench.serving.structured import mask_times
+
+    out = mask_times("random:tiny-llama", 1)
+    assert out["schemas"] and all(s["us_p50"] > 0 for s in out["schemas"].values())

@@ -55,7 +55,7 @@ def mask_times(model: str, reps: int) -> dict:
         t0 = time.perf_counter()
         assert grammars.check(g) == "", grammars.check(g)
         compile_ms = (time.perf_counter() - t0) * 1e3
-        ids = tok.text_ids(doc, add_special=False)
+        ids = tok.tok.encode(doc, add_bos=False)
         times = []
         for _ in range(reps):
             c = Constraint(grammars.matcher(g), 0, geo)
