@@ -82,7 +82,9 @@ def test_fp8_kv_engine_matches_the_numpy_fp8_kv_model(name, decode):
         assert np.array_equal(fp8.kv_round(ref), ref)
         same = float(np.mean(got[used] == ref[used]))
         assert same > 0.9, same
-        assert np.all(np.abs(got[used] - ref[used]) <= np.abs(ref[used]) / 8 + 2.0**-9)
+        diff, bound = np.abs(got[used] - ref[used]), np.abs(ref[used]) / 8 + 2.0**-9
+        bad = np.flatnonzero(diff > bound)
+        assert bad.size == 0, (bad.size, list(zip(got[used][bad[:8]], ref[used][bad[:8]], strict=True)))
     eng.close()
 
 
