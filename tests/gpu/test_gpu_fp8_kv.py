@@ -82,7 +82,11 @@ def test_fp8_kv_engine_matches_the_numpy_fp8_kv_model(name, decode):
         assert np.array_equal(fp8.kv_round(ref), ref)
         same = float(np.mean(got[used] == ref[used]))
         assert same > 0.9, same
-        diff, bound = np.abs(got[used] - ref[used]), np.abs(ref[used]) / 8 + 2.0**-9
+        # one e4m3 step, plus what the GPU's bf16 K/V (before RoPE) and numpy's float32 differ by:
+        # ~2^-9 of the vectors' size, more than a step for values near zero (measured on the H200:
+        # 0.4 % of the values past one step, all under 0.05 in magnitude, off by at most 0.008)
+        diff = np.abs(got[used] - ref[used])
+        bound = np.abs(ref[used]) / 8 + 2.0**-9 + float(np.sqrt(np.mean(ref[used] ** 2))) / 64
         bad = np.flatnonzero(diff > bound)
         assert bad.size == 0, (bad.size, list(zip(got[used][bad[:8]], ref[used][bad[:8]], strict=True)))
     eng.close()
