@@ -5,7 +5,7 @@ scheduler; `--scheduler host` for the host loop: both apply token masks).
     python -m bench.serving.structured RESULTS_DIR [--model random:llama3-8b] [--device cuda]
         [--scheduler gpu|host] [--streams 32] [--tokens 128] [--commit C]
 
-Writes RESULTS_DIR/structured_output-<h200|emulated>-<commit>.json with:
+Writes RESULTS_DIR/structured_output_<scheduler>-<h200|emulated>-<commit>.json with:
 - mask: per JSON schema of growing size (2 to 64 properties), the frontend's work per generated token
   (advance the matcher by the token, fill the next position's bitmask, copy it for the ring write:
   blink.dpu.token_masks.Constraint.advance) over a valid document, p50/p99 in microseconds, with the
@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     result = metadata(commit, argv, gpu=gpu) | {"model": a.model, "device": a.device, "scheduler": a.scheduler}
     result["mask"] = mask_times(a.mask_model or a.model, a.reps)
     result |= device_runs(a)
-    where = "emulated" if a.device == "emulated" else f"{short_device(gpu)}-{a.scheduler}"  # one file per scheduler
-    name = f"structured_output-{where}-{commit[:7]}.json"
+    where = "emulated" if a.device == "emulated" else short_device(gpu)
+    name = f"structured_output_{a.scheduler}-{where}-{commit[:7]}.json"  # one file per scheduler
     write_json(os.path.join(a.results, name), result)
     return 0
 
