@@ -195,21 +195,7 @@ class CompletionHandler:
         stop = self._stop_strings(r)
         call.stop_matcher = await stop_matcher.prepare(stop)  # built off the loop's critical path
         encoded = [await self._encode(chat, p, r) for p in prompts]
-        for ids in encoded:
-            why = self.backend.check_prompt(len(ids))
-            if why:
-                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
-        asked = r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens
-        limit, n_in = self.backend.max_context, max(len(ids) for ids in encoded)
-        if asked is not None and limit and n_in + asked > limit:  # an explicit max_tokens: vLLM's 400
-            raise api.APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n_in + asked} tokens ({n_in} in the {'messages' if chat else 'prompt'}, {asked} in the "
-                "completion). Please reduce the length of the messages or completion.",
-                "max_tokens",
-                "context_length_exceeded",
-            )
+        self._check_context(r, chat, encoded)
         try:
             stop_ids = self.tok.stop_ids(r.stop_token_ids or [], r.ignore_eos)
         except PromptError as e:
@@ -257,6 +243,24 @@ class CompletionHandler:
             )
             for j, sub in enumerate(subs)
         ]
+
+    def _check_context(self, r: Any, chat: bool, encoded: list[list[int]]) -> None:
+        """Each prompt fits the context, and so do prompt + an explicit max_tokens (vLLM's 400s)."""
+        for ids in encoded:
+            why = self.backend.check_prompt(len(ids))
+            if why:
+                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
+        asked = r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens
+        limit, n_in = self.backend.max_context, max(len(ids) for ids in encoded)
+        if asked is not None and limit and n_in + asked > limit:
+            raise api.APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_in + asked} tokens ({n_in} in the {'messages' if chat else 'prompt'}, {asked} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
 
     def _tool_parser(self, tools: tuple[list[dict], str, str | None] | None) -> Parser | None:
         """How the choices' tool calls are read: none without tools or with tool_choice none; the

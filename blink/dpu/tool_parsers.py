@@ -17,6 +17,7 @@ with id, type and name and empty arguments, then one with the arguments), finish
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -114,12 +115,12 @@ def required_schema(tools: list[dict], named: str | None, parallel: bool) -> dic
 
 
 # -- parsers ---------------------------------------------------------------------------------------
-class Parser:
+class Parser(abc.ABC):
     start = ""  # the text that opens the tool calls
 
+    @abc.abstractmethod
     def calls(self, text: str) -> list[ToolCall] | None:
         """The calls in `text` from its start marker on; None when it does not parse."""
-        raise NotImplementedError
 
     def locate(self, s: str, seen_content: bool) -> tuple[int, int]:
         """(where the calls start in s, -1: not yet; how many trailing characters to hold back
