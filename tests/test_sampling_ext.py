@@ -167,6 +167,7 @@ def test_features_are_advertised(device):
         | DeviceFeatures.PROMPT_LOGPROBS
         | DeviceFeatures.PENALTIES
         | DeviceFeatures.TOKEN_MASK
+        | DeviceFeatures.PREFIX_CACHING
     )
 
 

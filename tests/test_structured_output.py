@@ -78,7 +78,7 @@ def test_a_choice_mask_allows_exactly_the_first_tokens_of_the_choices():
     bits = np.zeros(g.words, "<u4")
     m.fill_mask(bits)
     allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
-    assert sorted(allowed.tolist()) == sorted(tok.text_ids("a", False) + tok.text_ids("c", False))
+    assert sorted(allowed.tolist()) == sorted(tok.tok.encode("a", add_bos=False) + tok.tok.encode("c", add_bos=False))
 
 
 @pytest.mark.parametrize(

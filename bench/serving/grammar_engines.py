@@ -139,7 +139,7 @@ def measure(engine, tok, reps: int) -> dict:
         t0 = time.perf_counter()
         g = engine.compile(kind, spec)
         compile_ms = (time.perf_counter() - t0) * 1e3
-        ids = tok.text_ids(text, add_special=False)
+        ids = tok.tok.encode(text, add_bos=False)
         times = []
         for _ in range(reps):
             m = engine.matcher(g)

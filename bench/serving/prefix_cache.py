@@ -77,7 +77,7 @@ EMULATED = Sizes(
     noreuse_out=8,
     noreuse_streams=4,
     noreuse_s=2.0,
-    noreuse_prompts=200,
+    noreuse_prompts=5000,  # a fast emulated run completes hundreds: still none sent twice
     claim_n=3,
 )
 
