@@ -27,10 +27,12 @@ serve: install
 	$(BIN)/blink pull
 	$(BIN)/blink serve --host $(HOST) --port $(PORT) $(ARGS)
 
-# Every test that can run on this machine (gpu/rdma-marked tests are skipped without the hardware).
+# Every test that can run on this machine (gpu/rdma-marked tests are skipped without the hardware),
+# in TEST_WORKERS processes, a test file per process at a time (its servers and rigs stay in one).
+TEST_WORKERS ?= 2
 test: install-test
 	$(BIN)/blink pull
-	$(BIN)/pytest -m "not gpu and not rdma" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not gpu and not rdma" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check blink tests bench
