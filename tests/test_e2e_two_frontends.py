@@ -83,9 +83,13 @@ def test_a_second_frontend_attaching_leaves_the_first_ones_stream_alone(tmp_path
         agent_auth.ensure_secret_file(str(wrong))
         with pytest.raises(RuntimeError, match="does not hold this frontend's secret"):
             ServeProcess([*TINY, "--ring-address", gpu.agent, "--ring-secret-file", str(wrong)], timeout=60)
-        fe = ServeProcess([*TINY, "--ring-address", gpu.agent, "--ring-secret-file", key], timeout=180)
+        # over tcp, so its requests pass the agent's checks (on this host `auto` would map the ring)
+        fe = ServeProcess(
+            [*TINY, "--ring-address", gpu.agent, "--ring-secret-file", key, "--transport", "tcp"], timeout=180
+        )
         try:
             assert any("partition 1 of 2" in ln for ln in fe.log), "".join(fe.log)
+            assert any("ring transport tcp" in ln for ln in fe.log), "".join(fe.log)
             ring = ShmTransport.open(gpu.ring)
             assert (ring.view().slots["state"] != SlotState.EMPTY).any()  # the stream was in flight meanwhile
             ring.close()
