@@ -367,6 +367,29 @@ def test_chat_logprobs_streamed_and_not(tiny):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
 
 
+def test_return_tokens_as_token_ids_names_tokens_by_id(tiny):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:ID"; echoing a token-id
+    prompt gives back its ids, and chat's tokens decode to the message."""
+    c = tiny.client()
+    prompt = [5, 6, 7, 8, 9]
+    kw = dict(model="tiny-llama", max_tokens=3, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    r = c.completions.create(prompt=prompt, echo=True, **{**kw, "extra_body": {"return_tokens_as_token_ids": True}})
+    toks = r.choices[0].logprobs.tokens
+    assert toks[:5] == [f"token_id:{i}" for i in prompt] and len(toks) == 8
+    assert all(t.startswith("token_id:") for tops in r.choices[0].logprobs.top_logprobs[1:] for t in tops)
+    plain = c.completions.create(prompt=prompt, echo=True, **kw).choices[0].logprobs
+    assert plain.token_logprobs == r.choices[0].logprobs.token_logprobs and not plain.tokens[0].startswith("token_id")
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(
+        model="tiny-llama", messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    ids = [int(e.token.removeprefix("token_id:")) for e in chat.choices[0].logprobs.content]
+    assert len(ids) == 4 and all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
+    status, text = _post(tiny.url + "/detokenize", json.dumps({"model": "tiny-llama", "tokens": ids}))
+    assert status == 200 and text["prompt"] == chat.choices[0].message.content
+
+
 def test_completions_echo_logprobs_max_tokens_0(tiny):
     """What lm-evaluation-harness's loglikelihood requests send: the prompt's logprobs, no tokens."""
     c = tiny.client()

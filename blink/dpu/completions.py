@@ -212,11 +212,12 @@ class CompletionHandler:
         ]
         self._check_subs(subs[::n], chat)
         call.prompt_only = max_tokens == 0
+        decode = _token_id_name if r.return_tokens_as_token_ids else self._decode_one
         call.lps = [
             ChoiceLogprobs(
                 chat,
                 sub.sampling.logprobs,
-                self._decode_one,
+                decode,
                 sub.prompt_ids,
                 not chat and bool(r.echo),
                 -1 if r.prompt_logprobs is None else r.prompt_logprobs,
@@ -564,6 +565,11 @@ class CompletionHandler:
             return text + tail, ev.finish, []
         calls = chunks.tool_calls([c.openai(i) for i, c in enumerate(found)], j)
         return text + tail, "tool_calls" if ev.finish == "stop" else ev.finish, calls
+
+
+def _token_id_name(i: int) -> str:
+    """A token as logprobs name it with return_tokens_as_token_ids (vLLM's form)."""
+    return f"token_id:{i}"
 
 
 class _OneChoice:

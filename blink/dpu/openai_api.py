@@ -83,6 +83,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_p: float | None = None  # extension
     repetition_penalty: float | None = None  # extension
     prompt_logprobs: int | None = None  # extension
+    return_tokens_as_token_ids: bool = False  # extension: logprobs name tokens "token_id:ID" (vLLM's)
     # structured output (blink/dpu/structured.py): OpenAI's, vLLM's, and vLLM's older names
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
