@@ -49,7 +49,7 @@ async def prefix_requests(session: Any, base: str, model: str, words: list[str],
 
 
 @functools.lru_cache(maxsize=2)
-def _sharegpt_conversations(path: str, min_turns: int) -> tuple[tuple[str, ...], ...]:
+def sharegpt_conversations(path: str, min_turns: int) -> tuple[tuple[str, ...], ...]:
     """The messages (human, gpt, human, gpt, ...) of every conversation with at least min_turns
     human turns, each answered (read once per process)."""
     from blink.benchmark import json_array_prefix
@@ -73,7 +73,7 @@ def _sharegpt_conversations(path: str, min_turns: int) -> tuple[tuple[str, ...],
 async def multiturn_conversations(session: Any, base: str, model: str, path: str, args: Any) -> list[list[Request]]:
     """args.num_prompts conversations of min_turns..max_turns turns each (history resent every turn);
     a conversation ends early where the history and the reply would pass args.max_model_len."""
-    convs = list(_sharegpt_conversations(path, args.min_turns))
+    convs = list(sharegpt_conversations(path, args.min_turns))
     random.Random(args.seed).shuffle(convs)
     out: list[list[Request]] = []
     for msgs in convs:

