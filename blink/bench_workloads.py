@@ -15,6 +15,7 @@ the concatenation of its messages' ids, so each turn's prompt starts with the pr
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 from typing import Any
@@ -73,7 +74,9 @@ def sharegpt_conversations(path: str, min_turns: int) -> tuple[tuple[str, ...], 
 async def multiturn_conversations(session: Any, base: str, model: str, path: str, args: Any) -> list[list[Request]]:
     """args.num_prompts conversations of min_turns..max_turns turns each (history resent every turn);
     a conversation ends early where the history and the reply would pass args.max_model_len."""
-    convs = list(sharegpt_conversations(path, args.min_turns))
+    # off the event loop: a large file takes seconds, and a connection left idle meanwhile is closed
+    # by the server's keep-alive timeout before the loop can notice (the next request on it fails)
+    convs = list(await asyncio.to_thread(sharegpt_conversations, path, args.min_turns))
     random.Random(args.seed).shuffle(convs)
     out: list[list[Request]] = []
     for msgs in convs:

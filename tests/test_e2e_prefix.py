@@ -137,3 +137,30 @@ def test_a_frontend_through_the_ring_agent_hits_and_resets_the_cache(tmp_path):
             assert fe.stop() == 0, "".join(fe.log[-20:])
     finally:
         assert gpu.stop() == 0, "".join(gpu.log[-20:])
+
+
+def test_bench_multiturn_reads_its_dataset_without_losing_an_idle_connection(tmp_path, monkeypatch):
+    """Reading a large ShareGPT file takes seconds: done on the event loop, the connection of the
+    /v1/models request went idle past the server's keep-alive timeout, was closed, and the first
+    /tokenize on it failed ("Can not write request body"). The file is read off the loop."""
+    import time
+
+    from blink import bench_workloads
+
+    slow = bench_workloads.sharegpt_conversations
+
+    def read_slowly(path: str, min_turns: int):
+        time.sleep(1.5)  # a 125 MB file on a busy host
+        return slow(path, min_turns)
+
+    monkeypatch.setattr(bench_workloads, "sharegpt_conversations", read_slowly)
+    turns = [{"from": f, "value": f"{f} {k} " * 5} for k in range(3) for f in ("human", "gpt")]
+    (tmp_path / "sg.json").write_text(json.dumps([{"conversations": turns}] * 2))
+    s = Server("--model", "random:tiny-llama", "--num-kv-blocks", "256", "--n-slots", "8", "--api-key", API_KEY,
+               "--timeout-keep-alive", "0.5")  # fmt: skip
+    try:
+        argv = ("--dataset", "sharegpt-multiturn", "--dataset-path", str(tmp_path / "sg.json"), "--num-prompts", "2")
+        res = _bench(s, *argv, "--min-turns", "2", "--max-turns", "3", "--output-len-range", "2:3")
+        assert res["workload"]["conversations"] == 2 and res["completed"] == 6 and res["failed"] == 0
+    finally:
+        assert s.stop() == 0, "".join(s.log)
