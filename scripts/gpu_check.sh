@@ -19,9 +19,10 @@
 #   prefix_exact bench.serving.prefix_exactness on $SMOL (a GGUF, e.g. SmolLM2-135M-Instruct): greedy chats
 #                (ShareGPT multi-turn, a shared system prompt) give the same token ids with caching on
 #                and off, through `blink serve --device cuda`, GPU scheduler and host loop         (~3 min)
-#   prefix_smol  bench.serving.prefix_cache on $SMOL: caching on vs off, GPU scheduler          (~3 min)
+#   prefix_smol  bench.serving.prefix_cache --quick on $SMOL: caching on vs off, GPU scheduler  (~2 min)
 #   prefix_soak  bench.serving.soak, 120 s, Llama-3-8B shape, its prefix-sharing client mix
 #                among the others, no kill: nothing lost, 0 slots and 0 KV blocks leaked        (~3 min)
+#   paper_prefix bench.paper.evaluate --quick --parts prefix (both schedulers), then its figure  (~7 min)
 #   serve32b     bench.serving.serve_check: Qwen3-32B's shape served end to end              (~3 min)
 #   paper        bench.paper.evaluate --quick: the paper's evaluation, then its figures      (~10 min)
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
@@ -142,7 +143,7 @@ if has prefix_exact && smol prefix_exact; then
 fi
 if has prefix_smol && smol prefix_smol; then
   part prefix_smol 600 "$PY" -m bench.serving.prefix_cache --device cuda --model "$SMOL" --name prefix_cache_smollm2 \
-    --noreuse-prompts 6000 --commit "$COMMIT" --out "$DEST" $SHAREGPT_ARG
+    --quick --noreuse-prompts 6000 --commit "$COMMIT" --out "$DEST" $SHAREGPT_ARG
 fi
 if has prefix_soak; then
   part prefix_soak 420 "$PY" -m bench.serving.soak --device cuda --model random:llama3-8b --duration-s 120 \
@@ -178,6 +179,11 @@ fi
 if has paper; then
   part paper 1800 "$PY" -m bench.paper.evaluate --device cuda --quick --commit "$COMMIT" --out "$DEST/paper"
   part plots 120 "$PY" -m bench.paper.plots "$DEST"/paper/*.json --out "$DEST/paper/figures"
+fi
+if has paper_prefix; then
+  part paper_prefix 900 "$PY" -m bench.paper.evaluate --device cuda --quick --parts prefix --commit "$COMMIT" \
+    --out "$DEST/paper" $SHAREGPT_ARG
+  part plots_prefix 120 "$PY" -m bench.paper.plots "$DEST"/paper/prefix-*.json --out "$DEST/paper/figures"
 fi
 if has kernels; then
   part kernel_attn 300 "$PY" -m bench.kernels.decode_attention --commit "$COMMIT" --out "$(json decode_attention)"

@@ -90,8 +90,22 @@ def synthetic_docs() -> list[dict]:
         {"what": "peer", **meta, "blink": {"output_throughput": 10480.0}, "transformers": {"output_tok_per_s": 924.0}},
         {"what": "smol", **meta, "model": "SmolLM2.gguf",
          "results": {s: {"interference": interf[s], "sigstop": stop[s]} for s in ("gpu", "host")}},
+        {"what": "prefix", **meta, "results": {"gpu": prefix_runs(), "host": {"error": "RuntimeError: made up"}}},
+        {"what": "prefix_cache", "name": "prefix_cache_smollm2", **meta, "device": "NVIDIA H200", "scheduler": "gpu",
+         "results": prefix_runs()["results"]},  # bench/serving/prefix_cache.py's own JSON
         {"bench": "throughput", "gpu": {}},  # an older benchmark's JSON: skipped
     ]  # fmt: skip
+
+
+def prefix_runs() -> dict:
+    """One scheduler's prefix caching runs, on and off, as bench/serving/prefix_cache.py returns them."""
+    runs = lambda t: {  # noqa: E731
+        "shared@8": {**_bench(8.0, t, 6), "prefix_cache_hit_rate": 0.9 if t < 50 else 0.0},
+        "multiturn": {**_bench(4.0, 2 * t, 6), "prefix_cache_hit_rate": 0.6 if t < 50 else 0.0},
+        "noreuse": {**_bench("inf", 100, 6), "prefix_cache_hit_rate": 0.0},
+        "claim_to_launch": {"match_ms": 0.1, "no_match_ms": 0.1},
+    }
+    return {"results": {"on": runs(14), "off": runs(150)}, "ratios_on_over_off": {"ttft_p50_shared@8": 0.09}}
 
 
 def test_plots_draw_every_figure_from_json_alone(tmp_path):
@@ -102,7 +116,10 @@ def test_plots_draw_every_figure_from_json_alone(tmp_path):
             json.dump(doc, f, allow_nan=False)
     written = plots.draw(files, str(tmp_path / "fig"))
     names = sorted(os.path.basename(p).split("-")[0] for p in written)
-    assert names == sorted(["interference", "latency_cdf", "cpu", "sigstop", "sweep", "ablation", "peer", "smol"])
+    assert names == sorted(
+        ["interference", "latency_cdf", "cpu", "sigstop", "sweep", "ablation", "peer", "smol", "prefix"]
+        + ["prefix_cache_smollm2"]
+    )
     for p in written:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 10_000
@@ -159,6 +176,41 @@ def test_paper_quick_end_to_end_on_the_emulated_device(tmp_path):
     assert len(docs["ablation"]["ratio_host_over_gpu"]) == 2
     written = plots.draw(sorted(str(p) for p in out.glob("*.json")), str(tmp_path / "fig"))
     assert len(written) == 6  # interference, latency_cdf, cpu, sigstop, sweep, ablation
+
+
+@pytest.mark.slow
+def test_paper_prefix_part_on_the_emulated_device(tmp_path):
+    """The prefix caching part: two real `blink serve` processes (caching on, off), bench/serving/
+    prefix_cache.py's workloads at tiny sizes, strict JSON, its TTFT CDF figure."""
+    sg = tmp_path / "sg.json"
+    turns = lambda i: [  # noqa: E731
+        m for k in range(4)
+        for m in ({"from": "human", "value": f"question {i} {k} " * (2 + (i + k) % 4)}, {"from": "gpt", "value": "answer " * (4 + i % 5)})
+    ]  # fmt: skip
+    sg.write_text(json.dumps([{"conversations": turns(i)} for i in range(8)]))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench.paper.evaluate", "--device", "emulated", "--quick", "--commit", "c0ffee1",
+           "--parts", "prefix", "--schedulers", "gpu", "--sharegpt", str(sg), "--out", str(out)]  # fmt: skip
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=280, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "prefix caching multi-turn hit rate" in r.stdout
+    path = out / "prefix-emulated-c0ffee1.json"
+    doc = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path}"))
+    assert doc["what"] == "prefix" and doc["device"] == "emulated" and set(doc["results"]) == {"gpu"}
+    g = doc["results"]["gpu"]
+    assert "--no-enable-prefix-caching" in g["servers"]["off"] and "--enable-prefix-caching" in g["servers"]["on"]
+    on, off = g["results"]["on"], g["results"]["off"]
+    assert set(on) == set(off) == {"shared@4", "multiturn", "noreuse", "claim_to_launch"}
+    assert all(
+        v["failed"] == 0 and v["completed"] > 0 for rs in (on, off) for k, v in rs.items() if k != "claim_to_launch"
+    )
+    assert on["shared@4"]["prefix_cache_hit_rate"] > 0.5 and on["multiturn"]["prefix_cache_hit_rate"] > 0.2
+    assert off["shared@4"]["prefix_cache_hit_rate"] == 0.0 and on["noreuse"]["prefix_cache_hit_rate"] == 0.0
+    assert {"ttft_p50_shared@4", "ttft_p50_multiturn", "noreuse_throughput"} == set(g["ratios_on_over_off"])
+    (png,) = plots.draw([str(path)], str(tmp_path / "fig"))
+    assert os.path.basename(png) == "prefix-emulated-c0ffee1.png" and os.path.getsize(png) > 10_000
 
 
 def test_paper_json_has_no_nan_or_infinity():

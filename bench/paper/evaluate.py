@@ -29,6 +29,9 @@ persistent kernel; with the host loop it runs the scheduler. Per scheduler (gpu,
                  16 and 64 (closed loop with that many streams), host loop over GPU scheduler
   peer           transformers' continuous batching (bench/engine/hf_baseline.py --only-batch) on the same
                  GPU and the same workload (N x (256 -> 128), random weights) as Blink's closed loop
+  prefix         prefix caching on vs off, two servers per scheduler (bench/paper/prefix.py, the
+                 workloads of bench/serving/prefix_cache.py): shared 2k prefix at 8 and 16 req/s
+                 (TTFT and its CDF), ShareGPT multi-turn (TTFT, hit rate), no reuse (tok/s)
 
 --smol-model PATH adds interference (closed loop) and sigstop on that model (the real SmolLM2 GGUF).
 Each part writes `<part>-<device>-<commit>.json` (date, device, commit, command, the
@@ -61,7 +64,7 @@ from blink.testing import ServeProcess, cmdline
 
 ROOT = str(common.ROOT)
 
-PARTS = ("interference", "cpu", "sigstop", "sweep", "ablation", "peer")
+PARTS = ("interference", "cpu", "sigstop", "sweep", "ablation", "peer", "prefix")
 SCHEDULERS = ("gpu", "host")
 
 
@@ -642,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(a)
     os.sched_setaffinity(0, run.cores.client)  # the load generator (this process) on its own cores
     print(f"paper: {run.device_name}, commit {run.commit}, cores {dataclasses.asdict(run.cores)}", flush=True)
-    server_parts = [p for p in parts if p != "peer"]
+    server_parts = [p for p in parts if p not in ("peer", "prefix")]
     results: dict[str, dict] = {p: {} for p in parts}
     servers: dict[str, list[str]] = {}
     for sched in scheds:
@@ -677,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
                     "sigstop": run.attempt(f"smol sigstop/{sched}", run.sigstop, srv, sched),
                 }
             run.save("smol", {"model": a.smol_model, "results": smol})
+    if "prefix" in parts:
+        from bench.paper import prefix  # it imports this module (through bench.serving.prefix_cache)
+
+        prefix.part(run, scheds)
     print("\n".join(["", "==== bench/paper/evaluate.py summary ====", *run.lines]))
     if run.skipped:
         print("skipped: " + "; ".join(run.skipped))

@@ -12,6 +12,9 @@ Each `<part>-<device>-<commit>.json` gives `<figure>-<device>-<commit>.png`:
   ablation      ablation-*.png      makespan host loop / GPU scheduler per workload and batch
   peer          peer-*.png          output tok/s of Blink and transformers on the same workload
   smol          smol-*.png          the interference bars and SIGSTOP timeline of the second model
+  prefix        prefix-*.png        TTFT CDFs with prefix caching on vs off: shared prefix per rate,
+                                    multi-turn (hit rate in the legend), per scheduler; also drawn
+                                    from bench/serving/prefix_cache.py's JSON (<its name>-*.png)
 
 Files of other kinds (the older benchmarks' JSON) are skipped.
 """
@@ -30,7 +33,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench.common import RESULTS
+from bench.common import RESULTS, short_device
 
 COLORS = {"gpu": "tab:blue", "host": "tab:orange", "blink": "tab:blue", "transformers": "tab:gray"}
 LABELS = {"gpu": "GPU scheduler", "host": "host loop"}
@@ -180,6 +183,48 @@ def smol(doc: dict, out: str) -> list[str]:
     return [_save(fig, out, "smol", doc)]
 
 
+def _prefix_runs(doc: dict) -> dict[str, dict]:
+    """scheduler -> {"on": runs, "off": runs}, from the paper's part or prefix_cache.py's own JSON."""
+    if doc["what"] == "prefix_cache":
+        return {doc.get("scheduler", "gpu"): doc["results"]}
+    return {s: v["results"] for s, v in _ok(doc["results"]).items()}
+
+
+def _noreuse(r: dict) -> float | None:
+    on, off = (r.get(m, {}).get("noreuse", {}).get("output_throughput") for m in ("on", "off"))
+    return on / off if on and off else None
+
+
+def prefix(doc: dict, out: str) -> list[str]:
+    runs = _prefix_runs(doc)
+    keys = [k for k in next(iter(runs.values()), {}).get("on", {}) if k.startswith("shared@") or k == "multiturn"]
+    if not keys:
+        return []
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for ax, k in zip(axes[0], keys, strict=True):
+        for sched, r in runs.items():
+            for mode, ls in (("on", "-"), ("off", "--")):
+                v = r.get(mode, {}).get(k, {})
+                if not v.get("cdf_ms", {}).get("ttft"):
+                    continue
+                hit = f", hit rate {100 * v['prefix_cache_hit_rate']:.0f} %" if mode == "on" else ""
+                ax.plot(v["cdf_ms"]["ttft"], doc_quantiles(v), ls, color=COLORS.get(sched),
+                        label=f"{LABELS.get(sched, sched)}, caching {mode}: p50 {v['ttft_ms']['median']:.1f} ms{hit}")  # fmt: skip
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"shared prefix, {k[7:]} req/s" if k.startswith("shared@") else "multi-turn replay", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    noreuse = [f"{LABELS.get(s, s)} x{r:.3f}" for s, v in runs.items() if (r := _noreuse(v)) is not None]
+    model = os.path.basename(str(next(iter(runs.values()))["on"][keys[0]].get("model", "")))
+    where = f"{doc.get('device_name', doc.get('device'))}, {doc.get('commit')}"
+    tput = f"; no-reuse throughput on / off: {', '.join(noreuse)}" if noreuse else ""
+    fig.suptitle(f"prefix caching on vs off, {model} ({where}){tput}", fontsize=10)
+    return [_save(fig, out, doc.get("name", doc["what"]), doc)]
+
+
 FIGURES: dict[str, Callable[[dict, str], list[str]]] = {
     "interference": interference,
     "cpu": cpu,
@@ -188,11 +233,13 @@ FIGURES: dict[str, Callable[[dict, str], list[str]]] = {
     "ablation": ablation,
     "peer": peer,
     "smol": smol,
+    "prefix": prefix,
+    "prefix_cache": prefix,
 }
 
 
 def _save(fig: Any, out: str, name: str, doc: dict) -> str:
-    path = os.path.join(out, f"{name}-{doc['device']}-{doc['commit']}.png")
+    path = os.path.join(out, f"{name}-{short_device(doc['device'])}-{doc['commit']}.png")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

