@@ -364,7 +364,10 @@ def test_chat_logprobs_streamed_and_not(tiny):
         assert e.logprob == tops[0]  # greedy: the chosen token is the most likely (raw logprobs, T = 0)
     chunks = list(c.chat.completions.create(stream=True, **kw))
     streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # the second request finds the prompt's blocks cached (prefix caching): the same tokens, logprobs
+    # equal up to float32 rounding (attention over cached KV sums in another order than a full prefill)
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], rel=1e-5, abs=1e-5)
 
 
 def test_return_tokens_as_token_ids_names_tokens_by_id(tiny):
