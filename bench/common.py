@@ -197,7 +197,7 @@ def synthetic_step(
         temperature=np.zeros(S, np.float32),
         top_p=np.ones(S, np.float32),
         top_k=np.zeros(S, np.int32),
-        seeds=np.arange(S, dtype=np.uint64),
+        seed=np.arange(S, dtype=np.uint64),
         sample_pos=np.zeros(S, np.uint32),
     )
 

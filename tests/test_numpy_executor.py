@@ -62,7 +62,7 @@ def test_sampling_follows_reference_definition(bundle):
     step = drv.step([(0, [4, 5, 6]), (1, [7, 8]), (2, [9])], temperature=0.8, top_p=0.9, top_k=50, seed=11)
     logits = make(bundle).forward_logits(step)
     got = ex.execute(step)
-    want = sample(logits, step.temperature, step.top_p, step.top_k, step.seeds, step.sample_pos)
+    want = sample(logits, step.temperature, step.top_p, step.top_k, step.seed, step.sample_pos)
     assert got.tolist() == want.tolist()
     # A different seed changes at least one of several draws (the RNG reaches the executor).
     draws = {

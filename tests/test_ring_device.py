@@ -167,7 +167,7 @@ def test_build_batch_packs_chunks_and_block_tables():
     assert b.positions.tolist() == [8, 9, 0, 1, 2]
     assert b.cu_q_lens.tolist() == [0, 2, 5] and b.seq_lens.tolist() == [10, 3]
     assert b.block_tables[0, :3].tolist() == bm.table(0) and b.block_tables[1, :1].tolist() == bm.table(1)
-    assert b.temperature.tolist() == [0.5, 0.0] and b.top_k.tolist() == [7, 0] and b.seeds.tolist() == [11, 0]
+    assert b.temperature.tolist() == [0.5, 0.0] and b.top_k.tolist() == [7, 0] and b.seed.tolist() == [11, 0]
     assert b.sample_pos.tolist() == [0, 0]
 
 

@@ -108,7 +108,7 @@ def test_the_emulated_executor_survives_a_masked_row():
         temperature=[1e-5],
         top_p=[0.9],
         top_k=[5],
-        seeds=[1],
+        seed=[1],
         sample_pos=[0],
         ext=x,
     )

@@ -28,7 +28,7 @@ def _batch(S: int = 3, T: int = 7, W: int = 4) -> StepBatch:
         temperature=[0.0, 0.7, 1.0],
         top_p=[1.0, 0.9, 0.5],
         top_k=[0, 5, 50],
-        seeds=[1, 2, 2**63 + 5],
+        seed=[1, 2, 2**63 + 5],
         sample_pos=[0, 3, 9],
     )
 
@@ -39,7 +39,7 @@ def test_step_batch_fields_are_the_layouts():
     for f in BATCH_FIELDS:
         assert getattr(b, f.name).dtype == f.dtype, f.name
     assert (b.num_seqs, b.num_tokens) == (3, 7)
-    assert b.seeds[2] == 2**63 + 5
+    assert b.seed[2] == 2**63 + 5
     with pytest.raises(TypeError, match="missing"):
         StepBatch(input_ids=[1])
     fields = {f.name: getattr(b, f.name) for f in BATCH_FIELDS}
@@ -76,7 +76,7 @@ def test_arena_layout_follows_the_fields():
         assert off % 16 == 0 and off >= end
         end = off + n * f.dtype.itemsize
     assert nbytes == end and layout["block_tables"] == (nbytes - 5 * 6 * 4, 5 * 6)
-    assert layout["input_ids"][1] == 33 and layout["cu_q_lens"][1] == 6 and layout["seeds"][1] == 5
+    assert layout["input_ids"][1] == 33 and layout["cu_q_lens"][1] == 6 and layout["seed"][1] == 5
 
 
 def test_load_step_writes_every_field_where_the_arena_has_it():
@@ -146,11 +146,11 @@ def test_load_step_writes_the_extension_fields():
     np.testing.assert_array_equal(h["pen_row"][:3], [5, -1, 7])
     np.testing.assert_array_equal(h["fresh"][:3], [1, 0, 1])
     np.testing.assert_array_equal(h["emit"][:3], [1, 1, 0])
-    np.testing.assert_array_equal(h["presence"][:3], [0.5, 0, 0])
-    np.testing.assert_array_equal(h["frequency"][:3], [0, 0, 1.5])
-    np.testing.assert_array_equal(h["repetition"][:3], np.float32([1, 1, 1.2]))
+    np.testing.assert_array_equal(h["presence_penalty"][:3], [0.5, 0, 0])
+    np.testing.assert_array_equal(h["frequency_penalty"][:3], [0, 0, 1.5])
+    np.testing.assert_array_equal(h["repetition_penalty"][:3], np.float32([1, 1, 1.2]))
     np.testing.assert_array_equal(h["min_p"][:3], np.float32([0, 0.1, 0]))
-    np.testing.assert_array_equal(h["n_logprobs"][:3], [-1, 20, 3])
+    np.testing.assert_array_equal(h["logprobs"][:3], [-1, 20, 3])
     assert h["plp_count"][0] == 0
     b.ext.targets[[0, 3, 5]] = [11, 12, 13]  # token 0 of sequence 0, tokens 1 and 3 of sequence 2
     b.ext.prompt_n[:] = [4, -1, 30]
@@ -158,7 +158,7 @@ def test_load_step_writes_the_extension_fields():
     assert h["plp_count"][0] == 3
     np.testing.assert_array_equal(h["plp_tok"][:3], [0, 3, 5])
     np.testing.assert_array_equal(h["plp_target"][:3], [11, 12, 13])
-    np.testing.assert_array_equal(h["plp_n"][:3], [4, 20, 20])
+    np.testing.assert_array_equal(h["plp_prompt_logprobs"][:3], [4, 20, 20])
     eng.fwd.sampling_rows = 7  # slot 7 has no state row
     with pytest.raises(ValueError, match="sampling rows"):
         eng.load_step(b)

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     # sampling cost at the largest batch: temperature 1, top-p 0.9, top-k 50
     b = bmax
     h["temperature"][:b], h["top_p"][:b], h["top_k"][:b] = 1.0, 0.9, 50
-    h["seeds"][:b] = np.arange(b)
+    h["seed"][:b] = np.arange(b)
     eng.arena.upload(eng.s, b)
     ms = time_ms(step_launch(eng, b), eng.stream, iters=a.iters)
     rows.append({"batch": b, "variant": "engine_sampled_t1_p0.9_k50", "ms_per_step": ms, "tokens_per_s": b / ms * 1e3})

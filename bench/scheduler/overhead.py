@@ -64,7 +64,7 @@ def graph_time_us(eng, batch: int, n: int = 2000) -> float:
         temperature=np.zeros(batch, np.float32),
         top_p=np.ones(batch, np.float32),
         top_k=np.zeros(batch, np.int32),
-        seeds=np.zeros(batch, np.uint64),
+        seed=np.zeros(batch, np.uint64),
         sample_pos=np.zeros(batch, np.uint32),
     )
     eng.load_step(sb)

@@ -134,7 +134,7 @@ class NumpyExecutor:
         x = batch.ext
         if x is None:
             logits = self.forward_logits(batch)
-            return sample(logits, batch.temperature, batch.top_p, batch.top_k, batch.seeds, batch.sample_pos)
+            return sample(logits, batch.temperature, batch.top_p, batch.top_k, batch.seed, batch.sample_pos)
         return self._execute_ext(batch, x)
 
     def _execute_ext(self, batch: StepBatch, x: SamplingExt) -> np.ndarray:
@@ -176,7 +176,7 @@ class NumpyExecutor:
             if x.masks is not None and x.mask_slot[s] >= 0:
                 apply_token_mask(processed[s], x.masks[s])
             states.append(st)
-        toks = sample(processed, batch.temperature, batch.top_p, batch.top_k, batch.seeds, batch.sample_pos, x.min_p)
+        toks = sample(processed, batch.temperature, batch.top_p, batch.top_k, batch.seed, batch.sample_pos, x.min_p)
         for s in range(S):
             if not x.emit[s]:
                 continue

@@ -65,7 +65,7 @@ def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepB
     ids: list[int] = []
     pos: list[int] = []
     cu = [0]
-    seq_lens, temperature, top_p, top_k, seeds, sample_pos = [], [], [], [], [], []
+    seq_lens, temperature, top_p, top_k, seed, sample_pos = [], [], [], [], [], []
     tables = np.zeros((S, table_width), np.int32)
     tabs: list[list[int]] = []
     for c in plan.chunks:
@@ -84,7 +84,7 @@ def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepB
         temperature.append(0.0 if sp.greedy else sp.temperature)
         top_p.append(sp.top_p)
         top_k.append(sp.top_k)
-        seeds.append(sp.seed)
+        seed.append(sp.seed)
         sample_pos.append(s.num_generated)
     # Scatter every block table in one indexed store (row-by-row stores cost ~1 us each).
     lens = np.fromiter(map(len, tabs), np.int64, S)
@@ -100,7 +100,7 @@ def build_batch(plan: StepPlan, blocks: BlockManager, table_width: int) -> StepB
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        seeds=seeds,
+        seed=seed,
         sample_pos=sample_pos,
         ext=_build_ext(plan, len(ids)),
     )

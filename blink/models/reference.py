@@ -154,6 +154,6 @@ class PagedDriver:
             temperature=np.full(S, temperature, dtype=np.float32),
             top_p=np.full(S, top_p, dtype=np.float32),
             top_k=np.full(S, top_k, dtype=np.int32),
-            seeds=np.full(S, seed, dtype=np.uint64),
+            seed=np.full(S, seed, dtype=np.uint64),
             sample_pos=np.asarray(ks, dtype=np.uint32),
         )

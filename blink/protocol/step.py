@@ -11,6 +11,10 @@ defined here, once, with its element type and extent:
   `blink/gpu/engine/include/blink_engine.h`, generated with `static_assert`s), which the GPU-resident
   scheduler fills directly (scheduler_plan.cuh) and the model kernels read.
 
+A sampling field is named as the request's parameter it carries (blink.protocol.sampling_params.
+SamplingParams: temperature, top_p, top_k, seed, min_p, the three penalties, logprobs; the plp_*
+fields are indexed by scored prompt row, so plp_prompt_logprobs[j] is that row's prompt_logprobs).
+
 Extents: "1" a scalar of the step; "T" one per packed token; "S" one per sequence; "S+1" prefix
 sums; "S,W" a row of W = max_blocks_per_seq block ids per sequence. block_tables goes last so a
 host-launched step copies only the prefix of the arena that holds its S rows.
@@ -47,7 +51,7 @@ STEP_FIELDS: tuple[StepField, ...] = (
     _f("temperature", "<f4", "S", "sampling temperature (0 = greedy)"),
     _f("top_p", "<f4", "S", "nucleus mass, (0, 1]"),
     _f("top_k", "<i4", "S", "0 = off"),
-    _f("seeds", "<u8", "S", "per-request seed"),
+    _f("seed", "<u8", "S", "the counter-based sampling stream"),
     _f("sample_pos", "<u4", "S", "index k of the token being sampled (the RNG counter)"),
     # sampling extensions (blink.device.sampling steps 0-2, 5, 10; kernels in sampling.cu)
     _f("ext_on", "<u4", "1", "nonzero: some row uses an extension; else the extension kernels return at once and "
@@ -56,11 +60,11 @@ STEP_FIELDS: tuple[StepField, ...] = (
        ext=True),
     _f("fresh", "<i4", "S", "1: a new request on that row: its penalty state is cleared first", ext=True),
     _f("emit", "<i4", "S", "1: the row's sample is published (a mid-prompt chunk's is not)", ext=True),
-    _f("presence", "<f4", "S", "presence penalty", ext=True),
-    _f("frequency", "<f4", "S", "frequency penalty", ext=True),
-    _f("repetition", "<f4", "S", "repetition penalty (1 = off)", ext=True),
+    _f("presence_penalty", "<f4", "S", "in [-2, 2]", ext=True),
+    _f("frequency_penalty", "<f4", "S", "in [-2, 2]", ext=True),
+    _f("repetition_penalty", "<f4", "S", "> 0; 1 = off", ext=True),
     _f("min_p", "<f4", "S", "min_p (0 = off)", ext=True),
-    _f("n_logprobs", "<i4", "S", "-1: no logprob record; else alternatives in the record (<= MAX_LOGPROBS)",
+    _f("logprobs", "<i4", "S", "-1: no logprob record; else alternatives in the record (<= MAX_LOGPROBS)",
        ext=True),
     # prompt logprobs (SlotFlags.PROMPT_LOGPROBS; kernels plp_* in sampling.cu): scored row j < plp_count is
     # packed token plp_tok[j], whose logits score the prompt token plp_target[j]
@@ -68,7 +72,8 @@ STEP_FIELDS: tuple[StepField, ...] = (
        ext=True),
     _f("plp_tok", "<i4", "T", "packed token of scored row j", ext=True),
     _f("plp_target", "<i4", "T", "prompt token id scored row j's logits score", ext=True),
-    _f("plp_n", "<i4", "T", "alternatives in scored row j's record (<= MAX_LOGPROBS)", ext=True),
+    _f("plp_prompt_logprobs", "<i4", "T", "prompt_logprobs of scored row j's sequence: alternatives in its record "
+       "(<= MAX_LOGPROBS)", ext=True),
     # token masks (structured output; kernel token_mask in sampling.cu)
     _f("mask_on", "<u4", "1", "nonzero: some row samples under a token mask (read only when ext_on)", ext=True),
     _f("mask_row", "<i4", "S", "-1: no token mask; else the row's bitmask in the engine's mask buffer", ext=True),

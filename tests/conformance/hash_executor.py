@@ -79,7 +79,7 @@ class HashExecutor:
             import time
 
             time.sleep(self.step_delay_s)
-        return sample(logits, batch.temperature, batch.top_p, batch.top_k, batch.seeds, batch.sample_pos)
+        return sample(logits, batch.temperature, batch.top_p, batch.top_k, batch.seed, batch.sample_pos)
 
     def close(self) -> None:
         self.pool = np.zeros((0, self.block_size), np.int32)

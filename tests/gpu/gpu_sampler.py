@@ -22,8 +22,8 @@ SEEN = np.uint32(0x80000000)  # bit 31 of a penalty-state word (sampling.cu)
 @dataclass
 class ExtResult:
     tokens: np.ndarray  # (S,) int32
-    chosen_logprob: np.ndarray  # (S,) float32, rows with n_logprobs >= 0 and emit
-    top_ids: np.ndarray  # (S, MAX_LOGPROBS) int32, the first n_logprobs[s] of each row
+    chosen_logprob: np.ndarray  # (S,) float32, rows with logprobs >= 0 and emit
+    top_ids: np.ndarray  # (S, MAX_LOGPROBS) int32, the first logprobs[s] of each row
     top_logprobs: np.ndarray  # (S, MAX_LOGPROBS) float32
     processed: np.ndarray  # (S, V) float32, rows with pen_row >= 0
     state: np.ndarray  # (rows, V) uint32, after the step
@@ -45,7 +45,7 @@ class GpuSampler:
         temperature: np.ndarray,
         top_p: np.ndarray,
         top_k: np.ndarray,
-        seeds: np.ndarray,
+        seed: np.ndarray,
         ks: np.ndarray,
     ) -> np.ndarray:
         import cupy as cp
@@ -58,7 +58,7 @@ class GpuSampler:
                 (temperature, np.float32),
                 (top_p, np.float32),
                 (top_k, np.int32),
-                (seeds, np.uint64),
+                (seed, np.uint64),
                 (ks, np.uint32),
             )
         ]
@@ -67,7 +67,7 @@ class GpuSampler:
         cp.cuda.Device().synchronize()  # the uploads ran on CuPy's stream, the launch uses ours
         lg, t, p, k, sd, ks_ = dev
         self._launch(
-            "sample_tokens", rows, 1024, logits=lg, V=vocab, temperature=t, top_p=p, top_k=k, seeds=sd,
+            "sample_tokens", rows, 1024, logits=lg, V=vocab, temperature=t, top_p=p, top_k=k, seed=sd,
             sample_pos=ks_, out_tokens=out, num_seqs=n, proc=None, pen_row=None, min_p=None, ext_on=None,
         )  # fmt: skip
         self.stream.synchronize()  # type: ignore[attr-defined]
@@ -79,7 +79,7 @@ class GpuSampler:
         temperature: np.ndarray,
         top_p: np.ndarray,
         top_k: np.ndarray,
-        seeds: np.ndarray,
+        seed: np.ndarray,
         ks: np.ndarray,
         *,
         min_p: np.ndarray,
@@ -88,13 +88,13 @@ class GpuSampler:
         fresh: np.ndarray,
         input_ids: np.ndarray,
         cu_q_lens: np.ndarray,
-        presence: np.ndarray,
-        frequency: np.ndarray,
-        repetition: np.ndarray,
+        presence_penalty: np.ndarray,
+        frequency_penalty: np.ndarray,
+        repetition_penalty: np.ndarray,
         bias_cu: np.ndarray,
         bias_ids: np.ndarray,
         bias_vals: np.ndarray,
-        n_logprobs: np.ndarray,
+        logprobs: np.ndarray,
         emit: np.ndarray,
     ) -> ExtResult:
         """One step's sampling with the extensions: penalty_mark, logits_ext, sample_tokens,
@@ -138,42 +138,43 @@ class GpuSampler:
                 ("temperature", temperature, np.float32),
                 ("top_p", top_p, np.float32),
                 ("top_k", top_k, np.int32),
-                ("seeds", seeds, np.uint64),
+                ("seed", seed, np.uint64),
                 ("ks", ks, np.uint32),
                 ("min_p", min_p, np.float32),
                 ("pen_row", pen_row, np.int32),
                 ("fresh", fresh, np.int32),
                 ("input_ids", input_ids, np.int32),
                 ("cu", cu_q_lens, np.int32),
-                ("presence", presence, np.float32),
-                ("frequency", frequency, np.float32),
-                ("repetition", repetition, np.float32),
+                ("presence_penalty", presence_penalty, np.float32),
+                ("frequency_penalty", frequency_penalty, np.float32),
+                ("repetition_penalty", repetition_penalty, np.float32),
                 ("bias_n", b_n, np.int32),
                 ("bias_ids", b_ids, np.int32),
                 ("bias_vals", b_vals, np.float32),
-                ("n_logprobs", n_logprobs, np.int32),
+                ("logprobs", logprobs, np.int32),
                 ("emit", emit, np.int32),
             )
         }
         cp.cuda.Device().synchronize()
-        pr, nl = a["pen_row"], a["n_logprobs"]
+        pr, nl = a["pen_row"], a["logprobs"]
         self._launch(
             "penalty_mark", S, 256, state=st, V=V, pen_row=pr, fresh=a["fresh"], input_ids=a["input_ids"],
             cu_q_lens=a["cu"], num_seqs=n, ext_on=on,
         )  # fmt: skip
         self._launch(
-            "logits_ext", S, 1024, logits=lg, proc=proc, V=V, state=st, pen_row=pr, presence=a["presence"],
-            frequency=a["frequency"], repetition=a["repetition"], bias_n=a["bias_n"], bias_ids=a["bias_ids"],
-            bias_vals=a["bias_vals"], max_bias=max_bias, n_logprobs=nl, max_lp=MAX_LOGPROBS, top_ids=top_ids,
+            "logits_ext", S, 1024, logits=lg, proc=proc, V=V, state=st, pen_row=pr,
+            presence_penalty=a["presence_penalty"], frequency_penalty=a["frequency_penalty"],
+            repetition_penalty=a["repetition_penalty"], bias_n=a["bias_n"], bias_ids=a["bias_ids"],
+            bias_vals=a["bias_vals"], max_bias=max_bias, logprobs=nl, max_lp=MAX_LOGPROBS, top_ids=top_ids,
             top_lps=top_lps, stats=stats, num_seqs=n, ext_on=on,
         )  # fmt: skip
         self._launch(
             "sample_tokens", S, 1024, logits=lg, V=V, temperature=a["temperature"], top_p=a["top_p"],
-            top_k=a["top_k"], seeds=a["seeds"], sample_pos=a["ks"], out_tokens=out, num_seqs=n, proc=proc,
+            top_k=a["top_k"], seed=a["seed"], sample_pos=a["ks"], out_tokens=out, num_seqs=n, proc=proc,
             pen_row=pr, min_p=a["min_p"], ext_on=on,
         )  # fmt: skip
         self._launch(
-            "sample_post", S, 32, logits=lg, V=V, out_tokens=out, emit=a["emit"], n_logprobs=nl, stats=stats,
+            "sample_post", S, 32, logits=lg, V=V, out_tokens=out, emit=a["emit"], logprobs=nl, stats=stats,
             chosen_lp=chosen, state=st, pen_row=pr, num_seqs=n, ext_on=on,
         )  # fmt: skip
         self.stream.synchronize()  # type: ignore[attr-defined]

@@ -29,9 +29,9 @@ def params(rng: np.random.Generator, rows: int):
     t = rng.choice(np.array([0.0, 0.5, 0.8, 1.0, 1.7], np.float32), rows)
     p = rng.choice(np.array([1.0, 0.95, 0.9, 0.5, 0.1, 0.0], np.float32), rows)
     k = rng.choice(np.array([0, 1, 2, 5, 40, 1000], np.int32), rows)
-    seeds = rng.integers(0, 2**63, rows, dtype=np.uint64)
+    seed = rng.integers(0, 2**63, rows, dtype=np.uint64)
     ks = rng.integers(0, 5000, rows).astype(np.uint32)
-    return t, p, k, seeds, ks
+    return t, p, k, seed, ks
 
 
 @pytest.mark.parametrize("vocab,rows,ties", [(1000, 600, False), (1000, 300, True), (128256, 48, False)])
@@ -40,9 +40,9 @@ def test_matches_reference_token_for_token(sampler, vocab, rows, ties):
     logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
     if ties:  # coarse values: many exact ties at the top-k / top-p boundaries and at the argmax
         logits = np.round(logits * 2) / 2
-    t, p, k, seeds, ks = params(rng, rows)
-    mine = sampler.sample(logits, t, p, k, seeds, ks)
-    ref = sampling.sample(logits, t, p, k, seeds, ks)
+    t, p, k, seed, ks = params(rng, rows)
+    mine = sampler.sample(logits, t, p, k, seed, ks)
+    ref = sampling.sample(logits, t, p, k, seed, ks)
     bad = np.flatnonzero(mine != ref)
     assert bad.size == 0, [(int(i), float(t[i]), float(p[i]), int(k[i]), int(mine[i]), int(ref[i])) for i in bad[:10]]
 
@@ -92,22 +92,22 @@ def test_seeded_sampling_reproducible_and_batch_independent(sampler):
     t = np.full(rows, 0.9, np.float32)
     p = np.full(rows, 0.9, np.float32)
     k = np.zeros(rows, np.int32)
-    seeds = rng.integers(0, 2**63, rows, dtype=np.uint64)
+    seed = rng.integers(0, 2**63, rows, dtype=np.uint64)
     ks = rng.integers(0, 100, rows).astype(np.uint32)
-    a = sampler.sample(logits, t, p, k, seeds, ks)
-    b = sampler.sample(logits, t, p, k, seeds, ks)
+    a = sampler.sample(logits, t, p, k, seed, ks)
+    b = sampler.sample(logits, t, p, k, seed, ks)
     np.testing.assert_array_equal(a, b)
     perm = rng.permutation(rows)  # another batch composition: the same request draws the same token
-    c = sampler.sample(logits[perm], t[perm], p[perm], k[perm], seeds[perm], ks[perm])
+    c = sampler.sample(logits[perm], t[perm], p[perm], k[perm], seed[perm], ks[perm])
     np.testing.assert_array_equal(c, a[perm])
-    d = sampler.sample(logits, t, p, k, seeds + np.uint64(1), ks)
+    d = sampler.sample(logits, t, p, k, seed + np.uint64(1), ks)
     assert (d != a).mean() > 0.3  # the seed matters
 
 
 # -- the sampling extensions: CUDA (sampling.cu) vs the emulated device's definition vs torch ---------------
 def _ext_case(rng: np.random.Generator, rows: int, vocab: int):
     """Random rows of everything the extensions take, and a penalty-state table of (rows, vocab)."""
-    t, p, k, seeds, ks = params(rng, rows)
+    t, p, k, seed, ks = params(rng, rows)
     min_p = rng.choice(np.array([0.0, 0.0, 0.05, 0.3], np.float32), rows)
     pen_row = np.where(rng.random(rows) < 0.7, np.arange(rows), -1).astype(np.int32)
     fresh = (rng.random(rows) < 0.3).astype(np.int32)
@@ -118,19 +118,19 @@ def _ext_case(rng: np.random.Generator, rows: int, vocab: int):
     lens = rng.integers(1, 12, rows)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     input_ids = rng.integers(0, vocab, int(cu[-1])).astype(np.int32)
-    presence = rng.choice(np.array([0.0, 0.5, -1.0, 2.0], np.float32), rows)
-    frequency = rng.choice(np.array([0.0, 0.3, 1.5, -0.5], np.float32), rows)
-    repetition = rng.choice(np.array([1.0, 1.3, 0.7, 2.0], np.float32), rows)
+    presence_penalty = rng.choice(np.array([0.0, 0.5, -1.0, 2.0], np.float32), rows)
+    frequency_penalty = rng.choice(np.array([0.0, 0.3, 1.5, -0.5], np.float32), rows)
+    repetition_penalty = rng.choice(np.array([1.0, 1.3, 0.7, 2.0], np.float32), rows)
     nb = np.where(pen_row >= 0, rng.integers(0, 5, rows), 0)
     bias_cu = np.concatenate([[0], np.cumsum(nb)]).astype(np.int32)
     bias_ids = np.concatenate([rng.choice(vocab, n, replace=False) for n in nb]).astype(np.int32)
     bias_vals = rng.uniform(-100, 100, int(bias_cu[-1])).astype(np.float32)
-    n_logprobs = rng.choice(np.array([-1, 0, 1, 5, 20], np.int32), rows)
+    logprobs = rng.choice(np.array([-1, 0, 1, 5, 20], np.int32), rows)
     emit = (rng.random(rows) < 0.8).astype(np.int32)
     return dict(
-        temperature=t, top_p=p, top_k=k, seeds=seeds, ks=ks, min_p=min_p, state=state, pen_row=pen_row,
-        fresh=fresh, input_ids=input_ids, cu_q_lens=cu, presence=presence, frequency=frequency,
-        repetition=repetition, bias_cu=bias_cu, bias_ids=bias_ids, bias_vals=bias_vals, n_logprobs=n_logprobs,
+        temperature=t, top_p=p, top_k=k, seed=seed, ks=ks, min_p=min_p, state=state, pen_row=pen_row,
+        fresh=fresh, input_ids=input_ids, cu_q_lens=cu, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, bias_cu=bias_cu, bias_ids=bias_ids, bias_vals=bias_vals, logprobs=logprobs,
         emit=emit,
     )  # fmt: skip
 
@@ -158,10 +158,10 @@ def _reference(logits: np.ndarray, c: dict):
         b0, b1 = c["bias_cu"][s], c["bias_cu"][s + 1]
         x = sampling.process_logits(
             logits[s], c["bias_ids"][b0:b1], c["bias_vals"][b0:b1], st,
-            float(c["presence"][s]), float(c["frequency"][s]), float(c["repetition"][s]),
+            float(c["presence_penalty"][s]), float(c["frequency_penalty"][s]), float(c["repetition_penalty"][s]),
         )  # fmt: skip
         toks[s] = sampling.sample_row(
-            x, float(c["temperature"][s]), float(c["top_p"][s]), int(c["top_k"][s]), int(c["seeds"][s]),
+            x, float(c["temperature"][s]), float(c["top_p"][s]), int(c["top_k"][s]), int(c["seed"][s]),
             int(c["ks"][s]), float(c["min_p"][s]),
         )  # fmt: skip
         if st is not None:
@@ -169,8 +169,8 @@ def _reference(logits: np.ndarray, c: dict):
             if c["emit"][s]:
                 st.add(int(toks[s]))
             state[s] = np.where(st.seen, np.uint32(0x80000000), np.uint32(0)) | st.counts.astype(np.uint32)
-        if c["n_logprobs"][s] >= 0:
-            records[s] = sampling.logprob_record(logits[s], int(toks[s]), int(c["n_logprobs"][s]))
+        if c["logprobs"][s] >= 0:
+            records[s] = sampling.logprob_record(logits[s], int(toks[s]), int(c["logprobs"][s]))
     return toks, processed, records, state
 
 
@@ -197,13 +197,13 @@ def test_extensions_match_the_definition_token_for_token(sampler, vocab, rows):
 
 def test_extensions_match_torch(sampler):
     """Both the kernels and the emulated device against torch on the same logits (vLLM V1's order:
-    raw log_softmax for logprobs; logit_bias, repetition on prompt|output, frequency/presence)."""
+    raw log_softmax for logprobs; logit_bias, repetition_penalty on prompt|output, frequency_penalty/presence_penalty)."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(11)
     rows, vocab = 32, 4096
     logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
     c = _ext_case(rng, rows, vocab)
-    c["n_logprobs"][:] = 20
+    c["logprobs"][:] = 20
     got = sampler.sample_ext(logits, **c)
     _, processed, _, _ = _reference(logits, c)
     lsm = torch.log_softmax(torch.tensor(logits), -1)
@@ -218,8 +218,8 @@ def test_extensions_match_torch(sampler):
         seen = torch.tensor((w & np.uint32(0x80000000)) != 0)
         seen[torch.tensor(c["input_ids"][c["cu_q_lens"][s] : c["cu_q_lens"][s + 1]], dtype=torch.long)] = True
         counts = torch.tensor((w & np.uint32(0x7FFFFFFF)).astype(np.float32))
-        r = float(c["repetition"][s])
+        r = float(c["repetition_penalty"][s])
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-        x = x - float(c["frequency"][s]) * counts - float(c["presence"][s]) * (counts > 0).float()
+        x = x - float(c["frequency_penalty"][s]) * counts - float(c["presence_penalty"][s]) * (counts > 0).float()
         np.testing.assert_allclose(got.processed[s], x.numpy(), rtol=1e-6, atol=1e-5)
         np.testing.assert_allclose(processed[s], x.numpy(), rtol=1e-6, atol=1e-5)

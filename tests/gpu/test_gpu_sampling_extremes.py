@@ -43,13 +43,13 @@ def _rows(case):
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c.name)
 def test_the_kernel_gives_the_definitions_token(sampler, case):
-    logits, t, p, k, seeds, ks = _rows(case)
+    logits, t, p, k, seed, ks = _rows(case)
     with np.errstate(all="ignore"):
-        want = sampling.sample(logits, t, p, k, seeds, ks, np.full(SEEDS, case.min_p, np.float32))
+        want = sampling.sample(logits, t, p, k, seed, ks, np.full(SEEDS, case.min_p, np.float32))
     if case.min_p == 0.0:
-        got = sampler.sample(logits, t, p, k, seeds, ks)
+        got = sampler.sample(logits, t, p, k, seed, ks)
     else:
-        got = _ext(sampler, logits, t, p, k, seeds, ks, min_p=np.full(SEEDS, case.min_p, np.float32)).tokens
+        got = _ext(sampler, logits, t, p, k, seed, ks, min_p=np.full(SEEDS, case.min_p, np.float32)).tokens
     assert ((got >= 0) & (got < V)).all(), got
     assert got.tolist() == want.tolist()
 
@@ -58,25 +58,25 @@ def test_the_kernel_gives_the_definitions_token(sampler, case):
 def test_extension_rows_stay_in_the_vocabulary(sampler, case):
     """The same rows through the extension kernels (logit_bias masking all but nothing, logprob
     records of 20 alternatives): tokens as the definition, record ids in [0, V)."""
-    logits, t, p, k, seeds, ks = _rows(case)
-    res = _ext(sampler, logits, t, p, k, seeds, ks, min_p=np.full(SEEDS, case.min_p, np.float32), n_logprobs=20)
+    logits, t, p, k, seed, ks = _rows(case)
+    res = _ext(sampler, logits, t, p, k, seed, ks, min_p=np.full(SEEDS, case.min_p, np.float32), logprobs=20)
     with np.errstate(all="ignore"):
-        want = sampling.sample(logits, t, p, k, seeds, ks, np.full(SEEDS, case.min_p, np.float32))
+        want = sampling.sample(logits, t, p, k, seed, ks, np.full(SEEDS, case.min_p, np.float32))
         _, ids, _ = sampling.logprob_record(case.logits, 0, 20)
     assert res.tokens.tolist() == want.tolist()
     assert ((res.top_ids[:, :20] >= 0) & (res.top_ids[:, :20] < V)).all()
     assert (res.top_ids[:, :20] == ids).all()
 
 
-def _ext(sampler, logits, t, p, k, seeds, ks, *, min_p, n_logprobs: int = -1):
+def _ext(sampler, logits, t, p, k, seed, ks, *, min_p, logprobs: int = -1):
     S = logits.shape[0]
     return sampler.sample_ext(
-        logits, t, p, k, seeds, ks,
+        logits, t, p, k, seed, ks,
         min_p=min_p, state=np.zeros((S, V), np.uint32), pen_row=np.full(S, -1, np.int32),
         fresh=np.ones(S, np.int32), input_ids=np.zeros(S, np.int32), cu_q_lens=np.arange(S + 1, dtype=np.int32),
-        presence=np.zeros(S, np.float32), frequency=np.zeros(S, np.float32), repetition=np.ones(S, np.float32),
+        presence_penalty=np.zeros(S, np.float32), frequency_penalty=np.zeros(S, np.float32), repetition_penalty=np.ones(S, np.float32),
         bias_cu=np.zeros(S + 1, np.int32), bias_ids=np.zeros(0, np.int32), bias_vals=np.zeros(0, np.float32),
-        n_logprobs=np.full(S, n_logprobs, np.int32), emit=np.ones(S, np.int32),
+        logprobs=np.full(S, logprobs, np.int32), emit=np.ones(S, np.int32),
     )  # fmt: skip
 
 

@@ -144,7 +144,7 @@ def _replay(steps, vocab):
             if x is None:
                 assert toks[s] == sample_row(
                     logits[s], float(batch.temperature[s]), float(batch.top_p[s]), int(batch.top_k[s]),
-                    int(batch.seeds[s]), int(batch.sample_pos[s]),
+                    int(batch.seed[s]), int(batch.sample_pos[s]),
                 )  # fmt: skip
                 continue
             slot = int(x.slots[s])
@@ -160,7 +160,7 @@ def _replay(steps, vocab):
                 float(x.repetition[s]),
             )  # fmt: skip
             want = sample_row(
-                proc, float(batch.temperature[s]), float(batch.top_p[s]), int(batch.top_k[s]), int(batch.seeds[s]),
+                proc, float(batch.temperature[s]), float(batch.top_p[s]), int(batch.top_k[s]), int(batch.seed[s]),
                 int(batch.sample_pos[s]), float(x.min_p[s]),
             )  # fmt: skip
             assert toks[s] == want, (slot, int(batch.sample_pos[s]))

@@ -418,9 +418,9 @@ class Engine:
         h["pen_row"][:S] = np.where(x.penalized, x.slots, -1)
         h["fresh"][:S] = x.fresh
         h["emit"][:S] = x.emit
-        h["presence"][:S], h["frequency"][:S] = x.presence, x.frequency
-        h["repetition"][:S], h["min_p"][:S] = x.repetition, x.min_p
-        h["n_logprobs"][:S] = np.minimum(x.n_logprobs, MAX_LOGPROBS)
+        h["presence_penalty"][:S], h["frequency_penalty"][:S] = x.presence, x.frequency
+        h["repetition_penalty"][:S], h["min_p"][:S] = x.repetition, x.min_p
+        h["logprobs"][:S] = np.minimum(x.n_logprobs, MAX_LOGPROBS)
         masked = x.mask_slot >= 0 if x.masks is not None else np.zeros(S, bool)
         h["mask_on"][0] = int(masked.any())
         h["mask_row"][:S] = np.where(masked, np.arange(S), -1)  # row s of the engine's mask buffer
@@ -431,7 +431,7 @@ class Engine:
             seq_of = np.repeat(np.arange(S), np.diff(b.cu_q_lens))
             h["plp_tok"][:P] = scored
             h["plp_target"][:P] = x.targets[scored]
-            h["plp_n"][:P] = np.clip(x.prompt_n[seq_of[scored]], 0, MAX_LOGPROBS)
+            h["plp_prompt_logprobs"][:P] = np.clip(x.prompt_n[seq_of[scored]], 0, MAX_LOGPROBS)
 
     def _upload_bias(self, b: StepBatch) -> list[np.ndarray]:
         """logit_bias of the step's new penalized requests into their rows' tables (once per request:
@@ -498,7 +498,7 @@ class Engine:
                 rec["logprob"] = chosen[s]
                 rec["top_ids"][:n] = top_ids[s, :n]
                 rec["top_logprobs"][:n] = top_lps[s, :n]
-        if P:  # the kernels wrote the first plp_n[j] alternatives of each; the rest are not read
+        if P:  # the kernels wrote the first plp_prompt_logprobs[j] alternatives of each; the rest are not read
             rec = x.prompt_logprobs[self.arena.host["plp_tok"][:P]]
             rec["logprob"], rec["top_ids"], rec["top_logprobs"] = p_lp, p_ids, p_lps
             x.prompt_logprobs[self.arena.host["plp_tok"][:P]] = rec

@@ -414,10 +414,11 @@ class Forward(AttentionLaunches):
             )  # fmt: skip
             self._launch(
                 "logits_ext", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, proc=self.proc, V=V,
-                state=self.pen_state, pen_row=a["pen_row"], presence=a["presence"], frequency=a["frequency"],
-                repetition=a["repetition"], bias_n=self.bias_n, bias_ids=self.bias_ids, bias_vals=self.bias_vals,
-                max_bias=MAX_LOGIT_BIAS, n_logprobs=a["n_logprobs"], max_lp=MAX_LOGPROBS, top_ids=self.top_ids,
-                top_lps=self.top_lps, stats=self.lp_stats, num_seqs=ns, ext_on=on,
+                state=self.pen_state, pen_row=a["pen_row"], presence_penalty=a["presence_penalty"],
+                frequency_penalty=a["frequency_penalty"], repetition_penalty=a["repetition_penalty"],
+                bias_n=self.bias_n, bias_ids=self.bias_ids, bias_vals=self.bias_vals, max_bias=MAX_LOGIT_BIAS,
+                logprobs=a["logprobs"], max_lp=MAX_LOGPROBS, top_ids=self.top_ids, top_lps=self.top_lps,
+                stats=self.lp_stats, num_seqs=ns, ext_on=on,
             )  # fmt: skip
             self._launch(
                 "token_mask", (max(1, min(32, V // 4096)), S, 1), (256, 1, 1), stream, logits=self.logits,
@@ -426,14 +427,14 @@ class Forward(AttentionLaunches):
             )  # fmt: skip
         self._launch(
             "sample_tokens", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, V=V,
-            temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seeds=a["seeds"],
+            temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seed=a["seed"],
             sample_pos=a["sample_pos"], out_tokens=self.out_tokens, num_seqs=ns, proc=self.proc,
             pen_row=a["pen_row"], min_p=a["min_p"], ext_on=on,
         )  # fmt: skip
         if on is not None:
             self._launch(
                 "sample_post", (S, 1, 1), (32, 1, 1), stream, logits=self.logits, V=V, out_tokens=self.out_tokens,
-                emit=a["emit"], n_logprobs=a["n_logprobs"], stats=self.lp_stats, chosen_lp=self.chosen_lp,
+                emit=a["emit"], logprobs=a["logprobs"], stats=self.lp_stats, chosen_lp=self.chosen_lp,
                 state=self.pen_state, pen_row=a["pen_row"], num_seqs=ns, ext_on=on,
             )  # fmt: skip
 
@@ -454,8 +455,8 @@ class Forward(AttentionLaunches):
         )  # fmt: skip
         self._launch(
             "plp_records", (g, 1, 1), (1024, 1, 1), stream, logits=self.plp_logits, V=V, plp_target=a["plp_target"],
-            plp_n=a["plp_n"], max_lp=MAX_LOGPROBS, plp_lp=self.plp_lp, plp_ids=self.plp_ids, plp_lps=self.plp_lps,
-            plp_count=cnt, ext_on=on,
+            plp_prompt_logprobs=a["plp_prompt_logprobs"], max_lp=MAX_LOGPROBS, plp_lp=self.plp_lp, plp_ids=self.plp_ids,
+            plp_lps=self.plp_lps, plp_count=cnt, ext_on=on,
         )  # fmt: skip
 
     def record(self, stream: int, S: int, T: int, decode: bool) -> None:

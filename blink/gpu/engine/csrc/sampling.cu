@@ -31,7 +31,7 @@
 //   plp_norm: the final RMSNorm of each scored row (final_norm_gather's arithmetic) -> hid [P, H];
 //   plp_lm_head: logits [P, V] fp32 = hid Wlm^T (a tiled bf16 GEMM with fp32 accumulation; its grid
 //     covers the vocabulary and each block loops over the live rows only);
-//   plp_records: per row, logits_ext's raw logprob record: lp[target] and the top plp_n[j].
+//   plp_records: per row, logits_ext's raw logprob record: lp[target] and the top plp_prompt_logprobs[j].
 // Penalty state: uint32 per (state row, vocabulary id): bit 31 = seen (prompt or output), the low
 // bits = occurrences in the output. The state row of a sequence is pen_row[s] (-1: no state, no
 // logit_bias: the row is sampled from the raw logits).
@@ -189,16 +189,17 @@ __device__ int row_argmax(const float* __restrict__ row, int V, SampleShared& sh
   return bi == 0x7fffffff ? 0 : bi;
 }
 
-// Grid (S), block SB. Rows with n_logprobs[s] >= 0: top_ids / top_lps [S, max_lp] (the first
-// n_logprobs[s] of each row written) and stats [S, 2] = (max, log-sum-exp of logits - max). Rows with
+// Grid (S), block SB. Rows with logprobs[s] >= 0: top_ids / top_lps [S, max_lp] (the first
+// logprobs[s] of each row written) and stats [S, 2] = (max, log-sum-exp of logits - max). Rows with
 // pen_row[s] = r >= 0: proc[s] = the logits with logit_bias (the state row's table: bias_n[r] entries
 // at bias_ids / bias_vals [r * max_bias ...], copied there when the request was admitted) and the
 // penalties of the state row applied.
 extern "C" __global__ void __launch_bounds__(SB)
     logits_ext(const float* __restrict__ logits, float* __restrict__ proc, int V, const uint32_t* __restrict__ state,
-               const int* __restrict__ pen_row, const float* __restrict__ presence, const float* __restrict__ frequency,
-               const float* __restrict__ repetition, const int* __restrict__ bias_n, const int* __restrict__ bias_ids,
-               const float* __restrict__ bias_vals, int max_bias, const int* __restrict__ n_logprobs, int max_lp,
+               const int* __restrict__ pen_row, const float* __restrict__ presence_penalty,
+               const float* __restrict__ frequency_penalty, const float* __restrict__ repetition_penalty,
+               const int* __restrict__ bias_n, const int* __restrict__ bias_ids, const float* __restrict__ bias_vals,
+               int max_bias, const int* __restrict__ logprobs, int max_lp,
                int* __restrict__ top_ids, float* __restrict__ top_lps, float* __restrict__ stats,
                const uint32_t* __restrict__ num_seqs, const uint32_t* __restrict__ ext_on) {
   __shared__ SampleShared sh;
@@ -206,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(SB)
   if (!*ext_on || s >= (int)*num_seqs) return;
   const int tid = threadIdx.x;
   const float* row = logits + (size_t)s * V;
-  const int n = min(n_logprobs[s], max_lp);
+  const int n = min(logprobs[s], max_lp);
   if (n >= 0) {
     float m, lse;
     row_top_logprobs(row, V, n, top_ids + (size_t)s * max_lp, top_lps + (size_t)s * max_lp, &m, &lse, sh);
@@ -223,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(SB)
   const size_t b0 = (size_t)r * max_bias;
   for (int b = tid; b < bias_n[r]; b += SB) atomicAdd(&out[bias_ids[b0 + b]], bias_vals[b0 + b]);  // ids may repeat
   __syncthreads();
-  const float rep = repetition[s], f = frequency[s], p = presence[s];
+  const float rep = repetition_penalty[s], f = frequency_penalty[s], p = presence_penalty[s];
   const bool use_rep = rep != 1.f && rep > 0.f, use_fp = f != 0.f || p != 0.f;
   if (!use_rep && !use_fp) return;
   const uint32_t* st = state + (size_t)r * V;
@@ -344,17 +345,17 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // Grid (G), block SB, rows j = blockIdx.x, blockIdx.x + G, ... < *plp_count: the record of row j
-// (plp_lp[j], plp_ids / plp_lps [j][max_lp], the first plp_n[j] written) from logits [P, V].
+// (plp_lp[j], plp_ids / plp_lps [j][max_lp], the first plp_prompt_logprobs[j] written) from logits [P, V].
 extern "C" __global__ void __launch_bounds__(SB)
     plp_records(const float* __restrict__ logits, int V, const int* __restrict__ plp_target,
-                const int* __restrict__ plp_n, int max_lp, float* __restrict__ plp_lp, int* __restrict__ plp_ids,
-                float* __restrict__ plp_lps, const uint32_t* __restrict__ plp_count,
+                const int* __restrict__ plp_prompt_logprobs, int max_lp, float* __restrict__ plp_lp,
+                int* __restrict__ plp_ids, float* __restrict__ plp_lps, const uint32_t* __restrict__ plp_count,
                 const uint32_t* __restrict__ ext_on) {
   __shared__ SampleShared sh;
   if (!*ext_on) return;
   const int P = (int)*plp_count;
   for (int j = blockIdx.x; j < P; j += gridDim.x) {
-    logprob_record_row(logits + (size_t)j * V, V, plp_target[j], min(plp_n[j], max_lp), plp_lp + j,
+    logprob_record_row(logits + (size_t)j * V, V, plp_target[j], min(plp_prompt_logprobs[j], max_lp), plp_lp + j,
                        plp_ids + (size_t)j * max_lp, plp_lps + (size_t)j * max_lp, sh);
     __syncthreads();
   }
@@ -362,14 +363,14 @@ extern "C" __global__ void __launch_bounds__(SB)
 
 // Grid (S), block 32 (one thread works). After sample_tokens, for rows whose token is published.
 extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, const int* __restrict__ out_tokens,
-                                       const int* __restrict__ emit, const int* __restrict__ n_logprobs,
+                                       const int* __restrict__ emit, const int* __restrict__ logprobs,
                                        const float* __restrict__ stats, float* __restrict__ chosen_lp,
                                        uint32_t* __restrict__ state, const int* __restrict__ pen_row,
                                        const uint32_t* __restrict__ num_seqs, const uint32_t* __restrict__ ext_on) {
   const int s = blockIdx.x;
   if (!*ext_on || s >= (int)*num_seqs || threadIdx.x != 0 || !emit[s]) return;
   const int tok = out_tokens[s];
-  if (n_logprobs[s] >= 0) chosen_lp[s] = (nan_low(logits[(size_t)s * V + tok]) - stats[2 * s]) - stats[2 * s + 1];
+  if (logprobs[s] >= 0) chosen_lp[s] = (nan_low(logits[(size_t)s * V + tok]) - stats[2 * s]) - stats[2 * s + 1];
   if (pen_row[s] >= 0) {
     uint32_t* c = state + (size_t)pen_row[s] * V + tok;
     *c = (((*c & ~SEEN) + 1u) & ~SEEN) | SEEN;
@@ -403,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // every row samples from the logits with min_p 0.
 extern "C" __global__ void __launch_bounds__(SB)
     sample_tokens(const float* __restrict__ logits, int V, const float* __restrict__ temperature,
-                  const float* __restrict__ top_p, const int* __restrict__ top_k, const uint64_t* __restrict__ seeds,
+                  const float* __restrict__ top_p, const int* __restrict__ top_k, const uint64_t* __restrict__ seed,
                   const uint32_t* __restrict__ sample_pos, int* __restrict__ out_tokens,
                   const uint32_t* __restrict__ num_seqs, const float* __restrict__ proc,
                   const int* __restrict__ pen_row, const float* __restrict__ min_p,
@@ -562,7 +563,7 @@ extern "C" __global__ void __launch_bounds__(SB)
   if (tid == SB - 1) sh.above = excl + local;
   __syncthreads();
   const uint64_t kk = (uint64_t)sample_pos[s];
-  const uint64_t r = splitmix64_s(seeds[s] ^ ((kk + 1ull) * 0x9E3779B97F4A7C15ull));
+  const uint64_t r = splitmix64_s(seed[s] ^ ((kk + 1ull) * 0x9E3779B97F4A7C15ull));
   const double u = (double)(r >> 40) * (1.0 / 16777216.0);
   const double x = u * sh.above;
   if (local > 0.0 && excl + local > x) {

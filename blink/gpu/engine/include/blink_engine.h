@@ -32,31 +32,31 @@ struct EngineABI {
   float* temperature;  // offset 112  [S] sampling temperature (0 = greedy)
   float* top_p;  // offset 120  [S] nucleus mass, (0, 1]
   int32_t* top_k;  // offset 128  [S] 0 = off
-  uint64_t* seeds;  // offset 136  [S] per-request seed
+  uint64_t* seed;  // offset 136  [S] the counter-based sampling stream
   uint32_t* sample_pos;  // offset 144  [S] index k of the token being sampled (the RNG counter)
   uint32_t* ext_on;  // offset 152  nonzero: some row uses an extension; else the extension kernels return at once and the fields below are not read
   int32_t* pen_row;  // offset 160  [S] penalty-state / logit_bias row (the ring slot), -1: sampled from the raw logits
   int32_t* fresh;  // offset 168  [S] 1: a new request on that row: its penalty state is cleared first
   int32_t* emit;  // offset 176  [S] 1: the row's sample is published (a mid-prompt chunk's is not)
-  float* presence;  // offset 184  [S] presence penalty
-  float* frequency;  // offset 192  [S] frequency penalty
-  float* repetition;  // offset 200  [S] repetition penalty (1 = off)
+  float* presence_penalty;  // offset 184  [S] in [-2, 2]
+  float* frequency_penalty;  // offset 192  [S] in [-2, 2]
+  float* repetition_penalty;  // offset 200  [S] > 0; 1 = off
   float* min_p;  // offset 208  [S] min_p (0 = off)
-  int32_t* n_logprobs;  // offset 216  [S] -1: no logprob record; else alternatives in the record (<= MAX_LOGPROBS)
+  int32_t* logprobs;  // offset 216  [S] -1: no logprob record; else alternatives in the record (<= MAX_LOGPROBS)
   uint32_t* plp_count;  // offset 224  scored rows of the step (read only when ext_on; 0: the plp kernels return at once)
   int32_t* plp_tok;  // offset 232  [T] packed token of scored row j
   int32_t* plp_target;  // offset 240  [T] prompt token id scored row j's logits score
-  int32_t* plp_n;  // offset 248  [T] alternatives in scored row j's record (<= MAX_LOGPROBS)
+  int32_t* plp_prompt_logprobs;  // offset 248  [T] prompt_logprobs of scored row j's sequence: alternatives in its record (<= MAX_LOGPROBS)
   uint32_t* mask_on;  // offset 256  nonzero: some row samples under a token mask (read only when ext_on)
   int32_t* mask_row;  // offset 264  [S] -1: no token mask; else the row's bitmask in the engine's mask buffer
   int32_t* block_tables;  // offset 272  [S,W] physical KV block of each logical block
   int32_t* out_tokens;  // offset 280  [max_seqs] sampled token of each sequence (last token of its chunk)
   uint64_t* done_seq;  // offset 288  the graph's last kernel stores *step_seq here (st.release.gpu)
-  float* chosen_lp;  // offset 296  [max_seqs] raw logprob of out_tokens (rows with n_logprobs >= 0, emitted)
-  int32_t* top_ids;  // offset 304  [max_seqs][max_logprobs] the row's most likely ids (first n_logprobs valid)
+  float* chosen_lp;  // offset 296  [max_seqs] raw logprob of out_tokens (rows with logprobs >= 0, emitted)
+  int32_t* top_ids;  // offset 304  [max_seqs][max_logprobs] the row's most likely ids (first logprobs[s] valid)
   float* top_lps;  // offset 312  [max_seqs][max_logprobs] their raw logprobs
   float* plp_lp;  // offset 320  [max_num_batched_tokens] prompt logprob of scored row j's target (plp_records)
-  int32_t* plp_ids;  // offset 328  [max_num_batched_tokens][max_logprobs] scored row j's most likely ids (first plp_n[j] valid)
+  int32_t* plp_ids;  // offset 328  [max_num_batched_tokens][max_logprobs] row j's top ids (first plp_prompt_logprobs[j])
   float* plp_lps;  // offset 336  [max_num_batched_tokens][max_logprobs] their logprobs
   uint32_t* pen_state;  // offset 344  [sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)
   int32_t* bias_n;  // offset 352  [sampling_rows] logit_bias entries of the row's request (written at admission)
@@ -95,21 +95,21 @@ static_assert(offsetof(EngineABI, seq_lens) == 104, "EngineABI.seq_lens offset")
 static_assert(offsetof(EngineABI, temperature) == 112, "EngineABI.temperature offset");
 static_assert(offsetof(EngineABI, top_p) == 120, "EngineABI.top_p offset");
 static_assert(offsetof(EngineABI, top_k) == 128, "EngineABI.top_k offset");
-static_assert(offsetof(EngineABI, seeds) == 136, "EngineABI.seeds offset");
+static_assert(offsetof(EngineABI, seed) == 136, "EngineABI.seed offset");
 static_assert(offsetof(EngineABI, sample_pos) == 144, "EngineABI.sample_pos offset");
 static_assert(offsetof(EngineABI, ext_on) == 152, "EngineABI.ext_on offset");
 static_assert(offsetof(EngineABI, pen_row) == 160, "EngineABI.pen_row offset");
 static_assert(offsetof(EngineABI, fresh) == 168, "EngineABI.fresh offset");
 static_assert(offsetof(EngineABI, emit) == 176, "EngineABI.emit offset");
-static_assert(offsetof(EngineABI, presence) == 184, "EngineABI.presence offset");
-static_assert(offsetof(EngineABI, frequency) == 192, "EngineABI.frequency offset");
-static_assert(offsetof(EngineABI, repetition) == 200, "EngineABI.repetition offset");
+static_assert(offsetof(EngineABI, presence_penalty) == 184, "EngineABI.presence_penalty offset");
+static_assert(offsetof(EngineABI, frequency_penalty) == 192, "EngineABI.frequency_penalty offset");
+static_assert(offsetof(EngineABI, repetition_penalty) == 200, "EngineABI.repetition_penalty offset");
 static_assert(offsetof(EngineABI, min_p) == 208, "EngineABI.min_p offset");
-static_assert(offsetof(EngineABI, n_logprobs) == 216, "EngineABI.n_logprobs offset");
+static_assert(offsetof(EngineABI, logprobs) == 216, "EngineABI.logprobs offset");
 static_assert(offsetof(EngineABI, plp_count) == 224, "EngineABI.plp_count offset");
 static_assert(offsetof(EngineABI, plp_tok) == 232, "EngineABI.plp_tok offset");
 static_assert(offsetof(EngineABI, plp_target) == 240, "EngineABI.plp_target offset");
-static_assert(offsetof(EngineABI, plp_n) == 248, "EngineABI.plp_n offset");
+static_assert(offsetof(EngineABI, plp_prompt_logprobs) == 248, "EngineABI.plp_prompt_logprobs offset");
 static_assert(offsetof(EngineABI, mask_on) == 256, "EngineABI.mask_on offset");
 static_assert(offsetof(EngineABI, mask_row) == 264, "EngineABI.mask_row offset");
 static_assert(offsetof(EngineABI, block_tables) == 272, "EngineABI.block_tables offset");

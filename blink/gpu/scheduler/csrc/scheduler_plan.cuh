@@ -403,7 +403,7 @@ __device__ uint32_t fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, ui
   ((float*)E->temperature)[i] = R.temperature;
   ((float*)E->top_p)[i] = R.top_p;
   ((int32_t*)E->top_k)[i] = R.top_k;
-  ((u64*)E->seeds)[i] = R.seed;
+  ((u64*)E->seed)[i] = R.seed;
   ((uint32_t*)E->sample_pos)[i] = generated(R);
   const int32_t* b = row_blocks(c, sh, r);
   int32_t* t = (int32_t*)E->block_tables + (size_t)i * sh.mbps;
@@ -420,11 +420,11 @@ __device__ uint32_t fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, ui
     E->pen_row[i] = R.pen ? (int32_t)R.slot : -1;
     E->fresh[i] = start == 0 && generated(R) == 0;  // a new request: its penalty state is cleared
     E->emit[i] = (int32_t)g_plan_sample[i];
-    E->presence[i] = R.presence;
-    E->frequency[i] = R.frequency;
-    E->repetition[i] = R.repetition;
+    E->presence_penalty[i] = R.presence;
+    E->frequency_penalty[i] = R.frequency;
+    E->repetition_penalty[i] = R.repetition;
     E->min_p[i] = R.min_p;
-    E->n_logprobs[i] = R.n_logprobs;
+    E->logprobs[i] = R.n_logprobs;
   }
   const bool masked = R.mask != 0 && g_plan_sample[i] && E->mask_words;  // planned only with its gate open
   if (E->sampling_rows) E->mask_row[i] = masked ? (int32_t)i : -1;       // engine mask row i (fill_masks)
@@ -482,7 +482,7 @@ __device__ __forceinline__ uint32_t plp_rows(const Row& R, uint32_t start, uint3
   return hi > start ? hi - start : 0;
 }
 
-// The step's scored rows into plp_count / plp_tok / plp_target / plp_n (all threads; the prompts
+// The step's scored rows into plp_count / plp_tok / plp_target / plp_prompt_logprobs (all threads; the prompts
 // are in row_tokens already).
 __device__ void fill_prompt_logprobs(SchedCtl* c, Shared& sh) {
   const EngineABI* E = sh.E;
@@ -501,7 +501,7 @@ __device__ void fill_prompt_logprobs(SchedCtl* c, Shared& sh) {
     for (uint32_t k = 0; k < n; ++k, ++o) {
       E->plp_tok[o] = (int32_t)(g_plan_cu[i] + k);
       E->plp_target[o] = toks[g_plan_start[i] + k + 1];
-      E->plp_n[o] = R.prompt_n;
+      E->plp_prompt_logprobs[o] = R.prompt_n;
     }
   }
   if (threadIdx.x == 0) *E->plp_count = total;
