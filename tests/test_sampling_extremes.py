@@ -10,6 +10,7 @@ from sampling_cases import Case, V, cases
 
 from blink.device.numpy_executor import NumpyExecutor
 from blink.device.sampling import PenaltyState, greedy_token, logprob_record, process_logits, sample, sample_row
+from blink.protocol.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c.name)
@@ -80,24 +81,13 @@ def test_the_emulated_executor_survives_a_masked_row():
     from blink.protocol.step import StepBatch
 
     vocab = ex.vocab_size
-    ids = np.arange(vocab, dtype=np.int32)
-    vals = np.full(vocab, -100.0, np.float32)
-    vals[5] = 100.0
+    bias = tuple((i, 100.0 if i == 5 else -100.0) for i in range(vocab))
     x = SamplingExt(
+        params=[SamplingParams(repetition_penalty=1e-38, logit_bias=bias, logprobs=5)],
         slots=np.array([0], np.int32),
         fresh=np.array([True]),
         emit=np.array([True]),
-        penalized=np.array([True]),
-        presence=np.zeros(1, np.float32),
-        frequency=np.zeros(1, np.float32),
-        repetition=np.array([1e-38], np.float32),
-        min_p=np.zeros(1, np.float32),
-        bias_cu=np.array([0, vocab], np.int32),
-        bias_ids=ids,
-        bias_vals=vals,
-        n_logprobs=np.array([5], np.int32),
         targets=np.full(3, -1, np.int32),
-        prompt_n=np.array([-1], np.int32),
     )
     batch = StepBatch(
         input_ids=[1, 5, 9],

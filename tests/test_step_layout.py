@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -109,21 +110,17 @@ def test_load_step_writes_every_field_where_the_arena_has_it():
 def _ext(S: int = 3, T: int = 7):
     from blink.device.executor import SamplingExt
 
+    params = [
+        SamplingParams(presence_penalty=0.5, logit_bias=((3, 1.0), (9, -5.0))),
+        SamplingParams(min_p=0.1, logprobs=20),
+        SamplingParams(frequency_penalty=1.5, repetition_penalty=1.2, logprobs=3),
+    ]
     return SamplingExt(
+        params=params[:S],
         slots=np.array([5, 0, 7], np.int32),
         fresh=np.array([True, False, True]),
         emit=np.array([True, True, False]),
-        penalized=np.array([True, False, True]),
-        presence=np.array([0.5, 0, 0], np.float32),
-        frequency=np.array([0, 0, 1.5], np.float32),
-        repetition=np.array([1.0, 1.0, 1.2], np.float32),
-        min_p=np.array([0, 0.1, 0], np.float32),
-        bias_cu=np.array([0, 2, 2, 2], np.int32),
-        bias_ids=np.array([3, 9], np.int32),
-        bias_vals=np.array([1.0, -5.0], np.float32),
-        n_logprobs=np.array([-1, 20, 3], np.int32),
         targets=np.full(T, -1, np.int32),
-        prompt_n=np.full(S, -1, np.int32),
     )
 
 
@@ -153,7 +150,9 @@ def test_load_step_writes_the_extension_fields():
     np.testing.assert_array_equal(h["logprobs"][:3], [-1, 20, 3])
     assert h["plp_count"][0] == 0
     b.ext.targets[[0, 3, 5]] = [11, 12, 13]  # token 0 of sequence 0, tokens 1 and 3 of sequence 2
-    b.ext.prompt_n[:] = [4, -1, 30]
+    b.ext.params = [
+        msgspec.structs.replace(p, prompt_logprobs=n) for p, n in zip(b.ext.params, [4, -1, 30], strict=True)
+    ]
     eng.load_step(b)
     assert h["plp_count"][0] == 3
     np.testing.assert_array_equal(h["plp_tok"][:3], [0, 3, 5])

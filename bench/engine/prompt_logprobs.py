@@ -23,19 +23,17 @@ from bench.common import git_commit, metadata, result_path
 from blink.device.executor import SamplingExt
 from blink.models.config import preset
 from blink.models.reference import PagedDriver
+from blink.protocol.sampling_params import SamplingParams
 
 CASES = ("plain", "ext, no scored rows", "prompt n=1", "prompt n=20")
 
 
 def _ext(prompt: list[int], n: int) -> SamplingExt:
     T = len(prompt)
-    z = np.zeros(1, np.float32)
     targets = np.array(prompt[1:] + [-1], np.int32) if n >= 0 else np.full(T, -1, np.int32)
     return SamplingExt(
-        slots=np.zeros(1, np.int32), fresh=np.ones(1, bool), emit=np.ones(1, bool), penalized=np.zeros(1, bool),
-        presence=z, frequency=z, repetition=np.ones(1, np.float32), min_p=z, bias_cu=np.zeros(2, np.int32),
-        bias_ids=np.zeros(0, np.int32), bias_vals=np.zeros(0, np.float32), n_logprobs=np.full(1, -1, np.int32),
-        targets=targets, prompt_n=np.array([n], np.int32),
+        params=[SamplingParams(prompt_logprobs=n)], slots=np.zeros(1, np.int32), fresh=np.ones(1, bool),
+        emit=np.ones(1, bool), targets=targets,
     )  # fmt: skip
 
 

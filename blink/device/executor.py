@@ -10,34 +10,30 @@ GPU into the engine's step arena.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from blink.protocol.layout import LOGPROB_DTYPE
-from blink.protocol.step import StepBatch
+from blink.protocol.sampling_params import SamplingParams
+from blink.protocol.step import FIELDS, StepBatch
 
 
 @dataclass
 class SamplingExt:
-    """Per-sequence logit_bias, penalties, min_p, token masks and logprob requests of a step, and the logprob
-    records the executor writes back. S sequences, T packed tokens, B logit_bias entries."""
+    """A step's sampling extensions: the SamplingParams of each of its S sequences (the one record of
+    a request's parameters: penalties, logit_bias, min_p, logprob requests), what the step adds to
+    them (ring slot, first and published rows, scored prompt tokens, token masks), and the logprob
+    records the executor writes back. T packed tokens. `column(name)` is a parameter as the step
+    field of the same name (blink.protocol.step)."""
 
+    params: Sequence[SamplingParams]  # (S,) the sequence's parameters
     slots: np.ndarray  # (S,) int32  the sequence's ring slot: the key of its penalty state
     fresh: np.ndarray  # (S,) bool  a new sequence on that slot: its penalty state starts empty
     emit: np.ndarray  # (S,) bool  the step's sample is published (a mid-prompt chunk's is not)
-    penalized: np.ndarray  # (S,) bool  keeps a penalty state (any penalty or logit_bias set)
-    presence: np.ndarray  # (S,) float32
-    frequency: np.ndarray  # (S,) float32
-    repetition: np.ndarray  # (S,) float32  1 = off
-    min_p: np.ndarray  # (S,) float32  0 = off
-    bias_cu: np.ndarray  # (S+1,) int32  prefix sums of logit_bias entries per sequence
-    bias_ids: np.ndarray  # (B,) int32
-    bias_vals: np.ndarray  # (B,) float32
-    n_logprobs: np.ndarray  # (S,) int32  -1: no record for the sampled token; else alternatives
     targets: np.ndarray  # (T,) int32  the prompt token packed token i's logits score (-1: none)
-    prompt_n: np.ndarray  # (S,) int32  alternatives of the sequence's prompt records
     mask_slot: np.ndarray = field(default=None)  # type: ignore[assignment]  (S,) int32  -1: unconstrained
     masks: np.ndarray | None = None  # (S, mask_words) uint32  allowed tokens of the masked rows (others ignored)
     # outputs (filled by execute)
@@ -45,12 +41,31 @@ class SamplingExt:
     prompt_logprobs: np.ndarray = field(default=None)  # type: ignore[assignment]  (T,) LOGPROB_DTYPE
 
     def __post_init__(self) -> None:
+        S = self.slots.shape[0]
+        if len(self.params) != S:
+            raise ValueError(f"SamplingExt: {len(self.params)} SamplingParams for {S} sequences")
         if self.logprobs is None:
-            self.logprobs = np.zeros(self.slots.shape[0], LOGPROB_DTYPE)
+            self.logprobs = np.zeros(S, LOGPROB_DTYPE)
         if self.mask_slot is None:
-            self.mask_slot = np.full(self.slots.shape[0], -1, np.int32)
+            self.mask_slot = np.full(S, -1, np.int32)
         if self.prompt_logprobs is None:
             self.prompt_logprobs = np.zeros(self.targets.shape[0], LOGPROB_DTYPE)
+
+    def column(self, name: str) -> np.ndarray:
+        """SamplingParams field `name` of every sequence, (S,) in the dtype of the step field that
+        carries it (the field of that name; prompt_logprobs: plp_prompt_logprobs)."""
+        f = FIELDS.get(name) or FIELDS[f"plp_{name}"]
+        return np.array([getattr(p, name) for p in self.params], f.dtype)
+
+    def logit_bias(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence s's logit_bias as (token ids int32, biases float32); a repeated id adds up."""
+        entries = self.params[s].logit_bias
+        return np.array([i for i, _ in entries], np.int32), np.array([b for _, b in entries], np.float32)
+
+    @property
+    def penalized(self) -> np.ndarray:
+        """(S,) bool: the sequence keeps a penalty state (SamplingParams.penalized)."""
+        return np.array([p.penalized for p in self.params], bool)
 
 
 class Executor(Protocol):

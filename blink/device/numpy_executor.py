@@ -150,41 +150,39 @@ class NumpyExecutor:
         S = batch.num_seqs
         seq_of = np.repeat(np.arange(S), np.diff(cu))
         for j, i in enumerate(scored.tolist()):
-            rec = logprob_record(all_logits[S + j], int(x.targets[i]), int(x.prompt_n[seq_of[i]]))
+            n = x.params[seq_of[i]].prompt_logprobs
+            rec = logprob_record(all_logits[S + j], int(x.targets[i]), n)
             _put(x.prompt_logprobs[i], *rec)
         logits = all_logits[:S]
         processed = np.empty_like(logits)
         states: list[PenaltyState | None] = []
-        for s in range(S):
+        for s, p in enumerate(x.params):
             st = None
-            if x.penalized[s]:
+            if p.penalized:
                 slot = int(x.slots[s])
                 if x.fresh[s] or slot not in self.penalty_states:
                     self.penalty_states[slot] = PenaltyState(self.vocab_size)
                 st = self.penalty_states[slot]
                 st.mark(batch.input_ids[cu[s] : cu[s + 1]])
-            b0, b1 = int(x.bias_cu[s]), int(x.bias_cu[s + 1])
+            bias_ids, bias_vals = x.logit_bias(s)
             processed[s] = process_logits(
-                logits[s],
-                x.bias_ids[b0:b1],
-                x.bias_vals[b0:b1],
-                st,
-                float(x.presence[s]),
-                float(x.frequency[s]),
-                float(x.repetition[s]),
+                logits[s], bias_ids, bias_vals, st, p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             )
             if x.masks is not None and x.mask_slot[s] >= 0:
                 apply_token_mask(processed[s], x.masks[s])
             states.append(st)
-        toks = sample(processed, batch.temperature, batch.top_p, batch.top_k, batch.seed, batch.sample_pos, x.min_p)
+        toks = sample(
+            processed, batch.temperature, batch.top_p, batch.top_k, batch.seed, batch.sample_pos, x.column("min_p")
+        )
         for s in range(S):
             if not x.emit[s]:
                 continue
             st = states[s]
             if st is not None:
                 st.add(int(toks[s]))
-            if x.n_logprobs[s] >= 0:
-                _put(x.logprobs[s], *logprob_record(logits[s], int(toks[s]), int(x.n_logprobs[s])))
+            n = x.params[s].logprobs
+            if n >= 0:
+                _put(x.logprobs[s], *logprob_record(logits[s], int(toks[s]), n))
         return toks
 
     def close(self) -> None:

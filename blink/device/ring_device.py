@@ -324,7 +324,7 @@ class RingDevice:
                 row = {c.seq.seq_id: i for i, c in enumerate(plan.chunks)}
                 x = batch.ext
                 for sid, k in zip(sids_t, idx_t, strict=True):
-                    if x.n_logprobs[row[sid]] >= 0:
+                    if x.params[row[sid]].logprobs >= 0:
                         self.view.logprob_arena[sid, k % cap] = x.logprobs[row[sid]]
             self.view.output_arena[sids, idx % cap] = toks
             first = sids[idx == 0]

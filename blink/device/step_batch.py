@@ -19,41 +19,22 @@ def _build_ext(plan: StepPlan, T: int) -> SamplingExt | None:
     chunks = plan.chunks
     if not any(c.seq.sampling.extended or c.seq.mask >= 0 for c in chunks):
         return None
-    sps = [c.seq.sampling for c in chunks]
-
-    def per_seq(name: str, dtype: type) -> np.ndarray:
-        return np.array([getattr(sp, name) for sp in sps], dtype)
-
-    bias_ids, bias_vals, cu = [], [], [0]
     targets = np.full(T, -1, np.int32)
     t0 = 0
-    for c, sp in zip(chunks, sps, strict=True):
+    for c in chunks:
         s = c.seq
-        for tok, b in sp.logit_bias:
-            bias_ids.append(tok)
-            bias_vals.append(b)
-        cu.append(len(bias_ids))
-        if sp.prompt_logprobs >= 0 and s.num_generated == 0:
+        if s.sampling.prompt_logprobs >= 0 and s.num_generated == 0:
             # packed token at position p scores prompt token p + 1 (prompt records 1 .. prompt_len - 1)
             hi = min(c.start + c.n, s.prompt_len - 1)
             if hi > c.start:
                 targets[t0 : t0 + hi - c.start] = s.tokens[c.start + 1 : hi + 1]
         t0 += c.n
     return SamplingExt(
+        params=[c.seq.sampling for c in chunks],
         slots=np.array([c.seq.seq_id for c in chunks], np.int32),
         fresh=np.array([c.start == 0 and c.seq.num_generated == 0 for c in chunks], bool),
         emit=np.array([c.sample for c in chunks], bool),
-        penalized=np.array([sp.penalized for sp in sps], bool),
-        presence=per_seq("presence_penalty", np.float32),
-        frequency=per_seq("frequency_penalty", np.float32),
-        repetition=per_seq("repetition_penalty", np.float32),
-        min_p=per_seq("min_p", np.float32),
-        bias_cu=np.array(cu, np.int32),
-        bias_ids=np.array(bias_ids, np.int32),
-        bias_vals=np.array(bias_vals, np.float32),
-        n_logprobs=per_seq("logprobs", np.int32),
         targets=targets,
-        prompt_n=per_seq("prompt_logprobs", np.int32),
         mask_slot=np.array([c.seq.mask if c.sample else -1 for c in chunks], np.int32),
     )
 

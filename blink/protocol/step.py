@@ -90,9 +90,9 @@ EXT_FIELDS = tuple(f for f in STEP_FIELDS if f.ext)
 
 class StepBatch:
     """One step's inputs: an array per BATCH_FIELDS entry, by keyword, converted to its dtype.
-    `ext`: the step's sampling extensions (blink.device.executor.SamplingExt: penalties, logit_bias,
-    logprob requests), None when no sequence uses one; the CUDA engine loads its per-row values into
-    the EXT_FIELDS of the step layout."""
+    `ext`: the step's sampling extensions (blink.device.executor.SamplingExt: each sequence's
+    SamplingParams, for penalties, logit_bias, min_p and logprob requests), None when no sequence
+    uses one; the CUDA engine loads its per-row values into the EXT_FIELDS of the step layout."""
 
     __slots__ = (*(f.name for f in BATCH_FIELDS), "ext")
 

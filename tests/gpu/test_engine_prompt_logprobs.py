@@ -26,6 +26,7 @@ def _ext(chunks, starts, prompts, prompt_n):
     """A SamplingExt with prompt logprobs only: packed token at position p of sequence q scores
     prompts[q][p + 1] when prompt_n[q] >= 0."""
     from blink.device.executor import SamplingExt
+    from blink.protocol.sampling_params import SamplingParams
 
     S = len(chunks)
     targets = []
@@ -34,13 +35,10 @@ def _ext(chunks, starts, prompts, prompt_n):
             p = st + i
             ok = prompt_n[q] >= 0 and p + 1 < len(prompts[q])
             targets.append(prompts[q][p + 1] if ok else -1)
-    z = np.zeros(S, np.float32)
     return SamplingExt(
+        params=[SamplingParams(prompt_logprobs=prompt_n[q]) for q, _ in chunks],
         slots=np.array([q for q, _ in chunks], np.int32), fresh=np.zeros(S, bool), emit=np.ones(S, bool),
-        penalized=np.zeros(S, bool), presence=z, frequency=z, repetition=np.ones(S, np.float32), min_p=z,
-        bias_cu=np.zeros(S + 1, np.int32), bias_ids=np.zeros(0, np.int32), bias_vals=np.zeros(0, np.float32),
-        n_logprobs=np.full(S, -1, np.int32), targets=np.array(targets, np.int32),
-        prompt_n=np.array([prompt_n[q] for q, _ in chunks], np.int32),
+        targets=np.array(targets, np.int32),
     )  # fmt: skip
 
 
@@ -92,7 +90,7 @@ def test_prompt_logprobs_match_definition_torch_cublas_and_the_emulated_device()
         # the definition and torch on the graph's own logits of the scored rows
         lp64 = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
         for j, i in enumerate(scored):
-            n = int(x.prompt_n[seq_of[i]])
+            n = x.params[seq_of[i]].prompt_logprobs
             rec = x.prompt_logprobs[i]
             want_lp, want_ids, want_top = sampling.logprob_record(logits[j], int(x.targets[i]), n)
             assert abs(float(rec["logprob"]) - want_lp) <= 1e-5, (j, float(rec["logprob"]), want_lp)
@@ -115,7 +113,7 @@ def test_prompt_logprobs_match_definition_torch_cublas_and_the_emulated_device()
         cuda_lp.append(c["logprob"])
         ref_lp.append(r["logprob"])
         for j, i in enumerate(scored):
-            n = int(x.prompt_n[seq_of[i]])
+            n = x.params[seq_of[i]].prompt_logprobs
             n_rows += 1
             top1_same += bool(n == 0 or c["top_ids"][j, 0] == r["top_ids"][j, 0])
         for q, toks in chunks:

@@ -147,28 +147,26 @@ def _replay(steps, vocab):
                     int(batch.seed[s]), int(batch.sample_pos[s]),
                 )  # fmt: skip
                 continue
-            slot = int(x.slots[s])
+            slot, sp = int(x.slots[s]), x.params[s]
             st = None
-            if x.penalized[s]:
+            if sp.penalized:
                 if x.fresh[s] or slot not in states:
                     states[slot] = PenaltyState(vocab)
                 st = states[slot]
                 st.mark(batch.input_ids[batch.cu_q_lens[s] : batch.cu_q_lens[s + 1]])
-            lo, hi = int(x.bias_cu[s]), int(x.bias_cu[s + 1])
             proc = process_logits(
-                logits[s], x.bias_ids[lo:hi], x.bias_vals[lo:hi], st, float(x.presence[s]), float(x.frequency[s]),
-                float(x.repetition[s]),
-            )  # fmt: skip
+                logits[s], *x.logit_bias(s), st, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
+            )
             want = sample_row(
                 proc, float(batch.temperature[s]), float(batch.top_p[s]), int(batch.top_k[s]), int(batch.seed[s]),
-                int(batch.sample_pos[s]), float(x.min_p[s]),
+                int(batch.sample_pos[s]), sp.min_p,
             )  # fmt: skip
             assert toks[s] == want, (slot, int(batch.sample_pos[s]))
             if x.emit[s]:
                 if st is not None:
                     st.add(int(toks[s]))
-                if x.n_logprobs[s] >= 0:
-                    rec = logprob_record(logits[s], int(toks[s]), int(x.n_logprobs[s]))
+                if sp.logprobs >= 0:
+                    rec = logprob_record(logits[s], int(toks[s]), sp.logprobs)
                     current[slot].append((int(toks[s]), *rec))
     return [r for r in runs if r]
 
@@ -334,7 +332,7 @@ def _check_scored_steps(scored) -> int:
         x = batch.ext
         seq_of = np.repeat(np.arange(batch.num_seqs), np.diff(batch.cu_q_lens))
         for j, i in enumerate(np.flatnonzero(x.targets >= 0)):
-            n = int(x.prompt_n[seq_of[i]])
+            n = x.params[seq_of[i]].prompt_logprobs
             lp, ids, top = logprob_record(logits[j], int(x.targets[i]), n)
             rec = x.prompt_logprobs[i]
             assert abs(float(rec["logprob"]) - lp) <= 1e-5, (i, float(rec["logprob"]), lp)

@@ -412,15 +412,15 @@ class Engine:
         h["ext_on"][0] = 0 if x is None else 1
         if x is None:
             return
-        rows = self.fwd.sampling_rows
-        if x.penalized.any() and int(x.slots[x.penalized].max()) >= rows:
+        rows, penalized = self.fwd.sampling_rows, x.penalized
+        if penalized.any() and int(x.slots[penalized].max()) >= rows:
             raise ValueError(f"penalty state of slot {int(x.slots.max())}: the engine has {rows} sampling rows")
-        h["pen_row"][:S] = np.where(x.penalized, x.slots, -1)
+        h["pen_row"][:S] = np.where(penalized, x.slots, -1)
         h["fresh"][:S] = x.fresh
         h["emit"][:S] = x.emit
-        h["presence_penalty"][:S], h["frequency_penalty"][:S] = x.presence, x.frequency
-        h["repetition_penalty"][:S], h["min_p"][:S] = x.repetition, x.min_p
-        h["logprobs"][:S] = np.minimum(x.n_logprobs, MAX_LOGPROBS)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            h[name][:S] = x.column(name)
+        h["logprobs"][:S] = np.minimum(x.column("logprobs"), MAX_LOGPROBS)
         masked = x.mask_slot >= 0 if x.masks is not None else np.zeros(S, bool)
         h["mask_on"][0] = int(masked.any())
         h["mask_row"][:S] = np.where(masked, np.arange(S), -1)  # row s of the engine's mask buffer
@@ -431,7 +431,7 @@ class Engine:
             seq_of = np.repeat(np.arange(S), np.diff(b.cu_q_lens))
             h["plp_tok"][:P] = scored
             h["plp_target"][:P] = x.targets[scored]
-            h["plp_prompt_logprobs"][:P] = np.clip(x.prompt_n[seq_of[scored]], 0, MAX_LOGPROBS)
+            h["plp_prompt_logprobs"][:P] = np.clip(x.column("prompt_logprobs")[seq_of[scored]], 0, MAX_LOGPROBS)
 
     def _upload_bias(self, b: StepBatch) -> list[np.ndarray]:
         """logit_bias of the step's new penalized requests into their rows' tables (once per request:
@@ -442,12 +442,12 @@ class Engine:
         import cupy as cp
 
         for s in np.flatnonzero(x.fresh & x.penalized):
-            r, lo, hi = int(x.slots[s]), int(x.bias_cu[s]), int(x.bias_cu[s + 1])
-            n = np.array([hi - lo], np.int32)
-            ids, vals = x.bias_ids[lo:hi].astype(np.int32), x.bias_vals[lo:hi].astype(np.float32)
+            r = int(x.slots[s])
+            ids, vals = x.logit_bias(s)
+            n = np.array([ids.size], np.int32)
             keep += [n, ids, vals]
             copies = [(f.bias_n, r * 4, n)]
-            if hi > lo:
+            if ids.size:
                 copies += [(f.bias_ids, r * MAX_LOGIT_BIAS * 4, ids), (f.bias_vals, r * MAX_LOGIT_BIAS * 4, vals)]
             for dst, off, src in copies:
                 cp.cuda.runtime.memcpyAsync(int(dst.data.ptr) + off, src.ctypes.data, src.nbytes, 1, self.s)
@@ -470,7 +470,7 @@ class Engine:
 
     def step(self, b: StepBatch) -> np.ndarray:
         """Run one step through its graph from the host; returns (S,) int32 sampled tokens. With
-        b.ext, the logprob records of its rows with n_logprobs >= 0 are written into b.ext.logprobs,
+        b.ext, the logprob records of its rows with logprobs >= 0 are written into b.ext.logprobs,
         and those of its scored prompt tokens (targets >= 0) into b.ext.prompt_logprobs."""
         decode = self.load_step(b)
         P = int(self.arena.host["plp_count"][0]) if b.ext is not None else 0
@@ -480,7 +480,8 @@ class Engine:
         self.driver.graph_launch(self.pick_exec(b.num_seqs, b.num_tokens, decode), self.s)
         S, f, x = b.num_seqs, self.fwd, b.ext
         out = f.out_tokens[:S].get(stream=self.stream)
-        want = None if x is None else np.flatnonzero((x.n_logprobs >= 0) & x.emit)
+        n_alt = None if x is None else x.column("logprobs")
+        want = None if x is None else np.flatnonzero((n_alt >= 0) & x.emit)
         if want is not None and want.size:
             chosen = f.chosen_lp[:S].get(stream=self.stream)
             top_ids = f.top_ids[:S].get(stream=self.stream)
@@ -493,7 +494,7 @@ class Engine:
         del keep
         if want is not None and want.size:
             for s in want:
-                n = int(min(x.n_logprobs[s], MAX_LOGPROBS))
+                n = int(min(n_alt[s], MAX_LOGPROBS))
                 rec = x.logprobs[s]
                 rec["logprob"] = chosen[s]
                 rec["top_ids"][:n] = top_ids[s, :n]
