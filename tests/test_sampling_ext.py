@@ -92,7 +92,7 @@ def test_repetition_penalty_zero_reads_as_off():
     x = np.array([1.0, -1.0, 2.0], np.float32)
     st = PenaltyState(3)
     st.mark(np.array([0, 1]))
-    np.testing.assert_array_equal(process_logits(x, state=st, repetition=0.0), x)
+    np.testing.assert_array_equal(process_logits(x, state=st, repetition_penalty=0.0), x)
 
 
 # -- the emulated device through the ring ---------------------------------------------------------------

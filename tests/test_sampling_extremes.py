@@ -67,7 +67,7 @@ def test_a_tiny_repetition_penalty_that_overflows_the_logits_falls_back_to_greed
     st = PenaltyState(4)
     st.mark(np.array([0, 2]))
     with np.errstate(over="ignore"):
-        x = process_logits(logits, state=st, repetition=1e-38)
+        x = process_logits(logits, state=st, repetition_penalty=1e-38)
     assert np.isinf(x[0]) and np.isinf(x[2])
     assert sample_row(x, 1.0, 0.9, 0, 3, 0) == 0  # the first +inf
 

@@ -12,7 +12,7 @@ whatever its values, gives a token id in [0, vocab).
 1. logit_bias: logits[id] += bias for each entry.
 2. Penalties, from the sequence's state: `seen` (ids in the prompt or the output) and `counts`
    (occurrences in the output). Repetition r != 1, for seen ids: l > 0 ? l / r : l * r. Then
-   l -= frequency * count + presence * (count > 0).
+   l -= frequency_penalty * count + presence_penalty * (count > 0).
    The token mask (structured output) belongs here: the tokens the request's bitmask forbids become
    -inf (apply_token_mask; logprobs stay those of the raw logits), and steps 3-9 need nothing more
    (a row that forbids every token falls back as below).
@@ -112,22 +112,23 @@ def process_logits(
     bias_ids: np.ndarray | None = None,
     bias_vals: np.ndarray | None = None,
     state: PenaltyState | None = None,
-    presence: float = 0.0,
-    frequency: float = 0.0,
-    repetition: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> np.ndarray:
     """Steps 1 and 2: a float32 copy of the logits with logit_bias and the penalties applied."""
     x = np.array(logits, dtype=np.float32)
     if bias_ids is not None and len(bias_ids):
         np.add.at(x, np.asarray(bias_ids, np.int64), np.asarray(bias_vals, np.float32))
     if state is not None:
-        r = np.float32(repetition)
+        r = np.float32(repetition_penalty)
         if r != 1 and r > 0:
             m = state.seen
             x[m] = np.where(x[m] > 0, x[m] / r, x[m] * r)
-        if frequency or presence:
+        if frequency_penalty or presence_penalty:
             c = state.counts
-            x -= np.float32(frequency) * c.astype(np.float32) + np.float32(presence) * (c > 0).astype(np.float32)
+            f, p = np.float32(frequency_penalty), np.float32(presence_penalty)
+            x -= f * c.astype(np.float32) + p * (c > 0).astype(np.float32)
     return x
 
 
@@ -185,7 +186,7 @@ def sample(
     temperature: np.ndarray,
     top_p: np.ndarray,
     top_k: np.ndarray,
-    seeds: np.ndarray,
+    seed: np.ndarray,
     ks: np.ndarray,
     min_p: np.ndarray | None = None,
 ) -> np.ndarray:
@@ -194,6 +195,6 @@ def sample(
     for r in range(logits.shape[0]):
         mp = 0.0 if min_p is None else float(min_p[r])
         out[r] = sample_row(
-            logits[r], float(temperature[r]), float(top_p[r]), int(top_k[r]), int(seeds[r]), int(ks[r]), mp
+            logits[r], float(temperature[r]), float(top_p[r]), int(top_k[r]), int(seed[r]), int(ks[r]), mp
         )
     return out

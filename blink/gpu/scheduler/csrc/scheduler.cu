@@ -61,7 +61,7 @@ __device__ uint32_t g_ev_k[SCHED_MAX_ROWS];
 __device__ int32_t g_ev_tok[SCHED_MAX_ROWS];
 __device__ uint32_t g_ev_fin[SCHED_MAX_ROWS];
 __device__ uint32_t g_n_ev;
-__device__ int32_t g_ev_nlp[SCHED_MAX_ROWS];         // the row's n_logprobs (-1: no record)
+__device__ int32_t g_ev_nlp[SCHED_MAX_ROWS];         // the row's logprobs (-1: no record)
 __device__ LogprobRecord g_ev_lp[SCHED_MAX_ROWS];    // its logprob record (engine outputs, copied in account)
 __device__ u64 g_ev_ns;         // unix ns when the step's results were accounted (t_first_ns)
 __device__ u64 g_ev_launch_ns;  // unix ns of the step's launch (t_launch_ns)

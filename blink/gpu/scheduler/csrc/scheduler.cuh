@@ -87,10 +87,11 @@ struct Row {
   uint32_t need_copy;    // prompt still to be copied from the arena into row_tokens
   uint32_t cancel;       // cancel flag seen
   uint32_t kv_gen;       // bumped whenever the row's blocks are freed (engine table copies go stale)
-  // sampling extensions (blink/device/sampling.py), from the slot at claim time
-  float presence, frequency, repetition, min_p;
-  int32_t n_logprobs;    // -1: no logprob records
-  int32_t prompt_n;      // -1: no prompt logprob records; else their alternatives
+  // sampling extensions (blink/device/sampling.py), from the slot at claim time; named as the
+  // SamplingParams fields (blink/protocol/sampling_params.py) and the step fields they fill
+  float presence_penalty, frequency_penalty, repetition_penalty, min_p;
+  int32_t logprobs;         // -1: no logprob records; else their alternatives
+  int32_t prompt_logprobs;  // -1: no prompt logprob records; else their alternatives
   uint32_t prompt_lp_off;  // int32 word of prompt record 0 in the prompt arena
   uint32_t pen;          // keeps a penalty state (any penalty or logit_bias): engine pen_row = slot
   uint32_t ext;          // uses an extension (pen, logprobs, prompt logprobs or min_p): the step's ext_on

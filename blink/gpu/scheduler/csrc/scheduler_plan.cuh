@@ -144,20 +144,21 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   R.seed = q.seed;
   R.arrival = arrival;
   R.group = q.group;
-  R.presence = q.presence_penalty;
-  R.frequency = q.frequency_penalty;
-  R.repetition = q.repetition_penalty == 0.0f ? 1.0f : q.repetition_penalty;  // 0 reads as off
+  R.presence_penalty = q.presence_penalty;
+  R.frequency_penalty = q.frequency_penalty;
+  R.repetition_penalty = q.repetition_penalty == 0.0f ? 1.0f : q.repetition_penalty;  // 0 reads as off
   R.min_p = q.min_p;
-  R.n_logprobs = (q.flags & SLOTFLAG_LOGPROBS) ? (int32_t)min(q.n_logprobs, MAX_LOGPROBS) : -1;
-  R.pen = R.presence != 0.0f || R.frequency != 0.0f || R.repetition != 1.0f || q.n_logit_bias != 0;
-  R.prompt_n = (q.flags & SLOTFLAG_PROMPT_LOGPROBS) ? (int32_t)min(q.n_logprobs, MAX_LOGPROBS) : -1;
+  R.logprobs = (q.flags & SLOTFLAG_LOGPROBS) ? (int32_t)min(q.n_logprobs, MAX_LOGPROBS) : -1;
+  R.pen = R.presence_penalty != 0.0f || R.frequency_penalty != 0.0f || R.repetition_penalty != 1.0f ||
+          q.n_logit_bias != 0;
+  R.prompt_logprobs = (q.flags & SLOTFLAG_PROMPT_LOGPROBS) ? (int32_t)min(q.n_logprobs, MAX_LOGPROBS) : -1;
   R.prompt_lp_off = q.prompt_logprobs_offset;
-  R.ext = R.pen || R.n_logprobs >= 0 || R.prompt_n >= 0 || R.min_p != 0.0f;
+  R.ext = R.pen || R.logprobs >= 0 || R.prompt_logprobs >= 0 || R.min_p != 0.0f;
   R.mask = q.mask_slot;
   R.closed = 0;
   R.n_keys = c->prefix_caching ? q.n_block_keys : 0;  // validated and copied at claim
   R.checked = 0;
-  R.cache_read = R.prompt_n < 0 && !R.pen;  // prompt logprobs and penalties see every prompt token
+  R.cache_read = R.prompt_logprobs < 0 && !R.pen;  // prompt logprobs and penalties see every prompt token
   R.cache_seen = 0;
   for (uint32_t i = 0; i < MAX_STOP_IDS; ++i) R.stop_ids[i] = q.stop_ids[i];
   return r;
@@ -420,11 +421,11 @@ __device__ uint32_t fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, ui
     E->pen_row[i] = R.pen ? (int32_t)R.slot : -1;
     E->fresh[i] = start == 0 && generated(R) == 0;  // a new request: its penalty state is cleared
     E->emit[i] = (int32_t)g_plan_sample[i];
-    E->presence_penalty[i] = R.presence;
-    E->frequency_penalty[i] = R.frequency;
-    E->repetition_penalty[i] = R.repetition;
+    E->presence_penalty[i] = R.presence_penalty;
+    E->frequency_penalty[i] = R.frequency_penalty;
+    E->repetition_penalty[i] = R.repetition_penalty;
     E->min_p[i] = R.min_p;
-    E->logprobs[i] = R.n_logprobs;
+    E->logprobs[i] = R.logprobs;
   }
   const bool masked = R.mask != 0 && g_plan_sample[i] && E->mask_words;  // planned only with its gate open
   if (E->sampling_rows) E->mask_row[i] = masked ? (int32_t)i : -1;       // engine mask row i (fill_masks)
@@ -477,7 +478,7 @@ __device__ void fill_masks(Shared& sh, uint32_t f) {
 // p scores prompt token p + 1, for p < prompt_len - 1, while the row has generated nothing (a
 // recompute after preemption with output does not score again).
 __device__ __forceinline__ uint32_t plp_rows(const Row& R, uint32_t start, uint32_t n) {
-  if (R.prompt_n < 0 || generated(R) != 0) return 0;
+  if (R.prompt_logprobs < 0 || generated(R) != 0) return 0;
   const uint32_t hi = min(start + n, R.prompt_len - 1);
   return hi > start ? hi - start : 0;
 }
@@ -501,7 +502,7 @@ __device__ void fill_prompt_logprobs(SchedCtl* c, Shared& sh) {
     for (uint32_t k = 0; k < n; ++k, ++o) {
       E->plp_tok[o] = (int32_t)(g_plan_cu[i] + k);
       E->plp_target[o] = toks[g_plan_start[i] + k + 1];
-      E->plp_prompt_logprobs[o] = R.prompt_n;
+      E->plp_prompt_logprobs[o] = R.prompt_logprobs;
     }
   }
   if (threadIdx.x == 0) *E->plp_count = total;

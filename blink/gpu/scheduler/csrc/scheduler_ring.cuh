@@ -469,7 +469,7 @@ __device__ void publish_prompt_logprobs(Shared& sh) {
     while (b - a > 1) { const uint32_t m = (a + b) / 2; if (g_plan_cu[m] <= t) a = m; else b = m; }
     const Row& R = g_rows[g_plan_row[a]];
     const uint32_t p = g_plan_start[a] + (t - g_plan_cu[a]);
-    const uint32_t n = (uint32_t)R.prompt_n;
+    const uint32_t n = (uint32_t)R.prompt_logprobs;
     uint32_t* dst = (uint32_t*)sh.arena + R.prompt_lp_off + (size_t)(p + 1) * (1 + 2 * n);
     st_sys(dst, __float_as_uint(E->plp_lp[j]));
     for (uint32_t k = 0; k < n; ++k) {
@@ -503,12 +503,12 @@ __device__ void account(SchedCtl* c, Shared& sh) {
       }
       const int32_t tok = out_tokens[i];
       const uint32_t k = generated(R);
-      g_ev_nlp[i] = R.n_logprobs;
-      if (R.n_logprobs >= 0) {  // the step's logprob record: flush() publishes it after the next launch
+      g_ev_nlp[i] = R.logprobs;
+      if (R.logprobs >= 0) {  // the step's logprob record: flush() publishes it after the next launch
         const EngineABI* E = sh.E;
         LogprobRecord& rec = g_ev_lp[i];
         rec.logprob = E->chosen_lp[i];
-        for (int32_t j = 0; j < R.n_logprobs; ++j) {
+        for (int32_t j = 0; j < R.logprobs; ++j) {
           rec.top_ids[j] = E->top_ids[(size_t)i * E->max_logprobs + j];
           rec.top_logprobs[j] = E->top_lps[(size_t)i * E->max_logprobs + j];
         }
