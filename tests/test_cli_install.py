@@ -26,7 +26,7 @@ def test_version(capsys):
 
 def _subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
-    out = {k: v for k, v in sub.choices.items() if k not in cli._RAY_COMMANDS}
+    out = {k: v for k, v in sub.choices.items() if k not in cli.RAY_COMMANDS}
     bench = next(a for a in out.pop("bench")._actions if isinstance(a, argparse._SubParsersAction))
     return out | {f"bench {k}": v for k, v in bench.choices.items()}
 
@@ -125,7 +125,7 @@ def test_ray_is_an_extra_and_its_commands_say_how_to_install_it(monkeypatch, cap
     extras = meta["optional-dependencies"]
     assert any(d.startswith("ray") for d in extras["ray"]) and "blink-serve[ray]" in extras["test"]
     assert "'.[test]'" in (ROOT / "Makefile").read_text()  # CI (make test) installs Ray for the Ray tests
-    monkeypatch.setattr(cli, "ray_installed", lambda: False)
+    monkeypatch.setattr(cli.commands, "ray_installed", lambda: False)
     for argv in (["deploy"], ["status", "--address", "auto"], ["serve", "--ray", "--device", "emulated"]):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
@@ -140,7 +140,7 @@ def test_gpu_extras_carry_nvrtc_and_headers_for_both_cuda_majors():
 
 
 def test_device_cuda_without_cupy_prints_the_install_command(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "cupy_installed", lambda: False)
+    monkeypatch.setattr(cli.config_args, "cupy_installed", lambda: False)
     assert cli.main(["serve", "--device", "cuda", "--model", "random:tiny-llama"]) == 2
     err = capsys.readouterr().err
     assert "CuPy" in err and "pip install 'blink-serve[cu13]'" in err and "Traceback" not in err
@@ -163,7 +163,7 @@ def test_kernel_cache_dir_is_settled_at_the_edge(monkeypatch, tmp_path: Path):
     from blink.gpu.toolchain import build
     from blink.launch import device_spec
 
-    monkeypatch.setattr(cli, "cupy_installed", lambda: True)
+    monkeypatch.setattr(cli.config_args, "cupy_installed", lambda: True)
     monkeypatch.setattr(build, "find_nvrtc", lambda: object())
     cfg = cli.check_device(C.BlinkConfig().replace(device={"kind": "cuda"}))
     assert cfg.device.kernel_cache == str(build.default_cache_dir())
