@@ -14,7 +14,6 @@ ends, it gives the request's log line and its metrics. abort_all() ends every re
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import logging
@@ -31,6 +30,7 @@ from blink.protocol.wire import SubmitRequest
 
 from . import openai_api as api
 from . import stop_matcher
+from .choice_items import OneChoice, next_item
 from .generation import Backend, GenerationError, TextEvent, stream_text
 from .metrics import Finished, Metrics
 from .middleware import json_response, log_safe, read_body
@@ -415,12 +415,12 @@ class CompletionHandler:
         echo prefixes go out before each choice's tokens (with echo and logprobs: when its first
         event brings the prompt's logprobs)."""
         # (choice, kind, payload): "sub" (submitted), "ev" (a TextEvent), "end", "err" (an exception)
-        items: asyncio.Queue[tuple[int, str, Any]] | _OneChoice
+        items: asyncio.Queue[tuple[int, str, Any]] | OneChoice
         if len(call.gens) == 1:
             # One choice (the common case): its generation is iterated by this handler itself. A
             # pump task would cost each token a second task hop, and a first token would wait
             # behind every other stream's token of the same step before its bytes go out.
-            items = _OneChoice(call.gens[0])
+            items = OneChoice(call.gens[0])
         else:
             items = asyncio.Queue()
         call.on_submit.append(lambda j: items.put_nowait((j, "sub", None)))
@@ -428,13 +428,11 @@ class CompletionHandler:
         async def pump(j: int, gen: AsyncIterator[TextEvent]) -> None:
             kind = "ev"
             while kind == "ev":
-                kind, x = await _next_item(gen)
+                kind, x = await next_item(gen)
                 items.put_nowait((j, kind, x))
 
         tasks = (
-            []
-            if isinstance(items, _OneChoice)
-            else [asyncio.ensure_future(pump(j, g)) for j, g in enumerate(call.gens)]
+            [] if isinstance(items, OneChoice) else [asyncio.ensure_future(pump(j, g)) for j, g in enumerate(call.gens)]
         )
         try:
             # Before the headers, so that a busy ring (429) or a rejected request still gets a proper
@@ -476,7 +474,7 @@ class CompletionHandler:
         resp: web.StreamResponse,
         call: Call,
         early: list[tuple[int, str, Any]],
-        items: asyncio.Queue[tuple[int, str, Any]] | _OneChoice,
+        items: asyncio.Queue[tuple[int, str, Any]] | OneChoice,
     ) -> None:
         async def send(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + _json.encode(obj) + b"\n\n")
@@ -570,40 +568,3 @@ class CompletionHandler:
 def _token_id_name(i: int) -> str:
     """A token as logprobs name it with return_tokens_as_token_ids (vLLM's form)."""
     return f"token_id:{i}"
-
-
-class _OneChoice:
-    """The items `_send_stream` reads, for a request of one choice: pulled from its generation when
-    asked for (what a pump task would have queued, in the same order, without the task)."""
-
-    def __init__(self, gen: AsyncIterator[TextEvent]):
-        self.gen = gen
-        self.ready: collections.deque[tuple[int, str, Any]] = collections.deque()
-        self.ended = False
-
-    def put_nowait(self, item: tuple[int, str, Any]) -> None:
-        self.ready.append(item)
-
-    async def get(self) -> tuple[int, str, Any]:
-        if self.ready:
-            return self.ready.popleft()
-        assert not self.ended, "read past the end of the choice"
-        kind, x = await _next_item(self.gen)
-        self.ended = kind != "ev"
-        if self.ready:  # the generation was submitted meanwhile: "sub" goes first
-            self.ready.append((0, kind, x))
-            return self.ready.popleft()
-        return (0, kind, x)
-
-
-async def _next_item(gen: AsyncIterator[TextEvent]) -> tuple[str, Any]:
-    """A choice's next item for the response: ("ev", event), ("end", None) when its generation is
-    over, or ("err", exception), handed to the response as an error status or an error event."""
-    try:
-        return "ev", await anext(gen)
-    except StopAsyncIteration:
-        return "end", None
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        return "err", e
