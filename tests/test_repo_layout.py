@@ -1,15 +1,17 @@
 """The repository's shape as a newcomer meets it: the two make targets, the one GPU script, bench/ as an
 importable package (no sys.path edits), kept results under one naming scheme and each cited, README
-tables that stay readable."""
+tables that stay readable, and blink/ in files and functions that fit on a few screens."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 80
 NAME = re.compile(r"^[a-z0-9_]+-(h200|2xh200|emulated)-[0-9a-f]{7}\.(json|log|png)$")
 
 
@@ -66,3 +68,32 @@ def test_test_modules_have_unique_basenames():
     root = Path(__file__).parent
     names = [p.name for p in root.rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def _too_long(root: Path) -> list[str]:
+    """Every .py file under root over MAX_FILE_LINES and every function (decorators included) over
+    MAX_FUNCTION_LINES, as "path: N lines" / "path:line name: N lines"."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        text, rel = path.read_text(), path.relative_to(root)
+        if (n := len(text.splitlines())) > MAX_FILE_LINES:
+            out.append(f"{rel}: {n} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if (n := node.end_lineno - first + 1) > MAX_FUNCTION_LINES:  # type: ignore[operator]
+                    out.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
+    return out
+
+
+def test_blink_has_no_file_over_600_lines_and_no_function_over_80():
+    assert _too_long(ROOT / "blink") == []
+
+
+def test_the_length_check_finds_a_long_file_and_a_long_function(tmp_path: Path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text(f"@staticmethod\ndef f():\n{body}\n\nasync def g():\n    pass\n")
+    (tmp_path / "big.py").write_text("x = 1\n" * (MAX_FILE_LINES + 1))
+    (tmp_path / "ok.py").write_text("def h():\n" + body[: body.index("\n") + 1] * (MAX_FUNCTION_LINES - 1))
+    assert _too_long(tmp_path) == ["big.py: 601 lines", "pkg/long.py:2 f: 82 lines"]
