@@ -164,9 +164,15 @@ class NumpyExecutor:
                     self.penalty_states[slot] = PenaltyState(self.vocab_size)
                 st = self.penalty_states[slot]
                 st.mark(batch.input_ids[cu[s] : cu[s + 1]])
-            bias_ids, bias_vals = x.logit_bias(s)
+            logit_bias_ids, logit_bias_vals = x.logit_bias(s)
             processed[s] = process_logits(
-                logits[s], bias_ids, bias_vals, st, p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+                logits[s],
+                logit_bias_ids,
+                logit_bias_vals,
+                st,
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
             )
             if x.masks is not None and x.mask_slot[s] >= 0:
                 apply_token_mask(processed[s], x.masks[s])

@@ -109,8 +109,8 @@ def logprob_record(logits: np.ndarray, token: int, n: int) -> tuple[float, np.nd
 
 def process_logits(
     logits: np.ndarray,
-    bias_ids: np.ndarray | None = None,
-    bias_vals: np.ndarray | None = None,
+    logit_bias_ids: np.ndarray | None = None,
+    logit_bias_vals: np.ndarray | None = None,
     state: PenaltyState | None = None,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
@@ -118,8 +118,8 @@ def process_logits(
 ) -> np.ndarray:
     """Steps 1 and 2: a float32 copy of the logits with logit_bias and the penalties applied."""
     x = np.array(logits, dtype=np.float32)
-    if bias_ids is not None and len(bias_ids):
-        np.add.at(x, np.asarray(bias_ids, np.int64), np.asarray(bias_vals, np.float32))
+    if logit_bias_ids is not None and len(logit_bias_ids):
+        np.add.at(x, np.asarray(logit_bias_ids, np.int64), np.asarray(logit_bias_vals, np.float32))
     if state is not None:
         r = np.float32(repetition_penalty)
         if r != 1 and r > 0:

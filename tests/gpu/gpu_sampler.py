@@ -91,9 +91,9 @@ class GpuSampler:
         presence_penalty: np.ndarray,
         frequency_penalty: np.ndarray,
         repetition_penalty: np.ndarray,
-        bias_cu: np.ndarray,
-        bias_ids: np.ndarray,
-        bias_vals: np.ndarray,
+        logit_bias_cu: np.ndarray,
+        logit_bias_ids: np.ndarray,
+        logit_bias_vals: np.ndarray,
         logprobs: np.ndarray,
         emit: np.ndarray,
     ) -> ExtResult:
@@ -120,18 +120,18 @@ class GpuSampler:
         # logit_bias: the CSR rows of the step into the state rows' tables (the engine copies a
         # request's entries there when it is admitted)
         rows = state.shape[0]
-        nb = np.diff(np.asarray(bias_cu, np.int64))
-        max_bias = max(1, int(nb.max(initial=0)))
+        nb = np.diff(np.asarray(logit_bias_cu, np.int64))
+        max_logit_bias = max(1, int(nb.max(initial=0)))
         b_n = np.zeros(max(rows, 1), np.int32)
-        b_ids = np.zeros((max(rows, 1), max_bias), np.int32)
-        b_vals = np.zeros((max(rows, 1), max_bias), np.float32)
+        b_ids = np.zeros((max(rows, 1), max_logit_bias), np.int32)
+        b_vals = np.zeros((max(rows, 1), max_logit_bias), np.float32)
         for s in range(S):
             if nb[s]:
-                r, lo = int(pen_row[s]), int(bias_cu[s])
+                r, lo = int(pen_row[s]), int(logit_bias_cu[s])
                 assert r >= 0, "logit_bias needs a state row"
                 b_n[r] = nb[s]
-                b_ids[r, : nb[s]] = bias_ids[lo : lo + nb[s]]
-                b_vals[r, : nb[s]] = bias_vals[lo : lo + nb[s]]
+                b_ids[r, : nb[s]] = logit_bias_ids[lo : lo + nb[s]]
+                b_vals[r, : nb[s]] = logit_bias_vals[lo : lo + nb[s]]
         a = {
             k: up(v, dt)
             for k, v, dt in (
@@ -148,9 +148,9 @@ class GpuSampler:
                 ("presence_penalty", presence_penalty, np.float32),
                 ("frequency_penalty", frequency_penalty, np.float32),
                 ("repetition_penalty", repetition_penalty, np.float32),
-                ("bias_n", b_n, np.int32),
-                ("bias_ids", b_ids, np.int32),
-                ("bias_vals", b_vals, np.float32),
+                ("logit_bias_n", b_n, np.int32),
+                ("logit_bias_ids", b_ids, np.int32),
+                ("logit_bias_vals", b_vals, np.float32),
                 ("logprobs", logprobs, np.int32),
                 ("emit", emit, np.int32),
             )
@@ -164,9 +164,9 @@ class GpuSampler:
         self._launch(
             "logits_ext", S, 1024, logits=lg, proc=proc, V=V, state=st, pen_row=pr,
             presence_penalty=a["presence_penalty"], frequency_penalty=a["frequency_penalty"],
-            repetition_penalty=a["repetition_penalty"], bias_n=a["bias_n"], bias_ids=a["bias_ids"],
-            bias_vals=a["bias_vals"], max_bias=max_bias, logprobs=nl, max_lp=MAX_LOGPROBS, top_ids=top_ids,
-            top_lps=top_lps, stats=stats, num_seqs=n, ext_on=on,
+            repetition_penalty=a["repetition_penalty"], logit_bias_n=a["logit_bias_n"],
+            logit_bias_ids=a["logit_bias_ids"], logit_bias_vals=a["logit_bias_vals"], max_logit_bias=max_logit_bias,
+            logprobs=nl, max_lp=MAX_LOGPROBS, top_ids=top_ids, top_lps=top_lps, stats=stats, num_seqs=n, ext_on=on,
         )  # fmt: skip
         self._launch(
             "sample_tokens", S, 1024, logits=lg, V=V, temperature=a["temperature"], top_p=a["top_p"],

@@ -122,16 +122,16 @@ def _ext_case(rng: np.random.Generator, rows: int, vocab: int):
     frequency_penalty = rng.choice(np.array([0.0, 0.3, 1.5, -0.5], np.float32), rows)
     repetition_penalty = rng.choice(np.array([1.0, 1.3, 0.7, 2.0], np.float32), rows)
     nb = np.where(pen_row >= 0, rng.integers(0, 5, rows), 0)
-    bias_cu = np.concatenate([[0], np.cumsum(nb)]).astype(np.int32)
-    bias_ids = np.concatenate([rng.choice(vocab, n, replace=False) for n in nb]).astype(np.int32)
-    bias_vals = rng.uniform(-100, 100, int(bias_cu[-1])).astype(np.float32)
+    logit_bias_cu = np.concatenate([[0], np.cumsum(nb)]).astype(np.int32)
+    logit_bias_ids = np.concatenate([rng.choice(vocab, n, replace=False) for n in nb]).astype(np.int32)
+    logit_bias_vals = rng.uniform(-100, 100, int(logit_bias_cu[-1])).astype(np.float32)
     logprobs = rng.choice(np.array([-1, 0, 1, 5, 20], np.int32), rows)
     emit = (rng.random(rows) < 0.8).astype(np.int32)
     return dict(
         temperature=t, top_p=p, top_k=k, seed=seed, ks=ks, min_p=min_p, state=state, pen_row=pen_row,
-        fresh=fresh, input_ids=input_ids, cu_q_lens=cu, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty, bias_cu=bias_cu, bias_ids=bias_ids, bias_vals=bias_vals, logprobs=logprobs,
-        emit=emit,
+        fresh=fresh, input_ids=input_ids, cu_q_lens=cu, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, logit_bias_cu=logit_bias_cu,
+        logit_bias_ids=logit_bias_ids, logit_bias_vals=logit_bias_vals, logprobs=logprobs, emit=emit,
     )  # fmt: skip
 
 
@@ -155,9 +155,9 @@ def _reference(logits: np.ndarray, c: dict):
                 st.seen[:] = (w & np.uint32(0x80000000)) != 0
                 st.counts[:] = (w & np.uint32(0x7FFFFFFF)).astype(np.int32)
             st.mark(c["input_ids"][c["cu_q_lens"][s] : c["cu_q_lens"][s + 1]])
-        b0, b1 = c["bias_cu"][s], c["bias_cu"][s + 1]
+        b0, b1 = c["logit_bias_cu"][s], c["logit_bias_cu"][s + 1]
         x = sampling.process_logits(
-            logits[s], c["bias_ids"][b0:b1], c["bias_vals"][b0:b1], st,
+            logits[s], c["logit_bias_ids"][b0:b1], c["logit_bias_vals"][b0:b1], st,
             float(c["presence_penalty"][s]), float(c["frequency_penalty"][s]), float(c["repetition_penalty"][s]),
         )  # fmt: skip
         toks[s] = sampling.sample_row(
@@ -197,7 +197,8 @@ def test_extensions_match_the_definition_token_for_token(sampler, vocab, rows):
 
 def test_extensions_match_torch(sampler):
     """Both the kernels and the emulated device against torch on the same logits (vLLM V1's order:
-    raw log_softmax for logprobs; logit_bias, repetition_penalty on prompt|output, frequency_penalty/presence_penalty)."""
+    raw log_softmax for logprobs; logit_bias, repetition_penalty on prompt|output, frequency_penalty and
+    presence_penalty)."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(11)
     rows, vocab = 32, 4096
@@ -212,8 +213,8 @@ def test_extensions_match_torch(sampler):
     np.testing.assert_allclose(got.top_logprobs, vals.numpy(), atol=2e-5)
     for s in processed:
         x = torch.tensor(logits[s])
-        b0, b1 = c["bias_cu"][s], c["bias_cu"][s + 1]
-        x[torch.tensor(c["bias_ids"][b0:b1], dtype=torch.long)] += torch.tensor(c["bias_vals"][b0:b1])
+        b0, b1 = c["logit_bias_cu"][s], c["logit_bias_cu"][s + 1]
+        x[torch.tensor(c["logit_bias_ids"][b0:b1], dtype=torch.long)] += torch.tensor(c["logit_bias_vals"][b0:b1])
         w = c["state"][s] if not c["fresh"][s] else np.zeros(vocab, np.uint32)
         seen = torch.tensor((w & np.uint32(0x80000000)) != 0)
         seen[torch.tensor(c["input_ids"][c["cu_q_lens"][s] : c["cu_q_lens"][s + 1]], dtype=torch.long)] = True

@@ -74,8 +74,9 @@ def _ext(sampler, logits, t, p, k, seed, ks, *, min_p, logprobs: int = -1):
         logits, t, p, k, seed, ks,
         min_p=min_p, state=np.zeros((S, V), np.uint32), pen_row=np.full(S, -1, np.int32),
         fresh=np.ones(S, np.int32), input_ids=np.zeros(S, np.int32), cu_q_lens=np.arange(S + 1, dtype=np.int32),
-        presence_penalty=np.zeros(S, np.float32), frequency_penalty=np.zeros(S, np.float32), repetition_penalty=np.ones(S, np.float32),
-        bias_cu=np.zeros(S + 1, np.int32), bias_ids=np.zeros(0, np.int32), bias_vals=np.zeros(0, np.float32),
+        presence_penalty=np.zeros(S, np.float32), frequency_penalty=np.zeros(S, np.float32),
+        repetition_penalty=np.ones(S, np.float32), logit_bias_cu=np.zeros(S + 1, np.int32),
+        logit_bias_ids=np.zeros(0, np.int32), logit_bias_vals=np.zeros(0, np.float32),
         logprobs=np.full(S, logprobs, np.int32), emit=np.ones(S, np.int32),
     )  # fmt: skip
 

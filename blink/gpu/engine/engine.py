@@ -348,10 +348,10 @@ class Engine:
             rec[f.name] = a[f.name]
         for name in ("out_tokens", "done_seq", "chosen_lp", "top_ids", "top_lps", "plp_lp", "plp_ids", "plp_lps"):
             rec[name] = int(getattr(self.fwd, name).data.ptr)
-        for name in ("pen_state", "bias_n"):
+        for name in ("pen_state", "logit_bias_n"):
             rec[name] = int(getattr(self.fwd, name).data.ptr)
-        rec["bias_ids"] = int(self.fwd.bias_ids.data.ptr)
-        rec["bias_vals"] = int(self.fwd.bias_vals.data.ptr)
+        rec["logit_bias_ids"] = int(self.fwd.logit_bias_ids.data.ptr)
+        rec["logit_bias_vals"] = int(self.fwd.logit_bias_vals.data.ptr)
         rec["masks"] = int(self.fwd.masks.data.ptr)  # the GPU scheduler copies a masked row's bits here
         rec["mask_words"] = self.fwd.mask_words if self.fwd.sampling_rows else 0
         for name, arr in self._tables.items():
@@ -446,9 +446,12 @@ class Engine:
             ids, vals = x.logit_bias(s)
             n = np.array([ids.size], np.int32)
             keep += [n, ids, vals]
-            copies = [(f.bias_n, r * 4, n)]
+            copies = [(f.logit_bias_n, r * 4, n)]
             if ids.size:
-                copies += [(f.bias_ids, r * MAX_LOGIT_BIAS * 4, ids), (f.bias_vals, r * MAX_LOGIT_BIAS * 4, vals)]
+                copies += [
+                    (f.logit_bias_ids, r * MAX_LOGIT_BIAS * 4, ids),
+                    (f.logit_bias_vals, r * MAX_LOGIT_BIAS * 4, vals),
+                ]
             for dst, off, src in copies:
                 cp.cuda.runtime.memcpyAsync(int(dst.data.ptr) + off, src.ctypes.data, src.nbytes, 1, self.s)
         return keep

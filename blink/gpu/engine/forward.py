@@ -237,9 +237,9 @@ class Forward(AttentionLaunches):
         self.top_lps = z(Sm, MAX_LOGPROBS, dt=cp.float32)
         self.lp_stats = z(2 * Sm, dt=cp.float32)
         self.pen_state = z(rows, V if sampling_rows else 1, dt=cp.uint32)
-        self.bias_n = z(rows, dt=cp.int32)
-        self.bias_ids = z(rows, MAX_LOGIT_BIAS, dt=cp.int32)
-        self.bias_vals = z(rows, MAX_LOGIT_BIAS, dt=cp.float32)
+        self.logit_bias_n = z(rows, dt=cp.int32)
+        self.logit_bias_ids = z(rows, MAX_LOGIT_BIAS, dt=cp.int32)
+        self.logit_bias_vals = z(rows, MAX_LOGIT_BIAS, dt=cp.float32)
         self.mask_words = (V + 31) // 32  # token masks (token_mask): a row per step row (Engine._upload_masks)
         self.masks = z(Sm if sampling_rows else 1, self.mask_words if sampling_rows else 1, dt=cp.uint32)
         # Prompt logprobs (plp_* in sampling.cu): the final-normed hidden state, the fp32 logits and
@@ -416,9 +416,10 @@ class Forward(AttentionLaunches):
                 "logits_ext", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, proc=self.proc, V=V,
                 state=self.pen_state, pen_row=a["pen_row"], presence_penalty=a["presence_penalty"],
                 frequency_penalty=a["frequency_penalty"], repetition_penalty=a["repetition_penalty"],
-                bias_n=self.bias_n, bias_ids=self.bias_ids, bias_vals=self.bias_vals, max_bias=MAX_LOGIT_BIAS,
-                logprobs=a["logprobs"], max_lp=MAX_LOGPROBS, top_ids=self.top_ids, top_lps=self.top_lps,
-                stats=self.lp_stats, num_seqs=ns, ext_on=on,
+                logit_bias_n=self.logit_bias_n, logit_bias_ids=self.logit_bias_ids,
+                logit_bias_vals=self.logit_bias_vals, max_logit_bias=MAX_LOGIT_BIAS, logprobs=a["logprobs"],
+                max_lp=MAX_LOGPROBS, top_ids=self.top_ids, top_lps=self.top_lps, stats=self.lp_stats, num_seqs=ns,
+                ext_on=on,
             )  # fmt: skip
             self._launch(
                 "token_mask", (max(1, min(32, V // 4096)), S, 1), (256, 1, 1), stream, logits=self.logits,

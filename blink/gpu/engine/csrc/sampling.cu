@@ -191,16 +191,16 @@ __device__ int row_argmax(const float* __restrict__ row, int V, SampleShared& sh
 
 // Grid (S), block SB. Rows with logprobs[s] >= 0: top_ids / top_lps [S, max_lp] (the first
 // logprobs[s] of each row written) and stats [S, 2] = (max, log-sum-exp of logits - max). Rows with
-// pen_row[s] = r >= 0: proc[s] = the logits with logit_bias (the state row's table: bias_n[r] entries
-// at bias_ids / bias_vals [r * max_bias ...], copied there when the request was admitted) and the
-// penalties of the state row applied.
+// pen_row[s] = r >= 0: proc[s] = the logits with logit_bias (the state row's table: logit_bias_n[r]
+// entries at logit_bias_ids / logit_bias_vals [r * max_logit_bias ...], copied there when the request was
+// admitted) and the penalties of the state row applied.
 extern "C" __global__ void __launch_bounds__(SB)
     logits_ext(const float* __restrict__ logits, float* __restrict__ proc, int V, const uint32_t* __restrict__ state,
                const int* __restrict__ pen_row, const float* __restrict__ presence_penalty,
                const float* __restrict__ frequency_penalty, const float* __restrict__ repetition_penalty,
-               const int* __restrict__ bias_n, const int* __restrict__ bias_ids, const float* __restrict__ bias_vals,
-               int max_bias, const int* __restrict__ logprobs, int max_lp,
-               int* __restrict__ top_ids, float* __restrict__ top_lps, float* __restrict__ stats,
+               const int* __restrict__ logit_bias_n, const int* __restrict__ logit_bias_ids,
+               const float* __restrict__ logit_bias_vals, int max_logit_bias, const int* __restrict__ logprobs,
+               int max_lp, int* __restrict__ top_ids, float* __restrict__ top_lps, float* __restrict__ stats,
                const uint32_t* __restrict__ num_seqs, const uint32_t* __restrict__ ext_on) {
   __shared__ SampleShared sh;
   const int s = blockIdx.x;
@@ -221,8 +221,9 @@ extern "C" __global__ void __launch_bounds__(SB)
   float* out = proc + (size_t)s * V;
   for (int i = tid; i < V; i += SB) out[i] = row[i];
   __syncthreads();
-  const size_t b0 = (size_t)r * max_bias;
-  for (int b = tid; b < bias_n[r]; b += SB) atomicAdd(&out[bias_ids[b0 + b]], bias_vals[b0 + b]);  // ids may repeat
+  const size_t b0 = (size_t)r * max_logit_bias;
+  for (int b = tid; b < logit_bias_n[r]; b += SB)  // ids may repeat
+    atomicAdd(&out[logit_bias_ids[b0 + b]], logit_bias_vals[b0 + b]);
   __syncthreads();
   const float rep = repetition_penalty[s], f = frequency_penalty[s], p = presence_penalty[s];
   const bool use_rep = rep != 1.f && rep > 0.f, use_fp = f != 0.f || p != 0.f;

@@ -19,7 +19,7 @@ struct EngineABI {
   uint32_t n_token_buckets;  // offset 32
   uint32_t execs_per_shape;  // offset 36  >= 2: relaunching an exec right after its token can fail
   uint32_t sampling_rows;  // offset 40  penalty-state / logit_bias rows (one per ring slot); 0: no extension tables
-  uint32_t max_logit_bias;  // offset 44  logit_bias entries per row of bias_ids / bias_vals (MAX_LOGIT_BIAS)
+  uint32_t max_logit_bias;  // offset 44  logit_bias entries per row of logit_bias_ids / logit_bias_vals (MAX_LOGIT_BIAS)
   uint32_t max_logprobs;  // offset 48  alternatives per row of top_ids / top_lps (MAX_LOGPROBS)
   uint32_t mask_words;  // offset 52  uint32 words per row of masks ((vocab_size + 31) / 32; 0: no token masks)
   uint32_t* num_seqs;  // offset 56  live sequences S of this step (<= the graph's batch bucket)
@@ -59,9 +59,9 @@ struct EngineABI {
   int32_t* plp_ids;  // offset 328  [max_num_batched_tokens][max_logprobs] row j's top ids (first plp_prompt_logprobs[j])
   float* plp_lps;  // offset 336  [max_num_batched_tokens][max_logprobs] their logprobs
   uint32_t* pen_state;  // offset 344  [sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)
-  int32_t* bias_n;  // offset 352  [sampling_rows] logit_bias entries of the row's request (written at admission)
-  int32_t* bias_ids;  // offset 360  [sampling_rows][max_logit_bias]
-  float* bias_vals;  // offset 368  [sampling_rows][max_logit_bias]
+  int32_t* logit_bias_n;  // offset 352  [sampling_rows] logit_bias entries of the row's request (written at admission)
+  int32_t* logit_bias_ids;  // offset 360  [sampling_rows][max_logit_bias]
+  float* logit_bias_vals;  // offset 368  [sampling_rows][max_logit_bias]
   uint32_t* masks;  // offset 376  [max_seqs][mask_words] token mask of step row s (token_mask reads row mask_row[s])
   uint32_t* batch_buckets;  // offset 384  [n_batch_buckets] sizes, ascending
   uint32_t* token_buckets;  // offset 392  [n_token_buckets] sizes, ascending
@@ -122,9 +122,9 @@ static_assert(offsetof(EngineABI, plp_lp) == 320, "EngineABI.plp_lp offset");
 static_assert(offsetof(EngineABI, plp_ids) == 328, "EngineABI.plp_ids offset");
 static_assert(offsetof(EngineABI, plp_lps) == 336, "EngineABI.plp_lps offset");
 static_assert(offsetof(EngineABI, pen_state) == 344, "EngineABI.pen_state offset");
-static_assert(offsetof(EngineABI, bias_n) == 352, "EngineABI.bias_n offset");
-static_assert(offsetof(EngineABI, bias_ids) == 360, "EngineABI.bias_ids offset");
-static_assert(offsetof(EngineABI, bias_vals) == 368, "EngineABI.bias_vals offset");
+static_assert(offsetof(EngineABI, logit_bias_n) == 352, "EngineABI.logit_bias_n offset");
+static_assert(offsetof(EngineABI, logit_bias_ids) == 360, "EngineABI.logit_bias_ids offset");
+static_assert(offsetof(EngineABI, logit_bias_vals) == 368, "EngineABI.logit_bias_vals offset");
 static_assert(offsetof(EngineABI, masks) == 376, "EngineABI.masks offset");
 static_assert(offsetof(EngineABI, batch_buckets) == 384, "EngineABI.batch_buckets offset");
 static_assert(offsetof(EngineABI, token_buckets) == 392, "EngineABI.token_buckets offset");

@@ -206,8 +206,8 @@ __device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
     return SLOTERR_BAD_PARAMS;
   if (!feats) return 0;
   const uint32_t* src = (const uint32_t*)&sh.arena[r.prompt_offset + r.prompt_len];
-  int32_t* ids = E->bias_ids + (size_t)s * E->max_logit_bias;
-  float* vals = E->bias_vals + (size_t)s * E->max_logit_bias;
+  int32_t* ids = E->logit_bias_ids + (size_t)s * E->max_logit_bias;
+  float* vals = E->logit_bias_vals + (size_t)s * E->max_logit_bias;
   for (uint32_t j = 0; j < nb; ++j) {
     const int32_t id = (int32_t)ld_sys(src + 2 * j);
     const float v = __uint_as_float(ld_sys(src + 2 * j + 1));
@@ -215,7 +215,7 @@ __device__ uint32_t claim_ext(Shared& sh, uint32_t s, const RingSlot& r) {
     ids[j] = id;
     vals[j] = v;
   }
-  E->bias_n[s] = (int32_t)nb;
+  E->logit_bias_n[s] = (int32_t)nb;
   return 0;
 }
 
