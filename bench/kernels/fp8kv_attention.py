@@ -147,8 +147,8 @@ def decode_rows(rig: Rig, cache: dict, S: int, L: int, iters: int, bw: dict, rng
     )  # fmt: skip
     want = None
     if S == 1:
-        k = bf16_bits_to_f32(cp.asnumpy(cache["k16"][bt_np[0]])).reshape(L, NKV, HD).astype(np.float64)
-        v = bf16_bits_to_f32(cp.asnumpy(cache["v16"][bt_np[0]])).reshape(L, NKV, HD).astype(np.float64)
+        k = bf16_bits_to_f32(cp.asnumpy(cache["k16"][cp.asarray(bt_np[0])])).reshape(L, NKV, HD).astype(np.float64)
+        v = bf16_bits_to_f32(cp.asnumpy(cache["v16"][cp.asarray(bt_np[0])])).reshape(L, NKV, HD).astype(np.float64)
         qq = bf16_bits_to_f32(cp.asnumpy(q)).reshape(1, NQ, HD).astype(np.float64)
         want = reference(qq, k, v, None).reshape(1, -1)
     sc = (1.0 / HD**0.5) * 1.4426950408889634
@@ -163,7 +163,9 @@ def decode_rows(rig: Rig, cache: dict, S: int, L: int, iters: int, bw: dict, rng
             name, sig = kernel_name(variant, kv)
             kc, vc = (cache["k16"], cache["v16"]) if kv == "bf16" else (cache["k8"], cache["v8"])
             out = cp.zeros((S, NQ * HD), cp.uint16)
-            common = dict(po=d["po"], plse=d["plse"], out=out, cu=d["cu"], sl=d["sl"], ns=d["ns"], nkv=NKV, target=target)
+            common = dict(
+                po=d["po"], plse=d["plse"], out=out, cu=d["cu"], sl=d["sl"], ns=d["ns"], nkv=NKV, target=target
+            )
             attn = rig.launcher(
                 name, sig, (nsplit, NKV, S), smem, q=d["q"], kc=kc, vc=vc, bt=d["bt"], bs=BS, mbps=mbps, sc=sc, **common
             )
@@ -200,8 +202,8 @@ def prefill_rows(rig: Rig, cache: dict, T: int, iters: int, bw: dict, rng: np.ra
     bt_np = rng.permutation(cache["k8"].shape[0])[:mbps].astype(np.int32).reshape(1, mbps)
     q = cp.asarray(f32_to_bf16_bits(rng.standard_normal((T, NQ * HD)).astype(np.float32)))
     d = dict(bt=cp.asarray(bt_np), sl=cp.full(1, T, cp.int32), cu=cp.asarray(np.array([0, T], np.int32)))
-    k = bf16_bits_to_f32(cp.asnumpy(cache["k16"][bt_np[0]])).reshape(T, NKV, HD).astype(np.float64)
-    v = bf16_bits_to_f32(cp.asnumpy(cache["v16"][bt_np[0]])).reshape(T, NKV, HD).astype(np.float64)
+    k = bf16_bits_to_f32(cp.asnumpy(cache["k16"][cp.asarray(bt_np[0])])).reshape(T, NKV, HD).astype(np.float64)
+    v = bf16_bits_to_f32(cp.asnumpy(cache["v16"][cp.asarray(bt_np[0])])).reshape(T, NKV, HD).astype(np.float64)
     rows_checked = np.unique(np.linspace(0, T - 1, 64).astype(int))  # float64 reference on these queries
     qq = bf16_bits_to_f32(cp.asnumpy(q)).reshape(T, NQ, HD).astype(np.float64)
     want = np.stack([reference(qq[t : t + 1], k[: t + 1], v[: t + 1], None)[0] for t in rows_checked])

@@ -1,6 +1,7 @@
 """The FP8 KV cache on the GPU (--kv-cache-dtype fp8) against the numpy definition (blink.models.fp8.kv_round):
 the RoPE/KV-write kernels' codes, the engine's steps (fa2 prefill, flashq and flashmma decode reading the
-fp8 cache) against the numpy model with an fp8 cache."""
+fp8 cache) against the numpy model with an fp8 cache, and the _fp8kv attention kernels alone against float64
+attention over the decoded codes (blink.models.fp8.e4m3_decode, KV_SCALE)."""
 
 from __future__ import annotations
 
