@@ -100,10 +100,17 @@ def test_bench_kernels_compile():
     for v in ("flash8", "flashq8"):
         assert f"attn_{v}_hd128_g4" in names and f"attn_{v}_combine_hd128" in names
     assert "attn_flashmma_hd128_g4" in names
+    # the first fp8-KV attention kernels (bench.kernels.fp8kv_attention), and only those
+    src = src.with_name("fp8kv_variants.cu")
+    names = B.nvrtc().compile(src, "sm_90", (f"-I{kernels.CSRC}", "--Ofast-compile=max")).decode("latin-1")
+    for k in ("attn_flashq_hd128_g4_fp8tile", "attn_flashmma_hd128_g4_fp8tile", "attn_prefill_fa2_hd128_fp8tile"):
+        assert k in names, k
+    assert "attn_flashq_hd128_g4_fp8kv" not in names and "attn_flashq_combine_hd128" not in names
 
 
 def _assert_no_spills(ptxas_log: str) -> None:
-    """No flash decode kernel with G <= 4 (every shipped model) spills registers to local memory."""
+    """No flash decode kernel with G <= 4 (every shipped model), over a bf16 or an fp8 cache, spills
+    registers to local memory."""
     import re
 
     spills: dict[str, int] = {}
@@ -115,8 +122,8 @@ def _assert_no_spills(ptxas_log: str) -> None:
         m = re.search(r"(\d+) bytes spill stores", line)
         if m and fn:
             spills[fn] = int(m.group(1))
-    g4 = {k: v for k, v in spills.items() if re.search(r"_g[1-4]$", k)}
-    assert len(g4) == len(FLASH_VARIANTS) * 4 * 4, sorted(spills)
+    g4 = {k: v for k, v in spills.items() if re.search(r"_g[1-4](_fp8kv)?$", k)}
+    assert len(g4) == len(FLASH_VARIANTS) * 4 * 4 * 2, sorted(spills)
     assert not {k: v for k, v in g4.items() if v}, g4
 
 
