@@ -62,6 +62,9 @@ def test_compiles_for_every_target(src: pathlib.Path, arch: int, tmp_path: pathl
     if src.name == "model_kernels.cu":
         for k in ("embed_tokens", "add_rmsnorm", "rope_kv_write", "swiglu", "signal_done", "gemv_bf16_t8"):
             assert k in names
+    if src.name == "moe.cu":  # each expert kernel and its FP8-weight variant
+        for k in ("moe_pair_gate_up", "moe_pair_down", "moe_gate_up_m16", "moe_down_mma_m64"):
+            assert k in names and f"{k}_fp8" in names, k
     if src.name == "fp8.cu":
         for k in ("fp8_quantize_rows", "fp8_dequant_rows", "fp8_scale_rows", "gemv_fp8_t1", "gemv_fp8_t8"):
             assert k in names

@@ -28,7 +28,7 @@ class _Rig:
     """The MoE launches of one layer on a live GPU, outside any graph: MoeLaunches with a stand-in
     Forward whose linear is a CuPy fp32 GEMM of the bf16 bits (the router's logits)."""
 
-    def __init__(self, cfg, max_num_batched_tokens: int, seed: int = 0) -> None:
+    def __init__(self, cfg, max_num_batched_tokens: int, seed: int = 0, fp8: bool = False) -> None:
         import cupy as cp
 
         from blink.gpu.engine.moe_launch import MoeLaunches
@@ -50,6 +50,16 @@ class _Rig:
         self.down = u(E, H, im, sc=(3 / im) ** 0.5)
         up = lambda a: cp.asarray(f32_to_bf16_bits(a))  # noqa: E731
         self.d_router, self.d_gu, self.d_down = up(self.router), up(self.gu), up(self.down)
+        if fp8:  # FP8 experts (the _fp8 kernels): codes and row scales; numpy checks against their values
+            from blink.gpu.engine.fp8_weights import Fp8Linear
+            from blink.models import fp8 as F
+
+            def q8(a: np.ndarray) -> tuple[np.ndarray, Fp8Linear]:
+                q = F.quantize(a.reshape(-1, a.shape[-1]))
+                d = Fp8Linear(cp.asarray(q.codes.reshape(a.shape)), cp.asarray(q.scales.reshape(a.shape[:-1])))
+                return q.dequantize().reshape(a.shape), d
+
+            (self.gu, self.d_gu), (self.down, self.d_down) = q8(self.gu), q8(self.down)
         self.num_tokens = cp.zeros(1, cp.uint32)
         self.out = cp.zeros((max_num_batched_tokens, H), cp.uint16)
         self.fwd = SimpleNamespace(_launch=self._launch, linear=self._linear)
@@ -185,8 +195,8 @@ def _config(name: str):
 
 
 @functools.cache
-def _rig(name: str) -> _Rig:
-    return _Rig(_config(name), 256)
+def _rig(name: str, fp8: bool = False) -> _Rig:
+    return _Rig(_config(name), 256, fp8=fp8)
 
 
 def _variant(rig: _Rig, variant: str) -> None:
@@ -207,6 +217,20 @@ def test_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
     _variant(rig, variant)
     print(f"--- {name} T={T} bucket={bucket}: expert kernels {variant}")
     h = _rbf(np.random.default_rng(T).standard_normal((T, cfg.hidden_size)).astype(np.float32))
+    _check_layer(rig, h, bucket)
+
+
+@pytest.mark.parametrize("variant", ["pair", "gemv", "mma", "mma64"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("T,bucket", [(1, 1), (3, 4), (8, 8), (70, 128), (256, 256)])
+def test_fp8_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
+    """--quantization fp8: the experts as e4m3 codes with per-row scales (blink.models.fp8.quantize), every
+    expert kernel's _fp8 variant against numpy over the codes' values (W8A16: bf16 activations)."""
+    cfg = _config(name)
+    rig = _rig(name, fp8=True)
+    _variant(rig, variant)
+    print(f"--- fp8 experts {name} T={T} bucket={bucket}: expert kernels {variant}")
+    h = _rbf(np.random.default_rng(T + 7).standard_normal((T, cfg.hidden_size)).astype(np.float32))
     _check_layer(rig, h, bucket)
 
 
