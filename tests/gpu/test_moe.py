@@ -246,11 +246,13 @@ def test_moe_odd_shapes_match_numpy(T: int, bucket: int, variant: str):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "tiny-qwen3-moe", "tiny-moe-odd"])
 @pytest.mark.parametrize("T,bucket", [(1, 1), (2, 2), (3, 4), (8, 8)])
-def test_moe_pair_path_is_bit_identical_to_the_tile_gemv(name: str, T: int, bucket: int):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moe_pair_path_is_bit_identical_to_the_tile_gemv(name: str, T: int, bucket: int, fp8: bool):
     """The pair path (moe_pair_*: a warp's columns streamed together) computes every output with the tile
     GEMV's FMA chain (moe_gate_up_m16 / moe_down_m16): the same expert ids and weights, and act, y and the
-    combined output bit-identical row for row (pair row p = t * k + j is the tile path's row pos[p])."""
-    rig = _rig(name)
+    combined output bit-identical row for row (pair row p = t * k + j is the tile path's row pos[p]); with
+    FP8 experts too (their _fp8 variants: the decoded codes' chain, then the row scale)."""
+    rig = _rig(name, fp8=fp8)
     h = _rbf(np.random.default_rng(T + 80).standard_normal((T, rig.cfg.hidden_size)).astype(np.float32))
     _variant(rig, "pair")
     a = rig.run(h, bucket)
