@@ -246,7 +246,7 @@ def test_moe_odd_shapes_match_numpy(T: int, bucket: int, variant: str):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "tiny-qwen3-moe", "tiny-moe-odd"])
 @pytest.mark.parametrize("T,bucket", [(1, 1), (2, 2), (3, 4), (8, 8)])
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_moe_pair_path_is_bit_identical_to_the_tile_gemv(name: str, T: int, bucket: int, fp8: bool):
     """The pair path (moe_pair_*: a warp's columns streamed together) computes every output with the tile
     GEMV's FMA chain (moe_gate_up_m16 / moe_down_m16): the same expert ids and weights, and act, y and the
