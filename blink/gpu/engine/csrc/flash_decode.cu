@@ -449,20 +449,10 @@ __device__ __forceinline__ uint32_t mm_pack(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 // KvFp8: the same tile on f16 operands (the decoded codes are exact in f16; Q converted once).
-__device__ __forceinline__ void mm_mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t mm_pack_f16(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 template <bool F16>
 __device__ __forceinline__ void mm_mma_t(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (F16) {
-    mm_mma_f16(d, a, b0, b1);
+    kv_mma_f16(d, a, b0, b1);
   } else {
     mm_mma(d, a, b0, b1);
   }
@@ -614,8 +604,8 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
       }
     uint32_t pf[4];  // P (rows g, g + 8 = 0) as the A fragment of P V over the warp's 16 keys
     if constexpr (F8) {
-      pf[0] = mm_pack_f16(sc[0][0], sc[0][1]);
-      pf[2] = mm_pack_f16(sc[1][0], sc[1][1]);
+      pf[0] = kv_pack_f16(sc[0][0], sc[0][1]);
+      pf[2] = kv_pack_f16(sc[1][0], sc[1][1]);
     } else {
       pf[0] = mm_pack(sc[0][0], sc[0][1]);
       pf[2] = mm_pack(sc[1][0], sc[1][1]);

@@ -106,6 +106,18 @@ __device__ __forceinline__ void kv_f16x16(uint4 w, uint4& lo, uint4& hi) {
   lo = make_uint4(kv_f16x2(w.x), kv_f16x2(w.x >> 16), kv_f16x2(w.y), kv_f16x2(w.y >> 16));
   hi = make_uint4(kv_f16x2(w.z), kv_f16x2(w.z >> 16), kv_f16x2(w.w), kv_f16x2(w.w >> 16));
 }
+// The tensor-core kernels' f16 operands (KvFp8): D (16x8 fp32) += A (16x16 f16, row) B (16x8 f16, col),
+// the fragments as the kernels' bf16 mma.sync takes them; two floats packed as halves (.x the lower).
+__device__ __forceinline__ void kv_mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t kv_pack_f16(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
 // 8 bf16 values -> 8 halves in place (a query row for the f16 mma; |q| past 65504 saturates).
 __device__ __forceinline__ uint4 kv_q_f16x8(uint4 w) {
   const uint32_t* b = &w.x;
