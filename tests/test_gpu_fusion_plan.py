@@ -595,3 +595,15 @@ def test_fp8_kv_cache_launches_the_fp8kv_kernels(T: int, signatures: dict):
     assert not any("rope" in n for n in names if n.startswith("gemv_"))
     assert sum(n.startswith("attn_prefill_fa2") for n in names) == (0 if decode else 2)
     assert all(k.endswith("_fp8kv") for k in f.decode_kernels.values()) and f.fn_prefill.endswith("_fp8kv")
+
+
+def test_fp8_kv_cache_has_its_own_flashmma_threshold(signatures: dict, monkeypatch: pytest.MonkeyPatch):
+    """attention_launch.FLASHMMA_MIN_BATCH_FP8KV moves the fp8 cache's flashq/flashmma line alone."""
+    from blink.gpu.engine import attention_launch as A
+
+    fp8, _ = _forward("llama3-8b", 8, "none", signatures, kv_suffix="_fp8kv")
+    bf16, _ = _forward("llama3-8b", 8, "none", signatures)
+    assert [fp8.decode_variant(S) for S in (1, 127, 128)] == ["flashq", "flashq", "flashmma"]
+    monkeypatch.setattr(A, "FLASHMMA_MIN_BATCH_FP8KV", 32)
+    assert [fp8.decode_variant(S) for S in (1, 31, 32)] == ["flashq", "flashq", "flashmma"]
+    assert [bf16.decode_variant(S) for S in (32, 127, 128)] == ["flashq", "flashq", "flashmma"]
