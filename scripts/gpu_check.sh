@@ -28,6 +28,12 @@
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
 #   fp8          bench.kernels.fp8_gemm (each projection's FP8 and bf16 paths, M = 1..4096), then bench.engine.throughput
 #                --quantization fp8 for Llama-3-8B and Qwen3-32B (batch-1 decode, 256 x (256 -> 128)) (~7 min)
+#   fp8kv        tests/gpu/test_gpu_fp8_kv.py (the fp8-KV attention kernels against float64, the engine against
+#                the numpy fp8-KV model), then bench.kernels.fp8kv_attention: decode and prefill attention
+#                over a bf16 cache, the first fp8 kernels and the engine's, Llama-3-8B's shape    (~3 min)
+#   fp8moe       the FP8 expert kernels against numpy (tests/gpu/test_moe.py -k fp8, the tiny MoE engine in
+#                tests/gpu/test_fp8_kernels.py), then bench.engine.throughput --quantization fp8 for
+#                Qwen3-30B-A3B                                                                 (~5 min)
 #   wheel        this clone's wheel installed alone (no nvcc on PATH) builds with NVRTC and serves
 # Each part runs in its own process (a CUDA fault cannot take the others down) under a timeout;
 # its output goes to OUT_DIR/<part>.log; a summary table prints last. Exit status: 0 when every part
@@ -161,6 +167,15 @@ if has fp8; then
     --quantization fp8 --timeout 200 --commit "$COMMIT" --out "$(json models_fp8)"
   part models_fp8kv 300 "$PY" -m bench.engine.throughput --presets llama3-8b --schedulers gpu \
     --kv-cache-dtype fp8 --timeout 200 --commit "$COMMIT" --out "$(json models_fp8kv)"
+fi
+if has fp8kv; then
+  part fp8kv_tests 240 "${PT[@]}" tests/gpu/test_gpu_fp8_kv.py
+  part fp8kv_attention 240 "$PY" -m bench.kernels.fp8kv_attention --commit "$COMMIT" --out "$DEST"
+fi
+if has fp8moe; then
+  part fp8moe_tests 600 "${PT[@]}" tests/gpu/test_moe.py tests/gpu/test_fp8_kernels.py -k "fp8 and (moe or pair)"
+  part models_fp8moe 600 "$PY" -m bench.engine.throughput --presets qwen3-30b-a3b --schedulers gpu \
+    --quantization fp8 --timeout 300 --commit "$COMMIT" --out "$(json models_fp8moe)"
 fi
 if has models; then
   part models 600 "$PY" -m bench.engine.throughput --presets llama3-8b,phi-4,qwen3-32b,qwen3-30b-a3b \

@@ -62,6 +62,9 @@ def test_compiles_for_every_target(src: pathlib.Path, arch: int, tmp_path: pathl
     if src.name == "model_kernels.cu":
         for k in ("embed_tokens", "add_rmsnorm", "rope_kv_write", "swiglu", "signal_done", "gemv_bf16_t8"):
             assert k in names
+    if src.name == "moe.cu":  # each expert kernel and its FP8-weight variant
+        for k in ("moe_pair_gate_up", "moe_pair_down", "moe_gate_up_m16", "moe_down_mma_m64"):
+            assert k in names and f"{k}_fp8" in names, k
     if src.name == "fp8.cu":
         for k in ("fp8_quantize_rows", "fp8_dequant_rows", "fp8_scale_rows", "gemv_fp8_t1", "gemv_fp8_t8"):
             assert k in names
@@ -100,10 +103,17 @@ def test_bench_kernels_compile():
     for v in ("flash8", "flashq8"):
         assert f"attn_{v}_hd128_g4" in names and f"attn_{v}_combine_hd128" in names
     assert "attn_flashmma_hd128_g4" in names
+    # the first fp8-KV attention kernels (bench.kernels.fp8kv_attention), and only those
+    src = src.with_name("fp8kv_variants.cu")
+    names = B.nvrtc().compile(src, "sm_90", (f"-I{kernels.CSRC}", "--Ofast-compile=max")).decode("latin-1")
+    for k in ("attn_flashq_hd128_g4_fp8tile", "attn_flashmma_hd128_g4_fp8tile", "attn_prefill_fa2_hd128_fp8tile"):
+        assert k in names, k
+    assert "attn_flashq_hd128_g4_fp8kv" not in names and "attn_flashq_combine_hd128" not in names
 
 
 def _assert_no_spills(ptxas_log: str) -> None:
-    """No flash decode kernel with G <= 4 (every shipped model) spills registers to local memory."""
+    """No flash decode kernel with G <= 4 (every shipped model), over a bf16 or an fp8 cache, spills
+    registers to local memory."""
     import re
 
     spills: dict[str, int] = {}
@@ -115,8 +125,8 @@ def _assert_no_spills(ptxas_log: str) -> None:
         m = re.search(r"(\d+) bytes spill stores", line)
         if m and fn:
             spills[fn] = int(m.group(1))
-    g4 = {k: v for k, v in spills.items() if re.search(r"_g[1-4]$", k)}
-    assert len(g4) == len(FLASH_VARIANTS) * 4 * 4, sorted(spills)
+    g4 = {k: v for k, v in spills.items() if re.search(r"_g[1-4](_fp8kv)?$", k)}
+    assert len(g4) == len(FLASH_VARIANTS) * 4 * 4 * 2, sorted(spills)
     assert not {k: v for k, v in g4.items() if v}, g4
 
 

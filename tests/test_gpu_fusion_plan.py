@@ -380,6 +380,30 @@ def test_moe_layer_launches(name: str, T: int, decode: bool, fusion: str, signat
         assert calls[i + len(moe_seq) - 1][1] == (T, 1, 1)
 
 
+@pytest.mark.parametrize("T,decode", [(1, True), (8, True), (16, False), (64, False), (256, False)])
+def test_fp8_moe_layer_launches_the_fp8_expert_kernels(T: int, decode: bool, signatures: dict):
+    """--quantization fp8 on a MoE model: the experts are Fp8Linear (codes (E, out, in), scales (E, out)); each
+    expert launch is its kernel's _fp8 variant (pair, tile GEMV, tensor cores) with the codes as W and the scales
+    as S (checked against the kernels' signatures), the tensor-core variants with room for the decoded weight
+    fragments; the router and the routing are the bf16 model's."""
+    f, calls = _forward("qwen3-30b-a3b", 8, "none", signatures, layers=2)
+    c = f.c
+    E, im, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+    for lw in f.w.layers:
+        lw.experts_gate_up = Fp8Linear(_Arr(E, 2 * im, H), _Arr(E, 2 * im))
+        lw.experts_down = Fp8Linear(_Arr(E, H, im), _Arr(E, H))
+    f.record(0, min(T, 8), T, decode)
+    experts = [(n, smem) for n, _, _, smem in calls if n.startswith(("moe_pair_", "moe_gate_up", "moe_down"))]
+    assert len(experts) == 2 * c.num_layers and all(n.endswith("_fp8") for n, _ in experts), experts
+    mma = T >= MMA_MIN_TOKENS
+    tm = BIG_TILE_M if T >= BIG_TILE_MIN_TOKENS else TILE_M
+    for n, smem in experts:
+        if mma:
+            assert smem == MoeLaunches.smem(True, H if "gate_up" in n else im, tm, fp8=True)
+            assert smem > MoeLaunches.smem(True, H if "gate_up" in n else im, tm)
+    assert sum(n.startswith("moe_router") or n == "cublas" or n.startswith("gemv_f32") for n, *_ in calls) >= 2
+
+
 @pytest.mark.parametrize("nh,hd", [(48, 128), (60, 128), (15, 64), (12, 64), (10, 32), (8, 16), (3, 16), (20, 96)])
 @pytest.mark.parametrize("T", [1, 7, 64, 256, 1001, 4096])
 @pytest.mark.parametrize("sms", [1, 132])
@@ -571,3 +595,15 @@ def test_fp8_kv_cache_launches_the_fp8kv_kernels(T: int, signatures: dict):
     assert not any("rope" in n for n in names if n.startswith("gemv_"))
     assert sum(n.startswith("attn_prefill_fa2") for n in names) == (0 if decode else 2)
     assert all(k.endswith("_fp8kv") for k in f.decode_kernels.values()) and f.fn_prefill.endswith("_fp8kv")
+
+
+def test_fp8_kv_cache_has_its_own_flashmma_threshold(signatures: dict, monkeypatch: pytest.MonkeyPatch):
+    """attention_launch.FLASHMMA_MIN_BATCH_FP8KV moves the fp8 cache's flashq/flashmma line alone."""
+    from blink.gpu.engine import attention_launch as A
+
+    fp8, _ = _forward("llama3-8b", 8, "none", signatures, kv_suffix="_fp8kv")
+    bf16, _ = _forward("llama3-8b", 8, "none", signatures)
+    assert [fp8.decode_variant(S) for S in (1, 127, 128)] == ["flashq", "flashq", "flashmma"]
+    monkeypatch.setattr(A, "FLASHMMA_MIN_BATCH_FP8KV", 32)
+    assert [fp8.decode_variant(S) for S in (1, 31, 32)] == ["flashq", "flashq", "flashmma"]
+    assert [bf16.decode_variant(S) for S in (32, 127, 128)] == ["flashq", "flashq", "flashmma"]

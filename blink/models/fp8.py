@@ -21,6 +21,8 @@ Which steps quantize activations depends on the step's size, as on the CUDA devi
     x / xs[t]) and the GEMM runs on FP8 tensor cores,
         y[t, n] = xs[t] * scale[n] * sum_k value(xcode[t, k]) * value(code[n, k])     (fp32 sums)
     (`w8a8_linear`). Per-token quantization is row by row, so padding rows change nothing.
+  * a MoE layer's experts are weight-only in every step (their inputs stay in the compute dtype): the
+    CUDA engine's FP8 expert kernels (moe.cu's _fp8 variants) decode the codes beside bf16 activations.
 
 The KV cache (--kv-cache-dtype fp8): every K and V value the attention writes is stored as
 e4m3(x / KV_SCALE) and read back as KV_SCALE * value(code), with one per-tensor scale KV_SCALE = 1 (vLLM's

@@ -17,7 +17,8 @@ FP8 e4m3 with per-output-channel scales (blink.models.fp8), applied dequantized;
 router and the LM head are as without it. Every step but a decode step of at most `fp8_gemv_max_tokens`
 sequences also quantizes each linear layer's input per token (W8A8, blink.models.fp8.uses_w8a8), as the
 CUDA engine's FP8 GEMM does; those decode steps keep the activations in float32 (the FP8-weight GEMV). `fp8_gemv_max_tokens=None`:
-weight-only at every size (the CUDA engine's dequantize fallback).
+weight-only at every size (the CUDA engine's dequantize fallback). The MoE experts are weight-only in every
+step (W8A16: the CUDA engine's FP8 expert kernels read bf16 activations; moe.cu's _fp8 kernels).
 
 `kv_cache_dtype="fp8"`: K and V are rounded as an fp8 KV cache stores them (blink.models.fp8.kv_round)
 when written, so attention reads them back dequantized, as the CUDA kernels do.
@@ -241,7 +242,7 @@ class LlamaNumpy:
             x = x + aq(attn) @ L.w_o.T
 
             h = rmsnorm(x, L.ln2, c.rms_eps)
-            x = x + (aq(_swiglu(aq(h) @ L.w_gate_up.T)) @ L.w_down.T if L.w_router is None else self._moe(h, L, aq))
+            x = x + (aq(_swiglu(aq(h) @ L.w_gate_up.T)) @ L.w_down.T if L.w_router is None else self._moe(h, L))
             if progress is not None:
                 progress()
 
@@ -255,8 +256,9 @@ class LlamaNumpy:
             return lambda a: a
         return fake_quantize_activations
 
-    def _moe(self, h: np.ndarray, L: _Layer, aq: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """Routed experts of h (T, hidden): top-k of the router's softmax, each hit expert once over its rows."""
+    def _moe(self, h: np.ndarray, L: _Layer) -> np.ndarray:
+        """Routed experts of h (T, hidden): top-k of the router's softmax, each hit expert once over its rows.
+        FP8 experts are weight-only (their inputs are not quantized), whatever the step's size."""
         c = self.config
         k, E = c.num_experts_per_tok, c.num_experts
         probs = _softmax_rows(h @ L.w_router.T)  # (T, E)
@@ -271,7 +273,7 @@ class LlamaNumpy:
         for e in np.flatnonzero(np.diff(bounds)):
             pairs = order[bounds[e] : bounds[e + 1]]
             rows = pairs // k  # a token picks an expert at most once: rows are distinct
-            y = aq(_swiglu(aq(h[rows]) @ L.w_gate_up[e].T)) @ L.w_down[e].T
+            y = _swiglu(h[rows] @ L.w_gate_up[e].T) @ L.w_down[e].T
             out[rows] += y * w.ravel()[pairs, None]
         return out
 

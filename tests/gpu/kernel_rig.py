@@ -16,9 +16,12 @@ class KernelRig:
         self.k = Kernels(self.drv, DEFAULT_CACHE)
         self.stream = cp.cuda.Stream(non_blocking=True)
 
-    def launch(self, name, grid, block, **args) -> None:
+    def launch(self, name, grid, block, smem: int = 0, **args) -> None:
+        """Kernel `name` with keyword arguments; smem: its dynamic shared memory (the limit raised to it)."""
         import cupy as cp
 
+        if smem:
+            self.drv.set_max_dynamic_smem(self.k[name], smem)
         cp.cuda.Device().synchronize()  # the inputs were copied on CuPy's stream
-        self.drv.launch(self.k[name], grid, block, self.k.args(name, args), int(self.stream.ptr), 0, name)
+        self.drv.launch(self.k[name], grid, block, self.k.args(name, args), int(self.stream.ptr), smem, name)
         self.stream.synchronize()

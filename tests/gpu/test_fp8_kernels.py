@@ -150,10 +150,11 @@ def _compare(eng, cfg, refs: list) -> list[list[float]]:
 _KW = dict(num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=128, max_blocks_per_seq=64)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m", "tiny-qwen3-moe"])
 def test_fp8_engine_matches_the_numpy_fp8_model(name):
     """Quantized on the GPU at load: against the numpy model with the same FP8 weights, and closer
-    to it than to the bf16 model."""
+    to it than to the bf16 model (tiny-qwen3-moe: the experts too, on the pair, tile GEMV and
+    tensor-core _fp8 kernels)."""
     from blink.device.numpy_executor import NumpyExecutor
     from blink.models.weights import random_bf16, random_weights
 

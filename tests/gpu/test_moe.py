@@ -28,7 +28,7 @@ class _Rig:
     """The MoE launches of one layer on a live GPU, outside any graph: MoeLaunches with a stand-in
     Forward whose linear is a CuPy fp32 GEMM of the bf16 bits (the router's logits)."""
 
-    def __init__(self, cfg, max_num_batched_tokens: int, seed: int = 0) -> None:
+    def __init__(self, cfg, max_num_batched_tokens: int, seed: int = 0, fp8: bool = False) -> None:
         import cupy as cp
 
         from blink.gpu.engine.moe_launch import MoeLaunches
@@ -50,6 +50,16 @@ class _Rig:
         self.down = u(E, H, im, sc=(3 / im) ** 0.5)
         up = lambda a: cp.asarray(f32_to_bf16_bits(a))  # noqa: E731
         self.d_router, self.d_gu, self.d_down = up(self.router), up(self.gu), up(self.down)
+        if fp8:  # FP8 experts (the _fp8 kernels): codes and row scales; numpy checks against their values
+            from blink.gpu.engine.fp8_weights import Fp8Linear
+            from blink.models import fp8 as F
+
+            def q8(a: np.ndarray) -> tuple[np.ndarray, Fp8Linear]:
+                q = F.quantize(a.reshape(-1, a.shape[-1]))
+                d = Fp8Linear(cp.asarray(q.codes.reshape(a.shape)), cp.asarray(q.scales.reshape(a.shape[:-1])))
+                return q.dequantize().reshape(a.shape), d
+
+            (self.gu, self.d_gu), (self.down, self.d_down) = q8(self.gu), q8(self.down)
         self.num_tokens = cp.zeros(1, cp.uint32)
         self.out = cp.zeros((max_num_batched_tokens, H), cp.uint16)
         self.fwd = SimpleNamespace(_launch=self._launch, linear=self._linear)
@@ -185,8 +195,8 @@ def _config(name: str):
 
 
 @functools.cache
-def _rig(name: str) -> _Rig:
-    return _Rig(_config(name), 256)
+def _rig(name: str, fp8: bool = False) -> _Rig:
+    return _Rig(_config(name), 256, fp8=fp8)
 
 
 def _variant(rig: _Rig, variant: str) -> None:
@@ -210,6 +220,20 @@ def test_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
     _check_layer(rig, h, bucket)
 
 
+@pytest.mark.parametrize("variant", ["pair", "gemv", "mma", "mma64"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("T,bucket", [(1, 1), (3, 4), (8, 8), (70, 128), (256, 256)])
+def test_fp8_moe_kernels_match_numpy(name: str, T: int, bucket: int, variant: str):
+    """--quantization fp8: the experts as e4m3 codes with per-row scales (blink.models.fp8.quantize), every
+    expert kernel's _fp8 variant against numpy over the codes' values (W8A16: bf16 activations)."""
+    cfg = _config(name)
+    rig = _rig(name, fp8=True)
+    _variant(rig, variant)
+    print(f"--- fp8 experts {name} T={T} bucket={bucket}: expert kernels {variant}")
+    h = _rbf(np.random.default_rng(T + 7).standard_normal((T, cfg.hidden_size)).astype(np.float32))
+    _check_layer(rig, h, bucket)
+
+
 @pytest.mark.parametrize("variant", ["pair", "gemv"])
 @pytest.mark.parametrize("T,bucket", [(1, 1), (2, 2), (3, 4), (8, 8)])
 def test_moe_odd_shapes_match_numpy(T: int, bucket: int, variant: str):
@@ -222,11 +246,13 @@ def test_moe_odd_shapes_match_numpy(T: int, bucket: int, variant: str):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "tiny-qwen3-moe", "tiny-moe-odd"])
 @pytest.mark.parametrize("T,bucket", [(1, 1), (2, 2), (3, 4), (8, 8)])
-def test_moe_pair_path_is_bit_identical_to_the_tile_gemv(name: str, T: int, bucket: int):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_moe_pair_path_is_bit_identical_to_the_tile_gemv(name: str, T: int, bucket: int, fp8: bool):
     """The pair path (moe_pair_*: a warp's columns streamed together) computes every output with the tile
     GEMV's FMA chain (moe_gate_up_m16 / moe_down_m16): the same expert ids and weights, and act, y and the
-    combined output bit-identical row for row (pair row p = t * k + j is the tile path's row pos[p])."""
-    rig = _rig(name)
+    combined output bit-identical row for row (pair row p = t * k + j is the tile path's row pos[p]); with
+    FP8 experts too (their _fp8 variants: the decoded codes' chain, then the row scale)."""
+    rig = _rig(name, fp8=fp8)
     h = _rbf(np.random.default_rng(T + 80).standard_normal((T, rig.cfg.hidden_size)).astype(np.float32))
     _variant(rig, "pair")
     a = rig.run(h, bucket)

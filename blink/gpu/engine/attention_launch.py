@@ -21,6 +21,9 @@ PREFILL_TILE = 64
 # merged by flashq's combine. FLASH_VARIANTS: (K/V vectors per lane per tile, the split quantum's
 # N; CTAs per SM at the compiled register count for G <= 4; cp.async ring stages).
 FLASHMMA_MIN_BATCH = 128  # buckets of this many sequences and more decode on flashmma
+# The same over an fp8 KV cache (its _fp8kv kernels: flashq decodes codes in registers, doing twice the
+# fp32 work per byte read; flashmma decodes them into f16 tiles): bench.kernels.fp8kv_attention times both.
+FLASHMMA_MIN_BATCH_FP8KV = FLASHMMA_MIN_BATCH
 FLASH_VARIANTS = {"flashq": (4, 3, 4), "flashmma": (4, 3, 0)}
 FLASH_COMBINE_OF = {"flashq": "flashq", "flashmma": "flashq"}
 FLASH_WARPS = 4
@@ -82,7 +85,8 @@ class AttentionLaunches:
 
     def decode_variant(self, S: int) -> str:
         """The decode attention recorded for a bucket of S sequences."""
-        return self._decode_override or ("flashmma" if S >= FLASHMMA_MIN_BATCH else "flashq")
+        least = FLASHMMA_MIN_BATCH_FP8KV if self.kv_suffix else FLASHMMA_MIN_BATCH
+        return self._decode_override or ("flashmma" if S >= least else "flashq")
 
     def flash_target(self, variant: str) -> int:
         """CTAs the flash kernels aim for: one full wave at their occupancy."""

@@ -15,6 +15,10 @@ Otherwise the tile height tm is TILE_M (16) for small graphs (tile GEMV on CUDA 
 tokens, tensor cores above) and BIG_TILE_M (64) from BIG_TILE_MIN_TOKENS on (tensor cores: each
 weight fragment then feeds 4 row fragments). All of it is fixed per graph at capture.
 
+FP8 experts (`--quantization fp8`: experts_gate_up / experts_down as Fp8Linear, codes and per-row scales)
+take each expert kernel's `_fp8` variant, which reads the codes and their scales (argument S) and the
+activations in bf16 (W8A16); the router and the permutation are the same.
+
 `align_reference` is the permutation in numpy (the kernel's contract, for CPU tests).
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from blink.gpu.engine.fp8_weights import Fp8Linear
 from blink.gpu.toolchain.cuda_api import Driver
 from blink.gpu.toolchain.kernels import Kernels
 from blink.models.config import ModelConfig
@@ -33,6 +38,7 @@ MMA_KC = 256  # moe.cu MMA_KC: inputs staged per step of the tensor-core kernels
 WARPS, COLS = 8, 4  # moe.cu MOE_WARPS, MOE_COLS: output columns per block = WARPS * COLS (tile GEMV)
 PAIR_WARPS, PAIR_COLS = 4, 4  # moe.cu PAIR_WARPS, PAIR_COLS: the pair path's blocks (PAIR_WARPS * PAIR_COLS columns)
 MMA_BN = WARPS * 16  # moe.cu MMA_BN: output columns per block of the tensor-core variant
+MMA_LDB = 24  # moe.cu MMA_LDB: row stride of an FP8 expert kernel's decoded weight fragments
 MMA_MIN_TOKENS = 64  # graphs of at least this many tokens run the expert GEMMs on tensor cores
 FUSED_ROUTE_MAX_TOKENS = 64  # graphs of at most this many tokens route and align in one block (one launch)
 PAIR_MAX_TOKENS = 8  # graphs of at most this many tokens take the pair path: no permutation (moe_pair_*)
@@ -105,9 +111,11 @@ class MoeLaunches:
         self.act = z(rows, inter)  # swiglu of the permuted rows
         self.y = z(rows, H)  # expert outputs, permuted rows
         for kind, K in (("gate_up", H), ("down", inter)):
-            driver.set_max_dynamic_smem(kernels[f"moe_{kind}_m{TILE_M}"], self.smem(False, K, TILE_M))
-            for tm in (TILE_M, BIG_TILE_M):
-                driver.set_max_dynamic_smem(kernels[f"moe_{kind}_mma_m{tm}"], self.smem(True, K, tm))
+            for sfx in ("", "_fp8"):
+                driver.set_max_dynamic_smem(kernels[f"moe_{kind}_m{TILE_M}{sfx}"], self.smem(False, K, TILE_M))
+                for tm in (TILE_M, BIG_TILE_M):
+                    f8 = bool(sfx)
+                    driver.set_max_dynamic_smem(kernels[f"moe_{kind}_mma_m{tm}{sfx}"], self.smem(True, K, tm, f8))
         self.big_tile_min_tokens = BIG_TILE_MIN_TOKENS
         """Graphs of at least this many tokens (on tensor cores) take 64-row tiles."""
         self.mma_min_tokens = MMA_MIN_TOKENS
@@ -120,11 +128,16 @@ class MoeLaunches:
         """Graphs of at most this many tokens route and align in one launch (moe_route_align)."""
 
     @staticmethod
-    def smem(mma: bool, K: int, tm: int) -> int:
-        """Dynamic shared memory of an expert kernel over K inputs with tm-row tiles (moe.cu's layouts)."""
+    def smem(mma: bool, K: int, tm: int, fp8: bool = False) -> int:
+        """Dynamic shared memory of an expert kernel over K inputs with tm-row tiles (moe.cu's layouts;
+        fp8: the tensor-core variant's decoded weight fragments behind)."""
         if not mma:
             return tm * K * 2
-        return -(-(tm * (MMA_KC + 8) * 2) // 128) * 128 + WARPS * 2 * 256 * 4
+        return (
+            -(-(tm * (MMA_KC + 8) * 2) // 128) * 128
+            + WARPS * 2 * 256 * 4
+            + (WARPS * 2 * 16 * MMA_LDB * 2 if fp8 else 0)
+        )
 
     @staticmethod
     def rows(c: ModelConfig, tokens: int) -> int:
@@ -174,16 +187,18 @@ class MoeLaunches:
         align = dict(expert_off=self.expert_off, expert_cnt=self.expert_cnt, sorted_pair=self.sorted_pair,
                      pair_pos=self.pair_pos)  # fmt: skip
         comb = dict(y=self.y, topk_w=self.topk_w, num_tokens=num_tokens, k=k, H=H)
+        # FP8 experts: the _fp8 kernels, codes W and row scales S
+        f8, wgu, wdn = self._weights(gate_up, down)
         if T <= self.pair_max_tokens:
             bn, threads = PAIR_WARPS * PAIR_COLS, 32 * PAIR_WARPS
             fwd._launch(
-                "moe_pair_gate_up", (-(-inter // bn), T * k, 1), (threads, 1, 1), stream, H * 2, logits=self.logits,
-                X=hid, W=gate_up, Y=self.act, topk_ids=self.topk_ids, topk_w=self.topk_w, num_tokens=num_tokens, E=E,
-                k=k, norm_topk=int(c.norm_topk_prob), N=inter, K=H,
+                f"moe_pair_gate_up{f8}", (-(-inter // bn), T * k, 1), (threads, 1, 1), stream, H * 2,
+                logits=self.logits, X=hid, Y=self.act, topk_ids=self.topk_ids, topk_w=self.topk_w,
+                num_tokens=num_tokens, E=E, k=k, norm_topk=int(c.norm_topk_prob), N=inter, K=H, **wgu,
             )  # fmt: skip
             fwd._launch(
-                "moe_pair_down", (-(-H // bn), T * k, 1), (threads, 1, 1), stream, inter * 2, X=self.act, W=down,
-                Y=self.y, topk_ids=self.topk_ids, num_tokens=num_tokens, k=k, N=H, K=inter,
+                f"moe_pair_down{f8}", (-(-H // bn), T * k, 1), (threads, 1, 1), stream, inter * 2, X=self.act,
+                Y=self.y, topk_ids=self.topk_ids, num_tokens=num_tokens, k=k, N=H, K=inter, **wdn,
             )  # fmt: skip
             self._combine(fwd, stream, T, out, then_norm, None, comb)
             return
@@ -199,15 +214,26 @@ class MoeLaunches:
         tiles = max_tiles(T, k, E, tm)
         bn, v = (MMA_BN, "_mma") if mma else (WARPS * COLS, "")
         fwd._launch(
-            f"moe_gate_up{v}_m{tm}", (-(-inter // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, H, tm),
-            X=hid, sorted_pair=self.sorted_pair, W=gate_up, Y=self.act, expert_off=self.expert_off,
-            expert_cnt=self.expert_cnt, E=E, k=k, N=inter, K=H,
+            f"moe_gate_up{v}_m{tm}{f8}", (-(-inter // bn), tiles, 1), (32 * WARPS, 1, 1), stream,
+            self.smem(mma, H, tm, bool(f8)), X=hid, sorted_pair=self.sorted_pair, Y=self.act,
+            expert_off=self.expert_off, expert_cnt=self.expert_cnt, E=E, k=k, N=inter, K=H, **wgu,
         )  # fmt: skip
         fwd._launch(
-            f"moe_down{v}_m{tm}", (-(-H // bn), tiles, 1), (32 * WARPS, 1, 1), stream, self.smem(mma, inter, tm),
-            X=self.act, W=down, Y=self.y, expert_off=self.expert_off, expert_cnt=self.expert_cnt, E=E, N=H, K=inter,
+            f"moe_down{v}_m{tm}{f8}", (-(-H // bn), tiles, 1), (32 * WARPS, 1, 1), stream,
+            self.smem(mma, inter, tm, bool(f8)), X=self.act, Y=self.y, expert_off=self.expert_off,
+            expert_cnt=self.expert_cnt, E=E, N=H, K=inter, **wdn,
         )  # fmt: skip
         self._combine(fwd, stream, T, out, then_norm, self.pair_pos, comb)
+
+    @staticmethod
+    def _weights(gate_up: object, down: object) -> tuple[str, dict, dict]:
+        """The expert kernels' name suffix and weight arguments: bf16 arrays (W), or FP8 experts
+        (Fp8Linear: codes W, scales S) for the _fp8 kernels."""
+        if isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear):
+            return "_fp8", {"W": gate_up.codes, "S": gate_up.scales}, {"W": down.codes, "S": down.scales}
+        if isinstance(gate_up, Fp8Linear) or isinstance(down, Fp8Linear):
+            raise TypeError("MoE experts: gate_up and down must both be FP8 or both bf16")
+        return "", {"W": gate_up}, {"W": down}
 
     def _combine(self, fwd, stream: int, T: int, out, then_norm, pair_pos, comb: dict) -> None:
         if then_norm is None:

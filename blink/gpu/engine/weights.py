@@ -8,8 +8,9 @@ Per layer (H hidden, I intermediate, hd head_dim, nq/nkv heads, shapes (out, in)
 MoE layers (qwen3_moe; E experts of intermediate size Im) instead of gate_up and down:
     router (E, H)  experts_gate_up (E, 2*Im, H) = [gate_proj; up_proj] per expert  experts_down (E, H, Im)
     (transformers 5's Qwen3MoeExperts layout: each expert's rows contiguous, what blink/gpu/engine/csrc/moe.cu streams)
-With fp8 (--quantization fp8; blink/gpu/engine/fp8_weights.py) qkv, o, gate_up and down are Fp8Linear
-(uint8 e4m3 codes + float32 per-row scales), quantized on the GPU as the tensors stream in.
+With fp8 (--quantization fp8; blink/gpu/engine/fp8_weights.py) qkv, o, gate_up and down, and a MoE
+layer's experts_gate_up and experts_down, are Fp8Linear (uint8 e4m3 codes + float32 per-row scales),
+quantized on the GPU as the tensors stream in (the router stays bf16).
 Sources: blink.models.weights.Bf16Tensors (`from_bf16`: canonical tensors as bf16 bits, one at a
 time, each copied into its rows of arrays allocated up front; what the CUDA device loads, so the
 host never holds the model), HF-named float32 host dicts rounded to bf16 (`from_host`: tests and
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.gpu.engine.fp8_weights import FP8_PROJECTIONS, Fp8Linear, Fp8Loader
+from blink.gpu.engine.fp8_weights import FP8_EXPERTS, FP8_PROJECTIONS, Fp8Linear, Fp8Loader
 from blink.gpu.toolchain.cuda_api import Driver
 from blink.gpu.toolchain.kernels import Kernels
 from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
@@ -113,15 +114,13 @@ class GpuWeights:
     @classmethod
     def empty(cls, config: ModelConfig, fp8: bool = False) -> GpuWeights:
         """Uninitialised device arrays of every weight of `config` (the LM head is the embedding when
-        tied); `fp8`: the dense layers' projections as Fp8Linear (blink.gpu.engine.fp8_weights)."""
+        tied); `fp8`: the linear layers' projections and experts as Fp8Linear (blink.gpu.engine.fp8_weights)."""
         import cupy as cp
 
         c, sh = config, cls.shapes(config)
-        if fp8 and c.is_moe:
-            raise ValueError(f"{c.name}: fp8 weights of MoE models are not served on the CUDA device yet")
 
         def a(key: str) -> object:
-            if fp8 and key in FP8_PROJECTIONS:
+            if fp8 and key in (*FP8_PROJECTIONS, *FP8_EXPERTS):
                 return Fp8Linear.empty(sh[key])  # type: ignore[arg-type]
             return cp.empty(sh[key], dtype=cp.uint16)
 

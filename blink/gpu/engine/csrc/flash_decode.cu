@@ -60,8 +60,8 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 template <int HD, int G, int N, int STAGES, typename KV>
-__device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, const KV* __restrict__ k_cache,
-                                                const KV* __restrict__ v_cache, float* __restrict__ part_o,
+__device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, const typename KV::T* __restrict__ k_cache,
+                                                const typename KV::T* __restrict__ v_cache, float* __restrict__ part_o,
                                                 float* __restrict__ part_lse, bf16* __restrict__ out,
                                                 const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
                                                 const int* __restrict__ block_tables,
@@ -76,6 +76,14 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
   constexpr int R = N >> STEPS;       // whole scores per lane afterwards
   constexpr int DUP = LOG_LPT - STEPS;  // log2(lanes holding a copy of the same score)
   static_assert((1 << LOG_N) == N && N <= 16, "N must be a power of two");
+  // KvFp8 (kv_cache.cuh): the ring holds codes, a slot (stage, k|v) the tile's KT keys x HD bytes in
+  // cache order, copied 16 bytes a cp.async by any lane (N / 2 per lane) and read back 8 bytes a lane
+  // (bytes i * 256 + lane * 8: load i's key KPI * i + h, dims c * 8..) after a __syncwarp. Same bytes of
+  // shared memory as the bf16 ring, so twice the tiles in flight.
+  constexpr bool F8 = KV::PATH == 2 && STAGES > 0;
+  constexpr int RS = F8 ? 2 * STAGES : STAGES;  // ring stages
+  static_assert(!F8 || (N >= 2 && HD >= 16), "fp8 ring: N / 2 copies of 16 bytes per lane");
+  if constexpr (F8) scale_log2 *= KV_SCALE;  // K's scale, folded into q
   __shared__ float ps[NW][KT][G];
   __shared__ float wm[NW][G], wl[NW][G];
   __shared__ float wo[NW][G][HD];
@@ -108,13 +116,26 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
   // STAGES > 0: this warp's ring, slot (stage, k|v, i) at ring[((stage * 2 + kv) * N + i) * 32 + lane].
   extern __shared__ __align__(16) unsigned char flash_smem[];
   bf16x8* ring = reinterpret_cast<bf16x8*>(flash_smem) + (size_t)warp * (STAGES > 0 ? STAGES : 1) * 2 * N * 32;
+  unsigned char* ring8 = reinterpret_cast<unsigned char*>(ring);  // F8: slot (stage, kv) at (stage * 2 + kv) * N * 256
   auto issue = [&](int tt0, int stage) {
+    if constexpr (F8) {
+      unsigned char* kd = ring8 + (size_t)stage * 2 * N * 256;
+#pragma unroll
+      for (int u = 0; u < N / 2; ++u) {
+        const int j = lane + 32 * u, t = tt0 + j / (HD / 16);  // chunk j: key j / (HD/16), bytes 16 (j % (HD/16))..
+        const bool ok = t < end;
+        const size_t off = ok ? (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + (j % (HD / 16)) * 16 : 0;
+        cp_async16(kd + 16 * j, k_cache + off, ok);
+        cp_async16(kd + N * 256 + 16 * j, v_cache + off, ok);
+      }
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       const int t = tt0 + KPI * i + h;
       const bool ok = t < end;
       const size_t off = ok ? (((size_t)bt[t / bs] * bs + t % bs) * nkv + kvh) * HD + c * 8 : 0;
-      if constexpr (sizeof(KV) == 2) {
+      if constexpr (KV::PATH == 0) {
         cp_async16(ring + ((stage * 2) * N + i) * 32 + lane, k_cache + off, ok);
         cp_async16(ring + ((stage * 2 + 1) * N + i) * 32 + lane, v_cache + off, ok);
       } else {
@@ -125,7 +146,7 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
   };
   if constexpr (STAGES > 0) {
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
+    for (int st = 0; st < RS - 1; ++st) {
       issue(start + warp * KT + st * NW * KT, st);
       cp_async_commit();
     }
@@ -133,17 +154,28 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
   int stage = 0;
   for (int t0 = start + warp * KT; t0 < end; t0 += NW * KT) {
     bf16x8 kr[N], vr[N];
+    uint2 k8[N], v8[N];  // F8: the lane's 8 codes of each load
     if constexpr (STAGES > 0) {
-      // Tile j + STAGES - 1 goes into the slot tile j - 1 used; then tile j's group is complete.
-      issue(t0 + (STAGES - 1) * NW * KT, stage == 0 ? STAGES - 1 : stage - 1);
+      // Tile j + RS - 1 goes into the slot tile j - 1 used; then tile j's group is complete.
+      issue(t0 + (RS - 1) * NW * KT, stage == 0 ? RS - 1 : stage - 1);
       cp_async_commit();
-      cp_async_wait<STAGES - 1>();
+      cp_async_wait<RS - 1>();
+      if constexpr (F8) {
+        __syncwarp();  // the codes of a lane's load were copied by other lanes of the warp
+        const unsigned char* kd = ring8 + (size_t)stage * 2 * N * 256 + lane * 8;
 #pragma unroll
-      for (int i = 0; i < N; ++i) {
-        kr[i] = ring[((stage * 2) * N + i) * 32 + lane];
-        vr[i] = ring[((stage * 2 + 1) * N + i) * 32 + lane];
+        for (int i = 0; i < N; ++i) {
+          k8[i] = *reinterpret_cast<const uint2*>(kd + i * 256);
+          v8[i] = *reinterpret_cast<const uint2*>(kd + N * 256 + i * 256);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          kr[i] = ring[((stage * 2) * N + i) * 32 + lane];
+          vr[i] = ring[((stage * 2 + 1) * N + i) * 32 + lane];
+        }
       }
-      stage = stage + 1 == STAGES ? 0 : stage + 1;
+      stage = stage + 1 == RS ? 0 : stage + 1;
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) {
@@ -162,8 +194,12 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       float kf[8];
+      if constexpr (F8) {
+        kv_f32x8(k8[i], kf);
+      } else {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) kf[e] = bf(kr[i].v[e]);
+        for (int e = 0; e < 8; ++e) kf[e] = bf(kr[i].v[e]);
+      }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float d = 0.f;
@@ -219,8 +255,12 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       float vf[8];
+      if constexpr (F8) {
+        kv_f32x8(v8[i], vf);
+      } else {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) vf[e] = bf(vr[i].v[e]);
+        for (int e = 0; e < 8; ++e) vf[e] = bf(vr[i].v[e]);
+      }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float p = ps[warp][KPI * i + h][g];
@@ -266,7 +306,8 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
         den += f * wl[w][g];
       }
     }
-    const float o = num / den;  // den > 0: warp 0 always has key `start`
+    float o = num / den;  // den > 0: warp 0 always has key `start`
+    if constexpr (F8) o *= KV_SCALE;  // V's scale
     if (nused == 1) {
       out[((size_t)tok * nq + kvh * G + g) * HD + d] = tobf(o);
     } else {
@@ -337,16 +378,17 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   }
 }
 
-#define FLASH_KV(NAME, HD, G, N, STAGES, MINB, KV, SUFFIX)                                                      \
+#define FLASH_KV(NAME, HD, G, N, STAGES, MINB, T, KV, SUFFIX)                                                   \
   extern "C" __global__ void __launch_bounds__(128, MINB) attn_##NAME##_hd##HD##_g##G##SUFFIX(                 \
-      const bf16* q, const KV* kc, const KV* vc, float* po, float* plse, bf16* out, const int* cu,              \
+      const bf16* q, const T* kc, const T* vc, float* po, float* plse, bf16* out, const int* cu,                \
       const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc, int target) {      \
     attn_flash_impl<HD, G, N, STAGES, KV>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target); \
   }
-// Each decode kernel twice: over a bf16 cache and, suffixed _fp8kv, over an fp8 one (kv_cache.cuh).
-#define FLASH(NAME, HD, G, N, STAGES, MINB)         \
-  FLASH_KV(NAME, HD, G, N, STAGES, MINB, bf16, )    \
-  FLASH_KV(NAME, HD, G, N, STAGES, MINB, kv8, _fp8kv)
+// Each decode kernel twice: over a bf16 cache and, suffixed _fp8kv, over an fp8 one (kv_cache.cuh's
+// KvFp8Engine read policy).
+#define FLASH(NAME, HD, G, N, STAGES, MINB)            \
+  FLASH_KV(NAME, HD, G, N, STAGES, MINB, bf16, KvBf16, ) \
+  FLASH_KV(NAME, HD, G, N, STAGES, MINB, kv8, KvFp8Engine, _fp8kv)
 #define FLASH_COMBINE(NAME, HD, N)                                                                              \
   extern "C" __global__ void __launch_bounds__(128) attn_##NAME##_combine_hd##HD(                              \
       const float* po, const float* plse, bf16* out, const int* cu, const int* sl, const uint32_t* ns, int nkv, \
@@ -367,10 +409,12 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
   FLASH(flashq, HD, 7, 4, 4, 2)                \
   FLASH(flashq, HD, 8, 4, 4, 2)                \
   FLASH_COMBINE(flashq, HD, 4)
+#ifndef KV_ATTENTION_TEMPLATES_ONLY  // bench/kernels/fp8kv_variants.cu instantiates its own
 FLASH_PER_HD(16)
 FLASH_PER_HD(32)
 FLASH_PER_HD(64)
 FLASH_PER_HD(128)
+#endif
 
 // ---- "flashmma": GQA decode attention on tensor cores (the engine's from batch 128) ---------------
 // flashq does the G x keys dot products and the P V sums on CUDA cores in fp32 (per 8 keys per warp:
@@ -404,14 +448,23 @@ __device__ __forceinline__ uint32_t mm_pack(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
+// KvFp8: the same tile on f16 operands (the decoded codes are exact in f16; Q converted once).
+template <bool F16>
+__device__ __forceinline__ void mm_mma_t(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (F16) {
+    kv_mma_f16(d, a, b0, b1);
+  } else {
+    mm_mma(d, a, b0, b1);
+  }
+}
 
 constexpr int MMA_BN = 64;  // keys per CTA tile (16 per warp)
 
 __host__ __device__ constexpr int flashmma_smem(int hd) { return (16 + 4 * MMA_BN) * (hd + 8) * 2; }
 
 template <int HD, int G, typename KV>
-__device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, const KV* __restrict__ k_cache,
-                                                   const KV* __restrict__ v_cache, float* __restrict__ part_o,
+__device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, const typename KV::T* __restrict__ k_cache,
+                                                   const typename KV::T* __restrict__ v_cache, float* __restrict__ part_o,
                                                    float* __restrict__ part_lse, bf16* __restrict__ out,
                                                    const int* __restrict__ cu_q_lens, const int* __restrict__ seq_lens,
                                                    const int* __restrict__ block_tables,
@@ -423,6 +476,14 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
   bf16* Qs = reinterpret_cast<bf16*>(mm_smem_raw);  // [16][LD]
   bf16* Kst = Qs + 16 * LD;                        // [2][BN][LD]
   bf16* Vst = Kst + 2 * MMA_BN * LD;               // [2][BN][LD]
+  // KvFp8: Q, K and V tiles in f16, one stage ([BN][LD] each, at Kst and Kst + BN * LD), fed from two
+  // stages of K and V codes [2][BN][HD] bytes behind them (within flashmma_smem); each thread decodes
+  // the 16-byte chunks it copied itself.
+  constexpr bool F8 = KV::PATH == 2;
+  constexpr int CH8 = HD / 16;  // 16-code chunks of a key row
+  unsigned char* K8 = reinterpret_cast<unsigned char*>(Kst + 2 * MMA_BN * LD);  // [2][BN][HD]
+  unsigned char* V8 = K8 + 2 * MMA_BN * HD;                                     // [2][BN][HD]
+  if constexpr (F8) scale_log2 *= KV_SCALE;  // K's scale, once
   __shared__ float wm[NW][G], wl[NW][G];
   const int s = blockIdx.z;
   const int ns = (int)*num_seqs, L = seq_lens[s], tok = cu_q_lens[s + 1] - 1;
@@ -438,9 +499,21 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
     const int r = idx / CH, c = (idx % CH) * 8;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < G) v = *reinterpret_cast<const uint4*>(q + ((size_t)tok * nq + kvh * G + r) * HD + c);
+    if constexpr (F8) v = kv_q_f16x8(v);
     *reinterpret_cast<uint4*>(Qs + r * LD + c) = v;
   }
   auto load_kv = [&](int stage, int kt) {
+    if constexpr (F8) {
+      for (int idx = tid; idx < MMA_BN * CH8; idx += NW * 32) {
+        const int r = idx / CH8, c = (idx % CH8) * 16, key = kt + r;
+        const bool ok = key < end;
+        const int kk = ok ? key : start;
+        const size_t off = (((size_t)bt[kk / bs] * bs + kk % bs) * nkv + kvh) * HD + c;
+        cp_async16(K8 + (stage * MMA_BN + r) * HD + c, k_cache + off, ok);
+        cp_async16(V8 + (stage * MMA_BN + r) * HD + c, v_cache + off, ok);
+      }
+      return;
+    }
     bf16* Kd = Kst + stage * MMA_BN * LD;
     bf16* Vd = Vst + stage * MMA_BN * LD;
     for (int idx = tid; idx < MMA_BN * CH; idx += NW * 32) {
@@ -448,7 +521,7 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
       const bool ok = key < end;
       const int kk = ok ? key : start;
       const size_t off = (((size_t)bt[kk / bs] * bs + kk % bs) * nkv + kvh) * HD + c;
-      if constexpr (sizeof(KV) == 2) {
+      if constexpr (KV::PATH == 0) {
         cp_async16(Kd + r * LD + c, k_cache + off, ok);
         cp_async16(Vd + r * LD + c, v_cache + off, ok);
       } else {
@@ -475,20 +548,32 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
     } else {
       cp_async_wait<0>();
     }
+    if constexpr (F8) {  // this thread's chunks of the tile's codes -> the f16 tiles (free since the last barrier)
+      for (int idx = tid; idx < MMA_BN * CH8; idx += NW * 32) {
+        const int r = idx / CH8, c = (idx % CH8) * 16, o8 = (stage * MMA_BN + r) * HD + c;
+        uint4 lo, hi;
+        kv_f16x16(*reinterpret_cast<const uint4*>(K8 + o8), lo, hi);
+        *reinterpret_cast<uint4*>(Kst + r * LD + c) = lo;
+        *reinterpret_cast<uint4*>(Kst + r * LD + c + 8) = hi;
+        kv_f16x16(*reinterpret_cast<const uint4*>(V8 + o8), lo, hi);
+        *reinterpret_cast<uint4*>(Kst + (MMA_BN + r) * LD + c) = lo;
+        *reinterpret_cast<uint4*>(Kst + (MMA_BN + r) * LD + c + 8) = hi;
+      }
+    }
     __syncthreads();  // this tile (and Q) in shared memory
     if (it == 0) {
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) mm_ldsm4(qf[kk], Qs + (lane & 15) * LD + kk * 16 + (lane >> 4) * 8);
     }
-    const bf16* Ks = Kst + stage * MMA_BN * LD;
-    const bf16* Vs = Vst + stage * MMA_BN * LD;
+    const bf16* Ks = Kst + (F8 ? 0 : stage) * MMA_BN * LD;
+    const bf16* Vs = F8 ? Kst + MMA_BN * LD : Vst + stage * MMA_BN * LD;
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kk = 0; kk < NK; ++kk) {  // keys kw..kw+7 (sc[0]) and kw+8..kw+15 (sc[1])
       uint32_t b[4];
       mm_ldsm4(b, Ks + (kw + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
-      mm_mma(sc[0], qf[kk], b[0], b[1]);
-      mm_mma(sc[1], qf[kk], b[2], b[3]);
+      mm_mma_t<F8>(sc[0], qf[kk], b[0], b[1]);
+      mm_mma_t<F8>(sc[1], qf[kk], b[2], b[3]);
     }
     float mx = -INFINITY;
 #pragma unroll
@@ -518,16 +603,21 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
         l += sc[n][e];
       }
     uint32_t pf[4];  // P (rows g, g + 8 = 0) as the A fragment of P V over the warp's 16 keys
-    pf[0] = mm_pack(sc[0][0], sc[0][1]);
+    if constexpr (F8) {
+      pf[0] = kv_pack_f16(sc[0][0], sc[0][1]);
+      pf[2] = kv_pack_f16(sc[1][0], sc[1][1]);
+    } else {
+      pf[0] = mm_pack(sc[0][0], sc[0][1]);
+      pf[2] = mm_pack(sc[1][0], sc[1][1]);
+    }
     pf[1] = 0u;
-    pf[2] = mm_pack(sc[1][0], sc[1][1]);
     pf[3] = 0u;
 #pragma unroll
     for (int n = 0; n < ND; n += 2) {
       uint32_t b[4];
       mm_ldsm4t(b, Vs + (kw + (lane & 7) + (((lane >> 3) & 1) << 3)) * LD + n * 8 + (lane >> 4) * 8);
-      mm_mma(o[n], pf, b[0], b[1]);
-      mm_mma(o[n + 1], pf, b[2], b[3]);
+      mm_mma_t<F8>(o[n], pf, b[0], b[1]);
+      mm_mma_t<F8>(o[n + 1], pf, b[2], b[3]);
     }
     __syncthreads();  // every warp done with this stage before it is refilled
   }
@@ -561,7 +651,8 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
         den += f * wl[w][r];
       }
     }
-    const float ov = num / den;  // den > 0: warp 0 holds key `start`
+    float ov = num / den;  // den > 0: warp 0 holds key `start`
+    if constexpr (F8) ov *= KV_SCALE;  // V's scale
     if (nused == 1) {
       out[((size_t)tok * nq + kvh * G + r) * HD + d] = tobf(ov);
     } else {
@@ -572,15 +663,15 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
   }
 }
 
-#define FLASHMMA_KV(HD, G, KV, SUFFIX)                                                                          \
+#define FLASHMMA_KV(HD, G, T, KV, SUFFIX)                                                                       \
   extern "C" __global__ void __launch_bounds__(128, 3) attn_flashmma_hd##HD##_g##G##SUFFIX(                    \
-      const bf16* q, const KV* kc, const KV* vc, float* po, float* plse, bf16* out, const int* cu,              \
+      const bf16* q, const T* kc, const T* vc, float* po, float* plse, bf16* out, const int* cu,                \
       const int* sl, const int* bt, const uint32_t* ns, int nkv, int bs, int mbps, float sc, int target) {      \
     attn_flashmma_impl<HD, G, KV>(q, kc, vc, po, plse, out, cu, sl, bt, ns, nkv, bs, mbps, sc, target);       \
   }
-#define FLASHMMA(HD, G)        \
-  FLASHMMA_KV(HD, G, bf16, )   \
-  FLASHMMA_KV(HD, G, kv8, _fp8kv)
+#define FLASHMMA(HD, G)         \
+  FLASHMMA_KV(HD, G, bf16, KvBf16, ) \
+  FLASHMMA_KV(HD, G, kv8, KvFp8Engine, _fp8kv)
 #define FLASHMMA_PER_HD(HD) \
   FLASHMMA(HD, 1)             \
   FLASHMMA(HD, 2)             \
@@ -590,7 +681,9 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
   FLASHMMA(HD, 6)             \
   FLASHMMA(HD, 7)             \
   FLASHMMA(HD, 8)
+#ifndef KV_ATTENTION_TEMPLATES_ONLY
 FLASHMMA_PER_HD(16)
 FLASHMMA_PER_HD(32)
 FLASHMMA_PER_HD(64)
 FLASHMMA_PER_HD(128)
+#endif

@@ -36,9 +36,16 @@
 //                           fragments sharing each weight fragment
 // Rows past a tile's real count are neither computed nor written. Every MoE layer but the last
 // combines with the next layer's add_rmsnorm (moe_combine_norm).
+//
+// FP8 experts (--quantization fp8; blink.models.fp8): each expert kernel also comes as <name>_fp8,
+// the weights W as e4m3 codes (uint8, the same layout) with per-output-row scales S ([E, 2N] or
+// [E, N] float32), the activations bf16 ("W8A16", blink.models.llama_numpy's expert definition): the
+// same sums over the decoded codes (exact in fp32; the tensor-core variant decodes each warp's 16 x 16
+// weight fragment into shared memory as bf16), each output multiplied by its row's scale once.
 #include <mma.h>
 
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 using namespace nvcuda;
 
@@ -179,16 +186,28 @@ __device__ __forceinline__ int expert_of_row(const int* __restrict__ off, int E,
 
 // The tile's nr (<= TM) staged rows xs [TM, K] times expert weights We ([2N, K] SWIGLU: gate rows then up
 // rows, else [N, K]) into rows row0.. of Y [*, N]; the block's output columns by blockIdx.x.
-template <int TM, bool SWIGLU>
-__device__ __forceinline__ void gemv_tile_body(const bf16* __restrict__ xs, const bf16* __restrict__ We,
-                                               bf16* __restrict__ Y, int row0, int nr, int N, int K) {
+// 8 weights from an expert row: bf16 values, or (FP8 experts) e4m3 codes decoded (exact).
+__device__ __forceinline__ void load8_w(const bf16* p, float* out) { load8(p, out); }
+__device__ __forceinline__ void load8_w(const kv8* p, float* out) {
+  float f[8];
+  kv_f32x8(*reinterpret_cast<const uint2*>(p), f);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = f[i];
+}
+
+// WT: bf16, or kv8 with Se the expert's row scales (FP8 experts).
+template <int TM, bool SWIGLU, typename WT = bf16>
+__device__ __forceinline__ void gemv_tile_body(const bf16* __restrict__ xs, const WT* __restrict__ We,
+                                               bf16* __restrict__ Y, int row0, int nr, int N, int K,
+                                               const float* __restrict__ Se = nullptr) {
+  constexpr bool F8 = sizeof(WT) == 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kv = K / 8;
   for (int ci = 0; ci < MOE_COLS; ++ci) {
     const int col = (blockIdx.x * MOE_WARPS + warp) * MOE_COLS + ci;
     if (col >= N) break;
-    const bf16* wa = We + (size_t)col * K;
-    const bf16* wb = We + (size_t)(col + N) * K;  // the up row (SWIGLU only)
+    const WT* wa = We + (size_t)col * K;
+    const WT* wb = We + (size_t)(col + N) * K;  // the up row (SWIGLU only)
     float acc_a[TM], acc_b[TM];
 #pragma unroll
     for (int r = 0; r < TM; ++r) acc_a[r] = acc_b[r] = 0.f;
@@ -196,8 +215,8 @@ __device__ __forceinline__ void gemv_tile_body(const bf16* __restrict__ xs, cons
 #pragma unroll UNROLL
     for (int v = lane; v < kv; v += 32) {
       float a[8], b[8];
-      load8(wa + v * 8, a);
-      if (SWIGLU) load8(wb + v * 8, b);
+      load8_w(wa + v * 8, a);
+      if (SWIGLU) load8_w(wb + v * 8, b);
 #pragma unroll
       for (int r = 0; r < TM; ++r) {
         if (r < nr) {
@@ -214,9 +233,11 @@ __device__ __forceinline__ void gemv_tile_body(const bf16* __restrict__ xs, cons
 #pragma unroll
     for (int r = 0; r < TM; ++r) {
       if (r < nr) {
-        const float ya = warp_sum(acc_a[r]);
+        float ya = warp_sum(acc_a[r]);
+        if constexpr (F8) ya *= Se[col];
         if (SWIGLU) {
-          const float yb = warp_sum(acc_b[r]);
+          float yb = warp_sum(acc_b[r]);
+          if constexpr (F8) yb *= Se[col + N];
           if (lane == 0) {
             const float g = rbf(ya), u = rbf(yb);  // the gate_up GEMM's bf16 output
             Y[(size_t)(row0 + r) * N + col] = tobf(rbf(g / (1.f + expf(-g))) * u);
@@ -232,11 +253,12 @@ __device__ __forceinline__ void gemv_tile_body(const bf16* __restrict__ xs, cons
 // SWIGLU: W is [E, 2N, K] = [gate; up] per expert and the output is swiglu (N columns);
 // otherwise W is [E, N, K]. gather: the tile's input row r is X[sorted[row0 + r] / k] (tokens);
 // else X[row0 + r] (the rows of the previous expert GEMM).
-template <int TM, bool SWIGLU>
+template <int TM, bool SWIGLU, typename WT = bf16>
 __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, const int* __restrict__ sorted_pair,
-                                                const bf16* __restrict__ W, bf16* __restrict__ Y,
+                                                const WT* __restrict__ W, bf16* __restrict__ Y,
                                                 const int* __restrict__ expert_off,
-                                                const int* __restrict__ expert_cnt, int E, int k, int N, int K) {
+                                                const int* __restrict__ expert_cnt, int E, int k, int N, int K,
+                                                const float* __restrict__ S = nullptr) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* xs = reinterpret_cast<bf16*>(smem_raw);  // [TM, K]
   const int row0 = blockIdx.y * TM;
@@ -251,7 +273,12 @@ __device__ __forceinline__ void moe_expert_impl(const bf16* __restrict__ X, cons
     reinterpret_cast<bf16x8*>(xs + r * K)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)src * K)[v];
   }
   __syncthreads();
-  gemv_tile_body<TM, SWIGLU>(xs, W + (size_t)e * (SWIGLU ? 2 : 1) * N * K, Y, row0, nr, N, K);
+  if constexpr (sizeof(WT) == 1) {
+    gemv_tile_body<TM, SWIGLU, WT>(xs, W + (size_t)e * (SWIGLU ? 2 : 1) * N * K, Y, row0, nr, N, K,
+                                   S + (size_t)e * (SWIGLU ? 2 : 1) * N);
+  } else {
+    gemv_tile_body<TM, SWIGLU>(xs, W + (size_t)e * (SWIGLU ? 2 : 1) * N * K, Y, row0, nr, N, K);
+  }
 }
 
 // Decode fast path (graphs of at most MoeLaunches.pair_max_tokens tokens): no permutation, one block
@@ -344,16 +371,30 @@ MOE_ROUTER(2)
 MOE_ROUTER(3)
 MOE_ROUTER(4)
 
-template <bool SWIGLU, int U>
-__device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf16* __restrict__ We,
-                                          bf16* __restrict__ Y, int row, int N, int K) {
+// A lane's vector of 8 weights: 16 bytes of bf16, 8 of e4m3 codes.
+template <typename WT>
+struct WVec {
+  typedef uint4 T;
+};
+template <>
+struct WVec<kv8> {
+  typedef uint2 T;
+};
+
+// WT: bf16, or kv8 with Se the expert's row scales (FP8 experts).
+template <bool SWIGLU, int U, typename WT = bf16>
+__device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const WT* __restrict__ We,
+                                          bf16* __restrict__ Y, int row, int N, int K,
+                                          const float* __restrict__ Se = nullptr) {
+  constexpr bool F8 = sizeof(WT) == 1;
+  typedef typename WVec<WT>::T Vec;
   constexpr int R = SWIGLU ? 2 : 1;  // weight rows per output column: gate (col) and up (col + N)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int col0 = (blockIdx.x * PAIR_WARPS + warp) * PAIR_COLS;
   const int kv = K / 8;
   // Raw 16-byte vectors (4 registers each, converted only when used: held as bf16x8, the predicated
   // loads were unpacked into 8 registers each at once, which waited for the data and serialized them).
-  uint4 w[U][R][PAIR_COLS];
+  Vec w[U][R][PAIR_COLS];
   auto issue = [&](int v0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -363,7 +404,7 @@ __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf1
 #pragma unroll
         for (int c = 0; c < PAIR_COLS; ++c)
           if (v < kv && col0 + c < N)
-            w[u][r][c] = *reinterpret_cast<const uint4*>(We + (size_t)(col0 + c + r * N) * K + (size_t)v * 8);
+            w[u][r][c] = *reinterpret_cast<const Vec*>(We + (size_t)(col0 + c + r * N) * K + (size_t)v * 8);
     }
   };
   if (col0 >= N) return;
@@ -385,9 +426,16 @@ __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf1
 #pragma unroll
           for (int c = 0; c < PAIR_COLS; ++c)
             if (col0 + c < N) {
-              const uint32_t q[4] = {w[u][r][c].x, w[u][r][c].y, w[u][r][c].z, w[u][r][c].w};
+              if constexpr (F8) {
+                float f[8];
+                kv_f32x8(w[u][r][c], f);
 #pragma unroll
-              for (int i = 0; i < 8; ++i) acc[r][c] += bf_of_pair(q[i / 2], i % 2) * x[i];
+                for (int i = 0; i < 8; ++i) acc[r][c] += f[i] * x[i];
+              } else {
+                const uint32_t q[4] = {w[u][r][c].x, w[u][r][c].y, w[u][r][c].z, w[u][r][c].w};
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[r][c] += bf_of_pair(q[i / 2], i % 2) * x[i];
+              }
             }
       }
     }
@@ -398,9 +446,11 @@ __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf1
 #pragma unroll
   for (int c = 0; c < PAIR_COLS; ++c) {
     if (col0 + c >= N) break;
-    const float ya = warp_sum(acc[0][c]);
+    float ya = warp_sum(acc[0][c]);
+    if constexpr (F8) ya *= Se[col0 + c];
     if (SWIGLU) {
-      const float yb = warp_sum(acc[R - 1][c]);
+      float yb = warp_sum(acc[R - 1][c]);
+      if constexpr (F8) yb *= Se[col0 + c + N];
       if (lane == 0) {
         const float g = rbf(ya), u = rbf(yb);  // the gate_up GEMM's bf16 output
         Y[(size_t)row * N + col0 + c] = tobf(rbf(g / (1.f + expf(-g))) * u);
@@ -411,10 +461,12 @@ __device__ __forceinline__ void pair_gemv(const bf16* __restrict__ xs, const bf1
   }
 }
 
-extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
-    moe_pair_gate_up(const float* __restrict__ logits, const bf16* __restrict__ X, const bf16* __restrict__ W,
-                     bf16* __restrict__ Y, int* __restrict__ topk_ids, float* __restrict__ topk_w,
-                     const uint32_t* __restrict__ num_tokens, int E, int k, int norm_topk, int N, int K) {
+template <typename WT>
+__device__ __forceinline__ void moe_pair_gate_up_impl(const float* __restrict__ logits, const bf16* __restrict__ X,
+                                                      const WT* __restrict__ W, bf16* __restrict__ Y,
+                                                      int* __restrict__ topk_ids, float* __restrict__ topk_w,
+                                                      const uint32_t* __restrict__ num_tokens, int E, int k,
+                                                      int norm_topk, int N, int K, const float* __restrict__ S) {
   extern __shared__ __align__(128) unsigned char pair_smem[];
   bf16* xs = reinterpret_cast<bf16*>(pair_smem);  // [1, K]
   __shared__ int s_ids[32];
@@ -429,12 +481,18 @@ extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
     topk_ids[t * k + threadIdx.x] = s_ids[threadIdx.x];
     topk_w[t * k + threadIdx.x] = s_w[threadIdx.x];
   }
-  pair_gemv<true, PAIR_U_GATE_UP>(xs, W + (size_t)s_ids[j] * 2 * N * K, Y, p, N, K);
+  if constexpr (sizeof(WT) == 1) {
+    pair_gemv<true, PAIR_U_GATE_UP, WT>(xs, W + (size_t)s_ids[j] * 2 * N * K, Y, p, N, K, S + (size_t)s_ids[j] * 2 * N);
+  } else {
+    pair_gemv<true, PAIR_U_GATE_UP>(xs, W + (size_t)s_ids[j] * 2 * N * K, Y, p, N, K);
+  }
 }
 
-extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
-    moe_pair_down(const bf16* __restrict__ X, const bf16* __restrict__ W, bf16* __restrict__ Y,
-                  const int* __restrict__ topk_ids, const uint32_t* __restrict__ num_tokens, int k, int N, int K) {
+template <typename WT>
+__device__ __forceinline__ void moe_pair_down_impl(const bf16* __restrict__ X, const WT* __restrict__ W,
+                                                   bf16* __restrict__ Y, const int* __restrict__ topk_ids,
+                                                   const uint32_t* __restrict__ num_tokens, int k, int N, int K,
+                                                   const float* __restrict__ S) {
   extern __shared__ __align__(128) unsigned char pair_smem[];
   bf16* xs = reinterpret_cast<bf16*>(pair_smem);  // [1, K]
   const int p = blockIdx.y;
@@ -442,7 +500,37 @@ extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
   for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
     reinterpret_cast<bf16x8*>(xs)[v] = reinterpret_cast<const bf16x8*>(X + (size_t)p * K)[v];
   __syncthreads();
-  pair_gemv<false, PAIR_U_DOWN>(xs, W + (size_t)topk_ids[p] * N * K, Y, p, N, K);
+  if constexpr (sizeof(WT) == 1) {
+    pair_gemv<false, PAIR_U_DOWN, WT>(xs, W + (size_t)topk_ids[p] * N * K, Y, p, N, K, S + (size_t)topk_ids[p] * N);
+  } else {
+    pair_gemv<false, PAIR_U_DOWN>(xs, W + (size_t)topk_ids[p] * N * K, Y, p, N, K);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
+    moe_pair_gate_up(const float* __restrict__ logits, const bf16* __restrict__ X, const bf16* __restrict__ W,
+                     bf16* __restrict__ Y, int* __restrict__ topk_ids, float* __restrict__ topk_w,
+                     const uint32_t* __restrict__ num_tokens, int E, int k, int norm_topk, int N, int K) {
+  moe_pair_gate_up_impl<bf16>(logits, X, W, Y, topk_ids, topk_w, num_tokens, E, k, norm_topk, N, K, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
+    moe_pair_gate_up_fp8(const float* __restrict__ logits, const bf16* __restrict__ X, const kv8* __restrict__ W,
+                         const float* __restrict__ S, bf16* __restrict__ Y, int* __restrict__ topk_ids,
+                         float* __restrict__ topk_w, const uint32_t* __restrict__ num_tokens, int E, int k,
+                         int norm_topk, int N, int K) {
+  moe_pair_gate_up_impl<kv8>(logits, X, W, Y, topk_ids, topk_w, num_tokens, E, k, norm_topk, N, K, S);
+}
+
+extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
+    moe_pair_down(const bf16* __restrict__ X, const bf16* __restrict__ W, bf16* __restrict__ Y,
+                  const int* __restrict__ topk_ids, const uint32_t* __restrict__ num_tokens, int k, int N, int K) {
+  moe_pair_down_impl<bf16>(X, W, Y, topk_ids, num_tokens, k, N, K, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
+    moe_pair_down_fp8(const bf16* __restrict__ X, const kv8* __restrict__ W, const float* __restrict__ S,
+                      bf16* __restrict__ Y, const int* __restrict__ topk_ids, const uint32_t* __restrict__ num_tokens,
+                      int k, int N, int K) {
+  moe_pair_down_impl<kv8>(X, W, Y, topk_ids, num_tokens, k, N, K, S);
 }
 
 // Tensor-core variant (graphs whose buckets put many rows in a tile: prefill, large decode batches):
@@ -456,12 +544,18 @@ extern "C" __global__ void __launch_bounds__(PAIR_WARPS * 32)
 // own row (one MMA chain per output element).
 #define MMA_BN (MOE_WARPS * 16)
 #define MMA_KC 256
+// FP8 experts: each warp decodes its 16 x 16 weight fragment (and the up fragment) into bf16 at
+// wst [warps, 2, 16, MMA_LDB] behind cs (MoeLaunches.smem adds MOE_WARPS * 2 * 16 * MMA_LDB * 2 bytes),
+// then loads it with load_matrix_sync; the row scales multiply the fp32 sums in the epilogue.
+#define MMA_LDB 24
 
-template <int TM, bool SWIGLU>
+template <int TM, bool SWIGLU, typename WT = bf16>
 __device__ __forceinline__ void moe_expert_mma_impl(const bf16* __restrict__ X, const int* __restrict__ sorted_pair,
-                                                    const bf16* __restrict__ W, bf16* __restrict__ Y,
+                                                    const WT* __restrict__ W, bf16* __restrict__ Y,
                                                     const int* __restrict__ expert_off,
-                                                    const int* __restrict__ expert_cnt, int E, int k, int N, int K) {
+                                                    const int* __restrict__ expert_cnt, int E, int k, int N, int K,
+                                                    const float* __restrict__ S = nullptr) {
+  constexpr bool F8 = sizeof(WT) == 1;
   static_assert(TM % 16 == 0 && TM <= 64, "whole WMMA row fragments");
   constexpr int MF = TM / 16;
   constexpr int LDX = MMA_KC + 8;
@@ -480,7 +574,9 @@ __device__ __forceinline__ void moe_expert_mma_impl(const bf16* __restrict__ X, 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int col0 = blockIdx.x * MMA_BN + warp * 16;
   const bool active = col0 < N;  // N % 16 == 0 (checked on the host); idle warps still stage rows
-  const bf16* We = W + (size_t)e * (SWIGLU ? 2 : 1) * N * K;
+  const WT* We = W + (size_t)e * (SWIGLU ? 2 : 1) * N * K;
+  const float* Se = F8 ? S + (size_t)e * (SWIGLU ? 2 : 1) * N : nullptr;
+  bf16* wst = reinterpret_cast<bf16*>(cs + MOE_WARPS * 512) + warp * 2 * 16 * MMA_LDB;  // F8: this warp's
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> ca[MF], cb[MF];
 #pragma unroll
   for (int f = 0; f < MF; ++f) {
@@ -507,8 +603,21 @@ __device__ __forceinline__ void moe_expert_mma_impl(const bf16* __restrict__ X, 
     if (!active) continue;
 #pragma unroll 2
     for (int k0 = 0; k0 < kw; k0 += 16) {
-      wmma::load_matrix_sync(b, We + (size_t)col0 * K + kc + k0, K);
-      if (SWIGLU) wmma::load_matrix_sync(bu, We + (size_t)(col0 + N) * K + kc + k0, K);
+      if constexpr (F8) {  // lane: column lane / 2, inputs (lane % 2) * 8.. of the fragment
+        const int c = lane >> 1, kh = (lane & 1) * 8;
+        const WT* src = We + (size_t)(col0 + c) * K + kc + k0 + kh;
+        __syncwarp();  // every lane has loaded the previous fragments
+        *reinterpret_cast<bf16x8*>(wst + c * MMA_LDB + kh) = kv_decode8(*reinterpret_cast<const uint2*>(src));
+        if (SWIGLU)
+          *reinterpret_cast<bf16x8*>(wst + (16 + c) * MMA_LDB + kh) =
+              kv_decode8(*reinterpret_cast<const uint2*>(src + (size_t)N * K));
+        __syncwarp();
+        wmma::load_matrix_sync(b, wst, MMA_LDB);
+        if (SWIGLU) wmma::load_matrix_sync(bu, wst + 16 * MMA_LDB, MMA_LDB);
+      } else {
+        wmma::load_matrix_sync(b, We + (size_t)col0 * K + kc + k0, K);
+        if (SWIGLU) wmma::load_matrix_sync(bu, We + (size_t)(col0 + N) * K + kc + k0, K);
+      }
 #pragma unroll
       for (int f = 0; f < MF; ++f) {
         if (f < nf) {
@@ -531,7 +640,14 @@ __device__ __forceinline__ void moe_expert_mma_impl(const bf16* __restrict__ X, 
       const int r = f * 16 + (i >> 4), cc = i & 15;
       if (r >= nr) continue;
       float out;
-      if (SWIGLU) {
+      if constexpr (F8) {
+        if (SWIGLU) {
+          const float g = rbf(c0[i] * Se[col0 + cc]), u = rbf(c0[256 + i] * Se[N + col0 + cc]);
+          out = rbf(g / (1.f + expf(-g))) * u;
+        } else {
+          out = c0[i] * Se[col0 + cc];
+        }
+      } else if (SWIGLU) {
         const float g = rbf(c0[i]), u = rbf(c0[256 + i]);
         out = rbf(g / (1.f + expf(-g))) * u;
       } else {
@@ -670,6 +786,16 @@ extern "C" __global__ void moe_combine_norm(const bf16* __restrict__ y, const in
       const bf16* X, const bf16* W, bf16* Y, const int* expert_off, const int* expert_cnt, int E, int N,       \
       int K) {                                                                                                   \
     moe_expert_impl<TM, false>(X, nullptr, W, Y, expert_off, expert_cnt, E, 1, N, K);                           \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_m##TM##_fp8(                         \
+      const bf16* X, const int* sorted_pair, const kv8* W, const float* S, bf16* Y, const int* expert_off,      \
+      const int* expert_cnt, int E, int k, int N, int K) {                                                      \
+    moe_expert_impl<TM, true, kv8>(X, sorted_pair, W, Y, expert_off, expert_cnt, E, k, N, K, S);                \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_m##TM##_fp8(                            \
+      const bf16* X, const kv8* W, const float* S, bf16* Y, const int* expert_off, const int* expert_cnt,      \
+      int E, int N, int K) {                                                                                     \
+    moe_expert_impl<TM, false, kv8>(X, nullptr, W, Y, expert_off, expert_cnt, E, 1, N, K, S);                   \
   }
 
 #define MOE_MMA(TM)                                                                                              \
@@ -682,6 +808,16 @@ extern "C" __global__ void moe_combine_norm(const bf16* __restrict__ y, const in
       const bf16* X, const bf16* W, bf16* Y, const int* expert_off, const int* expert_cnt, int E, int N,       \
       int K) {                                                                                                   \
     moe_expert_mma_impl<TM, false>(X, nullptr, W, Y, expert_off, expert_cnt, E, 1, N, K);                       \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_mma_m##TM##_fp8(                     \
+      const bf16* X, const int* sorted_pair, const kv8* W, const float* S, bf16* Y, const int* expert_off,      \
+      const int* expert_cnt, int E, int k, int N, int K) {                                                      \
+    moe_expert_mma_impl<TM, true, kv8>(X, sorted_pair, W, Y, expert_off, expert_cnt, E, k, N, K, S);            \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_mma_m##TM##_fp8(                        \
+      const bf16* X, const kv8* W, const float* S, bf16* Y, const int* expert_off, const int* expert_cnt,      \
+      int E, int N, int K) {                                                                                     \
+    moe_expert_mma_impl<TM, false, kv8>(X, nullptr, W, Y, expert_off, expert_cnt, E, 1, N, K, S);               \
   }
 
 MOE_ALIGN(16)

@@ -97,9 +97,28 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// KvFp8 (kv_cache.cuh): the same tiles on f16 operands (decoded codes are exact in f16; Q converted once).
+template <bool F16>
+__device__ __forceinline__ void mma_t(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (F16) {
+    kv_mma_f16(d, a, b0, b1);
+  } else {
+    mma_bf16(d, a, b0, b1);
+  }
+}
+template <bool F16>
+__device__ __forceinline__ uint32_t pack_t(float lo, float hi) {
+  if constexpr (F16) {
+    return kv_pack_f16(lo, hi);
+  } else {
+    return pack_bf16x2(lo, hi);
+  }
+}
+
 template <int HD, typename KV>
-__device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q, const KV* __restrict__ k_cache,
-                                                      const KV* __restrict__ v_cache, bf16* __restrict__ out,
+__device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q,
+                                                      const typename KV::T* __restrict__ k_cache,
+                                                      const typename KV::T* __restrict__ v_cache, bf16* __restrict__ out,
                                                       const int* __restrict__ cu_q_lens,
                                                       const int* __restrict__ seq_lens,
                                                       const int* __restrict__ block_tables,
@@ -112,6 +131,14 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
   bf16* Qs = reinterpret_cast<bf16*>(smem);
   bf16* Kst = Qs + BM * LD;       // [2][BN][LD]
   bf16* Vst = Kst + 2 * BN * LD;  // [2][BN][LD]
+  // KvFp8: Q, K and V tiles in f16, one stage of K and V ([BN][LD] each, at Kst and Kst + BN * LD), fed
+  // from two stages of codes [2][BN][HD] bytes behind them (within the bf16 kernel's shared memory);
+  // each thread decodes the 16-byte chunks (and converts the Q vectors) it copied itself.
+  constexpr bool F8 = KV::PATH == 2;
+  constexpr int CH8 = HD / 16;  // 16-code chunks of a key row
+  unsigned char* K8 = reinterpret_cast<unsigned char*>(Kst + 2 * BN * LD);  // [2][BN][HD]
+  unsigned char* V8 = K8 + 2 * BN * HD;                                     // [2][BN][HD]
+  if constexpr (F8) scale_log2 *= KV_SCALE;  // K's scale, once
   __shared__ int sh_s, sh_tile;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = blockIdx.y, nq = gridDim.y, G = nq / nkv, kvh = h / G;
@@ -130,6 +157,17 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
     fa2_cp16(Qs + r * LD + c, q + ((size_t)(q0 + r0 + (ok ? r : 0)) * nq + h) * HD + c, ok);
   }
   auto load_kv = [&](int stage, int kt) {
+    if constexpr (F8) {
+      for (int idx = tid; idx < BN * CH8; idx += blockDim.x) {
+        const int r = idx / CH8, c = (idx % CH8) * 16, key = kt + r;
+        const bool ok = key < kv_end;
+        const int kk = ok ? key : 0;
+        const size_t off = (((size_t)bt[kk / bs] * bs + kk % bs) * nkv + kvh) * HD + c;
+        fa2_cp16(K8 + (stage * BN + r) * HD + c, k_cache + off, ok);
+        fa2_cp16(V8 + (stage * BN + r) * HD + c, v_cache + off, ok);
+      }
+      return;
+    }
     bf16* Kd = Kst + stage * BN * LD;
     bf16* Vd = Vst + stage * BN * LD;
     for (int idx = tid; idx < BN * CH; idx += blockDim.x) {
@@ -138,7 +176,7 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
       const bool ok = key < kv_end;
       const int kk = ok ? key : 0;
       const size_t off = (((size_t)bt[kk / bs] * bs + kk % bs) * nkv + kvh) * HD + c;
-      if constexpr (sizeof(KV) == 2) {
+      if constexpr (KV::PATH == 0) {
         fa2_cp16(Kd + r * LD + c, k_cache + off, ok);
         fa2_cp16(Vd + r * LD + c, v_cache + off, ok);
       } else {
@@ -166,13 +204,32 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
     } else {
       fa2_wait<0>();
     }
+    if constexpr (F8) {
+      if (it == 0) {  // this thread's Q vectors to f16, in place
+        for (int idx = tid; idx < BM * CH; idx += blockDim.x) {
+          uint4* p = reinterpret_cast<uint4*>(Qs + (idx / CH) * LD + (idx % CH) * 8);
+          *p = kv_q_f16x8(*p);
+        }
+      }
+      // this thread's chunks of the tile's codes -> the f16 tiles (free since the last barrier)
+      for (int idx = tid; idx < BN * CH8; idx += blockDim.x) {
+        const int r = idx / CH8, c = (idx % CH8) * 16, o8 = (stage * BN + r) * HD + c;
+        uint4 lo, hi;
+        kv_f16x16(*reinterpret_cast<const uint4*>(K8 + o8), lo, hi);
+        *reinterpret_cast<uint4*>(Kst + r * LD + c) = lo;
+        *reinterpret_cast<uint4*>(Kst + r * LD + c + 8) = hi;
+        kv_f16x16(*reinterpret_cast<const uint4*>(V8 + o8), lo, hi);
+        *reinterpret_cast<uint4*>(Kst + (BN + r) * LD + c) = lo;
+        *reinterpret_cast<uint4*>(Kst + (BN + r) * LD + c + 8) = hi;
+      }
+    }
     __syncthreads();  // this tile (and Q) copied by every thread
     if (it == 0) {
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) ldsm4(qf[kk], Qs + (wr + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
     }
-    const bf16* Ks = Kst + stage * BN * LD;
-    const bf16* Vs = Vst + stage * BN * LD;
+    const bf16* Ks = Kst + (F8 ? 0 : stage) * BN * LD;
+    const bf16* Vs = F8 ? Kst + BN * LD : Vst + stage * BN * LD;
     float sc[NB][4];
 #pragma unroll
     for (int n = 0; n < NB; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
@@ -182,8 +239,8 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
       for (int n = 0; n < NB; n += 2) {  // keys 8n..8n+15: (keys, dims) b0 b1 of block n, then of n + 1
         uint32_t b[4];
         ldsm4(b, Ks + (n * 8 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
-        mma_bf16(sc[n], qf[kk], b[0], b[1]);
-        mma_bf16(sc[n + 1], qf[kk], b[2], b[3]);
+        mma_t<F8>(sc[n], qf[kk], b[0], b[1]);
+        mma_t<F8>(sc[n + 1], qf[kk], b[2], b[3]);
       }
     }
     // causal mask and the scale (base 2), then the online softmax of rows g (i = 0) and g + 8 (i = 1)
@@ -225,10 +282,10 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
     }
 #pragma unroll
     for (int c = 0; c < BN / 16; ++c) {
-      pf[c][0] = pack_bf16x2(sc[2 * c][0], sc[2 * c][1]);
-      pf[c][1] = pack_bf16x2(sc[2 * c][2], sc[2 * c][3]);
-      pf[c][2] = pack_bf16x2(sc[2 * c + 1][0], sc[2 * c + 1][1]);
-      pf[c][3] = pack_bf16x2(sc[2 * c + 1][2], sc[2 * c + 1][3]);
+      pf[c][0] = pack_t<F8>(sc[2 * c][0], sc[2 * c][1]);
+      pf[c][1] = pack_t<F8>(sc[2 * c][2], sc[2 * c][3]);
+      pf[c][2] = pack_t<F8>(sc[2 * c + 1][0], sc[2 * c + 1][1]);
+      pf[c][3] = pack_t<F8>(sc[2 * c + 1][2], sc[2 * c + 1][3]);
     }
 #pragma unroll
     for (int c = 0; c < BN / 16; ++c) {
@@ -236,8 +293,8 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
       for (int n = 0; n < ND; n += 2) {  // V^T tiles: (keys 0-7, 8-15) x dims 8n.., then dims 8n+8..
         uint32_t b[4];
         ldsm4t(b, Vs + (c * 16 + (lane & 7) + (((lane >> 3) & 1) << 3)) * LD + n * 8 + (lane >> 4) * 8);
-        mma_bf16(o[n], pf[c], b[0], b[1]);
-        mma_bf16(o[n + 1], pf[c], b[2], b[3]);
+        mma_t<F8>(o[n], pf[c], b[0], b[1]);
+        mma_t<F8>(o[n + 1], pf[c], b[2], b[3]);
       }
     }
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
@@ -248,7 +305,7 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
     l[i] += __shfl_xor_sync(FULL_MASK, l[i], 2);
     const int r = wr + g + 8 * i;
     if (r >= rows) continue;
-    const float inv = 1.f / l[i];
+    const float inv = F8 ? KV_SCALE / l[i] : 1.f / l[i];  // KvFp8: V's scale, once
     bf16* orow = out + ((size_t)(q0 + r0 + r) * nq + h) * HD;
 #pragma unroll
     for (int n = 0; n < ND; ++n)
@@ -257,18 +314,19 @@ __device__ __forceinline__ void attn_prefill_fa2_impl(const bf16* __restrict__ q
   }
 }
 
-#define PREFILL_PER_HD(HD)                                                                                    \
-  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_fa2_hd##HD(                               \
-      const bf16* q, const bf16* kc, const bf16* vc, bf16* out, const int* cu, const int* sl, const int* bt,   \
+#define PREFILL_KV(HD, T, KV, SUFFIX)                                                                         \
+  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_fa2_hd##HD##SUFFIX(                       \
+      const bf16* q, const T* kc, const T* vc, bf16* out, const int* cu, const int* sl, const int* bt,         \
       const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
-    attn_prefill_fa2_impl<HD, bf16>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                        \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(128, 2) attn_prefill_fa2_hd##HD##_fp8kv(                       \
-      const bf16* q, const kv8* kc, const kv8* vc, bf16* out, const int* cu, const int* sl, const int* bt,     \
-      const uint32_t* ns, int nkv, int bs, int mbps, float sc) {                                               \
-    attn_prefill_fa2_impl<HD, kv8>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                         \
+    attn_prefill_fa2_impl<HD, KV>(q, kc, vc, out, cu, sl, bt, ns, nkv, bs, mbps, sc);                          \
   }
+// Each over a bf16 cache and, suffixed _fp8kv, over an fp8 one (kv_cache.cuh's KvFp8Engine read policy).
+#define PREFILL_PER_HD(HD)      \
+  PREFILL_KV(HD, bf16, KvBf16, ) \
+  PREFILL_KV(HD, kv8, KvFp8Engine, _fp8kv)
+#ifndef KV_ATTENTION_TEMPLATES_ONLY  // bench/kernels/fp8kv_variants.cu instantiates its own
 PREFILL_PER_HD(16)
 PREFILL_PER_HD(32)
 PREFILL_PER_HD(64)
 PREFILL_PER_HD(128)
+#endif
