@@ -63,7 +63,13 @@ def test_compiles_for_every_target(src: pathlib.Path, arch: int, tmp_path: pathl
         for k in ("embed_tokens", "add_rmsnorm", "rope_kv_write", "swiglu", "signal_done", "gemv_bf16_t8"):
             assert k in names
     if src.name == "fp8.cu":
-        for k in ("fp8_quantize_rows", "fp8_dequant_rows", "fp8_scale_rows", "gemv_fp8_t1", "gemv_fp8_t8"):
+        for k in (
+            "fp8_quantize_rows",
+            "fp8_dequant_rows",
+            "fp8_scale_rows",
+            "gemv_fp8_t1_r1u8",
+            "gemv_fp8_resid_t8_r2u2",
+        ):
             assert k in names
     if src.name == "sampling.cu":
         for k in ("sample_tokens", "penalty_mark", "logits_ext", "sample_post"):

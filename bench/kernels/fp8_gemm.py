@@ -87,6 +87,8 @@ def _time_role(env, n: int, k: int, rows: list[int]) -> dict[int, dict[str, floa
 
 def _time_m(env, b: dict, m: int, n: int, k: int) -> dict[str, float]:
     """ms of each path at M = m, each launch on the next copy of the weight."""
+    from blink.gpu.engine.fp8_weights import fp8_gemv_grid, fp8_gemv_name
+
     drv, kern, blas, stream = env[:4]
     s, xp, yp = int(stream.ptr), int(b["x"].data.ptr), int(b["y"].data.ptr)
     turn = [0]
@@ -109,8 +111,9 @@ def _time_m(env, b: dict, m: int, n: int, k: int) -> dict[str, float]:
         g = (-(-n // (8 * (1 if m == 1 else 4))), 1, 1)
         x, y = b["x"], b["y"]
         r["bf16_gemv"] = time_ms(lambda: launch(f"gemv_bf16_t{m}", g, W=nxt(b["w16"]), X=x, Y=y, N=n, K=k), stream, 30)
+        name8, g8 = fp8_gemv_name(m), (fp8_gemv_grid(n, m), 1, 1)
         r["fp8_gemv"] = time_ms(
-            lambda: launch(f"gemv_fp8_t{m}", g, W=nxt(b["w8"]), scales=b["sc"], X=x, Y=y, N=n, K=k), stream, 30
+            lambda: launch(name8, g8, W=nxt(b["w8"]), scales=b["sc"], X=x, Y=y, N=n, K=k), stream, 30
         )
     r["fp8_dequant_cublas"] = time_ms(deq, stream, 30)
     for mode, g in env[5].items():  # also at M <= 8: where the GEMV should hand over

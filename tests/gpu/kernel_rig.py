@@ -16,9 +16,9 @@ class KernelRig:
         self.k = Kernels(self.drv, DEFAULT_CACHE)
         self.stream = cp.cuda.Stream(non_blocking=True)
 
-    def launch(self, name, grid, block, **args) -> None:
+    def launch(self, name, grid, block, smem=0, **args) -> None:
         import cupy as cp
 
         cp.cuda.Device().synchronize()  # the inputs were copied on CuPy's stream
-        self.drv.launch(self.k[name], grid, block, self.k.args(name, args), int(self.stream.ptr), 0, name)
+        self.drv.launch(self.k[name], grid, block, self.k.args(name, args), int(self.stream.ptr), smem, name)
         self.stream.synchronize()
