@@ -15,14 +15,15 @@ For each projection (qkv, o, gate_up, down) and token count T (default 1, 2, 4, 
   fp8_gemv_pieces     T = 16, 32: the t8 GEMV launched T / 8 times (the weights read T / 8 times).
   fp8_mma_m<MT>       the weight-only tensor-core kernel (every T up to 32, each compiled MT; the engine's
                       from FP8_MMA_MIN_TOKENS tokens: "engine_weight_only" in step_ms).
-  bf16_gemv           the bf16 GEMV (model_kernels.cu, T <= 8); bf16_cublas; fp8_w8a8_<scales> (the
+  bf16_gemv           the bf16 GEMV (model_kernels.cu, T <= 8; the LM head's fp32 one); bf16_cublas; fp8_w8a8_<scales> (the
                       per-token activation quantization, the cuBLASLt FP8 GEMM, for "epilogue" the
                       scaling kernel; a scaling mode cuBLASLt lacks is left out).
 Each time is a captured graph of REPS launches, each on the next copy of the weight (the copies
 exceed 4x the L2, so every launch streams from HBM), replayed after a warm-up: launch gaps as in the
 engine's graphs, not Python's launch rate. Per path: ms, GB/s and the fraction of the copy bandwidth
 (read + write, as the engine's decode benchmark: bytes = weights + scales + activations in and out).
-Per preset and T: the four projections' sum over the layers per path ("step_ms"). Every
+Per preset and T: the four projections' sum over the layers per path ("step_ms"), and the LM head (its
+shape is timed too: "lm_head_fp8_best" against "lm_head_bf16_gemv" is what an FP8 LM head would save). Every
 configuration of a bucket sums in the same order: `bitwise_equal` records that their outputs agree.
 Writes DIR/fp8_gemv-<gpu>-<commit>.json (or the file --out names).
 """
@@ -35,7 +36,7 @@ from collections.abc import Callable
 
 from bench.common import add_commit_arg, copy_bandwidth, gemm_roles, git_commit, metadata, short_device, write_json
 
-ROLES = ("qkv", "o", "gate_up", "down")
+ROLES = ("qkv", "o", "gate_up", "down")  # a layer's projections (step_ms sums them over the layers)
 FUSED_KIND = {"qkv": "norm", "o": "resid", "gate_up": "norm_swiglu", "down": "resid"}
 L2_BYTES = 50 << 20
 REPS = 20
@@ -115,7 +116,7 @@ def _buffers(n: int, k: int, tmax: int) -> dict:
         "sc": cp.random.uniform(1e-3, 2e-3, n, dtype=cp.float32),
         "x": bf16((tmax, k)),
         "nw": bf16((k,)),
-        "y": cp.zeros((tmax, n), dtype=cp.uint16),
+        "y": cp.zeros((tmax, 2 * n), dtype=cp.uint16),  # room for fp32 logits (the LM head)
         "x8": cp.zeros((tmax, k), dtype=cp.uint8),
         "xs": cp.zeros(tmax, dtype=cp.float32),
         "d32": cp.zeros((tmax, n), dtype=cp.float32),
@@ -161,16 +162,16 @@ def _time_tokens(rig: Rig, b: dict, role: str, n: int, k: int, T: int) -> dict:
         run(0)
         outs.append(cp.asnumpy(y[:T]))
     if T in FP8_GEMV_CONFIG:
-        kind = FUSED_KIND[role]
-        name = fp8_gemv_name(T, kind)
-        smem = T * k * 2 if kind.startswith("norm") else 0
-        if smem > 48 << 10:
-            rig.drv.set_max_dynamic_smem(rig.k[name], smem)
-        ms[f"fp8_fused_{kind}"] = rig.graph_ms(fp8(name, fp8_gemv_grid(n, T, kind), smem, nw=b["nw"], eps=1e-5))
+        kind = FUSED_KIND.get(role, "")
+        if kind:
+            name = fp8_gemv_name(T, kind)
+            smem = T * k * 2 if kind.startswith("norm") else 0
+            if smem > 48 << 10:
+                rig.drv.set_max_dynamic_smem(rig.k[name], smem)
+            ms[f"fp8_fused_{kind}"] = rig.graph_ms(fp8(name, fp8_gemv_grid(n, T, kind), smem, nw=b["nw"], eps=1e-5))
         grid16 = -(-n // (8 * (1 if T == 1 else 4)))
-        ms["bf16_gemv"] = rig.graph_ms(
-            lambda i: rig.launch(f"gemv_bf16_t{T}", grid16, W=w16[i % len(w16)], X=x, Y=y, N=n, K=k)
-        )
+        bf16_name = f"gemv_{'f32' if role == 'lm_head' else 'bf16'}_t{T}"  # the engine's LM head writes fp32
+        ms["bf16_gemv"] = rig.graph_ms(lambda i: rig.launch(bf16_name, grid16, W=w16[i % len(w16)], X=x, Y=y, N=n, K=k))
     else:
         name8, grid8 = fp8_gemv_name(8), fp8_gemv_grid(n, 8)
 
@@ -221,8 +222,8 @@ def bench_preset(rig: Rig, name: str, tokens: list[int], bw: dict) -> dict:
     from blink.models.config import preset
 
     cfg = preset(name)
-    roles = {r: gemm_roles(cfg)[r] for r in ROLES}
-    per_role = {r: time_role(rig, r, *roles[r], tokens) for r in ROLES}
+    roles = {r: gemm_roles(cfg)[r] for r in (*ROLES, "lm_head")}
+    per_role = {r: time_role(rig, r, *roles[r], tokens) for r in roles}
     for r, (n, k) in roles.items():
         for T, row in per_role[r].items():
             row["GBps"] = {p: path_bytes(p, n, k, T) / ms / 1e6 for p, ms in row["ms"].items()}
@@ -240,6 +241,10 @@ def bench_preset(rig: Rig, name: str, tokens: list[int], bw: dict) -> dict:
             step[T]["previous"] = step[T][f"fp8_gemv_r{prev[0]}u{prev[1]}"]
             best = {r: min(v for p, v in per_role[r][T]["ms"].items() if p.startswith("fp8_gemv_r")) for r in ROLES}
             step[T]["best_config_per_role"] = cfg.num_layers * sum(best.values())
+        head = per_role["lm_head"][T]["ms"]
+        step[T]["lm_head_bf16_gemv"] = head.get("bf16_gemv", head["bf16_cublas"])
+        # what an FP8 LM head would take (bf16 out here; the engine's writes fp32 logits)
+        step[T]["lm_head_fp8_best"] = min(v for p, v in head.items() if p.startswith(("fp8_gemv_r", "fp8_mma")))
         print(
             f"{name} T={T} step projections (ms): " + ", ".join(f"{p} {v:.3f}" for p, v in step[T].items()), flush=True
         )
