@@ -10,8 +10,10 @@ For each projection (qkv, o, gate_up, down) and token count T (default 1, 2, 4, 
                       (FP8_GEMV_CONFIG), "previous" the configuration of the GEMV before the
                       configurations existed (R = 1, U = 4 for one token, R = 4, U = 2 above: the same
                       loads and arithmetic; that kernel had no minimum-blocks register bound).
-  fp8_fused_<kind>    the engine's configuration with the fusion the engine uses for the role (qkv:
-                      norm, gate_up: norm_swiglu, o and down: resid), prologue and epilogue included.
+  fp8_fused_r<R>u<U>  the same configuration with the fusion the engine uses for the role (qkv: norm
+                      (the engine's norm_rope for Llama adds the RoPE epilogue), gate_up: norm_swiglu, o
+                      and down: resid), prologue and epilogue included: what decode steps below
+                      FP8_MMA_MIN_TOKENS run ("engine_fused" in step_ms).
   fp8_gemv_pieces     T = 16, 32: the t8 GEMV launched T / 8 times (the weights read T / 8 times).
   fp8_mma_m<MT>       the weight-only tensor-core kernel (every T up to 32, each compiled MT; the engine's
                       from FP8_MMA_MIN_TOKENS tokens: "engine_weight_only" in step_ms).
@@ -155,20 +157,21 @@ def _time_tokens(rig: Rig, b: dict, role: str, n: int, k: int, T: int) -> dict:
     def fp8(name: str, grid: int, smem: int = 0, **extra: object) -> Callable[[int], None]:
         return lambda i: rig.launch(name, grid, smem, W=w8[i % len(w8)], scales=sc, X=x, Y=y, N=n, K=k, **extra)
 
+    kind = FUSED_KIND.get(role, "")
     for cfg in FP8_GEMV_CONFIGS.get(T, ()):
         run = fp8(fp8_gemv_name(T, "", cfg), fp8_gemv_grid(n, T, "", cfg))
         ms[f"fp8_gemv_r{cfg[0]}u{cfg[1]}"] = rig.graph_ms(run)
         y[:] = 0
         run(0)
         outs.append(cp.asnumpy(y[:T]))
-    if T in FP8_GEMV_CONFIG:
-        kind = FUSED_KIND.get(role, "")
-        if kind:
-            name = fp8_gemv_name(T, kind)
+        if kind:  # the fusion the engine runs for the role, in this configuration
+            name = fp8_gemv_name(T, kind, cfg)
             smem = T * k * 2 if kind.startswith("norm") else 0
             if smem > 48 << 10:
                 rig.drv.set_max_dynamic_smem(rig.k[name], smem)
-            ms[f"fp8_fused_{kind}"] = rig.graph_ms(fp8(name, fp8_gemv_grid(n, T, kind), smem, nw=b["nw"], eps=1e-5))
+            fused = fp8(name, fp8_gemv_grid(n, T, kind, cfg), smem, nw=b["nw"], eps=1e-5)
+            ms[f"fp8_fused_r{cfg[0]}u{cfg[1]}"] = rig.graph_ms(fused)
+    if T in FP8_GEMV_CONFIG:
         grid16 = -(-n // (8 * (1 if T == 1 else 4)))
         bf16_name = f"gemv_{'f32' if role == 'lm_head' else 'bf16'}_t{T}"  # the engine's LM head writes fp32
         ms["bf16_gemv"] = rig.graph_ms(lambda i: rig.launch(bf16_name, grid16, W=w16[i % len(w16)], X=x, Y=y, N=n, K=k))
@@ -241,6 +244,7 @@ def bench_preset(rig: Rig, name: str, tokens: list[int], bw: dict) -> dict:
             step[T]["previous"] = step[T][f"fp8_gemv_r{prev[0]}u{prev[1]}"]
             best = {r: min(v for p, v in per_role[r][T]["ms"].items() if p.startswith("fp8_gemv_r")) for r in ROLES}
             step[T]["best_config_per_role"] = cfg.num_layers * sum(best.values())
+            step[T]["engine_fused"] = step[T][f"fp8_fused_r{eng[0]}u{eng[1]}"]  # the engine's launches below 8 tokens
         head = per_role["lm_head"][T]["ms"]
         step[T]["lm_head_bf16_gemv"] = head.get("bf16_gemv", head["bf16_cublas"])
         # what an FP8 LM head would take (bf16 out here; the engine's writes fp32 logits)
