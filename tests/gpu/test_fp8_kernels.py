@@ -93,12 +93,13 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 W8A8_REL_ERR = 0.25
 
 
-def _fp8_engine(cfg, tensors):
+def _fp8_engine(cfg, tensors, max_seqs: int = 4):
     from blink.gpu.engine.engine import Engine, EngineConfig
 
+    buckets = tuple(b for b in (1, 2, 4, 8) if b <= max_seqs)
     ecfg = EngineConfig(
-        max_seqs=4, max_num_batched_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
-        token_buckets=(16, 128), progress=False, quantization="fp8",
+        max_seqs=max_seqs, max_num_batched_tokens=128, max_context=512, num_kv_blocks=64, block_size=8,
+        batch_buckets=buckets, token_buckets=(16, 128), progress=False, quantization="fp8",
     )  # fmt: skip
     eng = Engine.create(cfg, ecfg, bf16_tensors=tensors)
     eng.capture()
@@ -144,6 +145,40 @@ def test_fp8_engine_matches_the_numpy_fp8_model(name):
     print(f"{name} fp8: rel err vs numpy fp8 max {max(errs):.2e}, vs numpy bf16 mean {np.mean(errs_bf16):.2e}")
     assert max(errs) < W8A8_REL_ERR, errs
     assert np.mean(errs) < np.mean(errs_bf16), (errs, errs_bf16)
+    eng.close()
+
+
+def test_fp8_engine_decode_of_8_sequences_runs_the_tensor_core_kernel():
+    """Decode steps of 8 sequences run the weight-only tensor-core kernel (FP8_MMA_MIN_TOKENS, unfused):
+    against the numpy FP8 model (weight-only in those steps too) and closer to it than to the bf16 one."""
+    from blink.device.numpy_executor import NumpyExecutor
+    from blink.gpu.engine.fp8_weights import FP8_MMA_MIN_TOKENS
+    from blink.models.weights import random_bf16, random_weights
+
+    assert FP8_MMA_MIN_TOKENS <= 8 <= fp8.FP8_GEMV_MAX_TOKENS
+    cfg = preset("tiny-llama")
+    w = {k: fp8.as_device_weight(v) for k, v in random_weights(cfg, seed=6).items()}
+    eng = _fp8_engine(cfg, random_bf16(cfg, seed=6), max_seqs=8)
+    kw = {**_KW, "max_batch": 8}
+    refs = [NumpyExecutor(cfg, w, quantization="fp8", **kw), NumpyExecutor(cfg, w, **kw)]
+    rng = np.random.default_rng(3)
+    drivers = [PagedDriver(64, 8, 64, shuffle_seed=1) for _ in range(3)]
+    steps = [[(s, rng.integers(0, cfg.vocab_size, 10).tolist()) for s in range(8)]]
+    steps += [[(s, [int(t)]) for s, t in enumerate(rng.integers(0, cfg.vocab_size, 8))] for _ in range(4)]
+    errs: list[list[float]] = [[], []]
+    for i, chunks in enumerate(steps):
+        b, *b_refs = (d.step(chunks) for d in drivers)
+        eng.step(b)
+        mine = eng.logits(b.num_seqs)
+        if i:  # the decode steps
+            for e, ref, br in zip(errs, refs, b_refs, strict=True):
+                e.append(_rel(mine, ref.forward_logits(br)))
+        else:
+            for ref, br in zip(refs, b_refs, strict=True):
+                ref.forward_logits(br)
+    print(f"fp8 decode of 8: rel err vs numpy fp8 max {max(errs[0]):.2e}, vs numpy bf16 mean {np.mean(errs[1]):.2e}")
+    assert max(errs[0]) < W8A8_REL_ERR, errs
+    assert np.mean(errs[0]) < np.mean(errs[1]), errs
     eng.close()
 
 
