@@ -4,7 +4,7 @@
     python -m bench.kernels.fp8_gemm --out x.json --presets llama3-8b --rows 1,8,256
 
 For each projection (qkv, o, gate_up, down) and row count M: bf16 through cuBLAS and, for M <= 8, the
-bf16 GEMV (model_kernels.cu); FP8 through its GEMV (fp8.cu, M <= 8), through dequantize + bf16 cuBLAS
+bf16 GEMV (model_kernels.cu); FP8 through its GEMV (fp8.cu, M <= 8, the engine's configuration), through dequantize + bf16 cuBLAS
 (EngineConfig.fp8_gemm "dequant"), and W8A8 (blink/gpu/engine/fp8_gemm.py: the per-token activation
 quantization kernel plus the cuBLASLt FP8 GEMM with outer-vector scales, "fp8_w8a8_outer", or with
 fp32 sums and the scaling kernel, "fp8_w8a8_epilogue"; a mode cuBLASLt does not offer is left out).
@@ -12,7 +12,9 @@ Activations are random bf16. Each timing cycles over enough copies of the weight
 so every launch streams from HBM. Per M, the sum over a step's projections (x layers) of the best bf16
 and the best FP8 path and of each path alone (`paths_ms`), and the M = 1 GEMVs' bandwidth against the
 copy bandwidth (bytes: weights + scales + activations). Writes --out (default
-bench/results/fp8_gemm-<gpu>-<commit>.json).
+bench/results/fp8_gemm-<gpu>-<commit>.json). Launches are eager, from Python: a kernel shorter than
+Python's launch interval (the small projections' GEMVs and GEMMs, 20-40 us on the H200) is timed at that
+interval; bench.kernels.fp8_gemv times the decode-step kernels in captured graphs.
 """
 
 from __future__ import annotations
