@@ -175,3 +175,18 @@ def test_fused_kernels_are_the_unfused_kernels_bit_for_bit(rig, nt):
         _gemv(rig, codes, scales, x, nt, "resid", c, nw=None, eps=0.0, Y=y)
         want = f32_to_bf16_bits(bf16_bits_to_f32(resid0) + bf16_bits_to_f32(cp.asnumpy(plain_x)))
         np.testing.assert_array_equal(cp.asnumpy(y), want, err_msg=f"resid {c}")
+
+
+def test_tensor_core_kernel_keeps_the_subnormal_codes(rig):
+    """Codes 0x01-0x07 (2**-9 .. 7 * 2**-9, e4m3's subnormals) pass the kernel's conversion as subnormal bf16
+    times 2**120: a weight of nothing but those gives the definition's sums (a flush to zero gives 0)."""
+    import cupy as cp
+
+    n, k = 64, 1024
+    rng = np.random.default_rng(5)
+    codes = rng.integers(1, 8, (n, k), dtype=np.uint8) | (rng.integers(0, 2, (n, k), dtype=np.uint8) << 7)
+    x = f32_to_bf16_bits(rng.standard_normal((8, k)).astype(np.float32))
+    scales = np.ones(n, np.float32)
+    ref = bf16_bits_to_f32(x).astype(np.float64) @ fp8.e4m3_decode(codes).T.astype(np.float64)
+    got = bf16_bits_to_f32(cp.asnumpy(_mma(rig, cp.asarray(codes), cp.asarray(scales), cp.asarray(x), 8, 1)))
+    np.testing.assert_allclose(got, ref, rtol=2.0**-8, atol=1e-3 * np.sqrt(np.mean(ref**2)))
