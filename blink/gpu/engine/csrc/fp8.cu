@@ -80,19 +80,37 @@ struct Fp8W {
   static __device__ __forceinline__ Vec load(const T* __restrict__ W, size_t off) {
     return __ldg(reinterpret_cast<const uint4*>(W + off));
   }
+  // Up to 2 rows: both decoded first, each token's x loaded once for them; more rows: a row at a time
+  // (registers), x loaded again per row. The same sums in the same order either way.
   template <int NT, int R, typename XL>
   static __device__ __forceinline__ void step(const Vec (&wv)[R], int k, const XL& xl, float (&acc)[NT][R]) {
+    if constexpr (R <= 2) {
+      float wf[R][16];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float wf[16];
-      decode16(wv[r], wf);
+      for (int r = 0; r < R; ++r) decode16(wv[r], wf[r]);
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         float x[16];
         xl(t, k, x);
         xl(t, k + 8, x + 8);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) acc[t][r] += wf[i] * x[i];
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int i = 0; i < 16; ++i) acc[t][r] += wf[r][i] * x[i];
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float wf[16];
+        decode16(wv[r], wf);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          float x[16];
+          xl(t, k, x);
+          xl(t, k + 8, x + 8);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) acc[t][r] += wf[i] * x[i];
+        }
       }
     }
   }
