@@ -28,8 +28,9 @@
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
 #   fp8          bench.kernels.fp8_gemm (each projection's FP8 and bf16 paths, M = 1..4096), then bench.engine.throughput
 #                --quantization fp8 for Llama-3-8B and Qwen3-32B (batch-1 decode, 256 x (256 -> 128)) (~7 min)
-#   fp8gemv      tests/gpu/test_fp8_gemv.py (the FP8 GEMV and tensor-core kernels against the numpy definition),
-#                then bench.kernels.fp8_gemv (their configurations, the bf16 GEMV, cuBLAS, W8A8; T = 1..32)  (~3 min)
+#   fp8gemv      tests/gpu/test_fp8_gemv.py (the FP8 GEMV and tensor-core kernels against the numpy definition)
+#                and the engine's fused vs unfused decode (bf16 and FP8), then bench.kernels.fp8_gemv (their
+#                configurations, the bf16 GEMV, cuBLAS, W8A8; T = 1..32)                                      (~4 min)
 #   wheel        this clone's wheel installed alone (no nvcc on PATH) builds with NVRTC and serves
 # Each part runs in its own process (a CUDA fault cannot take the others down) under a timeout;
 # its output goes to OUT_DIR/<part>.log; a summary table prints last. Exit status: 0 when every part
@@ -165,7 +166,9 @@ if has fp8; then
     --kv-cache-dtype fp8 --timeout 200 --commit "$COMMIT" --out "$(json models_fp8kv)"
 fi
 if has fp8gemv; then
-  part fp8gemv_tests 300 "${PT[@]}" -m gpu tests/gpu/test_fp8_gemv.py
+  part fp8gemv_tests 420 "${PT[@]}" -m gpu tests/gpu/test_fp8_gemv.py \
+    tests/gpu/test_fp8_kernels.py::test_fp8_engine_decode_of_8_sequences_runs_the_tensor_core_kernel \
+    tests/gpu/test_engine.py::test_gemv_fusion_matches_unfused
   part fp8gemv 300 "$PY" -m bench.kernels.fp8_gemv --commit "$COMMIT" --out "$DEST"
 fi
 if has models; then
