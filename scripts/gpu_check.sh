@@ -34,6 +34,9 @@
 #   fp8moe       the FP8 expert kernels against numpy (tests/gpu/test_moe.py -k fp8, the tiny MoE engine in
 #                tests/gpu/test_fp8_kernels.py), then bench.engine.throughput --quantization fp8 for
 #                Qwen3-30B-A3B                                                                 (~5 min)
+#   fp8gemv      tests/gpu/test_fp8_gemv.py (the FP8 GEMV and tensor-core kernels against the numpy definition)
+#                and the engine's fused vs unfused decode (bf16 and FP8), then bench.kernels.fp8_gemv (their
+#                configurations, the bf16 GEMV, cuBLAS, W8A8; T = 1..32)                                      (~4 min)
 #   wheel        this clone's wheel installed alone (no nvcc on PATH) builds with NVRTC and serves
 # Each part runs in its own process (a CUDA fault cannot take the others down) under a timeout;
 # its output goes to OUT_DIR/<part>.log; a summary table prints last. Exit status: 0 when every part
@@ -176,6 +179,12 @@ if has fp8moe; then
   part fp8moe_tests 600 "${PT[@]}" tests/gpu/test_moe.py tests/gpu/test_fp8_kernels.py -k "fp8 and (moe or pair)"
   part models_fp8moe 600 "$PY" -m bench.engine.throughput --presets qwen3-30b-a3b --schedulers gpu \
     --quantization fp8 --timeout 300 --commit "$COMMIT" --out "$(json models_fp8moe)"
+fi
+if has fp8gemv; then
+  part fp8gemv_tests 420 "${PT[@]}" -m gpu tests/gpu/test_fp8_gemv.py \
+    tests/gpu/test_fp8_kernels.py::test_fp8_engine_decode_of_8_sequences_runs_the_tensor_core_kernel \
+    tests/gpu/test_engine.py::test_gemv_fusion_matches_unfused
+  part fp8gemv 300 "$PY" -m bench.kernels.fp8_gemv --commit "$COMMIT" --out "$DEST"
 fi
 if has models; then
   part models 600 "$PY" -m bench.engine.throughput --presets llama3-8b,phi-4,qwen3-32b,qwen3-30b-a3b \

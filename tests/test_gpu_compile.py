@@ -66,7 +66,13 @@ def test_compiles_for_every_target(src: pathlib.Path, arch: int, tmp_path: pathl
         for k in ("moe_pair_gate_up", "moe_pair_down", "moe_gate_up_m16", "moe_down_mma_m64"):
             assert k in names and f"{k}_fp8" in names, k
     if src.name == "fp8.cu":
-        for k in ("fp8_quantize_rows", "fp8_dequant_rows", "fp8_scale_rows", "gemv_fp8_t1", "gemv_fp8_t8"):
+        for k in (
+            "fp8_quantize_rows",
+            "fp8_dequant_rows",
+            "fp8_scale_rows",
+            "gemv_fp8_t1_r1u8",
+            "gemv_fp8_resid_t8_r2u2",
+        ):
             assert k in names
     if src.name == "sampling.cu":
         for k in ("sample_tokens", "penalty_mark", "logits_ext", "sample_post"):

@@ -19,7 +19,21 @@ from blink.gpu.engine.forward import (
     fp8_scratch_elems,
     rope_kernel,
 )
-from blink.gpu.engine.fp8_weights import FP8_GEMV_ROWS_PER_WARP, FP8_LARGE_PATHS, FP8_PROJECTIONS, Fp8Linear
+from blink.gpu.engine.fp8_weights import (
+    FP8_GEMV_BUCKETS,
+    FP8_GEMV_CONFIG,
+    FP8_GEMV_CONFIGS,
+    FP8_LARGE_PATHS,
+    FP8_MMA_COMPILED,
+    FP8_MMA_MIN_TOKENS,
+    FP8_PROJECTIONS,
+    Fp8Linear,
+    fp8_gemv_grid,
+    fp8_gemv_name,
+    fp8_gemv_pieces,
+    fp8_mma_grid,
+    fp8_mma_name,
+)
 from blink.gpu.engine.moe_launch import (
     BIG_TILE_M,
     BIG_TILE_MIN_TOKENS,
@@ -534,15 +548,27 @@ def test_fp8_projections_launch_the_fp8_gemv_or_the_large_step_path(name: str, T
     names = [c[0] for c in calls]
     bf16_gemv = [n for n in names if n.startswith("gemv_") and "fp8" not in n]
     assert bf16_gemv == [f"gemv_f32_t{S}"]  # the LM head's (S rows, bf16) only: no fusion
-    assert names.count("add_rmsnorm") == 2 * 2 and names.count("swiglu") == 2
     fp8_kernels = ("fp8_dequant_rows", "fp8_quantize_rows", "fp8_gemm", "fp8_scale_rows", "cublas")
     seq = [n for n in names if n in fp8_kernels]
-    n_qkv = f.c.q_size + 2 * f.c.kv_size
-    if T <= 8:
-        assert names.count(f"gemv_fp8_t{T}") == 4 * 2 and not seq
-        args = [c for c in calls if c[0] == f"gemv_fp8_t{T}"][0]
-        assert args[1] == (-(-n_qkv // (8 * FP8_GEMV_ROWS_PER_WARP[T])), 1, 1)
-    elif path == "dequant":  # each projection dequantized into the scratch right before its GEMM
+    n_qkv, H = f.c.q_size + 2 * f.c.kv_size, f.c.hidden_size
+    if FP8_MMA_MIN_TOKENS <= T <= 8:  # the tensor-core kernel, every row in one launch, no fusions
+        mma = [c for c in calls if c[0].startswith("gemv_fp8")]
+        assert [c[0] for c in mma] == [fp8_mma_name(T)] * 8 and not seq and names.count("add_rmsnorm") == 4
+        assert mma[0][1] == (fp8_mma_grid(n_qkv), 1, 1) and mma[0][2][-1].value == T  # T: the live columns
+        return
+    if T <= 8:  # decode buckets: the FP8 GEMV with the bf16 GEMV's fusions (no RoPE fusion with a qkv bias)
+        qkv_kind = "norm_rope" if name == "llama3-8b" else "norm"
+        kinds = [qkv_kind, "resid", "norm_swiglu", "resid"] * 2
+        assert [n for n in names if n.startswith("gemv_fp8")] == [fp8_gemv_name(T, k) for k in kinds] and not seq
+        assert "add_rmsnorm" not in names and "swiglu" not in names
+        assert names.count("rope_kv_write_warp") == (0 if name == "llama3-8b" else 2)
+        qkv = next(c for c in calls if c[0] == fp8_gemv_name(T, qkv_kind))
+        assert qkv[1] == (fp8_gemv_grid(n_qkv, T, qkv_kind), 1, 1) and qkv[3] == T * H * 2
+        gu = next(c for c in calls if c[0] == fp8_gemv_name(T, "norm_swiglu"))
+        assert gu[1] == (-(-f.c.intermediate_size // (4 * FP8_GEMV_CONFIG[T][0])), 1, 1)
+        return
+    assert names.count("add_rmsnorm") == 2 * 2 and names.count("swiglu") == 2
+    if path == "dequant":  # each projection dequantized into the scratch right before its GEMM
         assert seq == ["fp8_dequant_rows", "cublas"] * (4 * 2)
         deq = [c for c in calls if c[0] == "fp8_dequant_rows"][0]
         assert deq[1] == (-(-f.c.hidden_size // 4096), n_qkv, 1)
@@ -570,7 +596,8 @@ def test_fp8_decode_between_gemv_sizes_runs_in_pieces_and_prefill_never_on_the_g
     f = _fp8(f, "outer", calls)
     f.record(0, 6, 6, True)  # a batch bucket of 6 (max_seqs 6): rows 0-3 on the t4 GEMV, rows 4-5 on t2
     g = [c for c in calls if c[0].startswith("gemv_fp8")]
-    assert [c[0] for c in g] == ["gemv_fp8_t4", "gemv_fp8_t2"] * 4
+    assert [c[0] for c in g] == [fp8_gemv_name(4), fp8_gemv_name(2)] * 4  # no fusions between buckets
+    assert "add_rmsnorm" in [c[0] for c in calls]
     x = lambda c: c[2][2].value  # noqa: E731 (the X pointer)
     y = lambda c: c[2][3].value  # noqa: E731
     H, n_qkv = f.c.hidden_size, f.c.q_size + 2 * f.c.kv_size
@@ -607,3 +634,34 @@ def test_fp8_kv_cache_has_its_own_flashmma_threshold(signatures: dict, monkeypat
     monkeypatch.setattr(A, "FLASHMMA_MIN_BATCH_FP8KV", 32)
     assert [fp8.decode_variant(S) for S in (1, 31, 32)] == ["flashq", "flashq", "flashmma"]
     assert [bf16.decode_variant(S) for S in (32, 127, 128)] == ["flashq", "flashq", "flashmma"]
+
+
+def test_fp8_gemv_configurations_are_the_compiled_ones(signatures: dict):
+    """FP8_GEMV_CONFIGS lists exactly the configurations fp8.cu compiles, each with the plain GEMV and
+    every fusion; the engine's FP8_GEMV_CONFIG is one of them; a row count runs in bucket pieces."""
+    kinds = ("", "norm", "norm_swiglu", "swiglu", "resid", "rope", "norm_rope")
+    table = {fp8_gemv_name(nt, k, c) for nt, cs in FP8_GEMV_CONFIGS.items() for c in cs for k in kinds}
+    table |= {f"gemv_fp8_mma_m{mt}_n{n8}" for n8, mts in FP8_MMA_COMPILED.items() for mt in mts}
+    assert {n for n in signatures if n.startswith("gemv_fp8")} == table
+    assert [fp8_mma_name(t) for t in (1, 8, 9, 16, 17, 32)] == [
+        "gemv_fp8_mma_m1_n1", "gemv_fp8_mma_m1_n1", "gemv_fp8_mma_m1_n2", "gemv_fp8_mma_m1_n2",
+        "gemv_fp8_mma_m1_n4", "gemv_fp8_mma_m1_n4",
+    ]  # fmt: skip
+    with pytest.raises(ValueError):
+        fp8_mma_name(33)
+    assert set(FP8_GEMV_CONFIG) == set(FP8_GEMV_BUCKETS) == set(FP8_GEMV_CONFIGS)
+    with pytest.raises(ValueError, match="no compiled configuration"):
+        fp8_gemv_name(1, "", (3, 3))
+    assert fp8_gemv_pieces(7) == [(0, 4), (4, 2), (6, 1)] and fp8_gemv_pieces(8) == [(0, 8)]
+    assert fp8_gemv_grid(4096, 1, "", (2, 4)) == 256 and fp8_gemv_grid(4096, 1, "swiglu", (2, 4)) == 256
+
+
+@pytest.mark.parametrize("T", [t for t in FP8_GEMV_BUCKETS if t < FP8_MMA_MIN_TOKENS])
+def test_fp8_decode_without_fusions_runs_the_plain_fp8_gemv(T: int, signatures: dict):
+    f, calls = _forward("llama3-8b", 8, "none", signatures, layers=2)
+    f = _fp8(f, "outer", calls)
+    f.record(0, T, T, True)
+    names = [c[0] for c in calls]
+    assert names.count(fp8_gemv_name(T)) == 4 * 2 and names.count("add_rmsnorm") == 2 * 2
+    assert [n for n in names if n.startswith("gemv_fp8")] == [fp8_gemv_name(T)] * 8
+    assert f.fusions_for(T) == frozenset()

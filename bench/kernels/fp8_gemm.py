@@ -4,7 +4,7 @@
     python -m bench.kernels.fp8_gemm --out x.json --presets llama3-8b --rows 1,8,256
 
 For each projection (qkv, o, gate_up, down) and row count M: bf16 through cuBLAS and, for M <= 8, the
-bf16 GEMV (model_kernels.cu); FP8 through its GEMV (fp8.cu, M <= 8), through dequantize + bf16 cuBLAS
+bf16 GEMV (model_kernels.cu); FP8 through its GEMV (fp8.cu, M <= 8, the engine's configuration), through dequantize + bf16 cuBLAS
 (EngineConfig.fp8_gemm "dequant"), and W8A8 (blink/gpu/engine/fp8_gemm.py: the per-token activation
 quantization kernel plus the cuBLASLt FP8 GEMM with outer-vector scales, "fp8_w8a8_outer", or with
 fp32 sums and the scaling kernel, "fp8_w8a8_epilogue"; a mode cuBLASLt does not offer is left out).
@@ -12,7 +12,9 @@ Activations are random bf16. Each timing cycles over enough copies of the weight
 so every launch streams from HBM. Per M, the sum over a step's projections (x layers) of the best bf16
 and the best FP8 path and of each path alone (`paths_ms`), and the M = 1 GEMVs' bandwidth against the
 copy bandwidth (bytes: weights + scales + activations). Writes --out (default
-bench/results/fp8_gemm-<gpu>-<commit>.json).
+bench/results/fp8_gemm-<gpu>-<commit>.json). Launches are eager, from Python: a kernel shorter than
+Python's launch interval (the small projections' GEMVs and GEMMs, 20-40 us on the H200) is timed at that
+interval; bench.kernels.fp8_gemv times the decode-step kernels in captured graphs.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def _time_role(env, n: int, k: int, rows: list[int]) -> dict[int, dict[str, floa
 
 def _time_m(env, b: dict, m: int, n: int, k: int) -> dict[str, float]:
     """ms of each path at M = m, each launch on the next copy of the weight."""
+    from blink.gpu.engine.fp8_weights import fp8_gemv_grid, fp8_gemv_name
+
     drv, kern, blas, stream = env[:4]
     s, xp, yp = int(stream.ptr), int(b["x"].data.ptr), int(b["y"].data.ptr)
     turn = [0]
@@ -109,8 +113,9 @@ def _time_m(env, b: dict, m: int, n: int, k: int) -> dict[str, float]:
         g = (-(-n // (8 * (1 if m == 1 else 4))), 1, 1)
         x, y = b["x"], b["y"]
         r["bf16_gemv"] = time_ms(lambda: launch(f"gemv_bf16_t{m}", g, W=nxt(b["w16"]), X=x, Y=y, N=n, K=k), stream, 30)
+        name8, g8 = fp8_gemv_name(m), (fp8_gemv_grid(n, m), 1, 1)
         r["fp8_gemv"] = time_ms(
-            lambda: launch(f"gemv_fp8_t{m}", g, W=nxt(b["w8"]), scales=b["sc"], X=x, Y=y, N=n, K=k), stream, 30
+            lambda: launch(name8, g8, W=nxt(b["w8"]), scales=b["sc"], X=x, Y=y, N=n, K=k), stream, 30
         )
     r["fp8_dequant_cublas"] = time_ms(deq, stream, 30)
     for mode, g in env[5].items():  # also at M <= 8: where the GEMV should hand over

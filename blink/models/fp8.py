@@ -15,7 +15,8 @@ kernel accumulates the decoded codes against the activations and multiplies once
 
 Which steps quantize activations depends on the step's size, as on the CUDA device:
   * decode steps (one token per sequence) of at most FP8_GEMV_MAX_TOKENS tokens are weight-only
-    ("W8A16"): the FP8-weight GEMV reads the activations in the compute dtype;
+    ("W8A16"): the FP8-weight GEMV (or, from 8 tokens, its tensor-core counterpart) reads the activations
+    in the compute dtype;
   * every other step is W8A8, as vLLM's dynamic FP8: each projection's input rows are quantized per token
     with the weights' arithmetic (`quantize_activations`: xs[t] = amax(|x[t, :]|) / 448, codes e4m3 of
     x / xs[t]) and the GEMM runs on FP8 tensor cores,

@@ -494,12 +494,14 @@ def test_gemv_fusion_matches_transformers(fusion, n):
     eng.close()
 
 
+@pytest.mark.parametrize("quantization", ["", "fp8"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("n", FUSION_BATCHES, ids=lambda n: f"fusion_on-b{n}")
-def test_gemv_fusion_matches_unfused(n):
+def test_gemv_fusion_matches_unfused(n, quantization):
     """Fused and unfused decode graphs of one engine on the same KV cache: the fused kernels keep
-    every bf16 rounding point, so logits agree to fp32 reduction-order noise at most."""
+    every bf16 rounding point, so logits agree to fp32 reduction-order noise at most. FP8 weights:
+    the FP8 GEMV's fusions (fp8.cu) below 8 tokens; 8 tokens run the tensor-core kernel, unfused."""
     cfg = preset("llama3-8b").replace(num_layers=2)
-    eng = fusion_engine(cfg, "all")
+    eng = small_engine(cfg, gemv_max_tokens=8, gemv_fusion="all", quantization=quantization)
     rng = np.random.default_rng(8)
     drv = PagedDriver(256, 16, eng.dims.max_blocks_per_seq, shuffle_seed=2)
     eng.step(drv.step([(s, rng.integers(0, cfg.vocab_size, 16 + 4 * s).tolist()) for s in range(n)]))

@@ -1,5 +1,5 @@
 """FP8 weights on the GPU against the numpy definition (blink.models.fp8): the quantization kernel and
-the dequantization bit for bit, the FP8 GEMV to its bf16 output rounding, the engine's steps against
+the dequantization bit for bit (the FP8 GEMV: test_fp8_gemv.py), the engine's steps against
 the numpy model with the same FP8 weights, and `blink serve --quantization fp8` on both schedulers."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from checkpoints import write_fp8_hf_dir
 
 from blink.models import fp8
-from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from blink.models.bf16 import f32_to_bf16_bits
 from blink.models.config import preset
 from blink.models.reference import PagedDriver
 
@@ -79,29 +79,6 @@ def test_dequant_kernel_is_bf16_of_value_times_scale(gpu, n, k):
     np.testing.assert_array_equal(cp.asnumpy(out), want)
 
 
-@pytest.mark.parametrize("nt", [1, 2, 4, 8])
-@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 14336), (96, 576), (5, 1536)])
-def test_fp8_gemv_matches_the_definition(gpu, nt, n, k):
-    """y = bf16(scale * sum x e4m3(code)) against float64: off by the bf16 rounding of y (2**-9
-    relative) and fp32 summation, nothing more."""
-    import cupy as cp
-
-    from blink.gpu.engine.fp8_weights import FP8_GEMV_ROWS_PER_WARP
-
-    driver, kernels = gpu
-    codes, scales = _codes(n, k, nt)
-    x = f32_to_bf16_bits(np.random.default_rng(9).standard_normal((nt, k)).astype(np.float32))
-    y = cp.zeros((nt, n), dtype=cp.uint16)
-    a = {"W": cp.asarray(codes), "scales": cp.asarray(scales), "X": cp.asarray(x), "Y": y, "N": n, "K": k}
-    grid = (-(-n // (8 * FP8_GEMV_ROWS_PER_WARP[nt])), 1, 1)
-    driver.launch(kernels[f"gemv_fp8_t{nt}"], grid, (256, 1, 1), kernels.args(f"gemv_fp8_t{nt}", a), 0)
-    cp.cuda.Device().synchronize()
-    ref = (bf16_bits_to_f32(x).astype(np.float64) @ fp8.e4m3_decode(codes).T.astype(np.float64)) * scales
-    got = bf16_bits_to_f32(cp.asnumpy(y)).astype(np.float64)
-    tol = 2.0**-8 * np.abs(ref) + 1e-5 * np.sqrt(np.mean(ref**2))
-    assert (np.abs(got - ref) <= tol).all(), float(np.max(np.abs(got - ref) / (tol + 1e-30)))
-
-
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
@@ -116,12 +93,13 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 W8A8_REL_ERR = 0.25
 
 
-def _fp8_engine(cfg, tensors):
+def _fp8_engine(cfg, tensors, max_seqs: int = 4):
     from blink.gpu.engine.engine import Engine, EngineConfig
 
+    buckets = tuple(b for b in (1, 2, 4, 8) if b <= max_seqs)
     ecfg = EngineConfig(
-        max_seqs=4, max_num_batched_tokens=128, max_context=512, num_kv_blocks=64, block_size=8, batch_buckets=(1, 2, 4),
-        token_buckets=(16, 128), progress=False, quantization="fp8",
+        max_seqs=max_seqs, max_num_batched_tokens=128, max_context=512, num_kv_blocks=64, block_size=8,
+        batch_buckets=buckets, token_buckets=(16, 128), progress=False, quantization="fp8",
     )  # fmt: skip
     eng = Engine.create(cfg, ecfg, bf16_tensors=tensors)
     eng.capture()
@@ -168,6 +146,40 @@ def test_fp8_engine_matches_the_numpy_fp8_model(name):
     print(f"{name} fp8: rel err vs numpy fp8 max {max(errs):.2e}, vs numpy bf16 mean {np.mean(errs_bf16):.2e}")
     assert max(errs) < W8A8_REL_ERR, errs
     assert np.mean(errs) < np.mean(errs_bf16), (errs, errs_bf16)
+    eng.close()
+
+
+def test_fp8_engine_decode_of_8_sequences_runs_the_tensor_core_kernel():
+    """Decode steps of 8 sequences run the weight-only tensor-core kernel (FP8_MMA_MIN_TOKENS, unfused):
+    against the numpy FP8 model (weight-only in those steps too) and closer to it than to the bf16 one."""
+    from blink.device.numpy_executor import NumpyExecutor
+    from blink.gpu.engine.fp8_weights import FP8_MMA_MIN_TOKENS
+    from blink.models.weights import random_bf16, random_weights
+
+    assert FP8_MMA_MIN_TOKENS <= 8 <= fp8.FP8_GEMV_MAX_TOKENS
+    cfg = preset("tiny-llama")
+    w = {k: fp8.as_device_weight(v) for k, v in random_weights(cfg, seed=6).items()}
+    eng = _fp8_engine(cfg, random_bf16(cfg, seed=6), max_seqs=8)
+    kw = {**_KW, "max_batch": 8}
+    refs = [NumpyExecutor(cfg, w, quantization="fp8", **kw), NumpyExecutor(cfg, w, **kw)]
+    rng = np.random.default_rng(3)
+    drivers = [PagedDriver(64, 8, 64, shuffle_seed=1) for _ in range(3)]
+    steps = [[(s, rng.integers(0, cfg.vocab_size, 10).tolist()) for s in range(8)]]
+    steps += [[(s, [int(t)]) for s, t in enumerate(rng.integers(0, cfg.vocab_size, 8))] for _ in range(4)]
+    errs: list[list[float]] = [[], []]
+    for i, chunks in enumerate(steps):
+        b, *b_refs = (d.step(chunks) for d in drivers)
+        eng.step(b)
+        mine = eng.logits(b.num_seqs)
+        if i:  # the decode steps
+            for e, ref, br in zip(errs, refs, b_refs, strict=True):
+                e.append(_rel(mine, ref.forward_logits(br)))
+        else:
+            for ref, br in zip(refs, b_refs, strict=True):
+                ref.forward_logits(br)
+    print(f"fp8 decode of 8: rel err vs numpy fp8 max {max(errs[0]):.2e}, vs numpy bf16 mean {np.mean(errs[1]):.2e}")
+    assert max(errs[0]) < W8A8_REL_ERR, errs
+    assert np.mean(errs[0]) < np.mean(errs[1]), errs
     eng.close()
 
 

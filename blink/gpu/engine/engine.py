@@ -42,9 +42,9 @@ from blink.gpu.engine.engine_config import (  # noqa: F401 (the engine's public 
     DEFAULT_TOKEN_BUCKETS,
     EngineConfig,
 )
-from blink.gpu.engine.forward import Dims, Forward, fp8_activation_bytes, fp8_scratch_elems, kv_element_bytes
+from blink.gpu.engine.forward import Dims, Forward, kv_element_bytes
 from blink.gpu.engine.fp8_gemm import SCALE_MODES, Fp8Gemm
-from blink.gpu.engine.fp8_weights import Fp8Loader, quantize_layers
+from blink.gpu.engine.fp8_weights import Fp8Loader, fp8_activation_bytes, fp8_scratch_elems, quantize_layers
 from blink.gpu.engine.moe_launch import MoeLaunches
 from blink.gpu.engine.weights import GpuWeights
 from blink.gpu.toolchain.cuda_api import Cublas, Driver

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blink.gpu.engine.fp8_weights import FP8_LARGE_PATHS
+from blink.gpu.engine.fp8_weights import FP8_LARGE_PATHS, FP8_MMA_MAX_TOKENS
+from blink.models.fp8 import FP8_GEMV_MAX_TOKENS
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -40,10 +41,11 @@ class EngineConfig:
     float8 e4m3 with a per-tensor scale of 1 (values stored directly, saturating to +-448; kv_cache.cuh,
     the definition blink/models/fp8.py kv_round), half the bytes a block, so twice the blocks in the same
     memory."""
-    fp8_gemv_max_tokens: int = 8
-    """FP8 weights: decode steps up to this many tokens run the FP8-weight GEMV (fp8.cu, bf16
-    activations), every other step the path of fp8_gemm. The numpy definition quantizes activations in
-    the same steps (blink.models.fp8.uses_w8a8)."""
+    fp8_gemv_max_tokens: int = FP8_GEMV_MAX_TOKENS
+    """FP8 weights: decode steps up to this many tokens (at most FP8_MMA_MAX_TOKENS) are weight-only (fp8.cu,
+    bf16 activations: the FP8 GEMV, from FP8_MMA_MIN_TOKENS tokens the tensor-core kernel), every other step
+    the path of fp8_gemm. The numpy definition quantizes activations in the same steps
+    (blink.models.fp8.uses_w8a8, FP8_GEMV_MAX_TOKENS: the default here)."""
     fp8_gemm: str = "auto"
     """FP8 weights, steps past the GEMV (fp8_gemv_max_tokens): "outer" = activations quantized per token
     and the W8A8 cuBLASLt GEMM applying the per-token x per-channel scales itself (outer-vector
@@ -83,7 +85,7 @@ class EngineConfig:
             raise ValueError(f"fp8_gemm {self.fp8_gemm!r} not in {('auto', *FP8_LARGE_PATHS)}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} not in ('auto', 'fp8')")
-        if not 1 <= self.fp8_gemv_max_tokens <= 8:
-            raise ValueError("fp8_gemv_max_tokens must be in [1, 8]")
+        if not 1 <= self.fp8_gemv_max_tokens <= FP8_MMA_MAX_TOKENS:
+            raise ValueError(f"fp8_gemv_max_tokens must be in [1, {FP8_MMA_MAX_TOKENS}]")
         if not 0 <= self.sampling_rows <= 1 << 16:
             raise ValueError("sampling_rows must be in [0, 65536]")

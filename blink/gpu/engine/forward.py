@@ -18,7 +18,8 @@ Attention (kernel choice per bucket, splits, launches) is the AttentionLaunches 
 (blink/gpu/engine/attention_launch.py).
 
 GEMV fusions (set_gemv_fusion; only in steps whose projections use the GEMV, i.e. decode buckets
-<= gemv_max_tokens; prefill and cuBLAS steps are unchanged):
+<= gemv_max_tokens, or with FP8 weights the FP8 GEMV's decode buckets below FP8_MMA_MIN_TOKENS (fp8.cu
+instantiates the same fusions); prefill, cuBLAS and FP8 GEMM steps are unchanged):
     "norm":   the residual add happens in the o / down GEMV's epilogue (resid += x W^T, no delta)
               and the RMSNorm in the qkv / gate_up GEMV's prologue (each CTA normalises resid into
               shared memory): no add_rmsnorm launches.
@@ -45,7 +46,20 @@ from blink.gpu.engine.attention_launch import (
     AttentionLaunches,
 )
 from blink.gpu.engine.fp8_gemm import Fp8Gemm
-from blink.gpu.engine.fp8_weights import FP8_GEMV_BUCKETS, FP8_GEMV_ROWS_PER_WARP, FP8_LARGE_PATHS, Fp8Linear
+from blink.gpu.engine.fp8_weights import (
+    FP8_GEMV_BUCKETS,
+    FP8_GEMV_CONFIG,
+    FP8_LARGE_PATHS,
+    FP8_MMA_MIN_TOKENS,
+    Fp8Linear,
+    fp8_gemv_grid,
+    fp8_gemv_name,
+    fp8_gemv_pieces,
+    fp8_max_outputs,
+    fp8_mma_grid,
+    fp8_mma_name,
+    fp8_scratch_elems,
+)
 from blink.gpu.engine.moe_launch import MoeLaunches
 from blink.gpu.engine.step_arena import Dims, StepArena
 from blink.gpu.engine.weights import GpuWeights
@@ -124,25 +138,6 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype: "auto" = the model dtype 
 def kv_element_bytes(kv_cache_dtype: str) -> int:
     """Bytes of one KV cache value: 2 (bf16) or 1 (fp8 e4m3)."""
     return 1 if kv_cache_dtype == "fp8" else 2
-
-
-def fp8_scratch_elems(c: ModelConfig) -> int:
-    """Elements of the largest projection of a dense model (Forward.fp8_scratch)."""
-    qkv = c.q_size + 2 * c.kv_size
-    return max(qkv * c.hidden_size, c.hidden_size * c.q_size, 2 * c.intermediate_size * c.hidden_size)
-
-
-def fp8_max_outputs(c: ModelConfig) -> int:
-    """Outputs of the widest projection of a dense model (rows of Forward.fp8_d32)."""
-    return max(c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size)
-
-
-def fp8_activation_bytes(c: ModelConfig, max_tokens: int, path: str) -> int:
-    """Device bytes of the FP8 path's buffers (Forward.set_fp8_gemm) at max_tokens rows."""
-    if path == "dequant":
-        return 2 * fp8_scratch_elems(c)
-    nbytes = max_tokens * (max(c.hidden_size, c.q_size, c.intermediate_size) + 4)
-    return nbytes + (4 * max_tokens * fp8_max_outputs(c) if path == "epilogue" else 0)
 
 
 def _ptr(a: object) -> int:
@@ -264,6 +259,11 @@ class Forward(AttentionLaunches):
             smem = self.gemv_smem("norm_rope", nt, H)
             if smem <= GEMV_NORM_SMEM_MAX:
                 driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
+        for nt in FP8_GEMV_BUCKETS:  # the FP8 GEMV's (FP8 weights): the engine's configuration
+            smem = self.gemv_smem("norm", nt, H)
+            if smem <= GEMV_NORM_SMEM_MAX:
+                for kind in ("norm", "norm_swiglu", "norm_rope"):
+                    driver.set_max_dynamic_smem(kernels[fp8_gemv_name(nt, kind)], smem)
 
     def set_fp8_gemm(self, path: str, gemm: Fp8Gemm | None) -> None:
         """The path of FP8 projections past the GEMV (FP8_LARGE_PATHS), with its buffers: "outer" and
@@ -293,14 +293,23 @@ class Forward(AttentionLaunches):
     def uses_gemv(self, rows: int) -> bool:
         return rows in GEMV_BUCKETS and rows <= self.gemv_max_tokens
 
+    def uses_fp8_gemv_bucket(self, T: int) -> bool:
+        """Whether a step of T tokens runs the FP8 weights on one FP8 GEMV bucket (a decode step below
+        FP8_MMA_MIN_TOKENS: from there the tensor-core kernel, unfused)."""
+        fp8_decode = self.fp8 and self.fp8_decode and T <= self.fp8_gemv_max_tokens
+        return fp8_decode and T in FP8_GEMV_BUCKETS and T < FP8_MMA_MIN_TOKENS
+
     def fusions_for(self, T: int) -> frozenset[str]:
-        """The fusions a step of T tokens gets: none unless its projections run on the bf16 GEMV."""
-        if not self.uses_gemv(T) or self.moe is not None or self.fp8:  # MoE layers take the unfused path's delta
+        """The fusions a step of T tokens gets: none unless its projections run on one bucket of the bf16
+        GEMV (bf16 weights) or of the FP8 GEMV (FP8 weights, decode steps)."""
+        gemv = self.uses_fp8_gemv_bucket(T) if self.fp8 else self.uses_gemv(T)
+        if not gemv or self.moe is not None:  # MoE layers take the unfused path's delta
             return frozenset()
         out = set(self.gemv_fusion)
+        rows_per_warp = FP8_GEMV_CONFIG[T][0] if self.fp8 else GEMV_ROWS_PER_WARP[T]
         if self.gemv_smem("norm", T, self.c.hidden_size) > GEMV_NORM_SMEM_MAX:
             out.discard("norm")
-        if self.w.layers[0].q_norm is not None or (self.c.head_dim // 2) % GEMV_ROWS_PER_WARP[T]:
+        if self.w.layers[0].q_norm is not None or (self.c.head_dim // 2) % rows_per_warp:
             out.discard("rope")  # qk-norm needs whole heads; a warp's rows must stay in one head
         if self.w.layers[0].qkv_bias is not None:
             out.discard("rope")  # the bias goes in between the projection and RoPE
@@ -326,21 +335,24 @@ class Forward(AttentionLaunches):
             self.blas.linear(int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k, out_f32)  # type: ignore[attr-defined]
 
     def fp8_linear(self, x: object, w: Fp8Linear, y: object, rows: int, stream: int) -> None:
-        """y (bf16) = x w^T for FP8 w: in decode steps of up to fp8_gemv_max_tokens rows the FP8 GEMV
-        (bf16 activations); in every other step x quantized per token and the W8A8 GEMM
+        """y (bf16) = x w^T for FP8 w: in decode steps of up to fp8_gemv_max_tokens rows weight-only (bf16
+        activations): the FP8 GEMV in bucket pieces below FP8_MMA_MIN_TOKENS rows, the tensor-core kernel
+        from there; in every other step x quantized per token and the W8A8 GEMM
         (blink/gpu/engine/fp8_gemm.py), or on the "dequant" path w dequantized to bf16 and the bf16
         GEMM. The numpy definition draws the same line (blink.models.fp8.uses_w8a8)."""
         n_out, k = w.shape
         if self.fp8_decode and rows <= self.fp8_gemv_max_tokens:
-            r0 = 0
-            for nt in sorted(FP8_GEMV_BUCKETS, reverse=True):  # a row count between buckets in pieces: 6 = 4 + 2
-                while rows - r0 >= nt:
-                    grid = (-(-n_out // (8 * FP8_GEMV_ROWS_PER_WARP[nt])), 1, 1)
-                    self._launch(
-                        f"gemv_fp8_t{nt}", grid, (256, 1, 1), stream, W=w.codes, scales=w.scales,
-                        X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 2 * r0 * n_out, N=n_out, K=k,
-                    )  # fmt: skip
-                    r0 += nt
+            if rows >= FP8_MMA_MIN_TOKENS:  # the tensor-core kernel, every row at once
+                self._launch(
+                    fp8_mma_name(rows), (fp8_mma_grid(n_out), 1, 1), (256, 1, 1), stream, W=w.codes,
+                    scales=w.scales, X=x, Y=y, N=n_out, K=k, T=rows,
+                )  # fmt: skip
+                return
+            for r0, nt in fp8_gemv_pieces(rows):  # a row count between buckets in pieces: 6 = 4 + 2
+                self._launch(
+                    fp8_gemv_name(nt), (fp8_gemv_grid(n_out, nt), 1, 1), (256, 1, 1), stream, W=w.codes,
+                    scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 2 * r0 * n_out, N=n_out, K=k,
+                )  # fmt: skip
             return
         if self.fp8_path == "dequant":
             self._launch(
@@ -368,17 +380,21 @@ class Forward(AttentionLaunches):
         return T * k * 2 if kind.startswith("norm") else 0
 
     def fused_linear(self, kind: str, x: object, w: object, y: object, T: int, stream: int, nw: object = None) -> None:
-        """One fused GEMV (model_kernels.cu gemv_<kind>_t<T>): kind "norm" (x = resid, normed
-        with nw), "norm_swiglu", "swiglu" (y = act) or "resid" (y = resid, added into)."""
+        """One fused GEMV (model_kernels.cu gemv_<kind>_t<T>, or fp8.cu's for FP8 weights): kind "norm"
+        (x = resid, normed with nw), "norm_swiglu", "swiglu" (y = act) or "resid" (y = resid, added into)."""
         n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]
-        r = GEMV_ROWS_PER_WARP[T]
-        pairs = kind.endswith(("swiglu", "rope"))
-        grid = -(-(n_out // 2) // (4 * r)) if pairs else -(-n_out // (8 * r))
         out = {"ra": y} if kind.endswith("rope") else {"Y": y}
         smem = self.gemv_smem(kind, T, k)
+        if isinstance(w, Fp8Linear):  # the FP8 GEMV's kernel of the same fusion (fp8.cu)
+            name, grid = fp8_gemv_name(T, kind), fp8_gemv_grid(n_out, T, kind)
+            out.update(W=w.codes, scales=w.scales)
+        else:
+            r = GEMV_ROWS_PER_WARP[T]
+            pairs = kind.endswith(("swiglu", "rope"))
+            name, grid = f"gemv_{kind}_t{T}", -(-(n_out // 2) // (4 * r)) if pairs else -(-n_out // (8 * r))
+            out.update(W=w)
         self._launch(
-            f"gemv_{kind}_t{T}", (grid, 1, 1), (256, 1, 1), stream, smem, W=w, X=x, nw=nw, N=n_out, K=k,
-            eps=self.c.rms_eps, **out,
+            name, (grid, 1, 1), (256, 1, 1), stream, smem, X=x, nw=nw, N=n_out, K=k, eps=self.c.rms_eps, **out
         )  # fmt: skip
 
     def rope_args(self, kc: int, vc: int) -> RopeArgs:

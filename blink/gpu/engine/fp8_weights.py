@@ -21,9 +21,23 @@ import numpy as np
 
 from blink.gpu.toolchain.cuda_api import Driver
 from blink.gpu.toolchain.kernels import Kernels
+from blink.models.config import ModelConfig
 
 FP8_GEMV_BUCKETS = (1, 2, 4, 8)
-FP8_GEMV_ROWS_PER_WARP = {1: 1, 2: 4, 4: 4, 8: 4}  # must match GEMV_FP8(NT, R, U) in fp8.cu
+# The FP8 GEMV's compiled configurations per bucket, (R, U): R weight rows a warp, U 512-byte stretches
+# of each row loaded before the first is used (GEMV_FP8(NT, R, U) in fp8.cu, which must list the same).
+FP8_GEMV_CONFIGS = {1: ((1, 8), (1, 4), (2, 4)), 2: ((2, 4), (4, 2)), 4: ((2, 4), (4, 2)), 8: ((2, 2), (4, 2))}
+# The engine's configuration per bucket, one of FP8_GEMV_CONFIGS (bench.kernels.fp8_gemv times them all;
+# docs/decisions.md): every configuration sums in the same order, so this changes speed, never a bit.
+FP8_GEMV_CONFIG = {1: (1, 8), 2: (2, 4), 4: (2, 4), 8: (2, 2)}
+# Weight-only FP8 on tensor cores (gemv_fp8_mma_m<MT>_n<NT8> in fp8.cu: 16 MT weight rows a CTA, 8 NT8
+# token columns): decode steps of FP8_MMA_MIN_TOKENS tokens or more (up to EngineConfig.fp8_gemv_max_tokens,
+# at most FP8_MMA_MAX_TOKENS) run it instead of the GEMV (one launch, no fusions; the GEMV's fp32 FMAs
+# are issue-bound from about 8 tokens). FP8_MMA_COMPILED: the MT compiled for each NT8.
+FP8_MMA_COMPILED = {1: (1, 2, 4), 2: (1, 2), 4: (1, 2)}
+FP8_MMA_ROWS = 1  # the engine's MT: the most CTAs (N / 16) for the narrow projections
+FP8_MMA_MIN_TOKENS = 8
+FP8_MMA_MAX_TOKENS = 32
 FP8_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # LayerWeights fields that fp8 quantizes
 FP8_EXPERTS = ("experts_gate_up", "experts_down")  # and in MoE layers, the stacked experts (E, out, in)
 # Paths of FP8 projections past the GEMV (Forward.set_fp8_gemm; EngineConfig.fp8_gemm picks):
@@ -31,6 +45,52 @@ FP8_EXPERTS = ("experts_gate_up", "experts_down")  # and in MoE layers, the stac
 # dequantize + bf16 GEMM (where cuBLASLt has no FP8 GEMM).
 FP8_LARGE_PATHS = ("outer", "epilogue", "dequant")
 _LEGACY_STREAM = 0
+
+
+def fp8_gemv_name(nt: int, kind: str = "", config: tuple[int, int] | None = None) -> str:
+    """The FP8 GEMV kernel of bucket nt: plain (kind "") or fused (kind as the bf16 GEMV's fused
+    kernels: norm, norm_swiglu, swiglu, resid, rope, norm_rope), in `config` (default FP8_GEMV_CONFIG)."""
+    r, u = config or FP8_GEMV_CONFIG[nt]
+    if (r, u) not in FP8_GEMV_CONFIGS[nt]:
+        raise ValueError(f"fp8 GEMV t{nt} has no compiled configuration {(r, u)}: {FP8_GEMV_CONFIGS[nt]}")
+    return f"gemv_fp8{'_' + kind if kind else ''}_t{nt}_r{r}u{u}"
+
+
+def fp8_gemv_grid(n_out: int, nt: int, kind: str = "", config: tuple[int, int] | None = None) -> int:
+    """CTAs (of 256 threads) of fp8_gemv_name(nt, kind, config) over n_out output rows: 8 warps of R rows,
+    or for the pair kernels (swiglu, rope) 4 warps of R pairs."""
+    r = (config or FP8_GEMV_CONFIG[nt])[0]
+    if kind.endswith(("swiglu", "rope")):
+        return -(-(n_out // 2) // (4 * r))
+    return -(-n_out // (8 * r))
+
+
+def fp8_mma_name(tokens: int, rows: int | None = None) -> str:
+    """The tensor-core FP8 kernel for `tokens` tokens (the fewest 8-token tiles that hold them), with
+    `rows` = MT (default FP8_MMA_ROWS)."""
+    if not 1 <= tokens <= FP8_MMA_MAX_TOKENS:
+        raise ValueError(f"fp8 mma kernel: {tokens} tokens not in [1, {FP8_MMA_MAX_TOKENS}]")
+    nt8 = next(n for n in sorted(FP8_MMA_COMPILED) if 8 * n >= tokens)
+    mt = rows or FP8_MMA_ROWS
+    if mt not in FP8_MMA_COMPILED[nt8]:
+        raise ValueError(f"fp8 mma kernel: no MT {mt} compiled for {8 * nt8} tokens: {FP8_MMA_COMPILED[nt8]}")
+    return f"gemv_fp8_mma_m{mt}_n{nt8}"
+
+
+def fp8_mma_grid(n_out: int, rows: int | None = None) -> int:
+    """CTAs (of 256 threads) of the tensor-core FP8 kernel: 16 MT output rows each."""
+    return -(-n_out // (16 * (rows or FP8_MMA_ROWS)))
+
+
+def fp8_gemv_pieces(rows: int) -> list[tuple[int, int]]:
+    """(first row, bucket) of the plain GEMV launches over `rows` rows: the largest buckets first, a
+    row count between buckets in pieces (6 = 4 + 2)."""
+    out, r0 = [], 0
+    for nt in sorted(FP8_GEMV_BUCKETS, reverse=True):
+        while rows - r0 >= nt:
+            out.append((r0, nt))
+            r0 += nt
+    return out
 
 
 @dataclass
@@ -104,3 +164,22 @@ def quantize_layers(layers: list, driver: Driver, kernels: Kernels) -> None:
                 q = Fp8Linear.empty(tuple(w.shape))
                 quantize_rows(driver, kernels, _LEGACY_STREAM, w, q.rows())
                 setattr(lw, name, q)
+
+
+def fp8_scratch_elems(c: ModelConfig) -> int:
+    """Elements of the largest projection of a dense model (Forward.fp8_scratch)."""
+    qkv = c.q_size + 2 * c.kv_size
+    return max(qkv * c.hidden_size, c.hidden_size * c.q_size, 2 * c.intermediate_size * c.hidden_size)
+
+
+def fp8_max_outputs(c: ModelConfig) -> int:
+    """Outputs of the widest projection of a dense model (rows of Forward.fp8_d32)."""
+    return max(c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size)
+
+
+def fp8_activation_bytes(c: ModelConfig, max_tokens: int, path: str) -> int:
+    """Device bytes of the FP8 path's buffers (Forward.set_fp8_gemm) at max_tokens rows."""
+    if path == "dequant":
+        return 2 * fp8_scratch_elems(c)
+    nbytes = max_tokens * (max(c.hidden_size, c.q_size, c.intermediate_size) + 4)
+    return nbytes + (4 * max_tokens * fp8_max_outputs(c) if path == "epilogue" else 0)

@@ -7,8 +7,9 @@
 // with W[n, k] ~ scale[n] * e4m3(codes[n, k]); y[t, n] = scale[n] * sum_k x[t, k] * e4m3(codes[n, k]).
 // Activations stay bf16 (weight-only FP8): the GEMV decodes 16 codes per 16-byte load into registers
 // (cvt.rn.f16x2.e4m3x2, exact: every e4m3 value is an fp16) and accumulates in fp32, so a decode step
-// reads one byte per weight instead of two.
+// reads one byte per weight instead of two; it takes the bf16 GEMV's fusions (norm, swiglu, rope, resid).
 #include "common.cuh"
+#include "gemv_fused.cuh"
 #include <cuda_fp8.h>
 
 // ---- Quantization at load: W (bf16 rows, a staging buffer) -> codes + scales -------------------
@@ -64,70 +65,212 @@ __device__ __forceinline__ void decode16(const uint4& q, float* f) {
 }
 
 // ---- Small-batch GEMV: Y[t, n] = bf16(scale[n] * sum_k X[t, k] e4m3(W[n, k])), NT tokens ----------
-// gemv_impl's structure (model_kernels.cu): a warp streams R weight rows, lane l taking bytes
-// [16 l, 16 l + 16) of each 512-byte stretch, so the matrix is read once, coalesced; the R rows share
-// each load of x. Loads of U stretches are issued before the first is used (U 16-byte loads per row
-// in flight per lane). K a multiple of 16.
-template <int NT, int R, int U>
-__device__ __forceinline__ void gemv_fp8_impl(const uint8_t* __restrict__ W, const float* __restrict__ scales,
-                                              const bf16* __restrict__ X, bf16* __restrict__ Y, int N, int K) {
-  const int lane = threadIdx.x & 31;
-  const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
-  if (n0 >= N) return;
-  float acc[NT][R];
+// gemv_fused_impl (gemv_fused.cuh) with FP8 weights: a warp streams R weight rows, lane l taking bytes
+// [16 l, 16 l + 16) of each 512-byte stretch, so the matrix is read once, coalesced; U stretches of
+// each row are loaded before the first is used (U * R 16-byte loads in flight a lane). Per vector:
+// 16 codes decoded (decode16) against 16 values of each token's x (from L1, or shared memory where the
+// norm is fused), fp32 sums in the order of k, the row's scale applied once to the warp's sum. Every
+// (R, U) sums in the same order: all configurations and fusions give the same bits.
+template <int U_>
+struct Fp8W {
+  using T = uint8_t;
+  using Vec = uint4;
+  static constexpr int VALS = 16, U = U_, PREFETCH = U_;  // the norm prologue runs under U loads a row
+  static constexpr bool SCALED = true;
+  static __device__ __forceinline__ Vec load(const T* __restrict__ W, size_t off) {
+    return __ldg(reinterpret_cast<const uint4*>(W + off));
+  }
+  // Up to 2 rows: both decoded first, each token's x loaded once for them; more rows: a row at a time
+  // (registers), x loaded again per row. The same sums in the same order either way.
+  template <int NT, int R, typename XL>
+  static __device__ __forceinline__ void step(const Vec (&wv)[R], int k, const XL& xl, float (&acc)[NT][R]) {
+    if constexpr (R <= 2) {
+      float wf[R][16];
 #pragma unroll
-  for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < R; ++r) decode16(wv[r], wf[r]);
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
-  for (int k0 = lane * 16; k0 < K; k0 += 512 * U) {
-    uint4 wv[U][R];
+      for (int t = 0; t < NT; ++t) {
+        float x[16];
+        xl(t, k, x);
+        xl(t, k + 8, x + 8);
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int k = k0 + u * 512;
-        wv[u][r] = (k < K && n0 + r < N) ? __ldg(reinterpret_cast<const uint4*>(W + (size_t)(n0 + r) * K + k))
-                                         : make_uint4(0, 0, 0, 0);
+          for (int i = 0; i < 16; ++i) acc[t][r] += wf[r][i] * x[i];
       }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = k0 + u * 512;
-      if (k >= K) break;
+    } else {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float wf[16];
-        decode16(wv[u][r], wf);
+        decode16(wv[r], wf);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           float x[16];
-          load8(X + (size_t)t * K + k, x);
-          load8(X + (size_t)t * K + k + 8, x + 8);
+          xl(t, k, x);
+          xl(t, k + 8, x + 8);
 #pragma unroll
           for (int i = 0; i < 16; ++i) acc[t][r] += wf[i] * x[i];
         }
       }
     }
   }
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float v = warp_sum(acc[t][r]);
-      if (lane == 0 && n0 + r < N) Y[(size_t)t * N + n0 + r] = tobf(v * scales[n0 + r]);
-    }
+};
+
+// Kernels gemv_fp8[_<fusion>]_t<NT>_r<R>u<U>: the plain GEMV and the fusions of model_kernels.cu's
+// gemv_<fusion>_t<NT> (norm, norm_swiglu, swiglu, resid, rope, norm_rope; same parameters plus the
+// scales). Grids: ceil(N / (8 R)) CTAs of 256 threads; the pair kernels (swiglu, rope)
+// ceil(N / 2 / (4 R)); the norm kernels take NT * K * 2 bytes of dynamic shared memory. The engine
+// launches the configuration FP8_GEMV_CONFIG[NT] (blink/gpu/engine/fp8_weights.py) of the compiled
+// ones below (bench.kernels.fp8_gemv times them all).
+#define FP8_BOUNDS(NT) __launch_bounds__(256, NT == 1 ? 2 : 1)
+#define GEMV_FP8_PLAIN(NT, R, U)                                                                                 \
+  extern "C" __global__ void FP8_BOUNDS(NT) gemv_fp8_t##NT##_r##R##u##U(                                         \
+      const uint8_t* W, const float* scales, const bf16* X, bf16* Y, int N, int K) {                             \
+    gemv_fused_impl<NT, R, 0, Fp8W<U>>(W, scales, X, nullptr, Y, N, K, 0.f, RopeArgs{});                         \
+  }
+#define GEMV_FP8_FUSED(NAME, NT, R, U, FLAGS)                                                                    \
+  extern "C" __global__ void FP8_BOUNDS(NT) gemv_fp8_##NAME##_t##NT##_r##R##u##U(                                \
+      const uint8_t* W, const float* scales, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {  \
+    gemv_fused_impl<NT, R, FLAGS, Fp8W<U>>(W, scales, X, nw, Y, N, K, eps, RopeArgs{});                          \
+  }
+#define GEMV_FP8_ROPE(NAME, NT, R, U, FLAGS)                                                                     \
+  extern "C" __global__ void FP8_BOUNDS(NT) gemv_fp8_##NAME##_t##NT##_r##R##u##U(                                \
+      const uint8_t* W, const float* scales, const bf16* X, const bf16* nw, RopeArgs ra, int N, int K,          \
+      float eps) {                                                                                               \
+    gemv_fused_impl<NT, R, FLAGS, Fp8W<U>>(W, scales, X, nw, nullptr, N, K, eps, ra);                            \
+  }
+#define GEMV_FP8(NT, R, U)                                                \
+  GEMV_FP8_PLAIN(NT, R, U)                                                \
+  GEMV_FP8_FUSED(norm, NT, R, U, F_NORM_IN)                               \
+  GEMV_FP8_FUSED(norm_swiglu, NT, R, U, F_NORM_IN | F_SWIGLU_OUT)         \
+  GEMV_FP8_FUSED(swiglu, NT, R, U, F_SWIGLU_OUT)                          \
+  GEMV_FP8_FUSED(resid, NT, R, U, F_RESID_OUT)                            \
+  GEMV_FP8_ROPE(rope, NT, R, U, F_ROPE_OUT)                               \
+  GEMV_FP8_ROPE(norm_rope, NT, R, U, F_NORM_IN | F_ROPE_OUT)
+// The compiled configurations (FP8_GEMV_CONFIGS in fp8_weights.py lists the same).
+GEMV_FP8(1, 1, 8)
+GEMV_FP8(1, 1, 4)
+GEMV_FP8(1, 2, 4)
+GEMV_FP8(2, 2, 4)
+GEMV_FP8(2, 4, 2)
+GEMV_FP8(4, 2, 4)
+GEMV_FP8(4, 4, 2)
+GEMV_FP8(8, 2, 2)
+GEMV_FP8(8, 4, 2)
+
+// ---- Weight-only FP8 on tensor cores: decode steps of up to 32 tokens --------------------------------
+// Y[t, n] = bf16(scale[n] * sum_k X[t, k] e4m3(W[n, k])) as gemv_fp8, the products on mma.sync
+// m16n8k16 (bf16 x bf16 -> fp32): A = 16 weight rows, B = 8 tokens (8 NT8 tokens a warp, T of them
+// live: the other columns are zeros and never written). A CTA of 8 warps takes 16 MT rows; its warps
+// split K in 128-value chunks (warp w: chunks w, w + 8, ...), each lane loading 32 contiguous bytes of
+// rows g and g + 8 of each 16-row tile (g = lane / 4; the 4 lanes of a group cover a row's 128 bytes)
+// and 32 contiguous bf16 of token g's x. Any k order serves if A and B share it: chunk-relative k =
+// 32 t + 16 q + 4 j + i (t = lane % 4) sits in mma slot 2t + (0, 8, 1, 9)[i] of step (q, j), which is
+// where e4m3x4_bf16 puts byte i of the 4 (odd bytes, even bytes) and where the PRMTs put x's values.
+// The 8 warps' fp32 partial sums meet in shared memory, summed in warp order (deterministic).
+// e4m3 -> bf16: byte s.eeee.mmm as the bf16 s.0000eeee.mmm0000 is the value times 2**-120 (exact, also
+// for the subnormal e = 0), then times 2**120 (bf16 0x7B80: exact).
+__device__ __forceinline__ void e4m3x4_bf16(uint32_t w, uint32_t& even, uint32_t& odd) {
+  const uint32_t w8 = w << 8;
+  const uint32_t e = (w8 & 0x80008000u) | ((w8 & 0x7F007F00u) >> 4);  // bytes 0, 2
+  const uint32_t o = (w & 0x80008000u) | ((w & 0x7F007F00u) >> 4);    // bytes 1, 3
+  const __nv_bfloat162 k = __halves2bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80));
+  const __nv_bfloat162 re = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&e), k);
+  const __nv_bfloat162 ro = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&o), k);
+  even = *reinterpret_cast<const uint32_t*>(&re);
+  odd = *reinterpret_cast<const uint32_t*>(&ro);
 }
 
-// Grid: ceil(N / (8 R)) CTAs of 256 threads (forward.FP8_GEMV_ROWS_PER_WARP). One token: a row a warp
-// and 4 stretches in flight (most warps and bytes in flight); more tokens: 4 rows share x, 2 stretches.
-#define GEMV_FP8(NT, R, U)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256)                                                         \
-      gemv_fp8_t##NT(const uint8_t* W, const float* scales, const bf16* X, bf16* Y, int N, int K) {         \
-    gemv_fp8_impl<NT, R, U>(W, scales, X, Y, N, K);                                                         \
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int MT, int NT8>
+__device__ __forceinline__ void gemv_fp8_mma_impl(const uint8_t* __restrict__ W, const float* __restrict__ scales,
+                                                  const bf16* __restrict__ X, bf16* __restrict__ Y, int N, int K,
+                                                  int T) {
+  constexpr int ACC = MT * NT8 * 4;  // accumulators a lane
+  __shared__ float part[8][ACC][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int m0 = blockIdx.x * 16 * MT;
+  float acc[MT][NT8][4] = {};
+  for (int kc = warp * 128; kc < K; kc += 8 * 128) {
+    uint4 wq[MT][2][2], xq[NT8][4];  // weights: 16 codes a q; x: 8 values a p (k = 8 p, chunk- and lane-relative)
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int row = m0 + 16 * m + g + 8 * h, k = kc + 32 * t + 16 * q;
+          wq[m][h][q] = row < N && k < K ? __ldg(reinterpret_cast<const uint4*>(W + (size_t)row * K + k))
+                                         : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+    for (int n = 0; n < NT8; ++n)
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int tok = 8 * n + g, k = kc + 32 * t + 8 * p;
+        xq[n][p] = tok < T && k < K ? *reinterpret_cast<const uint4*>(X + (size_t)tok * K + k) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t b[NT8][2];
+#pragma unroll
+        for (int n = 0; n < NT8; ++n) {
+          const uint32_t* xw = reinterpret_cast<const uint32_t*>(&xq[n][2 * q + (j >> 1)]) + 2 * (j & 1);
+          b[n][0] = __byte_perm(xw[0], xw[1], 0x5410);  // x at 16 q + 4 j + 0, + 2
+          b[n][1] = __byte_perm(xw[0], xw[1], 0x7632);  // x at 16 q + 4 j + 1, + 3
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          uint32_t a[4];
+          e4m3x4_bf16(reinterpret_cast<const uint32_t*>(&wq[m][0][q])[j], a[0], a[2]);  // row g
+          e4m3x4_bf16(reinterpret_cast<const uint32_t*>(&wq[m][1][q])[j], a[1], a[3]);  // row g + 8
+#pragma unroll
+          for (int n = 0; n < NT8; ++n) mma_bf16_16816(acc[m][n], a[0], a[1], a[2], a[3], b[n][0], b[n][1]);
+        }
+      }
   }
-GEMV_FP8(1, 1, 4)
-GEMV_FP8(2, 4, 2)
-GEMV_FP8(4, 4, 2)
-GEMV_FP8(8, 4, 2)
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT8; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) part[warp][(m * NT8 + n) * 4 + c][lane] = acc[m][n][c];
+  __syncthreads();
+  for (int v = threadIdx.x; v < ACC * 32; v += blockDim.x) {
+    const int i = v >> 5, l = v & 31, c = i & 3, n = (i >> 2) % NT8, m = (i >> 2) / NT8;
+    const int row = m0 + 16 * m + (l >> 2) + 8 * (c >> 1), tok = 8 * n + 2 * (l & 3) + (c & 1);
+    if (row >= N || tok >= T) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) s += part[w][i][l];
+    Y[(size_t)tok * N + row] = tobf(s * scales[row]);
+  }
+}
+
+// gemv_fp8_mma_m<MT>_n<NT8>: grid ceil(N / (16 MT)) CTAs of 256 threads; T <= 8 NT8 tokens. The engine
+// launches FP8_MMA_ROWS (fp8_weights.py) of the MT compiled here, with the smallest NT8 that holds T.
+#define GEMV_FP8_MMA(MT, NT8)                                                                               \
+  extern "C" __global__ void __launch_bounds__(256) gemv_fp8_mma_m##MT##_n##NT8(                            \
+      const uint8_t* W, const float* scales, const bf16* X, bf16* Y, int N, int K, int T) {                 \
+    gemv_fp8_mma_impl<MT, NT8>(W, scales, X, Y, N, K, T);                                                   \
+  }
+GEMV_FP8_MMA(1, 1)
+GEMV_FP8_MMA(2, 1)
+GEMV_FP8_MMA(4, 1)
+GEMV_FP8_MMA(1, 2)
+GEMV_FP8_MMA(2, 2)
+GEMV_FP8_MMA(1, 4)
+GEMV_FP8_MMA(2, 4)
 
 // ---- Larger steps: out [N, K] = bf16(scale[n] * e4m3(codes[n, k])), the bf16 GEMM's weight ---------
 // Grid (ceil(K / 4096), N), 256 threads of 16 values; K a multiple of 16.

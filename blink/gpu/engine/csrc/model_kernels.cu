@@ -14,6 +14,7 @@
 //   rope tables [max_pos, hd/2] fp32
 #include "common.cuh"
 #include "kv_cache.cuh"
+#include "gemv_fused.cuh"
 
 extern "C" __global__ void embed_tokens(const int* __restrict__ ids, const bf16* __restrict__ table,
                                         bf16* __restrict__ out, const uint32_t* __restrict__ num_tokens, int H) {
@@ -533,238 +534,17 @@ GEMV(2, 4)
 GEMV(4, 4)
 GEMV(8, 4)
 
-// ---- Fused decode GEMVs (Forward's gemv_fusion; GEMV buckets only) ----
-// The same weight stream as gemv_impl (one warp per R rows, 16-byte loads, the same per-row
-// summation order), with the small kernels around the projections folded in:
-//   F_NORM_IN:    X is the residual stream [NT, K] and nw the RMSNorm weight: each CTA first writes
-//                 rmsnorm(X[t]) * nw to shared memory with add_rmsnorm's loop order and reduction
-//                 (the same bf16 values), then streams W against it. The first weight vectors of its
-//                 rows are loaded before that prologue, so the weight stream starts at once.
-//   F_RESID_OUT:  Y is the residual stream: Y[t, n] = bf16(Y[t, n] + bf16(acc)), add_rmsnorm's add.
-//                 Each element is read and written by one warp only: no race with other CTAs.
-//   F_SWIGLU_OUT: W is [gate; up] (N = 2I rows). Warps 0-3 of a CTA take gate rows, warps 4-7 the
-//                 matching up rows, and Y[t, j] = bf16(bf16(silu(bf16 g)) * bf16 u) ([NT, I], as swiglu).
-//   F_ROPE_OUT:   W is the fused qkv projection (heads of hd rows). Warps 0-3 take rows j of a head,
-//                 warps 4-7 rows j + hd/2, and the pair is finished as rope_kv_write does it without
-//                 qk-norm: RoPE'd q -> q_out, RoPE'd k and plain v -> the KV cache slot of the token.
-//                 Tokens past *num_tokens write nothing (their block table rows may be stale).
-// Other bucket rows past the live token count are computed on stale data and never read.
-enum { F_NORM_IN = 1, F_RESID_OUT = 2, F_SWIGLU_OUT = 4, F_ROPE_OUT = 8 };
-// Weight vectors per lane and row loaded before the norm prologue: 1 keeps the one-token kernels at
-// 32 registers (8 CTAs/SM, as gemv_impl); 2 or more spill there.
-constexpr int GEMV_PREFETCH = 1;
-
-// F_ROPE_OUT's destinations and token data (a by-value kernel parameter; RopeArgs in forward.py).
-struct RopeArgs {
-  bf16* q_out;
-  bf16* k_cache;
-  bf16* v_cache;
-  const float* cos_tab;
-  const float* sin_tab;
-  const int* positions;
-  const int* cu_q_lens;
-  const int* block_tables;
-  const uint32_t* num_tokens;
-  const uint32_t* num_seqs;
-  int nq, nkv, hd, bs, mbps;
-};
-
-template <int NT, int R, int F>
-__device__ __forceinline__ void gemv_fused_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
-                                                const bf16* __restrict__ nw, bf16* __restrict__ Y, int N, int K,
-                                                float eps, const RopeArgs& ra) {
-  constexpr bool NORM = F & F_NORM_IN, SWIGLU = F & F_SWIGLU_OUT, ROPE = F & F_ROPE_OUT, PAIRS = SWIGLU || ROPE;
-  constexpr int PF = NORM ? GEMV_PREFETCH : 0;
-  extern __shared__ __align__(16) unsigned char gemv_smem[];
-  __shared__ float red[NT][32];
-  __shared__ float hi_s[NT][4 * R];
-  __shared__ long long tok_slot[NT];  // F_ROPE_OUT: KV slot of each bucket token, -1 past the live count
-  __shared__ int tok_pos[NT];
-  bf16* sx = reinterpret_cast<bf16*>(gemv_smem);  // F_NORM_IN: normalised x [NT, K]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // PAIRS: pair p (of N / 2) is rows lo(p), hi(p); this warp takes R consecutive pairs from p0.
-  const int p0 = (blockIdx.x * 4 + (warp & 3)) * R;
-  int n0, row_end;
-  if constexpr (SWIGLU) {
-    n0 = (warp >> 2) * (N / 2) + p0;
-    row_end = (warp >> 2) * (N / 2) + N / 2;
-  } else if constexpr (ROPE) {  // hd / 2 is a multiple of R: the R pairs share one head
-    const int half = ra.hd / 2;
-    n0 = (p0 / half) * ra.hd + p0 % half + (warp >> 2) * half;
-    row_end = p0 < N / 2 ? N : 0;
-  } else {
-    n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
-    row_end = N;
-  }
-  const bool live = n0 < row_end;
-  if constexpr (ROPE) {
-    if (threadIdx.x < NT) {
-      const int t = threadIdx.x;
-      long long slot = -1;
-      int pos = 0;
-      if (t < (int)*ra.num_tokens) {
-        pos = ra.positions[t];
-        const int s = seq_of_token(ra.cu_q_lens, (int)*ra.num_seqs, t);
-        slot = (long long)ra.block_tables[(size_t)s * ra.mbps + pos / ra.bs] * ra.bs + pos % ra.bs;
-      }
-      tok_slot[t] = slot;
-      tok_pos[t] = pos;
-    }
-  }
-  bf16x8 wpre[PF > 0 ? PF : 1][R];
-  if constexpr (NORM) {
-#pragma unroll
-    for (int p = 0; p < PF; ++p)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int k = lane * 8 + p * 256;
-        if (live && k < K && n0 + r < row_end)
-          wpre[p][r] = *reinterpret_cast<const bf16x8*>(W + (size_t)(n0 + r) * K + k);
-      }
-    float ss[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) ss[t] = 0.f;
-    for (int v = threadIdx.x; v < K / 8; v += blockDim.x)
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        float x[8];
-        load8(X + (size_t)t * K + v * 8, x);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ss[t] += x[i] * x[i];
-      }
-    // block_sum for NT values at once (same order: warp_sum, then over warps)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const float s = warp_sum(ss[t]);
-      if (lane == 0) red[t][warp] = s;
-    }
-    __syncthreads();
-    float rs[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) rs[t] = rsqrtf(warp_sum(lane < (int)(blockDim.x >> 5) ? red[t][lane] : 0.f) / K + eps);
-    for (int v = threadIdx.x; v < K / 8; v += blockDim.x) {
-      float g[8];
-      load8(nw + v * 8, g);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        float x[8];
-        load8(X + (size_t)t * K + v * 8, x);
-        bf16x8 o;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(x[i] * rs[t]));
-        *reinterpret_cast<bf16x8*>(sx + t * K + v * 8) = o;
-      }
-    }
-    __syncthreads();
-  }
-  float acc[NT][R];
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
-  auto step = [&](const bf16x8 (&wv)[R], int k) {
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      float x[8];
-      if constexpr (NORM) load8(sx + t * K + k, x);
-      else load8(X + (size_t)t * K + k, x);
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[t][r] += bf(wv[r].v[i]) * x[i];
-    }
-  };
-  if (live) {
-    int k = lane * 8;
-    if constexpr (PF > 0) {
-#pragma unroll
-      for (int p = 0; p < PF; ++p, k += 256)
-        if (k < K) step(wpre[p], k);
-    }
-#pragma unroll 4
-    for (; k < K; k += 256) {
-      bf16x8 wv[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (n0 + r < row_end) wv[r] = *reinterpret_cast<const bf16x8*>(W + (size_t)(n0 + r) * K + k);
-      step(wv, k);
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[t][r] = warp_sum(acc[t][r]);
-  if constexpr (PAIRS) {
-    if (warp >= 4 && lane == 0)
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int r = 0; r < R; ++r) hi_s[t][(warp & 3) * R + r] = acc[t][r];
-    __syncthreads();
-    if (warp < 4 && lane == 0 && live) {
-      if constexpr (SWIGLU) {
-        const int I = N / 2;
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-            if (n0 + r < I) {
-              const float g = rbf(acc[t][r]), u = rbf(hi_s[t][(warp & 3) * R + r]);
-              const float sg = rbf(g / (1.f + expf(-g)));
-              Y[(size_t)t * I + n0 + r] = tobf(sg * u);
-            }
-      } else {
-        const int hd = ra.hd, half = hd / 2, head = n0 / hd, f0 = n0 % hd;
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const long long slot = tok_slot[t];
-          if (slot < 0) continue;
-          bf16* dst;
-          if (head < ra.nq) dst = ra.q_out + ((size_t)t * ra.nq + head) * hd;
-          else if (head < ra.nq + ra.nkv) dst = ra.k_cache + ((size_t)slot * ra.nkv + head - ra.nq) * hd;
-          else dst = ra.v_cache + ((size_t)slot * ra.nkv + head - ra.nq - ra.nkv) * hd;
-          const float* ct = ra.cos_tab + (size_t)tok_pos[t] * half;
-          const float* st = ra.sin_tab + (size_t)tok_pos[t] * half;
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const int f = f0 + r;
-            const float a = rbf(acc[t][r]), b = rbf(hi_s[t][(warp & 3) * R + r]);
-            if (head >= ra.nq + ra.nkv) {
-              dst[f] = tobf(a);
-              dst[f + half] = tobf(b);
-            } else {
-              const float c = rbf(ct[f]), sn = rbf(st[f]);
-              dst[f] = tobf(rbf(a * c) + rbf(-b * sn));
-              dst[f + half] = tobf(rbf(b * c) + rbf(a * sn));
-            }
-          }
-        }
-      }
-    }
-  } else if (lane == 0 && live) {
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (n0 + r < N) {
-          bf16* y = Y + (size_t)t * N + n0 + r;
-          if constexpr (F & F_RESID_OUT) *y = tobf(bf(*y) + rbf(acc[t][r]));
-          else *y = tobf(acc[t][r]);
-        }
-  }
-}
-
 // Grids: ceil(N / (8 R)) CTAs of 256 threads; the pair kernels (swiglu, rope) ceil(N / 2 / (4 R)).
 // The norm kernels take NT * K * 2 bytes of dynamic shared memory.
 #define GEMV_FUSED_KERNEL(NAME, NT, R, FLAGS)                                                                  \
   extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
       gemv_##NAME##_t##NT(const bf16* W, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {   \
-    gemv_fused_impl<NT, R, FLAGS>(W, X, nw, Y, N, K, eps, RopeArgs{});                                         \
+    gemv_fused_impl<NT, R, FLAGS, Bf16W>(W, nullptr, X, nw, Y, N, K, eps, RopeArgs{});                                   \
   }
 #define GEMV_ROPE_KERNEL(NAME, NT, R, FLAGS)                                                                   \
   extern "C" __global__ void __launch_bounds__(256, NT == 1 ? 8 : 1)                                         \
       gemv_##NAME##_t##NT(const bf16* W, const bf16* X, const bf16* nw, RopeArgs ra, int N, int K, float eps) { \
-    gemv_fused_impl<NT, R, FLAGS>(W, X, nw, nullptr, N, K, eps, ra);                                           \
+    gemv_fused_impl<NT, R, FLAGS, Bf16W>(W, nullptr, X, nw, nullptr, N, K, eps, ra);                                     \
   }
 #define GEMV_FUSED(NT, R)                                         \
   GEMV_FUSED_KERNEL(norm, NT, R, F_NORM_IN)                       \
