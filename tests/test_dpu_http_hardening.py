@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +19,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.web_protocol import RequestHandler
 from test_dpu_server_ops import CHAT, COMPLETION, MODEL, ScriptedBackend
 
 from blink.config import ServerConfig
@@ -171,27 +173,96 @@ async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
     return out
 
 
+@pytest.fixture(params=["aiohttp-timer", "no-timer-before-first-response"])
+def aiohttp_timer(request, monkeypatch):
+    """aiohttp's own keep-alive timer as installed, or as older aiohttp releases had it: started
+    only once a connection's first response has ended, so that a connection that never completes
+    a first request head is never timed out by aiohttp (the server must do it itself)."""
+    if request.param == "no-timer-before-first-response":
+        made = RequestHandler.connection_made
+
+        def connection_made(self: RequestHandler, transport: asyncio.BaseTransport) -> None:
+            made(self, transport)
+            if self._keepalive_handle is not None:  # what newer releases schedule here
+                self._keepalive_handle.cancel()
+                self._keepalive_handle = None
+
+        monkeypatch.setattr(RequestHandler, "connection_made", connection_made)
+    return request.param
+
+
+async def _exchange(r: asyncio.StreamReader, w: asyncio.StreamWriter, path: str = "/health") -> bytes:
+    """One GET on an open connection, kept alive; the response's head and body."""
+    w.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    async with asyncio.timeout(3):
+        head = await r.readuntil(b"\r\n\r\n")
+        n = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])
+        return head + await r.readexactly(n)
+
+
 @pytest.mark.asyncio
-async def test_idle_and_slow_header_connections_are_closed(tok):
+async def test_idle_and_slow_header_connections_are_closed(tok, aiohttp_timer, caplog):
+    """Idle sockets that never send a request, a request head trickled a line every 50 ms
+    (slowloris), and the same after a first response on the connection: each is closed within
+    the keep-alive timeout (plus the server's check period), whatever aiohttp's own timer does."""
+    caplog.set_level(logging.INFO, logger="blink.server")
     cfg = ServerConfig(keep_alive_timeout_s=0.5)
     async with Served(OpenAIServer(ScriptedBackend(), tok, cfg)) as s:
-        idle_r, idle_w = await asyncio.open_connection("127.0.0.1", s.port)
+        idle = [await asyncio.open_connection("127.0.0.1", s.port) for _ in range(20)]
         slow_r, slow_w = await asyncio.open_connection("127.0.0.1", s.port)
-        slow_w.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        after_r, after_w = await asyncio.open_connection("127.0.0.1", s.port)
+        assert (await _exchange(after_r, after_w)).startswith(b"HTTP/1.1 200")
+        for w in (slow_w, after_w):
+            w.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
 
         async def trickle() -> None:
             for i in range(100):  # a header line every 50 ms: slowloris
-                slow_w.write(b"X-%d: y\r\n" % i)
+                for r, w in ((slow_r, slow_w), (after_r, after_w)):
+                    if not r.at_eof():
+                        w.write(b"X-%d: y\r\n" % i)
                 await asyncio.sleep(0.05)
 
         t = asyncio.ensure_future(trickle())
         t0 = time.perf_counter()
-        assert await _closed_within(idle_r, 3) == b""
+        for r, _ in idle:
+            assert await _closed_within(r, 3) == b""
         assert await _closed_within(slow_r, 3) == b""
+        assert await _closed_within(after_r, 3) == b""
         assert time.perf_counter() - t0 < 2
         t.cancel()
-        for w in (idle_w, slow_w):
+        for w in (*(w for _, w in idle), slow_w, after_w):
             w.close()
+    if aiohttp_timer == "no-timer-before-first-response":  # closed by the server's reaper: one line
+        reaped = [rec.getMessage() for rec in caplog.records if "idle connection" in rec.getMessage()]
+        assert len(reaped) == 1, reaped
+
+
+@pytest.mark.asyncio
+async def test_slow_stream_is_not_cut_and_kept_alive_connections_are_reused(tok, aiohttp_timer):
+    """A stream whose tokens come further apart than the keep-alive timeout, for several timeouts,
+    is a request in progress: it is not cut. Asked again within the timeout, a kept-alive
+    connection serves request after request for longer than the timeout; left idle, it is closed."""
+    cfg = ServerConfig(keep_alive_timeout_s=0.3)
+    async with Served(OpenAIServer(ScriptedBackend(n_tokens=3, delay=0.4), tok, cfg)) as s:
+        r, w = await asyncio.open_connection("127.0.0.1", s.port)
+        body = json.dumps({**COMPLETION, "max_tokens": 3, "stream": True}).encode()
+        w.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        t0 = time.perf_counter()
+        async with asyncio.timeout(5):
+            head = await r.readuntil(b"\r\n\r\n")
+            events = await r.readuntil(b"data: [DONE]")
+            await r.readuntil(b"\r\n0\r\n\r\n")  # the chunked body's end: the connection stays open
+        assert head.startswith(b"HTTP/1.1 200") and events.count(b"data: ") == 3 + 1
+        assert time.perf_counter() - t0 > 1.0  # three timeouts and more
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1.0:  # a request every 0.2 s, on the same connection
+            assert (await _exchange(r, w)).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(0.2)
+        assert await _closed_within(r, 2) == b""
+        w.close()
 
 
 @pytest.mark.asyncio

@@ -26,7 +26,7 @@ from blink.config import ServerConfig
 from . import openai_api as api
 from .completions import CompletionHandler
 from .generation import Backend
-from .http_edge import LimitedSite, handler_options, raise_fd_limit
+from .http_edge import IdleReaper, LimitedSite, handler_options, raise_fd_limit
 from .metrics import LiveState, Metrics, StatsLine
 from .middleware import Middleware, json_response, read_body
 from .prompt_encoder import PromptEncoder
@@ -47,6 +47,7 @@ class OpenAIServer:
         self.metrics = Metrics(tokenizer.name, self._live)
         self.stats_interval_s = stats_interval_s
         self.middleware = Middleware(config)
+        self.reaper = IdleReaper(config.keep_alive_timeout_s)  # idle connections of start_http's site
         self.encoder = PromptEncoder(tokenizer, config.tokenizer_pool_size)
         self.completion = CompletionHandler(backend, tokenizer, config, self.metrics, self.encoder)
         self._stats_task: asyncio.Task | None = None
@@ -55,7 +56,7 @@ class OpenAIServer:
     def app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.config.max_body_bytes,
-            middlewares=self.middleware.middlewares,
+            middlewares=[self.reaper.track, *self.middleware.middlewares],
         )
         app.on_response_prepare.extend(self.middleware.on_response_prepare)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -205,6 +206,8 @@ async def start_http(server: OpenAIServer, host: str, port: int, reuse_port: boo
         **handler_options(cfg),
     )
     await runner.setup()
-    site = LimitedSite(runner, host, port, cfg.max_connections, reuse_address=True, reuse_port=reuse_port or None)
+    site = LimitedSite(
+        runner, host, port, cfg.max_connections, server.reaper, reuse_address=True, reuse_port=reuse_port or None
+    )
     await site.start()
     return runner, site.port
