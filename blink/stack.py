@@ -244,12 +244,8 @@ class Stack:
         def liveness() -> str | None:
             return None if device.alive() else f"device process exited with code {device.returncode}"
 
-        s = self.cfg.server
         kw = {"liveness": liveness} if device is not None else {}
-        grammars = self.tokenizer.grammars if self.tokenizer is not None else None
-        tracker = RequestTracker(
-            transport, s.max_queue, s.heartbeat_timeout_s, kw, self.owner, self.owners, grammars=grammars
-        )
+        tracker = RequestTracker.for_server(transport, self.cfg.server, self.tokenizer, self.owner, self.owners, kw)
         await tracker.start()
         return tracker
 

@@ -20,6 +20,8 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
+import openai
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -155,6 +157,37 @@ def test_two_replicas_one_ingress(dp: deploy.Deployment) -> None:
     assert [s["state"] for s in st] == ["READY", "READY"]
     assert all(s["tokens_generated"] > 0 for s in st)
     assert dp.rings[0]["ring"] != dp.rings[1]["ring"] and all(os.path.exists(r["path"]) for r in dp.rings)
+
+
+def test_structured_output_and_required_tool_calls_through_the_ray_frontend(dp: deploy.Deployment) -> None:
+    """The frontend actor enforces grammars as `blink serve` does: a json_schema answer validates on each
+    replica (ties rotate, so two requests reach both), and tool_choice required returns a parsed call."""
+    client = openai.OpenAI(base_url=dp.url + "/v1", api_key="-", max_retries=0, timeout=60)
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "a name and a digit"}]
+    before = [r["requests"] for r in _fe_replicas(dp)]
+    for seed in range(2):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, response_format=fmt, max_tokens=64, seed=seed)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert [a - b for a, b in zip((r["requests"] for r in _fe_replicas(dp)), before, strict=True)] == [1, 1]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": schema}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=[tool], tool_choice="required", parallel_tool_calls=False, max_tokens=96
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    assert c.message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), schema)
 
 
 def test_three_replicas(cluster) -> None:

@@ -109,18 +109,17 @@ class FrontendActor:
 
     async def _serve(self) -> None:
         from blink.dpu.request_tracker import RequestTracker
+        from blink.dpu.tokenizer import load_tokenizer
         from blink.protocol.transport import Transport
 
         from .http import start_http
         from .router import Router
 
-        srv = self.cfg.serving.server
-        timeout = srv.heartbeat_timeout_s
+        srv, model = self.cfg.serving.server, self.cfg.serving.model
+        tok = load_tokenizer(model.spec, model.name, model.chat_template)  # no weights
 
         def make_tracker(transport: Transport) -> RequestTracker:
-            return RequestTracker(
-                transport, max_queue=srv.max_queue, heartbeat_timeout_s=timeout, owner=self.index, owners=self.count
-            )
+            return RequestTracker.for_server(transport, srv, tok, self.index, self.count)
 
         self._stop_event = asyncio.Event()
         rc = self.cfg.serving.ring
@@ -144,7 +143,7 @@ class FrontendActor:
             if self.count > 1:  # /metrics of the whole server from whichever frontend is asked
                 metrics_dir = f"/dev/shm/{self.cfg.ring_name(0)}-metrics"
                 dpu_metrics.enable_multiprocess(metrics_dir, str(self.index), restore=self._restarted)
-            self._server = await start_http(self.cfg.serving, self._router, self.port, reuse_port=self.count > 1)
+            self._server = await start_http(self.cfg.serving, self._router, tok, self.port, self.count > 1)
             self._info = {"url": self._server.url, "pid": os.getpid(), "restarted": self._restarted}
             self._info.update(index=self.index, count=self.count, port=self._server.port)
             ray = sys.modules.get("ray")  # None when running without Ray

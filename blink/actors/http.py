@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blink.config import BlinkConfig
 
 from .router import Router
+
+if TYPE_CHECKING:
+    from blink.dpu.tokenizer import FrontendTokenizer
 
 
 @dataclass
@@ -22,15 +25,13 @@ class HttpIngress:
 
 
 async def start_http(
-    cfg: BlinkConfig, router: Router, port: int | None = None, reuse_port: bool = False
+    cfg: BlinkConfig, router: Router, tok: FrontendTokenizer, port: int | None = None, reuse_port: bool = False
 ) -> HttpIngress:
-    """Load the tokenizer (no weights) and serve /v1 for every replica behind `router`.
-    port: instead of cfg.server.port; reuse_port: this frontend is one of several on the same
-    port (SO_REUSEPORT)."""
+    """Serve /v1 for every replica behind `router` with the model's tokenizer `tok` (the one whose
+    grammar engine the router's trackers hold). port: instead of cfg.server.port; reuse_port: this
+    frontend is one of several on the same port (SO_REUSEPORT)."""
     from blink.dpu import server as dpu_server
-    from blink.dpu.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(cfg.model.spec, cfg.model.name, cfg.model.chat_template)
     srv = dpu_server.OpenAIServer(router, tok, cfg.server)
     want = cfg.server.port if port is None else port
     runner, port = await dpu_server.start_http(srv, cfg.server.host, want, reuse_port=reuse_port)

@@ -21,6 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from blink.protocol.layout import FinishReason, SlotState
 from blink.protocol.transport import Transport, TransportError
@@ -30,6 +31,11 @@ from .slot_tracker import SlotTracker, attach_geometry, region_words
 from .structured import Grammars
 from .token_masks import Constraint, MaskArena
 from .token_reader import TokenReader
+
+if TYPE_CHECKING:
+    from blink.config import ServerConfig
+
+    from .tokenizer import FrontendTokenizer
 
 log = logging.getLogger("blink.request_tracker")
 
@@ -118,6 +124,24 @@ class RequestTracker:
         self.masks = MaskArena(self.geo, owner, owners)
         self._slot_masks: dict[int, int] = {}  # slot -> the bitmask its constrained request holds
         self._constraints: dict[int, Constraint] = {}  # claimed, not yet registered with the reader
+
+    @classmethod
+    def for_server(
+        cls,
+        transport: Transport,
+        server: ServerConfig,
+        tokenizer: FrontendTokenizer | None,
+        owner: int = 0,
+        owners: int = 1,
+        reader_kwargs: dict | None = None,
+    ) -> RequestTracker:
+        """A serving frontend's tracker over one ring, the one recipe of `blink serve` (blink.stack) and
+        the frontend actor: the server's queue bound and heartbeat timeout, and the tokenizer's grammar
+        engine, so structured output and enforced tool calls work wherever the frontend runs."""
+        grammars = tokenizer.grammars if tokenizer is not None else None
+        return cls(
+            transport, server.max_queue, server.heartbeat_timeout_s, reader_kwargs, owner, owners, grammars=grammars
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -261,7 +285,9 @@ class RequestTracker:
         """Why a structured-output request cannot be served here (None if it can, or is not one)."""
         if not req.grammar:
             return None
-        if self.grammars is None or not self.masks.n_owned:
+        if self.grammars is None:
+            return "structured output is not enabled on this frontend (it has no grammar engine)"
+        if not self.masks.n_owned:
             return "structured output is not enabled on this server (ring.mask_slots = 0)"
         if self.grammars.words > self.geo.mask_words:
             return f"the vocabulary ({self.grammars.vocab_size}) exceeds the ring's masks (ring.mask_vocab)"
