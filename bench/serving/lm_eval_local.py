@@ -54,11 +54,17 @@ def tokenizer_dir(gguf: pathlib.Path) -> pathlib.Path:
 
 
 def start_blink(
-    gguf: pathlib.Path, device: str, port: int, log: pathlib.Path, quantization: str = "", kv_cache_dtype: str = "auto"
+    gguf: pathlib.Path, device: str, port: int, log: pathlib.Path, args: argparse.Namespace
 ) -> subprocess.Popen:
+    """`blink serve` with the run's --quantization / --kv-cache-dtype; --heartbeat-timeout through a
+    config file (server.heartbeat_timeout_s: an emulated step on a busy shared CPU can pass 30 s)."""
     cmd = [sys.executable, "-m", "blink.cli", "serve", "--model", str(gguf), "--device", device]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)] + (["--quantization", quantization] if quantization else [])
-    cmd += ["--kv-cache-dtype", kv_cache_dtype]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--kv-cache-dtype", args.kv_cache_dtype]
+    cmd += ["--quantization", args.quantization] if args.quantization else []
+    if args.heartbeat_timeout:
+        conf = log.with_suffix(".json")
+        conf.write_text(json.dumps({"server": {"heartbeat_timeout_s": args.heartbeat_timeout}}))
+        cmd += ["--config", str(conf)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     t_end = time.monotonic() + 600
@@ -146,6 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true", help="the served side only")
     ap.add_argument("--quantization", default="", choices=("", "fp8"), help="blink serve --quantization")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="blink serve --kv-cache-dtype")
+    ap.add_argument("--heartbeat-timeout", type=float, default=None, help="blink serve's, seconds (default 30)")
     ap.add_argument("--baseline", default=None, help="an earlier result JSON to compare with item by item (bf16)")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/lmeval-<device>-<commit>.json)")
     return ap.parse_args(argv)
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commit = git_commit()
     log = pathlib.Path("/tmp") / f"blink-lmeval-{os.getpid()}.log"
-    proc = start_blink(gguf, args.device, args.port, log, args.quantization, args.kv_cache_dtype)
+    proc = start_blink(gguf, args.device, args.port, log, args)
     try:
         name = served_name(args.port)
         blink_args = (
