@@ -23,6 +23,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from structured_schemas import SCHEMAS
 
 ray = pytest.importorskip("ray")
 
@@ -163,17 +164,9 @@ def test_structured_output_and_required_tool_calls_through_the_ray_frontend(dp: 
     """The frontend actor enforces grammars as `blink serve` does: a json_schema answer validates on each
     replica (ties rotate, so two requests reach both), and tool_choice required returns a parsed call."""
     client = openai.OpenAI(base_url=dp.url + "/v1", api_key="-", max_retries=0, timeout=60)
-    schema = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 6},
-            "n": {"type": "integer", "minimum": 0, "maximum": 9},
-        },
-        "required": ["name", "n"],
-        "additionalProperties": False,
-    }
+    schema = SCHEMAS[4]  # a bounded string and a bounded integer, both required
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    msgs = [{"role": "user", "content": "a name and a digit"}]
+    msgs = [{"role": "user", "content": "a name and an age"}]
     before = [r["requests"] for r in _fe_replicas(dp)]
     for seed in range(2):
         r = client.chat.completions.create(model=MODEL, messages=msgs, response_format=fmt, max_tokens=64, seed=seed)
