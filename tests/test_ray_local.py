@@ -163,7 +163,7 @@ def test_two_replicas_one_ingress(dp: deploy.Deployment) -> None:
 def test_structured_output_and_required_tool_calls_through_the_ray_frontend(dp: deploy.Deployment) -> None:
     """The frontend actor enforces grammars as `blink serve` does: a json_schema answer validates on each
     replica (ties rotate, so two requests reach both), and tool_choice required returns a parsed call."""
-    client = openai.OpenAI(base_url=dp.url + "/v1", api_key="-", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=dp.url + "/v1", api_key="-", max_retries=0, timeout=120)
     schema = SCHEMAS[4]  # a bounded string and a bounded integer, both required
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
     msgs = [{"role": "user", "content": "a name and an age"}]
