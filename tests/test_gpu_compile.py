@@ -362,7 +362,7 @@ def test_flash_launches_per_bucket():
 
     fake = SimpleNamespace(data=SimpleNamespace(ptr=4096))
     f = object.__new__(Forward)
-    f.c, f.num_sms, f.max_splits = preset("llama3-8b"), 132, 32
+    f.c, f.num_sms, f.max_splits, f.kv_suffix = preset("llama3-8b"), 132, 32, ""
     f.d = Dims(256, 256, 66, 16, 20000, 1056)
     f.arena = SimpleNamespace(ptr=dict.fromkeys(("cu_q_lens", "seq_lens", "block_tables", "num_seqs"), 8192))
     f.q = f.part_o = f.part_ml = f.attn = fake
