@@ -22,11 +22,14 @@ import time
 import numpy as np
 
 from blink.models.config import preset
+from blink.protocol.layout import DeviceFeatures
 from blink.protocol.step import StepBatch
 
 
 class PacedExecutor:
-    features = 0  # no logprobs, penalties or logit_bias: requests asking for them get a 400
+    # token masks (structured output): a masked row draws uniformly among its allowed ids; no
+    # logprobs, penalties or logit_bias: requests asking for them get a 400
+    features = DeviceFeatures.TOKEN_MASK
 
     def __init__(
         self,
@@ -61,7 +64,18 @@ class PacedExecutor:
         end = time.perf_counter() + self.step_s(S, T)
         while (left := end - time.perf_counter()) > 0:
             time.sleep(left)
-        return self.rng.integers(3, self.vocab_size, S, dtype=np.int32)  # 0..2: BOS/EOS-like ids of presets
+        toks = self.rng.integers(3, self.vocab_size, S, dtype=np.int32)  # 0..2: BOS/EOS-like ids of presets
+        x = batch.ext
+        if x is not None and x.masks is not None:
+            for s in np.flatnonzero(x.mask_slot >= 0):
+                toks[s] = self._draw_allowed(x.masks[s])
+        return toks
+
+    def _draw_allowed(self, mask: np.ndarray) -> int:
+        """A uniform draw among the ids a bitmask allows (0 when it allows none, as the sampler's argmax)."""
+        bits = np.unpackbits(np.ascontiguousarray(mask, "<u4").view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: self.vocab_size])
+        return int(self.rng.choice(allowed)) if allowed.size else 0
 
     def close(self) -> None:
         pass

@@ -4,6 +4,7 @@ scheduler; `--scheduler host` for the host loop: both apply token masks).
 
     python -m bench.serving.structured RESULTS_DIR [--model random:llama3-8b] [--device cuda]
         [--scheduler gpu|host] [--streams 32] [--tokens 128] [--commit C]
+        [--device emulated --device-executor bench.serving.paced_executor:h200_llama3_8b]  (H200 step times)
 
 Writes RESULTS_DIR/structured_output_<scheduler>-<h200|emulated>-<commit>.json with:
 - mask: per JSON schema of growing size (2 to 64 properties), the frontend's work per generated token
@@ -113,6 +114,8 @@ async def run_streams(url: str, model: str, n_free: int, n_masked: int, tokens: 
 
 def device_runs(a: argparse.Namespace) -> dict:
     argv = ["--device", a.device, "--scheduler", a.scheduler, "--model", a.model, "--max-batch", str(2 * a.streams)]
+    if a.device_executor:
+        argv += ["--device-executor", a.device_executor]
     srv = ServeProcess(argv, timeout=a.timeout)
     try:
         url, n, t = srv.url + "/v1/completions", a.streams, a.tokens
@@ -137,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mask-model", default="", help="tokenizer of the mask timing (default: --model's)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--scheduler", default="gpu", choices=("gpu", "host"))
+    ap.add_argument("--device-executor", default="", help="emulated device: an executor factory (module:function)")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10)
