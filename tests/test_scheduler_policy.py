@@ -11,6 +11,7 @@ from blink.device.kv_blocks import BlockManager
 from blink.device.policy import mixed_budgets, step_budget
 from blink.device.scheduler import Scheduler, SchedulerConfig, SeqStatus, StepKind
 from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
+from blink.protocol.step import NO_TOKEN
 
 
 def make(
@@ -506,28 +507,33 @@ def test_no_preemption_without_a_waiting_request_below_its_share():
     assert all(x.preemptions == 0 for x in seqs)
 
 
-def test_a_gated_sequence_sits_out_until_its_gate_opens_and_holds_back_nobody():
-    """Token masks: a gated sequence whose gate is closed (its next mask not published) neither decodes
-    nor samples the last token of its prompt; the others run as if it were not there."""
-    s = make()
-    gated = s.add(0, range(1, 11), max_new_tokens=4)
+def test_a_gated_sequence_is_planned_and_a_late_mask_leaves_it_one_position_short():
+    """Token masks: the gate is the sampler's (read when the row is sampled, at the end of the step), so a
+    gated sequence is planned like any other; a NO_TOKEN sample (its mask was late) publishes nothing and
+    leaves it one position short: the next step computes and samples that position again, and no
+    block is registered on the strength of the K/V the late step wrote there."""
+    s = make(block_size=4)
+    gated = s.add(0, range(1, 9), max_new_tokens=3, block_keys=[b"k0", b"k1"])
     gated.mask = 0
-    other = s.add(1, range(1, 6), max_new_tokens=4)
-    open_at: dict[int, int] = {}  # seq_id -> the token index whose mask is published
-    s.gate = lambda q: open_at.get(q.seq_id) == q.num_generated
+    other = s.add(1, range(1, 6), max_new_tokens=3)
     plan = s.schedule()
-    by_seq = {c.seq.seq_id: c for c in plan.chunks}
-    assert by_seq[0].n == 9 and not by_seq[0].sample  # the prompt but its last token
-    assert by_seq[1].n == 5 and by_seq[1].sample
-    s.update(plan, [0] * len(plan.chunks))
-    for _ in range(3):  # the other finishes while the gated one waits
-        plan = s.schedule()
-        assert [c.seq.seq_id for c in plan.chunks] == [1]
-        s.update(plan, [7] * len(plan.chunks))
-    assert other.status is SeqStatus.FINISHED and gated.num_generated == 0
-    assert s.schedule() is None  # nothing can run: the device idles, not spins on the gated one
-    open_at[0] = 0
+    assert [(c.seq.seq_id, c.start, c.n, c.sample) for c in plan.chunks] == [(0, 0, 8, True), (1, 0, 5, True)]
+    ev = s.update(plan, [NO_TOKEN, 50])  # the gated row's mask for token 0 was late: only the other publishes
+    assert [(e.seq_id, e.index) for e in ev] == [(1, 0)]
+    assert gated.num_computed == 7 and gated.num_generated == 0 and s.ring_state(gated) == SlotState.PREFILL_PROCESSING
+    assert s.blocks.match([b"k0", b"k1"], 9) == s.blocks.table(0)[:1]  # the last block is not final yet
+    plan = s.schedule()  # the last prompt position again, with the other's decode
+    assert [(c.seq.seq_id, c.start, c.n, c.sample) for c in plan.chunks] == [(1, 5, 1, True), (0, 7, 1, True)]
+    ev = s.update(plan, [51, 60])
+    assert sorted((e.seq_id, e.index, e.token) for e in ev) == [(0, 0, 60), (1, 1, 51)]
+    assert s.blocks.match([b"k0", b"k1"], 9) == s.blocks.table(0)[:2]
     plan = s.schedule()
-    assert [(c.seq.seq_id, c.n, c.sample) for c in plan.chunks] == [(0, 1, True)]
-    s.update(plan, [9])
-    assert gated.num_generated == 1 and s.schedule() is None  # closed again for token 1
+    assert [(c.seq.seq_id, c.start, c.n) for c in plan.chunks] == [(0, 8, 1), (1, 6, 1)]
+    ev = s.update(plan, [NO_TOKEN, 52])  # late again: a decode keeps its position, the other finishes
+    assert [(e.seq_id, e.index) for e in ev] == [(1, 2)] and other.status is SeqStatus.FINISHED
+    assert gated.num_computed == 8 and gated.num_generated == 1 and len(gated.tokens) == 9
+    assert s.ring_state(gated) == SlotState.DECODE_PROCESSING
+    plan = s.schedule()
+    assert [(c.seq.seq_id, c.start, c.n, c.sample) for c in plan.chunks] == [(0, 8, 1, True)]  # same position
+    assert [(e.seq_id, e.index, e.token) for e in s.update(plan, [61])] == [(0, 1, 61)]
+    assert gated.num_computed == 9 and len(s.blocks.table(0)) == 3

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from blink.device.executor import drop_late, read_gates
 from blink.models.config import preset
 from blink.protocol.layout import DeviceFeatures
 from blink.protocol.step import StepBatch
@@ -66,9 +67,12 @@ class PacedExecutor:
             time.sleep(left)
         toks = self.rng.integers(3, self.vocab_size, S, dtype=np.int32)  # 0..2: BOS/EOS-like ids of presets
         x = batch.ext
-        if x is not None and x.masks is not None:
-            for s in np.flatnonzero(x.mask_slot >= 0):
-                toks[s] = self._draw_allowed(x.masks[s])
+        if x is not None:
+            gates = read_gates(x, batch.sample_pos)  # at the end of the step, as the GPU sampler reads them
+            for s, bits in gates.items():
+                if bits is not None:
+                    toks[s] = self._draw_allowed(bits)
+            drop_late(toks, gates)
         return toks
 
     def _draw_allowed(self, mask: np.ndarray) -> int:

@@ -10,7 +10,7 @@ GPU into the engine's step arena.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,7 +18,13 @@ import numpy as np
 
 from blink.protocol.layout import LOGPROB_DTYPE
 from blink.protocol.sampling_params import SamplingParams
-from blink.protocol.step import FIELDS, StepBatch
+from blink.protocol.step import FIELDS, NO_TOKEN, StepBatch
+
+# The sampler's gate of a constrained row (blink/protocol/layout.py, mask arena): called as
+# gate(slot, mask, k) when the row samples its token k, it returns the bits of mask `mask` when
+# slot.mask_position says the frontend has published token k's mask (read before the bits), else
+# None: the row gives NO_TOKEN this step.
+MaskGate = Callable[[int, int, int], "np.ndarray | None"]
 
 
 @dataclass
@@ -35,7 +41,7 @@ class SamplingExt:
     emit: np.ndarray  # (S,) bool  the step's sample is published (a mid-prompt chunk's is not)
     targets: np.ndarray  # (T,) int32  the prompt token packed token i's logits score (-1: none)
     mask_slot: np.ndarray = field(default=None)  # type: ignore[assignment]  (S,) int32  -1: unconstrained
-    masks: np.ndarray | None = None  # (S, mask_words) uint32  allowed tokens of the masked rows (others ignored)
+    mask_gate: MaskGate | None = None  # read at sampling for the rows with mask_slot >= 0 (a Python executor's)
     # outputs (filled by execute)
     logprobs: np.ndarray = field(default=None)  # type: ignore[assignment]  (S,) LOGPROB_DTYPE
     prompt_logprobs: np.ndarray = field(default=None)  # type: ignore[assignment]  (T,) LOGPROB_DTYPE
@@ -68,6 +74,23 @@ class SamplingExt:
         return np.array([p.penalized for p in self.params], bool)
 
 
+def read_gates(x: SamplingExt, sample_pos: np.ndarray) -> dict[int, np.ndarray | None]:
+    """At the sampling point of a step: the gate of each constrained row (mask_slot >= 0), row ->
+    its mask's bits, or None when its mask is not published (the row's sample is then NO_TOKEN)."""
+    rows = np.flatnonzero(x.mask_slot >= 0)
+    if rows.size and x.mask_gate is None:
+        raise ValueError("a step with token masks needs the ring's mask gate (SamplingExt.mask_gate)")
+    return {int(s): x.mask_gate(int(x.slots[s]), int(x.mask_slot[s]), int(sample_pos[s])) for s in rows}  # type: ignore[misc]
+
+
+def drop_late(toks: np.ndarray, gates: dict[int, np.ndarray | None]) -> np.ndarray:
+    """NO_TOKEN for the rows whose gate was closed at sampling."""
+    for s, bits in gates.items():
+        if bits is None:
+            toks[s] = NO_TOKEN
+    return toks
+
+
 class Executor(Protocol):
     vocab_size: int
     max_context: int  # longest sequence (prompt + generated) the executor accepts
@@ -79,7 +102,8 @@ class Executor(Protocol):
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         """Run the step: write K/V of every token into its block, sample one token per sequence
-        from the logits of its last token. Returns (S,) int32."""
+        from the logits of its last token. Returns (S,) int32; NO_TOKEN for a constrained row whose
+        mask was not published when it was sampled (ext.mask_gate, or the ring read on the device)."""
         ...
 
     def close(self) -> None: ...
@@ -89,3 +113,6 @@ class Executor(Protocol):
 # `set_progress(fn)`: it then calls fn at points inside a step (numpy: after every layer). The ring
 # device beats its heartbeat there, as the GPU scheduler beats while it waits for a step's graph,
 # so a long step is not taken for a dead device.
+# An executor that samples on a device reading the ring itself (the CUDA host executor) offers
+# `map_ring(view)`: the ring device calls it once, and the device then reads each constrained row's
+# gate and bits from the ring at sampling (StepBatch mask fields) instead of calling mask_gate.

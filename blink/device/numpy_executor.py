@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from blink.device.executor import SamplingExt, StepBatch
+from blink.device.executor import SamplingExt, StepBatch, drop_late, read_gates
 from blink.device.sampling import PenaltyState, apply_token_mask, logprob_record, process_logits, sample
 from blink.models.config import ModelConfig
 from blink.models.llama_numpy import LlamaNumpy
@@ -174,22 +174,24 @@ class NumpyExecutor:
                 p.frequency_penalty,
                 p.repetition_penalty,
             )
-            if x.masks is not None and x.mask_slot[s] >= 0:
-                apply_token_mask(processed[s], x.masks[s])
             states.append(st)
+        gates = read_gates(x, batch.sample_pos)  # the sampling point: the row's logits are final but for the mask
+        for s, bits in gates.items():
+            if bits is not None:
+                apply_token_mask(processed[s], bits)
         toks = sample(
             processed, batch.temperature, batch.top_p, batch.top_k, batch.seed, batch.sample_pos, x.column("min_p")
         )
         for s in range(S):
-            if not x.emit[s]:
-                continue
+            if not x.emit[s] or (s in gates and gates[s] is None):
+                continue  # no token this step: nothing counts it
             st = states[s]
             if st is not None:
                 st.add(int(toks[s]))
             n = x.params[s].logprobs
             if n >= 0:
                 _put(x.logprobs[s], *logprob_record(logits[s], int(toks[s]), n))
-        return toks
+        return drop_late(toks, gates)
 
     def close(self) -> None:
         # Drop the pool so a closed executor frees its memory at once.

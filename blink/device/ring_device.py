@@ -40,7 +40,7 @@ from blink.protocol.layout import (
 from .executor import Executor, StepBatch
 from .kv_blocks import BlockManager
 from .policy import step_limits
-from .scheduler import Scheduler, SchedulerConfig, Seq, StepKind, StepPlan
+from .scheduler import Scheduler, SchedulerConfig, StepKind, StepPlan
 from .slot_request import block_keys, sampling_of, validate, validate_keys
 from .step_batch import build_batch
 
@@ -127,7 +127,9 @@ class RingDevice:
         self._t_first = slots["t_first_ns"]
         self._t_launch = slots["t_launch_ns"]
         self._mask_position = slots["mask_position"]
-        self.sched.gate = self._mask_published
+        map_ring = getattr(executor, "map_ring", None)
+        if map_ring is not None:  # its sampler reads each constrained row's gate and bits from the ring
+            map_ring(view)
         self._cached_tokens = slots["cached_tokens"]
         # Counters continue from the header: a device restarted on the same ring keeps them monotonic.
         self.stats = {k: int(self.hdr[k]) for k in DEVICE_COUNTERS}
@@ -228,9 +230,13 @@ class RingDevice:
         )
         seq.mask = int(rec["mask_slot"]) - 1  # validate checked it against the arena and the features
 
-    def _mask_published(self, s: Seq) -> bool:
-        """The frontend has published the token mask of s's next token (slot.mask_position)."""
-        return int(self._mask_position[s.seq_id]) == s.num_generated + 1
+    def _mask_gate(self, slot: int, mask: int, k: int) -> np.ndarray | None:
+        """The sampler's gate (executor.MaskGate) of token k of `slot`: mask `mask`'s bits when the frontend
+        has published them for token k (slot.mask_position == k + 1, read before the bits: x86 keeps
+        loads in order, and the frontend stores the position after the bits), else None."""
+        if int(self._mask_position[slot]) != k + 1:
+            return None
+        return self.view.mask_arena[mask].copy()
 
     def _scan(self) -> bool:
         t0 = time.perf_counter_ns()
@@ -294,8 +300,8 @@ class RingDevice:
         """Run one step and publish its tokens; returns the executor's time (ns)."""
         batch = build_batch(plan, self.blocks, self.table_width)
         x = batch.ext
-        if x is not None and (x.mask_slot >= 0).any():  # read after the gate saw mask_position (acquire)
-            x.masks = self.view.mask_arena[np.maximum(x.mask_slot, 0)]
+        if x is not None and (x.mask_slot >= 0).any():  # gates and masks are read when the rows are sampled
+            x.mask_gate = self._mask_gate
         for c in plan.chunks[plan.num_decodes :]:  # before the first token's `generated` store
             if c.seq.num_generated == 0:
                 self._cached_tokens[c.seq.seq_id] = max(c.seq.cached_tokens, 0)

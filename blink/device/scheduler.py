@@ -46,8 +46,12 @@ comparison isolates the scheduler's placement):
   recompute preemption above), so the waiting one is admitted in the same step: one request's
   choices never keep another request waiting for them to end.
 - A gated sequence (structured output: its next token is sampled under a token mask the frontend
-  publishes) whose gate is closed (the mask for its next token is not published yet) sits out the
-  step: no decode, and a prefill chunk stops one token short of sampling; nobody else waits for it.
+  publishes) is planned like any other: its gate (that mask published) is the sampler's business, read
+  when the step samples the row, at the end of the step, so the mask may arrive while the step runs.
+  A row whose gate is still closed then gives no token (NO_TOKEN, a negative sample): `update` leaves it
+  where it was, one position short (the K/V the step wrote at that position is written again by the
+  rerun, and no block is registered on its strength), and it samples that position again next step.
+  Nobody else waits for it.
 - Admission never preempts; a running sequence never fails for lack of KV, because max_context
   fits the pool (the caller's duty).
 - Prefix caching (blink/device/kv_blocks.py): at admission (a re-admission after preemption too) a
@@ -64,7 +68,7 @@ from __future__ import annotations
 import bisect
 import collections
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -72,6 +76,7 @@ import numpy as np
 
 from blink.protocol.layout import UNLIMITED, FinishReason, SlotState
 from blink.protocol.sampling_params import SamplingParams
+from blink.protocol.step import NO_TOKEN
 
 from .kv_blocks import BlockManager
 from .policy import BACKLOG_SCAN, default_long_prefill, group_cap, step_budget
@@ -147,7 +152,7 @@ class Seq:
     finish: FinishReason = FinishReason.NONE
 
     num_generated: int = 0  # == len(tokens) - prompt_len (kept, not derived: read every step)
-    mask: int = -1  # token mask of its samples (-1: none); it samples only when Scheduler.gate allows
+    mask: int = -1  # token mask of its samples (-1: none); a sample whose mask was late is NO_TOKEN
     block_keys: list[bytes] = field(default_factory=list)  # key of each full prompt block (prefix cache)
     cache_read: bool = True  # may start from cached blocks (False: every prompt token is computed)
     cached_tokens: int = -1  # prompt tokens taken from the cache at the first admission (-1: not yet)
@@ -208,7 +213,6 @@ class Scheduler:
         self.waiting: list[Seq] = []  # arrival order (preempted ones re-inserted in place)
         self.running: list[Seq] = []
         self._arrivals = 0
-        self.gate: Callable[[Seq], bool] | None = None  # may a gated sequence sample its next token now
         self.cache_queries = 0  # prompt tokens of first admissions
         self.cache_hits = 0  # of those, tokens taken from the prefix cache
 
@@ -287,15 +291,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.seqs)
 
-    def _closed(self, s: Seq) -> bool:
-        """s may not sample now: it has a token mask, and its gate (that mask published) is closed."""
-        return s.mask >= 0 and self.gate is not None and not self.gate(s)
-
-    def _cut(self, s: Seq, start: int, n: int) -> int:
-        """A prefill chunk of n tokens from start, one token short when it would sample a gated
-        sequence whose gate is closed."""
-        return n - 1 if start + n == len(s.tokens) and self._closed(s) else n
-
     # -- policy -----------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step, or None when nothing can run now (idle, or every sequence blocked)."""
@@ -335,7 +330,7 @@ class Scheduler:
         for s in self.running:
             if s.num_generated == 0 or len(s.tokens) - s.num_computed > 1:
                 partial = True
-            elif s.num_generated - s.consumed < cap and not (s.mask >= 0 and self._closed(s)):
+            elif s.num_generated - s.consumed < cap:
                 ready.append(s)
         return ready, partial
 
@@ -378,9 +373,7 @@ class Scheduler:
                 break
             if s.status is not SeqStatus.RUNNING:
                 continue  # preempted by an older chunk's reservation in this loop
-            n = self._cut(s, s.num_computed, min(len(s.tokens) - s.num_computed, budget, cap))
-            if n == 0:
-                continue
+            n = min(len(s.tokens) - s.num_computed, budget, cap)
             if s.num_computed + n == len(s.tokens) and self.output_full(s):
                 continue  # a recompute that would publish into a full output ring waits
             if plan.chunks:  # shares the step: never preempt, cut the chunk to the free blocks
@@ -414,8 +407,6 @@ class Scheduler:
             if self.output_full(s):
                 continue
             n = self._admit_one(s, budget)
-            if n == 0:
-                continue  # its gate is closed and its last token is all that is left to compute
             if n is None:
                 return None  # FCFS: no overtaking the head for lack of KV
             held[s.group] += 1
@@ -441,13 +432,10 @@ class Scheduler:
 
     def _admit_one(self, s: Seq, budget: int) -> int | None:
         """Give a waiting sequence its cached prefix and blocks for its first chunk; returns the
-        chunk's tokens (from s.num_computed): 0 when a closed gate leaves nothing to compute now, None
-        when the pool cannot hold it (nothing changed either way)."""
+        chunk's tokens (from s.num_computed), or None when the pool cannot hold it (nothing changed)."""
         hits = self.blocks.match(s.block_keys, len(s.tokens)) if s.cache_read else []
         start = len(hits) * self.blocks.block_size
-        n = self._cut(s, start, min(len(s.tokens) - start, budget))
-        if n == 0:
-            return 0
+        n = min(len(s.tokens) - start, budget)
         if not self.blocks.can_allocate(start + n, hits=hits):
             return None
         self.blocks.allocate(s.seq_id, start + n, hits)
@@ -463,7 +451,9 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int] | np.ndarray) -> list[TokenEvent]:
-        """Advance the sequences of `plan` by the step's sampled tokens (one per chunk)."""
+        """Advance the sequences of `plan` by the step's sampled tokens (one per chunk). A sampled chunk
+        whose sample is NO_TOKEN (its token mask was not published when the row was sampled) advances to
+        one position short of its end: that position is computed again, and sampled, by a later step."""
         if len(sampled) != len(plan.chunks):
             raise ValueError(f"{len(sampled)} samples for {len(plan.chunks)} chunks")
         events: list[TokenEvent] = []
@@ -472,10 +462,11 @@ class Scheduler:
             s = c.seq
             if s.status is not SeqStatus.RUNNING:
                 continue  # aborted between schedule and update: its result is dropped
-            s.num_computed = c.start + c.n
+            late = c.sample and tok == NO_TOKEN
+            s.num_computed = c.start + c.n - late  # a late mask: the last position's K/V is not final
             if s.block_keys:
                 self.blocks.register(s.seq_id, s.block_keys, s.num_computed)
-            if not c.sample:
+            if not c.sample or late:
                 continue
             k = s.num_generated
             s.tokens.append(tok)

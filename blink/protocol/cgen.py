@@ -20,6 +20,7 @@ import numpy as np
 
 from . import layout
 from . import sampling_params as SP
+from .step import NO_TOKEN
 
 HEADER_PATH = pathlib.Path(__file__).resolve().parent.parent / "gpu" / "scheduler" / "csrc" / "blink_ring.h"
 
@@ -127,6 +128,8 @@ def render() -> str:
         f"constexpr float MAX_LOGIT_BIAS_VALUE = {SP.MAX_LOGIT_BIAS_VALUE!r}f;",
         f"constexpr uint32_t MAX_TOP_K = {SP.MAX_TOP_K}u;",
         f"constexpr uint32_t DEFAULT_MASK_VOCAB = {L.DEFAULT_MASK_VOCAB};",
+        "// a step's sampled token of a row whose token mask was not published (blink/protocol/step.py)",
+        f"constexpr int32_t NO_TOKEN = {NO_TOKEN};",
         "",
     ]
     lines += _enum("SlotState", L.SlotState, "SLOT")
@@ -141,7 +144,7 @@ def render() -> str:
     lines += struct_lines("LogitBias", L.LOGIT_BIAS_DTYPE)
     lines += struct_lines("BlockKey", L.BLOCK_KEY_DTYPE)
     about = ["The ring layout, states and constants shared by the frontend and the device."]
-    return header_text("blink.protocol.cgen", "blink/protocol/layout.py, sampling_params.py", about, lines)
+    return header_text("blink.protocol.cgen", "blink/protocol/layout.py, sampling_params.py, step.py", about, lines)
 
 
 def header_main(path: pathlib.Path, render_fn, module: str, argv: list[str] | None = None) -> int:

@@ -74,12 +74,18 @@ STEP_FIELDS: tuple[StepField, ...] = (
     _f("plp_target", "<i4", "T", "prompt token id scored row j's logits score", ext=True),
     _f("plp_prompt_logprobs", "<i4", "T", "prompt_logprobs of scored row j's sequence: alternatives in its record "
        "(<= MAX_LOGPROBS)", ext=True),
-    # token masks (structured output; kernel token_mask in sampling.cu)
+    # token masks (structured output; kernel token_mask in sampling.cu): the sampler reads the ring itself, gate
+    # (slot.mask_position, acquire) then bits; a row whose gate is closed gets out_tokens[s] = NO_TOKEN
     _f("mask_on", "<u4", "1", "nonzero: some row samples under a token mask (read only when ext_on)", ext=True),
-    _f("mask_row", "<i4", "S", "-1: no token mask; else the row's bitmask in the engine's mask buffer", ext=True),
+    _f("ring_mask_words", "<u4", "1", "uint32 words of a mask in the ring (tokens past them are not allowed)",
+       ext=True),
+    _f("mask_gate", "<u8", "S", "device address of the row's slot.mask_position in the ring; 0: no token mask",
+       ext=True),
+    _f("mask_bits", "<u8", "S", "device address of the row's bitmask in the ring's mask arena", ext=True),
     _f("block_tables", "<i4", "S,W", "physical KV block of each logical block"),
 )
 # fmt: on
+NO_TOKEN = -1  # out_tokens of a row whose token mask was not published when it was sampled: no token this step
 assert STEP_FIELDS[-1].name == "block_tables"  # a host-launched step copies the arena's prefix
 FIELDS = {f.name: f for f in STEP_FIELDS}
 # The arrays of a StepBatch: the per-token and per-sequence fields (S and T are their lengths;

@@ -42,7 +42,7 @@ _SCALARS = [
     ("sampling_rows", "<u4", "penalty-state / logit_bias rows (one per ring slot); 0: no extension tables"),
     ("max_logit_bias", "<u4", "logit_bias entries per row of logit_bias_ids / logit_bias_vals (MAX_LOGIT_BIAS)"),
     ("max_logprobs", "<u4", "alternatives per row of top_ids / top_lps (MAX_LOGPROBS)"),
-    ("mask_words", "<u4", "uint32 words per row of masks ((vocab_size + 31) / 32; 0: no token masks)"),
+    ("mask_words", "<u4", "(vocab_size + 31) / 32 with the extension tables; 0: no token masks"),
 ]
 # device buffers besides the step inputs: (name, element dtype, extent)
 _BUFFERS = [
@@ -58,7 +58,7 @@ _BUFFERS = [
     ("logit_bias_n", "<i4", "[sampling_rows] logit_bias entries of the row's request (written at admission)"),
     ("logit_bias_ids", "<i4", "[sampling_rows][max_logit_bias]"),
     ("logit_bias_vals", "<f4", "[sampling_rows][max_logit_bias]"),
-    ("masks", "<u4", "[max_seqs][mask_words] token mask of step row s (token_mask reads row mask_row[s])"),
+    ("mask_open", "<i4", "[max_seqs] the gate token_mask read for row s: 1 open, 0 closed (NO_TOKEN), -1 no mask"),
     ("batch_buckets", "<u4", "[n_batch_buckets] sizes, ascending"),
     ("token_buckets", "<u4", "[n_token_buckets] sizes, ascending"),
     ("batch_bucket_of", "<u2", "[max_seqs+1]"),

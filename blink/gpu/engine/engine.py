@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -50,8 +51,10 @@ from blink.gpu.engine.weights import GpuWeights
 from blink.gpu.toolchain.cuda_api import Cublas, Driver
 from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
 from blink.models.config import ModelConfig
-from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS, SLOT_BYTES, SLOT_DTYPE, RingGeometry
 from blink.protocol.step import BATCH_FIELDS, STEP_FIELDS, StepBatch
+
+_MASK_POSITION = SLOT_DTYPE.fields["mask_position"][1]  # byte offset in a slot
 
 
 def _buckets(values: tuple[int, ...], cap: int) -> tuple[int, ...]:
@@ -128,6 +131,7 @@ class Engine:
         self.report = CaptureReport()
         self._abi_dev = None
         self._tables: dict[str, object] = {}
+        self._ring: tuple[int, RingGeometry] | None = None  # map_ring: the ring's device address, geometry
         # Buffers were zeroed on CuPy's (legacy) stream; ours is non-blocking: order them once.
         cp.cuda.Device().synchronize()
 
@@ -352,7 +356,7 @@ class Engine:
             rec[name] = int(getattr(self.fwd, name).data.ptr)
         rec["logit_bias_ids"] = int(self.fwd.logit_bias_ids.data.ptr)
         rec["logit_bias_vals"] = int(self.fwd.logit_bias_vals.data.ptr)
-        rec["masks"] = int(self.fwd.masks.data.ptr)  # the GPU scheduler copies a masked row's bits here
+        rec["mask_open"] = int(self.fwd.mask_open.data.ptr)
         rec["mask_words"] = self.fwd.mask_words if self.fwd.sampling_rows else 0
         for name, arr in self._tables.items():
             rec[name] = int(arr.data.ptr)  # type: ignore[attr-defined]
@@ -421,9 +425,7 @@ class Engine:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             h[name][:S] = x.column(name)
         h["logprobs"][:S] = np.minimum(x.column("logprobs"), MAX_LOGPROBS)
-        masked = x.mask_slot >= 0 if x.masks is not None else np.zeros(S, bool)
-        h["mask_on"][0] = int(masked.any())
-        h["mask_row"][:S] = np.where(masked, np.arange(S), -1)  # row s of the engine's mask buffer
+        self._load_masks(x, S)
         scored = np.flatnonzero(x.targets >= 0)  # packed tokens whose logits score a prompt token
         P = scored.size
         h["plp_count"][0] = P
@@ -432,6 +434,28 @@ class Engine:
             h["plp_tok"][:P] = scored
             h["plp_target"][:P] = x.targets[scored]
             h["plp_prompt_logprobs"][:P] = np.clip(x.column("prompt_logprobs")[seq_of[scored]], 0, MAX_LOGPROBS)
+
+    def map_ring(self, base: int, geo: RingGeometry) -> None:
+        """The ring's device address (mapped host memory) and geometry: the sampler of a host-launched
+        step reads each constrained row's gate and bits there (token_mask in sampling.cu)."""
+        self._ring = (base, geo)
+
+    def _load_masks(self, x: Any, S: int) -> None:
+        """The token mask fields of the step's constrained rows (mask_slot >= 0): the device addresses
+        of their slot's mask_position and of their bitmask in the ring."""
+        h, masked = self.arena.host, x.mask_slot >= 0
+        h["mask_on"][0] = int(masked.any())
+        if not masked.any():
+            return
+        if self._ring is None:
+            raise ValueError("a step with token masks needs the ring mapped (map_ring)")
+        base, geo = self._ring  # uint64 throughout (numpy 1.x would take uint64 + a Python int to float64)
+        u = np.uint64
+        gate = u(base + geo.slots_offset + _MASK_POSITION) + x.slots.astype(u) * u(SLOT_BYTES)
+        bits = u(base + geo.mask_arena_offset) + np.maximum(x.mask_slot, 0).astype(u) * u(4 * geo.mask_words)
+        h["ring_mask_words"][0] = geo.mask_words
+        h["mask_gate"][:S] = np.where(masked, gate, u(0))
+        h["mask_bits"][:S] = np.where(masked, bits, u(0))
 
     def _upload_bias(self, b: StepBatch) -> list[np.ndarray]:
         """logit_bias of the step's new penalized requests into their rows' tables (once per request:
@@ -456,21 +480,6 @@ class Engine:
                 cp.cuda.runtime.memcpyAsync(int(dst.data.ptr) + off, src.ctypes.data, src.nbytes, 1, self.s)
         return keep
 
-    def _upload_masks(self, b: StepBatch) -> list[np.ndarray]:
-        """The token masks of the step's masked rows into the engine's mask buffer (row s for step
-        row s; words past the vocabulary dropped). Returns the host array the queued copy reads."""
-        x = b.ext
-        if x is None or x.masks is None or not (x.mask_slot >= 0).any():
-            return []
-        import cupy as cp
-
-        W = self.fwd.mask_words
-        rows = np.zeros((b.num_seqs, W), np.uint32)
-        n = min(W, x.masks.shape[1])
-        rows[:, :n] = x.masks[:, :n]
-        cp.cuda.runtime.memcpyAsync(int(self.fwd.masks.data.ptr), rows.ctypes.data, rows.nbytes, 1, self.s)
-        return [rows]
-
     def step(self, b: StepBatch) -> np.ndarray:
         """Run one step through its graph from the host; returns (S,) int32 sampled tokens. With
         b.ext, the logprob records of its rows with logprobs >= 0 are written into b.ext.logprobs,
@@ -478,7 +487,7 @@ class Engine:
         decode = self.load_step(b)
         P = int(self.arena.host["plp_count"][0]) if b.ext is not None else 0
         decode = decode and not P  # prompt logprobs are computed by the prefill graphs only
-        keep = self._upload_bias(b) + self._upload_masks(b)
+        keep = self._upload_bias(b)
         self.arena.upload(self.s, b.num_seqs)
         self.driver.graph_launch(self.pick_exec(b.num_seqs, b.num_tokens, decode), self.s)
         S, f, x = b.num_seqs, self.fwd, b.ext

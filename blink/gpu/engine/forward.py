@@ -235,8 +235,8 @@ class Forward(AttentionLaunches):
         self.logit_bias_n = z(rows, dt=cp.int32)
         self.logit_bias_ids = z(rows, MAX_LOGIT_BIAS, dt=cp.int32)
         self.logit_bias_vals = z(rows, MAX_LOGIT_BIAS, dt=cp.float32)
-        self.mask_words = (V + 31) // 32  # token masks (token_mask): a row per step row (Engine._upload_masks)
-        self.masks = z(Sm if sampling_rows else 1, self.mask_words if sampling_rows else 1, dt=cp.uint32)
+        self.mask_words = (V + 31) // 32  # token masks (token_mask reads them from the ring)
+        self.mask_open = z(Sm, dt=cp.int32)  # the gate token_mask read for each row
         # Prompt logprobs (plp_* in sampling.cu): the final-normed hidden state, the fp32 logits and
         # the record of every scored row; up to max_num_batched_tokens rows (that many times vocab * 4
         # bytes of logits), allocated with the extension tables.
@@ -420,7 +420,7 @@ class Forward(AttentionLaunches):
     def record_sampling(self, stream: int, S: int) -> None:
         """Sampling over self.logits: the extension kernels (each returns at once unless the step's
         ext_on is set, and then works only on the rows that use an extension; token_mask also needs
-        mask_on), sample_tokens."""
+        mask_on, and reads each masked row's gate and bits from the ring), sample_tokens."""
         V, a, ns = self.c.vocab_size, self.arena.ptr, self.arena.ptr["num_seqs"]
         on = a["ext_on"] if self.sampling_rows else None
         if on is not None:
@@ -438,15 +438,16 @@ class Forward(AttentionLaunches):
                 ext_on=on,
             )  # fmt: skip
             self._launch(
-                "token_mask", (max(1, min(32, V // 4096)), S, 1), (256, 1, 1), stream, logits=self.logits,
-                proc=self.proc, V=V, pen_row=a["pen_row"], masks=self.masks, mask_words=self.mask_words,
-                mask_row=a["mask_row"], num_seqs=ns, ext_on=on, mask_on=a["mask_on"],
+                "token_mask", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, proc=self.proc, V=V,
+                pen_row=a["pen_row"], mask_gate=a["mask_gate"], mask_bits=a["mask_bits"],
+                ring_mask_words=a["ring_mask_words"], sample_pos=a["sample_pos"], mask_open=self.mask_open,
+                num_seqs=ns, ext_on=on, mask_on=a["mask_on"],
             )  # fmt: skip
         self._launch(
             "sample_tokens", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, V=V,
             temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seed=a["seed"],
             sample_pos=a["sample_pos"], out_tokens=self.out_tokens, num_seqs=ns, proc=self.proc,
-            pen_row=a["pen_row"], min_p=a["min_p"], ext_on=on,
+            pen_row=a["pen_row"], min_p=a["min_p"], ext_on=on, mask_on=a["mask_on"], mask_open=self.mask_open,
         )  # fmt: skip
         if on is not None:
             self._launch(

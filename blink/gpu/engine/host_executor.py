@@ -13,7 +13,7 @@ import numpy as np
 from blink.device.executor import StepBatch
 from blink.gpu.engine.engine import Engine, EngineConfig
 from blink.models.config import ModelConfig
-from blink.protocol.layout import DeviceFeatures
+from blink.protocol.layout import DeviceFeatures, RingView
 
 
 class HostExecutor:
@@ -30,8 +30,9 @@ class HostExecutor:
         # has the tables (EngineConfig.sampling_rows = the ring's n_slots).
         on = engine.fwd.sampling_rows > 0
         every = DeviceFeatures.LOGPROBS | DeviceFeatures.PROMPT_LOGPROBS | DeviceFeatures.PENALTIES
-        every |= DeviceFeatures.TOKEN_MASK  # the ring device gates the masked rows and loads their masks
+        every |= DeviceFeatures.TOKEN_MASK  # the sampler reads gates and masks from the ring (map_ring)
         self.features = every if on else DeviceFeatures.NONE
+        self._registered = 0
 
     @classmethod
     def create(
@@ -41,8 +42,23 @@ class HostExecutor:
         engine.capture()
         return cls(engine)
 
+    def map_ring(self, view: RingView) -> None:
+        """Map the ring into the device (pinned, as the GPU scheduler maps it): the sampling kernel of a
+        step reads each constrained row's gate (slot.mask_position) and bits there, at the end of the
+        step (blink.device.executor: the optional map_ring)."""
+        from blink.gpu.toolchain import cudart
+
+        ptr = int(np.frombuffer(view.buf, np.uint8).ctypes.data)
+        self._registered = cudart.host_register(self.engine.driver, ptr, view.geo.total_bytes)
+        self.engine.map_ring(self._registered, view.geo)
+
     def execute(self, batch: StepBatch) -> np.ndarray:
         return self.engine.step(batch)
 
     def close(self) -> None:
+        if self._registered:
+            from blink.gpu.toolchain import cudart
+
+            cudart.host_unregister(self.engine.driver, self._registered)
+            self._registered = 0
         self.engine.close()

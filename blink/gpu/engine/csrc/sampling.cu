@@ -362,7 +362,8 @@ extern "C" __global__ void __launch_bounds__(SB)
   }
 }
 
-// Grid (S), block 32 (one thread works). After sample_tokens, for rows whose token is published.
+// Grid (S), block 32 (one thread works). After sample_tokens, for rows whose token is published (not a
+// row whose gate was closed: NO_TOKEN, nothing counts).
 extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, const int* __restrict__ out_tokens,
                                        const int* __restrict__ emit, const int* __restrict__ logprobs,
                                        const float* __restrict__ stats, float* __restrict__ chosen_lp,
@@ -371,6 +372,7 @@ extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, 
   const int s = blockIdx.x;
   if (!*ext_on || s >= (int)*num_seqs || threadIdx.x != 0 || !emit[s]) return;
   const int tok = out_tokens[s];
+  if (tok < 0) return;
   if (logprobs[s] >= 0) chosen_lp[s] = (nan_low(logits[(size_t)s * V + tok]) - stats[2 * s]) - stats[2 * s + 1];
   if (pen_row[s] >= 0) {
     uint32_t* c = state + (size_t)pen_row[s] * V + tok;
@@ -378,42 +380,97 @@ extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, 
   }
 }
 
-// Token masks (structured output, sampling.py step 2b): a row with mask_row[s] = m >= 0 keeps only the
-// tokens whose bit is set in masks[m * mask_words ...] (bit t % 32 of word t / 32; tokens past the mask
-// are not allowed); the others become -inf in the row sample_tokens reads (proc when pen_row[s] >= 0,
-// else the logits, in place). Launched after logits_ext (the raw logprobs are the unmasked logits')
-// and before sample_tokens; an allowed token keeps its logit, so sample_post's chosen logprob holds.
-// Returns at once unless ext_on and mask_on. Grid (G, S), block 256: block x of row s covers a strided
-// share of the vocabulary.
-extern "C" __global__ void __launch_bounds__(256)
+// Token masks (structured output, sampling.py step 2b), read from the ring itself when the row is
+// sampled (blink/protocol/layout.py, mask arena): a row with mask_gate[s] != 0 (the device address of
+// its slot's mask_position) is sampled only when the frontend has published the mask of its token
+// sample_pos[s]: thread 0 loads mask_position with ld.acquire.sys, and a barrier orders the block's
+// loads of the bits after it (the frontend stores the bits, then releases mask_position). Open: the
+// tokens whose bit is clear in the ring's bitmask at mask_bits[s] (bit t % 32 of word t / 32; tokens
+// past ring_mask_words words are not allowed) become -inf in the row sample_tokens reads (proc when
+// pen_row[s] >= 0, else the logits, in place). mask_open[s] = 1 (open), 0 (closed: sample_tokens
+// writes NO_TOKEN, sample_post skips the row), -1 (no mask). Launched after logits_ext (the raw
+// logprobs are the unmasked logits') and before sample_tokens: the last thing before the draw, so a
+// mask published while the step's forward pass ran is used. Returns at once unless ext_on and mask_on.
+// Grid (S), block 1024; the bits go through shared memory MASK_TILE words at a time, each thread's
+// loads issued before their first use (ld.relaxed.sys: nothing cached from an earlier step is read).
+constexpr int MASK_TILE = 8192;  // 262,144 tokens a tile
+constexpr int MASK_THREADS = 1024;
+
+__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(MASK_THREADS)
     token_mask(float* __restrict__ logits, float* __restrict__ proc, int V, const int* __restrict__ pen_row,
-               const uint32_t* __restrict__ masks, int mask_words, const int* __restrict__ mask_row,
-               const uint32_t* __restrict__ num_seqs, const uint32_t* __restrict__ ext_on,
-               const uint32_t* __restrict__ mask_on) {
-  const int s = blockIdx.y;
-  if (!*ext_on || !*mask_on || s >= (int)*num_seqs || mask_row[s] < 0) return;
+               const uint64_t* __restrict__ mask_gate, const uint64_t* __restrict__ mask_bits,
+               const uint32_t* __restrict__ ring_mask_words, const uint32_t* __restrict__ sample_pos,
+               int* __restrict__ mask_open, const uint32_t* __restrict__ num_seqs,
+               const uint32_t* __restrict__ ext_on, const uint32_t* __restrict__ mask_on) {
+  __shared__ uint32_t words[MASK_TILE];
+  __shared__ int open;
+  const int s = blockIdx.x, tid = threadIdx.x;
+  if (!*ext_on || !*mask_on || s >= (int)*num_seqs) return;
+  if (mask_gate[s] == 0) {
+    if (tid == 0) mask_open[s] = -1;
+    return;
+  }
+  if (tid == 0) {
+    open = ld_acquire_sys((const uint32_t*)mask_gate[s]) == sample_pos[s] + 1u;
+    mask_open[s] = open;
+  }
+  __syncthreads();
+  if (!open) return;
   float* row = (pen_row[s] >= 0 ? proc : logits) + (size_t)s * V;
-  const uint32_t* m = masks + (size_t)mask_row[s] * mask_words;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x) {
-    const int w = i >> 5;
-    if (w >= mask_words || !((m[w] >> (i & 31)) & 1u)) row[i] = -INFINITY;
+  const uint32_t* m = (const uint32_t*)mask_bits[s];
+  const int W = (int)*ring_mask_words, VW = (V + 31) >> 5;
+  constexpr int U = MASK_TILE / MASK_THREADS;
+  for (int w0 = 0; w0 < VW; w0 += MASK_TILE) {
+    const int nw = min(MASK_TILE, VW - w0);
+    uint32_t v[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int w = w0 + tid + k * MASK_THREADS;
+      v[k] = tid + k * MASK_THREADS < nw && w < W ? ld_relaxed_sys(m + w) : 0u;
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+      if (tid + k * MASK_THREADS < nw) words[tid + k * MASK_THREADS] = v[k];
+    __syncthreads();
+    const int t0 = w0 * 32, nt = min(V - t0, nw * 32);
+    for (int i = tid; i < nt; i += MASK_THREADS)
+      if (!((words[i >> 5] >> (i & 31)) & 1u)) row[t0 + i] = -INFINITY;
+    __syncthreads();
   }
 }
 
 // proc / pen_row / min_p: read only when ext_on is non-null and *ext_on (the step uses an extension):
 // rows with pen_row[s] >= 0 then sample from proc (logits_ext's output), min_p applies; otherwise
-// every row samples from the logits with min_p 0.
+// every row samples from the logits with min_p 0. With ext_on and mask_on, a row whose gate token_mask
+// found closed (mask_open[s] == 0) gets NO_TOKEN: its mask was not published, it samples next step.
 extern "C" __global__ void __launch_bounds__(SB)
     sample_tokens(const float* __restrict__ logits, int V, const float* __restrict__ temperature,
                   const float* __restrict__ top_p, const int* __restrict__ top_k, const uint64_t* __restrict__ seed,
                   const uint32_t* __restrict__ sample_pos, int* __restrict__ out_tokens,
                   const uint32_t* __restrict__ num_seqs, const float* __restrict__ proc,
                   const int* __restrict__ pen_row, const float* __restrict__ min_p,
-                  const uint32_t* __restrict__ ext_on) {
+                  const uint32_t* __restrict__ ext_on, const uint32_t* __restrict__ mask_on,
+                  const int* __restrict__ mask_open) {
   __shared__ SampleShared sh;
   const int s = blockIdx.x;
   if (s >= (int)*num_seqs) return;
   const bool ext = ext_on != nullptr && *ext_on;
+  if (ext && *mask_on && mask_open[s] == 0) {
+    if (threadIdx.x == 0) out_tokens[s] = blink::NO_TOKEN;
+    return;
+  }
   const float* row = (ext && pen_row[s] >= 0 ? proc : logits) + (size_t)s * V;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float T = temperature[s];

@@ -21,7 +21,7 @@ struct EngineABI {
   uint32_t sampling_rows;  // offset 40  penalty-state / logit_bias rows (one per ring slot); 0: no extension tables
   uint32_t max_logit_bias;  // offset 44  logit_bias entries per row of logit_bias_ids / logit_bias_vals (MAX_LOGIT_BIAS)
   uint32_t max_logprobs;  // offset 48  alternatives per row of top_ids / top_lps (MAX_LOGPROBS)
-  uint32_t mask_words;  // offset 52  uint32 words per row of masks ((vocab_size + 31) / 32; 0: no token masks)
+  uint32_t mask_words;  // offset 52  (vocab_size + 31) / 32 with the extension tables; 0: no token masks
   uint32_t* num_seqs;  // offset 56  live sequences S of this step (<= the graph's batch bucket)
   uint32_t* num_tokens;  // offset 64  packed tokens T of this step (<= the graph's token bucket)
   uint64_t* step_seq;  // offset 72  written by the driver before the launch; the graph's last kernel stores it in *done_seq
@@ -48,27 +48,29 @@ struct EngineABI {
   int32_t* plp_target;  // offset 240  [T] prompt token id scored row j's logits score
   int32_t* plp_prompt_logprobs;  // offset 248  [T] prompt_logprobs of scored row j's sequence: alternatives in its record (<= MAX_LOGPROBS)
   uint32_t* mask_on;  // offset 256  nonzero: some row samples under a token mask (read only when ext_on)
-  int32_t* mask_row;  // offset 264  [S] -1: no token mask; else the row's bitmask in the engine's mask buffer
-  int32_t* block_tables;  // offset 272  [S,W] physical KV block of each logical block
-  int32_t* out_tokens;  // offset 280  [max_seqs] sampled token of each sequence (last token of its chunk)
-  uint64_t* done_seq;  // offset 288  the graph's last kernel stores *step_seq here (st.release.gpu)
-  float* chosen_lp;  // offset 296  [max_seqs] raw logprob of out_tokens (rows with logprobs >= 0, emitted)
-  int32_t* top_ids;  // offset 304  [max_seqs][max_logprobs] the row's most likely ids (first logprobs[s] valid)
-  float* top_lps;  // offset 312  [max_seqs][max_logprobs] their raw logprobs
-  float* plp_lp;  // offset 320  [max_num_batched_tokens] prompt logprob of scored row j's target (plp_records)
-  int32_t* plp_ids;  // offset 328  [max_num_batched_tokens][max_logprobs] row j's top ids (first plp_prompt_logprobs[j])
-  float* plp_lps;  // offset 336  [max_num_batched_tokens][max_logprobs] their logprobs
-  uint32_t* pen_state;  // offset 344  [sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)
-  int32_t* logit_bias_n;  // offset 352  [sampling_rows] logit_bias entries of the row's request (written at admission)
-  int32_t* logit_bias_ids;  // offset 360  [sampling_rows][max_logit_bias]
-  float* logit_bias_vals;  // offset 368  [sampling_rows][max_logit_bias]
-  uint32_t* masks;  // offset 376  [max_seqs][mask_words] token mask of step row s (token_mask reads row mask_row[s])
-  uint32_t* batch_buckets;  // offset 384  [n_batch_buckets] sizes, ascending
-  uint32_t* token_buckets;  // offset 392  [n_token_buckets] sizes, ascending
-  uint16_t* batch_bucket_of;  // offset 400  [max_seqs+1]
-  uint16_t* token_bucket_of;  // offset 408  [max_num_batched_tokens+1]
-  uint64_t* decode_execs;  // offset 416  [n_batch_buckets][execs_per_shape]
-  uint64_t* prefill_execs;  // offset 424  [n_batch_buckets][n_token_buckets][execs_per_shape]
+  uint32_t* ring_mask_words;  // offset 264  uint32 words of a mask in the ring (tokens past them are not allowed)
+  uint64_t* mask_gate;  // offset 272  [S] device address of the row's slot.mask_position in the ring; 0: no token mask
+  uint64_t* mask_bits;  // offset 280  [S] device address of the row's bitmask in the ring's mask arena
+  int32_t* block_tables;  // offset 288  [S,W] physical KV block of each logical block
+  int32_t* out_tokens;  // offset 296  [max_seqs] sampled token of each sequence (last token of its chunk)
+  uint64_t* done_seq;  // offset 304  the graph's last kernel stores *step_seq here (st.release.gpu)
+  float* chosen_lp;  // offset 312  [max_seqs] raw logprob of out_tokens (rows with logprobs >= 0, emitted)
+  int32_t* top_ids;  // offset 320  [max_seqs][max_logprobs] the row's most likely ids (first logprobs[s] valid)
+  float* top_lps;  // offset 328  [max_seqs][max_logprobs] their raw logprobs
+  float* plp_lp;  // offset 336  [max_num_batched_tokens] prompt logprob of scored row j's target (plp_records)
+  int32_t* plp_ids;  // offset 344  [max_num_batched_tokens][max_logprobs] row j's top ids (first plp_prompt_logprobs[j])
+  float* plp_lps;  // offset 352  [max_num_batched_tokens][max_logprobs] their logprobs
+  uint32_t* pen_state;  // offset 360  [sampling_rows][vocab_size] bit 31 seen, low bits output count (penalty_mark)
+  int32_t* logit_bias_n;  // offset 368  [sampling_rows] logit_bias entries of the row's request (written at admission)
+  int32_t* logit_bias_ids;  // offset 376  [sampling_rows][max_logit_bias]
+  float* logit_bias_vals;  // offset 384  [sampling_rows][max_logit_bias]
+  int32_t* mask_open;  // offset 392  [max_seqs] the gate token_mask read for row s: 1 open, 0 closed (NO_TOKEN), -1 no mask
+  uint32_t* batch_buckets;  // offset 400  [n_batch_buckets] sizes, ascending
+  uint32_t* token_buckets;  // offset 408  [n_token_buckets] sizes, ascending
+  uint16_t* batch_bucket_of;  // offset 416  [max_seqs+1]
+  uint16_t* token_bucket_of;  // offset 424  [max_num_batched_tokens+1]
+  uint64_t* decode_execs;  // offset 432  [n_batch_buckets][execs_per_shape]
+  uint64_t* prefill_execs;  // offset 440  [n_batch_buckets][n_token_buckets][execs_per_shape]
 };
 #ifdef offsetof
 static_assert(offsetof(EngineABI, max_seqs) == 0, "EngineABI.max_seqs offset");
@@ -111,28 +113,30 @@ static_assert(offsetof(EngineABI, plp_tok) == 232, "EngineABI.plp_tok offset");
 static_assert(offsetof(EngineABI, plp_target) == 240, "EngineABI.plp_target offset");
 static_assert(offsetof(EngineABI, plp_prompt_logprobs) == 248, "EngineABI.plp_prompt_logprobs offset");
 static_assert(offsetof(EngineABI, mask_on) == 256, "EngineABI.mask_on offset");
-static_assert(offsetof(EngineABI, mask_row) == 264, "EngineABI.mask_row offset");
-static_assert(offsetof(EngineABI, block_tables) == 272, "EngineABI.block_tables offset");
-static_assert(offsetof(EngineABI, out_tokens) == 280, "EngineABI.out_tokens offset");
-static_assert(offsetof(EngineABI, done_seq) == 288, "EngineABI.done_seq offset");
-static_assert(offsetof(EngineABI, chosen_lp) == 296, "EngineABI.chosen_lp offset");
-static_assert(offsetof(EngineABI, top_ids) == 304, "EngineABI.top_ids offset");
-static_assert(offsetof(EngineABI, top_lps) == 312, "EngineABI.top_lps offset");
-static_assert(offsetof(EngineABI, plp_lp) == 320, "EngineABI.plp_lp offset");
-static_assert(offsetof(EngineABI, plp_ids) == 328, "EngineABI.plp_ids offset");
-static_assert(offsetof(EngineABI, plp_lps) == 336, "EngineABI.plp_lps offset");
-static_assert(offsetof(EngineABI, pen_state) == 344, "EngineABI.pen_state offset");
-static_assert(offsetof(EngineABI, logit_bias_n) == 352, "EngineABI.logit_bias_n offset");
-static_assert(offsetof(EngineABI, logit_bias_ids) == 360, "EngineABI.logit_bias_ids offset");
-static_assert(offsetof(EngineABI, logit_bias_vals) == 368, "EngineABI.logit_bias_vals offset");
-static_assert(offsetof(EngineABI, masks) == 376, "EngineABI.masks offset");
-static_assert(offsetof(EngineABI, batch_buckets) == 384, "EngineABI.batch_buckets offset");
-static_assert(offsetof(EngineABI, token_buckets) == 392, "EngineABI.token_buckets offset");
-static_assert(offsetof(EngineABI, batch_bucket_of) == 400, "EngineABI.batch_bucket_of offset");
-static_assert(offsetof(EngineABI, token_bucket_of) == 408, "EngineABI.token_bucket_of offset");
-static_assert(offsetof(EngineABI, decode_execs) == 416, "EngineABI.decode_execs offset");
-static_assert(offsetof(EngineABI, prefill_execs) == 424, "EngineABI.prefill_execs offset");
+static_assert(offsetof(EngineABI, ring_mask_words) == 264, "EngineABI.ring_mask_words offset");
+static_assert(offsetof(EngineABI, mask_gate) == 272, "EngineABI.mask_gate offset");
+static_assert(offsetof(EngineABI, mask_bits) == 280, "EngineABI.mask_bits offset");
+static_assert(offsetof(EngineABI, block_tables) == 288, "EngineABI.block_tables offset");
+static_assert(offsetof(EngineABI, out_tokens) == 296, "EngineABI.out_tokens offset");
+static_assert(offsetof(EngineABI, done_seq) == 304, "EngineABI.done_seq offset");
+static_assert(offsetof(EngineABI, chosen_lp) == 312, "EngineABI.chosen_lp offset");
+static_assert(offsetof(EngineABI, top_ids) == 320, "EngineABI.top_ids offset");
+static_assert(offsetof(EngineABI, top_lps) == 328, "EngineABI.top_lps offset");
+static_assert(offsetof(EngineABI, plp_lp) == 336, "EngineABI.plp_lp offset");
+static_assert(offsetof(EngineABI, plp_ids) == 344, "EngineABI.plp_ids offset");
+static_assert(offsetof(EngineABI, plp_lps) == 352, "EngineABI.plp_lps offset");
+static_assert(offsetof(EngineABI, pen_state) == 360, "EngineABI.pen_state offset");
+static_assert(offsetof(EngineABI, logit_bias_n) == 368, "EngineABI.logit_bias_n offset");
+static_assert(offsetof(EngineABI, logit_bias_ids) == 376, "EngineABI.logit_bias_ids offset");
+static_assert(offsetof(EngineABI, logit_bias_vals) == 384, "EngineABI.logit_bias_vals offset");
+static_assert(offsetof(EngineABI, mask_open) == 392, "EngineABI.mask_open offset");
+static_assert(offsetof(EngineABI, batch_buckets) == 400, "EngineABI.batch_buckets offset");
+static_assert(offsetof(EngineABI, token_buckets) == 408, "EngineABI.token_buckets offset");
+static_assert(offsetof(EngineABI, batch_bucket_of) == 416, "EngineABI.batch_bucket_of offset");
+static_assert(offsetof(EngineABI, token_bucket_of) == 424, "EngineABI.token_bucket_of offset");
+static_assert(offsetof(EngineABI, decode_execs) == 432, "EngineABI.decode_execs offset");
+static_assert(offsetof(EngineABI, prefill_execs) == 440, "EngineABI.prefill_execs offset");
 #endif
-static_assert(sizeof(EngineABI) == 432, "EngineABI size");
+static_assert(sizeof(EngineABI) == 448, "EngineABI size");
 
 }  // namespace blink

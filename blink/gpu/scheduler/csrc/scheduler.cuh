@@ -95,8 +95,7 @@ struct Row {
   uint32_t prompt_lp_off;  // int32 word of prompt record 0 in the prompt arena
   uint32_t pen;          // keeps a penalty state (any penalty or logit_bias): engine pen_row = slot
   uint32_t ext;          // uses an extension (pen, logprobs, prompt logprobs or min_p): the step's ext_on
-  uint32_t mask;         // slot.mask_slot: 0 = unconstrained; m + 1 = samples under bitmask m of the mask arena
-  uint32_t closed;       // gate of a masked row, read once per step (plan): its next token's mask is unpublished
+  uint32_t mask;         // slot.mask_slot: 0 = unconstrained; m + 1 = samples under bitmask m (the sampler's gate)
   // prefix caching (scheduler_kv.cuh): the slot's block keys are in slot_keys[slot]
   uint32_t n_keys;       // block keys of the prompt
   uint32_t checked;      // leading blocks of the table offered for registration (or matched)

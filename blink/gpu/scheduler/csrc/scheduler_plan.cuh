@@ -74,32 +74,16 @@ __device__ void insert_running(SchedCtl* c, uint32_t r) {
   g_run[i] = r;
 }
 
-// ---- token masks (structured output): Scheduler._closed and Scheduler._cut ---------------------------
-// The gate of a sequence with token mask `mask` (slot.mask_slot; 0: none) that has generated g tokens:
-// closed until the frontend has published the mask of token g (slot.mask_position == g + 1; read with
-// acquire, so the bits it wrote before are visible to the reads after a barrier). Read once per step.
-__device__ __forceinline__ bool gate_closed(const Shared& sh, uint32_t mask, uint32_t slot, uint32_t g) {
-  return mask != 0 && ld_acq_sys(&sh.slots[slot].mask_position) != g + 1;
-}
-
-// A chunk of n tokens from start of a sequence of len tokens: one token short when it would sample a
-// sequence whose gate is closed (it sits out the sampling; its prompt still advances).
-__device__ __forceinline__ uint32_t gate_cut(bool closed, uint32_t start, uint32_t n, uint32_t len) {
-  return closed && start + n == len ? n - 1 : n;
-}
-
 // Scheduler._admit_one for row r (waiting, no blocks): its cached prefix and blocks for its first
-// chunk of at most `budget` tokens, cut short of sampling while its gate is `closed`. Returns the
-// chunk's tokens (from R.computed): 0 when the gate leaves nothing to compute now, NO_KV when the pool
-// cannot hold it (nothing changed either way). Counts the first admission's queries and hits, and
-// tells the slot.
+// chunk of at most `budget` tokens. Returns the chunk's tokens (from R.computed), or NO_KV when the
+// pool cannot hold it (nothing changed). Counts the first admission's queries and hits, and tells the
+// slot.
 constexpr uint32_t NO_KV = 0xFFFFFFFFu;
-__device__ uint32_t admit_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t budget, bool closed) {
+__device__ uint32_t admit_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t budget) {
   Row& R = g_rows[r];
   uint32_t idle;
   const uint32_t hits = prefix_hits(c, sh, R, &idle), start = hits * sh.bs;
-  const uint32_t n = gate_cut(closed, start, min(R.len - start, budget), R.len);
-  if (n == 0) return 0;
+  const uint32_t n = min(R.len - start, budget);
   if (ceil_div(start + n, sh.bs) - hits > (uint32_t)c->kv_free_top - idle) return NO_KV;
   prefix_take(c, sh, r, hits);
   R.computed = start;
@@ -115,7 +99,7 @@ __device__ uint32_t admit_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t budg
 
 // A decode may be planned for running row R (Scheduler._split_running's ready).
 __device__ __forceinline__ bool decode_ready(const Row& R, uint32_t cap) {
-  return R.running && !prefilling(R) && !output_full(R, cap) && !R.closed;
+  return R.running && !prefilling(R) && !output_full(R, cap);
 }
 
 // A new row from a claimed slot (fields copied at claim time).
@@ -155,7 +139,6 @@ __device__ uint32_t new_row(SchedCtl* c, uint32_t slot, u64 arrival) {
   R.prompt_lp_off = q.prompt_logprobs_offset;
   R.ext = R.pen || R.logprobs >= 0 || R.prompt_logprobs >= 0 || R.min_p != 0.0f;
   R.mask = q.mask_slot;
-  R.closed = 0;
   R.n_keys = c->prefix_caching ? q.n_block_keys : 0;  // validated and copied at claim
   R.checked = 0;
   R.cache_read = R.prompt_logprobs < 0 && !R.pen;  // prompt logprobs and penalties see every prompt token
@@ -212,9 +195,8 @@ __device__ bool admit_pass(SchedCtl* c, Shared& sh, uint32_t& budget, bool over,
     if ((R.group != 0 && group_held(c, R.group, held) >= gcap) != over) { ++w; continue; }
     if (preempted_now(sh, r)) return false;
     if (output_full(R, sh.cap)) { ++w; continue; }
-    const uint32_t n = admit_row(c, sh, r, budget, gate_closed(sh, R.mask, R.slot, generated(R)));
-    if (n == 0) { ++w; continue; }  // its gate is closed and its last token is all that is left
-    if (n == NO_KV) return false;   // FCFS: no overtaking for lack of KV
+    const uint32_t n = admit_row(c, sh, r, budget);
+    if (n == NO_KV) return false;  // FCFS: no overtaking for lack of KV
     if (R.group != 0 && R.group == held.group) held.n++;
     for (uint32_t i = w + 1; i < c->n_wait; ++i) g_wait[i - 1] = g_wait[i];
     c->n_wait--;
@@ -236,12 +218,11 @@ __device__ bool admit_pass(SchedCtl* c, Shared& sh, uint32_t& budget, bool over,
     if ((g != 0 && group_held(c, g, held) >= gcap) != over) continue;
     const uint32_t plen = copy[slot].prompt_len;
     const uint32_t r = new_row(c, slot, i);  // the FIFO index is the arrival order
-    const uint32_t n = admit_row(c, sh, r, budget, gate_closed(sh, copy[slot].mask_slot, slot, 0));
-    if (n == 0 || n == NO_KV) {  // its gate is closed, or (FCFS) the head waits for KV: the row goes back
+    const uint32_t n = admit_row(c, sh, r, budget);
+    if (n == NO_KV) {  // FCFS: the head waits for KV; the row goes back
       g_rows[r].used = 0;
       g_free_rows[c->n_free_rows++] = r;
-      if (n == NO_KV) return false;
-      continue;
+      return false;
     }
     if (g != 0 && g == held.group) held.n++;
     g_rows[r].running = 1;
@@ -308,8 +289,7 @@ __device__ void plan_prefill(SchedCtl* c, Shared& sh) {
     const uint32_t r = g_run[p];
     Row& R = g_rows[r];
     if (!R.running || !prefilling(R)) continue;
-    uint32_t n = gate_cut(R.closed, R.computed, min(min(R.len - R.computed, budget), cap), R.len);
-    if (n == 0) continue;
+    uint32_t n = min(min(R.len - R.computed, budget), cap);
     if (R.computed + n == R.len && output_full(R, sh.cap)) continue;
     const uint32_t start = R.computed;
     if (sh.nseq > 0) {  // shares the step: never preempt, cut the chunk to the free blocks
@@ -427,51 +407,24 @@ __device__ uint32_t fill_seq(SchedCtl* c, Shared& sh, uint32_t i, uint32_t r, ui
     E->min_p[i] = R.min_p;
     E->logprobs[i] = R.logprobs;
   }
-  const bool masked = R.mask != 0 && g_plan_sample[i] && E->mask_words;  // planned only with its gate open
-  if (E->sampling_rows) E->mask_row[i] = masked ? (int32_t)i : -1;       // engine mask row i (fill_masks)
+  // a sampled row of a constrained request: the sampler reads its gate and bits in the ring (token_mask)
+  const bool masked = R.mask != 0 && g_plan_sample[i] && E->mask_words;
+  if (E->sampling_rows) {
+    E->mask_gate[i] = masked ? (u64)&sh.slots[R.slot].mask_position : 0ull;
+    E->mask_bits[i] = masked ? (u64)(sh.masks + (size_t)(R.mask - 1) * sh.mask_words) : 0ull;
+  }
   if (!E->sampling_rows) return 0;
   return (R.ext || masked ? FILL_EXT : 0u) | (masked ? FILL_MASK : 0u);
 }
 
-// The bits of the step's masked rows from the ring's mask arena into the engine's mask rows, row i
-// for step row i, as Engine._upload_masks does (all threads; sh.nseq and mask_row written before a
-// barrier). The gate's acquire of mask_position and a barrier order these reads after the frontend's
-// bits; relaxed.sys loads, so no line cached from an earlier step is read. Words past the ring's mask
-// are zero (tokens past a mask are not allowed). Each thread issues U loads before it stores.
-__device__ void copy_masks(Shared& sh) {
-  const EngineABI* E = sh.E;
-  const uint32_t nseq = sh.nseq, per = (nseq + SCHED_THREADS - 1) / SCHED_THREADS;
-  const uint32_t lo = min(nseq, threadIdx.x * per), hi = min(nseq, lo + per);
-  uint32_t mine = 0, total;
-  for (uint32_t i = lo; i < hi; ++i) mine += E->mask_row[i] >= 0;
-  uint32_t o = block_scan(mine, &total, sh.warp_sums);
-  for (uint32_t i = lo; i < hi; ++i)
-    if (E->mask_row[i] >= 0) g_tmp[o++] = i;
-  __syncthreads();
-  const uint32_t W = E->mask_words, Wc = min(W, sh.mask_words), n = total * W;
-  constexpr uint32_t U = 8;
-  for (uint32_t base = threadIdx.x; base < n; base += U * SCHED_THREADS) {
-    uint32_t v[U];
-#pragma unroll
-    for (uint32_t k = 0; k < U; ++k) {
-      const uint32_t j = base + k * SCHED_THREADS, m = j / W, w = j - m * W;
-      const uint32_t* src = sh.masks + (size_t)(g_rows[g_plan_row[g_tmp[m < total ? m : 0]]].mask - 1) * sh.mask_words;
-      v[k] = j < n && w < Wc ? ld_sys(src + w) : 0u;
-    }
-#pragma unroll
-    for (uint32_t k = 0; k < U; ++k) {
-      const uint32_t j = base + k * SCHED_THREADS, m = j / W;
-      if (j < n) E->masks[(size_t)g_tmp[m] * W + (j - m * W)] = v[k];
-    }
-  }
-  __syncthreads();
-}
-
-// The step's mask_on and masks (all threads; f: this thread's fill_seq bits; sh.nseq visible).
+// The step's mask_on (all threads; f: this thread's fill_seq bits). The gates are not read here: the
+// sampler reads each masked row's mask_position and bits from the ring at the end of the step.
 __device__ void fill_masks(Shared& sh, uint32_t f) {
   const int mask_on = __syncthreads_or(f & FILL_MASK);
-  if (mask_on) copy_masks(sh);
-  if (threadIdx.x == 0) *sh.E->mask_on = (uint32_t)mask_on;
+  if (threadIdx.x == 0) {
+    *sh.E->mask_on = (uint32_t)mask_on;
+    *sh.E->ring_mask_words = sh.mask_words;
+  }
 }
 
 // Prompt tokens of chunk i scored by this step (ring_device._build_ext): the packed token at position

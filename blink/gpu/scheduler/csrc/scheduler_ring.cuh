@@ -110,7 +110,6 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
   uint32_t ready = 0, need = 0, flags = 0;
   for (uint32_t i = lo; i < hi; ++i) {
     Row& R = g_rows[g_run[i]];
-    R.closed = gate_closed(sh, R.mask, R.slot, generated(R));  // this step's gate (read once)
     if (prefilling(R)) {
       flags |= 1;
     } else if (decode_ready(R, sh.cap)) {
@@ -496,12 +495,16 @@ __device__ void account(SchedCtl* c, Shared& sh) {
     for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS) {
       const uint32_t r = g_plan_row[i];
       Row& R = g_rows[r];
-      R.computed = g_plan_start[i] + g_plan_n[i];
-      if (!g_plan_sample[i]) {
+      const int32_t tok = g_plan_sample[i] ? out_tokens[i] : 0;
+      // NO_TOKEN: the row's mask was late when it was sampled. Nothing is published and its last position
+      // is not final (no block registered on it, the length unchanged): the next step computes and samples
+      // it again (Scheduler.update).
+      const bool late = g_plan_sample[i] && tok == NO_TOKEN;
+      R.computed = g_plan_start[i] + g_plan_n[i] - (late ? 1u : 0u);
+      if (!g_plan_sample[i] || late) {
         g_ev_k[i] = DEAD;
         continue;
       }
-      const int32_t tok = out_tokens[i];
       const uint32_t k = generated(R);
       g_ev_nlp[i] = R.logprobs;
       if (R.logprobs >= 0) {  // the step's logprob record: flush() publishes it after the next launch
