@@ -24,6 +24,8 @@
 #                among the others, no kill: nothing lost, 0 slots and 0 KV blocks leaked        (~3 min)
 #   paper_prefix bench.paper.evaluate --quick --parts prefix (both schedulers), then its figure  (~7 min)
 #   serve32b     bench.serving.serve_check: Qwen3-32B's shape served end to end              (~3 min)
+#   structured   the conformance suite's token mask cases on the host loop, then
+#                bench.serving.structured (32 streams, random Llama-3-8B) per scheduler         (~10 min)
 #   paper        bench.paper.evaluate --quick: the paper's evaluation, then its figures      (~10 min)
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
 #   fp8          bench.kernels.fp8_gemm (each projection's FP8 and bf16 paths, M = 1..4096), then bench.engine.throughput
@@ -195,6 +197,14 @@ if has scheduler; then
 fi
 if has ttft; then
   part ttft 900 "$PY" -m bench.serving.ttft_breakdown --commit "$COMMIT" --out "$(json ttft_breakdown)"
+fi
+if has structured; then
+  part mask_host 600 env BLINK_CONFORMANCE_DEVICE='{"kind": "cuda", "scheduler": "host"}' "${PT[@]}" -rs \
+    tests/conformance/test_token_mask.py
+  for sched in gpu host; do
+    part "structured_$sched" 900 "$PY" -m bench.serving.structured "$DEST" --device cuda --scheduler "$sched" \
+      --streams 32 --commit "$COMMIT"
+  done
 fi
 if has serve32b; then
   part serve32b 600 "$PY" -m bench.serving.serve_check --commit "$COMMIT" --out "$(json serve_qwen3_32b)" \

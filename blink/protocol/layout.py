@@ -39,11 +39,19 @@ Mask arena (structured output): n_masks allowed-token bitmasks of mask_words uin
 covers a vocabulary of up to 32 * mask_words tokens (152,064 by default: 19,008 B a mask), so the
 arena has fewer masks than slots (ring.mask_slots): a constrained request takes one for its life
 (slot.mask_slot = index + 1; 0 = unconstrained) and gives it back when its slot is released. The
-frontend writes the mask for generated token k, then stores slot.mask_position = k + 1 (release);
-the device samples token k of a constrained slot only when it reads mask_position == k + 1 (acquire)
-before the step, and masks the logits with the bits; otherwise the slot sits out that step (no other
-slot waits). The mask for token 0 is written with the request, before PREFILL_PENDING. The frontend
-writes the mask for k + 1 only after reading token k, so it never rewrites a mask being sampled with.
+frontend writes the mask for generated token k, then stores slot.mask_position = k + 1 (release; over
+a Transport, the bits' write completes before the position's store is applied). The device reads the
+gate when it samples the slot, at the end of the step that computed the slot's last position, not
+when it plans the step: a constrained slot whose input token is known joins the step's forward pass
+like any other, and its sampler then loads mask_position (acquire: ld.acquire.sys on CUDA, then a
+barrier before the bits are loaded) and, when it reads k + 1, masks the logits with the bits. So the
+mask for token k + 1, which the frontend can only compute after reading token k, normally arrives
+while the next step's forward pass runs. Otherwise (the mask is late) the slot gives no token in that
+step: nothing is published for it, `generated` does not move, and the step's K/V at its last position
+is not taken as final (it is computed again, no prefix-cache block is registered on its strength);
+the next step computes and samples that position again. No other slot waits. The mask for token 0 is
+written with the request, before PREFILL_PENDING (mask_position = 1). The frontend writes the mask for
+k + 1 only after reading token k, so it never rewrites a mask being sampled with.
 
 Ownership (single writer per word; no cross-party atomics, because GPU atomics on
 host-mapped memory are not atomic with respect to the host):

@@ -69,6 +69,7 @@ class GpuSampler:
         self._launch(
             "sample_tokens", rows, 1024, logits=lg, V=vocab, temperature=t, top_p=p, top_k=k, seed=sd,
             sample_pos=ks_, out_tokens=out, num_seqs=n, proc=None, pen_row=None, min_p=None, ext_on=None,
+            mask_on=None, mask_open=None,
         )  # fmt: skip
         self.stream.synchronize()  # type: ignore[attr-defined]
         return out.get()
@@ -171,7 +172,7 @@ class GpuSampler:
         self._launch(
             "sample_tokens", S, 1024, logits=lg, V=V, temperature=a["temperature"], top_p=a["top_p"],
             top_k=a["top_k"], seed=a["seed"], sample_pos=a["ks"], out_tokens=out, num_seqs=n, proc=proc,
-            pen_row=pr, min_p=a["min_p"], ext_on=on,
+            pen_row=pr, min_p=a["min_p"], ext_on=on, mask_on=cp.zeros(1, cp.uint32), mask_open=cp.zeros(S, cp.int32),
         )  # fmt: skip
         self._launch(
             "sample_post", S, 32, logits=lg, V=V, out_tokens=out, emit=a["emit"], logprobs=nl, stats=stats,
