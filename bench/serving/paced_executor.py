@@ -76,7 +76,12 @@ class PacedExecutor:
         return toks
 
     def _draw_allowed(self, mask: np.ndarray) -> int:
-        """A uniform draw among the ids a bitmask allows (0 when it allows none, as the sampler's argmax)."""
+        """A uniform draw among the ids a bitmask allows (0 when it allows none, as the sampler's argmax):
+        a few random ids tried first (a step must not cost the CPU a vocabulary's worth per row), then
+        the allowed set."""
+        for t in self.rng.integers(0, self.vocab_size, 8).tolist():
+            if t >> 5 < mask.size and (int(mask[t >> 5]) >> (t & 31)) & 1:
+                return t
         bits = np.unpackbits(np.ascontiguousarray(mask, "<u4").view(np.uint8), bitorder="little")
         allowed = np.flatnonzero(bits[: self.vocab_size])
         return int(self.rng.choice(allowed)) if allowed.size else 0
