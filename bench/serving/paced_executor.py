@@ -76,15 +76,17 @@ class PacedExecutor:
         return toks
 
     def _draw_allowed(self, mask: np.ndarray) -> int:
-        """A uniform draw among the ids a bitmask allows (0 when it allows none, as the sampler's argmax):
-        a few random ids tried first (a step must not cost the CPU a vocabulary's worth per row), then
-        the allowed set."""
+        """A uniform draw among the ids a bitmask allows (0 when it allows none, as the sampler's argmax),
+        cheap on the CPU for dense and sparse masks alike: a few random ids tried first (rejection),
+        then the allowed ids of the mask's nonzero words only."""
         for t in self.rng.integers(0, self.vocab_size, 8).tolist():
             if t >> 5 < mask.size and (int(mask[t >> 5]) >> (t & 31)) & 1:
                 return t
-        bits = np.unpackbits(np.ascontiguousarray(mask, "<u4").view(np.uint8), bitorder="little")
-        allowed = np.flatnonzero(bits[: self.vocab_size])
-        return int(self.rng.choice(allowed)) if allowed.size else 0
+        words = np.flatnonzero(mask[: (self.vocab_size + 31) // 32])
+        bits = np.unpackbits(np.ascontiguousarray(mask[words], "<u4").view(np.uint8), bitorder="little")
+        ids = (words[:, None] * 32 + np.arange(32))[bits.reshape(-1, 32).astype(bool)]
+        ids = ids[ids < self.vocab_size]
+        return int(self.rng.choice(ids)) if ids.size else 0
 
     def close(self) -> None:
         pass
