@@ -101,7 +101,7 @@ def _forward(
     f.w = SimpleNamespace(embed=_Arr(c.vocab_size, H), final_norm=_Arr(H), lm_head=_Arr(c.vocab_size, H), layers=layers)
     f.arena = SimpleNamespace(ptr=dict.fromkeys([f.name for f in STEP_FIELDS], 8192))
     names = "resid hid delta qkv q attn gu act last logits out_tokens done_seq kv cos sin part_o part_ml"
-    names += " proc chosen_lp top_ids top_lps lp_stats pen_state logit_bias_n logit_bias_ids logit_bias_vals masks"
+    names += " proc chosen_lp top_ids top_lps lp_stats pen_state logit_bias_n logit_bias_ids logit_bias_vals mask_open"
     names += " plp_hid plp_logits plp_lp plp_ids plp_lps"
     for b in names.split():
         setattr(f, b, _Arr(1))

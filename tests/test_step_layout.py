@@ -14,6 +14,7 @@ import pytest
 from blink.gpu.engine import abi
 from blink.gpu.engine.engine import Engine
 from blink.gpu.engine.step_arena import Dims, arena_layout, host_views
+from blink.protocol.layout import SLOT_DTYPE, RingGeometry
 from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.step import BATCH_FIELDS, FIELDS, STEP_FIELDS, StepBatch
 
@@ -80,6 +81,29 @@ def test_arena_layout_follows_the_fields():
     assert layout["input_ids"][1] == 33 and layout["cu_q_lens"][1] == 6 and layout["seed"][1] == 5
 
 
+def test_a_constrained_row_gets_the_ring_addresses_of_its_gate_and_bits():
+    """Engine._load_masks (host loop): a row with mask_slot m >= 0 gets the device address of its slot's
+    mask_position and of bitmask m in the mapped ring (token_mask reads them at sampling); others 0."""
+    d = Dims(max_seqs=4, max_num_batched_tokens=16, max_blocks_per_seq=5, block_size=16, num_blocks=50, max_context=80)
+    layout, nbytes = arena_layout(d)
+    buf = np.zeros(nbytes, np.uint8)
+    eng = object.__new__(Engine)
+    eng.dims, eng.arena = d, SimpleNamespace(host=host_views(buf, layout))
+    geo = RingGeometry(8, 64, 16, 2, 1000)
+    base = 0x7F00_0000_0000
+    eng.map_ring(base, geo)
+    x = SimpleNamespace(slots=np.array([5, 2, 7], np.int32), mask_slot=np.array([1, -1, 0], np.int32))
+    eng._load_masks(x, 3)
+    h = eng.arena.host
+    pos = SLOT_DTYPE.fields["mask_position"][1]
+    assert int(h["mask_on"][0]) == 1 and int(h["ring_mask_words"][0]) == geo.mask_words
+    assert h["mask_gate"][:3].tolist() == [base + geo.slot_offset(5) + pos, 0, base + geo.slot_offset(7) + pos]
+    assert h["mask_bits"][:3].tolist() == [base + geo.mask_offset(1), 0, base + geo.mask_offset(0)]
+    eng._ring = None
+    eng._load_masks(SimpleNamespace(slots=x.slots, mask_slot=np.full(3, -1, np.int32)), 3)
+    assert int(h["mask_on"][0]) == 0  # no constrained row: no ring needed
+
+
 def test_load_step_writes_every_field_where_the_arena_has_it():
     """Engine.load_step over a host arena in plain memory: each field's bytes land at its layout offset."""
     d = Dims(max_seqs=4, max_num_batched_tokens=16, max_blocks_per_seq=5, block_size=16, num_blocks=50, max_context=80)
@@ -99,7 +123,15 @@ def test_load_step_writes_every_field_where_the_arena_has_it():
         elif f.extent == "1":
             assert (
                 int(got[0])
-                == {"num_seqs": 3, "num_tokens": 7, "step_seq": 77, "ext_on": 0, "plp_count": 0, "mask_on": 0}[f.name]
+                == {
+                    "num_seqs": 3,
+                    "num_tokens": 7,
+                    "step_seq": 77,
+                    "ext_on": 0,
+                    "plp_count": 0,
+                    "mask_on": 0,
+                    "ring_mask_words": 0,
+                }[f.name]
             )
         elif f.ext:
             assert not got.any(), f.name  # not read while ext_on is 0
