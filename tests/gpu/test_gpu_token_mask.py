@@ -82,7 +82,7 @@ def test_token_mask_reads_the_gate_and_the_bits_in_the_ring(rig, vocab, mask_wor
         z = cp.zeros(rows, cp.float32)
         rig.launch(
             "sample_tokens", (rows, 1, 1), (1024, 1, 1), logits=d["logits"], V=V, temperature=z,
-            top_p=cp.ones(rows, cp.float32), top_k=cp.zeros(rows, cp.int32), seeds=cp.zeros(rows, cp.uint64),
+            top_p=cp.ones(rows, cp.float32), top_k=cp.zeros(rows, cp.int32), seed=cp.zeros(rows, cp.uint64),
             sample_pos=d["pos"], out_tokens=out, num_seqs=n, proc=d["proc"], pen_row=d["pen_row"], min_p=z,
             ext_on=on, mask_on=on, mask_open=mask_open,
         )  # fmt: skip
