@@ -30,6 +30,7 @@ from blink.protocol.layout import BLOCK_KEY_WORDS, SLOT_DTYPE, RingView
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 ENGINE_INCLUDE = pathlib.Path(__file__).resolve().parents[1] / "engine" / "include"
+ENGINE_SYS_MEMORY = ENGINE_INCLUDE.parent / "csrc" / "sys_memory.cuh"  # ring loads and stores, shared with sampling.cu
 CTL_HEADER_PATH = CSRC / "scheduler_ctl.cuh"
 SOURCES = (
     "scheduler.cu",
@@ -164,7 +165,7 @@ def render_ctl_header() -> str:
 # cuModuleGetFunction with CUDA_ERROR_INVALID_IMAGE: its unified function tables stay unresolved.
 UNIT = Unit(
     CSRC / SOURCES[0],
-    (*(CSRC / s for s in SOURCES[1:]), CSRC / "blink_ring.h", ENGINE_INCLUDE / "blink_engine.h"),
+    (*(CSRC / s for s in SOURCES[1:]), CSRC / "blink_ring.h", ENGINE_INCLUDE / "blink_engine.h", ENGINE_SYS_MEMORY),
     ("-ewp", "-lineinfo"),
 )
 

@@ -37,6 +37,7 @@
 // logit_bias: the row is sampled from the raw logits).
 #include "blink_ring.h"  // SAMPLING_EPS (blink/protocol/sampling_params.py)
 #include "common.cuh"
+#include "sys_memory.cuh"  // the gate's acquire (token_mask)
 
 using blink::SAMPLING_EPS;
 
@@ -396,18 +397,6 @@ extern "C" __global__ void sample_post(const float* __restrict__ logits, int V, 
 constexpr int MASK_TILE = 8192;  // 262,144 tokens a tile
 constexpr int MASK_THREADS = 1024;
 
-__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 extern "C" __global__ void __launch_bounds__(MASK_THREADS)
     token_mask(float* __restrict__ logits, float* __restrict__ proc, int V, const int* __restrict__ pen_row,
                const uint64_t* __restrict__ mask_gate, const uint64_t* __restrict__ mask_bits,
@@ -423,7 +412,7 @@ extern "C" __global__ void __launch_bounds__(MASK_THREADS)
     return;
   }
   if (tid == 0) {
-    open = ld_acquire_sys((const uint32_t*)mask_gate[s]) == sample_pos[s] + 1u;
+    open = blink::ld_acq_sys((const uint32_t*)mask_gate[s]) == sample_pos[s] + 1u;
     mask_open[s] = open;
   }
   __syncthreads();
@@ -438,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(MASK_THREADS)
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int w = w0 + tid + k * MASK_THREADS;
-      v[k] = tid + k * MASK_THREADS < nw && w < W ? ld_relaxed_sys(m + w) : 0u;
+      v[k] = tid + k * MASK_THREADS < nw && w < W ? blink::ld_sys(m + w) : 0u;
     }
 #pragma unroll
     for (int k = 0; k < U; ++k)

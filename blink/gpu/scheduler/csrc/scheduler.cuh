@@ -1,4 +1,5 @@
-// Blink GPU-resident scheduler: memory-ordering primitives, per-row state, block-wide helpers.
+// Blink GPU-resident scheduler: per-row state, block-wide helpers (the memory-ordering primitives are
+// sys_memory.cuh's).
 //
 // Memory model. The ring is host memory mapped into the device (cudaHostRegister, device pointer
 // == host pointer). GPU atomics on it are not atomic with respect to the host, so every ring word
@@ -17,6 +18,7 @@
 #include "blink_ring.h"
 #include "scheduler_budget.cuh"
 #include "scheduler_ctl.cuh"
+#include "sys_memory.cuh"  // ld_sys, ld_acq_sys, st_rel_sys, ... (blink/gpu/engine/csrc)
 
 namespace blink {
 
@@ -27,44 +29,6 @@ __device__ __forceinline__ u64 gtime() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-__device__ __forceinline__ uint32_t ld_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ u64 ld_sys64(const void* p) {
-  u64 v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint32_t ld_acq_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ u64 ld_acq_sys64(const void* p) {
-  u64 v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ u64 ld_acq_gpu64(const void* p) {
-  u64 v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_sys64(void* p, u64 v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void st_rel_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_rel_gpu64(void* p, u64 v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 // One live sequence (running, or preempted and waiting for recompute). Rows are module globals:
 // only the kernel reads them, and they survive tail relaunches like every global.
 struct Row {
