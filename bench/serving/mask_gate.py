@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from bench.common import add_commit_arg, git_commit, metadata, short_device, smi_gpu_name, write_json
+from bench.common import add_commit_arg, write_json
+from bench.serving.structured import device_result
 from blink.config import BlinkConfig
 from blink.launch import device_spec, start_device
 from blink.protocol.layout import RingGeometry, SlotState
@@ -167,12 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     add_commit_arg(ap)
     a = ap.parse_args(argv)
-    commit = a.commit or git_commit()
-    gpu = "cpu" if a.device == "emulated" else smi_gpu_name()
-    result = metadata(commit, argv, gpu=gpu) | {"model": a.model, "device": a.device, "scheduler": a.scheduler}
+    result, where, commit = device_result(a, argv)
     result |= measure(a)
-    where = "emulated" if a.device == "emulated" else short_device(gpu)
-    write_json(os.path.join(a.results, f"mask_gate_{a.scheduler}-{where}-{commit[:7]}.json"), result)
+    write_json(os.path.join(a.results, f"mask_gate_{a.scheduler}-{where}-{commit}.json"), result)
     return 0
 
 

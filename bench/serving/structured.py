@@ -133,6 +133,14 @@ def device_runs(a: argparse.Namespace) -> dict:
     return out
 
 
+def device_result(a: argparse.Namespace, argv: list[str] | None) -> tuple[dict, str, str]:
+    """A device run's result metadata, the device part of its file name, and its short commit."""
+    commit = a.commit or git_commit()
+    gpu = "cpu" if a.device == "emulated" else smi_gpu_name()
+    result = metadata(commit, argv, gpu=gpu) | {"model": a.model, "device": a.device, "scheduler": a.scheduler}
+    return result, "emulated" if a.device == "emulated" else short_device(gpu), commit[:7]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="folder for the JSON result")
@@ -147,13 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     add_commit_arg(ap)
     a = ap.parse_args(argv)
-    commit = a.commit or git_commit()
-    gpu = "cpu" if a.device == "emulated" else smi_gpu_name()
-    result = metadata(commit, argv, gpu=gpu) | {"model": a.model, "device": a.device, "scheduler": a.scheduler}
+    result, where, commit = device_result(a, argv)
     result["mask"] = mask_times(a.mask_model or a.model, a.reps)
     result |= device_runs(a)
-    where = "emulated" if a.device == "emulated" else short_device(gpu)
-    name = f"structured_output_{a.scheduler}-{where}-{commit[:7]}.json"  # one file per scheduler
+    name = f"structured_output_{a.scheduler}-{where}-{commit}.json"  # one file per scheduler
     write_json(os.path.join(a.results, name), result)
     return 0
 
