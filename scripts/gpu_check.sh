@@ -25,7 +25,8 @@
 #   paper_prefix bench.paper.evaluate --quick --parts prefix (both schedulers), then its figure  (~7 min)
 #   serve32b     bench.serving.serve_check: Qwen3-32B's shape served end to end              (~3 min)
 #   structured   the conformance suite's token mask cases on the host loop, then
-#                bench.serving.structured (32 streams, random Llama-3-8B) per scheduler         (~10 min)
+#                bench.serving.structured and bench.serving.mask_gate (32 streams, random
+#                Llama-3-8B) per scheduler                                                     (~15 min)
 #   paper        bench.paper.evaluate --quick: the paper's evaluation, then its figures      (~10 min)
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
 #   fp8          bench.kernels.fp8_gemm (each projection's FP8 and bf16 paths, M = 1..4096), then bench.engine.throughput
@@ -203,6 +204,8 @@ if has structured; then
     tests/conformance/test_token_mask.py
   for sched in gpu host; do
     part "structured_$sched" 900 "$PY" -m bench.serving.structured "$DEST" --device cuda --scheduler "$sched" \
+      --streams 32 --commit "$COMMIT"
+    part "mask_gate_$sched" 600 "$PY" -m bench.serving.mask_gate "$DEST" --device cuda --scheduler "$sched" \
       --streams 32 --commit "$COMMIT"
   done
 fi
