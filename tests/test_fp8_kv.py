@@ -122,3 +122,14 @@ def test_smollm2_fp8_kv_greedy_agrees_with_the_bf16_cache():
     print(f"SmolLM2 fp8 KV: free-running {agree:.3f}, teacher-forced {tf_agree:.3f}")
     assert tf_agree >= 0.9, tf_agree
     assert float(np.abs(tf_lp - ref_lp).mean()) < 0.1
+
+
+def test_the_cuda_device_says_which_kv_cache_it_holds():
+    """The CUDA device's start-up line names the KV element type and counts its bytes (it said bf16 and
+    two bytes an element for an fp8 cache)."""
+    from blink.gpu.serve import kv_cache_line
+    from blink.models.config import preset
+
+    cfg = preset("llama3-8b")  # 32 layers x 8 KV heads x 128: 128 KiB a token in bf16
+    assert kv_cache_line(cfg, 8192, 16, "auto") == "KV cache: 8192 blocks of 16 tokens, 16.00 GiB (bf16)"
+    assert kv_cache_line(cfg, 8192, 16, "fp8") == "KV cache: 8192 blocks of 16 tokens, 8.00 GiB (fp8 e4m3)"

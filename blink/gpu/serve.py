@@ -20,6 +20,13 @@ from blink.protocol.wire import DeviceSpec
 SMALL_RANDOM_PARAMS = 1_000_000_000
 
 
+def kv_cache_line(mcfg: Any, num_blocks: int, block_size: int, kv_cache_dtype: str) -> str:
+    """The start-up line saying what the KV pool holds: blocks, GiB and element type."""
+    fp8 = kv_cache_dtype == "fp8"
+    gib = kv_gib(mcfg.num_layers, num_blocks, block_size, mcfg.num_kv_heads, mcfg.head_dim, 1 if fp8 else 2)
+    return f"KV cache: {num_blocks} blocks of {block_size} tokens, {gib:.2f} GiB ({'fp8 e4m3' if fp8 else 'bf16'})"
+
+
 def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -> Any:
     """The engine's settings for a spec: the one place they are derived. A step packs at least one
     token per sequence, so the token budget is raised to max_batch; the context is the model's
@@ -89,8 +96,7 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
             f"weights: {ecfg.quantization}, {engine.weights.nbytes / 2**30:.2f} GiB on the device; FP8 GEMV up to "
             f"{ecfg.fp8_gemv_max_tokens} decode tokens, then {engine.fwd.fp8_path}"
         )
-    gib = kv_gib(mcfg.num_layers, d.num_blocks, d.block_size, mcfg.num_kv_heads, mcfg.head_dim, 2)
-    phase(f"KV cache: {d.num_blocks} blocks of {d.block_size} tokens, {gib:.2f} GiB (bf16); capturing graphs")
+    phase(kv_cache_line(mcfg, d.num_blocks, d.block_size, ecfg.kv_cache_dtype) + "; capturing graphs")
     engine.capture()
     return engine
 
