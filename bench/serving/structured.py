@@ -13,7 +13,8 @@ Writes RESULTS_DIR/structured_output_<scheduler>-<h200|emulated>-<commit>.json w
   served model's tokenizer;
 - tpot: TPOT p50/mean (ms) of `--streams` concurrent streams of `--tokens` tokens, unconstrained
   (ignore_eos) vs constrained (a guided_regex of exactly `--tokens` letters: a mask every token);
-- beside: TPOT of the unconstrained streams alone vs with as many constrained streams beside them.
+- beside: TPOT of the unconstrained streams alone, beside as many constrained streams, and of twice as
+  many unconstrained streams (the same batch without constraints: what "beside" compares to).
 """
 
 from __future__ import annotations
@@ -123,11 +124,18 @@ def device_runs(a: argparse.Namespace) -> dict:
         free, _ = asyncio.run(run_streams(url, srv.model, n, 0, t))
         _, masked = asyncio.run(run_streams(url, srv.model, 0, n, t))
         beside, with_masked = asyncio.run(run_streams(url, srv.model, n, n, t))
+        # the same batch (2n streams) with no constraint at all: what the n beside n constrained compare to
+        same_batch, _ = asyncio.run(run_streams(url, srv.model, 2 * n, 0, t))
     finally:
         srv.stop()
     out = {
         "tpot": {"unconstrained": free, "constrained": masked},
-        "beside": {"unconstrained_alone": free, "unconstrained_beside_constrained": beside, "constrained": with_masked},
+        "beside": {
+            "unconstrained_alone": free,
+            "unconstrained_same_batch": same_batch,
+            "unconstrained_beside_constrained": beside,
+            "constrained": with_masked,
+        },
     }
     print(json.dumps(out), flush=True)
     return out
