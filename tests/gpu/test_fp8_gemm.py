@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fp8_steps import W8A8_REL_ERR, rel
 from kernel_rig import KernelRig
-from test_fp8_kernels import W8A8_REL_ERR
 
 from blink.models import fp8
 from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
@@ -132,16 +132,12 @@ def test_fp8_gemm_matches_the_w8a8_definition(gpu, scales, t, n, k):
 _KW = dict(num_blocks=256, block_size=8, max_batch=32, max_num_batched_tokens=512, max_blocks_per_seq=64)
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("path", ["auto", "dequant"])
 def test_fp8_engine_at_a_large_batch_matches_the_numpy_fp8_model(path):
     """32 sequences: a 384-token prefill step and 32-row decode steps (past the GEMV: W8A8 on "auto",
     weight-only on "dequant"), then 4-row decode steps (the FP8 GEMV), against the numpy FP8 model with
     the same step-size rule, and closer to it than to the bf16 model. W8A8 steps are held to
-    test_fp8_kernels.W8A8_REL_ERR (why: there), weight-only ones to bf16 rounding."""
+    fp8_steps.W8A8_REL_ERR (why: there), weight-only ones to bf16 rounding."""
     from blink.device.numpy_executor import NumpyExecutor
     from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.weights import random_bf16, random_weights
@@ -172,7 +168,7 @@ def test_fp8_engine_at_a_large_batch_matches_the_numpy_fp8_model(path):
         eng.step(b)
         mine = eng.logits(b.num_seqs)
         for e, ref, br in zip(errs, refs, b_refs, strict=True):
-            e.append(_rel(mine, ref.forward_logits(br)))
+            e.append(rel(mine, ref.forward_logits(br)))
     print(f"fp8 path {eng.fwd.fp8_path}: rel err vs numpy fp8 {errs[0]}, vs numpy bf16 {errs[1]}")
     assert max(errs[0]) < (W8A8_REL_ERR if path == "auto" else 2e-2), errs
     assert np.mean(errs[0]) < np.mean(errs[1]), errs

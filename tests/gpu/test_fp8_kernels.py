@@ -10,6 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 from checkpoints import write_fp8_hf_dir
+from fp8_steps import NUMPY_KW, W8A8_REL_ERR, check_w8a8, check_weight_only_moe, compare, rel, with_bf16_experts
 
 from blink.models import fp8
 from blink.models.bf16 import f32_to_bf16_bits
@@ -79,27 +80,13 @@ def test_dequant_kernel_is_bf16_of_value_times_scale(gpu, n, k):
     np.testing.assert_array_equal(cp.asnumpy(out), want)
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-# Steps past the GEMV round each activation to 3 mantissa bits, per token. Where the engine's bf16
-# activations and the numpy model's float32 ones straddle a rounding boundary the codes differ by a
-# quantum, and random-weight models amplify that: a numpy model fed bf16-rounded activations differs
-# from the definition by 4-12 % in the logits of tiny-llama, tiny-qwen2 and 4 layers of SmolLM2 (90
-# tokens, two sequences), as much as FP8 differs from bf16. So the engine's logits are held to a bound
-# that catches a wrong scale, operand or layout (errors near 100 %), and to being closer to the FP8
-# model than to the bf16 one; the GEMM's own accuracy is tested on identical operands (test_fp8_gemm.py).
-W8A8_REL_ERR = 0.25
-
-
-def _fp8_engine(cfg, tensors, max_seqs: int = 4):
+def _fp8_engine(cfg, tensors, max_seqs: int = 4, fp8_gemm: str = "auto"):
     from blink.gpu.engine.engine import Engine, EngineConfig
 
     buckets = tuple(b for b in (1, 2, 4, 8) if b <= max_seqs)
     ecfg = EngineConfig(
         max_seqs=max_seqs, max_num_batched_tokens=128, max_context=512, num_kv_blocks=64, block_size=8,
-        batch_buckets=buckets, token_buckets=(16, 128), progress=False, quantization="fp8",
+        batch_buckets=buckets, token_buckets=(16, 128), progress=False, quantization="fp8", fp8_gemm=fp8_gemm,
     )  # fmt: skip
     eng = Engine.create(cfg, ecfg, bf16_tensors=tensors)
     eng.capture()
@@ -107,32 +94,19 @@ def _fp8_engine(cfg, tensors, max_seqs: int = 4):
     return eng
 
 
-def _compare(eng, cfg, refs: list) -> list[list[float]]:
-    """Prefill chunks (past the GEMV: W8A8 on FP8 tensor cores) and decode steps of 1-2 sequences (the
-    FP8 GEMV), teacher-forced: the engine's logits' relative error against each numpy executor in `refs`."""
-    rng = np.random.default_rng(2)
-    p0, p1 = rng.integers(0, cfg.vocab_size, 70).tolist(), rng.integers(0, cfg.vocab_size, 40).tolist()
-    drivers = [PagedDriver(64, 8, 64, shuffle_seed=1) for _ in range(1 + len(refs))]
-    steps = [[(0, p0[:50]), (1, p1)], [(0, p0[50:])]]
-    steps += [[(0, [t]), (1, [u])] for t, u in zip(p0[:8], p1[:8], strict=True)] + [[(0, [t])] for t in p0[8:12]]
-    errs: list[list[float]] = [[] for _ in refs]
-    for chunks in steps:
-        b, *b_refs = (d.step(chunks) for d in drivers)
-        eng.step(b)
-        mine = eng.logits(b.num_seqs)
-        for e, ref, br in zip(errs, refs, b_refs, strict=True):
-            e.append(_rel(mine, ref.forward_logits(br)))
-    return errs
+def _engine_logits(eng):
+    def step(batch) -> np.ndarray:
+        eng.step(batch)
+        return eng.logits(batch.num_seqs)
 
-
-_KW = dict(num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=128, max_blocks_per_seq=64)
+    return step
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m", "tiny-qwen3-moe"])
 def test_fp8_engine_matches_the_numpy_fp8_model(name):
     """Quantized on the GPU at load: against the numpy model with the same FP8 weights, and closer
     to it than to the bf16 model (tiny-qwen3-moe: the experts too, on the pair, tile GEMV and
-    tensor-core _fp8 kernels)."""
+    tensor-core _fp8 kernels; held in the median: fp8_steps.check_w8a8)."""
     from blink.device.numpy_executor import NumpyExecutor
     from blink.models.weights import random_bf16, random_weights
 
@@ -141,11 +115,37 @@ def test_fp8_engine_matches_the_numpy_fp8_model(name):
         cfg = cfg.replace(num_layers=4)
     w = {k: fp8.as_device_weight(v) for k, v in random_weights(cfg, seed=5).items()}
     eng = _fp8_engine(cfg, random_bf16(cfg, seed=5))
-    refs = [NumpyExecutor(cfg, w, quantization="fp8", **_KW), NumpyExecutor(cfg, w, **_KW)]
-    errs, errs_bf16 = _compare(eng, cfg, refs)
-    print(f"{name} fp8: rel err vs numpy fp8 max {max(errs):.2e}, vs numpy bf16 mean {np.mean(errs_bf16):.2e}")
-    assert max(errs) < W8A8_REL_ERR, errs
-    assert np.mean(errs) < np.mean(errs_bf16), (errs, errs_bf16)
+    refs = [NumpyExecutor(cfg, w, quantization="fp8", **NUMPY_KW), NumpyExecutor(cfg, w, **NUMPY_KW)]
+    errs, errs_bf16 = compare(_engine_logits(eng), cfg, refs)
+    print(
+        f"{name} fp8: rel err vs numpy fp8 max {max(errs):.2e}, median {np.median(errs):.2e} {errs}, "
+        f"vs numpy bf16 mean {np.mean(errs_bf16):.2e}"
+    )
+    check_w8a8(cfg, errs, errs_bf16)
+    eng.close()
+
+
+def test_fp8_moe_engine_weight_only_matches_the_numpy_fp8_model():
+    """tiny-qwen3-moe weight-only in every step (fp8_gemm "dequant" past the GEMV; the experts' _fp8
+    kernels are W8A16 always) against the weight-only definition: bf16 rounding apart (no activation
+    code flips to move the routers), and closer to it than to the model with bf16 experts."""
+    from blink.device.numpy_executor import NumpyExecutor
+    from blink.models.weights import random_bf16, random_weights
+
+    cfg = preset("tiny-qwen3-moe")
+    w = {k: fp8.as_device_weight(v) for k, v in random_weights(cfg, seed=5).items()}
+    eng = _fp8_engine(cfg, random_bf16(cfg, seed=5), fp8_gemm="dequant")
+    assert eng.fwd.fp8_path == "dequant"
+    refs = [NumpyExecutor(cfg, w, quantization="fp8", **NUMPY_KW) for _ in range(2)]
+    for ref in refs:
+        ref.model.fp8_gemv_max_tokens = None  # weight-only at every size, as the engine on this path
+    with_bf16_experts(refs[1], NumpyExecutor(cfg, w, **NUMPY_KW))
+    errs, errs_bf16_experts = compare(_engine_logits(eng), cfg, refs)
+    print(
+        f"tiny-qwen3-moe fp8 weight-only: rel err vs numpy fp8 median {np.median(errs):.2e} {errs}, "
+        f"vs bf16 experts median {np.median(errs_bf16_experts):.2e}"
+    )
+    check_weight_only_moe(errs, errs_bf16_experts)
     eng.close()
 
 
@@ -160,7 +160,7 @@ def test_fp8_engine_decode_of_8_sequences_runs_the_tensor_core_kernel():
     cfg = preset("tiny-llama")
     w = {k: fp8.as_device_weight(v) for k, v in random_weights(cfg, seed=6).items()}
     eng = _fp8_engine(cfg, random_bf16(cfg, seed=6), max_seqs=8)
-    kw = {**_KW, "max_batch": 8}
+    kw = {**NUMPY_KW, "max_batch": 8}
     refs = [NumpyExecutor(cfg, w, quantization="fp8", **kw), NumpyExecutor(cfg, w, **kw)]
     rng = np.random.default_rng(3)
     drivers = [PagedDriver(64, 8, 64, shuffle_seed=1) for _ in range(3)]
@@ -173,7 +173,7 @@ def test_fp8_engine_decode_of_8_sequences_runs_the_tensor_core_kernel():
         mine = eng.logits(b.num_seqs)
         if i:  # the decode steps
             for e, ref, br in zip(errs, refs, b_refs, strict=True):
-                e.append(_rel(mine, ref.forward_logits(br)))
+                e.append(rel(mine, ref.forward_logits(br)))
         else:
             for ref, br in zip(refs, b_refs, strict=True):
                 ref.forward_logits(br)
@@ -192,7 +192,7 @@ def test_fp8_checkpoint_engine_matches_numpy(tmp_path, layout):
     write_fp8_hf_dir(tmp_path, preset("tiny-qwen2"), layout, seed=4)
     cfg, tensors = hf_dir_bf16(tmp_path)
     eng = _fp8_engine(cfg, tensors)
-    (errs,) = _compare(eng, cfg, [NumpyExecutor(cfg, load_hf_dir(tmp_path)[1], **_KW)])
+    (errs,) = compare(_engine_logits(eng), cfg, [NumpyExecutor(cfg, load_hf_dir(tmp_path)[1], **NUMPY_KW)])
     print(f"fp8 checkpoint ({layout}): rel err vs numpy max {max(errs):.2e}")
     assert max(errs) < W8A8_REL_ERR, errs
     eng.close()
