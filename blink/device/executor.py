@@ -114,5 +114,6 @@ class Executor(Protocol):
 # device beats its heartbeat there, as the GPU scheduler beats while it waits for a step's graph,
 # so a long step is not taken for a dead device.
 # An executor that samples on a device reading the ring itself (the CUDA host executor) offers
-# `map_ring(view)`: the ring device calls it once, and the device then reads each constrained row's
-# gate and bits from the ring at sampling (StepBatch mask fields) instead of calling mask_gate.
+# `map_ring(view)` and `unmap_ring()`: the ring device maps the ring when it starts serving and
+# releases it when it stops; in between the device reads each constrained row's gate and bits from
+# the ring at sampling (StepBatch mask fields) instead of calling mask_gate.

@@ -127,9 +127,6 @@ class RingDevice:
         self._t_first = slots["t_first_ns"]
         self._t_launch = slots["t_launch_ns"]
         self._mask_position = slots["mask_position"]
-        map_ring = getattr(executor, "map_ring", None)
-        if map_ring is not None:  # its sampler reads each constrained row's gate and bits from the ring
-            map_ring(view)
         self._cached_tokens = slots["cached_tokens"]
         # Counters continue from the header: a device restarted on the same ring keeps them monotonic.
         self.stats = {k: int(self.hdr[k]) for k in DEVICE_COUNTERS}
@@ -374,7 +371,20 @@ class RingDevice:
     # -- loop -------------------------------------------------------------------
     def run(self) -> DeviceStatus:
         """Serve until header.shutdown (1: finish in-flight requests, 2: cancel them); requests still
-        PREFILL_PENDING then stay unclaimed. Returns the final status (STOPPED; a fault raises)."""
+        PREFILL_PENDING then stay unclaimed. Returns the final status (STOPPED; a fault raises). An
+        executor whose sampler reads the ring itself (map_ring) has it mapped while this runs, and
+        released (unmap_ring) when it returns or raises."""
+        map_ring = getattr(self.ex, "map_ring", None)
+        if map_ring is not None:  # its sampler reads each constrained row's gate and bits from the ring
+            map_ring(self.view)
+        try:
+            return self._serve()
+        finally:
+            unmap_ring = getattr(self.ex, "unmap_ring", None)
+            if unmap_ring is not None:
+                unmap_ring()
+
+    def _serve(self) -> DeviceStatus:
         self._describe()
         last_active = time.monotonic()
         sleep_s = 10e-6

@@ -435,10 +435,11 @@ class Engine:
             h["plp_target"][:P] = x.targets[scored]
             h["plp_prompt_logprobs"][:P] = np.clip(x.column("prompt_logprobs")[seq_of[scored]], 0, MAX_LOGPROBS)
 
-    def map_ring(self, base: int, geo: RingGeometry) -> None:
+    def map_ring(self, base: int | None, geo: RingGeometry | None = None) -> None:
         """The ring's device address (mapped host memory) and geometry: the sampler of a host-launched
-        step reads each constrained row's gate and bits there (token_mask in sampling.cu)."""
-        self._ring = (base, geo)
+        step reads each constrained row's gate and bits there (token_mask in sampling.cu). None: the
+        ring is no longer mapped (a step with token masks is then refused)."""
+        self._ring = None if base is None else (base, geo)
 
     def _load_masks(self, x: Any, S: int) -> None:
         """The token mask fields of the step's constrained rows (mask_slot >= 0): the device addresses

@@ -48,17 +48,24 @@ class HostExecutor:
         step (blink.device.executor: the optional map_ring)."""
         from blink.gpu.toolchain import cudart
 
+        self.unmap_ring()
         ptr = int(np.frombuffer(view.buf, np.uint8).ctypes.data)
         self._registered = cudart.host_register(self.engine.driver, ptr, view.geo.total_bytes)
         self.engine.map_ring(self._registered, view.geo)
+
+    def unmap_ring(self) -> None:
+        """Release the ring's mapping (before the ring is unmapped: memory still registered when a later
+        ring lands at the same address would fail to register). The engine keeps serving other rings."""
+        if self._registered:
+            from blink.gpu.toolchain import cudart
+
+            self.engine.map_ring(None)
+            cudart.host_unregister(self.engine.driver, self._registered)
+            self._registered = 0
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         return self.engine.step(batch)
 
     def close(self) -> None:
-        if self._registered:
-            from blink.gpu.toolchain import cudart
-
-            cudart.host_unregister(self.engine.driver, self._registered)
-            self._registered = 0
+        self.unmap_ring()
         self.engine.close()
