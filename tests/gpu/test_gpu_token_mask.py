@@ -48,8 +48,11 @@ def test_token_mask_reads_the_gate_and_the_bits_in_the_ring(rig, vocab, mask_wor
     position = np.where(opened, sample_pos + 1, sample_pos).astype(np.uint32)  # mask_position per row
     keep = [_pinned(cp, masks), _pinned(cp, position)]
     (_, _, bits_at), (_, _, pos_at) = keep
-    gate = np.where(mask_of >= 0, pos_at + 4 * np.arange(rows), 0).astype(np.uint64)
-    bits = np.where(mask_of >= 0, bits_at + 4 * mask_words * np.maximum(mask_of, 0), 0).astype(np.uint64)
+    # device addresses (mask_gate, mask_bits: uint64 kernel parameters) computed in uint64: a 64-bit address
+    # plus an int32 array overflows int32 (numpy 2 keeps the array's type)
+    u, m = np.uint64, np.maximum(mask_of, 0).astype(np.uint64)
+    gate = np.where(mask_of >= 0, u(pos_at) + u(4) * np.arange(rows, dtype=u), u(0))
+    bits = np.where(mask_of >= 0, u(bits_at) + u(4 * mask_words) * m, u(0))
     d = {
         k: cp.asarray(v)
         for k, v in dict(logits=logits, proc=proc, pen_row=pen_row, gate=gate, bits=bits, pos=sample_pos).items()
