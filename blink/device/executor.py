@@ -37,7 +37,9 @@ class SamplingExt:
 
     params: Sequence[SamplingParams]  # (S,) the sequence's parameters
     slots: np.ndarray  # (S,) int32  the sequence's ring slot: the key of its penalty state
-    fresh: np.ndarray  # (S,) bool  a new sequence on that slot: its penalty state starts empty
+    # (S,) bool  a new sequence's chunk at position 0: its penalty state starts empty (a request that starts
+    # from cached prompt blocks has no such chunk; a penalized one, the only kind that reads it, never does)
+    fresh: np.ndarray
     emit: np.ndarray  # (S,) bool  the step's sample is published (a mid-prompt chunk's is not)
     targets: np.ndarray  # (T,) int32  the prompt token packed token i's logits score (-1: none)
     mask_slot: np.ndarray = field(default=None)  # type: ignore[assignment]  (S,) int32  -1: unconstrained

@@ -9,7 +9,6 @@ scheduler must deliver the host loop's records."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import operator
 import os
@@ -17,11 +16,11 @@ import threading
 
 import numpy as np
 import pytest
+import ring_replay
 from conformance.client import RingClient
 
-from blink.device.sampling import PenaltyState, logprob_record, process_logits, sample_row
-from blink.dpu.request_tracker import RequestTracker
-from blink.protocol.layout import MAX_LOGPROBS, DeviceFeatures, DeviceStatus, FinishReason, RingGeometry
+from blink.device.sampling import logprob_record
+from blink.protocol.layout import DeviceFeatures, DeviceStatus, FinishReason, RingGeometry
 from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import SubmitRequest
@@ -90,33 +89,8 @@ def _serve(engine, reqs, max_num_batched_tokens=64, scheduler="host", sequential
         gpu = GpuScheduler(engine, t.view(), GpuSchedulerConfig(max_num_batched_tokens=max_num_batched_tokens))
         gpu.start()
 
-    async def run():
-        tr = RequestTracker(t)
-        await tr.start()
-        try:
-            for _ in range(1000):
-                if int(tr.reader.header["device_status"]) == DeviceStatus.READY:
-                    break
-                await asyncio.sleep(0.01)
-            feats = DeviceFeatures(int(tr.reader.header["features"]))
-
-            async def one(r):
-                ids, lps, fin, plps = [], [], None, None
-                async for ev in await tr.submit(r):
-                    ids += ev.token_ids
-                    lps += ev.logprobs
-                    fin = ev.finish_reason
-                    plps = ev.prompt_logprobs if plps is None else plps
-                return (ids, lps, fin, plps) if prompt else (ids, lps, fin)
-
-            if sequential:  # one request at a time: every step has one row, the same in both loops
-                return feats, [await one(r) for r in reqs]
-            return feats, await asyncio.gather(*(one(r) for r in reqs))
-        finally:
-            await tr.close()
-
     try:
-        feats, outs = asyncio.run(run())
+        feats, outs = ring_replay.deliver(t, reqs, sequential, prompt)
     finally:
         if gpu is not None:
             assert gpu.stop() == DeviceStatus.STOPPED
@@ -128,49 +102,6 @@ def _serve(engine, reqs, max_num_batched_tokens=64, scheduler="host", sequential
     return feats, outs, ex.steps if ex is not None else None
 
 
-def _replay(steps, vocab):
-    """The definition over the recorded raw logits; asserts each sampled token, returns the logprob
-    records of each served sequence that asked for them: one run per (slot, fresh start), a list of
-    (token, logprob, ids, lps) in output order."""
-    states: dict[int, PenaltyState] = {}
-    runs: list[list] = []
-    current: dict[int, list] = {}
-    for batch, logits, toks in steps:
-        x = batch.ext
-        for s in range(batch.num_seqs):
-            if x is not None and x.fresh[s]:
-                current[int(x.slots[s])] = []
-                runs.append(current[int(x.slots[s])])
-            if x is None:
-                assert toks[s] == sample_row(
-                    logits[s], float(batch.temperature[s]), float(batch.top_p[s]), int(batch.top_k[s]),
-                    int(batch.seed[s]), int(batch.sample_pos[s]),
-                )  # fmt: skip
-                continue
-            slot, sp = int(x.slots[s]), x.params[s]
-            st = None
-            if sp.penalized:
-                if x.fresh[s] or slot not in states:
-                    states[slot] = PenaltyState(vocab)
-                st = states[slot]
-                st.mark(batch.input_ids[batch.cu_q_lens[s] : batch.cu_q_lens[s + 1]])
-            proc = process_logits(
-                logits[s], *x.logit_bias(s), st, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
-            )
-            want = sample_row(
-                proc, float(batch.temperature[s]), float(batch.top_p[s]), int(batch.top_k[s]), int(batch.seed[s]),
-                int(batch.sample_pos[s]), sp.min_p,
-            )  # fmt: skip
-            assert toks[s] == want, (slot, int(batch.sample_pos[s]))
-            if x.emit[s]:
-                if st is not None:
-                    st.add(int(toks[s]))
-                if sp.logprobs >= 0:
-                    rec = logprob_record(logits[s], int(toks[s]), sp.logprobs)
-                    current[slot].append((int(toks[s]), *rec))
-    return [r for r in runs if r]
-
-
 def test_features_and_plain_steps_keep_ext_off(engine):
     reqs = [SubmitRequest(i, [5, 6, 7, 8 + i], 6, sampling=SamplingParams(temperature=0.8, seed=i)) for i in range(3)]
     feats, outs, steps = _serve(engine, reqs)
@@ -178,62 +109,20 @@ def test_features_and_plain_steps_keep_ext_off(engine):
     assert all(fin == FinishReason.LENGTH and len(ids) == 6 for ids, _, fin in outs)
     assert all(b.ext is None for b, _, _ in steps)
     assert int(engine.arena.host["ext_on"][0]) == 0
-    _replay(steps, engine.config.vocab_size)
+    ring_replay.replay(steps, engine.config.vocab_size)
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [64, 7])  # 7: prompts prefilled in chunks (fresh only on the first)
 def test_extensions_match_the_definition_on_the_engines_logits(engine, max_num_batched_tokens):
     V = engine.config.vocab_size
-    _, cases = _cases(V)
-    reqs = _requests(V)
+    _, cases = ring_replay.cases(V)
+    reqs = ring_replay.requests(V)
     # two rounds: the second runs on slots the first used (penalty state and logit_bias are reset)
     feats, outs, steps = _serve(engine, reqs + reqs[::-1], max_num_batched_tokens=max_num_batched_tokens)
     assert any(b.ext is not None for b, _, _ in steps)
-    runs = _replay(steps, V)  # every sampled token equals the definition's on the same logits
+    runs = ring_replay.replay(steps, V)  # every sampled token equals the definition's on the same logits
     assert outs[4][0] == [300] * 14  # logit_bias reaches the graph
-    n_with = 0
-    for c, (ids, lps, fin) in zip(cases + cases[::-1], outs, strict=True):
-        assert fin == FinishReason.LENGTH and len(ids) == 14
-        if "logprobs" not in c:
-            assert not lps
-            continue
-        n = c["logprobs"]
-        assert len(lps) == 14 and all(len(rec.top_ids) == n for rec in lps)
-        # The delivered records are those the definition gives for one served sequence of these tokens,
-        # record for record. (Matching each record alone by its ids and logprob is ambiguous: greedy rows
-        # of the tiny model put ~all mass on the chosen token at every position (logprob ~ -5e-14 within
-        # 1e-4 of any other) and keep the same top ids, so it compared records of different positions.)
-        assert any(_same_records(lps, ids, run, n) for run in runs), (c, ids, [list(map(_rec_key, r)) for r in runs])
-        for rec in lps:
-            assert rec.logprob <= 0.0 and (n == 0 or rec.top_logprobs[0] >= rec.logprob - 1e-6)
-            n_with += 1
-    assert n_with == 2 * 14 * 4 and MAX_LOGPROBS == 20
-
-
-def _rec_key(r):
-    return r[0], r[2].tolist()
-
-
-def _same_records(lps, ids, run, n) -> bool:
-    """The ring's records of a sequence (with its tokens ids) equal the definition's run."""
-    if len(run) != len(lps) or [t for t, *_ in run] != ids:
-        return False
-    for rec, (_, lp, top, top_lp) in zip(lps, run, strict=True):
-        if rec.top_ids != top.tolist() or abs(rec.logprob - lp) > 1e-4:
-            return False
-        if not np.allclose(rec.top_logprobs, top_lp[:n], rtol=0, atol=1e-4):
-            return False
-    return True
-
-
-def _requests(V):
-    prompt, cases = _cases(V)
-    reqs = []
-    for i, c in enumerate(cases):
-        c = dict(c)
-        t = c.pop("temperature", 0.0)
-        reqs.append(SubmitRequest(i, prompt, 14, stop_ids=[], sampling=SamplingParams(temperature=t, **c)))
-    return reqs
+    ring_replay.check_records(cases + cases[::-1], outs, runs)
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [64, 7])
@@ -242,10 +131,10 @@ def test_gpu_scheduler_gives_the_host_loops_tokens_and_records(engine, max_num_b
     logprob arena itself: one request at a time (the same one-row steps in both loops), every token
     and every logprob record equals the host loop's (which test_extensions_match_... ties to the
     definition). Twice through: the second round reuses the slots."""
-    reqs = _requests(engine.config.vocab_size)
+    reqs = ring_replay.requests(engine.config.vocab_size)
     reqs = reqs + reqs[::-1]
     f_host, host, steps = _serve(engine, reqs, max_num_batched_tokens, "host", sequential=True)
-    _replay(steps, engine.config.vocab_size)
+    ring_replay.replay(steps, engine.config.vocab_size)
     f_gpu, gpu, _ = _serve(engine, reqs, max_num_batched_tokens, "gpu", sequential=True)
     assert f_gpu == f_host == EVERY
     assert gpu[4][0] == [300] * 14
@@ -289,26 +178,10 @@ def test_gpu_scheduler_refuses_bad_prompt_records_and_bad_bias(engine):
         t.unlink()
 
 
-def _cases(V):
-    rng = np.random.default_rng(11)
-    prompt = rng.integers(3, V, 19).tolist()
-    cases = [
-        dict(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.4, logit_bias=[(44, 2.5), (90, -3.0)],
-             logprobs=5),
-        dict(repetition_penalty=3.0, temperature=1.0, seed=3, logprobs=20),
-        dict(frequency_penalty=2.0, temperature=0.9, top_p=0.9, min_p=0.05, seed=4),
-        dict(presence_penalty=-2.0, temperature=1.0, top_k=30),
-        dict(logit_bias=[(300, 100.0)], logprobs=0),
-        dict(min_p=0.3, temperature=1.0, seed=7, logprobs=2),
-        dict(temperature=0.7, seed=9),  # no extension, batched with rows that have them
-    ]  # fmt: skip
-    return prompt, cases
-
-
 def _prompt_requests(V):
     """Prompt logprob requests of every shape: alternatives 0, 5 and 20 (one with generated logprobs
     too, one sampled), and a request without, to share steps with them."""
-    prompt, _ = _cases(V)
+    prompt, _ = ring_replay.cases(V)
     rng = np.random.default_rng(12)
     long = rng.integers(3, V, 45).tolist()
     return [
@@ -404,7 +277,7 @@ def test_extreme_parameters_through_the_ring(engine, scheduler):
     reqs = [SubmitRequest(i, prompt, 8, stop_ids=[], sampling=SamplingParams(**c)) for i, c in enumerate(cases)]
     _, host, steps = _serve(engine, reqs, 64, "host", sequential=True)
     with np.errstate(over="ignore"):
-        _replay(steps, V)
+        ring_replay.replay(steps, V)
     outs = host
     if scheduler == "gpu":
         _, outs, _ = _serve(engine, reqs, 64, "gpu", sequential=True)
