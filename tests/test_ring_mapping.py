@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -89,10 +90,12 @@ def test_memory_registered_outside_the_bookkeeping_is_an_error(drv):
     assert cudart.host_references(ptr) == 0
 
 
-def _host_executor(drv, mapped: list) -> HostExecutor:
-    """A HostExecutor over an engine that only records which ring its sampler reads (map_ring)."""
+def _host_executor(drv, mapped: list, bound: list | None = None) -> HostExecutor:
+    """A HostExecutor over an engine that only records which ring its sampler reads (map_ring) and the
+    threads it bound its context to (bind_thread)."""
     ex = object.__new__(HostExecutor)
-    ex.engine = SimpleNamespace(driver=drv, map_ring=lambda base, geo=None: mapped.append(base))
+    bind = (lambda: bound.append(threading.get_ident())) if bound is not None else (lambda: None)
+    ex.engine = SimpleNamespace(driver=drv, map_ring=lambda base, geo=None: mapped.append(base), bind_thread=bind)
     ex.vocab_size, ex.max_context, ex.block_size, ex.num_blocks = 64, 64, 16, 16
     ex.max_batch, ex.max_num_batched_tokens, ex.features = 4, 64, DeviceFeatures.TOKEN_MASK
     ex._registered = 0
@@ -115,6 +118,26 @@ def test_the_host_loop_releases_the_ring_when_it_stops_serving(drv):
             assert mapped == [base, None] and base and not drv.lib.registered
             assert cudart.host_references(base) == 0
         assert drv.lib.calls == ["register", "unregister"] * 2
+    finally:
+        t.close()
+        t.unlink()
+
+
+def test_the_host_loop_binds_its_context_in_the_thread_that_maps_the_ring(drv):
+    """RingDevice.run maps the ring in the thread it serves from (tests serve from a thread of their own):
+    the engine's context is bound in that thread before the driver registers the ring (without it the
+    registration found no current context on the GPU)."""
+    t = ShmTransport.create(f"blink-test-bind-{os.getpid()}", RingGeometry(4, 4 * 256, 16))
+    try:
+        view = t.view()
+        view.header["shutdown"] = 2
+        mapped: list = []
+        bound: list = []
+        ex = _host_executor(drv, mapped, bound)
+        th = threading.Thread(target=lambda: RingDevice(view, ex).run())
+        th.start()
+        th.join(10)
+        assert bound == [th.ident] and mapped[0] and drv.lib.calls == ["register", "unregister"]
     finally:
         t.close()
         t.unlink()

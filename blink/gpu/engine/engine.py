@@ -435,6 +435,18 @@ class Engine:
             h["plp_target"][:P] = x.targets[scored]
             h["plp_prompt_logprobs"][:P] = np.clip(x.column("prompt_logprobs")[seq_of[scored]], 0, MAX_LOGPROBS)
 
+    @staticmethod
+    def bind_thread() -> None:
+        """Make the device's primary context current in the calling thread. Driver API calls (the ring's
+        registration) from a thread that has made no CUDA runtime call yet would find no context
+        (CUDA_ERROR_INVALID_CONTEXT); cudaSetDevice makes the primary context current, cudaFree(0)
+        makes sure it exists."""
+        import cupy as cp
+
+        rt = cp.cuda.runtime
+        rt.setDevice(rt.getDevice())
+        rt.free(0)
+
     def map_ring(self, base: int | None, geo: RingGeometry | None = None) -> None:
         """The ring's device address (mapped host memory) and geometry: the sampler of a host-launched
         step reads each constrained row's gate and bits there (token_mask in sampling.cu). None: the

@@ -48,6 +48,7 @@ class HostExecutor:
         step (blink.device.executor: the optional map_ring)."""
         from blink.gpu.toolchain import cudart
 
+        self.engine.bind_thread()  # RingDevice.run calls this first thing, maybe in a thread of its own
         self.unmap_ring()
         ptr = int(np.frombuffer(view.buf, np.uint8).ctypes.data)
         self._registered = cudart.host_register(self.engine.driver, ptr, view.geo.total_bytes)
