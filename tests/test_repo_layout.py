@@ -12,6 +12,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 80
+# CUDA math kernels whose body is one pipeline (tiles in flight, one register budget): kept whole,
+# see docs/decisions.md (Engine, "CUDA function length").
+WHOLE_CUDA_FUNCTIONS = {
+    "attn_flash_impl",
+    "attn_flashmma_impl",
+    "attn_prefill_fa2_impl",
+    "gemv_fused_impl",
+    "moe_expert_mma_impl",
+    "rope_kv_write_impl",
+}
+CUDA_NOT_A_FUNCTION = re.compile(r"^(#|//|/\*|\*|}|namespace\b|struct\b|class\b|union\b|enum\b|typedef\b|using\b)")
+CUDA_ATTRIBUTES = {"__launch_bounds__", "__align__", "__attribute__", "alignas", "decltype"}
 NAME = re.compile(r"^[a-z0-9_]+-(h200|2xh200|emulated)-[0-9a-f]{7}\.(json|log|png)$")
 
 
@@ -86,6 +98,42 @@ def _too_long(root: Path) -> list[str]:
     return out
 
 
+def _cuda_functions(text: str) -> list[tuple[str, int, int]]:
+    """(name, first line, lines) of each function defined at column 0 of a CUDA/C source: its
+    signature (a template line and indented continuation lines included) through the first "}"
+    alone on a line after it. Macro bodies, structs and their members are not counted."""
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        if not lines[i] or lines[i][0].isspace() or CUDA_NOT_A_FUNCTION.match(lines[i]):
+            i += 1
+            continue
+        j, head = i, lines[i]
+        while "{" not in head and not head.rstrip().endswith(";") and j + 1 < len(lines):
+            if not (lines[j + 1][:1].isspace() or lines[j].startswith("template")):
+                break
+            j += 1
+            head += " " + lines[j].strip()
+        stmt = re.sub(r"^template\s*<[^>]*>\s*", "", head)
+        names = [n for n in re.findall(r"([A-Za-z_]\w*)\s*\(", stmt) if n not in CUDA_ATTRIBUTES]
+        end = next((k for k in range(j + 1, len(lines)) if lines[k] == "}"), None)
+        if not head.rstrip().endswith("{") or "=" in stmt.split("(")[0] or not names or end is None:
+            i = j + 1
+            continue
+        out.append((names[0], i + 1, end - i + 1))
+        i = end + 1
+    return out
+
+
+def _too_long_cuda(root: Path) -> list[str]:
+    """Every CUDA/C function under root over MAX_FUNCTION_LINES but those of WHOLE_CUDA_FUNCTIONS."""
+    return [
+        f"{path.relative_to(root)}:{line} {name}: {n} lines"
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh", ".h"))
+        for name, line, n in _cuda_functions(path.read_text())
+        if n > MAX_FUNCTION_LINES and name not in WHOLE_CUDA_FUNCTIONS
+    ]
+
+
 def test_blink_has_no_file_over_600_lines_and_no_function_over_80():
     assert _too_long(ROOT / "blink") == []
 
@@ -97,3 +145,23 @@ def test_the_length_check_finds_a_long_file_and_a_long_function(tmp_path: Path):
     (tmp_path / "big.py").write_text("x = 1\n" * (MAX_FILE_LINES + 1))
     (tmp_path / "ok.py").write_text("def h():\n" + body[: body.index("\n") + 1] * (MAX_FUNCTION_LINES - 1))
     assert _too_long(tmp_path) == ["big.py: 601 lines", "pkg/long.py:2 f: 82 lines"]
+
+
+def test_blink_has_no_cuda_function_over_80_but_the_whole_math_kernels():
+    assert _too_long_cuda(ROOT / "blink") == []
+    found = {name for p in ROOT.joinpath("blink").rglob("*.cu*") for name, _, _ in _cuda_functions(p.read_text())}
+    assert WHOLE_CUDA_FUNCTIONS <= found  # the list names functions that exist
+
+
+def test_the_cuda_length_check_finds_a_long_function(tmp_path: Path):
+    lines = [f"  x[{i}] = {i};\n" for i in range(MAX_FUNCTION_LINES)]
+    body, short = "".join(lines), "".join(lines[:-3])  # ok: exactly 80 lines
+    (tmp_path / "k.cu").write_text(
+        "#define M(N) \\\n  __global__ void m##N() { \\\n  }\n"  # a macro body: not counted
+        "struct S {\n  int f() {\n" + body + "  }\n};\n"  # a member: not counted
+        'extern "C" __global__ void __launch_bounds__(256)\n    long_kernel(int* x) {\n' + body + "}\n"
+        "template <int N>\n__device__ __forceinline__ void ok(int* x) {\n" + short + "}\n"
+        "template <int N>\n__device__ void attn_flash_impl(int* x) {\n" + body + "}\n"
+    )
+    assert _cuda_functions((tmp_path / "k.cu").read_text())[0][0] == "long_kernel"
+    assert _too_long_cuda(tmp_path) == ["k.cu:88 long_kernel: 83 lines"]

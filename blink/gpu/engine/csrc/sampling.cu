@@ -440,6 +440,134 @@ extern "C" __global__ void __launch_bounds__(MASK_THREADS)
   }
 }
 
+// One row's probability of token i at temperature T, from the softmax pieces zmax (the max of
+// z = logit / T) and denom; the helpers below take (row, T, zmax, denom) under these names.
+#define PROB(i) (expf(nan_low(row[(i)]) / T - zmax) / denom)
+
+// top-k threshold: the k-th largest probability, by four 8-bit radix passes over its bits (0 < k < V).
+__device__ __forceinline__ float top_k_threshold(const float* row, float T, float zmax, float denom, int V, int k,
+                                                 int tid, SampleShared& sh) {
+  unsigned int prefix = 0, mask = 0;
+  int remaining = k;
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    for (int b = tid; b < 256; b += SB) sh.hist[b] = 0;
+    __syncthreads();
+    for (int i = tid; i < V; i += SB) {
+      const unsigned int bits = __float_as_uint(PROB(i));
+      if ((bits & mask) == prefix) atomicAdd(&sh.hist[(bits >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int cum = 0, sel = 0;
+      for (int b = 255; b >= 0; --b) {
+        if (sh.hist[b] > 0 && cum + (int)sh.hist[b] >= remaining) {
+          sel = b;
+          break;
+        }
+        cum += sh.hist[b];
+      }
+      sh.sel = sel;
+      sh.iscratch[0] = remaining - cum;
+    }
+    __syncthreads();
+    prefix |= (unsigned int)sh.sel << shift;
+    mask |= 255u << shift;
+    remaining = sh.iscratch[0];
+    __syncthreads();
+  }
+  return __uint_as_float(prefix);
+}
+
+// top-p threshold (tp < 1): the smallest probability whose mass from the top, among the tokens that
+// pass kth and mthr, reaches tp of theirs; four 8-bit radix passes over the bits of p.
+__device__ __forceinline__ float top_p_threshold(const float* row, float T, float zmax, float denom, int V, float tp,
+                                                 float kth, float mthr, int tid, SampleShared& sh) {
+  double kept = 0.0;
+  for (int i = tid; i < V; i += SB) {
+    const float p = PROB(i);
+    if (p >= kth && p >= mthr) kept += (double)p;
+  }
+  const double target = (double)tp * block_sum_d(kept, sh);
+  unsigned int prefix = 0, mask = 0;
+  double above = 0.0;
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    for (int b = tid; b < 256; b += SB) sh.mhist[b] = 0.0;
+    __syncthreads();
+    for (int i = tid; i < V; i += SB) {
+      const float p = PROB(i);
+      const unsigned int bits = __float_as_uint(p);
+      if (p >= kth && p >= mthr && (bits & mask) == prefix) atomicAdd(&sh.mhist[(bits >> shift) & 255u], (double)p);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      double cum = above;
+      int sel = -1, lowest = 0;
+      for (int b = 255; b >= 0; --b) {
+        if (sh.mhist[b] > 0.0) {
+          lowest = b;
+          if (cum + sh.mhist[b] >= target) {
+            sel = b;
+            break;
+          }
+          cum += sh.mhist[b];
+        }
+      }
+      if (sel < 0) {  // rounding left the target unreached: take the lowest nonempty bin
+        sel = lowest;
+        cum -= sh.mhist[lowest];
+      }
+      sh.sel = sel;
+      sh.above = cum;
+    }
+    __syncthreads();
+    prefix |= (unsigned int)sh.sel << shift;
+    mask |= 255u << shift;
+    above = sh.above;
+    __syncthreads();
+  }
+  return __uint_as_float(prefix);
+}
+
+// Exclusive block scan of each thread's kept mass `local` (inc: its inclusive warp scan); leaves the
+// block's total kept mass in sh.above and sh.winner at "none". Returns the thread's exclusive prefix.
+__device__ __forceinline__ double kept_mass_prefix(double local, int tid, int lane, int warp, SampleShared& sh) {
+  double inc = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const double y = __shfl_up_sync(FULL_MASK, inc, o);
+    if (lane >= o) inc += y;
+  }
+  __syncthreads();  // dscratch may still be read by an earlier reduction
+  if (lane == 31) sh.dscratch[warp] = inc;
+  if (tid == 0) sh.winner = 0x7fffffff;
+  __syncthreads();
+  if (warp == 0) {
+    double w = sh.dscratch[lane];
+    double wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const double y = __shfl_up_sync(FULL_MASK, wi, o);
+      if (lane >= o) wi += y;
+    }
+    sh.dscratch[lane] = wi - w;  // exclusive prefix of warp totals
+  }
+  __syncthreads();
+  const double excl = sh.dscratch[warp] + inc - local;
+  // total kept mass = exclusive prefix of the last thread + its local sum
+  if (tid == SB - 1) sh.above = excl + local;
+  __syncthreads();
+  return excl;
+}
+
+// u in [0, 1): 24 bits of splitmix64(seed ^ (position + 1) * golden ratio) for row s.
+__device__ __forceinline__ double uniform_draw(const uint64_t* seed, const uint32_t* sample_pos, int s) {
+  const uint64_t kk = (uint64_t)sample_pos[s];
+  const uint64_t r = splitmix64_s(seed[s] ^ ((kk + 1ull) * 0x9E3779B97F4A7C15ull));
+  return (double)(r >> 40) * (1.0 / 16777216.0);
+}
+
 // proc / pen_row / min_p: read only when ext_on is non-null and *ext_on (the step uses an extension):
 // rows with pen_row[s] >= 0 then sample from proc (logits_ext's output), min_p applies; otherwise
 // every row samples from the logits with min_p 0. With ext_on and mask_on, a row whose gate token_mask
@@ -480,100 +608,14 @@ extern "C" __global__ void __launch_bounds__(SB)
   double esum = 0.0;
   for (int i = tid; i < V; i += SB) esum += (double)expf(nan_low(row[i]) / T - zmax);
   const float denom = (float)block_sum_d(esum, sh);
-#define PROB(i) (expf(nan_low(row[(i)]) / T - zmax) / denom)
   // min_p: p >= min_p * max p, and max p = expf(0) / denom
-  const float mp = ext ? min_p[s] : 0.f;
-  const float mthr = mp > 0.f ? __fmul_rn(mp, 1.f / denom) : 0.f;
-
-  // top-k threshold
-  float kth = 0.f;
+  const float mp = ext ? min_p[s] : 0.f, mthr = mp > 0.f ? __fmul_rn(mp, 1.f / denom) : 0.f;
   const int k = top_k[s];
-  if (k > 0 && k < V) {
-    unsigned int prefix = 0, mask = 0;
-    int remaining = k;
-    for (int pass = 0; pass < 4; ++pass) {
-      const int shift = 24 - 8 * pass;
-      for (int b = tid; b < 256; b += SB) sh.hist[b] = 0;
-      __syncthreads();
-      for (int i = tid; i < V; i += SB) {
-        const unsigned int bits = __float_as_uint(PROB(i));
-        if ((bits & mask) == prefix) atomicAdd(&sh.hist[(bits >> shift) & 255u], 1u);
-      }
-      __syncthreads();
-      if (tid == 0) {
-        int cum = 0, sel = 0;
-        for (int b = 255; b >= 0; --b) {
-          if (sh.hist[b] > 0 && cum + (int)sh.hist[b] >= remaining) {
-            sel = b;
-            break;
-          }
-          cum += sh.hist[b];
-        }
-        sh.sel = sel;
-        sh.iscratch[0] = remaining - cum;
-      }
-      __syncthreads();
-      prefix |= (unsigned int)sh.sel << shift;
-      mask |= 255u << shift;
-      remaining = sh.iscratch[0];
-      __syncthreads();
-    }
-    kth = __uint_as_float(prefix);
-  }
-  // top-p threshold
-  float tau = 0.f;
-  const float tp = top_p[s];
-  if (tp < 1.f) {
-    double kept = 0.0;
-    for (int i = tid; i < V; i += SB) {
-      const float p = PROB(i);
-      if (p >= kth && p >= mthr) kept += (double)p;
-    }
-    const double target = (double)tp * block_sum_d(kept, sh);
-    unsigned int prefix = 0, mask = 0;
-    double above = 0.0;
-    for (int pass = 0; pass < 4; ++pass) {
-      const int shift = 24 - 8 * pass;
-      for (int b = tid; b < 256; b += SB) sh.mhist[b] = 0.0;
-      __syncthreads();
-      for (int i = tid; i < V; i += SB) {
-        const float p = PROB(i);
-        const unsigned int bits = __float_as_uint(p);
-        if (p >= kth && p >= mthr && (bits & mask) == prefix) atomicAdd(&sh.mhist[(bits >> shift) & 255u], (double)p);
-      }
-      __syncthreads();
-      if (tid == 0) {
-        double cum = above;
-        int sel = -1, lowest = 0;
-        for (int b = 255; b >= 0; --b) {
-          if (sh.mhist[b] > 0.0) {
-            lowest = b;
-            if (cum + sh.mhist[b] >= target) {
-              sel = b;
-              break;
-            }
-            cum += sh.mhist[b];
-          }
-        }
-        if (sel < 0) {  // rounding left the target unreached: take the lowest nonempty bin
-          sel = lowest;
-          cum -= sh.mhist[lowest];
-        }
-        sh.sel = sel;
-        sh.above = cum;
-      }
-      __syncthreads();
-      prefix |= (unsigned int)sh.sel << shift;
-      mask |= 255u << shift;
-      above = sh.above;
-      __syncthreads();
-    }
-    tau = __uint_as_float(prefix);
-  }
+  const float kth = k > 0 && k < V ? top_k_threshold(row, T, zmax, denom, V, k, tid, sh) : 0.f;
+  const float tp = top_p[s], tau = tp < 1.f ? top_p_threshold(row, T, zmax, denom, V, tp, kth, mthr, tid, sh) : 0.f;
   const float thr = fmaxf(fmaxf(kth, tau), mthr);
-  // draw
-  const int per = (V + SB - 1) / SB;
-  const int lo = min(V, tid * per), hi = min(V, lo + per);
+  // draw: each thread's kept mass over its contiguous range, the block's prefix, the first crossing
+  const int per = (V + SB - 1) / SB, lo = min(V, tid * per), hi = min(V, lo + per);
   double local = 0.0;
   int last_kept = -1;
   for (int i = lo; i < hi; ++i) {
@@ -583,36 +625,8 @@ extern "C" __global__ void __launch_bounds__(SB)
       last_kept = i;
     }
   }
-  // inclusive block scan of `local`
-  double inc = local;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const double y = __shfl_up_sync(FULL_MASK, inc, o);
-    if (lane >= o) inc += y;
-  }
-  __syncthreads();  // dscratch may still be read by an earlier reduction
-  if (lane == 31) sh.dscratch[warp] = inc;
-  if (tid == 0) sh.winner = 0x7fffffff;
-  __syncthreads();
-  if (warp == 0) {
-    double w = sh.dscratch[lane];
-    double wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const double y = __shfl_up_sync(FULL_MASK, wi, o);
-      if (lane >= o) wi += y;
-    }
-    sh.dscratch[lane] = wi - w;  // exclusive prefix of warp totals
-  }
-  __syncthreads();
-  const double excl = sh.dscratch[warp] + inc - local;
-  // total kept mass = exclusive prefix of the last thread + its local sum
-  if (tid == SB - 1) sh.above = excl + local;
-  __syncthreads();
-  const uint64_t kk = (uint64_t)sample_pos[s];
-  const uint64_t r = splitmix64_s(seed[s] ^ ((kk + 1ull) * 0x9E3779B97F4A7C15ull));
-  const double u = (double)(r >> 40) * (1.0 / 16777216.0);
-  const double x = u * sh.above;
+  const double excl = kept_mass_prefix(local, tid, lane, warp, sh);
+  const double x = uniform_draw(seed, sample_pos, s) * sh.above;
   if (local > 0.0 && excl + local > x) {
     double run = excl;
     for (int i = lo; i < hi; ++i) {
@@ -636,8 +650,8 @@ extern "C" __global__ void __launch_bounds__(SB)
   } else if (tid == 0) {
     out_tokens[s] = sh.winner;
   }
-#undef PROB
 }
+#undef PROB
 
 // Holds its stream for `ns` nanoseconds of the global timer. Timing loops (the engine's GEMM tuner)
 // enqueue it first, so the host's launch calls run ahead of the GPU and the events around the timed

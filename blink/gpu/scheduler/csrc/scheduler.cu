@@ -219,39 +219,84 @@ __device__ cudaError_t launch(SchedCtl* c, cudaGraphExec_t g) {
   }
 }
 
+// Thread 0: the ring's and the engine's addresses and sizes into shared memory, the counters of this
+// instance (the first describes the device; a tail-launched one counts a relaunch).
+__device__ __forceinline__ void sched_setup(SchedCtl* c, Shared& sh) {
+  sh.H = (RingHeader*)c->ring;
+  sh.E = (const EngineABI*)c->engine;
+  sh.n_slots = sh.H->n_slots;
+  sh.cap = sh.H->output_capacity;
+  sh.arena_tokens = sh.H->prompt_arena_tokens;
+  sh.slots = (RingSlot*)((char*)sh.H + sh.H->slots_offset);
+  sh.arena = (const int32_t*)((const char*)sh.H + sh.H->prompt_arena_offset);
+  sh.out = (int32_t*)((char*)sh.H + sh.H->output_arena_offset);
+  sh.lp = (LogprobRecord*)((char*)sh.H + sh.H->logprob_arena_offset);
+  sh.masks = (const uint32_t*)((const char*)sh.H + sh.H->mask_arena_offset);
+  sh.n_masks = sh.H->n_masks;
+  sh.mask_words = sh.H->mask_words;
+  sh.vocab = sh.E->vocab_size;
+  sh.mbps = sh.E->max_blocks_per_seq;
+  sh.bs = sh.E->block_size;
+  sh.self = cudaGetCurrentGraphExec();
+  if (!sh.self) sh.self = (cudaGraphExec_t)c->self_exec;
+  sh.dirty = 0;
+  sh.fault = 0;
+  sh.overflow = 0;
+  sh.shutdown = ld_acq_sys(&sh.H->shutdown);
+  c->instances++;
+  c->here = 0;
+  if (c->instances == 1) {
+    c->seq = ld_acq_gpu64((const void*)sh.E->done_seq);  // an earlier driver's last step: start above it
+    describe(c, sh);
+  }
+  else c->relaunches++;
+}
+
+// ACT_EXIT (all threads): rows aborted on a fault or a forced shutdown, the pool drained, the
+// statistics mirrored, then the final status.
+__device__ __forceinline__ void sched_exit(SchedCtl* c, Shared& sh, uint32_t tid) {
+  if (sh.shutdown >= 2 || sh.fault) abort_all(c, sh);
+  if (tid == 0) kv_drain(c, sh.E->num_kv_blocks);  // the header's last word on the pool: all of it
+  __syncthreads();
+  mirror_stats(c, sh);
+  __syncthreads();
+  if (tid == 0) set_status(c, sh, sh.fault ? DEV_FAILED : DEV_STOPPED);
+}
+
+// ACT_RELAUNCH (thread 0): this graph tail-launched again; a failed launch is the device's fault.
+__device__ __forceinline__ void sched_relaunch(SchedCtl* c, Shared& sh) {
+  __threadfence();
+  const cudaError_t e = cudaGraphLaunch(sh.self, cudaStreamGraphTailLaunch);
+  if (e != cudaSuccess) {
+    c->fault = (uint32_t)e;
+    st_sys(&sh.H->fault, (uint32_t)e);
+    set_status(c, sh, DEV_FAILED);
+  }
+}
+
+// Thread 0, a step planned: its number published to the engine, its graph launched and timed.
+__device__ __forceinline__ void launch_step(SchedCtl* c, Shared& sh) {
+  const cudaGraphExec_t g = pick_exec(c, sh);
+  sh.seq = ++c->seq;
+  *(volatile u64*)sh.E->step_seq = sh.seq;
+  __threadfence();
+  sh.t_launch = gtime();
+  const cudaError_t e = g ? launch(c, g) : cudaErrorInvalidValue;
+  sh.t_launched = gtime();
+  sh.t_done = sh.t_launched;  // until wait_done sees the completion
+  c->here++;
+  c->launches++;
+  sh.launch_ok = e == cudaSuccess;
+  if (!sh.launch_ok) {
+    c->launch_errors++;
+    c->last_error = g ? (uint32_t)e : FAULT_NO_GRAPH;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(SchedCtl* c) {
   __shared__ Shared sh;
   const uint32_t tid = threadIdx.x;
-  if (tid == 0) {
-    sh.H = (RingHeader*)c->ring;
-    sh.E = (const EngineABI*)c->engine;
-    sh.n_slots = sh.H->n_slots;
-    sh.cap = sh.H->output_capacity;
-    sh.arena_tokens = sh.H->prompt_arena_tokens;
-    sh.slots = (RingSlot*)((char*)sh.H + sh.H->slots_offset);
-    sh.arena = (const int32_t*)((const char*)sh.H + sh.H->prompt_arena_offset);
-    sh.out = (int32_t*)((char*)sh.H + sh.H->output_arena_offset);
-    sh.lp = (LogprobRecord*)((char*)sh.H + sh.H->logprob_arena_offset);
-    sh.masks = (const uint32_t*)((const char*)sh.H + sh.H->mask_arena_offset);
-    sh.n_masks = sh.H->n_masks;
-    sh.mask_words = sh.H->mask_words;
-    sh.vocab = sh.E->vocab_size;
-    sh.mbps = sh.E->max_blocks_per_seq;
-    sh.bs = sh.E->block_size;
-    sh.self = cudaGetCurrentGraphExec();
-    if (!sh.self) sh.self = (cudaGraphExec_t)c->self_exec;
-    sh.dirty = 0;
-    sh.fault = 0;
-    sh.overflow = 0;
-    sh.shutdown = ld_acq_sys(&sh.H->shutdown);
-    c->instances++;
-    c->here = 0;
-    if (c->instances == 1) {
-      c->seq = ld_acq_gpu64((const void*)sh.E->done_seq);  // an earlier driver's last step: start above it
-      describe(c, sh);
-    }
-    else c->relaunches++;
-  }
+  if (tid == 0) sched_setup(c, sh);
   __syncthreads();
   for (;;) {
     if (tid == 0) iteration_begin(c, sh);
@@ -259,44 +304,15 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
     if (sh.action == ACT_RUN && sh.do_scan) scan_claims(c, sh);  // arrivals during the last step
     if (sh.action != ACT_RUN) flush(c, sh);  // the last step's tokens reach the ring first
     if (sh.action == ACT_EXIT) {
-      if (sh.shutdown >= 2 || sh.fault) abort_all(c, sh);
-      if (tid == 0) kv_drain(c, sh.E->num_kv_blocks);  // the header's last word on the pool: all of it
-      __syncthreads();
-      mirror_stats(c, sh);
-      __syncthreads();
-      if (tid == 0) set_status(c, sh, sh.fault ? DEV_FAILED : DEV_STOPPED);
+      sched_exit(c, sh, tid);
       return;
     }
     if (sh.action == ACT_RELAUNCH) {
-      if (tid == 0) {
-        __threadfence();
-        const cudaError_t e = cudaGraphLaunch(sh.self, cudaStreamGraphTailLaunch);
-        if (e != cudaSuccess) {
-          c->fault = (uint32_t)e;
-          st_sys(&sh.H->fault, (uint32_t)e);
-          set_status(c, sh, DEV_FAILED);
-        }
-      }
+      if (tid == 0) sched_relaunch(c, sh);
       return;
     }
     plan(c, sh);  // sets sh.kind, fills the engine buffers
-    if (tid == 0 && sh.kind != KIND_NONE) {
-      const cudaGraphExec_t g = pick_exec(c, sh);
-      sh.seq = ++c->seq;
-      *(volatile u64*)sh.E->step_seq = sh.seq;
-      __threadfence();
-      sh.t_launch = gtime();
-      const cudaError_t e = g ? launch(c, g) : cudaErrorInvalidValue;
-      sh.t_launched = gtime();
-      sh.t_done = sh.t_launched;  // until wait_done sees the completion
-      c->here++;
-      c->launches++;
-      sh.launch_ok = e == cudaSuccess;
-      if (!sh.launch_ok) {
-        c->launch_errors++;
-        c->last_error = g ? (uint32_t)e : FAULT_NO_GRAPH;
-      }
-    }
+    if (tid == 0 && sh.kind != KIND_NONE) launch_step(c, sh);
     __syncthreads();
     flush(c, sh);    // the previous step's tokens and states to the ring (the graph runs meanwhile)
     overlap(c, sh);  // ring scan, cancels, consumed counters
@@ -308,7 +324,6 @@ extern "C" __global__ void __launch_bounds__(SCHED_THREADS, 1) blink_sched(Sched
   }
 }
 
-// Host-launched: the device clock, to calibrate SchedCtl.clock_offset_ns against the host's.
 extern "C" __global__ void blink_sched_clock(u64* out) { *out = gtime(); }
 
 // Host-launched once before the scheduler: resets every global and the free lists.

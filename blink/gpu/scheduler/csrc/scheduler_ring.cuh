@@ -96,6 +96,44 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
   }
 }
 
+// The step of decodes only, every block it needs free (the common case): n_need blocks taken at
+// once, this thread's ready rows [lo, hi) given theirs from offsets `off` (ready | need << 16: its
+// exclusive block scan) and written into the engine's buffers (all threads).
+__device__ __forceinline__ void plan_decode_fast(SchedCtl* c, Shared& sh, uint32_t lo, uint32_t hi, uint32_t off,
+                                                 uint32_t n_ready, uint32_t n_need) {
+  __syncthreads();  // every thread has read kv_free_top before thread 0 takes the blocks
+  if (threadIdx.x == 0) {
+    sh.kind = KIND_DECODE;
+    kv_take_n(c, sh.E->num_kv_blocks, n_need);
+  }
+  __syncthreads();
+  const int32_t* takes = (const int32_t*)c->kv_takes;
+  uint32_t o = off & 0xFFFFu, ob = off >> 16, f = 0;
+  for (uint32_t i = lo; i < hi; ++i) {
+    const uint32_t r = g_run[i];
+    Row& R = g_rows[r];
+    if (!decode_ready(R, sh.cap)) continue;
+    int32_t* b = row_blocks(c, sh, r);
+    while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = takes[ob++];
+    g_plan_row[o] = r;
+    g_plan_start[o] = R.len - 1;
+    g_plan_n[o] = 1;
+    g_plan_sample[o] = 1;
+    g_plan_cu[o] = o;
+    f |= fill_seq(c, sh, o, r, R.len - 1, 1, o, true);
+    ++o;
+  }
+  if (threadIdx.x == 0) {
+    sh.nseq = sh.ntok = sh.n_dec = n_ready;
+    ((int32_t*)sh.E->cu_q_lens)[0] = 0;
+    *(uint32_t*)sh.E->num_seqs = n_ready;
+    *(uint32_t*)sh.E->num_tokens = n_ready;
+  }
+  const int ext_on = __syncthreads_or(f & FILL_EXT);  // barrier: sh.nseq visible to fill_masks
+  if (threadIdx.x == 0) *sh.E->ext_on = (uint32_t)ext_on;
+  fill_masks(sh, f);
+}
+
 // Scheduler.schedule: every running row ready to decode (arrival order), then prefill chunks in the
 // rest of the token budget (a MIXED step runs a prefill graph: KIND_PREFILL). One pass over the
 // running rows and one block scan decide; a step of decodes only (no prefill wanted, every block
@@ -147,37 +185,7 @@ __device__ void plan(SchedCtl* c, Shared& sh) {
     if (sh.kind == KIND_NONE) return;
     fill_engine(c, sh);
   } else {
-    __syncthreads();  // every thread has read kv_free_top before thread 0 takes the blocks
-    if (threadIdx.x == 0) {
-      sh.kind = KIND_DECODE;
-      kv_take_n(c, sh.E->num_kv_blocks, n_need);
-    }
-    __syncthreads();
-    const int32_t* takes = (const int32_t*)c->kv_takes;
-    uint32_t o = off & 0xFFFFu, ob = off >> 16, f = 0;
-    for (uint32_t i = lo; i < hi; ++i) {
-      const uint32_t r = g_run[i];
-      Row& R = g_rows[r];
-      if (!decode_ready(R, sh.cap)) continue;
-      int32_t* b = row_blocks(c, sh, r);
-      while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = takes[ob++];
-      g_plan_row[o] = r;
-      g_plan_start[o] = R.len - 1;
-      g_plan_n[o] = 1;
-      g_plan_sample[o] = 1;
-      g_plan_cu[o] = o;
-      f |= fill_seq(c, sh, o, r, R.len - 1, 1, o, true);
-      ++o;
-    }
-    if (threadIdx.x == 0) {
-      sh.nseq = sh.ntok = sh.n_dec = n_ready;
-      ((int32_t*)sh.E->cu_q_lens)[0] = 0;
-      *(uint32_t*)sh.E->num_seqs = n_ready;
-      *(uint32_t*)sh.E->num_tokens = n_ready;
-    }
-    const int ext_on = __syncthreads_or(f & FILL_EXT);  // barrier: sh.nseq visible to fill_masks
-    if (threadIdx.x == 0) *sh.E->ext_on = (uint32_t)ext_on;
-    fill_masks(sh, f);
+    plan_decode_fast(c, sh, lo, hi, off, n_ready, n_need);
   }
   if (threadIdx.x == 0) c->last_kind = sh.kind;
   __syncthreads();
@@ -244,6 +252,138 @@ __device__ void copy_keys(SchedCtl* c, Shared& sh, uint32_t n, uint32_t qlo, uin
   __syncthreads();
 }
 
+// The n claimed slots copied into slot_copy, then ranked FCFS by (t_submit_ns, slot) into
+// sh.claim_sorted (all threads; ends with a barrier).
+__device__ __forceinline__ void copy_and_sort_claims(Shared& sh, RingSlot* copy, uint32_t n) {
+  for (uint32_t i = threadIdx.x; i < n; i += SCHED_THREADS) {
+    const uint32_t s = sh.claim_slot[i];
+    const uint32_t* src = (const uint32_t*)&sh.slots[s];
+    uint32_t w[SLOT_BYTES / 4];
+#pragma unroll
+    for (int k = 0; k < (int)(SLOT_BYTES / 4); ++k) w[k] = ld_sys(src + k);
+#pragma unroll
+    for (int k = 0; k < (int)(SLOT_BYTES / 4); ++k) ((uint32_t*)&copy[s])[k] = w[k];
+    sh.claim_key[i] = copy[s].t_submit_ns;
+  }
+  __syncthreads();
+  for (uint32_t i = threadIdx.x; i < n; i += SCHED_THREADS) {  // rank sort: (t_submit_ns, slot)
+    const u64 ki = sh.claim_key[i];
+    const uint32_t si = sh.claim_slot[i];
+    uint32_t rank = 0;
+    for (uint32_t j = 0; j < n; ++j) {
+      const u64 kj = sh.claim_key[j];
+      rank += kj < ki || (kj == ki && sh.claim_slot[j] < si);
+    }
+    sh.claim_sorted[rank] = si;
+  }
+  __syncthreads();
+}
+
+// The transition to PREFILL_PROCESSING and the first checks (cancel, prompt bounds, context) of this
+// thread's claims [qlo, qhi) into sh.claim_err; sh.claim_cu: the prompts' offsets in one token range.
+// Returns the total of the prompts that passed (ends with a barrier).
+__device__ __forceinline__ uint32_t admit_claims(SchedCtl* c, Shared& sh, const RingSlot* copy, uint32_t n,
+                                                 uint32_t qlo, uint32_t qhi) {
+  const u64 now = unix_ns(c);
+  uint32_t toks = 0;
+  for (uint32_t q = qlo; q < qhi; ++q) {
+    const uint32_t s = sh.claim_sorted[q];
+    const RingSlot& r = copy[s];
+    st_sys64(&sh.slots[s].t_admit_ns, now);
+    st_rel_sys(&sh.slots[s].state, SLOT_PREFILL_PROCESSING);
+    uint32_t e = 0;
+    if (r.cancel) e = 0xFF;
+    else if (r.prompt_len == 0 || (u64)r.prompt_offset + r.prompt_len > sh.arena_tokens) e = SLOTERR_BAD_PROMPT;
+    else if ((u64)r.prompt_len + 1 > c->max_context) e = SLOTERR_PROMPT_TOO_LONG;
+    sh.claim_err[q] = e;
+    toks += e ? 0 : r.prompt_len;
+  }
+  uint32_t total;
+  uint32_t o = block_scan(toks, &total, sh.warp_sums);
+  for (uint32_t q = qlo; q < qhi; ++q) {
+    sh.claim_cu[q] = o;
+    o += sh.claim_err[q] ? 0 : copy[sh.claim_sorted[q]].prompt_len;
+  }
+  if (threadIdx.x == 0) sh.claim_cu[n] = total;
+  __syncthreads();
+  return total;
+}
+
+// Every prompt token id in [0, vocab), 4 a thread at a time over the `total` tokens of the claims
+// that passed; a claim with one outside gets 0x100 in sh.claim_err (ends with a barrier).
+__device__ __forceinline__ void check_prompt_tokens(Shared& sh, const RingSlot* copy, uint32_t n, uint32_t total) {
+  for (uint32_t j0 = threadIdx.x; j0 < total; j0 += 4 * SCHED_THREADS) {  // token ids in [0, vocab)
+    int32_t v[4];
+    uint32_t qq[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const uint32_t j = j0 + u * SCHED_THREADS;
+      qq[u] = DEAD;
+      if (j >= total) continue;
+      uint32_t a = 0, b = n;
+      while (b - a > 1) { const uint32_t m = (a + b) / 2; if (sh.claim_cu[m] <= j) a = m; else b = m; }
+      while (a + 1 < n && sh.claim_cu[a + 1] <= j) ++a;  // skip zero-length (rejected) entries
+      qq[u] = a;
+      const RingSlot& r = copy[sh.claim_sorted[a]];
+      v[u] = (int32_t)ld_sys((const uint32_t*)&sh.arena[r.prompt_offset + (j - sh.claim_cu[a])]);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (qq[u] != DEAD && (v[u] < 0 || (uint32_t)v[u] >= sh.vocab)) atomicOr(&sh.claim_err[qq[u]], 0x100u);
+  }
+  __syncthreads();
+}
+
+// RingDevice._validate of this thread's claims [qlo, qhi): sampling parameters, the extension's
+// (claim_ext) and the block keys; the final error into sh.claim_err. Returns how many passed.
+__device__ __forceinline__ uint32_t validate_claims(Shared& sh, const RingSlot* copy, uint32_t qlo, uint32_t qhi) {
+  uint32_t ok = 0;
+  for (uint32_t q = qlo; q < qhi; ++q) {
+    const uint32_t s = sh.claim_sorted[q];
+    const RingSlot& r = copy[s];
+    uint32_t e = sh.claim_err[q];
+    if (e == 0) {
+      const float t = r.temperature, p = r.top_p;
+      if (!(t >= 0.0f && t <= MAX_TEMPERATURE) || !(p > 0.0f && p <= 1.0f) || r.top_k > MAX_TOP_K ||
+          r.n_stop > MAX_STOP_IDS || r.max_new_tokens == 0)
+        e = SLOTERR_BAD_PARAMS;
+      else
+        e = claim_ext(sh, s, r);
+      if (e == 0 && r.n_block_keys &&  // RingDevice validate_keys: one key per full block at most, in the arena
+          (r.n_block_keys > r.prompt_len / sh.bs ||
+           (u64)r.block_keys_offset + (u64)KEY_WORDS * r.n_block_keys > sh.arena_tokens))
+        e = SLOTERR_BAD_PARAMS;
+    } else if (e == 0x100) {
+      e = SLOTERR_BAD_PROMPT;
+    }
+    sh.claim_err[q] = e;
+    ok += e == 0;
+  }
+  return ok;
+}
+
+// The claims that passed onto the wait queue in FCFS order (after waitq_tail; the caller moves it),
+// the others released and finished (cancelled or with their error). Returns how many were queued
+// (ends with a barrier).
+__device__ __forceinline__ uint32_t queue_claims(SchedCtl* c, Shared& sh, uint32_t* claim, uint32_t n_slots,
+                                                 uint32_t ok, uint32_t qlo, uint32_t qhi) {
+  uint32_t n_ok;
+  uint32_t o = block_scan(ok, &n_ok, sh.warp_sums);
+  uint32_t* wq = (uint32_t*)c->waitq;
+  for (uint32_t q = qlo; q < qhi; ++q) {
+    const uint32_t s = sh.claim_sorted[q], e = sh.claim_err[q];
+    if (e == 0) {
+      wq[(c->waitq_tail + o++) % n_slots] = s;
+    } else {
+      claim[s] = 0;
+      if (e == 0xFF) finish_slot(sh, s, FINISH_CANCELLED, SLOTERR_NONE);
+      else finish_slot(sh, s, FINISH_ERROR, e & 0xFF);
+    }
+  }
+  __syncthreads();
+  return n_ok;
+}
+
 // RingDevice._scan + _admit + _validate: claim every PREFILL_PENDING slot, FCFS by t_submit_ns.
 __device__ void scan_claims(SchedCtl* c, Shared& sh) {
   const u64 t0 = gtime();
@@ -282,109 +422,14 @@ __device__ void scan_claims(SchedCtl* c, Shared& sh) {
     return;
   }
   RingSlot* copy = (RingSlot*)c->slot_copy;
-  for (uint32_t i = threadIdx.x; i < n; i += SCHED_THREADS) {
-    const uint32_t s = sh.claim_slot[i];
-    const uint32_t* src = (const uint32_t*)&sh.slots[s];
-    uint32_t w[SLOT_BYTES / 4];
-#pragma unroll
-    for (int k = 0; k < (int)(SLOT_BYTES / 4); ++k) w[k] = ld_sys(src + k);
-#pragma unroll
-    for (int k = 0; k < (int)(SLOT_BYTES / 4); ++k) ((uint32_t*)&copy[s])[k] = w[k];
-    sh.claim_key[i] = copy[s].t_submit_ns;
-  }
-  __syncthreads();
-  for (uint32_t i = threadIdx.x; i < n; i += SCHED_THREADS) {  // rank sort: (t_submit_ns, slot)
-    const u64 ki = sh.claim_key[i];
-    const uint32_t si = sh.claim_slot[i];
-    uint32_t rank = 0;
-    for (uint32_t j = 0; j < n; ++j) {
-      const u64 kj = sh.claim_key[j];
-      rank += kj < ki || (kj == ki && sh.claim_slot[j] < si);
-    }
-    sh.claim_sorted[rank] = si;
-  }
-  __syncthreads();
+  copy_and_sort_claims(sh, copy, n);
   // transition + first checks, in FCFS order; q is contiguous per thread for the scans below
   const uint32_t per_q = (n + SCHED_THREADS - 1) / SCHED_THREADS;
   const uint32_t qlo = min(n, threadIdx.x * per_q), qhi = min(n, qlo + per_q);
-  const u64 now = unix_ns(c);
-  uint32_t toks = 0;
-  for (uint32_t q = qlo; q < qhi; ++q) {
-    const uint32_t s = sh.claim_sorted[q];
-    const RingSlot& r = copy[s];
-    st_sys64(&sh.slots[s].t_admit_ns, now);
-    st_rel_sys(&sh.slots[s].state, SLOT_PREFILL_PROCESSING);
-    uint32_t e = 0;
-    if (r.cancel) e = 0xFF;
-    else if (r.prompt_len == 0 || (u64)r.prompt_offset + r.prompt_len > sh.arena_tokens) e = SLOTERR_BAD_PROMPT;
-    else if ((u64)r.prompt_len + 1 > c->max_context) e = SLOTERR_PROMPT_TOO_LONG;
-    sh.claim_err[q] = e;
-    toks += e ? 0 : r.prompt_len;
-  }
-  uint32_t total;
-  uint32_t o = block_scan(toks, &total, sh.warp_sums);
-  for (uint32_t q = qlo; q < qhi; ++q) {
-    sh.claim_cu[q] = o;
-    o += sh.claim_err[q] ? 0 : copy[sh.claim_sorted[q]].prompt_len;
-  }
-  if (threadIdx.x == 0) sh.claim_cu[n] = total;
-  __syncthreads();
-  for (uint32_t j0 = threadIdx.x; j0 < total; j0 += 4 * SCHED_THREADS) {  // token ids in [0, vocab)
-    int32_t v[4];
-    uint32_t qq[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const uint32_t j = j0 + u * SCHED_THREADS;
-      qq[u] = DEAD;
-      if (j >= total) continue;
-      uint32_t a = 0, b = n;
-      while (b - a > 1) { const uint32_t m = (a + b) / 2; if (sh.claim_cu[m] <= j) a = m; else b = m; }
-      while (a + 1 < n && sh.claim_cu[a + 1] <= j) ++a;  // skip zero-length (rejected) entries
-      qq[u] = a;
-      const RingSlot& r = copy[sh.claim_sorted[a]];
-      v[u] = (int32_t)ld_sys((const uint32_t*)&sh.arena[r.prompt_offset + (j - sh.claim_cu[a])]);
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (qq[u] != DEAD && (v[u] < 0 || (uint32_t)v[u] >= sh.vocab)) atomicOr(&sh.claim_err[qq[u]], 0x100u);
-  }
-  __syncthreads();
-  uint32_t ok = 0;
-  for (uint32_t q = qlo; q < qhi; ++q) {
-    const uint32_t s = sh.claim_sorted[q];
-    const RingSlot& r = copy[s];
-    uint32_t e = sh.claim_err[q];
-    if (e == 0) {
-      const float t = r.temperature, p = r.top_p;
-      if (!(t >= 0.0f && t <= MAX_TEMPERATURE) || !(p > 0.0f && p <= 1.0f) || r.top_k > MAX_TOP_K ||
-          r.n_stop > MAX_STOP_IDS || r.max_new_tokens == 0)
-        e = SLOTERR_BAD_PARAMS;
-      else
-        e = claim_ext(sh, s, r);
-      if (e == 0 && r.n_block_keys &&  // RingDevice validate_keys: one key per full block at most, in the arena
-          (r.n_block_keys > r.prompt_len / sh.bs ||
-           (u64)r.block_keys_offset + (u64)KEY_WORDS * r.n_block_keys > sh.arena_tokens))
-        e = SLOTERR_BAD_PARAMS;
-    } else if (e == 0x100) {
-      e = SLOTERR_BAD_PROMPT;
-    }
-    sh.claim_err[q] = e;
-    ok += e == 0;
-  }
-  uint32_t n_ok;
-  o = block_scan(ok, &n_ok, sh.warp_sums);
-  uint32_t* wq = (uint32_t*)c->waitq;
-  for (uint32_t q = qlo; q < qhi; ++q) {
-    const uint32_t s = sh.claim_sorted[q], e = sh.claim_err[q];
-    if (e == 0) {
-      wq[(c->waitq_tail + o++) % n_slots] = s;
-    } else {
-      claim[s] = 0;
-      if (e == 0xFF) finish_slot(sh, s, FINISH_CANCELLED, SLOTERR_NONE);
-      else finish_slot(sh, s, FINISH_ERROR, e & 0xFF);
-    }
-  }
-  __syncthreads();
+  const uint32_t total = admit_claims(c, sh, copy, n, qlo, qhi);
+  check_prompt_tokens(sh, copy, n, total);
+  const uint32_t ok = validate_claims(sh, copy, qlo, qhi);
+  const uint32_t n_ok = queue_claims(c, sh, claim, n_slots, ok, qlo, qhi);
   if (c->prefix_caching) copy_keys(c, sh, n, qlo, qhi);
   if (threadIdx.x == 0) {
     c->waitq_tail += n_ok;
