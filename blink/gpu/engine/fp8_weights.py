@@ -29,14 +29,14 @@ FP8_GEMV_BUCKETS = (1, 2, 4, 8)
 FP8_GEMV_CONFIGS = {1: ((1, 8), (1, 4), (2, 4)), 2: ((2, 4), (4, 2)), 4: ((2, 4), (4, 2)), 8: ((2, 2), (4, 2))}
 # The engine's configuration per bucket, one of FP8_GEMV_CONFIGS (bench.kernels.fp8_gemv times them all;
 # docs/decisions.md): every configuration sums in the same order, so this changes speed, never a bit.
-FP8_GEMV_CONFIG = {1: (1, 8), 2: (2, 4), 4: (2, 4), 8: (2, 2)}
+FP8_GEMV_CONFIG = {1: (2, 4), 2: (2, 4), 4: (2, 4), 8: (2, 2)}
 # Weight-only FP8 on tensor cores (gemv_fp8_mma_m<MT>_n<NT8> in fp8.cu: 16 MT weight rows a CTA, 8 NT8
 # token columns): decode steps of FP8_MMA_MIN_TOKENS tokens or more (up to EngineConfig.fp8_gemv_max_tokens,
 # at most FP8_MMA_MAX_TOKENS) run it instead of the GEMV (one launch, no fusions; the GEMV's fp32 FMAs
 # are issue-bound from about 8 tokens). FP8_MMA_COMPILED: the MT compiled for each NT8.
 FP8_MMA_COMPILED = {1: (1, 2, 4), 2: (1, 2), 4: (1, 2)}
 FP8_MMA_ROWS = 1  # the engine's MT: the most CTAs (N / 16) for the narrow projections
-FP8_MMA_MIN_TOKENS = 8
+FP8_MMA_MIN_TOKENS = 4
 FP8_MMA_MAX_TOKENS = 32
 FP8_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # LayerWeights fields that fp8 quantizes
 FP8_EXPERTS = ("experts_gate_up", "experts_down")  # and in MoE layers, the stacked experts (E, out, in)
