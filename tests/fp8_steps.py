@@ -35,6 +35,16 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def engine_logits(eng) -> Callable[[object], np.ndarray]:
+    """`mine` for `compare`: run the batch through the engine, then its logits."""
+
+    def step(batch) -> np.ndarray:
+        eng.step(batch)
+        return eng.logits(batch.num_seqs)
+
+    return step
+
+
 def compare(mine: Callable[[object], np.ndarray], cfg, refs: list) -> list[list[float]]:
     """Prefill chunks (past the GEMV: W8A8 on FP8 tensor cores) and decode steps of 1-2 sequences (the
     FP8 GEMV), teacher-forced: the relative error of `mine(batch)` (the logits of the model under test

@@ -10,7 +10,16 @@ import urllib.request
 import numpy as np
 import pytest
 from checkpoints import write_fp8_hf_dir
-from fp8_steps import NUMPY_KW, W8A8_REL_ERR, check_w8a8, check_weight_only_moe, compare, rel, with_bf16_experts
+from fp8_steps import (
+    NUMPY_KW,
+    W8A8_REL_ERR,
+    check_w8a8,
+    check_weight_only_moe,
+    compare,
+    engine_logits,
+    rel,
+    with_bf16_experts,
+)
 
 from blink.models import fp8
 from blink.models.bf16 import f32_to_bf16_bits
@@ -94,14 +103,6 @@ def _fp8_engine(cfg, tensors, max_seqs: int = 4, fp8_gemm: str = "auto"):
     return eng
 
 
-def _engine_logits(eng):
-    def step(batch) -> np.ndarray:
-        eng.step(batch)
-        return eng.logits(batch.num_seqs)
-
-    return step
-
-
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m", "tiny-qwen3-moe"])
 def test_fp8_engine_matches_the_numpy_fp8_model(name):
     """Quantized on the GPU at load: against the numpy model with the same FP8 weights, and closer
@@ -116,7 +117,7 @@ def test_fp8_engine_matches_the_numpy_fp8_model(name):
     w = {k: fp8.as_device_weight(v) for k, v in random_weights(cfg, seed=5).items()}
     eng = _fp8_engine(cfg, random_bf16(cfg, seed=5))
     refs = [NumpyExecutor(cfg, w, quantization="fp8", **NUMPY_KW), NumpyExecutor(cfg, w, **NUMPY_KW)]
-    errs, errs_bf16 = compare(_engine_logits(eng), cfg, refs)
+    errs, errs_bf16 = compare(engine_logits(eng), cfg, refs)
     print(
         f"{name} fp8: rel err vs numpy fp8 max {max(errs):.2e}, median {np.median(errs):.2e} {errs}, "
         f"vs numpy bf16 mean {np.mean(errs_bf16):.2e}"
@@ -140,7 +141,7 @@ def test_fp8_moe_engine_weight_only_matches_the_numpy_fp8_model():
     for ref in refs:
         ref.model.fp8_gemv_max_tokens = None  # weight-only at every size, as the engine on this path
     with_bf16_experts(refs[1], NumpyExecutor(cfg, w, **NUMPY_KW))
-    errs, errs_bf16_experts = compare(_engine_logits(eng), cfg, refs)
+    errs, errs_bf16_experts = compare(engine_logits(eng), cfg, refs)
     print(
         f"tiny-qwen3-moe fp8 weight-only: rel err vs numpy fp8 median {np.median(errs):.2e} {errs}, "
         f"vs bf16 experts median {np.median(errs_bf16_experts):.2e}"
@@ -192,7 +193,7 @@ def test_fp8_checkpoint_engine_matches_numpy(tmp_path, layout):
     write_fp8_hf_dir(tmp_path, preset("tiny-qwen2"), layout, seed=4)
     cfg, tensors = hf_dir_bf16(tmp_path)
     eng = _fp8_engine(cfg, tensors)
-    (errs,) = compare(_engine_logits(eng), cfg, [NumpyExecutor(cfg, load_hf_dir(tmp_path)[1], **NUMPY_KW)])
+    (errs,) = compare(engine_logits(eng), cfg, [NumpyExecutor(cfg, load_hf_dir(tmp_path)[1], **NUMPY_KW)])
     print(f"fp8 checkpoint ({layout}): rel err vs numpy max {max(errs):.2e}")
     assert max(errs) < W8A8_REL_ERR, errs
     eng.close()

@@ -7,18 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fp8_steps import NUMPY_KW, compare, engine_logits
 
 from blink.models import fp8
 from blink.models.config import preset
-from blink.models.reference import PagedDriver
 
 pytestmark = pytest.mark.gpu
-
-_KW = dict(num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=128, max_blocks_per_seq=64)
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _engine(cfg, tensors, decode_attention: str):
@@ -53,19 +47,8 @@ def test_fp8_kv_engine_matches_the_numpy_fp8_kv_model(name, decode):
         cfg = cfg.replace(num_layers=4)
     w = {k: fp8.as_device_weight(v) for k, v in random_weights(cfg, seed=5).items()}
     eng = _engine(cfg, random_bf16(cfg, seed=5), decode)
-    refs = [NumpyExecutor(cfg, w, kv_cache_dtype="fp8", **_KW), NumpyExecutor(cfg, w, **_KW)]
-    rng = np.random.default_rng(2)
-    p0, p1 = rng.integers(0, cfg.vocab_size, 70).tolist(), rng.integers(0, cfg.vocab_size, 40).tolist()
-    drivers = [PagedDriver(64, 8, 64, shuffle_seed=1) for _ in range(3)]
-    steps = [[(0, p0[:50]), (1, p1)], [(0, p0[50:])]]
-    steps += [[(0, [t]), (1, [u])] for t, u in zip(p0[:8], p1[:8], strict=True)] + [[(0, [t])] for t in p0[8:12]]
-    errs: list[list[float]] = [[], []]
-    for chunks in steps:
-        b, *b_refs = (d.step(chunks) for d in drivers)
-        eng.step(b)
-        mine = eng.logits(b.num_seqs)
-        for e, ref, br in zip(errs, refs, b_refs, strict=True):
-            e.append(_rel(mine, ref.forward_logits(br)))
+    refs = [NumpyExecutor(cfg, w, kv_cache_dtype="fp8", **NUMPY_KW), NumpyExecutor(cfg, w, **NUMPY_KW)]
+    errs = compare(engine_logits(eng), cfg, refs)  # prefill chunks, then decode steps of 1-2 sequences
     print(f"{name} {decode} fp8 KV: rel err vs numpy fp8-KV max {max(errs[0]):.2e}, vs bf16 KV {np.mean(errs[1]):.2e}")
     # e4m3 keeps 3 mantissa bits: a K or V whose bf16 (GPU) and float32 (numpy) values straddle a
     # rounding tie lands one code apart (12.5 % of that value), so the logits of these random models
