@@ -16,7 +16,6 @@ from blink.gpu.engine.forward import (
     Dims,
     Forward,
     RopeArgs,
-    fp8_scratch_elems,
     rope_kernel,
 )
 from blink.gpu.engine.fp8_weights import (
@@ -33,6 +32,7 @@ from blink.gpu.engine.fp8_weights import (
     fp8_gemv_pieces,
     fp8_mma_grid,
     fp8_mma_name,
+    fp8_scratch_elems,
 )
 from blink.gpu.engine.moe_launch import (
     BIG_TILE_M,

@@ -15,7 +15,8 @@ Step (T tokens, S sequences; delta = the output of the last projection, added la
     logits = last Wlm^T (fp32);  sample -> out_tokens;  signal_done (st.release of *step_seq)
 Buffers are sized for the largest shape and shared by all graphs: one step runs at a time.
 Attention (kernel choice per bucket, splits, launches) is the AttentionLaunches mixin
-(blink/gpu/engine/attention_launch.py).
+(blink/gpu/engine/attention_launch.py), sampling and prompt logprobs the SamplingLaunches mixin
+(blink/gpu/engine/sampling_launch.py), FP8 projections the Fp8Launches mixin (blink/gpu/engine/fp8_launch.py).
 
 GEMV fusions (set_gemv_fusion; only in steps whose projections use the GEMV, i.e. decode buckets
 <= gemv_max_tokens, or with FP8 weights the FP8 GEMV's decode buckets below FP8_MMA_MIN_TOKENS (fp8.cu
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any
 
 import numpy as np
 
@@ -46,27 +46,21 @@ from blink.gpu.engine.attention_launch import (
     AttentionLaunches,
 )
 from blink.gpu.engine.fp8_gemm import Fp8Gemm
+from blink.gpu.engine.fp8_launch import Fp8Launches
 from blink.gpu.engine.fp8_weights import (
     FP8_GEMV_BUCKETS,
     FP8_GEMV_CONFIG,
-    FP8_LARGE_PATHS,
-    FP8_MMA_MIN_TOKENS,
     Fp8Linear,
     fp8_gemv_grid,
     fp8_gemv_name,
-    fp8_gemv_pieces,
-    fp8_max_outputs,
-    fp8_mma_grid,
-    fp8_mma_name,
-    fp8_scratch_elems,
 )
 from blink.gpu.engine.moe_launch import MoeLaunches
+from blink.gpu.engine.sampling_launch import SamplingLaunches
 from blink.gpu.engine.step_arena import Dims, StepArena
 from blink.gpu.engine.weights import GpuWeights
 from blink.gpu.toolchain.cuda_api import Cublas, Driver
 from blink.gpu.toolchain.kernels import Kernels
 from blink.models.config import ModelConfig, rope_inv_freq
-from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 GEMV_BUCKETS = (1, 2, 4, 8)
 GEMV_ROWS_PER_WARP = {1: 1, 2: 4, 4: 4, 8: 4}  # must match GEMV(NT, R) in model_kernels.cu
@@ -140,14 +134,10 @@ def kv_element_bytes(kv_cache_dtype: str) -> int:
     return 1 if kv_cache_dtype == "fp8" else 2
 
 
-def _ptr(a: object) -> int:
-    return int(a.data.ptr)  # type: ignore[attr-defined]
-
-
 GEMV_NORM_SMEM_MAX = 160 << 10  # fused norm: NT * hidden * 2 bytes of shared memory per CTA
 
 
-class Forward(AttentionLaunches):
+class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
     def __init__(
         self,
         config: ModelConfig,
@@ -218,35 +208,6 @@ class Forward(AttentionLaunches):
         self.fp8_path = ""
         self.fp8_scratch = self.fp8_x8 = self.fp8_xs = self.fp8_d32 = z(1)
 
-    def _init_sampling_buffers(self, z: Any, Sm: int, Tm: int) -> None:
-        """The sampling extensions' buffers (`z` allocates zeros on the GPU)."""
-        import cupy as cp
-
-        sampling_rows, H = self.sampling_rows, self.c.hidden_size
-        # Sampling extensions (sampling.cu): outputs of the step, and the per-row tables (one row per
-        # ring slot; one dummy row when they are off, so the graphs' pointers stay valid).
-        rows, V = max(1, sampling_rows), self.c.vocab_size
-        self.proc = z(Sm if sampling_rows else 1, V, dt=cp.float32)
-        self.chosen_lp = z(Sm, dt=cp.float32)
-        self.top_ids = z(Sm, MAX_LOGPROBS, dt=cp.int32)
-        self.top_lps = z(Sm, MAX_LOGPROBS, dt=cp.float32)
-        self.lp_stats = z(2 * Sm, dt=cp.float32)
-        self.pen_state = z(rows, V if sampling_rows else 1, dt=cp.uint32)
-        self.logit_bias_n = z(rows, dt=cp.int32)
-        self.logit_bias_ids = z(rows, MAX_LOGIT_BIAS, dt=cp.int32)
-        self.logit_bias_vals = z(rows, MAX_LOGIT_BIAS, dt=cp.float32)
-        self.mask_words = (V + 31) // 32  # token masks (token_mask reads them from the ring)
-        self.mask_open = z(Sm, dt=cp.int32)  # the gate token_mask read for each row
-        # Prompt logprobs (plp_* in sampling.cu): the final-normed hidden state, the fp32 logits and
-        # the record of every scored row; up to max_num_batched_tokens rows (that many times vocab * 4
-        # bytes of logits), allocated with the extension tables.
-        P = Tm if sampling_rows else 1
-        self.plp_hid = z(P, H)
-        self.plp_logits = z(P, V if sampling_rows else 1, dt=cp.float32)
-        self.plp_lp = z(P, dt=cp.float32)
-        self.plp_ids = z(P, MAX_LOGPROBS, dt=cp.int32)
-        self.plp_lps = z(P, MAX_LOGPROBS, dt=cp.float32)
-
     def _init_gemv_smem(self, kernels: Kernels, driver: Driver) -> None:
         """Dynamic shared memory of the fused GEMVs whose prologue normalises into shared memory."""
         H = self.c.hidden_size
@@ -265,24 +226,6 @@ class Forward(AttentionLaunches):
                 for kind in ("norm", "norm_swiglu", "norm_rope"):
                     driver.set_max_dynamic_smem(kernels[fp8_gemv_name(nt, kind)], smem)
 
-    def set_fp8_gemm(self, path: str, gemm: Fp8Gemm | None) -> None:
-        """The path of FP8 projections past the GEMV (FP8_LARGE_PATHS), with its buffers: "outer" and
-        "epilogue" the W8A8 GEMM `gemm` (the per-token codes and scales of a step's activations; fp32
-        sums for "epilogue"), "dequant" the bf16 GEMM over fp8_scratch (the largest projection)."""
-        import cupy as cp
-
-        if path not in FP8_LARGE_PATHS or (gemm is None) != (path == "dequant"):
-            raise ValueError(f"fp8 path {path!r} (gemm {'given' if gemm else 'none'})")
-        c, Tm = self.c, self.d.max_num_batched_tokens
-        self.fp8_path, self.fp8_gemm = path, gemm
-        if path == "dequant":
-            self.fp8_scratch = cp.zeros(fp8_scratch_elems(c), dtype=cp.uint16)
-            return
-        self.fp8_x8 = cp.zeros((Tm, max(c.hidden_size, c.q_size, c.intermediate_size)), dtype=cp.uint8)
-        self.fp8_xs = cp.zeros(Tm, dtype=cp.float32)
-        if path == "epilogue":
-            self.fp8_d32 = cp.zeros((Tm, fp8_max_outputs(c)), dtype=cp.float32)
-
     def set_gemv_fusion(self, fusion: frozenset[str]) -> None:
         """GEMV fusions (GEMV_FUSIONS) for the steps recorded from now on."""
         bad = set(fusion) - set(GEMV_FUSIONS)
@@ -292,12 +235,6 @@ class Forward(AttentionLaunches):
 
     def uses_gemv(self, rows: int) -> bool:
         return rows in GEMV_BUCKETS and rows <= self.gemv_max_tokens
-
-    def uses_fp8_gemv_bucket(self, T: int) -> bool:
-        """Whether a step of T tokens runs the FP8 weights on one FP8 GEMV bucket (a decode step below
-        FP8_MMA_MIN_TOKENS: from there the tensor-core kernel, unfused)."""
-        fp8_decode = self.fp8 and self.fp8_decode and T <= self.fp8_gemv_max_tokens
-        return fp8_decode and T in FP8_GEMV_BUCKETS and T < FP8_MMA_MIN_TOKENS
 
     def fusions_for(self, T: int) -> frozenset[str]:
         """The fusions a step of T tokens gets: none unless its projections run on one bucket of the bf16
@@ -333,46 +270,6 @@ class Forward(AttentionLaunches):
             self._launch(name, grid, (256, 1, 1), stream, W=w, X=x, Y=y, N=n_out, K=k)
         else:
             self.blas.linear(int(x.data.ptr), int(w.data.ptr), int(y.data.ptr), rows, n_out, k, out_f32)  # type: ignore[attr-defined]
-
-    def fp8_linear(self, x: object, w: Fp8Linear, y: object, rows: int, stream: int) -> None:
-        """y (bf16) = x w^T for FP8 w: in decode steps of up to fp8_gemv_max_tokens rows weight-only (bf16
-        activations): the FP8 GEMV in bucket pieces below FP8_MMA_MIN_TOKENS rows, the tensor-core kernel
-        from there; in every other step x quantized per token and the W8A8 GEMM
-        (blink/gpu/engine/fp8_gemm.py), or on the "dequant" path w dequantized to bf16 and the bf16
-        GEMM. The numpy definition draws the same line (blink.models.fp8.uses_w8a8)."""
-        n_out, k = w.shape
-        if self.fp8_decode and rows <= self.fp8_gemv_max_tokens:
-            if rows >= FP8_MMA_MIN_TOKENS:  # the tensor-core kernel, every row at once
-                self._launch(
-                    fp8_mma_name(rows), (fp8_mma_grid(n_out), 1, 1), (256, 1, 1), stream, W=w.codes,
-                    scales=w.scales, X=x, Y=y, N=n_out, K=k, T=rows,
-                )  # fmt: skip
-                return
-            for r0, nt in fp8_gemv_pieces(rows):  # a row count between buckets in pieces: 6 = 4 + 2
-                self._launch(
-                    fp8_gemv_name(nt), (fp8_gemv_grid(n_out, nt), 1, 1), (256, 1, 1), stream, W=w.codes,
-                    scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 2 * r0 * n_out, N=n_out, K=k,
-                )  # fmt: skip
-            return
-        if self.fp8_path == "dequant":
-            self._launch(
-                "fp8_dequant_rows", (-(-k // 4096), n_out, 1), (256, 1, 1), stream, codes=w.codes, scales=w.scales,
-                out=self.fp8_scratch, N=n_out, K=k,
-            )  # fmt: skip
-            self.blas.linear(_ptr(x), _ptr(self.fp8_scratch), _ptr(y), rows, n_out, k, False)
-            return
-        if self.fp8_gemm is None:
-            raise RuntimeError("fp8 weights: set_fp8_gemm was not called")
-        x8, xs = self.fp8_x8, self.fp8_xs
-        self._launch("fp8_quantize_rows", (rows, 1, 1), (256, 1, 1), stream, W=x, codes=x8, scales=xs, N=rows, K=k)
-        outer = self.fp8_path == "outer"
-        d = y if outer else self.fp8_d32
-        self.fp8_gemm.matmul(rows, n_out, k, _ptr(x8), _ptr(w.codes), _ptr(d), _ptr(xs), _ptr(w.scales))
-        if not outer:
-            self._launch(
-                "fp8_scale_rows", (-(-n_out // 2048), rows, 1), (256, 1, 1), stream, D=d, xs=xs, ws=w.scales, Y=y,
-                T=rows, N=n_out,
-            )  # fmt: skip
 
     @staticmethod
     def gemv_smem(kind: str, T: int, k: int) -> int:
@@ -416,66 +313,6 @@ class Forward(AttentionLaunches):
             d.block_size,
             d.max_blocks_per_seq,
         )
-
-    def record_sampling(self, stream: int, S: int) -> None:
-        """Sampling over self.logits: the extension kernels (each returns at once unless the step's
-        ext_on is set, and then works only on the rows that use an extension; token_mask also needs
-        mask_on, and reads each masked row's gate and bits from the ring), sample_tokens."""
-        V, a, ns = self.c.vocab_size, self.arena.ptr, self.arena.ptr["num_seqs"]
-        on = a["ext_on"] if self.sampling_rows else None
-        if on is not None:
-            self._launch(
-                "penalty_mark", (S, 1, 1), (256, 1, 1), stream, state=self.pen_state, V=V, pen_row=a["pen_row"],
-                fresh=a["fresh"], input_ids=a["input_ids"], cu_q_lens=a["cu_q_lens"], num_seqs=ns, ext_on=on,
-            )  # fmt: skip
-            self._launch(
-                "logits_ext", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, proc=self.proc, V=V,
-                state=self.pen_state, pen_row=a["pen_row"], presence_penalty=a["presence_penalty"],
-                frequency_penalty=a["frequency_penalty"], repetition_penalty=a["repetition_penalty"],
-                logit_bias_n=self.logit_bias_n, logit_bias_ids=self.logit_bias_ids,
-                logit_bias_vals=self.logit_bias_vals, max_logit_bias=MAX_LOGIT_BIAS, logprobs=a["logprobs"],
-                max_lp=MAX_LOGPROBS, top_ids=self.top_ids, top_lps=self.top_lps, stats=self.lp_stats, num_seqs=ns,
-                ext_on=on,
-            )  # fmt: skip
-            self._launch(
-                "token_mask", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, proc=self.proc, V=V,
-                pen_row=a["pen_row"], mask_gate=a["mask_gate"], mask_bits=a["mask_bits"],
-                ring_mask_words=a["ring_mask_words"], sample_pos=a["sample_pos"], mask_open=self.mask_open,
-                num_seqs=ns, ext_on=on, mask_on=a["mask_on"],
-            )  # fmt: skip
-        self._launch(
-            "sample_tokens", (S, 1, 1), (1024, 1, 1), stream, logits=self.logits, V=V,
-            temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seed=a["seed"],
-            sample_pos=a["sample_pos"], out_tokens=self.out_tokens, num_seqs=ns, proc=self.proc,
-            pen_row=a["pen_row"], min_p=a["min_p"], ext_on=on, mask_on=a["mask_on"], mask_open=self.mask_open,
-        )  # fmt: skip
-        if on is not None:
-            self._launch(
-                "sample_post", (S, 1, 1), (32, 1, 1), stream, logits=self.logits, V=V, out_tokens=self.out_tokens,
-                emit=a["emit"], logprobs=a["logprobs"], stats=self.lp_stats, chosen_lp=self.chosen_lp,
-                state=self.pen_state, pen_row=a["pen_row"], num_seqs=ns, ext_on=on,
-            )  # fmt: skip
-
-    def record_prompt_logprobs(self, stream: int, T: int, delta: object) -> None:
-        """Prompt logprob records of the step's scored rows (prefill graphs only: a step that scores
-        prompt tokens is launched on one): final norm, LM head and records over rows j < plp_count,
-        each kernel returning at once unless ext_on and plp_count are set."""
-        c, a = self.c, self.arena.ptr
-        V, H, on, cnt = c.vocab_size, c.hidden_size, a["ext_on"], a["plp_count"]
-        g = min(T, self.num_sms)
-        self._launch(
-            "plp_norm", (g, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=delta, w=self.w.final_norm,
-            hid=self.plp_hid, plp_tok=a["plp_tok"], plp_count=cnt, ext_on=on, H=H, eps=c.rms_eps,
-        )  # fmt: skip
-        self._launch(
-            "plp_lm_head", (-(-V // 64), 1, 1), (256, 1, 1), stream, hid=self.plp_hid, W=self.w.lm_head,
-            logits=self.plp_logits, V=V, K=H, plp_count=cnt, ext_on=on,
-        )  # fmt: skip
-        self._launch(
-            "plp_records", (g, 1, 1), (1024, 1, 1), stream, logits=self.plp_logits, V=V, plp_target=a["plp_target"],
-            plp_prompt_logprobs=a["plp_prompt_logprobs"], max_lp=MAX_LOGPROBS, plp_lp=self.plp_lp, plp_ids=self.plp_ids,
-            plp_lps=self.plp_lps, plp_count=cnt, ext_on=on,
-        )  # fmt: skip
 
     def record(self, stream: int, S: int, T: int, decode: bool) -> None:
         """Issue every launch of one step for the bucket (S sequences, T tokens)."""

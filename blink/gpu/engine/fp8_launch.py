@@ -1,0 +1,95 @@
+"""FP8 projections in a model step: the path past the GEMV and the launches of an FP8 linear.
+
+Forward (blink/gpu/engine/forward.py) records the rest of the step; this mixin owns the FP8 weights'
+projections: which path steps past the FP8 GEMV take (set_fp8_gemm: the W8A8 GEMM of
+blink/gpu/engine/fp8_gemm.py, or dequantize + bf16 GEMM) with its buffers, and fp8_linear's
+launches (fp8.cu). It reads Forward's config (c), dims (d), cuBLAS handle (blas), the step kind
+(fp8_decode, fp8_gemv_max_tokens) and its `_launch`.
+"""
+
+from __future__ import annotations
+
+from blink.gpu.engine.fp8_gemm import Fp8Gemm
+from blink.gpu.engine.fp8_weights import (
+    FP8_GEMV_BUCKETS,
+    FP8_LARGE_PATHS,
+    FP8_MMA_MIN_TOKENS,
+    Fp8Linear,
+    fp8_gemv_grid,
+    fp8_gemv_name,
+    fp8_gemv_pieces,
+    fp8_max_outputs,
+    fp8_mma_grid,
+    fp8_mma_name,
+    fp8_scratch_elems,
+)
+
+
+def _ptr(a: object) -> int:
+    return int(a.data.ptr)  # type: ignore[attr-defined]
+
+
+class Fp8Launches:
+    def set_fp8_gemm(self, path: str, gemm: Fp8Gemm | None) -> None:
+        """The path of FP8 projections past the GEMV (FP8_LARGE_PATHS), with its buffers: "outer" and
+        "epilogue" the W8A8 GEMM `gemm` (the per-token codes and scales of a step's activations; fp32
+        sums for "epilogue"), "dequant" the bf16 GEMM over fp8_scratch (the largest projection)."""
+        import cupy as cp
+
+        if path not in FP8_LARGE_PATHS or (gemm is None) != (path == "dequant"):
+            raise ValueError(f"fp8 path {path!r} (gemm {'given' if gemm else 'none'})")
+        c, Tm = self.c, self.d.max_num_batched_tokens
+        self.fp8_path, self.fp8_gemm = path, gemm
+        if path == "dequant":
+            self.fp8_scratch = cp.zeros(fp8_scratch_elems(c), dtype=cp.uint16)
+            return
+        self.fp8_x8 = cp.zeros((Tm, max(c.hidden_size, c.q_size, c.intermediate_size)), dtype=cp.uint8)
+        self.fp8_xs = cp.zeros(Tm, dtype=cp.float32)
+        if path == "epilogue":
+            self.fp8_d32 = cp.zeros((Tm, fp8_max_outputs(c)), dtype=cp.float32)
+
+    def uses_fp8_gemv_bucket(self, T: int) -> bool:
+        """Whether a step of T tokens runs the FP8 weights on one FP8 GEMV bucket (a decode step below
+        FP8_MMA_MIN_TOKENS: from there the tensor-core kernel, unfused)."""
+        fp8_decode = self.fp8 and self.fp8_decode and T <= self.fp8_gemv_max_tokens
+        return fp8_decode and T in FP8_GEMV_BUCKETS and T < FP8_MMA_MIN_TOKENS
+
+    def fp8_linear(self, x: object, w: Fp8Linear, y: object, rows: int, stream: int) -> None:
+        """y (bf16) = x w^T for FP8 w: in decode steps of up to fp8_gemv_max_tokens rows weight-only (bf16
+        activations): the FP8 GEMV in bucket pieces below FP8_MMA_MIN_TOKENS rows, the tensor-core kernel
+        from there; in every other step x quantized per token and the W8A8 GEMM
+        (blink/gpu/engine/fp8_gemm.py), or on the "dequant" path w dequantized to bf16 and the bf16
+        GEMM. The numpy definition draws the same line (blink.models.fp8.uses_w8a8)."""
+        n_out, k = w.shape
+        if self.fp8_decode and rows <= self.fp8_gemv_max_tokens:
+            if rows >= FP8_MMA_MIN_TOKENS:  # the tensor-core kernel, every row at once
+                self._launch(
+                    fp8_mma_name(rows), (fp8_mma_grid(n_out), 1, 1), (256, 1, 1), stream, W=w.codes,
+                    scales=w.scales, X=x, Y=y, N=n_out, K=k, T=rows,
+                )  # fmt: skip
+                return
+            for r0, nt in fp8_gemv_pieces(rows):  # a row count between buckets in pieces: 6 = 4 + 2
+                self._launch(
+                    fp8_gemv_name(nt), (fp8_gemv_grid(n_out, nt), 1, 1), (256, 1, 1), stream, W=w.codes,
+                    scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 2 * r0 * n_out, N=n_out, K=k,
+                )  # fmt: skip
+            return
+        if self.fp8_path == "dequant":
+            self._launch(
+                "fp8_dequant_rows", (-(-k // 4096), n_out, 1), (256, 1, 1), stream, codes=w.codes, scales=w.scales,
+                out=self.fp8_scratch, N=n_out, K=k,
+            )  # fmt: skip
+            self.blas.linear(_ptr(x), _ptr(self.fp8_scratch), _ptr(y), rows, n_out, k, False)
+            return
+        if self.fp8_gemm is None:
+            raise RuntimeError("fp8 weights: set_fp8_gemm was not called")
+        x8, xs = self.fp8_x8, self.fp8_xs
+        self._launch("fp8_quantize_rows", (rows, 1, 1), (256, 1, 1), stream, W=x, codes=x8, scales=xs, N=rows, K=k)
+        outer = self.fp8_path == "outer"
+        d = y if outer else self.fp8_d32
+        self.fp8_gemm.matmul(rows, n_out, k, _ptr(x8), _ptr(w.codes), _ptr(d), _ptr(xs), _ptr(w.scales))
+        if not outer:
+            self._launch(
+                "fp8_scale_rows", (-(-n_out // 2048), rows, 1), (256, 1, 1), stream, D=d, xs=xs, ws=w.scales, Y=y,
+                T=rows, N=n_out,
+            )  # fmt: skip
