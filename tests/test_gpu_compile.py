@@ -9,8 +9,9 @@ import shutil
 import numpy as np
 import pytest
 
+from blink.gpu.engine.abi import bucket_of
 from blink.gpu.engine.attention_launch import FLASH_COMBINE_OF, FLASH_VARIANTS
-from blink.gpu.engine.engine import EngineConfig, _buckets, bucket_of
+from blink.gpu.engine.engine import EngineConfig, _buckets
 from blink.gpu.engine.weights import bf16_bits_to_f32, f32_to_bf16_bits
 from blink.gpu.scheduler import scheduler as S
 from blink.gpu.toolchain import build as B

@@ -23,6 +23,7 @@ import pathlib
 import numpy as np
 
 from blink.protocol.cgen import header_main, header_text, struct_lines
+from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from blink.protocol.step import STEP_FIELDS
 
 HEADER_PATH = pathlib.Path(__file__).resolve().parent / "include" / "blink_engine.h"
@@ -74,6 +75,69 @@ ENGINE_DTYPE = np.dtype(
 POINTERS = {f.name: f.dtype for f in STEP_FIELDS} | {n: np.dtype(dt) for n, dt, _ in _BUFFERS}
 _DOCS = {n: doc for n, _, doc in _SCALARS + _BUFFERS if doc}
 _DOCS |= {f.name: f"[{f.extent}] {f.doc}" if f.extent != "1" else f.doc for f in STEP_FIELDS}
+
+
+def bucket_of(buckets: tuple[int, ...], n_max: int) -> np.ndarray:
+    """(n_max+1,) u16: index of the smallest bucket >= n, the O(1) lookup table of the ABI."""
+    if list(buckets) != sorted(buckets) or buckets[-1] < n_max:
+        raise ValueError(f"buckets {buckets} must ascend and reach {n_max}")
+    return np.searchsorted(np.asarray(buckets), np.arange(n_max + 1), side="left").astype(np.uint16)
+
+
+class AbiWriter:
+    """The engine's ABI record in device memory: Engine (blink/gpu/engine/engine.py) fills it once after
+    capture from its buckets, graph table, step arena and Forward's buffers."""
+
+    def _write_abi(self) -> None:
+        import cupy as cp
+
+        bb = np.array(self.batch_buckets, np.uint32)
+        tb = np.array(self.token_buckets, np.uint32)
+        bof = bucket_of(self.batch_buckets, self.dims.max_seqs)
+        tof = bucket_of(self.token_buckets, self.dims.max_num_batched_tokens)
+        self._tables = {
+            k: cp.asarray(v)
+            for k, v in dict(
+                batch_buckets=bb,
+                token_buckets=tb,
+                batch_bucket_of=bof,
+                token_bucket_of=tof,
+                decode_execs=self.decode_execs,
+                prefill_execs=self.prefill_execs,
+            ).items()
+        }
+        rec = np.zeros((), ENGINE_DTYPE)
+        d, a = self.dims, self.arena.ptr
+        rec["max_seqs"], rec["max_num_batched_tokens"] = d.max_seqs, d.max_num_batched_tokens
+        rec["max_blocks_per_seq"], rec["block_size"] = d.max_blocks_per_seq, d.block_size
+        rec["num_kv_blocks"], rec["vocab_size"], rec["max_context"] = (
+            d.num_blocks,
+            self.config.vocab_size,
+            d.max_context,
+        )
+        rec["n_batch_buckets"], rec["n_token_buckets"] = len(bb), len(tb)
+        rec["execs_per_shape"] = self.ecfg.execs_per_shape
+        rec["sampling_rows"] = self.fwd.sampling_rows
+        rec["max_logit_bias"], rec["max_logprobs"] = MAX_LOGIT_BIAS, MAX_LOGPROBS
+        for f in STEP_FIELDS:
+            rec[f.name] = a[f.name]
+        for name in ("out_tokens", "done_seq", "chosen_lp", "top_ids", "top_lps", "plp_lp", "plp_ids", "plp_lps"):
+            rec[name] = int(getattr(self.fwd, name).data.ptr)
+        for name in ("pen_state", "logit_bias_n"):
+            rec[name] = int(getattr(self.fwd, name).data.ptr)
+        rec["logit_bias_ids"] = int(self.fwd.logit_bias_ids.data.ptr)
+        rec["logit_bias_vals"] = int(self.fwd.logit_bias_vals.data.ptr)
+        rec["mask_open"] = int(self.fwd.mask_open.data.ptr)
+        rec["mask_words"] = self.fwd.mask_words if self.fwd.sampling_rows else 0
+        for name, arr in self._tables.items():
+            rec[name] = int(arr.data.ptr)  # type: ignore[attr-defined]
+        self._abi_dev = cp.asarray(np.frombuffer(rec.tobytes(), np.uint8))
+
+    @property
+    def abi_ptr(self) -> int:
+        if self._abi_dev is None:
+            raise RuntimeError("capture() first: the ABI record lists the graph execs")
+        return int(self._abi_dev.data.ptr)  # type: ignore[attr-defined]
 
 
 def render() -> str:

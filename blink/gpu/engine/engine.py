@@ -25,6 +25,10 @@ seq_lens (blink/gpu/engine/csrc/flash_decode.cu).
 Why two execs per shape: relaunching an exec right after its completion token is seen fails with
 cudaErrorInvalidValue about half the time on the H200 (the exec still counts as running), so the
 scheduler alternates between them (blink_sched's launch() also retries that error).
+
+Writing a step into the step arena (load_step, map_ring) is the StepLoader mixin
+(blink/gpu/engine/step_loader.py); filling the ABI record after capture the AbiWriter mixin
+(blink/gpu/engine/abi.py).
 """
 
 from __future__ import annotations
@@ -33,11 +37,10 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from blink.gpu.engine.abi import ENGINE_DTYPE
+from blink.gpu.engine.abi import AbiWriter
 from blink.gpu.engine.engine_config import (  # noqa: F401 (the engine's public names, re-exported)
     DEFAULT_BATCH_BUCKETS,
     DEFAULT_TOKEN_BUCKETS,
@@ -47,27 +50,19 @@ from blink.gpu.engine.forward import Dims, Forward, kv_element_bytes
 from blink.gpu.engine.fp8_gemm import SCALE_MODES, Fp8Gemm
 from blink.gpu.engine.fp8_weights import Fp8Loader, fp8_activation_bytes, fp8_scratch_elems, quantize_layers
 from blink.gpu.engine.moe_launch import MoeLaunches
+from blink.gpu.engine.step_loader import StepLoader
 from blink.gpu.engine.weights import GpuWeights
 from blink.gpu.toolchain.cuda_api import Cublas, Driver
 from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
 from blink.models.config import ModelConfig
-from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS, SLOT_BYTES, SLOT_DTYPE, RingGeometry
-from blink.protocol.step import BATCH_FIELDS, STEP_FIELDS, StepBatch
-
-_MASK_POSITION = SLOT_DTYPE.fields["mask_position"][1]  # byte offset in a slot
+from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS, RingGeometry
+from blink.protocol.step import StepBatch
 
 
 def _buckets(values: tuple[int, ...], cap: int) -> tuple[int, ...]:
     """The configured bucket sizes up to `cap`, plus `cap` itself (the largest shape)."""
     out = sorted({v for v in values if v <= cap} | {cap})
     return tuple(out)
-
-
-def bucket_of(buckets: tuple[int, ...], n_max: int) -> np.ndarray:
-    """(n_max+1,) u16: index of the smallest bucket >= n, the O(1) lookup table of the ABI."""
-    if list(buckets) != sorted(buckets) or buckets[-1] < n_max:
-        raise ValueError(f"buckets {buckets} must ascend and reach {n_max}")
-    return np.searchsorted(np.asarray(buckets), np.arange(n_max + 1), side="left").astype(np.uint16)
 
 
 @dataclass
@@ -80,7 +75,7 @@ class CaptureReport:
     shapes: list[tuple[str, int, int]] = field(default_factory=list)
 
 
-class Engine:
+class Engine(StepLoader, AbiWriter):
     def __init__(
         self,
         config: ModelConfig,
@@ -317,57 +312,6 @@ class Engine:
         KV cache."""
         return self._capture_one(S, T, decode, self.ecfg.execs_per_shape)
 
-    def _write_abi(self) -> None:
-        import cupy as cp
-
-        bb = np.array(self.batch_buckets, np.uint32)
-        tb = np.array(self.token_buckets, np.uint32)
-        bof = bucket_of(self.batch_buckets, self.dims.max_seqs)
-        tof = bucket_of(self.token_buckets, self.dims.max_num_batched_tokens)
-        self._tables = {
-            k: cp.asarray(v)
-            for k, v in dict(
-                batch_buckets=bb,
-                token_buckets=tb,
-                batch_bucket_of=bof,
-                token_bucket_of=tof,
-                decode_execs=self.decode_execs,
-                prefill_execs=self.prefill_execs,
-            ).items()
-        }
-        rec = np.zeros((), ENGINE_DTYPE)
-        d, a = self.dims, self.arena.ptr
-        rec["max_seqs"], rec["max_num_batched_tokens"] = d.max_seqs, d.max_num_batched_tokens
-        rec["max_blocks_per_seq"], rec["block_size"] = d.max_blocks_per_seq, d.block_size
-        rec["num_kv_blocks"], rec["vocab_size"], rec["max_context"] = (
-            d.num_blocks,
-            self.config.vocab_size,
-            d.max_context,
-        )
-        rec["n_batch_buckets"], rec["n_token_buckets"] = len(bb), len(tb)
-        rec["execs_per_shape"] = self.ecfg.execs_per_shape
-        rec["sampling_rows"] = self.fwd.sampling_rows
-        rec["max_logit_bias"], rec["max_logprobs"] = MAX_LOGIT_BIAS, MAX_LOGPROBS
-        for f in STEP_FIELDS:
-            rec[f.name] = a[f.name]
-        for name in ("out_tokens", "done_seq", "chosen_lp", "top_ids", "top_lps", "plp_lp", "plp_ids", "plp_lps"):
-            rec[name] = int(getattr(self.fwd, name).data.ptr)
-        for name in ("pen_state", "logit_bias_n"):
-            rec[name] = int(getattr(self.fwd, name).data.ptr)
-        rec["logit_bias_ids"] = int(self.fwd.logit_bias_ids.data.ptr)
-        rec["logit_bias_vals"] = int(self.fwd.logit_bias_vals.data.ptr)
-        rec["mask_open"] = int(self.fwd.mask_open.data.ptr)
-        rec["mask_words"] = self.fwd.mask_words if self.fwd.sampling_rows else 0
-        for name, arr in self._tables.items():
-            rec[name] = int(arr.data.ptr)  # type: ignore[attr-defined]
-        self._abi_dev = cp.asarray(np.frombuffer(rec.tobytes(), np.uint8))
-
-    @property
-    def abi_ptr(self) -> int:
-        if self._abi_dev is None:
-            raise RuntimeError("capture() first: the ABI record lists the graph execs")
-        return int(self._abi_dev.data.ptr)  # type: ignore[attr-defined]
-
     # ------------------------------------------------------------------ host launch
 
     def pick_exec(self, S: int, T: int, decode: bool) -> int:
@@ -391,50 +335,6 @@ class Engine:
         self._next_exec[key] = (e + 1) % len(row)
         return int(row[e])
 
-    def load_step(self, b: StepBatch, step_seq: int = 0) -> bool:
-        """Write a StepBatch into the host mirror of the step arena; returns whether it is a decode step."""
-        S, T, d = b.num_seqs, b.num_tokens, self.dims
-        if S > d.max_seqs or T > d.max_num_batched_tokens or S == 0:
-            raise ValueError(
-                f"step of {S} sequences / {T} tokens exceeds the engine ({d.max_seqs}, {d.max_num_batched_tokens})"
-            )
-        if int(np.max(b.seq_lens)) > d.max_context:
-            raise ValueError(f"sequence longer than max_context {d.max_context}")
-        h = self.arena.host
-        h["num_seqs"][0], h["num_tokens"][0], h["step_seq"][0] = S, T, step_seq
-        for f in BATCH_FIELDS[:-1]:  # every field but block_tables, whose rows are clipped below
-            h[f.name][: b.rows(f)] = getattr(b, f.name)
-        bt = h["block_tables"].reshape(d.max_seqs, d.max_blocks_per_seq)
-        w = min(b.block_tables.shape[1], d.max_blocks_per_seq)
-        bt[:S, :w] = b.block_tables[:, :w]
-        self._load_ext(b)
-        return T == S
-
-    def _load_ext(self, b: StepBatch) -> None:
-        """The sampling extensions' step fields from b.ext (ext_on 0 when the step has none)."""
-        h, x, S = self.arena.host, b.ext, b.num_seqs
-        h["ext_on"][0] = 0 if x is None else 1
-        if x is None:
-            return
-        rows, penalized = self.fwd.sampling_rows, x.penalized
-        if penalized.any() and int(x.slots[penalized].max()) >= rows:
-            raise ValueError(f"penalty state of slot {int(x.slots.max())}: the engine has {rows} sampling rows")
-        h["pen_row"][:S] = np.where(penalized, x.slots, -1)
-        h["fresh"][:S] = x.fresh
-        h["emit"][:S] = x.emit
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
-            h[name][:S] = x.column(name)
-        h["logprobs"][:S] = np.minimum(x.column("logprobs"), MAX_LOGPROBS)
-        self._load_masks(x, S)
-        scored = np.flatnonzero(x.targets >= 0)  # packed tokens whose logits score a prompt token
-        P = scored.size
-        h["plp_count"][0] = P
-        if P:
-            seq_of = np.repeat(np.arange(S), np.diff(b.cu_q_lens))
-            h["plp_tok"][:P] = scored
-            h["plp_target"][:P] = x.targets[scored]
-            h["plp_prompt_logprobs"][:P] = np.clip(x.column("prompt_logprobs")[seq_of[scored]], 0, MAX_LOGPROBS)
-
     @staticmethod
     def bind_thread() -> None:
         """Make the device's primary context current in the calling thread. Driver API calls (the ring's
@@ -446,52 +346,6 @@ class Engine:
         rt = cp.cuda.runtime
         rt.setDevice(rt.getDevice())
         rt.free(0)
-
-    def map_ring(self, base: int | None, geo: RingGeometry | None = None) -> None:
-        """The ring's device address (mapped host memory) and geometry: the sampler of a host-launched
-        step reads each constrained row's gate and bits there (token_mask in sampling.cu). None: the
-        ring is no longer mapped (a step with token masks is then refused)."""
-        self._ring = None if base is None else (base, geo)
-
-    def _load_masks(self, x: Any, S: int) -> None:
-        """The token mask fields of the step's constrained rows (mask_slot >= 0): the device addresses
-        of their slot's mask_position and of their bitmask in the ring."""
-        h, masked = self.arena.host, x.mask_slot >= 0
-        h["mask_on"][0] = int(masked.any())
-        if not masked.any():
-            return
-        if self._ring is None:
-            raise ValueError("a step with token masks needs the ring mapped (map_ring)")
-        base, geo = self._ring  # uint64 throughout (numpy 1.x would take uint64 + a Python int to float64)
-        u = np.uint64
-        gate = u(base + geo.slots_offset + _MASK_POSITION) + x.slots.astype(u) * u(SLOT_BYTES)
-        bits = u(base + geo.mask_arena_offset) + np.maximum(x.mask_slot, 0).astype(u) * u(4 * geo.mask_words)
-        h["ring_mask_words"][0] = geo.mask_words
-        h["mask_gate"][:S] = np.where(masked, gate, u(0))
-        h["mask_bits"][:S] = np.where(masked, bits, u(0))
-
-    def _upload_bias(self, b: StepBatch) -> list[np.ndarray]:
-        """logit_bias of the step's new penalized requests into their rows' tables (once per request:
-        their first step). Returns the host arrays the queued copies read from."""
-        x, f, keep = b.ext, self.fwd, []
-        if x is None:
-            return keep
-        import cupy as cp
-
-        for s in np.flatnonzero(x.fresh & x.penalized):
-            r = int(x.slots[s])
-            ids, vals = x.logit_bias(s)
-            n = np.array([ids.size], np.int32)
-            keep += [n, ids, vals]
-            copies = [(f.logit_bias_n, r * 4, n)]
-            if ids.size:
-                copies += [
-                    (f.logit_bias_ids, r * MAX_LOGIT_BIAS * 4, ids),
-                    (f.logit_bias_vals, r * MAX_LOGIT_BIAS * 4, vals),
-                ]
-            for dst, off, src in copies:
-                cp.cuda.runtime.memcpyAsync(int(dst.data.ptr) + off, src.ctypes.data, src.nbytes, 1, self.s)
-        return keep
 
     def step(self, b: StepBatch) -> np.ndarray:
         """Run one step through its graph from the host; returns (S,) int32 sampled tokens. With
