@@ -11,8 +11,8 @@ from checkpoints import FP8_CONFIGS, write_fp8_hf_dir
 from blink.models import fp8
 from blink.models.checkpoint_config import from_hf_config
 from blink.models.config import UnsupportedModelError, preset
+from blink.models.hf_weights import hf_dir_bf16, load_hf_dir
 from blink.models.llama_numpy import LlamaNumpy
-from blink.models.weights import hf_dir_bf16, load_hf_dir
 
 LAYOUTS = tuple(FP8_CONFIGS)
 

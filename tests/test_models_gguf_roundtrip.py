@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blink.models.config import UnsupportedModelError, preset
+from blink.models.config import UnsupportedModelError, preset, rope_inv_freq
+from blink.models.gguf_weights import load_gguf
 from blink.models.registry import resolve_model
-from blink.models.weights import load_gguf, random_weights, rope_inv_freq, split_fused
+from blink.models.weights import random_weights, split_fused
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -261,7 +262,7 @@ def test_gguf_rope_freqs_mismatch_is_rejected(tmp_path):
 
 @pytest.mark.parametrize("orig", [8192, 32, 100])
 def test_llama3_scaling_recovered_from_rope_freqs(orig):
-    from blink.models.weights import llama3_scaling_from_factors
+    from blink.models.gguf_weights import llama3_scaling_from_factors
 
     c = preset("llama3-8b")
     c = c.replace(rope_scaling=c.rope_scaling.__class__("llama3", 8.0, 1.0, 4.0, orig))
@@ -279,8 +280,8 @@ def test_qwen3moe_gguf_matches_hf_safetensors(tmp_path, mlp_only):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from blink.device.numpy_executor import NumpyExecutor
+    from blink.models.hf_weights import load_hf_dir
     from blink.models.reference import PagedDriver
-    from blink.models.weights import load_hf_dir
 
     hf_config = transformers.Qwen3MoeConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -334,8 +335,8 @@ def test_gguf_bf16_tensors_are_the_rounded_float32_weights(tmp_path, name):
     f32_to_bf16_bits of load_gguf's float32 dict (what it rounded on upload before): Q8_0, F16 and
     F32 tensors, llama's q/k row permutation, Phi-3's fused tensors, stacked experts."""
     from blink.models.bf16 import f32_to_bf16_bits
+    from blink.models.gguf_weights import gguf_bf16
     from blink.models.registry import resolve_bf16
-    from blink.models.weights import gguf_bf16
 
     config = preset(name).replace(tie_word_embeddings=False)
     write_gguf(tmp_path / "m.gguf", config, random_weights(config, seed=6))
@@ -358,7 +359,8 @@ def test_gguf_bf16_holds_one_tensor_at_a_time(tmp_path):
     load_gguf's float32 dict holds the whole model."""
     import tracemalloc
 
-    from blink.models.weights import gguf_bf16, weight_shapes
+    from blink.models.gguf_weights import gguf_bf16
+    from blink.models.weights import weight_shapes
 
     config = preset("tiny-qwen3").replace(num_layers=12)
     write_gguf(tmp_path / "m.gguf", config, random_weights(config))

@@ -13,9 +13,10 @@ import pytest
 from blink.models import registry
 from blink.models.checkpoint_config import from_hf_config, to_hf_config
 from blink.models.config import PRESET_NAMES, UnsupportedModelError, preset
+from blink.models.hf_weights import load_hf_dir
 from blink.models.progress import TextProgress
 from blink.models.tokenizer import from_hf_dir
-from blink.models.weights import check_weights, load_hf_dir, random_weights, weight_shapes
+from blink.models.weights import check_weights, random_weights, weight_shapes
 
 SMOLLM_PROMPT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

@@ -20,7 +20,8 @@ from blink.models import registry
 from blink.models.bf16 import f32_to_bf16_bits
 from blink.models.checkpoint_config import to_hf_config
 from blink.models.config import PRESET_NAMES, preset
-from blink.models.weights import hf_dir_bf16, load_hf_dir, random_weights, weight_shapes
+from blink.models.hf_weights import hf_dir_bf16, load_hf_dir
+from blink.models.weights import random_weights, weight_shapes
 from blink.protocol.wire import DeviceSpec
 
 

@@ -18,8 +18,8 @@ import pytest
 from blink.device.numpy_executor import NumpyExecutor
 from blink.models import registry
 from blink.models.config import rope_inv_freq
+from blink.models.hf_weights import load_hf_dir
 from blink.models.reference import PagedDriver, reference_logits
-from blink.models.weights import load_hf_dir
 
 pytestmark = pytest.mark.slow
 

@@ -191,8 +191,8 @@ def load_tokenizer(
 def _from_gguf(path: pathlib.Path, name: str | None) -> tuple[Tokenizer, ModelInfo]:
     from blink.models.checkpoint_config import from_gguf_metadata as config_from_meta
     from blink.models.gguf_file import GGUFFile
+    from blink.models.gguf_weights import gguf_metadata
     from blink.models.tokenizer import from_gguf_metadata
-    from blink.models.weights import gguf_metadata
 
     reader = GGUFFile(path)  # header-only parse: ~0.1 s, vs ~2 s for gguf.GGUFReader's per-string views
     meta = gguf_metadata(reader)

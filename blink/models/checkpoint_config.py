@@ -222,7 +222,7 @@ def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: set[str], name: st
             raise UnsupportedModelError(f"sliding-window attention (window {window}) is not supported")
     if "rope_freqs.weight" in tensor_names:
         # llama.cpp stores Llama-3 scaling only as a rope_freqs tensor (per-frequency divisors):
-        # Llama 3.1's parameters here; `weights.load_gguf` derives the exact ones from the tensor.
+        # Llama 3.1's parameters here; `gguf_weights.load_gguf` derives the exact ones from the tensor.
         scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
     moe: dict[str, Any] = {}
     if ga == "qwen3moe":

@@ -23,18 +23,11 @@ import zipfile
 from dataclasses import dataclass
 
 from blink.models.config import PRESET_NAMES, ModelConfig, UnsupportedModelError, preset
+from blink.models.gguf_weights import gguf_bf16, load_gguf
+from blink.models.hf_weights import hf_dir_bf16, load_hf_dir
 from blink.models.progress import ProgressFn, make_progress
 from blink.models.tokenizer import Tokenizer, from_gguf_metadata, from_hf_dir
-from blink.models.weights import (
-    Bf16Tensors,
-    Weights,
-    gguf_bf16,
-    hf_dir_bf16,
-    load_gguf,
-    load_hf_dir,
-    random_bf16,
-    random_weights,
-)
+from blink.models.weights import Bf16Tensors, Weights, random_bf16, random_weights
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

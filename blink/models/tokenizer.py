@@ -156,7 +156,7 @@ def _pre_tokenizer(pre: str) -> Any:
 
 
 def from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
-    """Build from decoded GGUF metadata (`blink.models.weights.gguf_metadata`)."""
+    """Build from decoded GGUF metadata (`blink.models.gguf_weights.gguf_metadata`)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models
 

@@ -170,8 +170,8 @@ def smollm2():
 def chat():
     """SmolLM2's tokenizer (from the GGUF metadata only: no weights in the test process)."""
     gguf = pytest.importorskip("gguf")
+    from blink.models.gguf_weights import gguf_metadata
     from blink.models.tokenizer import from_gguf_metadata
-    from blink.models.weights import gguf_metadata
 
     tok = from_gguf_metadata(gguf_metadata(gguf.GGUFReader(_smollm2_path())))
     return lambda text: tok.encode_chat([{"role": "user", "content": text}])

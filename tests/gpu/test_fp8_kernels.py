@@ -188,7 +188,7 @@ def test_fp8_engine_decode_of_8_sequences_runs_the_tensor_core_kernel():
 def test_fp8_checkpoint_engine_matches_numpy(tmp_path, layout):
     """An FP8 checkpoint's codes and scales uploaded as stored, against the numpy model on its values."""
     from blink.device.numpy_executor import NumpyExecutor
-    from blink.models.weights import hf_dir_bf16, load_hf_dir
+    from blink.models.hf_weights import hf_dir_bf16, load_hf_dir
 
     write_fp8_hf_dir(tmp_path, preset("tiny-qwen2"), layout, seed=4)
     cfg, tensors = hf_dir_bf16(tmp_path)

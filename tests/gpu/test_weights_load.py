@@ -11,7 +11,7 @@ import pytest
 from checkpoints import write_hf_dir
 
 from blink.models.config import PRESET_NAMES, preset
-from blink.models.weights import hf_dir_bf16, load_hf_dir
+from blink.models.hf_weights import hf_dir_bf16, load_hf_dir
 
 pytestmark = pytest.mark.gpu
 
