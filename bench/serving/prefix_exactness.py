@@ -41,7 +41,7 @@ from typing import Any
 
 from bench.common import add_commit_arg, git_commit, metadata, short_device, smi_gpu_names
 from blink import bench_workloads
-from blink.benchmark import sharegpt_default_path
+from blink.bench_datasets import sharegpt_default_path
 from blink.testing import ServeProcess
 
 Messages = list[dict[str, str]]

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from bench.common import add_commit_arg, cpu_seconds, git_commit, metadata, smi_gpu_name, smi_gpu_names
-from blink import benchmark
+from blink import bench_datasets, benchmark
 from blink.actors import deploy
 from blink.actors.config import DeployConfig, from_mapping
 from blink.actors.frontend_actor import wait_http
@@ -322,7 +322,7 @@ async def _dataset(url: str, a: argparse.Namespace, n: int, seed: int) -> list[t
     async with aiohttp.ClientSession() as session:
         async with session.get(url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        return await benchmark.load_dataset(session, url, model, args)
+        return await bench_datasets.load_dataset(session, url, model, args)
 
 
 def _phase(url: str, a: argparse.Namespace, reqs: list, k: int, rate: float, watch: dict[str, list[int]]) -> dict:

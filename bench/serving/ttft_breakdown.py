@@ -50,7 +50,7 @@ import time
 import numpy as np
 
 from bench.common import RESULTS, add_commit_arg, metadata, smi_gpu_name
-from blink import benchmark
+from blink import bench_report, benchmark
 from blink.protocol.transport import ShmTransport
 from blink.testing import ServeProcess
 
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:  # after each scheduler: a run cut short keeps what it measured
             json.dump({**meta, "args": vars(args), "runs": runs}, f, indent=1)
         print(f"\n### scheduler {s} ({r['traced_requests']} requests traced)")
-        print(benchmark.report(r["bench"]))
+        print(bench_report.report(r["bench"]))
         fc = r["frontend_cpu"]
         print(
             f"frontend CPU: {fc['share_of_a_core']:.0%} of a core, {fc['us_per_output_token']:.0f} us per output token"
