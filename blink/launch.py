@@ -35,7 +35,8 @@ from collections.abc import Callable
 import msgspec
 
 from blink.config import BlinkConfig, ConfigError, RingConfig
-from blink.protocol.layout import DeviceStatus, RingGeometry
+from blink.protocol.layout import DeviceStatus
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import SHM_DIR, ShmTransport
 from blink.protocol.wire import DeviceSpec
 

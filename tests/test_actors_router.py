@@ -19,7 +19,8 @@ from conformance.hash_executor import HashExecutor, reference_greedy
 from blink.actors.router import Router
 from blink.device.ring_device import RingDevice
 from blink.dpu.request_tracker import DeviceDownError, RequestTracker
-from blink.protocol.layout import FinishReason, RingGeometry
+from blink.protocol.layout import FinishReason
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import SubmitRequest

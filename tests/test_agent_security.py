@@ -22,16 +22,9 @@ from test_dpu_ring import HandDevice, _req
 from blink.dpu.request_tracker import RequestTracker
 from blink.dpu.slot_tracker import SlotTracker
 from blink.protocol import agent_auth
-from blink.protocol.layout import (
-    HEADER_DTYPE,
-    SLOT_DTYPE,
-    DeviceFeatures,
-    DeviceStatus,
-    FinishReason,
-    RingGeometry,
-    SlotState,
-)
+from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, DeviceFeatures, DeviceStatus, FinishReason, SlotState
 from blink.protocol.ring_agent import AgentLimits, RingAgent, start_agent_process
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.tcp_transport import TcpTransport
 from blink.protocol.transport import ShmTransport, TransportError
 
@@ -394,8 +387,9 @@ def test_secret_files(tmp_path):
 def test_read_masks_match_a_byte_by_byte_reference():
     """RingAccess.mask_read (a fast path for reads in one slot's unit, a general one otherwise)
     against the rule spelled out per byte, for random reads."""
-    from blink.protocol.layout import HEADER_BYTES, LOGPROB_DTYPE, SLOT_BYTES, RingView
+    from blink.protocol.layout import HEADER_BYTES, LOGPROB_DTYPE, SLOT_BYTES
     from blink.protocol.ring_access import RingAccess
+    from blink.protocol.ring_geometry import RingView
 
     geo = RingGeometry(6, 6 * 40, 8)
     view = RingView.create(bytearray(geo.total_bytes), geo)
@@ -444,8 +438,8 @@ def test_serve_without_a_usable_secret_says_so_in_one_line(tmp_path):
 def test_bitmasks_of_the_mask_arena_follow_the_partition():
     """Structured output's bitmasks: a frontend writes only its partition's (m % owners == owner),
     names only those in a request's mask_slot, and stores mask_position of its busy slots."""
-    from blink.protocol.layout import RingView
     from blink.protocol.ring_access import AccessDenied, RingAccess
+    from blink.protocol.ring_geometry import RingView
 
     geo = RingGeometry(4, 4 * 16, 8, n_masks=4, mask_vocab=64)
     view = RingView.create(bytearray(geo.total_bytes), geo)
@@ -476,8 +470,9 @@ def test_prefix_caching_words_follow_the_partition():
     """Prefix caching through the agent: a publish's block keys lie in the slot's own region of the
     prompt arena, reset_cache_seq is a doorbell of the partition, and the device's cached_tokens and
     prefix counters are readable."""
-    from blink.protocol.layout import BLOCK_KEY_WORDS, RingView
+    from blink.protocol.layout import BLOCK_KEY_WORDS
     from blink.protocol.ring_access import AccessDenied, RingAccess
+    from blink.protocol.ring_geometry import RingView
 
     geo = RingGeometry(4, 4 * 64, 8)
     view = RingView.create(bytearray(geo.total_bytes), geo)

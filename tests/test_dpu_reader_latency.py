@@ -24,7 +24,8 @@ from blink.dpu.fine_timer import FineTimer
 from blink.dpu.request_tracker import RequestTracker
 from blink.dpu.slot_tracker import SlotTracker
 from blink.dpu.token_reader import TokenReader
-from blink.protocol.layout import FinishReason, RingGeometry
+from blink.protocol.layout import FinishReason
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 STEP_S = 0.005  # an 8B decode step on the H200

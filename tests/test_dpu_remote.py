@@ -15,8 +15,9 @@ from blink.dpu.request_tracker import DeviceDownError, RequestTracker
 from blink.dpu.slot_tracker import SlotTracker
 from blink.dpu.token_reader import TokenReader
 from blink.protocol.agent_auth import new_secret
-from blink.protocol.layout import FinishReason, RingGeometry, SlotState
+from blink.protocol.layout import FinishReason, SlotState
 from blink.protocol.ring_agent import start_agent_process
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.tcp_transport import TcpTransport
 from blink.protocol.wire import TokenEvent
 

@@ -16,7 +16,8 @@ import pytest
 from blink.dpu.request_tracker import DeviceDownError, QueueFullError, RequestTracker
 from blink.dpu.slot_tracker import SlotTracker
 from blink.dpu.token_reader import TokenReader
-from blink.protocol.layout import DeviceStatus, FinishReason, RingGeometry, SlotError, SlotFlags, SlotState
+from blink.protocol.layout import DeviceStatus, FinishReason, SlotError, SlotFlags, SlotState
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import SubmitRequest, TokenEvent

@@ -12,7 +12,8 @@ import pytest
 
 from blink.gpu.engine import abi
 from blink.protocol import cgen, layout
-from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, RingGeometry, SlotState
+from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, SlotState
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

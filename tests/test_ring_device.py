@@ -19,7 +19,8 @@ from blink.device.ring_device import RingDevice
 from blink.device.scheduler import Scheduler, SchedulerConfig
 from blink.device.step_batch import build_batch
 from blink.launch import start_device
-from blink.protocol.layout import DeviceStatus, FinishReason, RingGeometry, SlotError
+from blink.protocol.layout import DeviceStatus, FinishReason, SlotError
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import DeviceSpec

@@ -11,8 +11,8 @@ from blink.config import BlinkConfig, ConfigError
 from blink.dpu import ring_link
 from blink.dpu.ring_link import RingLinkError, maps_ring_file, open_link
 from blink.protocol.agent_auth import new_secret
-from blink.protocol.layout import RingGeometry
 from blink.protocol.ring_agent import start_agent_process
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 SECRET = new_secret()

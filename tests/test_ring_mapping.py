@@ -19,7 +19,8 @@ from blink.device.ring_device import RingDevice
 from blink.gpu.engine.host_executor import HostExecutor
 from blink.gpu.toolchain import cudart
 from blink.gpu.toolchain.cuda_api import CudaError, Driver
-from blink.protocol.layout import DeviceFeatures, DeviceStatus, RingGeometry
+from blink.protocol.layout import DeviceFeatures, DeviceStatus
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 ALREADY_REGISTERED, NOT_REGISTERED = 712, 713

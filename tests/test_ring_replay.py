@@ -16,7 +16,7 @@ import ring_replay
 
 from blink.device.numpy_executor import NumpyExecutor
 from blink.device.ring_device import RingDevice, RingDeviceConfig
-from blink.protocol.layout import RingGeometry
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 N_SLOTS = 4

@@ -17,7 +17,8 @@ from blink.device.ring_device import RingDevice, RingDeviceConfig
 from blink.device.sampling import PenaltyState, logprob_record, logprobs, process_logits, sample_row
 from blink.dpu import openai_api as api
 from blink.dpu.request_tracker import RequestTracker
-from blink.protocol.layout import DeviceFeatures, DeviceStatus, FinishReason, RingGeometry
+from blink.protocol.layout import DeviceFeatures, DeviceStatus, FinishReason
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import SubmitRequest

@@ -88,7 +88,7 @@ def test_fresh_ring_is_unlinked_on_the_way_out_even_after_an_error():
     """bench.scheduler.harness.fresh_ring (serve_workload, the overhead and sm_steal benchmarks): a ring of its
     own under a new name, gone afterwards (a benchmark that fails leaves no ring in /dev/shm)."""
     from bench.scheduler.harness import fresh_ring
-    from blink.protocol.layout import RingGeometry
+    from blink.protocol.ring_geometry import RingGeometry
     from blink.protocol.transport import shm_path
 
     with pytest.raises(RuntimeError):

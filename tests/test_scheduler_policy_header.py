@@ -99,7 +99,7 @@ def test_both_devices_take_their_limits_from_step_limits():
     """The emulated device's ring interpreter and the CUDA scheduler's launcher (no GPU needed for
     its limits) apply the same rule to the same capacity and settings."""
     from blink.device.ring_device import RingDevice, RingDeviceConfig
-    from blink.protocol.layout import RingGeometry, RingView
+    from blink.protocol.ring_geometry import RingGeometry, RingView
 
     dims = types.SimpleNamespace(
         max_seqs=64, max_num_batched_tokens=512, max_context=2048, num_blocks=40, block_size=16

@@ -14,7 +14,8 @@ import pytest
 from blink.gpu.engine import abi
 from blink.gpu.engine.engine import Engine
 from blink.gpu.engine.step_arena import Dims, arena_layout, host_views
-from blink.protocol.layout import SLOT_DTYPE, RingGeometry
+from blink.protocol.layout import SLOT_DTYPE
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.step import BATCH_FIELDS, FIELDS, STEP_FIELDS, StepBatch
 

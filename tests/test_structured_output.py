@@ -89,7 +89,7 @@ def test_the_ring_must_have_masks_that_cover_the_vocabulary(masks, vocab, why):
     import os
 
     from blink.dpu.request_tracker import RequestTracker
-    from blink.protocol.layout import RingGeometry
+    from blink.protocol.ring_geometry import RingGeometry
     from blink.protocol.transport import ShmTransport
     from blink.protocol.wire import SubmitRequest
 

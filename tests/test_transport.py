@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from blink.protocol.agent_auth import new_secret
-from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, RingGeometry, SlotState
+from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, SlotState
 from blink.protocol.ring_agent import start_agent_process
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.tcp_transport import TcpTransport
 from blink.protocol.transport import RangeError, ShmTransport, TransportError
 

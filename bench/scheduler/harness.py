@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from blink.protocol.layout import RingGeometry, RingView
+from blink.protocol.ring_geometry import RingGeometry, RingView
 from blink.protocol.transport import ShmTransport
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])

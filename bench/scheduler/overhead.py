@@ -22,7 +22,8 @@ import numpy as np
 from bench.common import add_commit_arg, metadata, write_json
 from bench.scheduler.harness import fresh_ring
 from bench.scheduler.ring_load import LoadGen, random_requests
-from blink.protocol.layout import DeviceStatus, RingGeometry
+from blink.protocol.layout import DeviceStatus
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 if TYPE_CHECKING:

@@ -33,7 +33,8 @@ def measure(eng, iters: int) -> dict[str, float]:
 
 def main() -> int:
     from blink.gpu.scheduler.scheduler import GpuScheduler
-    from blink.protocol.layout import DeviceStatus, RingGeometry
+    from blink.protocol.layout import DeviceStatus
+    from blink.protocol.ring_geometry import RingGeometry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama3-8b")

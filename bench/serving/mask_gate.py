@@ -28,7 +28,8 @@ from bench.common import add_commit_arg, write_json
 from bench.serving.structured import device_result
 from blink.config import BlinkConfig
 from blink.launch import device_spec, start_device
-from blink.protocol.layout import RingGeometry, SlotState
+from blink.protocol.layout import SlotState
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 PROMPT = 16

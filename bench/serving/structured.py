@@ -31,7 +31,7 @@ from bench.common import add_commit_arg, git_commit, metadata, short_device, smi
 from blink.dpu.structured import json_schema_grammar
 from blink.dpu.token_masks import Constraint
 from blink.dpu.tokenizer import load_tokenizer
-from blink.protocol.layout import RingGeometry
+from blink.protocol.ring_geometry import RingGeometry
 from blink.testing import ServeProcess
 
 

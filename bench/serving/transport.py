@@ -35,8 +35,9 @@ import numpy as np
 
 from bench.common import RESULTS, add_commit_arg, cpu_seconds, metadata, write_json
 from blink.protocol.agent_auth import new_secret
-from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE, RingGeometry
+from blink.protocol.layout import HEADER_DTYPE, SLOT_DTYPE
 from blink.protocol.ring_agent import start_agent_process
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.tcp_transport import TcpTransport
 from blink.protocol.transport import ShmTransport
 from blink.testing import ServeProcess, cmdline

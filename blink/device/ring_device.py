@@ -31,11 +31,11 @@ from blink.protocol.layout import (
     DeviceFeatures,
     DeviceStatus,
     FinishReason,
-    RingView,
     SlotError,
     SlotState,
     prompt_logprob_record,
 )
+from blink.protocol.ring_geometry import RingView
 
 from .executor import Executor, StepBatch
 from .kv_blocks import BlockManager

@@ -14,11 +14,11 @@ from blink.protocol.layout import (
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     DeviceFeatures,
-    RingView,
     SlotError,
     prompt_logprob_record,
     prompt_region_words,
 )
+from blink.protocol.ring_geometry import RingView
 from blink.protocol.sampling_params import SamplingParams
 
 

@@ -44,10 +44,10 @@ from blink.protocol.layout import (
     TOKEN_DTYPE,
     DeviceFeatures,
     DeviceStatus,
-    RingGeometry,
     SlotState,
     prompt_region_words,
 )
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import Read, Transport, Write
 from blink.protocol.wire import SubmitRequest
 

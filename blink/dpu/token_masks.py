@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from blink.protocol.layout import SLOT_DTYPE, RingGeometry
+from blink.protocol.layout import SLOT_DTYPE
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import Write
 
 from .structured import Matcher

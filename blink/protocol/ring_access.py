@@ -49,11 +49,11 @@ from .layout import (
     LOGPROB_DTYPE,
     SLOT_BYTES,
     SLOT_DTYPE,
-    RingView,
     SlotFlags,
     SlotState,
     prompt_logprob_record,
 )
+from .ring_geometry import RingView
 
 
 class AccessDenied(ValueError):

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .layout import RingGeometry, RingView
+from .ring_geometry import RingGeometry, RingView
 
 SHM_DIR = "/dev/shm"
 

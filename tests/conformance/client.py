@@ -26,10 +26,10 @@ from blink.protocol.layout import (
     DeviceFeatures,
     DeviceStatus,
     FinishReason,
-    RingGeometry,
     SlotError,
     SlotState,
 )
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import Transport
 
 

@@ -36,8 +36,9 @@ from conformance.client import RingClient
 from blink.config import BlinkConfig
 from blink.launch import DeviceProcess, device_spec, start_device
 from blink.protocol.agent_auth import new_secret
-from blink.protocol.layout import DeviceStatus, RingGeometry, SlotState
+from blink.protocol.layout import DeviceStatus, SlotState
 from blink.protocol.ring_agent import start_agent_process
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.tcp_transport import TcpTransport
 from blink.protocol.transport import ShmTransport, TransportError
 from blink.protocol.wire import DeviceSpec

@@ -20,7 +20,8 @@ import ring_replay
 from conformance.client import RingClient
 
 from blink.device.sampling import logprob_record
-from blink.protocol.layout import DeviceFeatures, DeviceStatus, FinishReason, RingGeometry
+from blink.protocol.layout import DeviceFeatures, DeviceStatus, FinishReason
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.sampling_params import SamplingParams
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import SubmitRequest

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from conformance.client import RingClient
 
-from blink.protocol.layout import UNLIMITED, DeviceStatus, FinishReason, RingGeometry, SlotState
+from blink.protocol.layout import UNLIMITED, DeviceStatus, FinishReason, SlotState
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 pytestmark = pytest.mark.gpu

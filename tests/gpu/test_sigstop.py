@@ -12,7 +12,7 @@ import pytest
 from bench.scheduler.ring_load import LoadGen, steady
 from blink.config import BlinkConfig
 from blink.launch import device_spec, start_device
-from blink.protocol.layout import RingGeometry
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.transport import ShmTransport
 
 pytestmark = pytest.mark.gpu

@@ -55,7 +55,8 @@ from blink.gpu.engine.weights import GpuWeights
 from blink.gpu.toolchain.cuda_api import Cublas, Driver
 from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
 from blink.models.config import ModelConfig
-from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS, RingGeometry
+from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.step import StepBatch
 
 

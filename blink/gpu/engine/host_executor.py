@@ -13,7 +13,8 @@ import numpy as np
 from blink.device.executor import StepBatch
 from blink.gpu.engine.engine import Engine, EngineConfig
 from blink.models.config import ModelConfig
-from blink.protocol.layout import DeviceFeatures, RingView
+from blink.protocol.layout import DeviceFeatures
+from blink.protocol.ring_geometry import RingView
 
 
 class HostExecutor:

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS, SLOT_BYTES, SLOT_DTYPE, RingGeometry
+from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS, SLOT_BYTES, SLOT_DTYPE
+from blink.protocol.ring_geometry import RingGeometry
 from blink.protocol.step import BATCH_FIELDS, StepBatch
 
 _MASK_POSITION = SLOT_DTYPE.fields["mask_position"][1]  # byte offset in a slot

@@ -26,7 +26,8 @@ from blink.device.policy import StepLimits, step_limits
 from blink.gpu.toolchain.build import Unit, build, default_cache_dir, nvrtc, target_for
 from blink.gpu.toolchain.kernels import pack_args, signatures
 from blink.protocol.cgen import header_main, header_text, struct_lines
-from blink.protocol.layout import BLOCK_KEY_WORDS, SLOT_DTYPE, RingView
+from blink.protocol.layout import BLOCK_KEY_WORDS, SLOT_DTYPE
+from blink.protocol.ring_geometry import RingView
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 ENGINE_INCLUDE = pathlib.Path(__file__).resolve().parents[1] / "engine" / "include"
