@@ -26,7 +26,14 @@ W8A8_REL_ERR = 0.25
 # measured 0.40 on the H200. So a MoE model's W8A8 steps are held to W8A8_REL_ERR in the median (an
 # (E, out) scales layout read as (out, E): median 0.47), and its experts' weights are tested where
 # nothing is rounded to 3 bits but the weights: `check_weight_only_moe`.
-MOE_MEDIAN = 3e-2  # weight-only MoE: the median step, as the bf16 MoE engine test (tests/gpu/test_moe.py)
+# Weight-only MoE steps: the engine keeps bf16 activations everywhere (attention, norms, router), the
+# numpy definition float32 ones, and random-weight MoE models amplify that (the bf16 MoE engine against
+# the bf16 definition: median 2.3e-2, tests/gpu/test_moe.py). On the H200 the FP8 weight-only engine
+# measured median 3.7e-2 (max 0.25, a router flip) against the weight-only definition and 6.0e-2 against
+# it with bf16 experts. So the median is held to 5e-2, which a wrong expert scale layout (0.48) fails,
+# and to being closer to the FP8 experts than to bf16 ones, which bf16 experts fail
+# (tests/test_fp8_engine_bounds.py shows both on the CPU).
+MOE_MEDIAN = 5e-2
 
 NUMPY_KW = dict(num_blocks=64, block_size=8, max_batch=4, max_num_batched_tokens=128, max_blocks_per_seq=64)
 
