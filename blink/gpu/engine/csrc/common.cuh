@@ -50,6 +50,36 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(r);
 }
 
+// One row's out = bf16(w * bf16(bf16(r + d) * rsqrt(mean(bf16(r + d)^2) + eps))), the residual left as it
+// is (d: null for no add); all threads of the block, `scratch` as block_sum's. The final norm of each
+// sequence's last token and the prompt-logprob rows share it.
+__device__ __forceinline__ void sum_rmsnorm_row(const bf16* __restrict__ r, const bf16* __restrict__ d,
+                                                const bf16* __restrict__ w, bf16* __restrict__ out, int H,
+                                                float eps, float* scratch) {
+  float ss = 0.f;
+  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+    float x[8], dd[8] = {};
+    load8(r + v * 8, x);
+    if (d != nullptr) load8(d + v * 8, dd);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[i] = rbf(x[i] + dd[i]);
+      ss += x[i] * x[i];
+    }
+  }
+  const float rs = rsqrtf(block_sum(ss, scratch) / H + eps);
+  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+    float x[8], dd[8] = {}, g[8];
+    load8(r + v * 8, x);
+    if (d != nullptr) load8(d + v * 8, dd);
+    load8(w + v * 8, g);
+    bf16x8 o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(rbf(x[i] + dd[i]) * rs));
+    *reinterpret_cast<bf16x8*>(out + v * 8) = o;
+  }
+}
+
 // Sequence that owns packed token t: the s with cu[s] <= t < cu[s+1] (binary search).
 __device__ __forceinline__ int seq_of_token(const int* cu, int num_seqs, int t) {
   int lo = 0, hi = num_seqs - 1;

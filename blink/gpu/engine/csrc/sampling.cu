@@ -262,28 +262,7 @@ extern "C" __global__ void plp_norm(const bf16* __restrict__ residual, const bf1
   const int P = (int)*plp_count;
   for (int j = blockIdx.x; j < P; j += gridDim.x) {
     const size_t row = (size_t)plp_tok[j] * H;
-    float ss = 0.f;
-    for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
-      float x[8], d[8] = {};
-      load8(residual + row + v * 8, x);
-      if (delta != nullptr) load8(delta + row + v * 8, d);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        x[i] = rbf(x[i] + d[i]);
-        ss += x[i] * x[i];
-      }
-    }
-    const float rs = rsqrtf(block_sum(ss, scratch) / H + eps);
-    for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
-      float x[8], d[8] = {}, g[8];
-      load8(residual + row + v * 8, x);
-      if (delta != nullptr) load8(delta + row + v * 8, d);
-      load8(w + v * 8, g);
-      bf16x8 o;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o.v[i] = tobf(g[i] * rbf(rbf(x[i] + d[i]) * rs));
-      *reinterpret_cast<bf16x8*>(hid + (size_t)j * H + v * 8) = o;
-    }
+    sum_rmsnorm_row(residual + row, delta != nullptr ? delta + row : nullptr, w, hid + (size_t)j * H, H, eps, scratch);
     __syncthreads();  // scratch is reused by the next row's block_sum
   }
 }
