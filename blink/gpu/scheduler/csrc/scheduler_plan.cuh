@@ -320,6 +320,20 @@ __device__ void plan_decode_seq(SchedCtl* c, Shared& sh) {
   }
 }
 
+// Decode row r at plan position o: the blocks its next token needs from takes[ob..] (ob advances),
+// one token from position len - 1, sampled (the decode-only plans, either path).
+__device__ __forceinline__ void plan_decode_row(SchedCtl* c, Shared& sh, uint32_t r, uint32_t o, const int32_t* takes,
+                                                uint32_t& ob) {
+  Row& R = g_rows[r];
+  int32_t* b = row_blocks(c, sh, r);
+  while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = takes[ob++];
+  g_plan_row[o] = r;
+  g_plan_start[o] = R.len - 1;
+  g_plan_n[o] = 1;
+  g_plan_sample[o] = 1;
+  g_plan_cu[o] = o;
+}
+
 // Decode plan in parallel: every ready running row, arrival order, one block each at most.
 // Falls back to the sequential form when the pool cannot cover every row (preemption needed).
 __device__ void plan_decode(SchedCtl* c, Shared& sh) {
@@ -348,15 +362,8 @@ __device__ void plan_decode(SchedCtl* c, Shared& sh) {
   const int32_t* takes = (const int32_t*)c->kv_takes;
   for (uint32_t i = lo; i < hi; ++i) {
     const uint32_t r = g_run[i];
-    Row& R = g_rows[r];
-    if (!decode_ready(R, sh.cap)) continue;
-    int32_t* b = row_blocks(c, sh, r);
-    while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = takes[ob++];
-    g_plan_row[o] = r;
-    g_plan_start[o] = R.len - 1;
-    g_plan_n[o] = 1;
-    g_plan_sample[o] = 1;
-    g_plan_cu[o] = o;
+    if (!decode_ready(g_rows[r], sh.cap)) continue;
+    plan_decode_row(c, sh, r, o, takes, ob);
     ++o;
   }
   __syncthreads();

@@ -111,16 +111,9 @@ __device__ __forceinline__ void plan_decode_fast(SchedCtl* c, Shared& sh, uint32
   uint32_t o = off & 0xFFFFu, ob = off >> 16, f = 0;
   for (uint32_t i = lo; i < hi; ++i) {
     const uint32_t r = g_run[i];
-    Row& R = g_rows[r];
-    if (!decode_ready(R, sh.cap)) continue;
-    int32_t* b = row_blocks(c, sh, r);
-    while (R.n_blocks < ceil_div(R.len, sh.bs)) b[R.n_blocks++] = takes[ob++];
-    g_plan_row[o] = r;
-    g_plan_start[o] = R.len - 1;
-    g_plan_n[o] = 1;
-    g_plan_sample[o] = 1;
-    g_plan_cu[o] = o;
-    f |= fill_seq(c, sh, o, r, R.len - 1, 1, o, true);
+    if (!decode_ready(g_rows[r], sh.cap)) continue;
+    plan_decode_row(c, sh, r, o, takes, ob);
+    f |= fill_seq(c, sh, o, r, g_rows[r].len - 1, 1, o, true);
     ++o;
   }
   if (threadIdx.x == 0) {
