@@ -226,6 +226,9 @@ HEADER_DTYPE = np.dtype([
     ("prefix_cache_hits", "<u8"),    # of those, tokens found in the cache
     ("prefix_cache_resets", "<u8"),  # reset_cache_seq changes acted on
     ("kv_blocks_cached", "<u4"),     # blocks holding a registered key (in use or evictable)
+    # structured output (see the mask arena)
+    ("mask_late_rows", "<u8"),       # constrained rows that gave no token in a step: their mask was not
+                                     # published when they were sampled (each sat out that step)
 ], align=True)
 
 SLOT_DTYPE = np.dtype([
@@ -314,6 +317,7 @@ DEVICE_COUNTERS = (
     "prefix_cache_queries",
     "prefix_cache_hits",
     "prefix_cache_resets",
+    "mask_late_rows",
 )
 DEVICE_GAUGES = (
     "device_status",
