@@ -49,19 +49,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.protocol.layout import (
-    LOGPROB_DTYPE,
-    TOKEN_DTYPE,
-    DeviceStatus,
-    FinishReason,
-    SlotError,
-    SlotState,
-    prompt_logprob_record,
-)
+from blink.protocol.layout import TOKEN_DTYPE, DeviceStatus, FinishReason, SlotError, SlotState
 from blink.protocol.transport import TransportError
-from blink.protocol.wire import DeviceHealth, Logprob, TokenEvent
+from blink.protocol.wire import DeviceHealth, TokenEvent
 
 from .fine_timer import FineTimer
+from .logprob_reads import read_logprobs, read_prompt_logprobs
+from .mask_timing import MaskLatency
 from .poll_cadence import PollCadence
 from .slot_tracker import SlotTracker, read_header
 from .token_masks import Constraint
@@ -134,7 +128,10 @@ class TokenReader:
         self.tokens_read = 0
         self.restarts = 0  # crashes of the loop survived
         self.slot_faults = 0
+        self._masked = 0  # masks of this cycle
         self._cap = self.geo.output_capacity
+        self.mask_latency = MaskLatency()  # cycle start -> mask posted, per constrained token
+        self._n_masked = 0  # active slots with a constraint
 
     # -- registration (called by the request tracker) ---------------------------------------
     def register(
@@ -151,7 +148,10 @@ class TokenReader:
     ) -> None:
         """logprobs / prompt: what the request asked of the device (SlotTracker.claim wrote it);
         constraint: its token mask, advanced by every token read (structured output)."""
+        if slot in self.active:
+            self._forget(slot)
         self.active[slot] = _Active(request_id, sink, delivered, timing, backlog, logprobs, prompt, constraint)
+        self._n_masked += constraint is not None
         self._active_mask[slot] = True
         self._faulted[slot] = False
         self._delivered[slot] = delivered
@@ -218,8 +218,7 @@ class TokenReader:
                 except TransportError as e:
                     log.warning("slot %d: cancel not delivered: %s", slot, e)
             else:
-                del self.active[slot]
-                self._active_mask[slot] = False
+                self._forget(slot)
         self._urgent.clear()
         if self.on_fail is not None:
             self.on_fail(why)
@@ -241,17 +240,24 @@ class TokenReader:
         transact in that cycle, whatever the number of slots; logprob records (opt-in per request)
         are read with a transact of their own.
 
+        The masks of the constrained slots that read tokens go out with that post; the time from the
+        cycle's start to it is counted per mask (mask_latency).
+
         The Python work is per slot with news, not per active slot: a cycle that finds nothing
         (most cycles of a polling reader) costs the bulk read and a few vector operations."""
+        t0 = time.perf_counter_ns()
         self.cycles += 1
         found = self._read_news(first_apart)
         if found is None:
             return 0
         recs, completed, order, win, gens = found
         ids_of = self._tokens(order, win, gens)
+        self._masked = 0
         n, stepped, writes, released = self._deliver(order, win, recs, completed, gens, ids_of)
         if writes:
             self.t.post(writes)  # consumed counters and releases, after the reads that justify them
+        if self._masked:
+            self.mask_latency.observe(time.perf_counter_ns() - t0, self._masked)
         if self.on_release is not None:
             for slot in released:
                 self.on_release(slot)
@@ -348,13 +354,14 @@ class TokenReader:
                         t_read,
                     )
                     writes.append(self.tracker.read_ns_write(slot, t_read))
-                lps = self._read_logprobs(slot, a.delivered, gen, a.logprobs) if a.logprobs >= 0 else []
-                plps = self._read_prompt_logprobs(a.prompt) if a.delivered == 0 and a.prompt else None
+                lps = read_logprobs(self.t, self.geo, slot, a.delivered, gen, a.logprobs) if a.logprobs >= 0 else []
+                plps = read_prompt_logprobs(self.t, self.geo, a.prompt) if a.delivered == 0 and a.prompt else None
                 cached = int(rec["cached_tokens"]) if a.delivered == 0 else 0
                 a.delivered = gen
                 self._delivered[slot] = gen
                 if a.constraint is not None and not completed[slot]:
                     writes += a.constraint.advance(slot, ids, gen)  # the next token's mask, then its position
+                    self._masked += 1
                 writes.append(self.tracker.consumed_write(slot, gen))
                 n += len(ids)
                 if a.sink is not None and not completed[slot]:
@@ -378,8 +385,7 @@ class TokenReader:
                             cached_tokens=cached if ids else 0,
                         )
                     )
-                del self.active[slot]
-                self._active_mask[slot] = False
+                self._forget(slot)
                 writes += self.tracker.release_writes(slot)
                 released.append(slot)
         return n, stepped, writes, released
@@ -467,10 +473,15 @@ class TokenReader:
         """A faulted slot is released once the device completed it (or it shows EMPTY already)."""
         if int(rec["state"]) not in (_COMPLETED, _EMPTY):
             return
-        del self.active[slot]
-        self._active_mask[slot] = self._faulted[slot] = False
+        self._forget(slot)
+        self._faulted[slot] = False
         writes += self.tracker.release_writes(slot)
         released.append(slot)
+
+    def _forget(self, slot: int) -> None:
+        a = self.active.pop(slot)
+        self._active_mask[slot] = False
+        self._n_masked -= a.constraint is not None
 
     def _backlogged(self, a: _Active) -> bool:
         """A slow consumer: leave its tokens in the ring. `consumed` stops advancing, so the device
@@ -489,29 +500,6 @@ class TokenReader:
                 reads.append((self.geo.output_offset(s, d), w))
             spans.append((w, d))
         return spans
-
-    def _read_logprobs(self, slot: int, start: int, end: int, n: int) -> list[Logprob]:
-        """Logprob records [start, end) of a slot (wrapping like its tokens), n alternatives each."""
-        cap = self._cap
-        out = np.empty(end - start, LOGPROB_DTYPE)
-        i0 = start % cap
-        first = min(end - start, cap - i0)
-        base = self.geo.logprob_offset(slot, 0)
-        reads = [(base + LOGPROB_DTYPE.itemsize * i0, out[:first])]
-        if first < out.size:
-            reads.append((base, out[first:]))
-        self.t.transact((), reads)
-        return _logprobs(out["logprob"], out["top_ids"][:, :n], out["top_logprobs"][:, :n])
-
-    def _read_prompt_logprobs(self, prompt: tuple[int, int, int, int]) -> list[Logprob]:
-        """Records of prompt tokens 1 .. prompt_len - 1 (the device wrote them before token 0)."""
-        off, n_prompt, n_slot, n_want = prompt
-        if n_prompt < 2:
-            return []
-        rec = prompt_logprob_record(n_slot)
-        out = np.empty(n_prompt - 1, rec)
-        self.t.read_into(self.geo.prompt_arena_offset + 4 * off + rec.itemsize, out)
-        return _logprobs(out["logprob"], out["top_ids"][:, :n_want], out["top_logprobs"][:, :n_want])
 
     # -- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -578,7 +566,3 @@ def _status_name(status: int) -> str:
         return DeviceStatus(status).name
     except ValueError:  # not a status any device writes
         return f"unknown ({status})"
-
-
-def _logprobs(lp: np.ndarray, ids: np.ndarray, lps: np.ndarray) -> list[Logprob]:
-    return [Logprob(a, b, c) for a, b, c in zip(lp.tolist(), ids.tolist(), lps.tolist(), strict=True)]
