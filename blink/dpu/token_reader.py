@@ -21,7 +21,8 @@ passed, then every `fine_s` (200 us) until the step's tokens appear: a token wai
 `fine_s` in the ring, and a 5 ms step costs ~10 cycles. Without a cadence (nothing published in
 the last 4 estimated steps) it polls every `fine_s` while a request awaits its first token (a
 lone prompt's prefill), for at most `urgent_fine_s` (50 ms) after the latest registration, and
-every `max_idle_s` otherwise. Sub-millisecond sleeps are timerfd
+every `max_idle_s` otherwise; while constrained requests (structured output) are active, every
+`fine_s` throughout a step (their next mask waits for their last token). Sub-millisecond sleeps are timerfd
 sleeps (fine_timer.py): asyncio's timers are no finer than 1 ms, and uvloop's `sleep(0.0002)`
 does not sleep at all. A cycle that finds nothing costs one bulk read and a few vector operations
 (the Python work is per slot with news). With no request in flight it parks on an event (waking
@@ -58,7 +59,7 @@ from .logprob_reads import read_logprobs, read_prompt_logprobs
 from .mask_timing import MaskLatency
 from .poll_cadence import PollCadence
 from .slot_tracker import SlotTracker, read_header
-from .token_masks import Constraint
+from .token_masks import Constraint, MaskBatch
 
 log = logging.getLogger("blink.token_reader")
 _COMPLETED = int(SlotState.DECODE_COMPLETED)  # an IntEnum member's lookup costs a dict walk per use
@@ -94,6 +95,7 @@ class TokenReader:
         on_fail: Callable[[str], None] | None = None,
         on_release: Callable[[int], None] | None = None,
         window: int | None = None,
+        mask_threads: int | None = None,
     ):
         self.tracker = tracker
         self.t = tracker.t
@@ -128,10 +130,10 @@ class TokenReader:
         self.tokens_read = 0
         self.restarts = 0  # crashes of the loop survived
         self.slot_faults = 0
-        self._masked = 0  # masks of this cycle
         self._cap = self.geo.output_capacity
+        self.masks = MaskBatch(self.geo, mask_threads)  # a cycle's masks, computed together
         self.mask_latency = MaskLatency()  # cycle start -> mask posted, per constrained token
-        self._n_masked = 0  # active slots with a constraint
+        self._n_masked = 0  # active slots with a constraint (they poll without cadence sleeps)
 
     # -- registration (called by the request tracker) ---------------------------------------
     def register(
@@ -240,8 +242,9 @@ class TokenReader:
         transact in that cycle, whatever the number of slots; logprob records (opt-in per request)
         are read with a transact of their own.
 
-        The masks of the constrained slots that read tokens go out with that post; the time from the
-        cycle's start to it is counted per mask (mask_latency).
+        The masks of the constrained slots that read tokens go out first, all in one `post` of their
+        own (_post_masks), before the tokens are handed to their requests: a constrained slot samples
+        its next token only once its mask is published, so no per-stream work comes before that.
 
         The Python work is per slot with news, not per active slot: a cycle that finds nothing
         (most cycles of a polling reader) costs the bulk read and a few vector operations."""
@@ -252,12 +255,10 @@ class TokenReader:
             return 0
         recs, completed, order, win, gens = found
         ids_of = self._tokens(order, win, gens)
-        self._masked = 0
+        self._post_masks(ids_of, completed, gens, t0)
         n, stepped, writes, released = self._deliver(order, win, recs, completed, gens, ids_of)
         if writes:
             self.t.post(writes)  # consumed counters and releases, after the reads that justify them
-        if self._masked:
-            self.mask_latency.observe(time.perf_counter_ns() - t0, self._masked)
         if self.on_release is not None:
             for slot in released:
                 self.on_release(slot)
@@ -317,6 +318,18 @@ class TokenReader:
                 gens[s] = int(again["generated"][s])
         return recs, completed, order, win, gens
 
+    def _post_masks(self, ids_of: dict[int, list[int]], completed: np.ndarray, gens: list[int], t0: int) -> None:
+        """Advance every constrained slot that read tokens by them and post the masks of their next
+        tokens (MaskBatch: computed together), one post for all, timed from the cycle's start t0."""
+        items = []
+        for s, ids in ids_of.items():
+            c = self.active[s].constraint
+            if c is not None and ids and not completed[s]:
+                items.append((s, c, ids, gens[s]))
+        if items:
+            self.t.post(self.masks.advance(items))
+            self.mask_latency.observe(time.perf_counter_ns() - t0, len(items))
+
     def _deliver(
         self,
         order: list[int],
@@ -359,9 +372,6 @@ class TokenReader:
                 cached = int(rec["cached_tokens"]) if a.delivered == 0 else 0
                 a.delivered = gen
                 self._delivered[slot] = gen
-                if a.constraint is not None and not completed[slot]:
-                    writes += a.constraint.advance(slot, ids, gen)  # the next token's mask, then its position
-                    self._masked += 1
                 writes.append(self.tracker.consumed_write(slot, gen))
                 n += len(ids)
                 if a.sink is not None and not completed[slot]:
@@ -554,7 +564,7 @@ class TokenReader:
 
     def next_wait(self, now: float) -> float:
         """How long to sleep before the next cycle (PollCadence.next_wait)."""
-        return self.cadence.next_wait(now, bool(self._urgent))
+        return self.cadence.next_wait(now, bool(self._urgent), self._n_masked > 0)
 
     def stop(self) -> None:
         self._stop = True
