@@ -167,3 +167,36 @@ def test_the_reader_polls_finely_through_the_step_while_a_mask_is_awaited():
     assert c.next_wait(now, False) == pytest.approx(1e-3)  # coarse toward the predicted end
     assert c.next_wait(now, False, awaiting_mask=True) == 200e-6
     assert c.next_wait(10.5, False, awaiting_mask=True) == 1e-3  # no cadence (nothing for 100 steps): as before
+
+
+def test_a_new_requests_first_token_does_not_hold_back_a_constrained_slots_mask(grammars, masked_dev):
+    """A cycle that finds first tokens delivers those apart (their consumers run before the other
+    streams' news), but the constrained slots with news go with them: their next mask is posted in
+    that cycle, and only the unconstrained rest waits for the next one."""
+    dev = masked_dev
+    geo = RingGeometry.from_header(dev.v.header)
+    st = SlotTracker(ShmTransport.open(dev.name), geo)
+    rd = TokenReader(st)
+    got: list[int] = []
+    g = regex_grammar("[a-z]{4,9}", "t")
+    c = Constraint(grammars.matcher(g), 0, geo)
+    bits = np.zeros(grammars.words, "<u4")
+    grammars.matcher(g).fill_mask(bits)
+    letter = int(allowed(bits)[0])
+    masked = st.claim(SubmitRequest(1, [5, 6], 8, sampling=SamplingParams()), constraint=c)
+    rd.register(masked, 1, lambda ev: got.append(ev.request_id), constraint=c)
+    old = st.claim(SubmitRequest(2, [5, 6], 8, sampling=SamplingParams()))
+    rd.register(old, 2, lambda ev: got.append(ev.request_id))
+    for s in (masked, old):
+        dev.admit(s)
+        dev.publish(s, [letter])
+    assert rd.poll_once(first_apart=True) == 2 and got == [1, 2]
+    new = st.claim(SubmitRequest(3, [5, 6], 8, sampling=SamplingParams()))
+    rd.register(new, 3, lambda ev: got.append(ev.request_id))
+    dev.admit(new)
+    for s in (masked, old, new):
+        dev.publish(s, [letter])
+    assert rd.poll_once(first_apart=True) == 2
+    assert got == [1, 2, 3, 1]  # the first token, and the constrained slot's
+    assert int(dev.v.slots["mask_position"][masked]) == 3  # its mask for token 2 is out
+    assert rd.poll_once(first_apart=True) == 1 and got[-1] == 2

@@ -229,9 +229,10 @@ class TokenReader:
     def poll_once(self, first_apart: bool = False) -> int:
         """One cycle: bulk read, deliver new tokens, release completed slots. Returns tokens delivered.
 
-        first_apart: when some of the slots with news have their first token, deliver only those
-        (the caller yields to their consumers, then calls again for the rest): a new request's
-        first bytes then do not wait for the other streams' tokens of the same step.
+        first_apart: when some of the slots with news have their first token, deliver only those and
+        the constrained ones (the caller yields to their consumers, then calls again for the rest): a
+        new request's first bytes then do not wait for the other streams' tokens of the same step,
+        and no constrained slot's next mask waits for those consumers.
 
         Round trips (what a remote transport pays): one `transact` reads the slot records, the
         header and, for every active slot, a window of `window` tokens from the first undelivered
@@ -299,9 +300,11 @@ class TokenReader:
             if first:
                 fs = set(first)
                 if first_apart and len(first) < len(order):
-                    order = first  # the rest at the next call, from a fresh read
+                    # the rest at the next call, from a fresh read; but a constrained slot's next
+                    # mask waits for nothing (the device samples it only once it is out)
+                    order = first + [s for s in order if s not in fs and self.active[s].constraint is not None]
                     news = np.zeros_like(news)
-                    news[first] = True
+                    news[order] = True
                 else:
                     order = first + [s for s in order if s not in fs]
                 self._urgent = [s for s in self._urgent if s not in fs and s in self.active]
