@@ -41,7 +41,8 @@ def allowed(bits: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
 
 
-def test_a_cycle_of_masks_computed_together_equals_each_computed_alone(grammars):
+@pytest.mark.parametrize("threads", [1, 2])  # 1: one by one on the caller's thread
+def test_a_cycle_of_masks_computed_together_equals_each_computed_alone(grammars, threads):
     """Eight constrained slots follow random allowed paths; at each cycle some of them read one token,
     one of them two, and once one reads a token its grammar forbids (then only EOS is allowed).
     MaskBatch's writes equal those of each slot's own matcher (the single-matcher path) every cycle."""
@@ -51,7 +52,7 @@ def test_a_cycle_of_masks_computed_together_equals_each_computed_alone(grammars)
     alone = [Constraint(grammars.matcher(g), m, geo) for m in range(8)]
     rng = np.random.default_rng(1)
     k = [0] * 8
-    mb = MaskBatch(geo, threads=2)
+    mb = MaskBatch(geo, threads)
     for cycle in range(12):
         items, want = [], []
         for s in rng.permutation(8)[: 2 + cycle % 7].tolist():
@@ -64,8 +65,10 @@ def test_a_cycle_of_masks_computed_together_equals_each_computed_alone(grammars)
         for (off_g, data_g), (off_w, data_w) in zip(got, want, strict=True):
             assert off_g == off_w
             w, d = np.asarray(data_w).view("<u4"), np.asarray(data_g).view("<u4")
-            assert np.array_equal(d, w[: d.size])
-            assert not w[d.size :].any()  # the words past the vocabulary stay as the first mask left them: 0
+            assert np.array_equal(d[: grammars.words], w[: grammars.words])
+            assert (
+                not w[grammars.words :].any() and not d[grammars.words :].any()
+            )  # the words past the vocabulary stay as the first mask left them: 0
         assert [c.failed for c in batch] == [c.failed for c in alone]
     assert sum(c.failed for c in batch) == 1
 

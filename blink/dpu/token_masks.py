@@ -10,10 +10,14 @@ consume their tokens (one by one: consuming a token costs ~1 us, and the executo
 costs more in hand-offs, ~5 us a matcher for 32), then the engine's parallel executor fills all their
 masks at once (32 masks of a 128k vocabulary: ~190 us against ~400 us one by one, on two cores),
 straight into the rows of one array whose rows are the ring writes (no copy). A cycle with one such
-slot takes the single-matcher path (Constraint.advance: no thread hand-off).
+slot, and a frontend with fewer than two threads for the executor (the engine's default is 80 % of
+the CPUs: one on a 2-core box, where its hand-offs cost more than they save), take the single-matcher
+path (Constraint.advance, one by one on the reader's thread); the masks still go out in one post.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -74,7 +78,8 @@ class MaskBatch:
 
     def __init__(self, geo: RingGeometry, threads: int | None = None):
         self.geo = geo
-        self.threads = threads  # the executor's threads (None: the engine's default)
+        # the executor's threads; None: the engine's default (80 % of the CPUs, at most 32)
+        self.threads = threads if threads is not None else min(32, int(0.8 * len(os.sched_getaffinity(0))))
         self._executor = None  # made at the first cycle with two constrained slots
 
     def advance(self, items: list[tuple[int, Constraint, list[int], int]]) -> list[Write]:
@@ -82,9 +87,8 @@ class MaskBatch:
         slot's mask of token `generated`: its bits, then its position (as Constraint.advance). Only
         the vocabulary's words are written: the words past it stay as the request's first mask
         (Constraint.writes, whole) left them, cleared."""
-        if len(items) == 1:
-            slot, c, ids, k = items[0]
-            return c.advance(slot, ids, k)
+        if len(items) == 1 or self.threads < 2:
+            return [w for slot, c, ids, k in items for w in c.advance(slot, ids, k)]
         if self._executor is None:
             self._executor = executor(self.threads)
         for _, c, ids, _ in items:  # one by one: a parallel consume costs more than it saves (module doc)
