@@ -49,7 +49,8 @@ mask for token k + 1, which the frontend can only compute after reading token k,
 while the next step's forward pass runs. Otherwise (the mask is late) the slot gives no token in that
 step: nothing is published for it, `generated` does not move, and the step's K/V at its last position
 is not taken as final (it is computed again, no prefix-cache block is registered on its strength);
-the next step computes and samples that position again. No other slot waits. The mask for token 0 is
+the next step computes and samples that position again. No other slot waits. The device counts such
+rows in header.mask_late_rows. The mask for token 0 is
 written with the request, before PREFILL_PENDING (mask_position = 1). The frontend writes the mask for
 k + 1 only after reading token k, so it never rewrites a mask being sampled with.
 
