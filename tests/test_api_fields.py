@@ -87,6 +87,9 @@ class PromptLengthBackend:
     def device_counters(self) -> dict[str, int]:
         return {}
 
+    def mask_latency(self) -> list[int]:
+        return []
+
     def new_request_id(self) -> int:
         return 1
 

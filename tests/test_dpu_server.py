@@ -33,6 +33,9 @@ class BrokenBackend:
     def device_counters(self) -> dict[str, int]:
         return {}
 
+    def mask_latency(self) -> list[int]:
+        return []
+
     def check_prompt(self, n: int) -> str | None:
         raise self.error
 

@@ -77,6 +77,9 @@ class ScriptedBackend:
     def device_counters(self) -> dict[str, int]:
         return {"running": self.active, "waiting": 0, "kv_blocks_total": 100, "kv_blocks_free": 75}
 
+    def mask_latency(self) -> list[int]:
+        return []
+
     features = 0  # no sampling extensions (logprobs, penalties)
 
     def check_prompt(self, n: int, words: int | None = None) -> str | None:

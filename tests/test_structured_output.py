@@ -241,3 +241,23 @@ def test_the_structured_benchmark_times_masks_on_a_model_tokenizer():
 
     out = mask_times("random:tiny-llama", 1)
     assert out["schemas"] and all(s["us_p50"] > 0 for s in out["schemas"].values())
+
+
+def test_metrics_count_the_masks_of_constrained_tokens_and_the_rows_that_sat_out(client, server):
+    """/metrics: blink_mask_latency_seconds counts a mask per constrained token read before the last
+    (reader cycle -> mask posted), and the device's mask_late_rows is exported; the structured
+    benchmark reads both back (bench.serving.structured.scrape)."""
+    from bench.serving.structured import masks_between, scrape
+
+    before = scrape(server.url, KEY)
+    r = client.completions.create(
+        model=server.model, prompt="x", max_tokens=40, extra_body={"guided_regex": "[a-z]{24}"}
+    )
+    n = r.usage.completion_tokens
+    after = scrape(server.url, KEY)
+    got = masks_between(before, after, n)
+    assert 1 <= got["frontend"]["masks"] <= n - 1, (got, n)
+    assert got["frontend"]["us_p50"] > 0 and got["sat_out_rows"] >= 0
+    free = scrape(server.url, KEY)
+    client.completions.create(model=server.model, prompt="x", max_tokens=8)
+    assert masks_between(free, scrape(server.url, KEY), 8)["frontend"]["masks"] == 0  # unconstrained: none

@@ -9,7 +9,8 @@ every slot's `generated` in a tight loop. A constrained request's client publish
 k + 1 (every token allowed, so only the protocol's timing is measured) the moment it sees token k:
 the bits, then slot.mask_position (blink/protocol/layout.py). TPOT per stream: (time of its last
 token - time of its first) / (tokens - 1), as the client saw them. Three runs: unconstrained alone,
-constrained alone, both together. On the emulated device the default executor is
+constrained alone, both together; for each, the rows the device made sit out a step because their
+mask was not yet published (header.mask_late_rows), in all and per constrained token. On the emulated device the default executor is
 bench.serving.paced_executor:h200_llama3_8b (a step takes the H200's Llama-3-8B step time), so what
 the gate's placement costs shows on a CPU; on cuda it is the real model (random weights).
 
@@ -112,10 +113,11 @@ class RingClient:
         return [tpot[s] for s in slots if masks[s] < 0 and s in tpot], [tpot[s] for s in slots if masks[s] >= 0]
 
 
-def _stats(ms: list[float]) -> dict:
+def _stats(ms: list[float], late: int | None = None, tokens: int = 0) -> dict:
     if not ms:
         return {}
-    return {
+    sat_out = {} if late is None else {"sat_out_rows": late, "sat_out_per_token": round(late / max(tokens, 1), 4)}
+    return sat_out | {
         "streams": len(ms),
         "tpot_ms_p50": round(float(np.median(ms)), 3),
         "tpot_ms_mean": round(float(np.mean(ms)), 3),
@@ -137,9 +139,17 @@ def measure(a: argparse.Namespace) -> dict:
         view = transport.view()
         client = RingClient(view, n, a.tokens, int(view.header["vocab_size"]))
         client.run(4, 4)  # warm-up
+
+        def late() -> int:
+            time.sleep(0.05)  # the device's statistics follow its last step
+            return int(view.header["mask_late_rows"])
+
         free, _ = client.run(n, 0)
+        l0 = late()
         _, masked = client.run(0, n)
+        l1 = late()
         beside, with_free = client.run(n, n)
+        l2 = late()
         view.header["shutdown"] = 1
         proc.wait(60)
     finally:
@@ -149,8 +159,8 @@ def measure(a: argparse.Namespace) -> dict:
         transport.unlink()
     out = {
         "unconstrained": _stats(free),
-        "constrained": _stats(masked),
-        "beside": {"unconstrained": _stats(beside), "constrained": _stats(with_free)},
+        "constrained": _stats(masked, l1 - l0, n * a.tokens),
+        "beside": {"unconstrained": _stats(beside), "constrained": _stats(with_free, l2 - l1, n * a.tokens)},
     }
     out["ratio_p50"] = round(out["constrained"]["tpot_ms_p50"] / out["unconstrained"]["tpot_ms_p50"], 3)
     print(out, flush=True)

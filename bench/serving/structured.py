@@ -14,7 +14,11 @@ Writes RESULTS_DIR/structured_output_<scheduler>-<h200|emulated>-<commit>.json w
 - tpot: TPOT p50/mean (ms) of `--streams` concurrent streams of `--tokens` tokens, unconstrained
   (ignore_eos) vs constrained (a guided_regex of exactly `--tokens` letters: a mask every token);
 - beside: TPOT of the unconstrained streams alone, beside as many constrained streams, and of twice as
-  many unconstrained streams (the same batch without constraints: what "beside" compares to).
+  many unconstrained streams (the same batch without constraints: what "beside" compares to);
+- served_masks: per run with constrained streams, from the server's /metrics before and after it: the
+  frontend's latency per constrained token from the reader cycle that read it to its next mask posted
+  (blink_mask_latency_seconds: masks, p50/p90/p99 in microseconds) and the device's rows that sat out
+  a step for lack of their mask (header.mask_late_rows), also per constrained token generated.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 import numpy as np
 
 from bench.common import add_commit_arg, git_commit, metadata, short_device, smi_gpu_name, write_json
+from blink.dpu.mask_timing import summary
 from blink.dpu.structured import json_schema_grammar
 from blink.dpu.token_masks import Constraint
 from blink.dpu.tokenizer import load_tokenizer
@@ -113,6 +118,31 @@ async def run_streams(url: str, model: str, n_free: int, n_masked: int, tokens: 
     return _tpot(res[:n_free]) if n_free else {}, _tpot(res[n_free:]) if n_masked else {}
 
 
+def scrape(url: str, key: str | None = None) -> tuple[list[int], int]:
+    """From a server's /metrics: the mask latency histogram (counts per bucket, as MaskLatency keeps
+    them) and the device's mask_late_rows."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    cum, late = [], 0
+    for line in text.splitlines():
+        if line.startswith("blink_mask_latency_seconds_bucket"):
+            cum.append(int(float(line.rsplit(" ", 1)[1])))
+        elif line.startswith("blink_device_mask_late_rows_total"):
+            late = int(float(line.rsplit(" ", 1)[1]))
+    return [b - a for a, b in zip([0, *cum[:-1]], cum, strict=True)], late
+
+
+def masks_between(before: tuple[list[int], int], after: tuple[list[int], int], tokens: int) -> dict:
+    """What one run added: mask latency percentiles, rows that sat out, and those per constrained token."""
+    (c0, l0), (c1, l1) = before, after
+    counts = [b - a for a, b in zip(c0 or [0] * len(c1), c1, strict=True)]
+    late = l1 - l0
+    return {"frontend": summary(counts), "sat_out_rows": late, "sat_out_per_token": round(late / max(tokens, 1), 4)}
+
+
 def device_runs(a: argparse.Namespace) -> dict:
     argv = ["--device", a.device, "--scheduler", a.scheduler, "--model", a.model, "--max-batch", str(2 * a.streams)]
     if a.device_executor:
@@ -122,8 +152,11 @@ def device_runs(a: argparse.Namespace) -> dict:
         url, n, t = srv.url + "/v1/completions", a.streams, a.tokens
         asyncio.run(run_streams(url, srv.model, 4, 4, 8))  # warm-up
         free, _ = asyncio.run(run_streams(url, srv.model, n, 0, t))
+        m0 = scrape(srv.url)
         _, masked = asyncio.run(run_streams(url, srv.model, 0, n, t))
+        m1 = scrape(srv.url)
         beside, with_masked = asyncio.run(run_streams(url, srv.model, n, n, t))
+        m2 = scrape(srv.url)
         # the same batch (2n streams) with no constraint at all: what the n beside n constrained compare to
         same_batch, _ = asyncio.run(run_streams(url, srv.model, 2 * n, 0, t))
     finally:
@@ -136,6 +169,7 @@ def device_runs(a: argparse.Namespace) -> dict:
             "unconstrained_beside_constrained": beside,
             "constrained": with_masked,
         },
+        "served_masks": {"constrained": masks_between(m0, m1, n * t), "beside": masks_between(m1, m2, n * t)},
     }
     print(json.dumps(out), flush=True)
     return out

@@ -275,6 +275,15 @@ class Router:
         """Every live replica forgets its cached prefixes; True when any caches them."""
         return any([r.tracker.reset_prefix_cache() for r in self.replicas if r.up])
 
+    def mask_latency(self) -> list[int]:
+        """The replicas' frontend mask latency histograms, summed (blink.dpu.mask_timing)."""
+        out: list[int] = []
+        for r in self.replicas:
+            if r.up:
+                h = r.tracker.mask_latency()
+                out = [a + b for a, b in zip(out, h, strict=True)] if out else list(h)
+        return out
+
     def device_counters(self) -> dict[str, int]:
         """Device counters summed over the live replicas (they are all monotonic counts or gauges)."""
         out: dict[str, int] = {}

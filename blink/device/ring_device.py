@@ -131,6 +131,7 @@ class RingDevice:
         # Counters continue from the header: a device restarted on the same ring keeps them monotonic.
         self.stats = {k: int(self.hdr[k]) for k in DEVICE_COUNTERS}
         self._cache_base = (self.stats["prefix_cache_queries"], self.stats["prefix_cache_hits"])
+        self._late_base = self.stats["mask_late_rows"]
         self._shown: dict[int, int] = {}  # slot -> state last written by _sync_states
         self._plp_offset: dict[int, int] = {}  # slot -> its prompt logprob record 0 (int32 word)
         self._beats = int(self.hdr["heartbeat"])
@@ -152,6 +153,7 @@ class RingDevice:
         h = self.hdr
         self.stats["prefix_cache_queries"] = self._cache_base[0] + self.sched.cache_queries
         self.stats["prefix_cache_hits"] = self._cache_base[1] + self.sched.cache_hits
+        self.stats["mask_late_rows"] = self._late_base + self.sched.mask_late
         for k, v in self.stats.items():
             h[k] = v
         h["running"] = self.sched.num_running

@@ -61,6 +61,8 @@ comparison isolates the scheduler's placement):
   sequence with `cache_read` False (it asked for prompt logprobs, which need every prompt
   position's logits, as in vLLM) matches nothing but still registers its blocks. `cache_queries`
   and `cache_hits` count prompt tokens at first admissions (vLLM's prefix cache queries and hits).
+- `mask_late` counts the rows that gave no token because their mask was late (header.mask_late_rows;
+  the GPU scheduler counts the same rows in its `account`).
 """
 
 from __future__ import annotations
@@ -215,6 +217,7 @@ class Scheduler:
         self._arrivals = 0
         self.cache_queries = 0  # prompt tokens of first admissions
         self.cache_hits = 0  # of those, tokens taken from the prefix cache
+        self.mask_late = 0  # sampled rows whose token mask was not published yet (no token this step)
 
     # -- requests ---------------------------------------------------------------
     def add(
@@ -464,6 +467,7 @@ class Scheduler:
                 continue  # aborted between schedule and update: its result is dropped
             late = c.sample and tok == NO_TOKEN
             s.num_computed = c.start + c.n - late  # a late mask: the last position's K/V is not final
+            self.mask_late += late
             if s.block_keys:
                 self.blocks.register(s.seq_id, s.block_keys, s.num_computed)
             if not c.sample or late:

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 
 import prometheus_client as prom
 from prometheus_client import values
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from blink.protocol.layout import DEVICE_COUNTERS, DEVICE_GAUGES
 from blink.protocol.wire import RingStats
+
+from .mask_timing import MASK_LATENCY_EDGES_S
 
 prom.disable_created_metrics()  # the *_created series vLLM dashboards do not use
 
@@ -76,6 +78,7 @@ class LiveState:
     up: bool
     ring: RingStats
     device: dict[str, int]  # DEVICE_FIELDS, from the ring header
+    mask_latency: Sequence[int] = ()  # constrained tokens per bucket of MASK_LATENCY_EDGES_S (+ one above)
 
 
 @dataclass
@@ -97,7 +100,7 @@ class _LiveCollector(Collector):
     def __init__(self, model_name: str, live: Callable[[], LiveState]) -> None:
         self.model_name, self.live = model_name, live
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         st = self.live()
         yield GaugeMetricFamily("blink_device_up", "1 when the device is serving", value=int(st.up))
         ring = {"slots": st.ring.n_slots, "busy_slots": st.ring.busy_slots, "free_slots": st.ring.free_slots}
@@ -126,6 +129,19 @@ class _LiveCollector(Collector):
             c = CounterMetricFamily(f"vllm:prefix_cache_{name}", f"prefix cache: {help_}", labels=["model_name"])
             c.add_metric([self.model_name], dev.get(f"prefix_cache_{name}", 0))
             yield c
+        if st.mask_latency:
+            yield mask_latency_family(st.mask_latency)
+
+
+def mask_latency_family(counts: Sequence[int]) -> HistogramMetricFamily:
+    """blink_mask_latency_seconds: per constrained token, the token reader's cycle that read it to the
+    post of the next mask (blink/dpu/mask_timing.py; its sum is not kept: 0)."""
+    cum, buckets = 0, []
+    for edge, c in zip((*map(str, MASK_LATENCY_EDGES_S), "+Inf"), counts, strict=True):
+        cum += int(c)
+        buckets.append((edge, cum))
+    help_ = "structured output: token read (reader cycle start) to its next mask posted"
+    return HistogramMetricFamily("blink_mask_latency_seconds", help_, buckets=buckets, sum_value=0)
 
 
 def kv_usage(device: dict[str, int]) -> float:

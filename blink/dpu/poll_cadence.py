@@ -6,6 +6,12 @@ first tokens alone are no cadence) and answers how long to sleep: coarsely (at m
 `max_idle_s`) until `lead` of a step has passed, then every `fine_s` until the step's tokens
 appear. Without a cadence it polls every `fine_s` while a request awaits its first token, for at
 most `urgent_fine_s` after the latest registration, and every `max_idle_s` otherwise.
+
+While constrained requests (structured output) are active and there is a cadence, it polls every
+`fine_s` throughout the step, with no coarse sleep: such a request samples its next token only once
+the frontend has read its last one and posted the mask that follows, so a token that sits in the ring
+while the reader sleeps toward a predicted step end (the prediction may be late: a step that carries
+constrained rows need not last as long as the last one) costs device time directly.
 """
 
 from __future__ import annotations
@@ -41,15 +47,18 @@ class PollCadence:
             # step's end before `lead`, where the reader polls only every max_idle_s.
             self.step_s = gap if p is None else p + (0.5 if gap < p else 0.05) * (gap - p)
 
-    def next_wait(self, now: float, awaiting_first: bool) -> float:
+    def next_wait(self, now: float, awaiting_first: bool, awaiting_mask: bool = False) -> float:
         """How long to sleep before the next cycle. With a step cadence (running sequences got
         tokens within the last 4 estimated steps), coarse sleeps (<= max_idle_s) until `lead` of a
         step has passed since the last one, then fine ones (fine_s) until the step's tokens appear.
         Without one, fine sleeps while a request awaits its first token (`awaiting_first`: a lone
         prompt's prefill), for at most urgent_fine_s after the latest registration (a long prefill,
-        a stalled device: a fine cycle costs ~25 % of a core), max_idle_s otherwise."""
+        a stalled device: a fine cycle costs ~25 % of a core), max_idle_s otherwise. `awaiting_mask`
+        (constrained requests are active): fine sleeps throughout a step while there is a cadence."""
         p, since = self.step_s, now - self._step_at
         if p is not None and since < 4 * p:
+            if awaiting_mask:
+                return self.fine_s
             due = self.lead * p - since
             return self.fine_s if due <= self.fine_s else min(due, self.max_idle_s)
         if awaiting_first and now - self._registered_at < self.urgent_fine_s:

@@ -194,6 +194,11 @@ class RequestTracker:
         self.slots.reset_prefix_cache()
         return True
 
+    def mask_latency(self) -> list[int]:
+        """Counts per bucket of the constrained tokens' "cycle that read the token -> mask posted"
+        (blink.dpu.mask_timing.MASK_LATENCY_EDGES_S)."""
+        return self.reader.mask_latency.snapshot()
+
     def device_counters(self) -> dict[str, int]:
         """Device statistics from the ring header (as of the token reader's last cycle)."""
         from .metrics import DEVICE_FIELDS

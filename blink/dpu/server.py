@@ -180,7 +180,8 @@ class OpenAIServer:
         return json_response({"status": "unavailable", "reason": h.message}, status=503)
 
     def _live(self) -> LiveState:
-        return LiveState(self.backend.health().ok, self.backend.stats(), self.backend.device_counters())
+        b = self.backend
+        return LiveState(b.health().ok, b.stats(), b.device_counters(), b.mask_latency())
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")

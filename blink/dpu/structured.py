@@ -170,6 +170,11 @@ class Grammars:
         return Matcher(_engine().LLMatcher(self.tokenizer, grammar), self.words)
 
 
+def executor(threads: int | None = None):
+    """The engine's parallel executor (fills many matchers' masks at once; blink/dpu/token_masks.py)."""
+    return _engine().LLExecutor(threads)
+
+
 class Matcher:
     """One request's position in its grammar: fill the mask of the next token, advance by tokens."""
 

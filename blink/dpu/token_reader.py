@@ -21,7 +21,8 @@ passed, then every `fine_s` (200 us) until the step's tokens appear: a token wai
 `fine_s` in the ring, and a 5 ms step costs ~10 cycles. Without a cadence (nothing published in
 the last 4 estimated steps) it polls every `fine_s` while a request awaits its first token (a
 lone prompt's prefill), for at most `urgent_fine_s` (50 ms) after the latest registration, and
-every `max_idle_s` otherwise. Sub-millisecond sleeps are timerfd
+every `max_idle_s` otherwise; while constrained requests (structured output) are active, every
+`fine_s` throughout a step (their next mask waits for their last token). Sub-millisecond sleeps are timerfd
 sleeps (fine_timer.py): asyncio's timers are no finer than 1 ms, and uvloop's `sleep(0.0002)`
 does not sleep at all. A cycle that finds nothing costs one bulk read and a few vector operations
 (the Python work is per slot with news). With no request in flight it parks on an event (waking
@@ -49,22 +50,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.protocol.layout import (
-    LOGPROB_DTYPE,
-    TOKEN_DTYPE,
-    DeviceStatus,
-    FinishReason,
-    SlotError,
-    SlotState,
-    prompt_logprob_record,
-)
+from blink.protocol.layout import TOKEN_DTYPE, DeviceStatus, FinishReason, SlotError, SlotState
 from blink.protocol.transport import TransportError
-from blink.protocol.wire import DeviceHealth, Logprob, TokenEvent
+from blink.protocol.wire import DeviceHealth, TokenEvent
 
 from .fine_timer import FineTimer
+from .logprob_reads import read_logprobs, read_prompt_logprobs
+from .mask_timing import MaskLatency
 from .poll_cadence import PollCadence
 from .slot_tracker import SlotTracker, read_header
-from .token_masks import Constraint
+from .token_masks import Constraint, MaskBatch
 
 log = logging.getLogger("blink.token_reader")
 _COMPLETED = int(SlotState.DECODE_COMPLETED)  # an IntEnum member's lookup costs a dict walk per use
@@ -100,6 +95,7 @@ class TokenReader:
         on_fail: Callable[[str], None] | None = None,
         on_release: Callable[[int], None] | None = None,
         window: int | None = None,
+        mask_threads: int | None = None,
     ):
         self.tracker = tracker
         self.t = tracker.t
@@ -135,6 +131,9 @@ class TokenReader:
         self.restarts = 0  # crashes of the loop survived
         self.slot_faults = 0
         self._cap = self.geo.output_capacity
+        self.masks = MaskBatch(self.geo, mask_threads)  # a cycle's masks, computed together
+        self.mask_latency = MaskLatency()  # cycle start -> mask posted, per constrained token
+        self._n_masked = 0  # active slots with a constraint (they poll without cadence sleeps)
 
     # -- registration (called by the request tracker) ---------------------------------------
     def register(
@@ -151,7 +150,10 @@ class TokenReader:
     ) -> None:
         """logprobs / prompt: what the request asked of the device (SlotTracker.claim wrote it);
         constraint: its token mask, advanced by every token read (structured output)."""
+        if slot in self.active:
+            self._forget(slot)
         self.active[slot] = _Active(request_id, sink, delivered, timing, backlog, logprobs, prompt, constraint)
+        self._n_masked += constraint is not None
         self._active_mask[slot] = True
         self._faulted[slot] = False
         self._delivered[slot] = delivered
@@ -218,8 +220,7 @@ class TokenReader:
                 except TransportError as e:
                     log.warning("slot %d: cancel not delivered: %s", slot, e)
             else:
-                del self.active[slot]
-                self._active_mask[slot] = False
+                self._forget(slot)
         self._urgent.clear()
         if self.on_fail is not None:
             self.on_fail(why)
@@ -228,9 +229,10 @@ class TokenReader:
     def poll_once(self, first_apart: bool = False) -> int:
         """One cycle: bulk read, deliver new tokens, release completed slots. Returns tokens delivered.
 
-        first_apart: when some of the slots with news have their first token, deliver only those
-        (the caller yields to their consumers, then calls again for the rest): a new request's
-        first bytes then do not wait for the other streams' tokens of the same step.
+        first_apart: when some of the slots with news have their first token, deliver only those and
+        the constrained ones (the caller yields to their consumers, then calls again for the rest): a
+        new request's first bytes then do not wait for the other streams' tokens of the same step,
+        and no constrained slot's next mask waits for those consumers.
 
         Round trips (what a remote transport pays): one `transact` reads the slot records, the
         header and, for every active slot, a window of `window` tokens from the first undelivered
@@ -241,14 +243,20 @@ class TokenReader:
         transact in that cycle, whatever the number of slots; logprob records (opt-in per request)
         are read with a transact of their own.
 
+        The masks of the constrained slots that read tokens go out first, all in one `post` of their
+        own (_post_masks), before the tokens are handed to their requests: a constrained slot samples
+        its next token only once its mask is published, so no per-stream work comes before that.
+
         The Python work is per slot with news, not per active slot: a cycle that finds nothing
         (most cycles of a polling reader) costs the bulk read and a few vector operations."""
+        t0 = time.perf_counter_ns()
         self.cycles += 1
         found = self._read_news(first_apart)
         if found is None:
             return 0
         recs, completed, order, win, gens = found
         ids_of = self._tokens(order, win, gens)
+        self._post_masks(ids_of, completed, gens, t0)
         n, stepped, writes, released = self._deliver(order, win, recs, completed, gens, ids_of)
         if writes:
             self.t.post(writes)  # consumed counters and releases, after the reads that justify them
@@ -292,9 +300,11 @@ class TokenReader:
             if first:
                 fs = set(first)
                 if first_apart and len(first) < len(order):
-                    order = first  # the rest at the next call, from a fresh read
+                    # the rest at the next call, from a fresh read; but a constrained slot's next
+                    # mask waits for nothing (the device samples it only once it is out)
+                    order = first + [s for s in order if s not in fs and self.active[s].constraint is not None]
                     news = np.zeros_like(news)
-                    news[first] = True
+                    news[order] = True
                 else:
                     order = first + [s for s in order if s not in fs]
                 self._urgent = [s for s in self._urgent if s not in fs and s in self.active]
@@ -310,6 +320,18 @@ class TokenReader:
             for s in done:
                 gens[s] = int(again["generated"][s])
         return recs, completed, order, win, gens
+
+    def _post_masks(self, ids_of: dict[int, list[int]], completed: np.ndarray, gens: list[int], t0: int) -> None:
+        """Advance every constrained slot that read tokens by them and post the masks of their next
+        tokens (MaskBatch: computed together), one post for all, timed from the cycle's start t0."""
+        items = []
+        for s, ids in ids_of.items():
+            c = self.active[s].constraint
+            if c is not None and ids and not completed[s]:
+                items.append((s, c, ids, gens[s]))
+        if items:
+            self.t.post(self.masks.advance(items))
+            self.mask_latency.observe(time.perf_counter_ns() - t0, len(items))
 
     def _deliver(
         self,
@@ -348,13 +370,11 @@ class TokenReader:
                         t_read,
                     )
                     writes.append(self.tracker.read_ns_write(slot, t_read))
-                lps = self._read_logprobs(slot, a.delivered, gen, a.logprobs) if a.logprobs >= 0 else []
-                plps = self._read_prompt_logprobs(a.prompt) if a.delivered == 0 and a.prompt else None
+                lps = read_logprobs(self.t, self.geo, slot, a.delivered, gen, a.logprobs) if a.logprobs >= 0 else []
+                plps = read_prompt_logprobs(self.t, self.geo, a.prompt) if a.delivered == 0 and a.prompt else None
                 cached = int(rec["cached_tokens"]) if a.delivered == 0 else 0
                 a.delivered = gen
                 self._delivered[slot] = gen
-                if a.constraint is not None and not completed[slot]:
-                    writes += a.constraint.advance(slot, ids, gen)  # the next token's mask, then its position
                 writes.append(self.tracker.consumed_write(slot, gen))
                 n += len(ids)
                 if a.sink is not None and not completed[slot]:
@@ -378,8 +398,7 @@ class TokenReader:
                             cached_tokens=cached if ids else 0,
                         )
                     )
-                del self.active[slot]
-                self._active_mask[slot] = False
+                self._forget(slot)
                 writes += self.tracker.release_writes(slot)
                 released.append(slot)
         return n, stepped, writes, released
@@ -467,10 +486,15 @@ class TokenReader:
         """A faulted slot is released once the device completed it (or it shows EMPTY already)."""
         if int(rec["state"]) not in (_COMPLETED, _EMPTY):
             return
-        del self.active[slot]
-        self._active_mask[slot] = self._faulted[slot] = False
+        self._forget(slot)
+        self._faulted[slot] = False
         writes += self.tracker.release_writes(slot)
         released.append(slot)
+
+    def _forget(self, slot: int) -> None:
+        a = self.active.pop(slot)
+        self._active_mask[slot] = False
+        self._n_masked -= a.constraint is not None
 
     def _backlogged(self, a: _Active) -> bool:
         """A slow consumer: leave its tokens in the ring. `consumed` stops advancing, so the device
@@ -489,29 +513,6 @@ class TokenReader:
                 reads.append((self.geo.output_offset(s, d), w))
             spans.append((w, d))
         return spans
-
-    def _read_logprobs(self, slot: int, start: int, end: int, n: int) -> list[Logprob]:
-        """Logprob records [start, end) of a slot (wrapping like its tokens), n alternatives each."""
-        cap = self._cap
-        out = np.empty(end - start, LOGPROB_DTYPE)
-        i0 = start % cap
-        first = min(end - start, cap - i0)
-        base = self.geo.logprob_offset(slot, 0)
-        reads = [(base + LOGPROB_DTYPE.itemsize * i0, out[:first])]
-        if first < out.size:
-            reads.append((base, out[first:]))
-        self.t.transact((), reads)
-        return _logprobs(out["logprob"], out["top_ids"][:, :n], out["top_logprobs"][:, :n])
-
-    def _read_prompt_logprobs(self, prompt: tuple[int, int, int, int]) -> list[Logprob]:
-        """Records of prompt tokens 1 .. prompt_len - 1 (the device wrote them before token 0)."""
-        off, n_prompt, n_slot, n_want = prompt
-        if n_prompt < 2:
-            return []
-        rec = prompt_logprob_record(n_slot)
-        out = np.empty(n_prompt - 1, rec)
-        self.t.read_into(self.geo.prompt_arena_offset + 4 * off + rec.itemsize, out)
-        return _logprobs(out["logprob"], out["top_ids"][:, :n_want], out["top_logprobs"][:, :n_want])
 
     # -- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -566,7 +567,7 @@ class TokenReader:
 
     def next_wait(self, now: float) -> float:
         """How long to sleep before the next cycle (PollCadence.next_wait)."""
-        return self.cadence.next_wait(now, bool(self._urgent))
+        return self.cadence.next_wait(now, bool(self._urgent), self._n_masked > 0)
 
     def stop(self) -> None:
         self._stop = True
@@ -578,7 +579,3 @@ def _status_name(status: int) -> str:
         return DeviceStatus(status).name
     except ValueError:  # not a status any device writes
         return f"unknown ({status})"
-
-
-def _logprobs(lp: np.ndarray, ids: np.ndarray, lps: np.ndarray) -> list[Logprob]:
-    return [Logprob(a, b, c) for a, b, c in zip(lp.tolist(), ids.tolist(), lps.tolist(), strict=True)]

@@ -49,7 +49,8 @@ mask for token k + 1, which the frontend can only compute after reading token k,
 while the next step's forward pass runs. Otherwise (the mask is late) the slot gives no token in that
 step: nothing is published for it, `generated` does not move, and the step's K/V at its last position
 is not taken as final (it is computed again, no prefix-cache block is registered on its strength);
-the next step computes and samples that position again. No other slot waits. The mask for token 0 is
+the next step computes and samples that position again. No other slot waits. The device counts such
+rows in header.mask_late_rows. The mask for token 0 is
 written with the request, before PREFILL_PENDING (mask_position = 1). The frontend writes the mask for
 k + 1 only after reading token k, so it never rewrites a mask being sampled with.
 
@@ -226,6 +227,9 @@ HEADER_DTYPE = np.dtype([
     ("prefix_cache_hits", "<u8"),    # of those, tokens found in the cache
     ("prefix_cache_resets", "<u8"),  # reset_cache_seq changes acted on
     ("kv_blocks_cached", "<u4"),     # blocks holding a registered key (in use or evictable)
+    # structured output (see the mask arena)
+    ("mask_late_rows", "<u8"),       # constrained rows that gave no token in a step: their mask was not
+                                     # published when they were sampled (each sat out that step)
 ], align=True)
 
 SLOT_DTYPE = np.dtype([
@@ -314,6 +318,7 @@ DEVICE_COUNTERS = (
     "prefix_cache_queries",
     "prefix_cache_hits",
     "prefix_cache_resets",
+    "mask_late_rows",
 )
 DEVICE_GAUGES = (
     "device_status",

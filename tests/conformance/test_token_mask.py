@@ -168,6 +168,34 @@ def test_a_slot_whose_mask_is_late_does_not_delay_others(masked: Rig):
     assert drive(c, late, 1, [7, 9, 11]) == [7, 9, 11]
 
 
+def test_every_step_a_slot_sits_out_for_its_late_mask_counts_in_the_header(masked: Rig):
+    """header.mask_late_rows: one per constrained row sampled before its mask was published (no token
+    in that step). While another request runs its 24 steps, the slot waiting for its mask sits out each
+    of them; the count never exceeds the steps run, and a mask on time adds nothing."""
+    c = masked.client
+    rng = np.random.default_rng(9)
+    steps = lambda: c.h("steps") + c.h("prefill_steps")  # noqa: E731
+    late0 = c.h("mask_late_rows")
+    on_time = submit_masked(c, rng.integers(3, masked.vocab, 8).tolist(), 1, [7], max_new_tokens=1)
+    assert drive(c, on_time, 1, [7]) == [7]  # its one mask came with the request
+    time.sleep(0.05)  # the statistics reach the header after the step's tokens
+    assert c.h("mask_late_rows") == late0
+    steps0 = steps()
+    late = submit_masked(c, rng.integers(3, masked.vocab, 8).tolist(), 1, [7], max_new_tokens=3)
+    t0 = time.monotonic()
+    while len(c.poll(late).tokens) < 1:
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.001)
+    other = c.submit(rng.integers(3, masked.vocab, 8).tolist(), max_new_tokens=24)
+    (r,) = c.wait([other], timeout=30)
+    assert r.finish is FinishReason.LENGTH and len(r.tokens) == 24
+    time.sleep(0.05)
+    sat_out, ran = c.h("mask_late_rows") - late0, steps() - steps0
+    assert c.poll(late).tokens == [7]
+    assert 23 <= sat_out <= ran, (sat_out, ran)
+    assert drive(c, late, 1, [7, 9, 11]) == [7, 9, 11]
+
+
 def test_a_mask_index_outside_the_arena_is_rejected(masked: Rig):
     c = masked.client
     bad = dict(max_new_tokens=2, fields={"mask_slot": c.geo.n_masks + 1, "mask_position": 1})

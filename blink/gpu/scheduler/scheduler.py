@@ -134,6 +134,7 @@ SCHED_CTL_DTYPE = np.dtype([
     ("step_ns_total", "<u8"),
     ("scan_ns_total", "<u8"),
     ("scans", "<u8"),
+    ("mask_late_rows", "<u8"),       # constrained rows sampled before their mask was published (no token)
     # finer timing (not in the header): where the scheduler's own time goes
     ("plan_ns_total", "<u8"),        # iteration start -> launch call
     ("launch_ns_total", "<u8"),      # device cudaGraphLaunch calls, retries included

@@ -127,7 +127,8 @@ struct RingHeader {
   uint64_t prefix_cache_hits;  // offset 304
   uint64_t prefix_cache_resets;  // offset 312
   uint32_t kv_blocks_cached;  // offset 320
-  uint8_t _tail[184];
+  uint64_t mask_late_rows;  // offset 328
+  uint8_t _tail[176];
 };
 #ifdef offsetof
 static_assert(offsetof(RingHeader, magic) == 0, "RingHeader.magic offset");
@@ -182,6 +183,7 @@ static_assert(offsetof(RingHeader, prefix_cache_queries) == 296, "RingHeader.pre
 static_assert(offsetof(RingHeader, prefix_cache_hits) == 304, "RingHeader.prefix_cache_hits offset");
 static_assert(offsetof(RingHeader, prefix_cache_resets) == 312, "RingHeader.prefix_cache_resets offset");
 static_assert(offsetof(RingHeader, kv_blocks_cached) == 320, "RingHeader.kv_blocks_cached offset");
+static_assert(offsetof(RingHeader, mask_late_rows) == 328, "RingHeader.mask_late_rows offset");
 #endif
 static_assert(sizeof(RingHeader) == 512, "RingHeader size");
 

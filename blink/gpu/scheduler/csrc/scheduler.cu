@@ -84,6 +84,7 @@ struct Shared {
   cudaGraphExec_t self;
   uint32_t action, shutdown, kind, nseq, ntok, n_dec, do_scan, do_cancel, launch_ok, fault, dirty;
   uint32_t beat, tokens, completed, flags;
+  uint32_t late;  // constrained rows of the step whose mask was late (header.mask_late_rows)
   u64 t_iter, t_launch, t_launched, t_done, seq;
   uint32_t nclaim, overflow, n_ok, tok_total;
   uint32_t claim_slot[MAX_CLAIMS];

@@ -87,11 +87,12 @@ struct SchedCtl {
   uint64_t step_ns_total;  // offset 472
   uint64_t scan_ns_total;  // offset 480
   uint64_t scans;  // offset 488
-  uint64_t plan_ns_total;  // offset 496
-  uint64_t launch_ns_total;  // offset 504
-  uint64_t wait_ns_total;  // offset 512
-  uint64_t publish_ns_total;  // offset 520
-  uint64_t busy_iters;  // offset 528
+  uint64_t mask_late_rows;  // offset 496
+  uint64_t plan_ns_total;  // offset 504
+  uint64_t launch_ns_total;  // offset 512
+  uint64_t wait_ns_total;  // offset 520
+  uint64_t publish_ns_total;  // offset 528
+  uint64_t busy_iters;  // offset 536
 };
 #ifdef offsetof
 static_assert(offsetof(SchedCtl, ring) == 0, "SchedCtl.ring offset");
@@ -169,12 +170,13 @@ static_assert(offsetof(SchedCtl, sched_ns_total) == 464, "SchedCtl.sched_ns_tota
 static_assert(offsetof(SchedCtl, step_ns_total) == 472, "SchedCtl.step_ns_total offset");
 static_assert(offsetof(SchedCtl, scan_ns_total) == 480, "SchedCtl.scan_ns_total offset");
 static_assert(offsetof(SchedCtl, scans) == 488, "SchedCtl.scans offset");
-static_assert(offsetof(SchedCtl, plan_ns_total) == 496, "SchedCtl.plan_ns_total offset");
-static_assert(offsetof(SchedCtl, launch_ns_total) == 504, "SchedCtl.launch_ns_total offset");
-static_assert(offsetof(SchedCtl, wait_ns_total) == 512, "SchedCtl.wait_ns_total offset");
-static_assert(offsetof(SchedCtl, publish_ns_total) == 520, "SchedCtl.publish_ns_total offset");
-static_assert(offsetof(SchedCtl, busy_iters) == 528, "SchedCtl.busy_iters offset");
+static_assert(offsetof(SchedCtl, mask_late_rows) == 496, "SchedCtl.mask_late_rows offset");
+static_assert(offsetof(SchedCtl, plan_ns_total) == 504, "SchedCtl.plan_ns_total offset");
+static_assert(offsetof(SchedCtl, launch_ns_total) == 512, "SchedCtl.launch_ns_total offset");
+static_assert(offsetof(SchedCtl, wait_ns_total) == 520, "SchedCtl.wait_ns_total offset");
+static_assert(offsetof(SchedCtl, publish_ns_total) == 528, "SchedCtl.publish_ns_total offset");
+static_assert(offsetof(SchedCtl, busy_iters) == 536, "SchedCtl.busy_iters offset");
 #endif
-static_assert(sizeof(SchedCtl) == 536, "SchedCtl size");
+static_assert(sizeof(SchedCtl) == 544, "SchedCtl size");
 
 }  // namespace blink

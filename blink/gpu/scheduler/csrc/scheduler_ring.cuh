@@ -32,11 +32,13 @@ __device__ void mirror_stats(SchedCtl* c, Shared& sh) {
   const u64* src[] = {&c->steps, &c->prefill_steps, &c->tokens_generated, &c->prompt_tokens,
                       &c->requests_admitted, &c->requests_completed, &c->launches, &c->relaunches,
                       &c->launch_errors, &c->sched_ns_total, &c->step_ns_total, &c->scan_ns_total, &c->scans,
-                      &c->prefix_cache_queries, &c->prefix_cache_hits, &c->prefix_cache_resets};
+                      &c->prefix_cache_queries, &c->prefix_cache_hits, &c->prefix_cache_resets,
+                      &c->mask_late_rows};
   u64* dst[] = {&H->steps, &H->prefill_steps, &H->tokens_generated, &H->prompt_tokens,
                 &H->requests_admitted, &H->requests_completed, &H->launches, &H->relaunches,
                 &H->launch_errors, &H->sched_ns_total, &H->step_ns_total, &H->scan_ns_total, &H->scans,
-                &H->prefix_cache_queries, &H->prefix_cache_hits, &H->prefix_cache_resets};
+                &H->prefix_cache_queries, &H->prefix_cache_hits, &H->prefix_cache_resets,
+                &H->mask_late_rows};
   constexpr uint32_t N = sizeof(src) / sizeof(src[0]);
   if (t < N) st_sys64(dst[t], *src[t]);
   if (t == N) st_sys(&H->running, c->n_run);
@@ -53,7 +55,7 @@ __device__ void iteration_begin(SchedCtl* c, Shared& sh) {
   sh.flags = 0;
   sh.nseq = sh.ntok = sh.n_dec = 0;
   sh.n_preempted = 0;
-  sh.completed = sh.tokens = 0;
+  sh.completed = sh.tokens = sh.late = 0;
   sh.launch_ok = 0;
   sh.dirty = 0;
   sh.action = ACT_RUN;
@@ -529,7 +531,7 @@ __device__ void account(SchedCtl* c, Shared& sh) {
   } else {
     if (sh.kind == KIND_PREFILL && sh.E->sampling_rows && *sh.E->ext_on) publish_prompt_logprobs(sh);
     const int32_t* out_tokens = (const int32_t*)sh.E->out_tokens;
-    uint32_t mine = 0;
+    uint32_t mine = 0, late_rows = 0;
     for (uint32_t i = threadIdx.x; i < nseq; i += SCHED_THREADS) {
       const uint32_t r = g_plan_row[i];
       Row& R = g_rows[r];
@@ -539,6 +541,7 @@ __device__ void account(SchedCtl* c, Shared& sh) {
       // it again (Scheduler.update).
       const bool late = g_plan_sample[i] && tok == NO_TOKEN;
       R.computed = g_plan_start[i] + g_plan_n[i] - (late ? 1u : 0u);
+      late_rows += late;  // header.mask_late_rows: the row sat out this step for lack of its mask
       if (!g_plan_sample[i] || late) {
         g_ev_k[i] = DEAD;
         continue;
@@ -573,6 +576,7 @@ __device__ void account(SchedCtl* c, Shared& sh) {
       }
     }
     if (mine) atomicAdd(&sh.tokens, mine);
+    if (late_rows) atomicAdd(&sh.late, late_rows);
   }
   __syncthreads();  // every row's `computed` is in
   if (threadIdx.x == 0) {
@@ -606,6 +610,7 @@ __device__ void retire(SchedCtl* c, Shared& sh) {
   if (threadIdx.x == 0) {
     c->tokens_generated += sh.tokens;
     c->requests_completed += sh.completed;
+    c->mask_late_rows += sh.late;
     if (busy || sh.dirty || sh.completed) g_mirror = 1;
     if (busy) {
       const u64 end = gtime();
