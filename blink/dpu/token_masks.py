@@ -84,11 +84,11 @@ class MaskBatch:
 
     def advance(self, items: list[tuple[int, Constraint, list[int], int]]) -> list[Write]:
         """items: (slot, its constraint, the tokens read, generated). The writes that publish each
-        slot's mask of token `generated`: its bits, then its position (as Constraint.advance). Only
+        slot's mask of token `generated`: the bits of all, then the positions (_bits_first). Only
         the vocabulary's words are written: the words past it stay as the request's first mask
         (Constraint.writes, whole) left them, cleared."""
         if len(items) == 1 or self.threads < 2:
-            return [w for slot, c, ids, k in items for w in c.advance(slot, ids, k)]
+            return _bits_first([w for slot, c, ids, k in items for w in c.advance(slot, ids, k)])
         if self._executor is None:
             self._executor = executor(self.threads)
         for _, c, ids, _ in items:  # one by one: a parallel consume costs more than it saves (module doc)
@@ -103,4 +103,11 @@ class MaskBatch:
         for i, (slot, c, _, k) in enumerate(items):
             pos = np.array([k + 1], "<u4")
             writes += [(self.geo.mask_offset(c.mask), bits[i]), (self.geo.slot_offset(slot) + _MASK_POSITION, pos)]
-        return writes
+        return _bits_first(writes)
+
+
+def _bits_first(pairs: list[Write]) -> list[Write]:
+    """(bits, position) pairs as every slot's bits, then every position word: a device polling the ring
+    sees the cycle's masks published within a few word stores, not one at a time behind each mask's
+    copy (where it would launch a step with some of the slots and leave the rest a step behind)."""
+    return pairs[0::2] + pairs[1::2]
