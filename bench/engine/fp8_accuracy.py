@@ -4,9 +4,13 @@ devices implement).
     python -m bench.engine.fp8_accuracy                    # SmolLM2-135M-Instruct GGUF, 32 prompts x 64 tokens
     python -m bench.engine.fp8_accuracy --quantization none --kv-cache-dtype fp8   # the FP8 KV cache alone
     python -m bench.engine.fp8_accuracy --model /path/to/hf-dir --prompts 8 --tokens 32 --out x.json
+    python -m bench.engine.fp8_accuracy --lm-head bf16     # FP8 projections, the LM head left in bf16
+    python -m bench.engine.fp8_accuracy --baseline fp8 --lm-head fp8   # the FP8 LM head's own cost
 
 Both models start from the weights as a bf16 device holds them (rounded to bf16); the fp8 one
-quantizes every linear layer (blink.models.fp8). Greedy decoding of each chat prompt, all prompts
+quantizes every linear layer (blink.models.fp8), and the LM head unless --lm-head bf16 (default: the
+definition's FP8_LM_HEAD). --baseline fp8: the reference is the FP8 model with a bf16 LM head, so the
+numbers are the FP8 head's own cost. Greedy decoding of each chat prompt, all prompts
 in one packed batch. Reported:
   free-running: share of generated positions whose fp8 token equals the bf16 token at that index,
       and the share of sequences identical throughout (one flip changes the rest of a sequence);
@@ -25,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import add_commit_arg, git_commit, metadata, result_path, write_json
-from blink.models.fp8 import as_device_weight
+from blink.models.fp8 import FP8_LM_HEAD, as_device_weight
 from blink.models.llama_numpy import LlamaNumpy
 from blink.models.registry import resolve_model
 
@@ -96,12 +100,20 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quantization", choices=("fp8", "none"), default="fp8", help="weights of the compared model")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="KV cache of the compared model")
+    ap.add_argument(
+        "--lm-head", choices=("fp8", "bf16"), default="fp8" if FP8_LM_HEAD else "bf16",
+        help="the compared model's LM head under fp8 weights",
+    )  # fmt: skip
+    ap.add_argument("--baseline", choices=("bf16", "fp8"), default="bf16", help="fp8: FP8 weights, bf16 LM head")
     a = ap.parse_args()
     t0 = time.time()
     b = resolve_model(a.model)
     w = {k: as_device_weight(v) for k, v in b.weights.items()}
     quant = None if a.quantization == "none" else a.quantization
-    base, q = LlamaNumpy(b.config, w), LlamaNumpy(b.config, w, quantization=quant, kv_cache_dtype=a.kv_cache_dtype)
+    head = a.lm_head == "fp8"
+    bq = "fp8" if a.baseline == "fp8" else None
+    base = LlamaNumpy(b.config, w, quantization=bq, fp8_lm_head=False)
+    q = LlamaNumpy(b.config, w, quantization=quant, kv_cache_dtype=a.kv_cache_dtype, fp8_lm_head=head)
     del w
     ps = prompts(b.tokenizer, a.prompts)
     ref, ref_lp = greedy(base, ps, a.tokens)
@@ -117,6 +129,8 @@ def main() -> None:
         "tokens": a.tokens,
         "quantization": a.quantization,
         "kv_cache_dtype": a.kv_cache_dtype,
+        "fp8_lm_head": q.fp8_lm_head,
+        "baseline": a.baseline,
         "free_running_agreement": float((ref == got).mean()),
         "identical_sequences": float(np.mean([x == a.tokens for x in first])),
         "first_divergence_mean": float(np.mean(first)),
@@ -129,6 +143,7 @@ def main() -> None:
     for k in list(res)[-8:]:
         print(f"{k:32s} {res[k]}")
     name = "fp8_accuracy" if a.kv_cache_dtype == "auto" else f"fp8_accuracy_kv_{a.quantization}"
+    name += "" if not q.fp8_lm_head else "_head" if a.baseline == "bf16" else "_head_vs_fp8"
     write_json(a.out or str(result_path(name, "emulated", res["commit"])), res)
 
 

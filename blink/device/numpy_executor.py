@@ -15,6 +15,7 @@ import numpy as np
 from blink.device.executor import SamplingExt, StepBatch, drop_late, read_gates
 from blink.device.sampling import PenaltyState, apply_token_mask, logprob_record, process_logits, sample
 from blink.models.config import ModelConfig
+from blink.models.fp8 import FP8_LM_HEAD
 from blink.models.llama_numpy import LlamaNumpy
 from blink.models.weights import Weights
 from blink.protocol.layout import DeviceFeatures
@@ -39,11 +40,12 @@ class NumpyExecutor:
         max_blocks_per_seq: int | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        fp8_lm_head: bool = FP8_LM_HEAD,
     ) -> None:
         if min(num_blocks, block_size, max_batch, max_num_batched_tokens) <= 0:
             raise ValueError("num_blocks, block_size, max_batch and max_num_batched_tokens must be positive")
         self.config = config
-        self.model = LlamaNumpy(config, weights, quantization, kv_cache_dtype=kv_cache_dtype)
+        self.model = LlamaNumpy(config, weights, quantization, kv_cache_dtype=kv_cache_dtype, fp8_lm_head=fp8_lm_head)
         self.vocab_size = config.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -35,7 +35,11 @@ The source of the quantization is the weight as a bf16 device holds it (`as_devi
 `quantize_bf16`): the CUDA loader quantizes the bf16 bits it streams on the GPU with this arithmetic
 (fp8_quantize_rows in blink/gpu/engine/csrc/fp8.cu), so the numpy model and the CUDA engine hold the same
 codes and scales. Which layers: blink.models.llama_numpy (q/k/v/o, gate/up/down, the experts; not
-the router, the embeddings or the LM head).
+the router or the embeddings).
+
+The LM head (FP8_LM_HEAD): quantized per vocabulary row like a projection, and weight-only in every step
+(its input, the final norm's output, stays in the compute dtype; logits are the fp32 sums times the
+row's scale). A tied head keeps the bf16 embedding for the lookup and gets its own FP8 copy.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ FP8_GEMV_MAX_TOKENS = 8  # steps up to this many tokens keep bf16 activations; l
 QUANTIZATIONS = ("fp8",)  # --quantization values served; None/"" = the checkpoint's dtype
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values served; "auto" = the model dtype
 KV_SCALE = np.float32(1.0)  # the fp8 KV cache's per-tensor scale (docs/decisions.md)
+# Whether --quantization fp8 also quantizes the LM head (per vocabulary row, as the projections; weight-only
+# in every step). The default of both devices (LlamaNumpy, EngineConfig.fp8_lm_head); docs/decisions.md.
+FP8_LM_HEAD = True
 
 
 def _decode_table() -> np.ndarray:

@@ -13,8 +13,9 @@ mixed), every token at its own position. Per layer:
     over the rows routed to it (sorted by expert, as a grouped GEMM would see them)
 
 `quantization="fp8"`: every linear layer's weight (q/k/v/o, gate/up/down, the experts' too) is
-FP8 e4m3 with per-output-channel scales (blink.models.fp8), applied dequantized; norms, embeddings, the
-router and the LM head are as without it. Every step but a decode step of at most `fp8_gemv_max_tokens`
+FP8 e4m3 with per-output-channel scales (blink.models.fp8), applied dequantized; norms, embeddings and the
+router are as without it; the LM head too unless `fp8_lm_head` (default blink.models.fp8.FP8_LM_HEAD): then
+it is FP8 per vocabulary row, weight-only in every step (a tied head: an FP8 copy of the embedding). Every step but a decode step of at most `fp8_gemv_max_tokens`
 sequences also quantizes each linear layer's input per token (W8A8, blink.models.fp8.uses_w8a8), as the
 CUDA engine's FP8 GEMM does; those decode steps keep the activations in float32 (the FP8-weight GEMV). `fp8_gemv_max_tokens=None`:
 weight-only at every size (the CUDA engine's dequantize fallback). The MoE experts are weight-only in every
@@ -40,6 +41,7 @@ import numpy as np
 from blink.models.config import ModelConfig, rope_inv_freq
 from blink.models.fp8 import (
     FP8_GEMV_MAX_TOKENS,
+    FP8_LM_HEAD,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     as_device_weight,
@@ -111,6 +113,7 @@ class LlamaNumpy:
         quantization: str | None = None,
         fp8_gemv_max_tokens: int | None = FP8_GEMV_MAX_TOKENS,
         kv_cache_dtype: str = "auto",
+        fp8_lm_head: bool = FP8_LM_HEAD,
     ) -> None:
         check_weights(config, weights)
         if quantization not in (None, "", *QUANTIZATIONS):
@@ -135,6 +138,9 @@ class LlamaNumpy:
         self.embed = f32(weights["model.embed_tokens.weight"])  # (vocab, hidden)
         # Tied: the head is the embedding; x @ embed.T is a transposed GEMM, no copy.
         self.lm_head = self.embed if c.tie_word_embeddings else f32(weights["lm_head.weight"])  # (vocab, hidden)
+        self.fp8_lm_head = self.quantization is not None and fp8_lm_head
+        if self.fp8_lm_head:  # its own FP8 copy (a tied embedding stays as it is for the lookup)
+            self.lm_head = fp8_linear(self.lm_head)
         self.norm = f32(weights["model.norm.weight"])
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
