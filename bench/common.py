@@ -300,6 +300,7 @@ def kernel_category(name: str) -> str:
         ("add_rmsnorm", "norm"),
         ("add_bias", "gemm"),  # the qkv projection's bias (qwen2): counted with its GEMM
         ("gemv", "gemm"),
+        ("fp8_", "gemm"),  # FP8 weights: W8A8 activation quantization and scaling, the head's dequantization
         ("rope", "rope"),
         ("attn", "attn"),
         ("swiglu", "swiglu"),
@@ -329,11 +330,15 @@ def gemm_roles(cfg: Any) -> dict[str, tuple[int, int]]:
     }
 
 
-def decode_traffic(cfg: Any, batch: int, context: int) -> dict[str, dict[str, float]]:
+def decode_traffic(
+    cfg: Any, batch: int, context: int, fp8: bool = False, fp8_head: bool = False
+) -> dict[str, dict[str, float]]:
     """Bytes moved and FLOPs of each kernel category of a decode step (bf16 weights, activations and
     KV; f32 logits): batch sequences, each attending over `context` cached tokens. GEMMs by role
     (gemm_<role>: weights once + inputs + outputs); attention reads each sequence's K and V; the
-    pointwise kernels read and write their activations once (the floor of what they must move)."""
+    pointwise kernels read and write their activations once (the floor of what they must move).
+    `fp8`: the projections' weights are FP8 (a byte a weight + an fp32 scale a row); `fp8_head`: the
+    LM head's too."""
     B, L, H, q, kv, inter, V = (
         batch, cfg.num_layers, cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size,
     )  # fmt: skip
@@ -341,7 +346,8 @@ def decode_traffic(cfg: Any, batch: int, context: int) -> dict[str, dict[str, fl
     for role, (n, k) in gemm_roles(cfg).items():
         times = 1 if role == "lm_head" else L
         ob = 4 if role == "lm_head" else 2
-        out[f"gemm_{role}"] = {"bytes": times * (2 * n * k + 2 * B * k + ob * B * n), "flops": times * 2.0 * B * n * k}
+        w = n * k + 4 * n if (fp8_head if role == "lm_head" else fp8) else 2 * n * k
+        out[f"gemm_{role}"] = {"bytes": times * (w + 2 * B * k + ob * B * n), "flops": times * 2.0 * B * n * k}
     out["attn"] = {"bytes": L * (B * context * 2 * kv * 2 + 2 * B * q * 2), "flops": L * 4.0 * B * context * q}
     out["norm"] = {"bytes": L * 2 * 4 * B * H * 2, "flops": L * 2 * 5.0 * B * H}
     out["rope"] = {"bytes": L * B * (2 * q + 4 * kv) * 2, "flops": L * 6.0 * B * (q + kv)}
@@ -354,28 +360,45 @@ def decode_traffic(cfg: Any, batch: int, context: int) -> dict[str, dict[str, fl
 
 @contextlib.contextmanager
 def only_launches(fwd: Any, categories: set[str], roles: set[tuple[int, int]] | None = None) -> Iterator[None]:
-    """While a step is recorded, issue only the kernel launches (and cuBLAS GEMMs: "gemm") of these
-    categories, in the step's order: the engine's Forward with its driver and cuBLAS wrapped.
-    `roles`: with "gemm", only the cuBLAS GEMMs of these (n_out, k) shapes (gemm_roles)."""
-    drv, blas = fwd.drv, fwd.blas
+    """While a step is recorded, issue only the kernel launches (and cuBLAS / cuBLASLt GEMMs: "gemm") of
+    these categories, in the step's order: the engine's Forward with its driver, cuBLAS and FP8 GEMM
+    wrapped. `roles`: with "gemm", only the projections (GEMMs, GEMVs, fused GEMVs with what they fold
+    in, FP8 kernels) whose weight has one of these (n_out, k) shapes (gemm_roles)."""
+    drv, blas, fp8_gemm = fwd.drv, fwd.blas, getattr(fwd, "fp8_gemm", None)
 
     def launch(fn: int, grid: Any, block: Any, args: Any, stream: int, smem: int = 0, name: str = "") -> None:
         if kernel_category(name) in categories:
             drv.launch(fn, grid, block, args, stream, smem, name)
 
-    def linear(x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False) -> None:
-        if (n_out, k) in roles:  # type: ignore[operator]
-            blas.linear(x, w, y, rows, n_out, k, out_f32)
+    def of_role(method: str, w_at: int) -> Callable[..., None]:
+        real = getattr(fwd, method)
+
+        def call(*args: Any, **kw: Any) -> None:
+            if tuple(args[w_at].shape)[-2:] in roles:  # type: ignore[operator]
+                real(*args, **kw)
+
+        return call
 
     fwd.drv = SimpleNamespace(launch=launch)
     if "gemm" not in categories:
         fwd.blas = SimpleNamespace(linear=lambda *a, **k: None)
-    elif roles is not None:
-        fwd.blas = SimpleNamespace(linear=linear)
+        if fp8_gemm is not None:
+            fwd.fp8_gemm = SimpleNamespace(matmul=lambda *a, **k: None)
+    own = {m: vars(fwd)[m] for m in ("linear", "fused_linear") if m in vars(fwd)}  # instance attributes
+    if "gemm" in categories and roles is not None:  # Forward.linear(x, w, ...), .fused_linear(kind, x, w, ...)
+        fwd.linear, fwd.fused_linear = of_role("linear", 1), of_role("fused_linear", 2)
     try:
         yield
     finally:
         fwd.drv, fwd.blas = drv, blas
+        if fp8_gemm is not None:
+            fwd.fp8_gemm = fp8_gemm
+        if "gemm" in categories and roles is not None:
+            for m in ("linear", "fused_linear"):
+                if m in own:
+                    setattr(fwd, m, own[m])
+                else:
+                    vars(fwd).pop(m, None)  # the class's method again
 
 
 def category_times(

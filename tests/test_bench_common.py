@@ -117,23 +117,45 @@ def test_decode_traffic_gemm_weights_and_kv_match_the_model():
     assert t["gemm_down"]["flops"] == 32 * 2.0 * 256 * 4096 * 14336
 
 
-def test_only_launches_with_roles_keeps_the_gemms_of_those_shapes():
+def test_only_launches_with_roles_keeps_the_projections_of_those_shapes():
+    """Roles select projections by their weight's shape, whatever runs them (cuBLAS, a GEMV, a fused GEMV,
+    FP8 kernels): Forward.linear(x, w, ...) and Forward.fused_linear(kind, x, w, ...) are filtered; the
+    launches inside pass by category; the class's methods are back afterwards."""
     from types import SimpleNamespace
 
     from bench.common import only_launches
 
     calls = []
-    fwd = SimpleNamespace(
-        drv=SimpleNamespace(launch=lambda *a, **k: calls.append("kernel")),
-        blas=SimpleNamespace(linear=lambda x, w, y, rows, n, k, f32=False: calls.append((n, k))),
-    )
+
+    class Fwd:
+        def linear(self, x, w, y, rows, stream, out_f32=False):
+            calls.append(("linear", w.shape))
+            self.drv.launch(0, (1, 1, 1), (1, 1, 1), (), 0, 0, "gemv_fp8_t1_r2u4")
+
+        def fused_linear(self, kind, x, w, y, T, stream, nw=None):
+            calls.append((kind, w.shape))
+
+    fwd = Fwd()
+    fwd.drv = SimpleNamespace(launch=lambda *a: calls.append(a[-1]))
+    fwd.blas = SimpleNamespace(linear=lambda *a: calls.append("cublas"))
+    fwd.fp8_gemm = SimpleNamespace(matmul=lambda *a: calls.append("fp8_gemm"))
+    qkv, o = SimpleNamespace(shape=(6144, 4096)), SimpleNamespace(shape=(4096, 4096))
     with only_launches(fwd, {"gemm"}, {(6144, 4096)}):
-        fwd.blas.linear(0, 0, 0, 8, 6144, 4096, False)
-        fwd.blas.linear(0, 0, 0, 8, 4096, 4096, False)
+        fwd.linear(0, qkv, 0, 8, 0)
+        fwd.linear(0, o, 0, 8, 0)
+        fwd.fused_linear("norm", 0, qkv, 0, 1, 0, nw=0)
+        fwd.fused_linear("resid", 0, o, 0, 1, 0)
         fwd.drv.launch(0, (1, 1, 1), (1, 1, 1), (), 0, 0, "rope_kv_write")
-    assert calls == [(6144, 4096)]
-    fwd.blas.linear(0, 0, 0, 8, 4096, 4096, False)  # restored
-    assert calls[-1] == (4096, 4096)
+    assert calls == [("linear", (6144, 4096)), "gemv_fp8_t1_r2u4", ("norm", (6144, 4096))]
+    assert "linear" not in vars(fwd) and "fused_linear" not in vars(fwd)  # restored
+    calls.clear()
+    with only_launches(fwd, {"norm"}):  # no GEMMs: cuBLAS and the FP8 GEMM do nothing
+        fwd.blas.linear(1)
+        fwd.fp8_gemm.matmul(1)
+        fwd.drv.launch(0, (1, 1, 1), (1, 1, 1), (), 0, 0, "add_rmsnorm")
+    assert calls == ["add_rmsnorm"]
+    fwd.fp8_gemm.matmul(1)
+    assert calls[-1] == "fp8_gemm"
 
 
 def test_decode_engine_config_sizes_the_pool_for_the_largest_batch():
@@ -220,3 +242,41 @@ def test_result_names_follow_one_scheme():
     assert common.short_device("NVIDIA H200") == "h200"
     p = common.result_path("decode", "h200", "abc1234")
     assert p.parent == common.RESULTS and p.name == "decode-h200-abc1234.json"
+
+
+def test_decode_traffic_counts_fp8_weights_as_a_byte_and_a_row_scale():
+    from bench.common import decode_traffic, gemm_roles
+    from blink.models.config import preset
+
+    cfg = preset("llama3-8b")
+    bf16, fp8 = decode_traffic(cfg, 1, 1024), decode_traffic(cfg, 1, 1024, fp8=True)
+    n, k = gemm_roles(cfg)["down"]
+    acts = 2 * k + 2 * n  # one token in and out
+    assert fp8["gemm_down"]["bytes"] == cfg.num_layers * (n * k + 4 * n + acts)
+    assert bf16["gemm_down"]["bytes"] == cfg.num_layers * (2 * n * k + acts)
+    assert fp8["gemm_lm_head"] == bf16["gemm_lm_head"]  # the head stays bf16 unless fp8_head
+    V, H = cfg.vocab_size, cfg.hidden_size
+    head = decode_traffic(cfg, 1, 1024, fp8=True, fp8_head=True)["gemm_lm_head"]["bytes"]
+    assert head == V * H + 4 * V + 2 * H + 4 * V
+    assert fp8["attn"] == bf16["attn"] and fp8["gemm_down"]["flops"] == bf16["gemm_down"]["flops"]
+
+
+def test_decode_step_bytes_of_an_fp8_engine_are_what_it_holds():
+    """bench/engine/decode.py's bytes per step: bf16 as common.decode_bytes; FP8 the engine's weights
+    (bytes_per_step) + the gathered embedding rows unless the table is the head + the K/V read."""
+    from types import SimpleNamespace
+
+    from bench.common import decode_bytes
+    from bench.engine.decode import step_bytes
+    from blink.models.config import preset
+
+    cfg = preset("llama3-8b")
+    embed, head = object(), object()
+    w = SimpleNamespace(embed=embed, lm_head=head, bytes_per_step=8_000_000_000)
+    eng = SimpleNamespace(fwd=SimpleNamespace(fp8=True, kv_suffix=""), weights=w)
+    kv = 2 * 4 * 1024 * cfg.num_layers * 2 * cfg.kv_size
+    assert step_bytes(eng, cfg, 4, 1024) == 8_000_000_000 + 4 * cfg.hidden_size * 2 + kv
+    eng.fwd.kv_suffix = "_fp8kv"  # an fp8 KV cache: a byte a value
+    assert step_bytes(eng, cfg, 4, 1024) == 8_000_000_000 + 4 * cfg.hidden_size * 2 + kv // 2
+    eng.fwd.fp8 = False
+    assert step_bytes(eng, cfg, 4, 1024) == decode_bytes(cfg, 4, 1024)["total"]

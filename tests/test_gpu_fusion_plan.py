@@ -147,7 +147,8 @@ def _finish(f: Forward, gemv_max_tokens: int, fusion: str, signatures: dict) -> 
     f._init_attention(f.k, SimpleNamespace(set_max_dynamic_smem=lambda fn, n: None))
     f.gemv_max_tokens = gemv_max_tokens
     f.fp8, f.fp8_gemv_max_tokens, f.fp8_path, f.fp8_gemm = False, 8, "", None
-    f.fp8_scratch = f.fp8_x8 = f.fp8_xs = f.fp8_d32 = _Arr(1)
+    f.fp8_mma_min_tokens = FP8_MMA_MIN_TOKENS
+    f.fp8_scratch = f.fp8_x8 = f.fp8_xs = f.fp8_d32 = f.fp8_head_scratch = _Arr(1)
     f.set_gemv_fusion(_fusion(fusion))
     calls: list = []
     f.drv = SimpleNamespace(
@@ -639,10 +640,13 @@ def test_fp8_kv_cache_has_its_own_flashmma_threshold(signatures: dict, monkeypat
 
 def test_fp8_gemv_configurations_are_the_compiled_ones(signatures: dict):
     """FP8_GEMV_CONFIGS lists exactly the configurations fp8.cu compiles, each with the plain GEMV and
-    every fusion; the engine's FP8_GEMV_CONFIG is one of them; a row count runs in bucket pieces."""
-    kinds = ("", "norm", "norm_swiglu", "swiglu", "resid", "rope", "norm_rope")
+    every fusion and the fp32-output twin (the LM head's); the engine's FP8_GEMV_CONFIG is one of them; a
+    row count runs in bucket pieces."""
+    kinds = ("", "norm", "norm_swiglu", "swiglu", "resid", "rope", "norm_rope", "f32")
     table = {fp8_gemv_name(nt, k, c) for nt, cs in FP8_GEMV_CONFIGS.items() for c in cs for k in kinds}
-    table |= {f"gemv_fp8_mma_m{mt}_n{n8}" for n8, mts in FP8_MMA_COMPILED.items() for mt in mts}
+    table |= {
+        f"gemv_fp8_mma{o}_m{mt}_n{n8}" for n8, mts in FP8_MMA_COMPILED.items() for mt in mts for o in ("", "_f32")
+    }
     assert {n for n in signatures if n.startswith("gemv_fp8")} == table
     assert [fp8_mma_name(t) for t in (1, 8, 9, 16, 17, 32)] == [
         "gemv_fp8_mma_m1_n1", "gemv_fp8_mma_m1_n1", "gemv_fp8_mma_m1_n2", "gemv_fp8_mma_m1_n2",

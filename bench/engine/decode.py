@@ -28,6 +28,18 @@ max(bytes / copy bandwidth, FLOPs / --peak-tflops); the step gets the issue's ba
 
     python -m bench.engine.decode --role-breakdown --batches 128,256 --contexts 320,1024 \
         --out bench/results/decode_breakdown-h200-<commit>.json --commit <commit>
+
+FP8 weights (--quantization fp8, random bf16 weights quantized on the GPU as the engine loads them): the
+step's bytes count what the engine holds (a byte a projection weight + an fp32 scale a row; the LM head
+in FP8 too with --fp8-lm-head), and the GEMMs are split by role at every batch (the FP8 GEMV, the
+tensor-core kernel, the W8A8 GEMM; a fused GEMV counts with what it folds in: the qkv role's norm and
+RoPE, o's and down's residual add, gate_up's norm and SwiGLU). --compare-fp8-mma (batches, default 1):
+the whole step also with the other FP8 decode kernel (the fused GEMV <-> the tensor-core kernel,
+EngineConfig.fp8_mma_min_tokens), captured and timed in the same process on the same KV cache
+("fp8_mma" / "fp8_gemv" rows, or step_ms_<variant> in --role-breakdown rows).
+
+    python -m bench.engine.decode --role-breakdown --quantization fp8 --batches 1,256 --contexts 320,1024 \
+        --out bench/results/decode_breakdown_fp8-h200-<commit>.json --commit <commit>
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ from bench.common import (
 )
 from blink.gpu.engine.attention_launch import FLASH_VARIANTS
 from blink.gpu.engine.forward import GEMV_FUSIONS
+from blink.gpu.engine.fp8_weights import FP8_MMA_MAX_TOKENS
 
 
 def parse_gemv_fusion(spec: str) -> frozenset[str]:
@@ -70,6 +83,42 @@ def parse_gemv_fusion(spec: str) -> frozenset[str]:
     if out - set(GEMV_FUSIONS):
         raise SystemExit(f"gemv fusion {sorted(out - set(GEMV_FUSIONS))} not in {GEMV_FUSIONS} (or none, all)")
     return out
+
+
+def engine_fields(a: argparse.Namespace) -> dict:
+    """The EngineConfig fields the flags set (the others: decode_engine_config's)."""
+    out: dict = {"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}
+    if a.quantization:
+        out["quantization"] = a.quantization
+        out["fp8_lm_head"] = a.fp8_lm_head
+        if a.fp8_mma_min_tokens:
+            out["fp8_mma_min_tokens"] = a.fp8_mma_min_tokens
+    return out
+
+
+def step_bytes(eng, cfg, b: int, ctx: int) -> float:
+    """Bytes one decode step reads: common.decode_bytes for bf16; with FP8 weights what the engine holds
+    (GpuWeights.bytes_per_step: codes, scales, the bf16 norms and an LM head either way) plus the gathered
+    embedding rows (all of the table is counted where it is the head) and the K/V of every sequence."""
+    if not eng.fwd.fp8:
+        return decode_bytes(cfg, b, ctx)["total"]
+    w = eng.weights
+    rows = 0 if w.lm_head is w.embed else b * cfg.hidden_size * 2
+    kv_elem = 1 if eng.fwd.kv_suffix else 2
+    return w.bytes_per_step + rows + kv_elem * b * ctx * cfg.num_layers * 2 * cfg.kv_size
+
+
+def fp8_kernel_variant(eng, b: int) -> tuple[str, list[int]]:
+    """The decode step of batch b with the other FP8 decode kernel than the engine's (the fused GEMV <->
+    the tensor-core kernel), captured now: (its name, its execs)."""
+    fwd, keep = eng.fwd, eng.fwd.fp8_mma_min_tokens
+    on_mma = b >= keep
+    fwd.fp8_mma_min_tokens = FP8_MMA_MAX_TOKENS + 1 if on_mma else 1
+    try:
+        execs = eng.capture_variant(b, b, True)
+    finally:
+        fwd.fp8_mma_min_tokens = keep
+    return ("fp8_gemv" if on_mma else "fp8_mma"), execs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         help="--role-breakdown: other decode attention kernels timed alone on the same q and KV, checked against the engine's",
     )
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak for ideal times (H200: ~790)")
+    ap.add_argument("--quantization", choices=("", "fp8"), default="", help="EngineConfig.quantization")
+    ap.add_argument("--fp8-lm-head", action="store_true", help="EngineConfig.fp8_lm_head (with --quantization fp8)")
+    ap.add_argument("--fp8-mma-min-tokens", type=int, default=0, help="EngineConfig.fp8_mma_min_tokens (0: default)")
+    ap.add_argument("--compare-fp8-mma", default="1", help="fp8: batches also timed with the other FP8 kernel")
     add_commit_arg(ap)
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
@@ -100,11 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return role_breakdown(a, cfg, argv)
     batches = [int(x) for x in a.batches.split(",")]
     bmax, ctx = max(batches), a.context
-    ecfg = decode_engine_config(
-        batches,
-        ctx,
-        **({"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}),
-    )
+    ecfg = decode_engine_config(batches, ctx, **engine_fields(a))
     compare_fusion = [f.strip() for f in a.compare_fusion.split(";") if f.strip()]
     for f in compare_fusion:
         parse_gemv_fusion(f)
@@ -122,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         load_synthetic(eng, b, 1, ctx, rng)  # b sequences, context ctx, greedy
         variants = {"engine": step_launch(eng, b)}
-        if str(b) in a.compare_cublas.split(","):  # the other GEMM back end at this batch
+        if eng.fwd.fp8 and str(b) in a.compare_fp8_mma.split(","):  # the other FP8 decode kernel
+            name, execs = fp8_kernel_variant(eng, b)
+            variants[name] = alternate(eng, execs)
+        if str(b) in a.compare_cublas.split(",") and not eng.fwd.fp8:  # the other GEMM back end at this batch
             eng.fwd.gemv_max_tokens = 8 if b > ecfg.gemv_max_tokens else 0  # the GEMV, or cuBLAS only
             execs = eng.capture_variant(b, b, True)
             eng.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
@@ -151,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             attn_only.setdefault(str(b), {})[v] = time_ms(alternate(eng, execs), eng.stream, iters=a.iters)
         for name, fn in variants.items():
             ms = time_ms(fn, eng.stream, iters=a.iters)
-            moved = decode_bytes(cfg, b, ctx)["total"]
+            moved = step_bytes(eng, cfg, b, ctx)
             attention = variant_of.get(name, default_variant)
             rows.append({"batch": b, "variant": name, "decode_attention": attention, **step_rates(b, ms, moved, bw)})
         if str(b) in a.breakdown.split(","):
@@ -172,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "context": ctx,
         "gemv_fusion": ",".join(sorted(eng.fwd.gemv_fusion)) or "none",
         "gemv_max_tokens": ecfg.gemv_max_tokens,
+        **fp8_fields(ecfg),
         "weight_bytes": weight_bytes,
         "copy_bandwidth": bw,
         "capture": {
@@ -214,6 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def fp8_fields(ecfg) -> dict:
+    """The result's FP8 settings (empty for bf16 weights)."""
+    if not ecfg.quantization:
+        return {}
+    keys = ("quantization", "fp8_lm_head", "fp8_mma_min_tokens", "fp8_gemv_max_tokens", "kv_cache_dtype")
+    return {k: getattr(ecfg, k) for k in keys}
+
+
 def capture_for_host(eng, b: int) -> tuple[int, int]:
     """The decode step of bucket b as the forward records it now (only_launches filters it), as a
     graph instantiated for host launches (a category with no launch, e.g. "moe" of a dense model,
@@ -253,10 +314,9 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
     """--role-breakdown: whole decode step and each kernel category, by batch and context."""
     batches = [int(x) for x in a.batches.split(",")]
     contexts = [int(x) for x in a.contexts.split(",")]
-    ecfg = decode_engine_config(
-        batches, max(contexts), **({"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {})
-    )
+    ecfg = decode_engine_config(batches, max(contexts), **engine_fields(a))
     eng, rep, bw = decode_engine(cfg, ecfg)
+    fp8, fp8_head = eng.fwd.fp8, eng.fwd.fp8 and ecfg.fp8_lm_head
     bw_Bps = bw["read_plus_write_GBps"] * 1e9
     peak = a.peak_tflops * 1e12
     weight_bytes = eng.weights.bytes_per_step
@@ -269,9 +329,15 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
         for b in batches:
             load_synthetic(eng, b, 1, ctx, rng)
             step_ms = time_ms(step_launch(eng, b), eng.stream, a.iters)
-            traffic = decode_traffic(cfg, b, ctx)
+            other: dict[str, float] = {}
+            if fp8 and str(b) in a.compare_fp8_mma.split(","):  # the whole step with the other FP8 kernel
+                name, execs = fp8_kernel_variant(eng, b)
+                other[f"step_ms_{name}"] = time_ms(alternate(eng, execs), eng.stream, a.iters)
+            traffic = decode_traffic(cfg, b, ctx, fp8=fp8, fp8_head=fp8_head)
             cats: dict[str, dict[str, float]] = {}
-            gemv = eng.fwd.uses_gemv(b)  # GEMVs are launches of category "gemm", not split by role here
+            # bf16 GEMVs are launches of category "gemm", not split by role here; FP8 projections are, at
+            # every batch (only_launches selects them by weight shape)
+            gemv = eng.fwd.uses_gemv(b) and not fp8
             fused = eng.fwd.fusions_for(b)
             names = (["gemm"] if gemv else [f"gemm_{r}" for r in roles]) + [
                 c for c in CATEGORIES if c != "gemm" and c not in fused and (c != "moe" or cfg.is_moe)
@@ -314,7 +380,7 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
                     "max_rel_diff_vs_engine": rel,
                     "matches_engine": rel < 2e-2,
                 }
-            moved = decode_bytes(cfg, b, ctx)["total"]  # the issue's (and the table's) bytes per step
+            moved = step_bytes(eng, cfg, b, ctx)  # the issue's (and the table's) bytes per step
             own = {k: c for k, c in cats.items() if not k.startswith("attn_")}  # the step's own kernels
             total_cat = sum(c["ms"] for c in own.values())
             ideal_total = sum(c["ideal_ms"] for c in own.values())
@@ -323,6 +389,7 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
                     "batch": b,
                     "context": ctx,
                     "step_ms": step_ms,
+                    **other,
                     "tokens_per_s": b / step_ms * 1e3,
                     "bytes_per_step": moved,
                     "frac_of_copy_bw": copy_fraction(moved, step_ms, bw),
@@ -335,7 +402,8 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
             print(
                 f"\nbatch {b} context {ctx}: step {step_ms:.3f} ms, {moved / 1e9:.2f} GB = "
                 f"{rows[-1]['frac_of_copy_bw']:.1%} of copy bandwidth; categories {total_cat:.3f} ms "
-                f"(ideal {ideal_total:.3f}), not covered {step_ms - total_cat:.3f} ms",
+                f"(ideal {ideal_total:.3f}), not covered {step_ms - total_cat:.3f} ms"
+                + "".join(f"; {k} {v:.3f}" for k, v in other.items()),
                 flush=True,
             )
             print(f"  {'category':<14}{'ms':>8}{'ideal':>8}{'ideal/ms':>9}{'GB/s':>8}{'TFLOP/s':>9}")
@@ -356,6 +424,8 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
         "peak_tflops": a.peak_tflops,
         "decode_attention": {str(b): eng.fwd.decode_variant(b) for b in batches},
         "gemv_max_tokens": ecfg.gemv_max_tokens,
+        **fp8_fields(ecfg),
+        "fp8_fusions": {str(b): ",".join(sorted(eng.fwd.fusions_for(b))) for b in batches} if fp8 else {},
         "capture": {"graphs": rep.graphs, "seconds": rep.seconds},
         "rows": rows,
     }

@@ -57,7 +57,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype values served; "auto" = th
 KV_SCALE = np.float32(1.0)  # the fp8 KV cache's per-tensor scale (docs/decisions.md)
 # Whether --quantization fp8 also quantizes the LM head (per vocabulary row, as the projections; weight-only
 # in every step). The default of both devices (LlamaNumpy, EngineConfig.fp8_lm_head); docs/decisions.md.
-FP8_LM_HEAD = True
+FP8_LM_HEAD = False
 
 
 def _decode_table() -> np.ndarray:

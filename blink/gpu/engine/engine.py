@@ -48,7 +48,14 @@ from blink.gpu.engine.engine_config import (  # noqa: F401 (the engine's public 
 )
 from blink.gpu.engine.forward import Dims, Forward, kv_element_bytes
 from blink.gpu.engine.fp8_gemm import SCALE_MODES, Fp8Gemm
-from blink.gpu.engine.fp8_weights import Fp8Loader, fp8_activation_bytes, fp8_scratch_elems, quantize_layers
+from blink.gpu.engine.fp8_weights import (
+    Fp8Loader,
+    fp8_activation_bytes,
+    fp8_head_scratch_elems,
+    fp8_scratch_elems,
+    quantize_head,
+    quantize_layers,
+)
 from blink.gpu.engine.moe_launch import MoeLaunches
 from blink.gpu.engine.step_loader import StepLoader
 from blink.gpu.engine.weights import GpuWeights
@@ -116,6 +123,7 @@ class Engine(StepLoader, AbiWriter):
         )
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
         self.fwd.fp8_gemv_max_tokens = ecfg.fp8_gemv_max_tokens
+        self.fwd.fp8_mma_min_tokens = ecfg.fp8_mma_min_tokens
         if self.fwd.fp8:
             self._set_fp8_path()
         self.arena = self.fwd.arena
@@ -159,7 +167,7 @@ class Engine(StepLoader, AbiWriter):
             raise ValueError("Engine.create: fp8 weights come from bf16_tensors or random weights")
         if bf16_tensors is not None:
             loader = Fp8Loader(driver, kernels, fp8_scratch_elems(config)) if fp8 else None
-            weights = GpuWeights.from_bf16(config, bf16_tensors, loader)
+            weights = GpuWeights.from_bf16(config, bf16_tensors, loader, fp8_head=fp8 and ecfg.fp8_lm_head)
             del loader  # its staging buffer: freed once the last quantization ran (legacy stream order)
         elif host_weights is not None:
             weights = GpuWeights.from_host(config, host_weights)
@@ -168,6 +176,8 @@ class Engine(StepLoader, AbiWriter):
             if fp8:
                 stream.synchronize()
                 quantize_layers(weights.layers, driver, kernels)
+                if ecfg.fp8_lm_head:
+                    quantize_head(weights, driver, kernels)
         stream.synchronize()
         cp.cuda.Device().synchronize()
         return cls(config, ecfg, weights, driver, kernels, stream)
@@ -184,6 +194,7 @@ class Engine(StepLoader, AbiWriter):
             act += MoeLaunches.device_bytes(c, Tm)
         if ecfg.quantization:  # the largest of the paths' buffers (the path is chosen after this)
             act += max(fp8_activation_bytes(c, Tm, p) for p in ("epilogue", "dequant"))
+            act += 2 * fp8_head_scratch_elems(c, Sm) if ecfg.fp8_lm_head else 0
         if ecfg.sampling_rows:  # processed logits, penalty state, logit_bias tables, prompt logprob rows
             act += 4 * Sm * c.vocab_size + ecfg.sampling_rows * (4 * c.vocab_size + 8 * MAX_LOGIT_BIAS)
             act += Tm * (4 * c.vocab_size + 2 * c.hidden_size + 4 + 8 * MAX_LOGPROBS)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blink.gpu.engine.fp8_weights import FP8_LARGE_PATHS, FP8_MMA_MAX_TOKENS
-from blink.models.fp8 import FP8_GEMV_MAX_TOKENS
+from blink.gpu.engine.fp8_weights import FP8_LARGE_PATHS, FP8_MMA_MAX_TOKENS, FP8_MMA_MIN_TOKENS
+from blink.models.fp8 import FP8_GEMV_MAX_TOKENS, FP8_LM_HEAD
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -46,6 +46,14 @@ class EngineConfig:
     bf16 activations: the FP8 GEMV, from FP8_MMA_MIN_TOKENS tokens the tensor-core kernel), every other step
     the path of fp8_gemm. The numpy definition quantizes activations in the same steps
     (blink.models.fp8.uses_w8a8, FP8_GEMV_MAX_TOKENS: the default here)."""
+    fp8_lm_head: bool = FP8_LM_HEAD
+    """FP8 weights: the LM head in FP8 too (per vocabulary row, weight-only in every step, fp32 logits; a tied
+    head gets an FP8 copy of the embedding, which stays bf16 for the lookup). Default: the numpy definition's
+    (blink.models.fp8.FP8_LM_HEAD), which the emulated device follows; docs/decisions.md."""
+    fp8_mma_min_tokens: int = FP8_MMA_MIN_TOKENS
+    """FP8 weights: weight-only decode steps of at least this many tokens run the tensor-core kernel (unfused),
+    fewer the FP8 GEMV with its fusions (fp8_weights.FP8_MMA_MIN_TOKENS; 1 = the tensor-core kernel everywhere,
+    FP8_MMA_MAX_TOKENS + 1 = never). Speed only: both compute the definition's weight-only step."""
     fp8_gemm: str = "auto"
     """FP8 weights, steps past the GEMV (fp8_gemv_max_tokens): "outer" = activations quantized per token
     and the W8A8 cuBLASLt GEMM applying the per-token x per-channel scales itself (outer-vector
@@ -87,5 +95,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} not in ('auto', 'fp8')")
         if not 1 <= self.fp8_gemv_max_tokens <= FP8_MMA_MAX_TOKENS:
             raise ValueError(f"fp8_gemv_max_tokens must be in [1, {FP8_MMA_MAX_TOKENS}]")
+        if not 1 <= self.fp8_mma_min_tokens <= FP8_MMA_MAX_TOKENS + 1:
+            raise ValueError(f"fp8_mma_min_tokens must be in [1, {FP8_MMA_MAX_TOKENS + 1}]")
         if not 0 <= self.sampling_rows <= 1 << 16:
             raise ValueError("sampling_rows must be in [0, 65536]")

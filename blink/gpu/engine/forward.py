@@ -12,7 +12,7 @@ Step (T tokens, S sequences; delta = the output of the last projection, added la
                 (MoE layers: delta = the routed experts of hid, blink/gpu/engine/moe_launch.py; MoE models
                 take no GEMV fusions, their layers hand the MLP's output on as delta)
     final_norm_gather(resid + delta at each sequence's last token) -> last [S, H]
-    logits = last Wlm^T (fp32);  sample -> out_tokens;  signal_done (st.release of *step_seq)
+    logits = last Wlm^T (fp32; an FP8 head: Fp8Launches.fp8_head);  sample -> out_tokens;  signal_done (st.release of *step_seq)
 Buffers are sized for the largest shape and shared by all graphs: one step runs at a time.
 Attention (kernel choice per bucket, splits, launches) is the AttentionLaunches mixin
 (blink/gpu/engine/attention_launch.py), sampling and prompt logprobs the SamplingLaunches mixin
@@ -50,9 +50,11 @@ from blink.gpu.engine.fp8_launch import Fp8Launches
 from blink.gpu.engine.fp8_weights import (
     FP8_GEMV_BUCKETS,
     FP8_GEMV_CONFIG,
+    FP8_MMA_MIN_TOKENS,
     Fp8Linear,
     fp8_gemv_grid,
     fp8_gemv_name,
+    fp8_head_scratch_elems,
 )
 from blink.gpu.engine.moe_launch import MoeLaunches
 from blink.gpu.engine.sampling_launch import SamplingLaunches
@@ -204,6 +206,9 @@ class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
         # FP8 weights: steps past the GEMV take the path set_fp8_gemm chose (fp8_decode: record's step kind)
         self.fp8 = isinstance(weights.layers[0].qkv, Fp8Linear)
         self.fp8_gemv_max_tokens, self.fp8_decode = FP8_GEMV_BUCKETS[-1], True
+        self.fp8_mma_min_tokens = FP8_MMA_MIN_TOKENS
+        head_fp8 = isinstance(weights.lm_head, Fp8Linear)  # the FP8 LM head (Fp8Launches.fp8_head)
+        self.fp8_head_scratch = z(max(1, fp8_head_scratch_elems(c, Sm) if head_fp8 else 0))
         self.fp8_gemm: Fp8Gemm | None = None
         self.fp8_path = ""
         self.fp8_scratch = self.fp8_x8 = self.fp8_xs = self.fp8_d32 = z(1)
@@ -262,8 +267,8 @@ class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
 
     def linear(self, x: object, w: object, y: object, rows: int, stream: int, out_f32: bool = False) -> None:
         n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]
-        if isinstance(w, Fp8Linear):
-            self.fp8_linear(x, w, y, rows, stream)
+        if isinstance(w, Fp8Linear):  # fp32 out: the LM head (weight-only in every step)
+            (self.fp8_head if out_f32 else self.fp8_linear)(x, w, y, rows, stream)
         elif self.uses_gemv(rows):
             name = f"gemv_{'f32' if out_f32 else 'bf16'}_t{rows}"
             grid = (-(-n_out // (8 * GEMV_ROWS_PER_WARP[rows])), 1, 1)

@@ -3,8 +3,9 @@
 Forward (blink/gpu/engine/forward.py) records the rest of the step; this mixin owns the FP8 weights'
 projections: which path steps past the FP8 GEMV take (set_fp8_gemm: the W8A8 GEMM of
 blink/gpu/engine/fp8_gemm.py, or dequantize + bf16 GEMM) with its buffers, and fp8_linear's
-launches (fp8.cu). It reads Forward's config (c), dims (d), cuBLAS handle (blas), the step kind
-(fp8_decode, fp8_gemv_max_tokens) and its `_launch`.
+launches (fp8.cu), and the FP8 LM head's (fp8_head). It reads Forward's config (c), dims (d), cuBLAS
+handle (blas), the step kind (fp8_decode, fp8_gemv_max_tokens, fp8_mma_min_tokens), the head's scratch
+(fp8_head_scratch) and its `_launch`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 from blink.gpu.engine.fp8_gemm import Fp8Gemm
 from blink.gpu.engine.fp8_weights import (
     FP8_GEMV_BUCKETS,
+    FP8_HEAD_CHUNK_ROWS,
     FP8_LARGE_PATHS,
-    FP8_MMA_MIN_TOKENS,
+    FP8_MMA_MAX_TOKENS,
     Fp8Linear,
     fp8_gemv_grid,
     fp8_gemv_name,
@@ -50,19 +52,19 @@ class Fp8Launches:
 
     def uses_fp8_gemv_bucket(self, T: int) -> bool:
         """Whether a step of T tokens runs the FP8 weights on one FP8 GEMV bucket (a decode step below
-        FP8_MMA_MIN_TOKENS: from there the tensor-core kernel, unfused)."""
+        fp8_mma_min_tokens: from there the tensor-core kernel, unfused)."""
         fp8_decode = self.fp8 and self.fp8_decode and T <= self.fp8_gemv_max_tokens
-        return fp8_decode and T in FP8_GEMV_BUCKETS and T < FP8_MMA_MIN_TOKENS
+        return fp8_decode and T in FP8_GEMV_BUCKETS and T < self.fp8_mma_min_tokens
 
     def fp8_linear(self, x: object, w: Fp8Linear, y: object, rows: int, stream: int) -> None:
         """y (bf16) = x w^T for FP8 w: in decode steps of up to fp8_gemv_max_tokens rows weight-only (bf16
-        activations): the FP8 GEMV in bucket pieces below FP8_MMA_MIN_TOKENS rows, the tensor-core kernel
+        activations): the FP8 GEMV in bucket pieces below fp8_mma_min_tokens rows, the tensor-core kernel
         from there; in every other step x quantized per token and the W8A8 GEMM
         (blink/gpu/engine/fp8_gemm.py), or on the "dequant" path w dequantized to bf16 and the bf16
         GEMM. The numpy definition draws the same line (blink.models.fp8.uses_w8a8)."""
         n_out, k = w.shape
         if self.fp8_decode and rows <= self.fp8_gemv_max_tokens:
-            if rows >= FP8_MMA_MIN_TOKENS:  # the tensor-core kernel, every row at once
+            if rows >= self.fp8_mma_min_tokens:  # the tensor-core kernel, every row at once
                 self._launch(
                     fp8_mma_name(rows), (fp8_mma_grid(n_out), 1, 1), (256, 1, 1), stream, W=w.codes,
                     scales=w.scales, X=x, Y=y, N=n_out, K=k, T=rows,
@@ -93,3 +95,31 @@ class Fp8Launches:
                 "fp8_scale_rows", (-(-n_out // 2048), rows, 1), (256, 1, 1), stream, D=d, xs=xs, ws=w.scales, Y=y,
                 T=rows, N=n_out,
             )  # fmt: skip
+
+    def fp8_head(self, x: object, w: Fp8Linear, y: object, rows: int, stream: int) -> None:
+        """y (fp32 logits [rows, vocab]) = x w^T for the FP8 LM head, weight-only in every step (the
+        definition: blink.models.fp8, FP8_LM_HEAD): the FP8 GEMV's f32 kernels in bucket pieces below
+        fp8_mma_min_tokens rows, the tensor-core kernel's f32 twin up to FP8_MMA_MAX_TOKENS, past that
+        FP8_HEAD_CHUNK_ROWS vocabulary rows at a time dequantized into fp8_head_scratch and the bf16 GEMM
+        writing their columns of y."""
+        n_out, k = w.shape
+        if rows < self.fp8_mma_min_tokens:
+            for r0, nt in fp8_gemv_pieces(rows):
+                self._launch(
+                    fp8_gemv_name(nt, "f32"), (fp8_gemv_grid(n_out, nt), 1, 1), (256, 1, 1), stream, W=w.codes,
+                    scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 4 * r0 * n_out, N=n_out, K=k,
+                )  # fmt: skip
+            return
+        if rows <= FP8_MMA_MAX_TOKENS:
+            self._launch(
+                fp8_mma_name(rows, f32=True), (fp8_mma_grid(n_out), 1, 1), (256, 1, 1), stream, W=w.codes,
+                scales=w.scales, X=x, Y=y, N=n_out, K=k, T=rows,
+            )  # fmt: skip
+            return
+        for n0 in range(0, n_out, FP8_HEAD_CHUNK_ROWS):
+            nc = min(FP8_HEAD_CHUNK_ROWS, n_out - n0)
+            self._launch(
+                "fp8_dequant_rows", (-(-k // 4096), nc, 1), (256, 1, 1), stream, codes=_ptr(w.codes) + n0 * k,
+                scales=_ptr(w.scales) + 4 * n0, out=self.fp8_head_scratch, N=nc, K=k,
+            )  # fmt: skip
+            self.blas.linear(_ptr(x), _ptr(self.fp8_head_scratch), _ptr(y) + 4 * n0, rows, nc, k, True, n_out)

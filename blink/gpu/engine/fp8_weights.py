@@ -38,6 +38,11 @@ FP8_MMA_COMPILED = {1: (1, 2, 4), 2: (1, 2), 4: (1, 2)}
 FP8_MMA_ROWS = 1  # the engine's MT: the most CTAs (N / 16) for the narrow projections
 FP8_MMA_MIN_TOKENS = 4
 FP8_MMA_MAX_TOKENS = 32
+# The FP8 LM head (EngineConfig.fp8_lm_head; weight-only in every step, fp32 logits): the plain GEMV's
+# f32 kernels below FP8_MMA_MIN_TOKENS rows, the tensor-core kernel's up to FP8_MMA_MAX_TOKENS, and past
+# that FP8_HEAD_CHUNK_ROWS vocabulary rows at a time dequantized to bf16 (fp8_dequant_rows) before the bf16
+# GEMM writes their logits (a chunk small enough to stay in L2 between the two).
+FP8_HEAD_CHUNK_ROWS = 4096
 FP8_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # LayerWeights fields that fp8 quantizes
 FP8_EXPERTS = ("experts_gate_up", "experts_down")  # and in MoE layers, the stacked experts (E, out, in)
 # Paths of FP8 projections past the GEMV (Forward.set_fp8_gemm; EngineConfig.fp8_gemm picks):
@@ -65,16 +70,16 @@ def fp8_gemv_grid(n_out: int, nt: int, kind: str = "", config: tuple[int, int] |
     return -(-n_out // (8 * r))
 
 
-def fp8_mma_name(tokens: int, rows: int | None = None) -> str:
+def fp8_mma_name(tokens: int, rows: int | None = None, f32: bool = False) -> str:
     """The tensor-core FP8 kernel for `tokens` tokens (the fewest 8-token tiles that hold them), with
-    `rows` = MT (default FP8_MMA_ROWS)."""
+    `rows` = MT (default FP8_MMA_ROWS); `f32`: its fp32-output twin (the LM head's logits)."""
     if not 1 <= tokens <= FP8_MMA_MAX_TOKENS:
         raise ValueError(f"fp8 mma kernel: {tokens} tokens not in [1, {FP8_MMA_MAX_TOKENS}]")
     nt8 = next(n for n in sorted(FP8_MMA_COMPILED) if 8 * n >= tokens)
     mt = rows or FP8_MMA_ROWS
     if mt not in FP8_MMA_COMPILED[nt8]:
         raise ValueError(f"fp8 mma kernel: no MT {mt} compiled for {8 * nt8} tokens: {FP8_MMA_COMPILED[nt8]}")
-    return f"gemv_fp8_mma_m{mt}_n{nt8}"
+    return f"gemv_fp8_mma{'_f32' if f32 else ''}_m{mt}_n{nt8}"
 
 
 def fp8_mma_grid(n_out: int, rows: int | None = None) -> int:
@@ -143,13 +148,27 @@ class Fp8Loader:
         self.stage = cp.empty(max_elems, dtype=cp.uint16)
 
     def put(self, dst: Fp8Linear, bits: np.ndarray) -> None:
-        """bits (uint16 bf16, dst.shape) -> dst, quantized on the GPU."""
+        """bits (uint16 bf16, dst.shape) -> dst, quantized on the GPU; a tensor larger than the staging
+        buffer (the LM head) in pieces of whole rows."""
         n, k = dst.shape
         if bits.dtype != np.uint16 or bits.shape != (n, k):
             raise ValueError(f"fp8 load: {bits.dtype} {bits.shape}, expected uint16 {(n, k)}")
-        stage = self.stage[: n * k]  # type: ignore[index]
-        stage.set(np.ascontiguousarray(bits).reshape(-1))  # on the legacy stream: after the last kernel
-        quantize_rows(self.driver, self.kernels, _LEGACY_STREAM, stage, dst)
+        step = max(1, int(self.stage.size) // k)  # type: ignore[attr-defined]
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            stage = self.stage[: (r1 - r0) * k]  # type: ignore[index]
+            stage.set(np.ascontiguousarray(bits[r0:r1]).reshape(-1))  # on the legacy stream: after the last kernel
+            quantize_rows(self.driver, self.kernels, _LEGACY_STREAM, stage, dst[r0:r1])
+
+
+def quantize_head(weights: object, driver: Driver, kernels: Kernels) -> None:
+    """The LM head of `weights` (GpuWeights, bf16) as an Fp8Linear (EngineConfig.fp8_lm_head): a tied head
+    gets its own FP8 copy (the bf16 table stays for the lookup), an untied one is replaced (its bf16 array
+    freed once the kernel ran: the legacy stream's order, as quantize_layers). The caller synchronizes."""
+    head = weights.lm_head  # type: ignore[attr-defined]
+    q = Fp8Linear.empty(tuple(head.shape))
+    quantize_rows(driver, kernels, _LEGACY_STREAM, head, q)
+    weights.lm_head = q  # type: ignore[attr-defined]
 
 
 def quantize_layers(layers: list, driver: Driver, kernels: Kernels) -> None:
@@ -175,6 +194,12 @@ def fp8_scratch_elems(c: ModelConfig) -> int:
 def fp8_max_outputs(c: ModelConfig) -> int:
     """Outputs of the widest projection of a dense model (rows of Forward.fp8_d32)."""
     return max(c.q_size + 2 * c.kv_size, c.hidden_size, 2 * c.intermediate_size)
+
+
+def fp8_head_scratch_elems(c: ModelConfig, max_seqs: int) -> int:
+    """bf16 elements of the FP8 LM head's dequantized chunk (Forward.fp8_head_scratch): none unless a
+    step can have more rows than the tensor-core kernel takes."""
+    return FP8_HEAD_CHUNK_ROWS * c.hidden_size if max_seqs > FP8_MMA_MAX_TOKENS else 0
 
 
 def fp8_activation_bytes(c: ModelConfig, max_tokens: int, path: str) -> int:

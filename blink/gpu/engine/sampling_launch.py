@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from blink.gpu.engine.fp8_weights import Fp8Linear
 from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
@@ -94,9 +95,12 @@ class SamplingLaunches:
             "plp_norm", (g, 1, 1), (256, 1, 1), stream, residual=self.resid, delta=delta, w=self.w.final_norm,
             hid=self.plp_hid, plp_tok=a["plp_tok"], plp_count=cnt, ext_on=on, H=H, eps=c.rms_eps,
         )  # fmt: skip
+        head = self.w.lm_head
+        fp8 = isinstance(head, Fp8Linear)  # the FP8 LM head: codes and scales
+        w = {"W": head.codes, "scales": head.scales} if fp8 else {"W": head}
         self._launch(
-            "plp_lm_head", (-(-V // 64), 1, 1), (256, 1, 1), stream, hid=self.plp_hid, W=self.w.lm_head,
-            logits=self.plp_logits, V=V, K=H, plp_count=cnt, ext_on=on,
+            "plp_lm_head_fp8" if fp8 else "plp_lm_head", (-(-V // 64), 1, 1), (256, 1, 1), stream,
+            hid=self.plp_hid, logits=self.plp_logits, V=V, K=H, plp_count=cnt, ext_on=on, **w,
         )  # fmt: skip
         self._launch(
             "plp_records", (g, 1, 1), (1024, 1, 1), stream, logits=self.plp_logits, V=V, plp_target=a["plp_target"],

@@ -10,7 +10,9 @@ MoE layers (qwen3_moe; E experts of intermediate size Im) instead of gate_up and
     (transformers 5's Qwen3MoeExperts layout: each expert's rows contiguous, what blink/gpu/engine/csrc/moe.cu streams)
 With fp8 (--quantization fp8; blink/gpu/engine/fp8_weights.py) qkv, o, gate_up and down, and a MoE
 layer's experts_gate_up and experts_down, are Fp8Linear (uint8 e4m3 codes + float32 per-row scales),
-quantized on the GPU as the tensors stream in (the router stays bf16).
+quantized on the GPU as the tensors stream in (the router stays bf16); with fp8_head the LM head too
+(vocab, H) (an untied one streamed through the staging buffer in pieces of rows, never held in bf16;
+a tied one quantized from the bf16 embedding once it is loaded: its own FP8 copy).
 Sources: blink.models.weights.Bf16Tensors (`from_bf16`: canonical tensors as bf16 bits, one at a
 time, each copied into its rows of arrays allocated up front; what the CUDA device loads, so the
 host never holds the model), HF-named float32 host dicts rounded to bf16 (`from_host`: tests and
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blink.gpu.engine.fp8_weights import FP8_EXPERTS, FP8_PROJECTIONS, Fp8Linear, Fp8Loader
+from blink.gpu.engine.fp8_weights import FP8_EXPERTS, FP8_PROJECTIONS, Fp8Linear, Fp8Loader, quantize_head
 from blink.gpu.toolchain.cuda_api import Driver
 from blink.gpu.toolchain.kernels import Kernels
 from blink.models.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
@@ -112,9 +114,10 @@ class GpuWeights:
         }
 
     @classmethod
-    def empty(cls, config: ModelConfig, fp8: bool = False) -> GpuWeights:
+    def empty(cls, config: ModelConfig, fp8: bool = False, fp8_head: bool = False) -> GpuWeights:
         """Uninitialised device arrays of every weight of `config` (the LM head is the embedding when
-        tied); `fp8`: the linear layers' projections and experts as Fp8Linear (blink.gpu.engine.fp8_weights)."""
+        tied); `fp8`: the linear layers' projections and experts as Fp8Linear (blink.gpu.engine.fp8_weights);
+        `fp8_head`: an untied LM head too (a tied one is quantized from the embedding after loading)."""
         import cupy as cp
 
         c, sh = config, cls.shapes(config)
@@ -144,20 +147,31 @@ class GpuWeights:
                 )
             )
         embed = cp.empty((c.vocab_size, c.hidden_size), dtype=cp.uint16)
-        lm_head = embed if c.tie_word_embeddings else cp.empty((c.vocab_size, c.hidden_size), dtype=cp.uint16)
+        head_shape = (c.vocab_size, c.hidden_size)
+        if c.tie_word_embeddings:
+            lm_head = embed
+        else:
+            lm_head = Fp8Linear.empty(head_shape) if fp8_head else cp.empty(head_shape, dtype=cp.uint16)
         return cls(c, embed, a("attn_norm"), lm_head, layers)
 
     @classmethod
     def from_bf16(
-        cls, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], fp8: Fp8Loader | None = None
+        cls,
+        config: ModelConfig,
+        tensors: Iterable[tuple[str, np.ndarray]],
+        fp8: Fp8Loader | None = None,
+        fp8_head: bool = False,
     ) -> GpuWeights:
         """From canonical tensors as bf16 bits (uint16; blink.models.weights.Bf16Tensors), in any
         order: each is copied into its rows of the fused arrays, allocated before the first (from
         pageable memory: the host array may go once `set` returns). The host holds one tensor at a time.
-        With `fp8`, the linear layers' tensors are quantized into their FP8 rows as they come.
+        With `fp8`, the linear layers' tensors are quantized into their FP8 rows as they come, and with
+        `fp8_head` the LM head (a tied one from the loaded embedding, at the end).
         ValueError for a name that is not the config's, or given twice, a wrong shape or dtype, or
         one missing at the end."""
-        w = cls.empty(config, fp8=fp8 is not None)
+        if fp8_head and fp8 is None:
+            raise ValueError("an FP8 LM head needs FP8 weights (an Fp8Loader)")
+        w = cls.empty(config, fp8=fp8 is not None, fp8_head=fp8_head)
         dst = dict(w.hf_tensors())  # name -> the C-contiguous device view its bits go to
         for name, bits in tensors:
             view = dst.pop(name, None)
@@ -177,6 +191,8 @@ class GpuWeights:
             view.set(np.ascontiguousarray(bits))  # type: ignore[attr-defined]
         if dst:
             raise ValueError(f"weights of {config.name} missing: {list(dst)[:5]}")
+        if fp8_head and config.tie_word_embeddings:
+            quantize_head(w, fp8.driver, fp8.kernels)  # type: ignore[union-attr]
         return w
 
     @classmethod

@@ -247,8 +247,11 @@ class Cublas:
         shared by every engine of the process: an engine sets its own target before it records."""
         self._check(self.lib.cublasSetSmCountTarget(self.handle, n), "cublasSetSmCountTarget")
 
-    def linear(self, x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False) -> None:
-        """Y[rows, n_out] = X[rows, k] @ W[n_out, k]^T, bf16 in, fp32 accumulate, bf16 or fp32 out.
+    def linear(
+        self, x: int, w: int, y: int, rows: int, n_out: int, k: int, out_f32: bool = False, ldy: int = 0
+    ) -> None:
+        """Y[rows, n_out] = X[rows, k] @ W[n_out, k]^T, bf16 in, fp32 accumulate, bf16 or fp32 out; `ldy`:
+        Y's row stride in elements (default n_out; more: Y is a block of columns of a wider matrix).
         cuBLAS is column-major: row-major Y [rows, n_out] is column-major Y^T [n_out, rows] = W X^T,
         with W [n_out, k] row-major read as op = T and X [rows, k] read as op = N: gemm(T, N, n_out, rows, k)."""
         self._check(
@@ -269,7 +272,7 @@ class Cublas:
                 self._zero.ctypes.data,
                 y,
                 CUDA_R_32F if out_f32 else CUDA_R_16BF,
-                n_out,
+                ldy or n_out,
                 CUBLAS_COMPUTE_32F,
                 CUBLAS_GEMM_DEFAULT,
             ),

@@ -128,6 +128,13 @@ struct Fp8W {
       const uint8_t* W, const float* scales, const bf16* X, bf16* Y, int N, int K) {                             \
     gemv_fused_impl<NT, R, 0, Fp8W<U>>(W, scales, X, nullptr, Y, N, K, 0.f, RopeArgs{});                         \
   }
+// gemv_fp8_f32_*: the plain kernel writing fp32 sums times the scale (the FP8 LM head's logits).
+#define GEMV_FP8_F32(NT, R, U)                                                                                   \
+  extern "C" __global__ void FP8_BOUNDS(NT) gemv_fp8_f32_t##NT##_r##R##u##U(                                     \
+      const uint8_t* W, const float* scales, const bf16* X, float* Y, int N, int K) {                            \
+    gemv_fused_impl<NT, R, F_F32_OUT, Fp8W<U>>(W, scales, X, nullptr, reinterpret_cast<bf16*>(Y), N, K, 0.f,    \
+                                               RopeArgs{});                                                      \
+  }
 #define GEMV_FP8_FUSED(NAME, NT, R, U, FLAGS)                                                                    \
   extern "C" __global__ void FP8_BOUNDS(NT) gemv_fp8_##NAME##_t##NT##_r##R##u##U(                                \
       const uint8_t* W, const float* scales, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {  \
@@ -141,6 +148,7 @@ struct Fp8W {
   }
 #define GEMV_FP8(NT, R, U)                                                \
   GEMV_FP8_PLAIN(NT, R, U)                                                \
+  GEMV_FP8_F32(NT, R, U)                                                  \
   GEMV_FP8_FUSED(norm, NT, R, U, F_NORM_IN)                               \
   GEMV_FP8_FUSED(norm_swiglu, NT, R, U, F_NORM_IN | F_SWIGLU_OUT)         \
   GEMV_FP8_FUSED(swiglu, NT, R, U, F_SWIGLU_OUT)                          \
@@ -190,9 +198,9 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int MT, int NT8>
+template <int MT, int NT8, typename OutT = bf16>
 __device__ __forceinline__ void gemv_fp8_mma_impl(const uint8_t* __restrict__ W, const float* __restrict__ scales,
-                                                  const bf16* __restrict__ X, bf16* __restrict__ Y, int N, int K,
+                                                  const bf16* __restrict__ X, OutT* __restrict__ Y, int N, int K,
                                                   int T) {
   constexpr int ACC = MT * NT8 * 4;  // accumulators a lane
   __shared__ float part[8][ACC][32];
@@ -253,16 +261,22 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const uint8_t* __restrict__ W,
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < 8; ++w) s += part[w][i][l];
-    Y[(size_t)tok * N + row] = tobf(s * scales[row]);
+    if constexpr (sizeof(OutT) == 4) Y[(size_t)tok * N + row] = s * scales[row];  // fp32 logits
+    else Y[(size_t)tok * N + row] = tobf(s * scales[row]);
   }
 }
 
 // gemv_fp8_mma_m<MT>_n<NT8>: grid ceil(N / (16 MT)) CTAs of 256 threads; T <= 8 NT8 tokens. The engine
 // launches FP8_MMA_ROWS (fp8_weights.py) of the MT compiled here, with the smallest NT8 that holds T.
+// gemv_fp8_mma_f32_*: the same writing fp32 (the FP8 LM head's logits).
 #define GEMV_FP8_MMA(MT, NT8)                                                                               \
   extern "C" __global__ void __launch_bounds__(256) gemv_fp8_mma_m##MT##_n##NT8(                            \
       const uint8_t* W, const float* scales, const bf16* X, bf16* Y, int N, int K, int T) {                 \
     gemv_fp8_mma_impl<MT, NT8>(W, scales, X, Y, N, K, T);                                                   \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256) gemv_fp8_mma_f32_m##MT##_n##NT8(                        \
+      const uint8_t* W, const float* scales, const bf16* X, float* Y, int N, int K, int T) {                \
+    gemv_fp8_mma_impl<MT, NT8, float>(W, scales, X, Y, N, K, T);                                            \
   }
 GEMV_FP8_MMA(1, 1)
 GEMV_FP8_MMA(2, 1)

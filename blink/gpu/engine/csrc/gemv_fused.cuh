@@ -21,7 +21,9 @@
 // Other bucket rows past the live token count are computed on stale data and never read.
 #include "common.cuh"
 
-enum { F_NORM_IN = 1, F_RESID_OUT = 2, F_SWIGLU_OUT = 4, F_ROPE_OUT = 8 };
+//   F_F32_OUT:    Y holds fp32 values (the LM head's logits): Y[t, n] = acc, no rounding (a float* passed
+//                 as Y; plain kernels only).
+enum { F_NORM_IN = 1, F_RESID_OUT = 2, F_SWIGLU_OUT = 4, F_ROPE_OUT = 8, F_F32_OUT = 16 };
 // bf16 weight vectors per lane and row loaded before the norm prologue: 1 keeps the one-token kernels at
 // 32 registers (8 CTAs/SM, as gemv_impl); 2 or more spill there. (WT::PREFETCH: FP8 loads U.)
 constexpr int GEMV_PREFETCH = 1;
@@ -261,6 +263,7 @@ __device__ __forceinline__ void gemv_fused_impl(const typename WT::T* __restrict
         if (n0 + r < N) {
           bf16* y = Y + (size_t)t * N + n0 + r;
           if constexpr (F & F_RESID_OUT) *y = tobf(bf(*y) + rbf(acc[t][r]));
+          else if constexpr (F & F_F32_OUT) reinterpret_cast<float*>(Y)[(size_t)t * N + n0 + r] = acc[t][r];
           else *y = tobf(acc[t][r]);
         }
   }

@@ -38,6 +38,8 @@
 #include "blink_ring.h"  // SAMPLING_EPS (blink/protocol/sampling_params.py)
 #include "common.cuh"
 #include "sys_memory.cuh"  // the gate's acquire (token_mask)
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 using blink::SAMPLING_EPS;
 
@@ -270,10 +272,31 @@ extern "C" __global__ void plp_norm(const bf16* __restrict__ residual, const bf1
 // logits [P, V] fp32 = hid [P, K] x W [V, K]^T, bf16 inputs, fp32 accumulation. Grid (ceil(V / 64)),
 // block 256: a block owns 64 vocabulary columns and walks the live rows in tiles of 32; each thread
 // accumulates 2 rows x 4 columns over K in steps of 32 staged in shared memory. K % 8 == 0.
+// plp_lm_head_fp8: the FP8 LM head (blink.models.fp8: codes [V, K] e4m3, scales [V]): the codes' values
+// summed the same way, each column's sum times its scale.
 constexpr int PLP_BM = 32, PLP_BN = 64, PLP_BK = 32;
-extern "C" __global__ void __launch_bounds__(256)
-    plp_lm_head(const bf16* __restrict__ hid, const bf16* __restrict__ W, float* __restrict__ logits, int V, int K,
-                const uint32_t* __restrict__ plp_count, const uint32_t* __restrict__ ext_on) {
+
+// 8 values of row gc at k (K % 8 == 0): bf16 weights, or FP8 codes decoded (exact: e4m3 values are fp16s).
+__device__ __forceinline__ void plp_load8(const bf16* W, size_t off, float* t) { load8(W + off, t); }
+__device__ __forceinline__ void plp_load8(const uint8_t* W, size_t off, float* t) {
+  const uint2 q = *reinterpret_cast<const uint2*>(W + off);
+  const uint32_t w[2] = {q.x, q.y};
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[j] >> (16 * h)), __NV_E4M3);
+      const float2 v = __half22float2(__half2(r));
+      t[4 * j + 2 * h] = v.x;
+      t[4 * j + 2 * h + 1] = v.y;
+    }
+}
+
+template <typename WT>
+__device__ __forceinline__ void plp_lm_head_impl(const bf16* __restrict__ hid, const WT* __restrict__ W,
+                                                 const float* __restrict__ scales, float* __restrict__ logits, int V,
+                                                 int K, const uint32_t* __restrict__ plp_count,
+                                                 const uint32_t* __restrict__ ext_on) {
   __shared__ float xs[PLP_BK][PLP_BM + 1];
   __shared__ float ws[PLP_BK][PLP_BN + 1];
   if (!*ext_on) return;
@@ -295,7 +318,7 @@ extern "C" __global__ void __launch_bounds__(256)
         const int c = tid / 4, k = (tid % 4) * 8;
         const int gc = n0 + c;
         float t[8] = {};
-        if (gc < V && k0 + k < K) load8(W + (size_t)gc * K + k0 + k, t);  // K % 8 == 0: all 8 in range
+        if (gc < V && k0 + k < K) plp_load8(W, (size_t)gc * K + k0 + k, t);  // K % 8 == 0: all 8 in range
 #pragma unroll
         for (int i = 0; i < 8; ++i) ws[k + i][c] = t[i];
       }
@@ -319,10 +342,23 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int gc = n0 + tc + 16 * c;
-        if (gc < V) logits[(size_t)gr * V + gc] = acc[i][c];
+        if (gc < V) logits[(size_t)gr * V + gc] = scales != nullptr ? acc[i][c] * scales[gc] : acc[i][c];
       }
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    plp_lm_head(const bf16* __restrict__ hid, const bf16* __restrict__ W, float* __restrict__ logits, int V, int K,
+                const uint32_t* __restrict__ plp_count, const uint32_t* __restrict__ ext_on) {
+  plp_lm_head_impl<bf16>(hid, W, nullptr, logits, V, K, plp_count, ext_on);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    plp_lm_head_fp8(const bf16* __restrict__ hid, const uint8_t* __restrict__ W, const float* __restrict__ scales,
+                    float* __restrict__ logits, int V, int K, const uint32_t* __restrict__ plp_count,
+                    const uint32_t* __restrict__ ext_on) {
+  plp_lm_head_impl<uint8_t>(hid, W, scales, logits, V, K, plp_count, ext_on);
 }
 
 // Grid (G), block SB, rows j = blockIdx.x, blockIdx.x + G, ... < *plp_count: the record of row j
