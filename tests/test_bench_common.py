@@ -280,3 +280,12 @@ def test_decode_step_bytes_of_an_fp8_engine_are_what_it_holds():
     assert step_bytes(eng, cfg, 4, 1024) == 8_000_000_000 + 4 * cfg.hidden_size * 2 + kv // 2
     eng.fwd.fp8 = False
     assert step_bytes(eng, cfg, 4, 1024) == decode_bytes(cfg, 4, 1024)["total"]
+
+
+def test_decode_bench_parses_fp8_gemv_configurations_by_their_kernel_labels():
+    from bench.engine.decode import parse_fp8_gemv_config
+
+    assert parse_fp8_gemv_config("1=r2p4, 2=r4u2") == {1: (2, 4, "p"), 2: (4, 2)}
+    assert parse_fp8_gemv_config("") == {}
+    with pytest.raises(SystemExit):
+        parse_fp8_gemv_config("4=r2p4")  # not compiled for bucket 4

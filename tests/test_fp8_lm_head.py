@@ -184,3 +184,30 @@ def test_head_scratch_only_where_a_step_has_more_rows_than_the_tensor_core_kerne
     c = preset("llama3-8b")
     assert fp8_head_scratch_elems(c, FP8_MMA_MAX_TOKENS) == 0
     assert fp8_head_scratch_elems(c, 256) == FP8_HEAD_CHUNK_ROWS * c.hidden_size
+
+
+def test_pipelined_gemv_configurations_are_selectable_per_bucket(signatures: dict):  # noqa: F811
+    """EngineConfig.fp8_gemv_config / Forward.set_fp8_gemv_config: the pipelined weight loop (r<R>p<S>) is a
+    compiled configuration of buckets 1 and 2, launched (fused kernels too) with its own grid; uncompiled
+    ones are refused; the default stays the register loop."""
+    from blink.gpu.engine.fp8_weights import FP8_GEMV_CONFIG, FP8_GEMV_CONFIGS, fp8_config_label
+
+    assert (2, 4, "p") in FP8_GEMV_CONFIGS[1] and (1, 8, "p") in FP8_GEMV_CONFIGS[1]
+    assert fp8_config_label((1, 8, "p")) == "r1p8" and fp8_config_label((2, 4)) == "r2u4"
+    assert len(FP8_GEMV_CONFIG[1]) == 2  # the default: not the pipelined loop
+    f, calls = _forward("llama3-8b", 8, "all", signatures, layers=1)
+    f = _fp8(f, "outer", calls)
+    f.set_fp8_gemv_config({1: (1, 8, "p")})
+    assert f.fp8_gemv_config[2] == FP8_GEMV_CONFIG[2]  # the other buckets keep theirs
+    f.record(0, 1, 1, True)
+    fp8_calls = [c for c in calls if c[0].startswith("gemv_fp8")]
+    assert [c[0] for c in fp8_calls] == [
+        f"gemv_fp8_{k}_t1_r1p8" for k in ("norm_rope", "resid", "norm_swiglu", "resid")
+    ]
+    H = f.c.hidden_size
+    assert fp8_calls[1][1] == (fp8_gemv_grid(H, 1, "resid", (1, 8, "p")), 1, 1) == (H // 8, 1, 1)
+    with pytest.raises(ValueError):
+        f.set_fp8_gemv_config({4: (2, 4, "p")})
+    with pytest.raises(ValueError):
+        EngineConfig(fp8_gemv_config=((1, (3, 3)),))
+    assert EngineConfig(fp8_gemv_config=((2, (2, 4, "p")),)).fp8_gemv_config == ((2, (2, 4, "p")),)

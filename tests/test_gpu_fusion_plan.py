@@ -147,7 +147,7 @@ def _finish(f: Forward, gemv_max_tokens: int, fusion: str, signatures: dict) -> 
     f._init_attention(f.k, SimpleNamespace(set_max_dynamic_smem=lambda fn, n: None))
     f.gemv_max_tokens = gemv_max_tokens
     f.fp8, f.fp8_gemv_max_tokens, f.fp8_path, f.fp8_gemm = False, 8, "", None
-    f.fp8_mma_min_tokens = FP8_MMA_MIN_TOKENS
+    f.fp8_mma_min_tokens, f.fp8_gemv_config = FP8_MMA_MIN_TOKENS, dict(FP8_GEMV_CONFIG)
     f.fp8_scratch = f.fp8_x8 = f.fp8_xs = f.fp8_d32 = f.fp8_head_scratch = _Arr(1)
     f.set_gemv_fusion(_fusion(fusion))
     calls: list = []

@@ -36,7 +36,9 @@ tensor-core kernel, the W8A8 GEMM; a fused GEMV counts with what it folds in: th
 RoPE, o's and down's residual add, gate_up's norm and SwiGLU). --compare-fp8-mma (batches, default 1):
 the whole step also with the other FP8 decode kernel (the fused GEMV <-> the tensor-core kernel,
 EngineConfig.fp8_mma_min_tokens), captured and timed in the same process on the same KV cache
-("fp8_mma" / "fp8_gemv" rows, or step_ms_<variant> in --role-breakdown rows).
+("fp8_mma" / "fp8_gemv" rows, or step_ms_<variant> in --role-breakdown rows). --fp8-gemv-config sets the
+FP8 GEMV's configuration per bucket (EngineConfig.fp8_gemv_config, e.g. "1=r2p4": the pipelined weight loop);
+--compare-fp8-gemv-config "1=r2p4;1=r1p8" times the whole step in each as well ("fp8_gemv_<spec>").
 
     python -m bench.engine.decode --role-breakdown --quantization fp8 --batches 1,256 --contexts 320,1024 \
         --out bench/results/decode_breakdown_fp8-h200-<commit>.json --commit <commit>
@@ -85,6 +87,21 @@ def parse_gemv_fusion(spec: str) -> frozenset[str]:
     return out
 
 
+def parse_fp8_gemv_config(spec: str) -> dict[int, tuple]:
+    """ "1=r2p4,2=r2u4" -> {bucket: configuration} (fp8_weights.FP8_GEMV_CONFIGS, by fp8_config_label)."""
+    from blink.gpu.engine.fp8_weights import FP8_GEMV_CONFIGS, fp8_config_label
+
+    out = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        nt_s, _, label = part.partition("=")
+        nt = int(nt_s)
+        by_label = {fp8_config_label(c): c for c in FP8_GEMV_CONFIGS.get(nt, ())}
+        if label not in by_label:
+            raise SystemExit(f"fp8 GEMV configuration {part!r}: bucket {nt} has {sorted(by_label)}")
+        out[nt] = by_label[label]
+    return out
+
+
 def engine_fields(a: argparse.Namespace) -> dict:
     """The EngineConfig fields the flags set (the others: decode_engine_config's)."""
     out: dict = {"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}
@@ -93,6 +110,22 @@ def engine_fields(a: argparse.Namespace) -> dict:
         out["fp8_lm_head"] = a.fp8_lm_head
         if a.fp8_mma_min_tokens:
             out["fp8_mma_min_tokens"] = a.fp8_mma_min_tokens
+        if a.fp8_gemv_config:
+            out["fp8_gemv_config"] = tuple(parse_fp8_gemv_config(a.fp8_gemv_config).items())
+    return out
+
+
+def fp8_config_variants(eng, b: int, specs: str) -> dict[str, list[int]]:
+    """The decode step of batch b with other FP8 GEMV configurations (";"-separated parse_fp8_gemv_config
+    specs), each captured now: {"fp8_gemv_<spec>": execs}."""
+    fwd, out = eng.fwd, {}
+    for spec in (x.strip() for x in specs.split(";") if x.strip()):
+        keep = dict(fwd.fp8_gemv_config)
+        fwd.set_fp8_gemv_config(parse_fp8_gemv_config(spec))
+        try:
+            out[f"fp8_gemv_{spec}"] = eng.capture_variant(b, b, True)
+        finally:
+            fwd.fp8_gemv_config = keep
     return out
 
 
@@ -145,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-lm-head", action="store_true", help="EngineConfig.fp8_lm_head (with --quantization fp8)")
     ap.add_argument("--fp8-mma-min-tokens", type=int, default=0, help="EngineConfig.fp8_mma_min_tokens (0: default)")
     ap.add_argument("--compare-fp8-mma", default="1", help="fp8: batches also timed with the other FP8 kernel")
+    ap.add_argument("--fp8-gemv-config", default="", help='EngineConfig.fp8_gemv_config, e.g. "1=r2p4,2=r2p4"')
+    ap.add_argument(
+        "--compare-fp8-gemv-config", default="",
+        help='fp8: whole steps also with these GEMV configurations, ";"-separated ("1=r2p4;1=r1p8")',
+    )  # fmt: skip
     add_commit_arg(ap)
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
@@ -171,9 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         load_synthetic(eng, b, 1, ctx, rng)  # b sequences, context ctx, greedy
         variants = {"engine": step_launch(eng, b)}
-        if eng.fwd.fp8 and str(b) in a.compare_fp8_mma.split(","):  # the other FP8 decode kernel
+        if eng.fwd.fp8 and str(b) in a.compare_fp8_mma.split(",") and b <= eng.fwd.fp8_gemv_max_tokens:
             name, execs = fp8_kernel_variant(eng, b)
             variants[name] = alternate(eng, execs)
+        if eng.fwd.fp8 and eng.fwd.uses_fp8_gemv_bucket(b):  # other GEMV configurations
+            for name, execs in fp8_config_variants(eng, b, a.compare_fp8_gemv_config).items():
+                variants[name] = alternate(eng, execs)
         if str(b) in a.compare_cublas.split(",") and not eng.fwd.fp8:  # the other GEMM back end at this batch
             eng.fwd.gemv_max_tokens = 8 if b > ecfg.gemv_max_tokens else 0  # the GEMV, or cuBLAS only
             execs = eng.capture_variant(b, b, True)
@@ -272,7 +313,11 @@ def fp8_fields(ecfg) -> dict:
     if not ecfg.quantization:
         return {}
     keys = ("quantization", "fp8_lm_head", "fp8_mma_min_tokens", "fp8_gemv_max_tokens", "kv_cache_dtype")
-    return {k: getattr(ecfg, k) for k in keys}
+    out = {k: getattr(ecfg, k) for k in keys}
+    from blink.gpu.engine.fp8_weights import FP8_GEMV_CONFIG
+
+    out["fp8_gemv_config"] = {str(nt): list(c) for nt, c in {**FP8_GEMV_CONFIG, **dict(ecfg.fp8_gemv_config)}.items()}
+    return out
 
 
 def capture_for_host(eng, b: int) -> tuple[int, int]:
@@ -330,9 +375,12 @@ def role_breakdown(a: argparse.Namespace, cfg, argv: list[str] | None) -> int:
             load_synthetic(eng, b, 1, ctx, rng)
             step_ms = time_ms(step_launch(eng, b), eng.stream, a.iters)
             other: dict[str, float] = {}
-            if fp8 and str(b) in a.compare_fp8_mma.split(","):  # the whole step with the other FP8 kernel
+            if fp8 and str(b) in a.compare_fp8_mma.split(",") and b <= eng.fwd.fp8_gemv_max_tokens:
                 name, execs = fp8_kernel_variant(eng, b)
                 other[f"step_ms_{name}"] = time_ms(alternate(eng, execs), eng.stream, a.iters)
+            if fp8 and eng.fwd.uses_fp8_gemv_bucket(b):  # the whole step in other GEMV configurations
+                for name, execs in fp8_config_variants(eng, b, a.compare_fp8_gemv_config).items():
+                    other[f"step_ms_{name}"] = time_ms(alternate(eng, execs), eng.stream, a.iters)
             traffic = decode_traffic(cfg, b, ctx, fp8=fp8, fp8_head=fp8_head)
             cats: dict[str, dict[str, float]] = {}
             # bf16 GEMVs are launches of category "gemm", not split by role here; FP8 projections are, at

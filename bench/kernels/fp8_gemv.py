@@ -6,6 +6,7 @@ and the W8A8 cuBLASLt GEMM, at Llama-3-8B's and Qwen3-32B's projection shapes (n
 
 For each projection (qkv, o, gate_up, down) and token count T (default 1, 2, 4, 8, 16, 32):
   fp8_gemv_r<R>u<U>   the plain FP8 GEMV (fp8.cu) in each configuration compiled for bucket T
+  fp8_gemv_r<R>p<S>   (and _r<R>p<S>: the pipelined weight loop, a cp.async ring of S stretches a row)
                       (FP8_GEMV_CONFIGS; T <= 8). "engine" names the one the engine launches
                       (FP8_GEMV_CONFIG), "previous" the configuration of the GEMV before the
                       configurations existed (R = 1, U = 4 for one token, R = 4, U = 2 above: the same
@@ -25,7 +26,8 @@ exceed 4x the L2, so every launch streams from HBM), replayed after a warm-up: l
 engine's graphs, not Python's launch rate. Per path: ms, GB/s and the fraction of the copy bandwidth
 (read + write, as the engine's decode benchmark: bytes = weights + scales + activations in and out).
 Per preset and T: the four projections' sum over the layers per path ("step_ms"), and the LM head (its
-shape is timed too: "lm_head_fp8_best" against "lm_head_bf16_gemv" is what an FP8 LM head would save). Every
+shape is timed too: "lm_head_fp8_best" against "lm_head_bf16_gemv" is what an FP8 LM head would save,
+"lm_head_fp8_engine" the engine's FP8 head with its fp32 logits, "fp8_head_f32" per role). Every
 configuration of a bucket sums in the same order: `bitwise_equal` records that their outputs agree.
 Writes DIR/fp8_gemv-<gpu>-<commit>.json (or the file --out names).
 """
@@ -144,6 +146,9 @@ def _time_tokens(rig: Rig, b: dict, role: str, n: int, k: int, T: int) -> dict:
         FP8_GEMV_CONFIG,
         FP8_GEMV_CONFIGS,
         FP8_MMA_COMPILED,
+        FP8_MMA_MAX_TOKENS,
+        FP8_MMA_MIN_TOKENS,
+        fp8_config_label,
         fp8_gemv_grid,
         fp8_gemv_name,
         fp8_mma_grid,
@@ -160,7 +165,7 @@ def _time_tokens(rig: Rig, b: dict, role: str, n: int, k: int, T: int) -> dict:
     kind = FUSED_KIND.get(role, "")
     for cfg in FP8_GEMV_CONFIGS.get(T, ()):
         run = fp8(fp8_gemv_name(T, "", cfg), fp8_gemv_grid(n, T, "", cfg))
-        ms[f"fp8_gemv_r{cfg[0]}u{cfg[1]}"] = rig.graph_ms(run)
+        ms[f"fp8_gemv_{fp8_config_label(cfg)}"] = rig.graph_ms(run)
         y[:] = 0
         run(0)
         outs.append(cp.asnumpy(y[:T]))
@@ -170,7 +175,7 @@ def _time_tokens(rig: Rig, b: dict, role: str, n: int, k: int, T: int) -> dict:
             if smem > 48 << 10:
                 rig.drv.set_max_dynamic_smem(rig.k[name], smem)
             fused = fp8(name, fp8_gemv_grid(n, T, kind, cfg), smem, nw=b["nw"], eps=1e-5)
-            ms[f"fp8_fused_r{cfg[0]}u{cfg[1]}"] = rig.graph_ms(fused)
+            ms[f"fp8_fused_{fp8_config_label(cfg)}"] = rig.graph_ms(fused)
     if T in FP8_GEMV_CONFIG:
         grid16 = -(-n // (8 * (1 if T == 1 else 4)))
         bf16_name = f"gemv_{'f32' if role == 'lm_head' else 'bf16'}_t{T}"  # the engine's LM head writes fp32
@@ -191,6 +196,12 @@ def _time_tokens(rig: Rig, b: dict, role: str, n: int, k: int, T: int) -> dict:
                 name, grid, W=w8[i % len(w8)], scales=sc, X=x, Y=y, N=n, K=k, T=T
             )
         )
+    if role == "lm_head" and T <= FP8_MMA_MAX_TOKENS:  # the engine's FP8 LM head (fp32 logits: Fp8Launches.fp8_head)
+        if T in FP8_GEMV_CONFIG and T < FP8_MMA_MIN_TOKENS:
+            head = fp8(fp8_gemv_name(T, "f32"), fp8_gemv_grid(n, T))
+        else:
+            head = fp8(fp8_mma_name(T, f32=True), fp8_mma_grid(n), T=T)
+        ms["fp8_head_f32"] = rig.graph_ms(head)
     xp, yp = int(x.data.ptr), int(y.data.ptr)
     ms["bf16_cublas"] = rig.graph_ms(lambda i: rig.blas.linear(xp, int(w16[i % len(w16)].data.ptr), yp, T, n, k))
     for mode, g in rig.w8a8.items():
@@ -221,7 +232,7 @@ def path_bytes(path: str, n: int, k: int, T: int) -> int:
 
 
 def bench_preset(rig: Rig, name: str, tokens: list[int], bw: dict) -> dict:
-    from blink.gpu.engine.fp8_weights import FP8_GEMV_CONFIG, FP8_MMA_MIN_TOKENS, FP8_MMA_ROWS
+    from blink.gpu.engine.fp8_weights import FP8_GEMV_CONFIG, FP8_MMA_MIN_TOKENS, FP8_MMA_ROWS, fp8_config_label
     from blink.models.config import preset
 
     cfg = preset(name)
@@ -239,16 +250,20 @@ def bench_preset(rig: Rig, name: str, tokens: list[int], bw: dict) -> dict:
             step[T]["engine_weight_only"] = step[T][f"fp8_mma_m{FP8_MMA_ROWS}"]
         if T in FP8_GEMV_CONFIG:
             eng, prev = FP8_GEMV_CONFIG[T], PREVIOUS[T]
-            step[T].setdefault("engine_weight_only", step[T][f"fp8_gemv_r{eng[0]}u{eng[1]}"])
-            step[T]["gemv_engine_config"] = step[T][f"fp8_gemv_r{eng[0]}u{eng[1]}"]
-            step[T]["previous"] = step[T][f"fp8_gemv_r{prev[0]}u{prev[1]}"]
+            step[T].setdefault("engine_weight_only", step[T][f"fp8_gemv_{fp8_config_label(eng)}"])
+            step[T]["gemv_engine_config"] = step[T][f"fp8_gemv_{fp8_config_label(eng)}"]
+            step[T]["previous"] = step[T][f"fp8_gemv_{fp8_config_label(prev)}"]
             best = {r: min(v for p, v in per_role[r][T]["ms"].items() if p.startswith("fp8_gemv_r")) for r in ROLES}
             step[T]["best_config_per_role"] = cfg.num_layers * sum(best.values())
-            step[T]["engine_fused"] = step[T][f"fp8_fused_r{eng[0]}u{eng[1]}"]  # the engine's launches below 8 tokens
+            step[T]["engine_fused"] = step[T][
+                f"fp8_fused_{fp8_config_label(eng)}"
+            ]  # the engine's launches below 8 tokens
         head = per_role["lm_head"][T]["ms"]
         step[T]["lm_head_bf16_gemv"] = head.get("bf16_gemv", head["bf16_cublas"])
         # what an FP8 LM head would take (bf16 out here; the engine's writes fp32 logits)
         step[T]["lm_head_fp8_best"] = min(v for p, v in head.items() if p.startswith(("fp8_gemv_r", "fp8_mma")))
+        if "fp8_head_f32" in head:  # the engine's FP8 LM head (EngineConfig.fp8_lm_head), fp32 logits
+            step[T]["lm_head_fp8_engine"] = head["fp8_head_f32"]
         print(
             f"{name} T={T} step projections (ms): " + ", ".join(f"{p} {v:.3f}" for p, v in step[T].items()), flush=True
         )

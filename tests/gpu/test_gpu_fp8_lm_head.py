@@ -139,3 +139,41 @@ def test_fp8_head_engine_matches_the_numpy_model_with_the_fp8_head(name: str):
     assert np.median(errs) < 3e-2 and max(errs) < 0.1, errs
     assert np.median(errs) < np.median(errs_bf16_head), (errs, errs_bf16_head)
     eng.close()
+
+
+def test_f32_twins_are_the_bf16_kernels_before_their_rounding():
+    """gemv_fp8_f32_* (every configuration of buckets 1, 2: the pipelined ones too) and gemv_fp8_mma_f32_*
+    write the fp32 value that the bf16 kernels round: bf16(f32 output) is their output bit for bit."""
+    import cupy as cp
+    from kernel_rig import KernelRig
+
+    from blink.gpu.engine.fp8_weights import (
+        FP8_GEMV_CONFIGS,
+        fp8_gemv_grid,
+        fp8_gemv_name,
+        fp8_mma_grid,
+        fp8_mma_name,
+    )
+    from blink.models.bf16 import f32_to_bf16_bits
+
+    rig = KernelRig()
+    n, k = 1000, 1552  # partial warps, K past whole 512-byte stretches
+    rng = cp.random.RandomState(4)
+    codes = rng.randint(0, 256, (n, k), dtype=cp.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E
+    scales = rng.uniform(1e-4, 1e-2, n).astype(cp.float32)
+    x = (rng.standard_normal((8, k), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    for nt in (1, 2):
+        for cfg in FP8_GEMV_CONFIGS[nt]:
+            y16, y32 = cp.zeros((nt, n), dtype=cp.uint16), cp.zeros((nt, n), dtype=cp.float32)
+            grid = (fp8_gemv_grid(n, nt, "", cfg), 1, 1)
+            args = dict(W=codes, scales=scales, X=x, N=n, K=k)
+            rig.launch(fp8_gemv_name(nt, "", cfg), grid, (256, 1, 1), Y=y16, **args)
+            rig.launch(fp8_gemv_name(nt, "f32", cfg), grid, (256, 1, 1), Y=y32, **args)
+            np.testing.assert_array_equal(f32_to_bf16_bits(cp.asnumpy(y32)), cp.asnumpy(y16), err_msg=f"t{nt} {cfg}")
+    for tokens in (4, 8, 13):
+        y16, y32 = cp.zeros((tokens, n), dtype=cp.uint16), cp.zeros((tokens, n), dtype=cp.float32)
+        args = dict(W=codes, scales=scales, X=x if tokens <= 8 else cp.tile(x, (2, 1)), N=n, K=k, T=tokens)
+        rig.launch(fp8_mma_name(tokens), (fp8_mma_grid(n), 1, 1), (256, 1, 1), Y=y16, **args)
+        rig.launch(fp8_mma_name(tokens, f32=True), (fp8_mma_grid(n), 1, 1), (256, 1, 1), Y=y32, **args)
+        np.testing.assert_array_equal(f32_to_bf16_bits(cp.asnumpy(y32)), cp.asnumpy(y16), err_msg=f"mma {tokens}")

@@ -124,6 +124,7 @@ class Engine(StepLoader, AbiWriter):
         self.fwd.gemv_max_tokens = ecfg.gemv_max_tokens
         self.fwd.fp8_gemv_max_tokens = ecfg.fp8_gemv_max_tokens
         self.fwd.fp8_mma_min_tokens = ecfg.fp8_mma_min_tokens
+        self.fwd.set_fp8_gemv_config(dict(ecfg.fp8_gemv_config))
         if self.fwd.fp8:
             self._set_fp8_path()
         self.arena = self.fwd.arena

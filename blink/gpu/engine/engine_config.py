@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blink.gpu.engine.fp8_weights import FP8_LARGE_PATHS, FP8_MMA_MAX_TOKENS, FP8_MMA_MIN_TOKENS
+from blink.gpu.engine.fp8_weights import FP8_GEMV_CONFIGS, FP8_LARGE_PATHS, FP8_MMA_MAX_TOKENS, FP8_MMA_MIN_TOKENS
 from blink.models.fp8 import FP8_GEMV_MAX_TOKENS, FP8_LM_HEAD
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -54,6 +54,10 @@ class EngineConfig:
     """FP8 weights: weight-only decode steps of at least this many tokens run the tensor-core kernel (unfused),
     fewer the FP8 GEMV with its fusions (fp8_weights.FP8_MMA_MIN_TOKENS; 1 = the tensor-core kernel everywhere,
     FP8_MMA_MAX_TOKENS + 1 = never). Speed only: both compute the definition's weight-only step."""
+    fp8_gemv_config: tuple[tuple[int, tuple], ...] = ()
+    """FP8 weights: (bucket, configuration) pairs overriding the FP8 GEMV's configuration of those buckets
+    (fp8_weights.FP8_GEMV_CONFIG, one of FP8_GEMV_CONFIGS: e.g. ((1, (2, 4, "p")),) the pipelined weight
+    loop at one token). Speed only: every configuration sums in the same order (the same bits)."""
     fp8_gemm: str = "auto"
     """FP8 weights, steps past the GEMV (fp8_gemv_max_tokens): "outer" = activations quantized per token
     and the W8A8 cuBLASLt GEMM applying the per-token x per-channel scales itself (outer-vector
@@ -95,6 +99,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} not in ('auto', 'fp8')")
         if not 1 <= self.fp8_gemv_max_tokens <= FP8_MMA_MAX_TOKENS:
             raise ValueError(f"fp8_gemv_max_tokens must be in [1, {FP8_MMA_MAX_TOKENS}]")
+        for nt, cfg in self.fp8_gemv_config:
+            if tuple(cfg) not in FP8_GEMV_CONFIGS.get(nt, ()):
+                raise ValueError(
+                    f"fp8_gemv_config: {cfg} is no compiled configuration of bucket {nt} ({FP8_GEMV_CONFIGS})"
+                )
         if not 1 <= self.fp8_mma_min_tokens <= FP8_MMA_MAX_TOKENS + 1:
             raise ValueError(f"fp8_mma_min_tokens must be in [1, {FP8_MMA_MAX_TOKENS + 1}]")
         if not 0 <= self.sampling_rows <= 1 << 16:

@@ -50,6 +50,7 @@ from blink.gpu.engine.fp8_launch import Fp8Launches
 from blink.gpu.engine.fp8_weights import (
     FP8_GEMV_BUCKETS,
     FP8_GEMV_CONFIG,
+    FP8_GEMV_CONFIGS,
     FP8_MMA_MIN_TOKENS,
     Fp8Linear,
     fp8_gemv_grid,
@@ -207,6 +208,7 @@ class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
         self.fp8 = isinstance(weights.layers[0].qkv, Fp8Linear)
         self.fp8_gemv_max_tokens, self.fp8_decode = FP8_GEMV_BUCKETS[-1], True
         self.fp8_mma_min_tokens = FP8_MMA_MIN_TOKENS
+        self.fp8_gemv_config = dict(FP8_GEMV_CONFIG)  # per bucket, one of FP8_GEMV_CONFIGS (set_fp8_gemv_config)
         head_fp8 = isinstance(weights.lm_head, Fp8Linear)  # the FP8 LM head (Fp8Launches.fp8_head)
         self.fp8_head_scratch = z(max(1, fp8_head_scratch_elems(c, Sm) if head_fp8 else 0))
         self.fp8_gemm: Fp8Gemm | None = None
@@ -225,11 +227,12 @@ class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
             smem = self.gemv_smem("norm_rope", nt, H)
             if smem <= GEMV_NORM_SMEM_MAX:
                 driver.set_max_dynamic_smem(kernels[f"gemv_norm_rope_t{nt}"], smem)
-        for nt in FP8_GEMV_BUCKETS:  # the FP8 GEMV's (FP8 weights): the engine's configuration
+        for nt in FP8_GEMV_BUCKETS:  # the FP8 GEMV's (FP8 weights): every configuration (set_fp8_gemv_config)
             smem = self.gemv_smem("norm", nt, H)
             if smem <= GEMV_NORM_SMEM_MAX:
                 for kind in ("norm", "norm_swiglu", "norm_rope"):
-                    driver.set_max_dynamic_smem(kernels[fp8_gemv_name(nt, kind)], smem)
+                    for cfg in FP8_GEMV_CONFIGS[nt]:
+                        driver.set_max_dynamic_smem(kernels[fp8_gemv_name(nt, kind, cfg)], smem)
 
     def set_gemv_fusion(self, fusion: frozenset[str]) -> None:
         """GEMV fusions (GEMV_FUSIONS) for the steps recorded from now on."""
@@ -248,7 +251,7 @@ class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
         if not gemv or self.moe is not None:  # MoE layers take the unfused path's delta
             return frozenset()
         out = set(self.gemv_fusion)
-        rows_per_warp = FP8_GEMV_CONFIG[T][0] if self.fp8 else GEMV_ROWS_PER_WARP[T]
+        rows_per_warp = self.fp8_gemv_config[T][0] if self.fp8 else GEMV_ROWS_PER_WARP[T]
         if self.gemv_smem("norm", T, self.c.hidden_size) > GEMV_NORM_SMEM_MAX:
             out.discard("norm")
         if self.w.layers[0].q_norm is not None or (self.c.head_dim // 2) % rows_per_warp:
@@ -288,7 +291,8 @@ class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
         out = {"ra": y} if kind.endswith("rope") else {"Y": y}
         smem = self.gemv_smem(kind, T, k)
         if isinstance(w, Fp8Linear):  # the FP8 GEMV's kernel of the same fusion (fp8.cu)
-            name, grid = fp8_gemv_name(T, kind), fp8_gemv_grid(n_out, T, kind)
+            cfg = self.fp8_gemv_config[T]
+            name, grid = fp8_gemv_name(T, kind, cfg), fp8_gemv_grid(n_out, T, kind, cfg)
             out.update(W=w.codes, scales=w.scales)
         else:
             r = GEMV_ROWS_PER_WARP[T]

@@ -4,8 +4,8 @@ Forward (blink/gpu/engine/forward.py) records the rest of the step; this mixin o
 projections: which path steps past the FP8 GEMV take (set_fp8_gemm: the W8A8 GEMM of
 blink/gpu/engine/fp8_gemm.py, or dequantize + bf16 GEMM) with its buffers, and fp8_linear's
 launches (fp8.cu), and the FP8 LM head's (fp8_head). It reads Forward's config (c), dims (d), cuBLAS
-handle (blas), the step kind (fp8_decode, fp8_gemv_max_tokens, fp8_mma_min_tokens), the head's scratch
-(fp8_head_scratch) and its `_launch`.
+handle (blas), the step kind (fp8_decode, fp8_gemv_max_tokens, fp8_mma_min_tokens), the GEMV's
+configuration (fp8_gemv_config), the head's scratch (fp8_head_scratch) and its `_launch`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from blink.gpu.engine.fp8_gemm import Fp8Gemm
 from blink.gpu.engine.fp8_weights import (
     FP8_GEMV_BUCKETS,
+    FP8_GEMV_CONFIGS,
     FP8_HEAD_CHUNK_ROWS,
     FP8_LARGE_PATHS,
     FP8_MMA_MAX_TOKENS,
@@ -50,6 +51,14 @@ class Fp8Launches:
         if path == "epilogue":
             self.fp8_d32 = cp.zeros((Tm, fp8_max_outputs(c)), dtype=cp.float32)
 
+    def set_fp8_gemv_config(self, configs: dict[int, tuple]) -> None:
+        """The FP8 GEMV's configuration per bucket for the steps recorded from now on (EngineConfig.fp8_gemv_config;
+        buckets not named keep theirs), one of FP8_GEMV_CONFIGS each. Speed only: all sum in the same order."""
+        for nt, cfg in configs.items():
+            if nt not in FP8_GEMV_CONFIGS or tuple(cfg) not in FP8_GEMV_CONFIGS[nt]:
+                raise ValueError(f"fp8 GEMV configuration {cfg} of bucket {nt}: not compiled ({FP8_GEMV_CONFIGS})")
+        self.fp8_gemv_config = {**self.fp8_gemv_config, **{nt: tuple(c) for nt, c in configs.items()}}
+
     def uses_fp8_gemv_bucket(self, T: int) -> bool:
         """Whether a step of T tokens runs the FP8 weights on one FP8 GEMV bucket (a decode step below
         fp8_mma_min_tokens: from there the tensor-core kernel, unfused)."""
@@ -72,7 +81,8 @@ class Fp8Launches:
                 return
             for r0, nt in fp8_gemv_pieces(rows):  # a row count between buckets in pieces: 6 = 4 + 2
                 self._launch(
-                    fp8_gemv_name(nt), (fp8_gemv_grid(n_out, nt), 1, 1), (256, 1, 1), stream, W=w.codes,
+                    fp8_gemv_name(nt, "", self.fp8_gemv_config[nt]),
+                    (fp8_gemv_grid(n_out, nt, "", self.fp8_gemv_config[nt]), 1, 1), (256, 1, 1), stream, W=w.codes,
                     scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 2 * r0 * n_out, N=n_out, K=k,
                 )  # fmt: skip
             return
@@ -106,7 +116,8 @@ class Fp8Launches:
         if rows < self.fp8_mma_min_tokens:
             for r0, nt in fp8_gemv_pieces(rows):
                 self._launch(
-                    fp8_gemv_name(nt, "f32"), (fp8_gemv_grid(n_out, nt), 1, 1), (256, 1, 1), stream, W=w.codes,
+                    fp8_gemv_name(nt, "f32", self.fp8_gemv_config[nt]),
+                    (fp8_gemv_grid(n_out, nt, "f32", self.fp8_gemv_config[nt]), 1, 1), (256, 1, 1), stream, W=w.codes,
                     scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 4 * r0 * n_out, N=n_out, K=k,
                 )  # fmt: skip
             return

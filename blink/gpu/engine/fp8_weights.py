@@ -25,11 +25,18 @@ from blink.models.config import ModelConfig
 
 FP8_GEMV_BUCKETS = (1, 2, 4, 8)
 # The FP8 GEMV's compiled configurations per bucket, (R, U): R weight rows a warp, U 512-byte stretches
-# of each row loaded before the first is used (GEMV_FP8(NT, R, U) in fp8.cu, which must list the same).
-FP8_GEMV_CONFIGS = {1: ((1, 8), (1, 4), (2, 4)), 2: ((2, 4), (4, 2)), 4: ((2, 4), (4, 2)), 8: ((2, 2), (4, 2))}
+# of each row loaded into registers before the first is used (GEMV_FP8(NT, R, U) in fp8.cu, which must list
+# the same); (R, S, "p"): the pipelined weight loop, a shared-memory ring of S stretches of each row kept
+# loading by cp.async while the warp computes (GEMV_FP8_PIPE(NT, R, S)). All sum in the same order.
+FP8_GEMV_CONFIGS: dict[int, tuple[tuple, ...]] = {
+    1: ((1, 8), (1, 4), (2, 4), (2, 4, "p"), (1, 8, "p")),
+    2: ((2, 4), (4, 2), (2, 4, "p")),
+    4: ((2, 4), (4, 2)),
+    8: ((2, 2), (4, 2)),
+}
 # The engine's configuration per bucket, one of FP8_GEMV_CONFIGS (bench.kernels.fp8_gemv times them all;
 # docs/decisions.md): every configuration sums in the same order, so this changes speed, never a bit.
-FP8_GEMV_CONFIG = {1: (2, 4), 2: (2, 4), 4: (2, 4), 8: (2, 2)}
+FP8_GEMV_CONFIG: dict[int, tuple] = {1: (2, 4), 2: (2, 4), 4: (2, 4), 8: (2, 2)}
 # Weight-only FP8 on tensor cores (gemv_fp8_mma_m<MT>_n<NT8> in fp8.cu: 16 MT weight rows a CTA, 8 NT8
 # token columns): decode steps of FP8_MMA_MIN_TOKENS tokens or more (up to EngineConfig.fp8_gemv_max_tokens,
 # at most FP8_MMA_MAX_TOKENS) run it instead of the GEMV (one launch, no fusions; the GEMV's fp32 FMAs
@@ -52,16 +59,22 @@ FP8_LARGE_PATHS = ("outer", "epilogue", "dequant")
 _LEGACY_STREAM = 0
 
 
-def fp8_gemv_name(nt: int, kind: str = "", config: tuple[int, int] | None = None) -> str:
-    """The FP8 GEMV kernel of bucket nt: plain (kind "") or fused (kind as the bf16 GEMV's fused
-    kernels: norm, norm_swiglu, swiglu, resid, rope, norm_rope), in `config` (default FP8_GEMV_CONFIG)."""
-    r, u = config or FP8_GEMV_CONFIG[nt]
-    if (r, u) not in FP8_GEMV_CONFIGS[nt]:
-        raise ValueError(f"fp8 GEMV t{nt} has no compiled configuration {(r, u)}: {FP8_GEMV_CONFIGS[nt]}")
-    return f"gemv_fp8{'_' + kind if kind else ''}_t{nt}_r{r}u{u}"
+def fp8_config_label(config: tuple) -> str:
+    """A configuration's kernel-name suffix: r<R>u<U>, or r<R>p<S> for the pipelined loop."""
+    return f"r{config[0]}{'p' if len(config) > 2 else 'u'}{config[1]}"
 
 
-def fp8_gemv_grid(n_out: int, nt: int, kind: str = "", config: tuple[int, int] | None = None) -> int:
+def fp8_gemv_name(nt: int, kind: str = "", config: tuple | None = None) -> str:
+    """The FP8 GEMV kernel of bucket nt: plain (kind ""), fused (kind as the bf16 GEMV's fused kernels: norm,
+    norm_swiglu, swiglu, resid, rope, norm_rope) or "f32" (fp32 logits: the LM head), in `config` (default
+    FP8_GEMV_CONFIG)."""
+    config = tuple(config or FP8_GEMV_CONFIG[nt])
+    if config not in FP8_GEMV_CONFIGS[nt]:
+        raise ValueError(f"fp8 GEMV t{nt} has no compiled configuration {config}: {FP8_GEMV_CONFIGS[nt]}")
+    return f"gemv_fp8{'_' + kind if kind else ''}_t{nt}_{fp8_config_label(config)}"
+
+
+def fp8_gemv_grid(n_out: int, nt: int, kind: str = "", config: tuple | None = None) -> int:
     """CTAs (of 256 threads) of fp8_gemv_name(nt, kind, config) over n_out output rows: 8 warps of R rows,
     or for the pair kernels (swiglu, rope) 4 warps of R pairs."""
     r = (config or FP8_GEMV_CONFIG[nt])[0]

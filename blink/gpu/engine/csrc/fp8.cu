@@ -75,7 +75,7 @@ template <int U_>
 struct Fp8W {
   using T = uint8_t;
   using Vec = uint4;
-  static constexpr int VALS = 16, U = U_, PREFETCH = U_;  // the norm prologue runs under U loads a row
+  static constexpr int VALS = 16, U = U_, PREFETCH = U_, PIPE = 0;  // the norm prologue runs under U loads a row
   static constexpr bool SCALED = true;
   static __device__ __forceinline__ Vec load(const T* __restrict__ W, size_t off) {
     return __ldg(reinterpret_cast<const uint4*>(W + off));
@@ -116,6 +116,19 @@ struct Fp8W {
   }
 };
 
+// The pipelined weight loop (gemv_fused_impl's WT::PIPE): S stretches of each row in flight in a shared-memory
+// ring (S * 8 * R * 512 bytes a CTA, static), loaded by cp.async and refilled as used, the first S issued
+// before the norm prologue; the same vectors, arithmetic and order as Fp8W (the same bits).
+template <int S>
+struct Fp8WPipe : Fp8W<1> {
+  static constexpr int U = 0, PREFETCH = 0, PIPE = S;
+  template <int R>
+  static __device__ __forceinline__ uint4* ring() {
+    __shared__ uint4 buf[S * 8 * R * 32];
+    return buf;
+  }
+};
+
 // Kernels gemv_fp8[_<fusion>]_t<NT>_r<R>u<U>: the plain GEMV and the fusions of model_kernels.cu's
 // gemv_<fusion>_t<NT> (norm, norm_swiglu, swiglu, resid, rope, norm_rope; same parameters plus the
 // scales). Grids: ceil(N / (8 R)) CTAs of 256 threads; the pair kernels (swiglu, rope)
@@ -123,44 +136,54 @@ struct Fp8W {
 // launches the configuration FP8_GEMV_CONFIG[NT] (blink/gpu/engine/fp8_weights.py) of the compiled
 // ones below (bench.kernels.fp8_gemv times them all).
 #define FP8_BOUNDS(NT) __launch_bounds__(256, NT == 1 ? 2 : 1)
-#define GEMV_FP8_PLAIN(NT, R, U)                                                                                 \
-  extern "C" __global__ void FP8_BOUNDS(NT) gemv_fp8_t##NT##_r##R##u##U(                                         \
-      const uint8_t* W, const float* scales, const bf16* X, bf16* Y, int N, int K) {                             \
-    gemv_fused_impl<NT, R, 0, Fp8W<U>>(W, scales, X, nullptr, Y, N, K, 0.f, RopeArgs{});                         \
+// The pipelined kernels hold no weights in registers: more CTAs an SM (one wave over qkv's 6144 rows at
+// R = 2, over 4096 rows at R = 1).
+#define FP8P_BOUNDS(NT, R) __launch_bounds__(256, NT > 1 ? 1 : R == 1 ? 4 : 3)
+// One configuration's kernels: NAME_t<NT>_r<R><TAG><U> over weight traits WT with launch bounds BOUNDS.
+#define GEMV_FP8_PLAIN(NT, R, TAG, U, WT, BOUNDS)                                                               \
+  extern "C" __global__ void BOUNDS gemv_fp8_t##NT##_r##R##TAG##U(const uint8_t* W, const float* scales,        \
+                                                                   const bf16* X, bf16* Y, int N, int K) {      \
+    gemv_fused_impl<NT, R, 0, WT>(W, scales, X, nullptr, Y, N, K, 0.f, RopeArgs{});                             \
   }
 // gemv_fp8_f32_*: the plain kernel writing fp32 sums times the scale (the FP8 LM head's logits).
-#define GEMV_FP8_F32(NT, R, U)                                                                                   \
-  extern "C" __global__ void FP8_BOUNDS(NT) gemv_fp8_f32_t##NT##_r##R##u##U(                                     \
-      const uint8_t* W, const float* scales, const bf16* X, float* Y, int N, int K) {                            \
-    gemv_fused_impl<NT, R, F_F32_OUT, Fp8W<U>>(W, scales, X, nullptr, reinterpret_cast<bf16*>(Y), N, K, 0.f,    \
-                                               RopeArgs{});                                                      \
+#define GEMV_FP8_F32(NT, R, TAG, U, WT, BOUNDS)                                                                 \
+  extern "C" __global__ void BOUNDS gemv_fp8_f32_t##NT##_r##R##TAG##U(const uint8_t* W, const float* scales,    \
+                                                                       const bf16* X, float* Y, int N, int K) { \
+    gemv_fused_impl<NT, R, F_F32_OUT, WT>(W, scales, X, nullptr, reinterpret_cast<bf16*>(Y), N, K, 0.f,        \
+                                          RopeArgs{});                                                          \
   }
-#define GEMV_FP8_FUSED(NAME, NT, R, U, FLAGS)                                                                    \
-  extern "C" __global__ void FP8_BOUNDS(NT) gemv_fp8_##NAME##_t##NT##_r##R##u##U(                                \
-      const uint8_t* W, const float* scales, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) {  \
-    gemv_fused_impl<NT, R, FLAGS, Fp8W<U>>(W, scales, X, nw, Y, N, K, eps, RopeArgs{});                          \
+#define GEMV_FP8_FUSED(NAME, NT, R, TAG, U, WT, BOUNDS, FLAGS)                                                  \
+  extern "C" __global__ void BOUNDS gemv_fp8_##NAME##_t##NT##_r##R##TAG##U(                                     \
+      const uint8_t* W, const float* scales, const bf16* X, const bf16* nw, bf16* Y, int N, int K, float eps) { \
+    gemv_fused_impl<NT, R, FLAGS, WT>(W, scales, X, nw, Y, N, K, eps, RopeArgs{});                              \
   }
-#define GEMV_FP8_ROPE(NAME, NT, R, U, FLAGS)                                                                     \
-  extern "C" __global__ void FP8_BOUNDS(NT) gemv_fp8_##NAME##_t##NT##_r##R##u##U(                                \
-      const uint8_t* W, const float* scales, const bf16* X, const bf16* nw, RopeArgs ra, int N, int K,          \
-      float eps) {                                                                                               \
-    gemv_fused_impl<NT, R, FLAGS, Fp8W<U>>(W, scales, X, nw, nullptr, N, K, eps, ra);                            \
+#define GEMV_FP8_ROPE(NAME, NT, R, TAG, U, WT, BOUNDS, FLAGS)                                                   \
+  extern "C" __global__ void BOUNDS gemv_fp8_##NAME##_t##NT##_r##R##TAG##U(                                     \
+      const uint8_t* W, const float* scales, const bf16* X, const bf16* nw, RopeArgs ra, int N, int K,         \
+      float eps) {                                                                                              \
+    gemv_fused_impl<NT, R, FLAGS, WT>(W, scales, X, nw, nullptr, N, K, eps, ra);                                \
   }
-#define GEMV_FP8(NT, R, U)                                                \
-  GEMV_FP8_PLAIN(NT, R, U)                                                \
-  GEMV_FP8_F32(NT, R, U)                                                  \
-  GEMV_FP8_FUSED(norm, NT, R, U, F_NORM_IN)                               \
-  GEMV_FP8_FUSED(norm_swiglu, NT, R, U, F_NORM_IN | F_SWIGLU_OUT)         \
-  GEMV_FP8_FUSED(swiglu, NT, R, U, F_SWIGLU_OUT)                          \
-  GEMV_FP8_FUSED(resid, NT, R, U, F_RESID_OUT)                            \
-  GEMV_FP8_ROPE(rope, NT, R, U, F_ROPE_OUT)                               \
-  GEMV_FP8_ROPE(norm_rope, NT, R, U, F_NORM_IN | F_ROPE_OUT)
+#define GEMV_FP8_ALL(NT, R, TAG, U, WT, BOUNDS)                                        \
+  GEMV_FP8_PLAIN(NT, R, TAG, U, WT, BOUNDS)                                            \
+  GEMV_FP8_F32(NT, R, TAG, U, WT, BOUNDS)                                              \
+  GEMV_FP8_FUSED(norm, NT, R, TAG, U, WT, BOUNDS, F_NORM_IN)                           \
+  GEMV_FP8_FUSED(norm_swiglu, NT, R, TAG, U, WT, BOUNDS, F_NORM_IN | F_SWIGLU_OUT)     \
+  GEMV_FP8_FUSED(swiglu, NT, R, TAG, U, WT, BOUNDS, F_SWIGLU_OUT)                      \
+  GEMV_FP8_FUSED(resid, NT, R, TAG, U, WT, BOUNDS, F_RESID_OUT)                        \
+  GEMV_FP8_ROPE(rope, NT, R, TAG, U, WT, BOUNDS, F_ROPE_OUT)                           \
+  GEMV_FP8_ROPE(norm_rope, NT, R, TAG, U, WT, BOUNDS, F_NORM_IN | F_ROPE_OUT)
+// _r<R>u<U>: U stretches a row in registers; _r<R>p<S>: the pipelined ring of S stretches a row.
+#define GEMV_FP8(NT, R, U) GEMV_FP8_ALL(NT, R, u, U, Fp8W<U>, FP8_BOUNDS(NT))
+#define GEMV_FP8_PIPE(NT, R, S) GEMV_FP8_ALL(NT, R, p, S, Fp8WPipe<S>, FP8P_BOUNDS(NT, R))
 // The compiled configurations (FP8_GEMV_CONFIGS in fp8_weights.py lists the same).
 GEMV_FP8(1, 1, 8)
 GEMV_FP8(1, 1, 4)
 GEMV_FP8(1, 2, 4)
+GEMV_FP8_PIPE(1, 2, 4)
+GEMV_FP8_PIPE(1, 1, 8)
 GEMV_FP8(2, 2, 4)
 GEMV_FP8(2, 4, 2)
+GEMV_FP8_PIPE(2, 2, 4)
 GEMV_FP8(4, 2, 4)
 GEMV_FP8(4, 4, 2)
 GEMV_FP8(8, 2, 2)

@@ -19,6 +19,10 @@
 //                 qk-norm: RoPE'd q -> q_out, RoPE'd k and plain v -> the KV cache slot of the token.
 //                 Tokens past *num_tokens write nothing (their block table rows may be stale).
 // Other bucket rows past the live token count are computed on stale data and never read.
+// The weight loop (WT): U == 0 one vector of each row at a time (the compiler's schedule); U > 0 U stretches
+// of each row loaded into registers, then used; PIPE > 0 a ring of PIPE stretches of each row in shared
+// memory filled by cp.async (a lane reads back only what it loaded itself: no barrier), refilled as each is
+// used, so the loads run on while the warp computes. The same per-lane order of k either way.
 #include "common.cuh"
 
 //   F_F32_OUT:    Y holds fp32 values (the LM head's logits): Y[t, n] = acc, no rounding (a float* passed
@@ -43,11 +47,22 @@ struct RopeArgs {
   int nq, nkv, hd, bs, mbps;
 };
 
+// cp.async of 16 bytes, global -> shared, bypassing L1 (WT::PIPE's weight ring); per-thread groups.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // bf16 weights: 8 values a vector; the weight loop of gemv_impl (unrolled 4, the compiler's schedule).
 struct Bf16W {
   using T = bf16;
   using Vec = bf16x8;
-  static constexpr int VALS = 8, U = 0, PREFETCH = GEMV_PREFETCH;
+  static constexpr int VALS = 8, U = 0, PREFETCH = GEMV_PREFETCH, PIPE = 0;
   static constexpr bool SCALED = false;
   static __device__ __forceinline__ Vec load(const T* __restrict__ W, size_t off) {
     return *reinterpret_cast<const bf16x8*>(W + off);
@@ -116,6 +131,21 @@ __device__ __forceinline__ void gemv_fused_impl(const typename WT::T* __restrict
 #pragma unroll
     for (int r = 0; r < R; ++r) sc[r] = live && n0 + r < row_end ? scales[n0 + r] : 0.f;
   }
+  // WT::PIPE: the lane's slot of stage j for row r in the CTA's ring [PIPE][8 warps][R][32 lanes]
+  auto pipe_slot = [&](int j, int r) { return ((j * 8 + warp) * R + r) * 32 + lane; };
+  if constexpr (WT::PIPE > 0) {  // the first PIPE stretches of the rows start loading before the prologue
+    if (live) {
+      typename WT::Vec* ring = WT::template ring<R>();
+#pragma unroll
+      for (int j = 0; j < WT::PIPE; ++j) {
+        const int k = lane * VALS + j * STRIDE;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (k < K && n0 + r < row_end) cp_async16(&ring[pipe_slot(j, r)], W + (size_t)(n0 + r) * K + k);
+        cp_async_commit();
+      }
+    }
+  }
   Vec wpre[PF > 0 ? PF : 1][R];
   if constexpr (NORM) {
 #pragma unroll
@@ -177,7 +207,22 @@ __device__ __forceinline__ void gemv_fused_impl(const typename WT::T* __restrict
       for (int p = 0; p < PF; ++p, k += STRIDE)
         if (k < K) WT::template step<NT, R>(wpre[p], k, xl, acc);
     }
-    if constexpr (WT::U == 0) {
+    if constexpr (WT::PIPE > 0) {  // the ring: stretch j + PIPE is loading while stretch j is used
+      typename WT::Vec* ring = WT::template ring<R>();
+      for (int j = 0; k < K; ++j, k += STRIDE) {
+        cp_async_wait<WT::PIPE - 1>();  // this lane's group j (stretch j of its rows) has landed
+        Vec wv[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) wv[r] = n0 + r < row_end ? ring[pipe_slot(j % WT::PIPE, r)] : Vec{};
+        WT::template step<NT, R>(wv, k, xl, acc);  // uses the values: the slot may be refilled
+        const int kn = k + WT::PIPE * STRIDE;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (kn < K && n0 + r < row_end)
+            cp_async16(&ring[pipe_slot(j % WT::PIPE, r)], W + (size_t)(n0 + r) * K + kn);
+        cp_async_commit();  // one group a stretch, empty ones too: the wait counts groups
+      }
+    } else if constexpr (WT::U == 0) {
 #pragma unroll 4
       for (; k < K; k += STRIDE) {
         Vec wv[R];
