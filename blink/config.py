@@ -241,6 +241,10 @@ class DeviceConfig:
     """fp8: the linear layers' weights quantized at load to FP8 e4m3 with per-output-channel scales,
     activations in bf16 (vLLM's --quantization fp8); None = the weights as the checkpoint holds them.
     Dense models on the CUDA device (MoE models: the emulated device only)."""
+    fp8_lm_head: bool | None = None
+    """With FP8 weights, the LM head in FP8 too (per vocabulary row, weight-only; a tied head gets an FP8 copy
+    of the embedding): half its bytes a step, at an accuracy cost (docs/decisions.md); None = the default
+    (blink.models.fp8.FP8_LM_HEAD: off)."""
     kv_cache_dtype: str = "auto"
     """The KV cache's element type (vLLM's --kv-cache-dtype): "auto" = the model dtype (bf16 on cuda,
     float32 on the emulated device); "fp8" = float8 e4m3 with a per-tensor scale of 1 (values stored

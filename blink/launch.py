@@ -88,6 +88,7 @@ def device_spec(cfg: BlinkConfig, ring: str) -> DeviceSpec:
         kernel_cache=d.kernel_cache or "",
         executor=d.executor,
         quantization=d.quantization or "",
+        fp8_lm_head=d.fp8_lm_head,
         kv_cache_dtype=d.kv_cache_dtype,
         prefix_caching=d.enable_prefix_caching,
     )

@@ -211,3 +211,28 @@ def test_pipelined_gemv_configurations_are_selectable_per_bucket(signatures: dic
     with pytest.raises(ValueError):
         EngineConfig(fp8_gemv_config=((1, (3, 3)),))
     assert EngineConfig(fp8_gemv_config=((2, (2, 4, "p")),)).fp8_gemv_config == ((2, (2, 4, "p")),)
+
+
+def test_fp8_lm_head_flag_reaches_both_devices():
+    """`blink serve --quantization fp8 --fp8-lm-head`: the emulated device's numpy model and the CUDA engine's
+    config both take the FP8 head; without the flag both keep the default (FP8_LM_HEAD)."""
+    from blink import cli
+    from blink import config as C
+    from blink.device.emulated import build_executor
+    from blink.gpu.serve import engine_config
+    from blink.launch import device_spec
+
+    argv = ["serve", "--quantization", "fp8", "--fp8-lm-head", "--device", "emulated"]
+    cfg = cli.config_from_args(cli.build_parser().parse_args(argv))
+    assert cfg.device.fp8_lm_head is True
+    spec = device_spec(cfg.replace(model={"spec": "random:tiny-qwen3"}), "r")
+    assert spec.fp8_lm_head and build_executor(spec).model.fp8_lm_head
+    assert engine_config(device_spec(cfg.replace(device={"kind": "cuda"}), "r"), 4096).fp8_lm_head
+    plain = C.BlinkConfig().replace(
+        device={"kind": "emulated", "quantization": "fp8"}, model={"spec": "random:tiny-qwen3"}
+    )
+    spec = device_spec(plain, "r")
+    assert spec.fp8_lm_head is None and build_executor(spec).model.fp8_lm_head == fp8.FP8_LM_HEAD
+    assert engine_config(device_spec(plain.replace(device={"kind": "cuda"}), "r"), 4096).fp8_lm_head == fp8.FP8_LM_HEAD
+    off = cli.config_from_args(cli.build_parser().parse_args(["serve", "--no-fp8-lm-head"]))
+    assert off.device.fp8_lm_head is False

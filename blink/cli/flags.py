@@ -115,6 +115,12 @@ def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
         "bf16); other methods are refused",
     )
     p.add_argument(
+        "--fp8-lm-head",
+        dest="device.fp8_lm_head",
+        action=argparse.BooleanOptionalAction,
+        help="with FP8 weights, the LM head in FP8 too (half its bytes; costs accuracy: off by default)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         dest="device.kv_cache_dtype",
         metavar="DTYPE",

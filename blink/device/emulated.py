@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 
+from blink.models.fp8 import FP8_LM_HEAD
 from blink.protocol.layout import DeviceStatus
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import DeviceSpec
@@ -51,7 +52,7 @@ def build_executor(spec: DeviceSpec) -> Executor:
     quant = spec.quantization or None
     ex = NumpyExecutor.from_model(
         spec.model, progress=progress("loading weights", "B"), quantization=quant, kv_cache_dtype=spec.kv_cache_dtype,
-        **kw,
+        fp8_lm_head=FP8_LM_HEAD if spec.fp8_lm_head is None else spec.fp8_lm_head, **kw,
     )  # fmt: skip
     c = ex.config
     gib = kv_gib(c.num_layers, ex.num_blocks, spec.kv_block_size, c.num_kv_heads, c.head_dim, 4)

@@ -76,12 +76,13 @@ class NumpyExecutor:
         progress: bool | Callable[[int, int], None] = False,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        fp8_lm_head: bool = FP8_LM_HEAD,
         **resolve_kwargs: Any,
     ) -> NumpyExecutor:
         """Executor for a model spec as `blink.models.registry.resolve_model` accepts it
         (None/"default", a .gguf path, an HF directory, "random:<preset>"); `quantization` "fp8":
         the linear layers' weights in FP8 (blink.models.fp8); `kv_cache_dtype` "fp8": K/V rounded as an FP8
-        cache stores them (blink.models.fp8.kv_round)."""
+        cache stores them (blink.models.fp8.kv_round); `fp8_lm_head`: with FP8 weights, the LM head too."""
         from blink.models.registry import resolve_model
 
         bundle = resolve_model(spec, progress=progress, **resolve_kwargs)
@@ -95,6 +96,7 @@ class NumpyExecutor:
             max_blocks_per_seq,
             quantization,
             kv_cache_dtype,
+            fp8_lm_head,
         )
 
     def _check(self, batch: StepBatch) -> None:

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from blink.device.process import device_main, kv_cache_key, kv_gib, phase, progress
+from blink.models.fp8 import FP8_LM_HEAD
 from blink.protocol.wire import DeviceSpec
 
 SMALL_RANDOM_PARAMS = 1_000_000_000
@@ -50,6 +51,7 @@ def engine_config(spec: DeviceSpec, max_position: int, sampling_rows: int = 0) -
         seed=spec.seed,
         sampling_rows=sampling_rows,
         quantization=spec.quantization,
+        fp8_lm_head=FP8_LM_HEAD if spec.fp8_lm_head is None else spec.fp8_lm_head,
         kv_cache_dtype=spec.kv_cache_dtype,
         progress=True,  # warm-up and graph capture bars on stderr
     )

@@ -114,6 +114,7 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         ""  # cuda: directory of the compiled kernels; "" = blink.gpu.toolchain.build.default_cache_dir()
     )
     quantization: str = ""  # "fp8": linear layers' weights in FP8 e4m3, per-channel scales; "" = as the checkpoint
+    fp8_lm_head: bool | None = None  # with FP8 weights, the LM head in FP8 too; None = the device's default
     kv_cache_dtype: str = "auto"  # "fp8": K/V stored as FP8 e4m3, scale 1 (blink.models.fp8.kv_round); "auto" = model's
     prefix_caching: bool = True  # match the slots' block keys against cached KV blocks (layout.py)
 
