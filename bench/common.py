@@ -364,7 +364,7 @@ def only_launches(fwd: Any, categories: set[str], roles: set[tuple[int, int]] | 
     these categories, in the step's order: the engine's Forward with its driver, cuBLAS and FP8 GEMM
     wrapped. `roles`: with "gemm", only the projections (GEMMs, GEMVs, fused GEMVs with what they fold
     in, FP8 kernels) whose weight has one of these (n_out, k) shapes (gemm_roles)."""
-    drv, blas, fp8_gemm = fwd.drv, fwd.blas, getattr(fwd, "fp8_gemm", None)
+    drv, blas, fp8_gemms = fwd.drv, fwd.blas, getattr(fwd, "fp8_gemms", None)
 
     def launch(fn: int, grid: Any, block: Any, args: Any, stream: int, smem: int = 0, name: str = "") -> None:
         if kernel_category(name) in categories:
@@ -382,8 +382,8 @@ def only_launches(fwd: Any, categories: set[str], roles: set[tuple[int, int]] | 
     fwd.drv = SimpleNamespace(launch=launch)
     if "gemm" not in categories:
         fwd.blas = SimpleNamespace(linear=lambda *a, **k: None)
-        if fp8_gemm is not None:
-            fwd.fp8_gemm = SimpleNamespace(matmul=lambda *a, **k: None)
+        if fp8_gemms is not None:
+            fwd.fp8_gemms = {m: SimpleNamespace(matmul=lambda *a, **k: None) for m in fp8_gemms}
     own = {m: vars(fwd)[m] for m in ("linear", "fused_linear") if m in vars(fwd)}  # instance attributes
     if "gemm" in categories and roles is not None:  # Forward.linear(x, w, ...), .fused_linear(kind, x, w, ...)
         fwd.linear, fwd.fused_linear = of_role("linear", 1), of_role("fused_linear", 2)
@@ -391,8 +391,8 @@ def only_launches(fwd: Any, categories: set[str], roles: set[tuple[int, int]] | 
         yield
     finally:
         fwd.drv, fwd.blas = drv, blas
-        if fp8_gemm is not None:
-            fwd.fp8_gemm = fp8_gemm
+        if fp8_gemms is not None:
+            fwd.fp8_gemms = fp8_gemms
         if "gemm" in categories and roles is not None:
             for m in ("linear", "fused_linear"):
                 if m in own:

@@ -138,7 +138,7 @@ def test_only_launches_with_roles_keeps_the_projections_of_those_shapes():
     fwd = Fwd()
     fwd.drv = SimpleNamespace(launch=lambda *a: calls.append(a[-1]))
     fwd.blas = SimpleNamespace(linear=lambda *a: calls.append("cublas"))
-    fwd.fp8_gemm = SimpleNamespace(matmul=lambda *a: calls.append("fp8_gemm"))
+    fwd.fp8_gemms = {"outer": SimpleNamespace(matmul=lambda *a: calls.append("fp8_gemm"))}
     qkv, o = SimpleNamespace(shape=(6144, 4096)), SimpleNamespace(shape=(4096, 4096))
     with only_launches(fwd, {"gemm"}, {(6144, 4096)}):
         fwd.linear(0, qkv, 0, 8, 0)
@@ -151,10 +151,10 @@ def test_only_launches_with_roles_keeps_the_projections_of_those_shapes():
     calls.clear()
     with only_launches(fwd, {"norm"}):  # no GEMMs: cuBLAS and the FP8 GEMM do nothing
         fwd.blas.linear(1)
-        fwd.fp8_gemm.matmul(1)
+        fwd.fp8_gemms["outer"].matmul(1)
         fwd.drv.launch(0, (1, 1, 1), (1, 1, 1), (), 0, 0, "add_rmsnorm")
     assert calls == ["add_rmsnorm"]
-    fwd.fp8_gemm.matmul(1)
+    fwd.fp8_gemms["outer"].matmul(1)
     assert calls[-1] == "fp8_gemm"
 
 

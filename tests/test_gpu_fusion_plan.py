@@ -146,7 +146,7 @@ def _finish(f: Forward, gemv_max_tokens: int, fusion: str, signatures: dict) -> 
     f.k = _Kernels(signatures)
     f._init_attention(f.k, SimpleNamespace(set_max_dynamic_smem=lambda fn, n: None))
     f.gemv_max_tokens = gemv_max_tokens
-    f.fp8, f.fp8_gemv_max_tokens, f.fp8_path, f.fp8_gemm = False, 8, "", None
+    f.fp8, f.fp8_gemv_max_tokens, f.fp8_path, f.fp8_gemms = False, 8, "", {}
     f.fp8_mma_min_tokens, f.fp8_gemv_config = FP8_MMA_MIN_TOKENS, dict(FP8_GEMV_CONFIG)
     f.fp8_scratch = f.fp8_x8 = f.fp8_xs = f.fp8_d32 = f.fp8_head_scratch = _Arr(1)
     f.set_gemv_fusion(_fusion(fusion))
@@ -525,16 +525,17 @@ def test_norm_and_rope_kernels_by_step_size():
     assert name == "rope_kv_write_warp" and grid == (7, 6, 1) and block == (256, 1, 1)  # 8 heads (warps) a block
 
 
-def _fp8(f: Forward, path: str, calls: list) -> Forward:
+def _fp8(f: Forward, path: str, calls: list, modes: tuple = ()) -> Forward:
     """f with every dense projection as an Fp8Linear (stand-in arrays), as GpuWeights.empty(fp8=True),
-    on FP8 path `path` (the GEMM's calls recorded as "fp8_gemm")."""
+    on FP8 path `path` alone, or with the W8A8 GEMMs of `modes` (Forward.set_fp8_gemm's), the GEMMs'
+    calls recorded as "fp8_gemm" with their mode last."""
     for lw in f.w.layers:
         for p in FP8_PROJECTIONS:
             n, k = getattr(lw, p).shape
             setattr(lw, p, Fp8Linear(_Arr(n, k), _Arr(n)))
-    f.fp8, f.fp8_path = True, path
-    if path != "dequant":
-        f.fp8_gemm = SimpleNamespace(matmul=lambda *a: calls.append(("fp8_gemm", None, a, 0)))
+    f.fp8 = True
+    use = set(modes or (path,)) - {"dequant"}
+    f.fp8_gemms = {m: SimpleNamespace(matmul=lambda *a, m=m: calls.append(("fp8_gemm", None, a, m))) for m in use}
     return f
 
 
@@ -583,6 +584,28 @@ def test_fp8_projections_launch_the_fp8_gemv_or_the_large_step_path(name: str, T
         if path == "epilogue":
             sc = [c for c in calls if c[0] == "fp8_scale_rows"][0]
             assert sc[1] == (-(-n_qkv // 2048), T, 1)
+
+
+@pytest.mark.parametrize(
+    "T,modes",
+    [
+        (16, ["epilogue"] * 4),
+        (128, ["epilogue", "epilogue", "outer", "epilogue"]),  # gate_up: 128 x 28672 outputs
+        (256, ["outer", "epilogue", "outer", "epilogue"]),  # o and down: 256 x 4096, below the line
+        (512, ["outer"] * 4),
+    ],
+)
+def test_fp8_gemms_take_the_scaling_mode_of_their_shape(T: int, modes: list, signatures: dict):
+    """Both W8A8 GEMMs set up: qkv, o, gate_up, down each take fp8_gemm_mode's, and the scaling kernel
+    runs after exactly the "epilogue" ones (outer-vector scales write bf16 into the output)."""
+    f, calls = _forward("llama3-8b", 8, "all", signatures, layers=1)
+    f = _fp8(f, "", calls, ("epilogue", "outer"))
+    f.record(0, min(T, 8), T, False)
+    gemm = [c for c in calls if c[0] == "fp8_gemm"]
+    assert [c[3] for c in gemm] == modes
+    seq = [c[0] for c in calls if c[0] in ("fp8_gemm", "fp8_scale_rows")]
+    assert seq == [n for m in modes for n in (["fp8_gemm", "fp8_scale_rows"] if m == "epilogue" else ["fp8_gemm"])]
+    assert gemm[0][2][:3] == (T, f.c.q_size + 2 * f.c.kv_size, f.c.hidden_size)
 
 
 def test_fp8_scratch_holds_the_largest_projection():

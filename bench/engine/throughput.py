@@ -93,6 +93,7 @@ def one_model(
     quantization: str = "",
     fp8_gemm: str = "",
     kv_cache_dtype: str = "auto",
+    fp8_fast_accum: bool = False,
 ) -> dict:
     """Everything measured on one preset (in this process); `skipped` when the CUDA engine refuses it."""
     from blink.models.config import UnsupportedModelError, preset
@@ -114,13 +115,14 @@ def one_model(
         check_device(f"random:{preset_name}", "cuda")  # what `blink serve --device cuda` refuses, before any CUDA
         eng = make_engine(
             preset_name, 256, 4096, 2048, layers=layers, quantization=quantization, fp8_gemm=fp8_gemm,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, fp8_fast_accum=fp8_fast_accum,
         )  # fmt: skip
     except (UnsupportedModelError, ValueError) as e:  # ValueError: fp8 on a MoE model
         return {**res, "skipped": str(e)}
     build_s = time.perf_counter() - t0
     if eng.fwd.fp8:
         res["fp8_path"] = eng.fwd.fp8_path  # past the FP8 GEMV (EngineConfig.fp8_gemm)
+        res["fp8_fast_accum"] = fp8_fast_accum
     import cupy as cp
 
     bw = copy_bandwidth(1 << 30)  # 2 x 1 GB: what the KV pool (85% of the free memory) leaves room for
@@ -182,6 +184,7 @@ def all_models(a: argparse.Namespace, argv: list[str]) -> int:
             cmd += ["--schedulers", a.schedulers, "--layers", str(a.layers)]
             cmd += ["--requests", str(a.requests), "--prompt", str(a.prompt), "--new", str(a.new)]
             cmd += ["--quantization", a.quantization, "--fp8-gemm", a.fp8_gemm, "--kv-cache-dtype", a.kv_cache_dtype]
+            cmd += ["--fp8-fast-accum"] if a.fp8_fast_accum else []
             t0 = time.perf_counter()
             rc, err = run_child(cmd, min(a.timeout, left))
             if rc == 0 and os.path.getsize(tmp.name) > 0:
@@ -229,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fp8-gemm", default="", choices=("", "auto", "outer", "epilogue", "dequant"), help="EngineConfig.fp8_gemm"
     )
+    ap.add_argument("--fp8-fast-accum", action="store_true", help="EngineConfig.fp8_fast_accum")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="fp8: an FP8 e4m3 KV cache")
     a = ap.parse_args(argv[1:])
     schedulers = tuple(s for s in a.schedulers.split(",") if s)
@@ -238,14 +242,15 @@ def main(argv: list[str] | None = None) -> int:
         return all_models(a, argv)
     if a.json_out:
         res = one_model(
-            a.preset, a.layers, schedulers, a.requests, a.prompt, a.new, a.quantization, a.fp8_gemm, a.kv_cache_dtype
-        )
+            a.preset, a.layers, schedulers, a.requests, a.prompt, a.new, a.quantization, a.fp8_gemm, a.kv_cache_dtype,
+            a.fp8_fast_accum,
+        )  # fmt: skip
         with open(a.json_out, "w") as f:
             json.dump(res, f)
         return 0
     eng = make_engine(
         a.preset, 256, 4096, 2048, layers=a.layers, quantization=a.quantization, fp8_gemm=a.fp8_gemm,
-        kv_cache_dtype=a.kv_cache_dtype,
+        kv_cache_dtype=a.kv_cache_dtype, fp8_fast_accum=a.fp8_fast_accum,
     )  # fmt: skip
     res = {"bench": "throughput", **metadata(a.commit, argv, gpu_key="device"), "preset": a.preset,
            "quantization": a.quantization or "bf16", "kv_cache_dtype": a.kv_cache_dtype,

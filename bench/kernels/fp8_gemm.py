@@ -14,7 +14,8 @@ and the best FP8 path and of each path alone (`paths_ms`), and the M = 1 GEMVs' 
 copy bandwidth (bytes: weights + scales + activations). Writes --out (default
 bench/results/fp8_gemm-<gpu>-<commit>.json). Launches are eager, from Python: a kernel shorter than
 Python's launch interval (the small projections' GEMVs and GEMMs, 20-40 us on the H200) is timed at that
-interval; bench.kernels.fp8_gemv times the decode-step kernels in captured graphs.
+interval (W8A8 is three launches: its ~100 us floor up to 1024 rows is the host's); bench.kernels.fp8_gemv
+times the decode-step kernels and bench.kernels.fp8_gemm_graphs the W8A8 candidates in captured graphs.
 """
 
 from __future__ import annotations

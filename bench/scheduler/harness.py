@@ -34,10 +34,11 @@ def make_engine(
     quantization: str = "",
     fp8_gemm: str = "",
     kv_cache_dtype: str = "auto",
+    fp8_fast_accum: bool = False,
 ):
     """An engine over random weights of `preset_name` (`layers`: that many of its layers; 0: all), captured;
     `quantization` "fp8": its dense projections in FP8 (EngineConfig.quantization; `fp8_gemm`: its
-    EngineConfig.fp8_gemm, "" = the default); `kv_cache_dtype` "fp8": an FP8 KV cache (EngineConfig.kv_cache_dtype)."""
+    EngineConfig.fp8_gemm, "" = the default; `fp8_fast_accum`: EngineConfig.fp8_fast_accum); `kv_cache_dtype` "fp8": an FP8 KV cache (EngineConfig.kv_cache_dtype)."""
     from blink.gpu.engine.engine import Engine, EngineConfig
     from blink.models.config import preset
 
@@ -54,6 +55,7 @@ def make_engine(
         quantization=quantization,
         **({"fp8_gemm": fp8_gemm} if fp8_gemm else {}),
         kv_cache_dtype=kv_cache_dtype,
+        fp8_fast_accum=fp8_fast_accum,
         **({"gemm_sm_reserve": gemm_sm_reserve} if gemm_sm_reserve >= 0 else {}),
     )
     t0 = time.perf_counter()

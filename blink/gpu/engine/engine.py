@@ -207,22 +207,24 @@ class Engine(StepLoader, AbiWriter):
         return n
 
     def _set_fp8_path(self) -> None:
-        """Choose the FP8 projections' path past the GEMV (EngineConfig.fp8_gemm): a W8A8 scaling mode
-        that cuBLASLt supports for every projection shape, or dequantize + bf16 GEMM."""
+        """Choose the FP8 projections' paths past the GEMV (EngineConfig.fp8_gemm): "auto" the W8A8
+        scaling modes that cuBLASLt supports for every projection shape (each GEMM then takes one by
+        its shape: fp8_gemm.fp8_gemm_mode), else dequantize + bf16 GEMM; a mode named alone."""
         want, r = self.ecfg.fp8_gemm, self.ecfg.gemm_sm_reserve
         lw = self.weights.layers[0]
         shapes = [tuple(w.shape) for w in (lw.qkv, lw.o, lw.gate_up, lw.down) if w is not None]
         rows = sorted({*self.token_buckets, *(b for b in self.batch_buckets if b > self.ecfg.fp8_gemv_max_tokens)})
+        gemms: dict[str, Fp8Gemm] = {}
         for scales in SCALE_MODES if want == "auto" else (want,) if want in SCALE_MODES else ():
             g = Fp8Gemm(self.driver, self.s, int(self.workspace.data.ptr), int(self.workspace.nbytes), scales,
-                        self.num_sms - r if r else 0)  # fmt: skip
+                        self.num_sms - r if r else 0, self.ecfg.fp8_fast_accum)  # fmt: skip
             if all(g.supported((t, n, k)) for t in rows[:1] + rows[-1:] for n, k in shapes):
-                self.fwd.set_fp8_gemm(scales, g)
-                return
+                gemms[scales] = g
+                continue
             g.close()
             if want != "auto":
                 raise ValueError(f"fp8_gemm {want!r}: cuBLASLt offers no such FP8 GEMM on this GPU")
-        self.fwd.set_fp8_gemm("dequant", None)
+        self.fwd.set_fp8_gemm(gemms)
 
     # ------------------------------------------------------------------ graph cache
 
@@ -411,9 +413,9 @@ class Engine(StepLoader, AbiWriter):
         self._graphs.clear()
         self.decode_execs[:] = 0
         self.prefill_execs[:] = 0
-        if self.fwd.fp8_gemm is not None:
-            self.fwd.fp8_gemm.close()
-            self.fwd.fp8_gemm = None
+        for g in self.fwd.fp8_gemms.values():
+            g.close()
+        self.fwd.fp8_gemms = {}
 
 
 def _bar(done: int, total: int, elapsed: float, what: str = "capturing graphs") -> None:

@@ -61,10 +61,15 @@ class EngineConfig:
     fp8_gemm: str = "auto"
     """FP8 weights, steps past the GEMV (fp8_gemv_max_tokens): "outer" = activations quantized per token
     and the W8A8 cuBLASLt GEMM applying the per-token x per-channel scales itself (outer-vector
-    scaling); "epilogue" = the same GEMM with fp32 sums scaled by fp8_scale_rows; "dequant" =
+    scaling, bf16 out); "epilogue" = the same GEMM with fp32 sums scaled by fp8_scale_rows; "dequant" =
     weight-only, each projection dequantized to bf16 before the bf16 GEMM (5 bytes moved a weight);
-    "auto" = the first of outer, epilogue, dequant that this GPU's cuBLASLt supports
-    (blink/gpu/engine/fp8_gemm.py). Not yet run on a GPU: `python -m bench.kernels.fp8_gemm` times them."""
+    "auto" = both W8A8 modes where this GPU's cuBLASLt supports them, each GEMM taking one by its shape
+    (blink.gpu.engine.fp8_gemm.fp8_gemm_mode: "outer" from 128 rows and 256 x 6144 outputs), else
+    "dequant" (measured: `python -m bench.kernels.fp8_gemm_graphs`; docs/decisions.md)."""
+    fp8_fast_accum: bool = False
+    """W8A8 GEMMs with cuBLASLt's FAST_ACCUM (the FP8 tensor cores' partial sums never promoted to fp32
+    registers): 5-10 % faster from 1024 rows on the H200, with about 1.5x the GEMM's error against the
+    fp32-sum definition (bench.kernels.fp8_gemm_graphs); off: the definition's fp32 sums."""
     gemm_sm_reserve: int = 1
     """SMs the cuBLAS GEMMs leave free (cublasSetSmCountTarget: they are sized for the others). The
     GPU-resident scheduler's block holds one SM for as long as it runs, steps included; a GEMM

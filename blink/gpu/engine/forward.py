@@ -211,7 +211,7 @@ class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
         self.fp8_gemv_config = dict(FP8_GEMV_CONFIG)  # per bucket, one of FP8_GEMV_CONFIGS (set_fp8_gemv_config)
         head_fp8 = isinstance(weights.lm_head, Fp8Linear)  # the FP8 LM head (Fp8Launches.fp8_head)
         self.fp8_head_scratch = z(max(1, fp8_head_scratch_elems(c, Sm) if head_fp8 else 0))
-        self.fp8_gemm: Fp8Gemm | None = None
+        self.fp8_gemms: dict[str, Fp8Gemm] = {}
         self.fp8_path = ""
         self.fp8_scratch = self.fp8_x8 = self.fp8_xs = self.fp8_d32 = z(1)
 

@@ -10,12 +10,11 @@ configuration (fp8_gemv_config), the head's scratch (fp8_head_scratch) and its `
 
 from __future__ import annotations
 
-from blink.gpu.engine.fp8_gemm import Fp8Gemm
+from blink.gpu.engine.fp8_gemm import Fp8Gemm, describe_fp8_modes, fp8_epilogue_elems, fp8_gemm_mode
 from blink.gpu.engine.fp8_weights import (
     FP8_GEMV_BUCKETS,
     FP8_GEMV_CONFIGS,
     FP8_HEAD_CHUNK_ROWS,
-    FP8_LARGE_PATHS,
     FP8_MMA_MAX_TOKENS,
     Fp8Linear,
     fp8_gemv_grid,
@@ -33,23 +32,25 @@ def _ptr(a: object) -> int:
 
 
 class Fp8Launches:
-    def set_fp8_gemm(self, path: str, gemm: Fp8Gemm | None) -> None:
-        """The path of FP8 projections past the GEMV (FP8_LARGE_PATHS), with its buffers: "outer" and
-        "epilogue" the W8A8 GEMM `gemm` (the per-token codes and scales of a step's activations; fp32
-        sums for "epilogue"), "dequant" the bf16 GEMM over fp8_scratch (the largest projection)."""
+    def set_fp8_gemm(self, gemms: dict[str, Fp8Gemm]) -> None:
+        """The paths of FP8 projections past the GEMV with their buffers: `gemms` the W8A8 GEMM of each
+        scaling mode set up ("outer", "epilogue"; blink/gpu/engine/fp8_gemm.py, which picks one per
+        GEMM shape: fp8_gemm_mode), with the per-token codes and scales of a step's activations and,
+        for "epilogue", its fp32 sums; no gemms: "dequant", the bf16 GEMM over fp8_scratch (the
+        largest projection)."""
         import cupy as cp
 
-        if path not in FP8_LARGE_PATHS or (gemm is None) != (path == "dequant"):
-            raise ValueError(f"fp8 path {path!r} (gemm {'given' if gemm else 'none'})")
         c, Tm = self.c, self.d.max_num_batched_tokens
-        self.fp8_path, self.fp8_gemm = path, gemm
-        if path == "dequant":
+        self.fp8_gemms = dict(gemms)
+        self.fp8_path = describe_fp8_modes(set(gemms))
+        if not gemms:
             self.fp8_scratch = cp.zeros(fp8_scratch_elems(c), dtype=cp.uint16)
             return
         self.fp8_x8 = cp.zeros((Tm, max(c.hidden_size, c.q_size, c.intermediate_size)), dtype=cp.uint8)
         self.fp8_xs = cp.zeros(Tm, dtype=cp.float32)
-        if path == "epilogue":
-            self.fp8_d32 = cp.zeros((Tm, fp8_max_outputs(c)), dtype=cp.float32)
+        elems = fp8_epilogue_elems(set(gemms), Tm, fp8_max_outputs(c))
+        if elems:
+            self.fp8_d32 = cp.zeros(elems, dtype=cp.float32)
 
     def set_fp8_gemv_config(self, configs: dict[int, tuple]) -> None:
         """The FP8 GEMV's configuration per bucket for the steps recorded from now on (EngineConfig.fp8_gemv_config;
@@ -86,20 +87,22 @@ class Fp8Launches:
                     scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 2 * r0 * n_out, N=n_out, K=k,
                 )  # fmt: skip
             return
-        if self.fp8_path == "dequant":
+        mode = fp8_gemm_mode(set(self.fp8_gemms), rows, n_out)
+        if mode == "dequant":
             self._launch(
                 "fp8_dequant_rows", (-(-k // 4096), n_out, 1), (256, 1, 1), stream, codes=w.codes, scales=w.scales,
                 out=self.fp8_scratch, N=n_out, K=k,
             )  # fmt: skip
             self.blas.linear(_ptr(x), _ptr(self.fp8_scratch), _ptr(y), rows, n_out, k, False)
             return
-        if self.fp8_gemm is None:
-            raise RuntimeError("fp8 weights: set_fp8_gemm was not called")
+        gemm = self.fp8_gemms.get(mode)
+        if gemm is None:
+            raise RuntimeError(f"fp8 weights: no {mode!r} GEMM (set_fp8_gemm)")
         x8, xs = self.fp8_x8, self.fp8_xs
         self._launch("fp8_quantize_rows", (rows, 1, 1), (256, 1, 1), stream, W=x, codes=x8, scales=xs, N=rows, K=k)
-        outer = self.fp8_path == "outer"
+        outer = mode == "outer"
         d = y if outer else self.fp8_d32
-        self.fp8_gemm.matmul(rows, n_out, k, _ptr(x8), _ptr(w.codes), _ptr(d), _ptr(xs), _ptr(w.scales))
+        gemm.matmul(rows, n_out, k, _ptr(x8), _ptr(w.codes), _ptr(d), _ptr(xs), _ptr(w.scales))
         if not outer:
             self._launch(
                 "fp8_scale_rows", (-(-n_out // 2048), rows, 1), (256, 1, 1), stream, D=d, xs=xs, ws=w.scales, Y=y,

@@ -195,9 +195,16 @@ def loaded_library_path(fragment: str, exclude: str = "", near: str = "") -> str
 
 
 def load_cublaslt() -> ctypes.CDLL:
-    """The cuBLASLt next to the libcublas the engine calls (a process with torch may map two), with the
-    argument types of the calls the engine makes."""
-    lt = ctypes.CDLL(loaded_library_path("libcublasLt.so", near=loaded_library_path("libcublas.so", "libcublasLt")))
+    """The cuBLASLt next to the libcublas the engine calls (a process with torch may map two; CuPy's,
+    loaded here if no cuBLAS call came first), with the argument types of the calls the engine makes."""
+    try:
+        cublas = loaded_library_path("libcublas.so", "libcublasLt")
+    except CudaError:  # nothing has called cuBLAS yet: CuPy's handle loads the library the engine uses
+        import cupy as cp
+
+        cp.cuda.device.get_cublas_handle()
+        cublas = loaded_library_path("libcublas.so", "libcublasLt")
+    lt = ctypes.CDLL(loaded_library_path("libcublasLt.so", near=cublas))
     pp, vp, i32, size = ctypes.POINTER(_vp), _vp, ctypes.c_int, ctypes.c_size_t
     lt.cublasLtCreate.argtypes = [pp]
     lt.cublasLtDestroy.argtypes = [vp]
