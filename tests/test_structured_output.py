@@ -13,7 +13,7 @@ import pydantic
 import pytest
 from structured_schemas import SCHEMAS, client_of, tiny_server
 
-from blink.dpu.structured import GrammarError, request_grammar
+from blink.dpu.structured import GrammarError, ascii_digit_classes, request_grammar
 from blink.dpu.tokenizer import load_tokenizer
 
 KEY = "sk-structured"
@@ -79,6 +79,52 @@ def test_a_choice_mask_allows_exactly_the_first_tokens_of_the_choices():
     m.fill_mask(bits)
     allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
     assert sorted(allowed.tolist()) == sorted(tok.tok.encode("a", add_bos=False) + tok.tok.encode("c", add_bos=False))
+
+
+def _allowed(g, grammar: str, prefix: list[int]) -> list[int]:
+    import numpy as np
+
+    m = g.matcher(grammar)
+    assert m.advance(prefix)
+    bits = np.zeros(g.words, "<u4")
+    m.fill_mask(bits)
+    return np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")).tolist()
+
+
+@pytest.mark.parametrize(
+    "fields, ascii_fields",
+    [
+        ({"guided_regex": r"\d{3}-[\dx]"}, {"guided_regex": r"[0-9]{3}-[0-9x]"}),
+        ({"guided_regex": r"\D+"}, {"guided_regex": r"[^0-9]+"}),
+        (
+            {"guided_json": {"type": "string", "pattern": r"^\d\d$"}},
+            {"guided_json": {"type": "string", "pattern": r"^[0-9][0-9]$"}},
+        ),
+    ],
+)
+def test_a_digit_class_in_a_regex_means_ascii_digits(fields, ascii_fields):
+    """\\d is [0-9], as in JSON Schema's ECMA-262 patterns and vLLM's grammar engines: the engine's own
+    \\d is Unicode's, so a random model filled a `\\d{3}` with Osmanya and Kirat Rai digits (a CI run),
+    which a client's [0-9] or ECMA check rejects. The masks equal those of the [0-9] spelling."""
+    tok = load_tokenizer("random:tiny-llama")
+    g = tok.grammars
+    prefix = tok.tok.encode('"', add_bos=False) if "guided_json" in fields else []
+    assert _allowed(g, request_grammar(fields), prefix) == _allowed(g, request_grammar(ascii_fields), prefix)
+
+
+@pytest.mark.parametrize(
+    "pattern, ascii_pattern",
+    [
+        (r"\d{3}", r"[0-9]{3}"),
+        (r"[\d,]\D", r"[0-9,][^0-9]"),
+        (r"\\d", r"\\d"),  # an escaped backslash, then the letter d
+        (r"\\\d", r"\\[0-9]"),
+        (r"[\]\d]", r"[\]0-9]"),  # an escaped bracket inside a class
+        (r"[^\D]", r"[^\D]"),  # \D inside a class has no class spelling: left to the engine
+    ],
+)
+def test_ascii_digit_classes_rewrites_only_unescaped_digit_classes(pattern, ascii_pattern):
+    assert ascii_digit_classes(pattern) == ascii_pattern
 
 
 @pytest.mark.parametrize(

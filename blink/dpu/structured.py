@@ -52,7 +52,34 @@ def json_schema_grammar(schema: Any, param: str) -> str:
 def regex_grammar(pattern: Any, param: str) -> str:
     if not isinstance(pattern, str) or not pattern:
         raise GrammarError(f"{param} must be a non-empty string", param)
-    return _engine().LLMatcher.grammar_from_regex(pattern)
+    return _engine().LLMatcher.grammar_from_regex(ascii_digit_classes(pattern))
+
+
+def ascii_digit_classes(pattern: str) -> str:
+    """`pattern` with \\d as [0-9] and \\D as [^0-9] (in a class, \\d as 0-9; \\D there is left as is):
+    the meaning of JSON Schema's ECMA-262 patterns and of vLLM's grammar engines, where the engine's own
+    \\d is Unicode's decimal digits (a model would fill a phone number with Osmanya digits)."""
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            e = pattern[i + 1]
+            if e == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif e == "D" and not in_class:
+                out.append("[^0-9]")
+            else:
+                out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+        elif c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def choice_grammar(choices: Any, param: str) -> str:
