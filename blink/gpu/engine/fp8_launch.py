@@ -66,6 +66,17 @@ class Fp8Launches:
         fp8_decode = self.fp8 and self.fp8_decode and T <= self.fp8_gemv_max_tokens
         return fp8_decode and T in FP8_GEMV_BUCKETS and T < self.fp8_mma_min_tokens
 
+    def _fp8_gemv_pieces(self, kind: str, x: object, w: Fp8Linear, y: object, rows: int, y_bytes: int, stream: int):
+        """The FP8 GEMV of `kind` ("": bf16 out, "f32": fp32 out of y_bytes an element) over `rows` rows in
+        bucket pieces (fp8_gemv_pieces), each bucket in its configuration."""
+        n_out, k = w.shape
+        for r0, nt in fp8_gemv_pieces(rows):
+            cfg = self.fp8_gemv_config[nt]
+            self._launch(
+                fp8_gemv_name(nt, kind, cfg), (fp8_gemv_grid(n_out, nt, kind, cfg), 1, 1), (256, 1, 1), stream,
+                W=w.codes, scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + y_bytes * r0 * n_out, N=n_out, K=k,
+            )  # fmt: skip
+
     def fp8_linear(self, x: object, w: Fp8Linear, y: object, rows: int, stream: int) -> None:
         """y (bf16) = x w^T for FP8 w: in decode steps of up to fp8_gemv_max_tokens rows weight-only (bf16
         activations): the FP8 GEMV in bucket pieces below fp8_mma_min_tokens rows, the tensor-core kernel
@@ -80,12 +91,7 @@ class Fp8Launches:
                     scales=w.scales, X=x, Y=y, N=n_out, K=k, T=rows,
                 )  # fmt: skip
                 return
-            for r0, nt in fp8_gemv_pieces(rows):  # a row count between buckets in pieces: 6 = 4 + 2
-                self._launch(
-                    fp8_gemv_name(nt, "", self.fp8_gemv_config[nt]),
-                    (fp8_gemv_grid(n_out, nt, "", self.fp8_gemv_config[nt]), 1, 1), (256, 1, 1), stream, W=w.codes,
-                    scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 2 * r0 * n_out, N=n_out, K=k,
-                )  # fmt: skip
+            self._fp8_gemv_pieces("", x, w, y, rows, 2, stream)  # between buckets in pieces: 6 = 4 + 2
             return
         mode = fp8_gemm_mode(set(self.fp8_gemms), rows, n_out)
         if mode == "dequant":
@@ -117,12 +123,7 @@ class Fp8Launches:
         writing their columns of y."""
         n_out, k = w.shape
         if rows < self.fp8_mma_min_tokens:
-            for r0, nt in fp8_gemv_pieces(rows):
-                self._launch(
-                    fp8_gemv_name(nt, "f32", self.fp8_gemv_config[nt]),
-                    (fp8_gemv_grid(n_out, nt, "f32", self.fp8_gemv_config[nt]), 1, 1), (256, 1, 1), stream, W=w.codes,
-                    scales=w.scales, X=_ptr(x) + 2 * r0 * k, Y=_ptr(y) + 4 * r0 * n_out, N=n_out, K=k,
-                )  # fmt: skip
+            self._fp8_gemv_pieces("f32", x, w, y, rows, 4, stream)
             return
         if rows <= FP8_MMA_MAX_TOKENS:
             self._launch(
