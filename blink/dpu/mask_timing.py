@@ -23,18 +23,23 @@ MASK_LATENCY_EDGES_S: tuple[float, ...] = tuple(
 
 
 class MaskLatency:
-    """Counts of masks posted per latency bucket (monotonic; a scrape takes differences)."""
+    """Counts of masks posted per latency bucket and the latencies' sum (monotonic; a scrape takes
+    differences)."""
 
     def __init__(self) -> None:
         self._edges_ns = np.array([e * 1e9 for e in MASK_LATENCY_EDGES_S])
         self.counts = np.zeros(len(MASK_LATENCY_EDGES_S) + 1, np.int64)
+        self.sum_ns = 0
 
     def observe(self, ns: int, n: int = 1) -> None:
         """n masks posted `ns` nanoseconds after the start of the cycle that read their tokens."""
         self.counts[int(np.searchsorted(self._edges_ns, ns))] += n
+        self.sum_ns += n * int(ns)
 
     def snapshot(self) -> list[int]:
-        return self.counts.tolist()
+        """The counts per bucket, then the sum in nanoseconds: one list of counts that replicas add
+        element by element (blink/actors/router.py)."""
+        return [*self.counts.tolist(), self.sum_ns]
 
 
 def quantile(counts: Sequence[int], q: float) -> float | None:

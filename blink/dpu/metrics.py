@@ -78,7 +78,7 @@ class LiveState:
     up: bool
     ring: RingStats
     device: dict[str, int]  # DEVICE_FIELDS, from the ring header
-    mask_latency: Sequence[int] = ()  # constrained tokens per bucket of MASK_LATENCY_EDGES_S (+ one above)
+    mask_latency: Sequence[int] = ()  # MaskLatency.snapshot: per bucket of MASK_LATENCY_EDGES_S (+ one above), sum ns
 
 
 @dataclass
@@ -133,15 +133,15 @@ class _LiveCollector(Collector):
             yield mask_latency_family(st.mask_latency)
 
 
-def mask_latency_family(counts: Sequence[int]) -> HistogramMetricFamily:
+def mask_latency_family(snapshot: Sequence[int]) -> HistogramMetricFamily:
     """blink_mask_latency_seconds: per constrained token, the token reader's cycle that read it to the
-    post of the next mask (blink/dpu/mask_timing.py; its sum is not kept: 0)."""
+    post of the next mask (blink/dpu/mask_timing.py: MaskLatency.snapshot, the counts then the sum)."""
     cum, buckets = 0, []
-    for edge, c in zip((*map(str, MASK_LATENCY_EDGES_S), "+Inf"), counts, strict=True):
+    for edge, c in zip((*map(str, MASK_LATENCY_EDGES_S), "+Inf"), snapshot[:-1], strict=True):
         cum += int(c)
         buckets.append((edge, cum))
     help_ = "structured output: token read (reader cycle start) to its next mask posted"
-    return HistogramMetricFamily("blink_mask_latency_seconds", help_, buckets=buckets, sum_value=0)
+    return HistogramMetricFamily("blink_mask_latency_seconds", help_, buckets=buckets, sum_value=snapshot[-1] * 1e-9)
 
 
 def kv_usage(device: dict[str, int]) -> float:

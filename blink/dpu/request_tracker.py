@@ -196,7 +196,7 @@ class RequestTracker:
 
     def mask_latency(self) -> list[int]:
         """Counts per bucket of the constrained tokens' "cycle that read the token -> mask posted"
-        (blink.dpu.mask_timing.MASK_LATENCY_EDGES_S)."""
+        (blink.dpu.mask_timing.MASK_LATENCY_EDGES_S), then their sum in nanoseconds."""
         return self.reader.mask_latency.snapshot()
 
     def device_counters(self) -> dict[str, int]:
