@@ -151,9 +151,10 @@ def test_a_late_mask_gives_no_token_for_that_slot_only_and_the_output_is_that_of
         assert late == on_time
 
 
-def test_a_slot_whose_mask_is_late_does_not_delay_others(masked: Rig):
+def _late_beside_24_steps(masked: Rig, rng) -> int:
+    """A constrained slot given the mask of its token 0 only (it then waits for token 1's), and beside
+    it another request run to its 24 tokens. Returns the waiting slot's request."""
     c = masked.client
-    rng = np.random.default_rng(4)
     late = submit_masked(c, rng.integers(3, masked.vocab, 8).tolist(), 1, [7], max_new_tokens=3)
     t0 = time.monotonic()
     while len(c.poll(late).tokens) < 1:  # token 0 comes under the mask given with the request
@@ -162,7 +163,13 @@ def test_a_slot_whose_mask_is_late_does_not_delay_others(masked: Rig):
     other = c.submit(rng.integers(3, masked.vocab, 8).tolist(), max_new_tokens=24)
     (r,) = c.wait([other], timeout=30)
     assert r.finish is FinishReason.LENGTH and len(r.tokens) == 24
-    time.sleep(0.05)
+    time.sleep(0.05)  # the statistics reach the header after the step's tokens
+    return late
+
+
+def test_a_slot_whose_mask_is_late_does_not_delay_others(masked: Rig):
+    c = masked.client
+    late = _late_beside_24_steps(masked, np.random.default_rng(4))
     waiting = c.poll(late)
     assert waiting.tokens == [7] and not waiting.done  # sat out every step while its mask was late
     assert drive(c, late, 1, [7, 9, 11]) == [7, 9, 11]
@@ -181,15 +188,7 @@ def test_every_step_a_slot_sits_out_for_its_late_mask_counts_in_the_header(maske
     time.sleep(0.05)  # the statistics reach the header after the step's tokens
     assert c.h("mask_late_rows") == late0
     steps0 = steps()
-    late = submit_masked(c, rng.integers(3, masked.vocab, 8).tolist(), 1, [7], max_new_tokens=3)
-    t0 = time.monotonic()
-    while len(c.poll(late).tokens) < 1:
-        assert time.monotonic() - t0 < 30
-        time.sleep(0.001)
-    other = c.submit(rng.integers(3, masked.vocab, 8).tolist(), max_new_tokens=24)
-    (r,) = c.wait([other], timeout=30)
-    assert r.finish is FinishReason.LENGTH and len(r.tokens) == 24
-    time.sleep(0.05)
+    late = _late_beside_24_steps(masked, rng)
     sat_out, ran = c.h("mask_late_rows") - late0, steps() - steps0
     assert c.poll(late).tokens == [7]
     assert 23 <= sat_out <= ran, (sat_out, ran)
