@@ -36,7 +36,7 @@ SOURCES = (
     "moe.cu",
     "fp8.cu",
 )
-HEADERS = ("common.cuh", "kv_cache.cuh", "gemv_fused.cuh", "sys_memory.cuh")
+HEADERS = ("common.cuh", "kv_cache.cuh", "gemv_fused.cuh", "sys_memory.cuh", "fp8_codes.cuh")
 # sampling.cu reads SAMPLING_EPS from the generated ring header (blink/protocol/sampling_params.py)
 _EXTRA = {"sampling.cu": (SCHEDULER_CSRC / "blink_ring.h",)}
 UNITS = {s: B.Unit(CSRC / s, (*(CSRC / h for h in HEADERS), *_EXTRA.get(s, ()))) for s in SOURCES}

@@ -9,6 +9,7 @@
 // (cvt.rn.f16x2.e4m3x2, exact: every e4m3 value is an fp16) and accumulates in fp32, so a decode step
 // reads one byte per weight instead of two; it takes the bf16 GEMV's fusions (norm, swiglu, rope, resid).
 #include "common.cuh"
+#include "fp8_codes.cuh"  // decode16
 #include "gemv_fused.cuh"
 #include <cuda_fp8.h>
 
@@ -46,21 +47,6 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows(const bf16* 
       hi |= (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(x[i + 4], s), __NV_SATFINITE, __NV_E4M3) << (8 * i);
     }
     *reinterpret_cast<uint2*>(codes + (size_t)n * K + (size_t)v * 8) = make_uint2(lo, hi);
-  }
-}
-
-// 16 codes of one 16-byte load -> 16 floats (byte i -> f[i]; the low byte of a pair is .x).
-__device__ __forceinline__ void decode16(const uint4& q, float* f) {
-  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[j] >> (16 * h)), __NV_E4M3);
-      const float2 v = __half22float2(__half2(r));
-      f[4 * j + 2 * h] = v.x;
-      f[4 * j + 2 * h + 1] = v.y;
-    }
   }
 }
 

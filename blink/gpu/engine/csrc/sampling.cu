@@ -37,6 +37,7 @@
 // logit_bias: the row is sampled from the raw logits).
 #include "blink_ring.h"  // SAMPLING_EPS (blink/protocol/sampling_params.py)
 #include "common.cuh"
+#include "fp8_codes.cuh"  // decode_e4m3 (the FP8 head's prompt logprobs)
 #include "sys_memory.cuh"  // the gate's acquire (token_mask)
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -281,15 +282,7 @@ __device__ __forceinline__ void plp_load8(const bf16* W, size_t off, float* t) {
 __device__ __forceinline__ void plp_load8(const uint8_t* W, size_t off, float* t) {
   const uint2 q = *reinterpret_cast<const uint2*>(W + off);
   const uint32_t w[2] = {q.x, q.y};
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[j] >> (16 * h)), __NV_E4M3);
-      const float2 v = __half22float2(__half2(r));
-      t[4 * j + 2 * h] = v.x;
-      t[4 * j + 2 * h + 1] = v.y;
-    }
+  decode_e4m3<2>(w, t);
 }
 
 template <typename WT>
