@@ -23,7 +23,7 @@ import urllib.request
 
 import aiohttp
 import pytest
-from test_e2e_openai import Server, _post
+from test_e2e_openai import Server, _post, own_shm_available
 
 from blink.launch import wait_for_ready
 from blink.protocol.layout import DeviceStatus
@@ -60,32 +60,62 @@ def dead_pid() -> int:
 # -- the device dies with its parent; stale rings ------------------------------------------------
 
 
+class OwnShm:
+    """A mount namespace with its own tmpfs on /dev/shm, held by a sleeping process (root only).
+    Servers started with `prefix` live in it and share this machine's network; `path(name)` is a
+    file of its /dev/shm as this process sees it (through /proc/<holder>/root). Other tests' servers
+    sweep the machine's /dev/shm for stale rings too, so a test about which server removed a ring
+    must own its /dev/shm."""
+
+    HOLD = "mount -t tmpfs -o size=64m tmpfs /dev/shm && echo ready && exec sleep infinity"
+
+    def __init__(self):
+        self.holder = subprocess.Popen(["unshare", "--mount", "sh", "-c", self.HOLD], stdout=subprocess.PIPE, text=True)
+        if self.holder.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError("no mount namespace with its own /dev/shm")
+        self.prefix = ["nsenter", "-t", str(self.holder.pid), "-m", "--"]
+
+    def path(self, name: str) -> str:
+        return f"/proc/{self.holder.pid}/root/dev/shm/{name}"
+
+    def close(self) -> None:
+        self.holder.kill()
+        self.holder.wait()
+
+
 def test_device_dies_with_the_frontend_and_its_ring_is_removed_at_the_next_start():
-    stale = f"/dev/shm/blink-{dead_pid()}-0123abcd"  # as a server killed long ago would leave it
-    live = f"/dev/shm/blink-{os.getpid()}-4567cdef"  # its owner (this process) lives: kept
-    for path in (stale, live):
-        with open(path, "wb") as f:
-            f.write(b"\0" * 4096)
+    if not own_shm_available():
+        pytest.skip("needs its own /dev/shm (root): another test's server could sweep the stale rings first")
+    shm = OwnShm()
     try:
-        s = Server(*TINY)
+        stale = shm.path(f"blink-{dead_pid()}-0123abcd")  # as a server killed long ago would leave it
+        live = shm.path(f"blink-{os.getpid()}-4567cdef")  # its owner (this process) lives: kept
+        for path in (stale, live):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 4096)
+        s = Server(*TINY, prefix=shm.prefix)
+        assert not os.path.exists(stale) and os.path.exists(live)
+        assert [ln for ln in s.log if "removed stale ring" in ln] == [
+            f"blink: removed stale ring /dev/shm/{os.path.basename(stale)} (the server that made it is gone)\n"
+        ], "".join(s.log)
         (child,) = child_pids(s.proc.pid)
         s.proc.kill()  # kill -9: no shutdown handler runs
         s.proc.wait(10)
         wait_for(lambda: gone(int(child)), 5.0, f"device {child} gone after its frontend was killed")
-        assert s.ring and os.path.exists(f"/dev/shm/{s.ring}")  # nobody unlinked it
+        assert s.ring and os.path.exists(shm.path(s.ring))  # nobody unlinked it
 
-        s2 = Server(*TINY)
+        s2 = Server(*TINY, prefix=shm.prefix)
         try:
-            assert not os.path.exists(f"/dev/shm/{s.ring}") and not os.path.exists(stale)
-            assert os.path.exists(live)
-            assert any("removed stale ring" in ln for ln in s2.log), "".join(s2.log)
+            assert not os.path.exists(shm.path(s.ring)) and os.path.exists(live)
+            assert [ln for ln in s2.log if "removed stale ring" in ln] == [
+                f"blink: removed stale ring /dev/shm/{s.ring} (the server that made it is gone)\n"
+            ], "".join(s2.log)
             assert complete(s2.url)[0] == 200
         finally:
             assert s2.stop() == 0
     finally:
-        for path in (stale, live):
-            if os.path.exists(path):
-                os.unlink(path)
+        shm.close()
 
 
 def test_device_process_watches_its_parent():
