@@ -221,3 +221,101 @@ def test_after_fuzzing_the_server_is_healthy_and_holds_no_slot(server):
         assert time.monotonic() < t_end, m
         time.sleep(0.05)
     assert not any(k.startswith('blink_requests_total{endpoint="chat",outcome="error"') for k in m if m[k])
+
+
+# -- structured output: fuzzed constraints -----------------------------------------------------------
+# JSON schemas built from the keywords a client uses, with values in and out of range; regex and Lark
+# texts over the characters that make their syntax. Whatever the constraint: a 200 whose output (when
+# it stopped by itself) validates under the schema, or an OpenAI-shaped 400 before or during the stream.
+_kw_values = {
+    "type": st.sampled_from(["object", "array", "string", "integer", "number", "boolean", "null", "wrong"])
+    | st.lists(st.sampled_from(["string", "integer", "null"]), max_size=3),
+    "minimum": st.integers(-(10**20), 10**20) | st.floats(allow_nan=False),
+    "maximum": st.integers(-(10**20), 10**20) | st.floats(allow_nan=False),
+    "minLength": st.integers(-1, 6),
+    "maxLength": st.integers(-1, 8),
+    "minItems": st.integers(-1, 3),
+    "maxItems": st.integers(-1, 4),
+    "enum": st.lists(json_scalars, max_size=4),
+    "const": json_scalars,
+    "pattern": st.text(alphabet="ab^$()[]{}*+?|.\\d0-9,", max_size=12),
+    "format": st.sampled_from(["date", "email", "uuid", "date-time", "nonsense"]),
+    "additionalProperties": st.booleans(),
+    "unknownKeyword": json_values,
+}
+schemas = st.recursive(
+    st.fixed_dictionaries({}, optional=_kw_values) | st.booleans(),
+    lambda inner: st.fixed_dictionaries(
+        {},
+        optional={
+            **_kw_values,
+            "properties": st.dictionaries(st.text(alphabet="abcxyz_", min_size=1, max_size=4), inner, max_size=3),
+            "required": st.lists(st.text(alphabet="abcxyz_", min_size=1, max_size=4), max_size=3),
+            "items": inner,
+            "anyOf": st.lists(inner, max_size=3),
+            "oneOf": st.lists(inner, max_size=3),
+            "allOf": st.lists(inner, max_size=2),
+            "$defs": st.dictionaries(st.just("d"), inner, max_size=1),
+            "$ref": st.sampled_from(["#/$defs/d", "#/nowhere", "#"]),
+        },
+    ),
+    max_leaves=8,
+)
+regexes = st.text(alphabet="ab()[]{}*+?|.^$\\dDwsS0-9,-", max_size=16)
+larks = st.text(alphabet='start:"ab|()*+? \n/%ignore', max_size=30) | st.just('start: "a" b\nb: "b"+')
+constraints = st.one_of(
+    st.fixed_dictionaries({"guided_json": schemas | json_values}),
+    st.fixed_dictionaries({"response_format": st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"schema": schemas})})}),
+    st.fixed_dictionaries({"guided_regex": regexes}),
+    st.fixed_dictionaries({"structured_outputs": st.fixed_dictionaries({}, optional={"regex": regexes, "choice": st.lists(texts, max_size=3), "json": schemas})}),
+    st.fixed_dictionaries({"guided_choice": st.lists(texts, max_size=4) | json_values}),
+    st.fixed_dictionaries({"guided_grammar": larks}),
+)  # fmt: skip
+
+
+def _schema_of(body: dict):
+    if isinstance(body.get("guided_json"), dict | bool):
+        return body["guided_json"]
+    rf = body.get("response_format")
+    return rf["json_schema"]["schema"] if rf else None
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(constraints, st.booleans(), st.booleans())
+def test_fuzzed_constraints_get_a_valid_output_or_an_openai_400(server, constraint, chat, stream):
+    import jsonschema
+
+    body = {**(_CHAT if chat else _COMP), **constraint, "max_tokens": 24, "seed": 1, "stream": stream}
+    status, raw = _send(server, "/v1/chat/completions" if chat else "/v1/completions", body)
+    assert status < 500, (status, raw[:500])
+    if status != 200:
+        err = json.loads(raw)["error"]
+        assert err["type"] == "invalid_request_error" and err["message"], err
+        return
+    if stream:
+        events = [json.loads(e.removeprefix("data: ")) for e in raw.decode().split("\n\n") if e and e != "data: [DONE]"]
+        errors = [e["error"] for e in events if "error" in e]
+        assert all(e["type"] == "invalid_request_error" for e in errors), errors
+        if errors:
+            return
+        text = "".join(
+            (c.get("delta") or {}).get("content") or c.get("text") or "" for e in events for c in e.get("choices", [])
+        )
+        finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    else:
+        choice = json.loads(raw)["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        finish = [choice["finish_reason"]]
+    schema = _schema_of(body)
+    if schema is not None and finish == ["stop"]:
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError:
+            return  # not a schema by its metaschema: the engine's reading of it is all there is (as in vLLM)
+        jsonschema.validate(json.loads(text), schema)

@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import openai
 import pydantic
 import pytest
@@ -17,6 +18,14 @@ from blink.dpu.structured import GrammarError, ascii_digit_classes, request_gram
 from blink.dpu.tokenizer import load_tokenizer
 
 KEY = "sk-structured"
+DEEP = json.loads('{"type": "array", "items": ' * 300 + "{}" + "}" * 300)
+# anyOf 300 objects of 5 optional fields: after "{" the engine's parser holds more items in a row than
+# its limit (2,000), and the matcher fails while the request generates (not when the grammar compiles)
+WIDE = {
+    "anyOf": [
+        {"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"} for j in range(5)}} for i in range(300)
+    ]
+}
 
 
 # -- request parsing -------------------------------------------------------------------------------
@@ -61,12 +70,80 @@ def test_text_format_and_no_fields_are_unconstrained():
         ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        # nested deeper than the engine's JSON reader goes: its ValueError was a 500
+        ({"guided_json": json.loads('{"items":' * 200 + "{}" + "}" * 200)}, "guided_json"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"anyOf": [DEEP]}}}},
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_malformed_constraints_name_their_field(fields, param):
     with pytest.raises(GrammarError) as e:
         request_grammar(fields)
     assert e.value.param == param
+
+
+def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher():
+    """Compiled grammars are cached by their text: every request of one schema copies the compiled
+    matcher (a copy costs microseconds, a compile up to 100 ms for a large schema) and advances only
+    its own copy; the least recently used grammar is dropped past the cache's size."""
+    from blink.dpu.structured import Grammars
+
+    tok = load_tokenizer("random:tiny-llama")
+    gs = Grammars(tok.tok._tok.to_str(), tok.info.vocab_size, [], cache=2)
+    a = request_grammar({"guided_choice": ["ab", "cd"]})
+    assert gs.check(a) == "" and gs.compiles == 1
+    m1, m2 = gs.matcher(a), gs.matcher(a)
+    assert gs.compiles == 1
+    start = np.zeros(gs.words, np.uint32)
+    m2.fill_mask(start)
+    first = int(np.flatnonzero(np.unpackbits(start.view(np.uint8), bitorder="little"))[0])
+    assert m1.advance([first])
+    again = np.zeros(gs.words, np.uint32)
+    m2.fill_mask(again)
+    assert np.array_equal(again, start)  # m1's token did not move m2
+    gs.matcher(a).fill_mask(again)
+    assert np.array_equal(again, start)  # nor the compiled grammar a later request copies
+    b, c = request_grammar({"guided_regex": "x+"}), request_grammar({"guided_regex": "y+"})
+    gs.check(b)
+    gs.check(c)  # a is the least recently used of three: dropped
+    assert gs.compiles == 3
+    gs.matcher(c)
+    assert gs.compiles == 3
+    gs.matcher(a)
+    assert gs.compiles == 4
+
+
+def test_a_new_grammar_compiles_off_the_event_loop_and_a_known_one_on_it(monkeypatch):
+    """The HTTP handler awaits Grammars.prepare: a grammar not seen before compiles in a worker thread
+    (a large schema takes 100 ms and more, which on the loop would stall every stream); one already
+    compiled is answered on the loop without a thread."""
+    import asyncio
+    import threading
+
+    grammars = load_tokenizer("random:tiny-llama").grammars
+    threads = []
+    compile_ = grammars._compile
+
+    def spy(text):
+        threads.append(threading.current_thread())
+        return compile_(text)
+
+    monkeypatch.setattr(grammars, "_compile", spy)
+    g = request_grammar({"guided_regex": "[a-c]{3,9}z"})
+
+    async def main():
+        loop_thread = threading.current_thread()
+        assert await grammars.prepare(g) == ""
+        assert threads[-1] is not loop_thread
+        n = len(threads)
+        assert await grammars.prepare(g) == ""
+        assert len(threads) == n or threads[-1] is loop_thread
+        bad = await grammars.prepare(request_grammar({"guided_regex": "(ab"}))
+        assert "unclosed group" in bad
+
+    asyncio.run(main())
 
 
 def test_a_choice_mask_allows_exactly_the_first_tokens_of_the_choices():
@@ -262,14 +339,36 @@ def test_openai_parse_with_a_pydantic_model(client, server):
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{bad"}}},
             "not valid JSON",
         ),
+        ({"guided_json": DEEP}, "recursion limit"),  # was a 500
     ],
 )
 def test_an_invalid_constraint_is_a_400_naming_what_is_wrong(client, server, extra, needle):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.model, prompt="x", max_tokens=5, extra_body=extra)
     assert needle in str(e.value)
+    field = next(iter(extra))  # the field that holds the constraint (was always "response_format")
+    assert e.value.param is not None and e.value.param.startswith(field), e.value.param
     # the server is fine afterwards
     assert client.completions.create(model=server.model, prompt="x", max_tokens=2).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_the_engine_fails_while_generating_ends_the_request_with_a_400(client, server, stream):
+    """WIDE compiles, but the engine's parser gives up at the first token (its row limit). The request
+    ends with a 400 that quotes the engine, streamed or not; before, the matcher's error left only EOS
+    allowed and the client got a 200 of "{" with finish_reason "stop" (invalid under its schema)."""
+    kw = dict(model=server.model, prompt="x", max_tokens=8, extra_body={"guided_json": WIDE})
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw)
+        assert "structured output" in str(e.value) and "max is 2000" in str(e.value)
+    else:
+        with pytest.raises(openai.APIError) as e:
+            for _ in client.completions.create(stream=True, **kw):
+                pass
+        assert "max is 2000" in str(e.value)
+    assert client.completions.create(model=server.model, prompt="x", max_tokens=2).choices[0].finish_reason
+    assert server.get("/health")[0] == 200
 
 
 def test_grammars_of_a_synthetic_tokenizer_whose_eos_lies_past_its_tokens():

@@ -1,7 +1,8 @@
-"""How long a long prompt holds `blink serve`'s event loop, by how it is tokenized.
+"""How long a long prompt, or a large structured output schema, holds `blink serve`'s event loop.
 
     python -m bench.serving.http_stall --prompt-mb 1            # emulated device (a paced stand-in model)
     python -m bench.serving.http_stall --device cuda --model default --prompt-mb 4
+    python -m bench.serving.http_stall --schema-fields 3000     # JSON schemas of 3,000 required fields
 
 For each variant a `blink serve` runs; this process sends /tokenize with a prompt of --prompt-mb
 (from a thread, raw bytes) while it GETs /health every 10 ms and reads a stream, and reports the
@@ -9,12 +10,17 @@ For each variant a `blink serve` runs; this process sends /tokenize with a promp
 (--tokenizer-pool-size 0: the encode runs in a worker thread of the server, and the tokenizer keeps
 the GIL) and `process` (--tokenizer-pool-size 1: a tokenizer process). The JSON holds the date,
 host, commit and command (default bench/results/http_stall-<device>-<commit>.json).
+
+With --schema-fields N, the load is instead --schemas completions (one after another, 2 tokens each)
+whose `guided_json` is an object of N required string fields: in `schema_new` every schema is new to
+the server (it compiles each), in `schema_same` all are one schema (compiled once, then cached).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import pathlib
@@ -37,7 +43,19 @@ def _post(url: str, body: bytes) -> tuple[int, float]:
         return r.status, time.monotonic() - t0
 
 
-async def measure(url: str, model: str, body: bytes) -> dict:
+def _schema_load(url: str, model: str, fields: int, n: int, new: bool) -> tuple[int, float]:
+    """n completions under N-field JSON schemas, one after another: (the last status, seconds)."""
+    t0, status = time.monotonic(), 0
+    for i in range(n):
+        tag = f"s{i}_" if new else "s_"
+        props = {f"{tag}{j}": {"type": "string", "maxLength": 4} for j in range(fields)}
+        schema = {"type": "object", "properties": props, "required": list(props)}
+        body = {"model": model, "prompt": "x", "max_tokens": 2, "guided_json": schema}
+        status = _post(url + "/v1/completions", json.dumps(body).encode())[0]
+    return status, time.monotonic() - t0
+
+
+async def measure(url: str, model: str, load) -> dict:
     import aiohttp
 
     stop = asyncio.Event()
@@ -67,14 +85,14 @@ async def measure(url: str, model: str, body: bytes) -> dict:
     async with aiohttp.ClientSession() as s:
         tasks = [asyncio.ensure_future(probe(s)), asyncio.ensure_future(stream(s))]
         await asyncio.sleep(1.0)
-        status, took = await asyncio.to_thread(_post, url + "/tokenize", body)
+        status, took = await asyncio.to_thread(load)
         stop.set()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return {
         "status": status,
-        "tokenize_s": round(took, 2),
+        "load_s": round(took, 2),
         "health_ms": percentiles_ms(lat),
         "stream_pause_ms_max": round(max(gaps, default=0.0) * 1e3, 1),
     }
@@ -85,6 +103,8 @@ def main() -> int:
     ap.add_argument("--prompt-mb", type=float, default=1.0)
     ap.add_argument("--device", default="emulated", choices=("emulated", "cuda"))
     ap.add_argument("--model", default="random:tiny-llama")
+    ap.add_argument("--schema-fields", type=int, default=0, help="load: completions under JSON schemas of N fields")
+    ap.add_argument("--schemas", type=int, default=5, help="with --schema-fields: completions per variant")
     ap.add_argument("--out", help="JSON file (default bench/results/http_stall-<device>-<commit>.json)")
     add_commit_arg(ap)
     a = ap.parse_args()
@@ -93,10 +113,16 @@ def main() -> int:
     if a.device == "emulated":
         base += PACED  # the stream's tokens come at the H200's pace; the device costs no CPU
     variants = {}
-    for name, pool in (("thread", 0), ("process", 1)):
+    if a.schema_fields:
+        with ServeProcess(base, timeout=900) as s:
+            for name, new in (("schema_new", True), ("schema_same", False)):
+                load = functools.partial(_schema_load, s.url, s.model, a.schema_fields, a.schemas, new)
+                variants[name] = asyncio.run(measure(s.url, s.model, load))
+                print(name, variants[name], flush=True)
+    for name, pool in () if a.schema_fields else (("thread", 0), ("process", 1)):
         with ServeProcess([*base, "--tokenizer-pool-size", str(pool)], timeout=900) as s:
             body = json.dumps({"model": s.model, "prompt": text}).encode()
-            variants[name] = asyncio.run(measure(s.url, s.model, body))
+            variants[name] = asyncio.run(measure(s.url, s.model, functools.partial(_post, s.url + "/tokenize", body)))
         print(name, variants[name], flush=True)
     commit = a.commit or git_commit()
     result = {
@@ -104,11 +130,12 @@ def main() -> int:
         **metadata(commit, [os.path.basename(sys.executable), *sys.argv], gpu=smi_gpu_name()),
         "device": a.device,
         "model": a.model,
-        "prompt_mb": a.prompt_mb,
+        **({"schema_fields": a.schema_fields, "schemas": a.schemas} if a.schema_fields else {"prompt_mb": a.prompt_mb}),
         "variants": variants,
     }
     dev = "h200" if a.device == "cuda" else a.device
-    out = pathlib.Path(a.out) if a.out else RESULTS / f"http_stall-{dev}-{commit[:7]}.json"
+    name = "http_stall_schema" if a.schema_fields else "http_stall"
+    out = pathlib.Path(a.out) if a.out else RESULTS / f"{name}-{dev}-{commit[:7]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"-> {out}")

@@ -210,7 +210,7 @@ class CompletionHandler:
             for j, ids in enumerate(encoded)
             for i in range(n)
         ]
-        self._check_subs(subs[::n], chat)
+        await self._check_subs(subs[::n], chat, api.constraint_param(r))
         call.prompt_only = max_tokens == 0
         decode = _token_id_name if r.return_tokens_as_token_ids else self._decode_one
         call.lps = [
@@ -272,16 +272,17 @@ class CompletionHandler:
             return JsonArray()
         return parser_for(self.config.tool_call_parser, self.tok.tok.chat_template)
 
-    def _check_subs(self, subs: list[SubmitRequest], chat: bool) -> None:
+    async def _check_subs(self, subs: list[SubmitRequest], chat: bool, grammar_param: str) -> None:
         """A 400 for a ring request the device or the ring cannot serve: a feature the device lacks, a
-        grammar that does not compile for this model's tokenizer (quoting the engine), a prompt region
-        larger than a slot's."""
+        grammar that does not compile for this model's tokenizer (quoting the engine and naming the
+        field `grammar_param` that holds it; a new grammar compiles off the event loop), a prompt
+        region larger than a slot's."""
         for sub in subs:
             api.check_features(sub, self.backend.features)
-            why = self.tok.grammars.check(sub.grammar) if sub.grammar else ""
+            why = await self.tok.grammars.prepare(sub.grammar) if sub.grammar else ""
             if why:
                 msg = f"the structured output constraint does not compile: {why.strip()}"
-                raise api.APIError(400, msg, "response_format")
+                raise api.APIError(400, msg, grammar_param)
             why = self.backend.check_prompt(len(sub.prompt_ids), region_words(sub))
             if why:
                 raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")

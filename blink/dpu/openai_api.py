@@ -342,14 +342,33 @@ def sampling_params(
     )
 
 
+_CONSTRAINTS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
 def structured_grammar(r: _Sampling) -> str | None:
     """The grammar text of the request's structured output fields (None: unconstrained); a 400
     naming the field when one is malformed (blink/dpu/structured.py)."""
-    names = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
     try:
-        return request_grammar({n: getattr(r, n) for n in names})
+        return request_grammar({n: getattr(r, n) for n in _CONSTRAINTS})
     except GrammarError as e:
         raise APIError(400, str(e), e.param) from e
+
+
+def constraint_param(r: _Sampling) -> str:
+    """The field that holds the request's grammar (what a 400 about it names): a structured output
+    field, else `tools` (tool_choice required or a named function)."""
+    for n in _CONSTRAINTS:
+        v = getattr(r, n, None)
+        if v is not None and not (n == "response_format" and v.get("type", "text") == "text"):
+            return n
+    return "tools"
 
 
 def stop_strings(r: _Sampling) -> list[str]:

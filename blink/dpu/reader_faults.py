@@ -1,7 +1,7 @@
 """The token reader's failures (blink/dpu/token_reader.py, its module doc): the device's health (its
 status and heartbeat; a failure or a stall ends every in-flight request with an error event) and the
-faults of one slot (a record no conforming device could produce ends that slot's request only). A
-mixin of TokenReader, whose state it reads and updates."""
+faults of one slot (a record no conforming device could produce ends that slot's request only, and so
+does a structured output constraint whose grammar engine failed). A mixin of TokenReader, whose state it reads and updates."""
 
 from __future__ import annotations
 
@@ -83,11 +83,30 @@ class ReaderFaults:
 
     def _slot_fault(self, slot: int, why: str) -> None:
         a = self.active[slot]
-        a.faulted = True
-        self._faulted[slot] = True
         self.slot_faults += 1
         log.error("slot %d (request %d): %s; ending that request", slot, a.request_id, why)
-        self._end_with_error(a, f"slot fault: {why}")
+        self._end_slot(slot, f"slot fault: {why}", SlotError.DEVICE_FAULT)
+
+    def _constraint_failed(self, slot: int) -> None:
+        """A constrained request whose matcher failed: the grammar engine gave up on its grammar at
+        this position (e.g. its parser's row limit) or read a token the grammar forbids. Its mask
+        would now allow only EOS, and the client would get an output its schema rejects, ended as an
+        ordinary stop; instead the request ends with an error that quotes the engine (a 400: the
+        constraint is the client's), and its slot is cancelled and drained like a faulted one."""
+        a = self.active[slot]
+        why = a.constraint.matcher.error.strip() or "the grammar engine rejected a token"
+        self.constraint_failures += 1
+        log.warning("slot %d (request %d): structured output constraint failed: %s", slot, a.request_id, why)
+        msg = f"the structured output constraint failed after {int(self._delivered[slot])} tokens: {why}"
+        self._end_slot(slot, msg, SlotError.BAD_PARAMS)
+
+    def _end_slot(self, slot: int, why: str, error: SlotError) -> None:
+        """End the request in `slot` with an error event and cancel the slot; the reader drains and
+        releases it once the device completes it (_drop_faulted)."""
+        a = self.active[slot]
+        a.faulted = True
+        self._faulted[slot] = True
+        self._end_with_error(a, why, error)
         self._cancel(slot)
 
     def _drop_faulted(self, slot: int, rec: np.ndarray, writes: list, released: list) -> None:
@@ -104,12 +123,13 @@ class ReaderFaults:
         self._active_mask[slot] = False
         self._n_masked -= a.constraint is not None
 
-    def _end_with_error(self, a, why: str) -> None:
-        """Tell a request it ended with a device fault (once: its sink is dropped)."""
+    def _end_with_error(self, a, why: str, error: SlotError = SlotError.DEVICE_FAULT) -> None:
+        """Tell a request it ended with an error, a device fault unless `error` says otherwise (once:
+        its sink is dropped)."""
         if a.sink is None:
             return
         try:
-            a.sink(TokenEvent(a.request_id, [], FinishReason.ERROR, SlotError.DEVICE_FAULT, why))
+            a.sink(TokenEvent(a.request_id, [], FinishReason.ERROR, error, why))
         except Exception:  # one broken consumer must not keep the others from hearing
             log.exception("request %d: delivering the error event", a.request_id)
         a.sink = None

@@ -11,9 +11,10 @@ names the field and quotes the engine's reason.
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 # the engine's JSON options: no free whitespace (a model left free to emit whitespace can loop on it)
 _JSON_DEFAULTS = {"whitespace_flexible": False}
 _CACHE = 512  # distinct grammars kept compiled
+_CACHE_TEXT = 64 << 20  # and at most this much grammar text among them (a compiled grammar grows with it)
 
 
 class GrammarError(ValueError):
@@ -46,13 +48,19 @@ def json_schema_grammar(schema: Any, param: str) -> str:
             raise GrammarError(f"{param} is not valid JSON: {e}", param) from e
     if not isinstance(schema, Mapping | bool):
         raise GrammarError(f"{param} must be a JSON schema object", param)
-    return _engine().LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
+    try:
+        return _engine().LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
+    except ValueError as e:  # what the engine's JSON reader refuses (e.g. nesting past its recursion limit)
+        raise GrammarError(f"{param}: the grammar engine cannot read this schema: {e}", param) from e
 
 
 def regex_grammar(pattern: Any, param: str) -> str:
     if not isinstance(pattern, str) or not pattern:
         raise GrammarError(f"{param} must be a non-empty string", param)
-    return _engine().LLMatcher.grammar_from_regex(ascii_digit_classes(pattern))
+    try:
+        return _engine().LLMatcher.grammar_from_regex(ascii_digit_classes(pattern))
+    except ValueError as e:
+        raise GrammarError(f"{param}: {e}", param) from e
 
 
 def ascii_digit_classes(pattern: str) -> str:
@@ -172,29 +180,72 @@ def request_grammar(fields: Mapping[str, Any]) -> str | None:
 
 
 class Grammars:
-    """The engine's view of the model's tokenizer and the grammars checked against it (cached by
-    grammar text: a schema sent with every request compiles once)."""
+    """The engine's view of the model's tokenizer and the grammars compiled against it, cached by
+    grammar text: a schema sent with every request compiles once (up to 100 ms and more for a large
+    one), and each request advances its own copy of the compiled matcher (a copy costs microseconds).
+    The cache keeps the `cache` most recently used grammars, within `cache_text` bytes of their text."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_ids: list[int],
+        cache: int = _CACHE,
+        cache_text: int = _CACHE_TEXT,
+    ):
         llg = _engine()
         self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
-        self._lock = threading.Lock()
-        self.check = functools.lru_cache(maxsize=_CACHE)(self._check)
+        self.cache, self.cache_text = cache, cache_text
+        self.compiles = 0  # grammars compiled so far (cache misses)
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # text -> its compiled matcher, never advanced
+        self._text = 0  # bytes of grammar text in _compiled
+        self._lock = threading.Lock()  # guards the cache only: compiling runs outside it, in any thread
 
-    def _check(self, grammar: str) -> str:
-        """'' when the grammar compiles against this tokenizer, else the engine's reason."""
+    def _cached(self, grammar: str) -> Any | None:
         with self._lock:
-            return _engine().LLMatcher.validate_grammar(grammar, self.tokenizer)
+            m = self._compiled.get(grammar)
+            if m is not None:
+                self._compiled.move_to_end(grammar)
+            return m
 
-    def validate(self, grammar: str, param: str) -> None:
-        why = self.check(grammar)
-        if why:
-            raise GrammarError(f"{param}: {why.strip()}", param)
+    def _compile(self, grammar: str) -> Any:
+        """The grammar's compiled matcher (in error when the grammar does not compile: get_error says
+        why), from the cache or compiled now. A new one computes its first mask before it is shared,
+        so that the lexer states of the start are built once, not by every request's copy."""
+        m = self._cached(grammar)
+        if m is not None:
+            return m
+        m = _engine().LLMatcher(self.tokenizer, grammar)
+        if not m.is_error():
+            first = np.empty(self.words, "<u4")
+            m.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
+        with self._lock:
+            self.compiles += 1
+            if grammar not in self._compiled:
+                self._compiled[grammar] = m
+                self._text += len(grammar)
+            while len(self._compiled) > self.cache or (self._text > self.cache_text and len(self._compiled) > 1):
+                old, _ = self._compiled.popitem(last=False)
+                self._text -= len(old)
+        return m
+
+    def check(self, grammar: str) -> str:
+        """'' when the grammar compiles against this tokenizer, else the engine's reason."""
+        m = self._compile(grammar)
+        return (m.get_error() or "invalid grammar") if m.is_error() else ""
+
+    async def prepare(self, grammar: str) -> str:
+        """check(), from the event loop: a grammar not compiled yet compiles in a worker thread (the
+        engine releases the GIL while it compiles), so the loop keeps serving the other streams."""
+        if self._cached(grammar) is not None:
+            return self.check(grammar)
+        return await asyncio.to_thread(self.check, grammar)
 
     def matcher(self, grammar: str) -> Matcher:
-        return Matcher(_engine().LLMatcher(self.tokenizer, grammar), self.words)
+        """A new request's matcher: its own copy of the compiled grammar, at the start."""
+        return Matcher(self._compile(grammar).deep_copy(), self.words)
 
 
 def executor(threads: int | None = None):

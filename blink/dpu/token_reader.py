@@ -130,6 +130,7 @@ class TokenReader(ReaderFaults):
         self.tokens_read = 0
         self.restarts = 0  # crashes of the loop survived
         self.slot_faults = 0
+        self.constraint_failures = 0  # requests ended because their grammar engine failed
         self._cap = self.geo.output_capacity
         self.masks = MaskBatch(self.geo, mask_threads)  # a cycle's masks, computed together
         self.mask_latency = MaskLatency()  # cycle start -> mask posted, per constrained token
@@ -269,12 +270,15 @@ class TokenReader(ReaderFaults):
         tokens (MaskBatch: computed together), one post for all, timed from the cycle's start t0."""
         items = []
         for s, ids in ids_of.items():
-            c = self.active[s].constraint
-            if c is not None and ids and not completed[s]:
-                items.append((s, c, ids, gens[s]))
+            a = self.active[s]
+            if a.constraint is not None and ids and not completed[s] and not a.faulted:
+                items.append((s, a.constraint, ids, gens[s]))
         if items:
             self.t.post(self.masks.advance(items))
             self.mask_latency.observe(time.perf_counter_ns() - t0, len(items))
+            for s, c, _, _ in items:
+                if c.failed:
+                    self._constraint_failed(s)
 
     def _deliver(
         self,
