@@ -194,6 +194,12 @@ def test_a_tool_result_conversation_is_accepted(client, server):
     assert r.choices[0].finish_reason == "length"
 
 
+DEEP_TOOL = {
+    "type": "function",
+    "function": {"name": "deep", "parameters": json.loads('{"type": "array", "items": ' * 300 + "{}" + "}" * 300)},
+}
+
+
 @pytest.mark.parametrize(
     "kw, param",
     [
@@ -201,9 +207,12 @@ def test_a_tool_result_conversation_is_accepted(client, server):
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        # parameters nested deeper than the grammar engine's JSON reader goes: a 500 before
+        ({"tools": [DEEP_TOOL], "tool_choice": "required"}, "tools"),
+        ({"tools": [DEEP_TOOL], "tool_choice": {"type": "function", "function": {"name": "deep"}}}, "tools"),
     ],
 )
 def test_malformed_tools_are_a_400_naming_the_field(client, server, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=server.model, messages=MSGS, max_tokens=2, **kw)
-    assert e.value.body["param"] == param
+    assert e.value.body["param"] == param, e.value.body

@@ -194,6 +194,7 @@ class CompletionHandler:
         n = api.choices_per_prompt(r, len(prompts), self.config.max_n)
         stop = self._stop_strings(r)
         call.stop_matcher = await stop_matcher.prepare(stop)  # built off the loop's critical path
+        grammar = await self._constraint(r)  # a 400 about it comes before the prompt is tokenized
         encoded = [await self._encode(chat, p, r) for p in prompts]
         self._check_context(r, chat, encoded)
         try:
@@ -206,11 +207,11 @@ class CompletionHandler:
         ids_ = [self.backend.new_request_id() for _ in range(len(encoded) * n)]
         group = ids_[0] if len(ids_) > 1 else 0  # the device caps a group's batch places (slot.group)
         subs = [
-            api.sampling_params(r, ids_[j * n + i], ids, stop_ids, max_tokens, i, vocab, group)
+            api.sampling_params(r, ids_[j * n + i], ids, stop_ids, max_tokens, i, vocab, group, grammar)
             for j, ids in enumerate(encoded)
             for i in range(n)
         ]
-        await self._check_subs(subs[::n], chat, api.constraint_param(r))
+        self._check_subs(subs[::n], chat)
         call.prompt_only = max_tokens == 0
         decode = _token_id_name if r.return_tokens_as_token_ids else self._decode_one
         call.lps = [
@@ -272,17 +273,22 @@ class CompletionHandler:
             return JsonArray()
         return parser_for(self.config.tool_call_parser, self.tok.tok.chat_template)
 
-    async def _check_subs(self, subs: list[SubmitRequest], chat: bool, grammar_param: str) -> None:
+    async def _constraint(self, r: Any) -> str | None:
+        """The request's grammar (openai_api.request_constraint), compiled for this model's tokenizer
+        (a new one off the event loop); a 400 quoting the engine and naming the field that holds it
+        when it does not compile."""
+        grammar = api.request_constraint(r)
+        why = await self.tok.grammars.prepare(grammar) if grammar else ""
+        if why:
+            msg = f"the structured output constraint does not compile: {why.strip()}"
+            raise api.APIError(400, msg, api.constraint_param(r))
+        return grammar
+
+    def _check_subs(self, subs: list[SubmitRequest], chat: bool) -> None:
         """A 400 for a ring request the device or the ring cannot serve: a feature the device lacks, a
-        grammar that does not compile for this model's tokenizer (quoting the engine and naming the
-        field `grammar_param` that holds it; a new grammar compiles off the event loop), a prompt
-        region larger than a slot's."""
+        prompt region larger than a slot's."""
         for sub in subs:
             api.check_features(sub, self.backend.features)
-            why = await self.tok.grammars.prepare(sub.grammar) if sub.grammar else ""
-            if why:
-                msg = f"the structured output constraint does not compile: {why.strip()}"
-                raise api.APIError(400, msg, grammar_param)
             why = self.backend.check_prompt(len(sub.prompt_ids), region_words(sub))
             if why:
                 raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")

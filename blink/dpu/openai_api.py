@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from types import EllipsisType
 from typing import Any
 
 import msgspec
@@ -284,21 +285,18 @@ def sampling_params(
     choice: int = 0,
     vocab_size: int = 1 << 31,
     group: int = 0,
+    grammar: str | None | EllipsisType = ...,
 ) -> SubmitRequest:
     """Validate the sampling fields (their ranges: blink.protocol.sampling_params); build the ring
     request of one choice. Defaults follow OpenAI/vLLM: temperature 1, top_p 1, no top_k, a random
     seed when none is given; a temperature below SAMPLING_EPS is greedy. With a seed, choice i
     samples with seed + i: the choices differ, and the request is reproducible. max_tokens 0
     (completions with echo: the prompt's logprobs only) asks the device for 1 token, which the
-    server drops. `group`: the API request's id when it has several choices (slot.group)."""
+    server drops. `group`: the API request's id when it has several choices (slot.group).
+    `grammar`: request_constraint(r) when the caller has it already."""
     _check_unsupported(r)
-    grammar = structured_grammar(r)
-    tools = chat_tools(r) if isinstance(r, ChatRequest) else None
-    if tools is not None and tools[1] in ("required", "named"):  # the grammar makes the calls parse
-        if grammar:
-            raise APIError(400, "tool_choice required or a function excludes response_format", "tool_choice")
-        parallel = r.parallel_tool_calls is not False  # type: ignore[attr-defined]
-        grammar = json_schema_grammar(required_schema(tools[0], tools[2], parallel), "tools")
+    if grammar is ...:
+        grammar = request_constraint(r)
     gen_lp, prompt_lp = logprobs_wanted(r)
     if max_tokens == 0 and not (isinstance(r, CompletionRequest) and r.echo):
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
@@ -359,6 +357,23 @@ def structured_grammar(r: _Sampling) -> str | None:
         return request_grammar({n: getattr(r, n) for n in _CONSTRAINTS})
     except GrammarError as e:
         raise APIError(400, str(e), e.param) from e
+
+
+def request_constraint(r: _Sampling) -> str | None:
+    """The grammar that constrains the request's output (None: none): its structured output field,
+    or for tool_choice `required` or a named function the schema of the calls (so they always
+    parse). A 400 naming the field when it is malformed or the engine cannot read it."""
+    grammar = structured_grammar(r)
+    tools = chat_tools(r) if isinstance(r, ChatRequest) else None
+    if tools is not None and tools[1] in ("required", "named"):
+        if grammar:
+            raise APIError(400, "tool_choice required or a function excludes response_format", "tool_choice")
+        parallel = r.parallel_tool_calls is not False  # type: ignore[attr-defined]
+        try:
+            grammar = json_schema_grammar(required_schema(tools[0], tools[2], parallel), "tools")
+        except GrammarError as e:
+            raise APIError(400, str(e), e.param) from e
+    return grammar
 
 
 def constraint_param(r: _Sampling) -> str:
