@@ -270,6 +270,18 @@ constraints = st.one_of(
     st.fixed_dictionaries({"structured_outputs": st.fixed_dictionaries({}, optional={"regex": regexes, "choice": st.lists(texts, max_size=3), "json": schemas})}),
     st.fixed_dictionaries({"guided_choice": st.lists(texts, max_size=4) | json_values}),
     st.fixed_dictionaries({"guided_grammar": larks}),
+    st.fixed_dictionaries(
+        {
+            "tools": st.lists(
+                st.fixed_dictionaries(
+                    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])}, optional={"parameters": schemas})}
+                ),
+                min_size=1,
+                max_size=2,
+            ),
+            "tool_choice": st.sampled_from(["auto", "required", "none"]),
+        }
+    ),
 )  # fmt: skip
 
 
@@ -281,7 +293,7 @@ def _schema_of(body: dict):
 
 
 @settings(
-    max_examples=150,
+    max_examples=200,
     deadline=None,
     derandomize=True,
     database=None,
@@ -289,9 +301,8 @@ def _schema_of(body: dict):
 )
 @given(constraints, st.booleans(), st.booleans())
 def test_fuzzed_constraints_get_a_valid_output_or_an_openai_400(server, constraint, chat, stream):
-    import jsonschema
-
-    body = {**(_CHAT if chat else _COMP), **constraint, "max_tokens": 24, "seed": 1, "stream": stream}
+    n = 96 if "tools" in constraint else 24  # a call spells its name and arguments, a byte a token
+    body = {**(_CHAT if chat else _COMP), **constraint, "max_tokens": n, "seed": 1, "stream": stream}
     status, raw = _send(server, "/v1/chat/completions" if chat else "/v1/completions", body)
     assert status < 500, (status, raw[:500])
     if status != 200:
@@ -312,10 +323,20 @@ def test_fuzzed_constraints_get_a_valid_output_or_an_openai_400(server, constrai
         choice = json.loads(raw)["choices"][0]
         text = choice["message"]["content"] if chat else choice["text"]
         finish = [choice["finish_reason"]]
+    if chat and not stream and body.get("tool_choice") == "required" and finish == ["tool_calls"]:
+        params = {t["function"]["name"]: t["function"].get("parameters", {}) for t in body["tools"]}
+        for call in json.loads(raw)["choices"][0]["message"]["tool_calls"]:
+            _validate(json.loads(call["function"]["arguments"]), params[call["function"]["name"]])
     schema = _schema_of(body)
     if schema is not None and finish == ["stop"]:
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError:
-            return  # not a schema by its metaschema: the engine's reading of it is all there is (as in vLLM)
-        jsonschema.validate(json.loads(text), schema)
+        _validate(json.loads(text), schema)
+
+
+def _validate(value, schema) -> None:
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError:
+        return  # not a schema by its metaschema: the engine's reading of it is all there is (as in vLLM)
+    jsonschema.validate(value, schema)

@@ -91,7 +91,7 @@ def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher():
     from blink.dpu.structured import Grammars
 
     tok = load_tokenizer("random:tiny-llama")
-    gs = Grammars(tok.tok._tok.to_str(), tok.info.vocab_size, [], cache=2)
+    gs = Grammars(tok.grammars.tokenizer, tok.info.vocab_size, cache=2)
     a = request_grammar({"guided_choice": ["ab", "cd"]})
     assert gs.check(a) == "" and gs.compiles == 1
     m1, m2 = gs.matcher(a), gs.matcher(a)
@@ -369,6 +369,31 @@ def test_a_constraint_the_engine_fails_while_generating_ends_the_request_with_a_
         assert "max is 2000" in str(e.value)
     assert client.completions.create(model=server.model, prompt="x", max_tokens=2).choices[0].finish_reason
     assert server.get("/health")[0] == 200
+
+
+@pytest.mark.parametrize("model", ["random:tiny-llama", "random:llama3-8b", "default"])
+def test_the_engine_reads_every_token_as_the_tokenizer_spells_it(model):
+    """The grammar engine's bytes of every id are the tokenizer's, and its EOS is the model's. The
+    synthetic tokenizer has holes in its ids (no id 0; BOS/EOS at 128,000 and up for Llama 3), which
+    the engine's own reader numbered in order: it allowed id 258 (byte 0xad) in a mask and refused it
+    when consumed, ending a guided_choice of "\u00a96\u00ad" in error (a fuzz finding), and it
+    had no EOS for llama3-8b."""
+    from blink.dpu.grammar_vocab import byte_level_chars
+
+    tok = load_tokenizer(model)
+    engine, chars = tok.grammars.tokenizer, byte_level_chars()
+    vocab = tok.tok._tok.get_vocab(with_added_tokens=False)
+    specials = set(tok.tok._tok.get_added_tokens_decoder())
+    have = set(vocab.values()) | specials
+    assert engine.eos_tokens == [t for t in tok.eos_ids if t in have] != []  # those the tokenizer spells
+    for s, i in vocab.items():
+        if i not in specials and i < tok.info.vocab_size and s != "\u00ff":  # byte 0xff: the engine's own marker
+            assert engine.decode_bytes([i]) == bytes(chars[c] for c in s), (i, s)
+    m = tok.grammars.matcher(request_grammar({"guided_choice": ["f", "\u00a96\u00ad"]}))
+    assert m.advance(tok.tok.encode("\u00a96\u00ad", add_bos=False)), m.error
+    end = np.zeros(tok.grammars.words, np.uint32)
+    m.fill_mask(end)
+    assert np.flatnonzero(np.unpackbits(end.view(np.uint8), bitorder="little")).tolist() == engine.eos_tokens
 
 
 def test_grammars_of_a_synthetic_tokenizer_whose_eos_lies_past_its_tokens():

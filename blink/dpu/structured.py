@@ -185,16 +185,8 @@ class Grammars:
     one), and each request advances its own copy of the compiled matcher (a copy costs microseconds).
     The cache keeps the `cache` most recently used grammars, within `cache_text` bytes of their text."""
 
-    def __init__(
-        self,
-        tokenizer_json: str,
-        vocab_size: int,
-        eos_ids: list[int],
-        cache: int = _CACHE,
-        cache_text: int = _CACHE_TEXT,
-    ):
-        llg = _engine()
-        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+    def __init__(self, tokenizer: Any, vocab_size: int, cache: int = _CACHE, cache_text: int = _CACHE_TEXT):
+        self.tokenizer = tokenizer  # the engine's (blink/dpu/grammar_vocab.py)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.cache, self.cache_text = cache, cache_text

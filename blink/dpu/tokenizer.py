@@ -131,12 +131,11 @@ class FrontendTokenizer:
     @functools.cached_property
     def grammars(self) -> Grammars:
         """The grammar engine over this tokenizer (structured output), built at first use (~0.5 s)."""
+        from .grammar_vocab import engine_tokenizer
         from .structured import Grammars
 
-        # The grammar engine takes as EOS only ids its tokenizer has: a synthetic tokenizer (random
-        # weights) spells bytes only, and the model's EOS ids lie past it.
-        n_tok = self.tok._tok.get_vocab_size(with_added_tokens=True)
-        return Grammars(self.tok._tok.to_str(), self.info.vocab_size, [t for t in self.eos_ids if t < n_tok])
+        engine = engine_tokenizer(self.tok._tok, self.info.vocab_size, list(self.eos_ids), self.tok.bos_token_id)
+        return Grammars(engine, self.info.vocab_size)
 
     def detokenizer(
         self, stop: Sequence[str] = (), include_stop: bool = False, skip_special_tokens: bool = True
