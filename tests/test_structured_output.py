@@ -413,6 +413,18 @@ def test_the_structured_benchmark_times_masks_on_a_model_tokenizer():
     assert out["schemas"] and all(s["us_p50"] > 0 for s in out["schemas"].values())
 
 
+def test_the_forced_tokens_benchmark_walks_each_document_through_its_schema():
+    """bench.serving.forced_tokens: every document completes its schema; jump-forward saves steps
+    (the keys and punctuation are forced) and never costs any."""
+    from bench.serving.forced_tokens import cases, walk
+
+    tok = load_tokenizer("random:tiny-llama")
+    for schema, doc in cases().values():
+        r = walk(tok, schema, doc)
+        assert r["tokens"] == len(doc.encode())  # one byte a token
+        assert 0 < r["steps_jump_forward"] < r["steps"] and r["forced_tokens"] > 0
+
+
 def test_metrics_count_the_masks_of_constrained_tokens_and_the_rows_that_sat_out(client, server):
     """/metrics: blink_mask_latency_seconds counts a mask per constrained token read before the last
     (reader cycle -> mask posted), and the device's mask_late_rows is exported; the structured
