@@ -24,7 +24,7 @@ WHOLE_CUDA_FUNCTIONS = {
 }
 CUDA_NOT_A_FUNCTION = re.compile(r"^(#|//|/\*|\*|}|namespace\b|struct\b|class\b|union\b|enum\b|typedef\b|using\b)")
 CUDA_ATTRIBUTES = {"__launch_bounds__", "__align__", "__attribute__", "alignas", "decltype"}
-NAME = re.compile(r"^[a-z0-9_]+-(h200|2xh200|emulated)-[0-9a-f]{7}\.(json|log|png)$")
+NAME = re.compile(r"^[a-z0-9_]+-(h200|2xh200|emulated|cpu)-[0-9a-f]{7}\.(json|log|png)$")
 
 
 def _make(*args: str) -> str:
