@@ -113,6 +113,14 @@ def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher():
     assert gs.compiles == 3
     gs.matcher(a)
     assert gs.compiles == 4
+    # and within cache_text bytes of grammar text: the least recently used goes first, the newest stays
+    gt = Grammars(tok.grammars.tokenizer, tok.info.vocab_size, cache=10, cache_text=len(a + b + c) - 1)
+    for g in (b, c, a):
+        gt.check(g)
+    gt.check(c)
+    assert gt.compiles == 3
+    gt.check(b)
+    assert gt.compiles == 4
 
 
 def test_a_new_grammar_compiles_off_the_event_loop_and_a_known_one_on_it(monkeypatch):
