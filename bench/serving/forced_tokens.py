@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import sys
 
 import numpy as np
 
-from bench.common import RESULTS, add_commit_arg, git_commit, metadata
+from bench.common import add_commit_arg, git_commit, metadata, result_path, write_json
 from bench.serving.structured import schema_and_doc
 from blink.dpu.structured import json_schema_grammar
 from blink.dpu.tokenizer import load_tokenizer
@@ -143,10 +142,7 @@ def main() -> int:
         "vocab": tok.info.vocab_size,
         "schemas": schemas,
     }
-    out = pathlib.Path(a.out) if a.out else RESULTS / f"forced_tokens-cpu-{commit[:7]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"-> {out}")
+    write_json(a.out or str(result_path("forced_tokens", "cpu", commit[:7])), result)
     return 0
 
 

@@ -23,12 +23,11 @@ import asyncio
 import functools
 import json
 import os
-import pathlib
 import sys
 import time
 import urllib.request
 
-from bench.common import RESULTS, add_commit_arg, git_commit, metadata, smi_gpu_name
+from bench.common import add_commit_arg, git_commit, metadata, result_path, smi_gpu_name, write_json
 from bench.serving.hostile import percentiles_ms
 from blink.testing import ServeProcess
 
@@ -135,10 +134,7 @@ def main() -> int:
     }
     dev = "h200" if a.device == "cuda" else a.device
     name = "http_stall_schema" if a.schema_fields else "http_stall"
-    out = pathlib.Path(a.out) if a.out else RESULTS / f"{name}-{dev}-{commit[:7]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"-> {out}")
+    write_json(a.out or str(result_path(name, dev, commit[:7])), result)
     return 0
 
 
