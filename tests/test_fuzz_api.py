@@ -110,6 +110,17 @@ bodies = st.tuples(st.just("/v1/chat/completions"), sane_chat | chat_bodies | js
 )
 
 
+def fuzz(examples: int):
+    """The same bodies every run (derandomized, no example database: module doc)."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )
+
+
 @pytest.fixture(scope="module")
 def server():
     s = Server(
@@ -178,13 +189,7 @@ def test_extreme_sampling_parameters_are_served(server, path, body):
     assert server.metrics()["blink_device_up"] == 1
 
 
-@settings(
-    max_examples=250,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@fuzz(250)
 @given(bodies)
 @example(REGRESSIONS[0])
 @example(REGRESSIONS[3])
@@ -194,13 +199,7 @@ def test_fuzzed_bodies_get_200_or_an_openai_4xx(server, case):
     _check(status, raw, isinstance(body, dict) and body.get("stream") is True)
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@fuzz(60)
 @given(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), st.binary(max_size=200) | texts.map(str.encode))
 def test_fuzzed_bytes_get_a_4xx(server, path, raw_body):
     url = urllib.parse.urlparse(server.url)
@@ -292,13 +291,7 @@ def _schema_of(body: dict):
     return rf["json_schema"]["schema"] if rf else None
 
 
-@settings(
-    max_examples=200,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@fuzz(200)
 @given(constraints, st.booleans(), st.booleans())
 def test_fuzzed_constraints_get_a_valid_output_or_an_openai_400(server, constraint, chat, stream):
     n = 96 if "tools" in constraint else 24  # a call spells its name and arguments, a byte a token
