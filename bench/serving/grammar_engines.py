@@ -73,7 +73,7 @@ class Llg:
         import llguidance
 
         self.llg = llguidance
-        self.tok = llguidance.LLTokenizer(tok.tok._tok.to_str(), n_vocab=tok.info.vocab_size, eos_token=tok.eos_ids[0])
+        self.tok = tok.grammars.tokenizer  # the engine's tokenizer as the server builds it (grammar_vocab.py)
         self.words = (tok.info.vocab_size + 31) // 32
 
     def compile(self, kind, spec):
