@@ -25,10 +25,9 @@ def byte_level_chars() -> dict[str, int]:
     """GPT-2's byte-level map, inverted: the character that spells each byte -> the byte."""
     byte_ids = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     spelled = list(byte_ids)  # a printable byte spells itself; the others take 256, 257, ... in order
-    for b in range(256):
-        if b not in byte_ids:
-            byte_ids.append(b)
-            spelled.append(256 + len(spelled) - 188)
+    others = [b for b in range(256) if b not in byte_ids]
+    byte_ids += others
+    spelled += range(256, 256 + len(others))
     return {chr(c): b for b, c in zip(byte_ids, spelled, strict=True)}
 
 
