@@ -79,6 +79,7 @@ class RigSpec:
     n_masks: int = 4  # token masks in the ring (structured output)
     mask_vocab: int = 49_152  # tokens a mask covers (SmolLM2 and the tiny models fit)
     prefix_caching: bool = True
+    executor: str = ""  # the emulated device's executor factory ("module:function"); "" = the numpy model
 
 
 _counter = itertools.count()
@@ -129,6 +130,7 @@ class Rig:
                 "max_context": s.max_context,
                 "mixed_tokens": s.mixed_tokens,
                 "enable_prefix_caching": s.prefix_caching,
+                "executor": s.executor,
             },
         )
         return msgspec.structs.replace(device_spec(cfg, self.name), **DEVICE_FIELDS)
