@@ -404,6 +404,36 @@ def test_the_engine_reads_every_token_as_the_tokenizer_spells_it(model):
     assert np.flatnonzero(np.unpackbits(end.view(np.uint8), bitorder="little")).tolist() == engine.eos_tokens
 
 
+def test_a_tokenizer_the_engine_cannot_read_disables_structured_output_with_a_400(caplog):
+    """A tokenizer llguidance cannot read (here a word-level one without a decoder: "can't determine
+    decoder type") used to raise where the frontend's request tracker is built, so `blink serve` did
+    not start for that model. Structured output is an option: the frontend serves without it, logs
+    why, and a constrained request gets a 400 naming that reason."""
+    import asyncio
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from blink.dpu import openai_api as api
+    from blink.dpu.completions import CompletionHandler
+    from blink.dpu.tokenizer import FrontendTokenizer, ModelInfo
+    from blink.models.tokenizer import Tokenizer
+
+    hf = HFTokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok = FrontendTokenizer(Tokenizer(hf, None, None, [2]), ModelInfo("words", 8))
+    with caplog.at_level("WARNING", logger="blink.structured"):
+        assert tok.grammars is None
+    assert "structured output is off" in caplog.text and "decoder" in caplog.text
+    handler = CompletionHandler.__new__(CompletionHandler)
+    handler.tok = tok
+    r = api.parse(api.CompletionRequest, json.dumps({"model": "words", "prompt": "a", "guided_regex": "a+"}).encode())
+    with pytest.raises(api.APIError) as e:
+        asyncio.run(handler._constraint(r))
+    assert e.value.status == 400 and e.value.param == "guided_regex" and "decoder" in e.value.message
+    unconstrained = api.parse(api.CompletionRequest, b'{"model": "words", "prompt": "a"}')
+    assert asyncio.run(handler._constraint(unconstrained)) is None
+
+
 def test_grammars_of_a_synthetic_tokenizer_whose_eos_lies_past_its_tokens():
     """random:llama3-8b's byte tokenizer has 258 tokens and EOS 128009: `blink serve` built its grammar
     engine at start and died with llguidance's "EOS token ID 128009 is out of range"."""

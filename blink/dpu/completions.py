@@ -278,6 +278,10 @@ class CompletionHandler:
         (a new one off the event loop); a 400 quoting the engine and naming the field that holds it
         when it does not compile."""
         grammar = api.request_constraint(r)
+        if grammar and self.tok.grammars is None:
+            raise api.APIError(
+                400, f"structured output is not available: {self.tok.grammar_error}", api.constraint_param(r)
+            )
         why = await self.tok.grammars.prepare(grammar) if grammar else ""
         if why:
             msg = f"the structured output constraint does not compile: {why.strip()}"

@@ -8,6 +8,7 @@ dequantisation) instead of resolving the whole model bundle.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -61,6 +62,7 @@ class FrontendTokenizer:
         self.tok = tokenizer
         self.info = info
         self.eos_ids = tuple(tokenizer.eos_token_ids)
+        self.grammar_error = ""  # why `grammars` is None
 
     @property
     def name(self) -> str:
@@ -129,12 +131,19 @@ class FrontendTokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @functools.cached_property
-    def grammars(self) -> Grammars:
-        """The grammar engine over this tokenizer (structured output), built at first use (~0.5 s)."""
+    def grammars(self) -> Grammars | None:
+        """The grammar engine over this tokenizer (structured output), built at first use (~0.5 s);
+        None when the engine cannot read this tokenizer (grammar_error says why, and it is logged):
+        the model is served without structured output."""
         from .grammar_vocab import engine_tokenizer
         from .structured import Grammars
 
-        engine = engine_tokenizer(self.tok._tok, self.info.vocab_size, list(self.eos_ids), self.tok.bos_token_id)
+        try:
+            engine = engine_tokenizer(self.tok._tok, self.info.vocab_size, list(self.eos_ids), self.tok.bos_token_id)
+        except ValueError as e:  # the engine's reader refuses the tokenizer
+            self.grammar_error = f"the grammar engine cannot read this model's tokenizer: {e}"
+            logging.getLogger("blink.structured").warning("structured output is off: %s", self.grammar_error)
+            return None
         return Grammars(engine, self.info.vocab_size)
 
     def detokenizer(
