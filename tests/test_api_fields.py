@@ -90,6 +90,9 @@ class PromptLengthBackend:
     def mask_latency(self) -> list[int]:
         return []
 
+    def frontend_counters(self) -> dict[str, int]:
+        return {}
+
     def new_request_id(self) -> int:
         return 1
 

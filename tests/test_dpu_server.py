@@ -36,6 +36,9 @@ class BrokenBackend:
     def mask_latency(self) -> list[int]:
         return []
 
+    def frontend_counters(self) -> dict[str, int]:
+        return {}
+
     def check_prompt(self, n: int) -> str | None:
         raise self.error
 

@@ -80,6 +80,9 @@ class ScriptedBackend:
     def mask_latency(self) -> list[int]:
         return []
 
+    def frontend_counters(self) -> dict[str, int]:
+        return {}
+
     features = 0  # no sampling extensions (logprobs, penalties)
 
     def check_prompt(self, n: int, words: int | None = None) -> str | None:

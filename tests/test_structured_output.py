@@ -366,6 +366,7 @@ def test_a_constraint_the_engine_fails_while_generating_ends_the_request_with_a_
     ends with a 400 that quotes the engine, streamed or not; before, the matcher's error left only EOS
     allowed and the client got a 200 of "{" with finish_reason "stop" (invalid under its schema)."""
     kw = dict(model=server.model, prompt="x", max_tokens=8, extra_body={"guided_json": WIDE})
+    failures = server.metrics()["blink_frontend_constraint_failures_total"]
     if not stream:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**kw)
@@ -377,6 +378,8 @@ def test_a_constraint_the_engine_fails_while_generating_ends_the_request_with_a_
         assert "max is 2000" in str(e.value)
     assert client.completions.create(model=server.model, prompt="x", max_tokens=2).choices[0].finish_reason
     assert server.get("/health")[0] == 200
+    m = server.metrics()  # operators see it counted apart from other errors
+    assert m["blink_frontend_constraint_failures_total"] == failures + 1 and m["blink_frontend_slot_faults_total"] == 0
 
 
 @pytest.mark.parametrize("model", ["random:tiny-llama", "random:llama3-8b", "default"])

@@ -286,10 +286,17 @@ class Router:
 
     def device_counters(self) -> dict[str, int]:
         """Device counters summed over the live replicas (they are all monotonic counts or gauges)."""
+        return self._summed(lambda t: t.device_counters())
+
+    def frontend_counters(self) -> dict[str, int]:
+        """The token readers' counts (RequestTracker.frontend_counters), summed over the live replicas."""
+        return self._summed(lambda t: t.frontend_counters())
+
+    def _summed(self, counters) -> dict[str, int]:
         out: dict[str, int] = {}
         for r in self.replicas:
             if r.up:
-                for k, v in r.tracker.device_counters().items():
+                for k, v in counters(r.tracker).items():
                     out[k] = out.get(k, 0) + v
         return out
 

@@ -20,7 +20,7 @@ import os
 import pathlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import prometheus_client as prom
 from prometheus_client import values
@@ -71,6 +71,12 @@ def remove_files(folder: str | os.PathLike, identifier: str | None = None) -> No
         pathlib.Path(folder).rmdir()
 
 
+_FRONTEND_HELP = {
+    "slot_faults": "requests ended because their slot showed a record no conforming device writes",
+    "constraint_failures": "structured output requests ended because the grammar engine failed them",
+}
+
+
 @dataclass
 class LiveState:
     """What a scrape reads from the backend at that moment."""
@@ -79,6 +85,7 @@ class LiveState:
     ring: RingStats
     device: dict[str, int]  # DEVICE_FIELDS, from the ring header
     mask_latency: Sequence[int] = ()  # MaskLatency.snapshot: per bucket of MASK_LATENCY_EDGES_S (+ one above), sum ns
+    frontend: dict[str, int] = field(default_factory=dict)  # the token reader's counts (frontend_counters)
 
 
 @dataclass
@@ -131,6 +138,8 @@ class _LiveCollector(Collector):
             yield c
         if st.mask_latency:
             yield mask_latency_family(st.mask_latency)
+        for k, v in st.frontend.items():
+            yield CounterMetricFamily(f"blink_frontend_{k}", _FRONTEND_HELP.get(k, k.replace("_", " ")), value=v)
 
 
 def mask_latency_family(snapshot: Sequence[int]) -> HistogramMetricFamily:

@@ -199,6 +199,11 @@ class RequestTracker:
         (blink.dpu.mask_timing.MASK_LATENCY_EDGES_S), then their sum in nanoseconds."""
         return self.reader.mask_latency.snapshot()
 
+    def frontend_counters(self) -> dict[str, int]:
+        """The token reader's counts of requests it ended itself: slot_faults (a slot record no
+        conforming device writes), constraint_failures (the grammar engine failed the request)."""
+        return {"slot_faults": self.reader.slot_faults, "constraint_failures": self.reader.constraint_failures}
+
     def device_counters(self) -> dict[str, int]:
         """Device statistics from the ring header (as of the token reader's last cycle)."""
         from .metrics import DEVICE_FIELDS

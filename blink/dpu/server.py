@@ -181,7 +181,7 @@ class OpenAIServer:
 
     def _live(self) -> LiveState:
         b = self.backend
-        return LiveState(b.health().ok, b.stats(), b.device_counters(), b.mask_latency())
+        return LiveState(b.health().ok, b.stats(), b.device_counters(), b.mask_latency(), b.frontend_counters())
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
