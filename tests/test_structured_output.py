@@ -123,6 +123,26 @@ def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher():
     assert gt.compiles == 4
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"const": 9007199254740993},  # 2^53 + 1: the engine wrote 9007199254740992
+        {"type": "integer", "minimum": 12345678901234567891},  # past int64: it wrote 9223372036854775807
+        {"properties": {"id": {"enum": [1, -(2**60)]}}},
+        {"anyOf": [{"maximum": 2**70}]},
+    ],
+)
+def test_an_integer_the_engine_cannot_hold_exactly_is_a_400(schema):
+    """The grammar engine reads a schema's numbers as 64-bit floats: an integer const, enum value or
+    bound beyond 2^53 came out as another number. Refused, naming the keyword; the floats a client
+    writes (a double already) and integers up to 2^53 are exact."""
+    with pytest.raises(GrammarError, match="2\\^53") as e:
+        request_grammar({"guided_json": schema})
+    assert e.value.param == "guided_json"
+    for fine in ({"const": 2**53}, {"const": 6.424792149695613e16}, {"enum": [0.1, -(2**53)]}, {"maxLength": 9}):
+        assert request_grammar({"guided_json": fine})
+
+
 def test_a_schema_converts_to_its_grammar_once():
     """The schema -> grammar conversion runs on the event loop for every request (~5 ms at 3,000
     fields): a schema seen before gets the grammar text converted the first time."""

@@ -82,6 +82,13 @@ def json_schema_grammar(schema: Any, param: str) -> str:
             raise GrammarError(f"{param} is not valid JSON: {e}", param) from e
     if not isinstance(schema, Mapping | bool):
         raise GrammarError(f"{param} must be a JSON schema object", param)
+    inexact = _inexact_integer(schema)
+    if inexact is not None:
+        raise GrammarError(
+            f"{param}: {inexact[0]} holds the integer {inexact[1]}, beyond 2^53: the grammar engine reads a "
+            "schema's numbers as 64-bit floats and would produce another number",
+            param,
+        )
     text = json.dumps(schema)
     grammar = _SCHEMA_GRAMMARS.get(text)  # a schema sent with every request converts once (~5 ms at 3,000 fields)
     if grammar is None:
@@ -91,6 +98,26 @@ def json_schema_grammar(schema: Any, param: str) -> str:
             raise GrammarError(f"{param}: the grammar engine cannot read this schema: {e}", param) from e
         _SCHEMA_GRAMMARS.put(text, grammar, len(text) + len(grammar))
     return grammar
+
+
+_EXACT = 1 << 53  # the integers a 64-bit float holds exactly: |n| <= 2^53
+_NUMERIC_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _inexact_integer(node: Any, key: str = "") -> tuple[str, int] | None:
+    """(keyword, value) of the first integer beyond 2^53 under a numeric keyword of the schema `node`
+    (const and enum values searched through), or None."""
+    if isinstance(node, bool):
+        return None
+    if isinstance(node, int):
+        return (key, node) if key in _NUMERIC_KEYWORDS and abs(node) > _EXACT else None
+    items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        inner = key if key in ("const", "enum") else k if isinstance(k, str) else key
+        found = _inexact_integer(v, inner)
+        if found is not None:
+            return found
+    return None
 
 
 def regex_grammar(pattern: Any, param: str) -> str:
