@@ -143,6 +143,19 @@ def test_an_integer_the_engine_cannot_hold_exactly_is_a_400(schema):
         assert request_grammar({"guided_json": fine})
 
 
+def test_a_schema_nested_as_deep_as_a_body_may_be_is_a_400_not_a_recursion_error():
+    """A schema about 970 levels deep passed the body parser and overflowed Python's stack in the
+    frontend's own walk of it (a 500); the walk is iterative now, and so deep a schema is refused
+    before anything recursive (json.dumps) sees it."""
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"items": deep}
+    for fields in ({"guided_json": deep}, {"structured_outputs": {"json": {"enum": [deep]}}}):
+        with pytest.raises(GrammarError, match="nested deeper than 200 levels") as e:
+            request_grammar(fields)
+        assert e.value.param.startswith(next(iter(fields)))
+
+
 def test_a_schema_converts_to_its_grammar_once():
     """The schema -> grammar conversion runs on the event loop for every request (~5 ms at 3,000
     fields): a schema seen before gets the grammar text converted the first time."""

@@ -82,13 +82,9 @@ def json_schema_grammar(schema: Any, param: str) -> str:
             raise GrammarError(f"{param} is not valid JSON: {e}", param) from e
     if not isinstance(schema, Mapping | bool):
         raise GrammarError(f"{param} must be a JSON schema object", param)
-    inexact = _inexact_integer(schema)
-    if inexact is not None:
-        raise GrammarError(
-            f"{param}: {inexact[0]} holds the integer {inexact[1]}, beyond 2^53: the grammar engine reads a "
-            "schema's numbers as 64-bit floats and would produce another number",
-            param,
-        )
+    why = _unfit(schema)
+    if why is not None:
+        raise GrammarError(f"{param}: the schema {why}", param)
     text = json.dumps(schema)
     grammar = _SCHEMA_GRAMMARS.get(text)  # a schema sent with every request converts once (~5 ms at 3,000 fields)
     if grammar is None:
@@ -101,22 +97,33 @@ def json_schema_grammar(schema: Any, param: str) -> str:
 
 
 _EXACT = 1 << 53  # the integers a 64-bit float holds exactly: |n| <= 2^53
+# nesting refused before the schema is serialized for the engine (which refuses about 140 levels itself):
+# json.dumps recurses once a level
+_MAX_DEPTH = 200
 _NUMERIC_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
-def _inexact_integer(node: Any, key: str = "") -> tuple[str, int] | None:
-    """(keyword, value) of the first integer beyond 2^53 under a numeric keyword of the schema `node`
-    (const and enum values searched through), or None."""
-    if isinstance(node, bool):
-        return None
-    if isinstance(node, int):
-        return (key, node) if key in _NUMERIC_KEYWORDS and abs(node) > _EXACT else None
-    items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else ()
-    for k, v in items:
-        inner = key if key in ("const", "enum") else k if isinstance(k, str) else key
-        found = _inexact_integer(v, inner)
-        if found is not None:
-            return found
+def _unfit(schema: Any) -> str | None:
+    """Why the engine cannot read `schema` exactly, or None: nested deeper than its JSON reader goes,
+    or an integer beyond 2^53 under a numeric keyword (const and enum values searched through).
+    Iterative: a schema as deep as the request body may be must not exhaust Python's stack."""
+    stack: list[tuple[Any, str, int]] = [(schema, "", 0)]
+    while stack:
+        node, key, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return f"is nested deeper than {_MAX_DEPTH} levels (past the grammar engine's recursion limit)"
+        if isinstance(node, bool):
+            continue
+        if isinstance(node, int):
+            if key in _NUMERIC_KEYWORDS and abs(node) > _EXACT:
+                return (
+                    f"{key} holds the integer {node}, beyond 2^53: the grammar engine reads a schema's numbers "
+                    "as 64-bit floats and would produce another number"
+                )
+        elif isinstance(node, Mapping):
+            stack += [(v, key if key in ("const", "enum") else str(k), depth + 1) for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(v, key, depth + 1) for v in node]
     return None
 
 
