@@ -53,7 +53,7 @@ def test_a_cycle_of_masks_computed_together_equals_each_computed_alone(grammars,
     alone = [Constraint(grammars.matcher(g), m, geo) for m in range(8)]
     rng = np.random.default_rng(1)
     k = [0] * 8
-    mb = MaskBatch(geo, threads)
+    mb = MaskBatch(threads)
     for cycle in range(12):
         items, want = [], []
         for s in rng.permutation(8)[: 2 + cycle % 7].tolist():

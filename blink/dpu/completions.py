@@ -277,15 +277,15 @@ class CompletionHandler:
         """The request's grammar (openai_api.request_constraint), compiled for this model's tokenizer
         (a new one off the event loop); a 400 quoting the engine and naming the field that holds it
         when it does not compile."""
-        grammar = api.request_constraint(r)
-        if grammar and self.tok.grammars is None:
-            raise api.APIError(
-                400, f"structured output is not available: {self.tok.grammar_error}", api.constraint_param(r)
-            )
-        why = await self.tok.grammars.prepare(grammar) if grammar else ""
+        c = api.request_constraint(r)
+        if c is None:
+            return None
+        grammar, field = c
+        if self.tok.grammars is None:
+            raise api.APIError(400, f"structured output is not available: {self.tok.grammar_error}", field)
+        why = await self.tok.grammars.prepare(grammar)
         if why:
-            msg = f"the structured output constraint does not compile: {why.strip()}"
-            raise api.APIError(400, msg, api.constraint_param(r))
+            raise api.APIError(400, f"the structured output constraint does not compile: {why.strip()}", field)
         return grammar
 
     def _check_subs(self, subs: list[SubmitRequest], chat: bool) -> None:

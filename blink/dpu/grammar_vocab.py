@@ -81,17 +81,16 @@ def engine_tokenizer(hf: Any, vocab_size: int, eos_ids: list[int], bos_id: int |
     (module doc). EOS ids the tokenizer lacks are left out."""
     import llguidance
 
-    spec = json.loads(hf.to_str())
+    text = hf.to_str()
+    spec = json.loads(text)
     vocab, added = _ids(spec)
     have = set(vocab.values()) | set(added)
     eos = [t for t in eos_ids if t in have and t < vocab_size]
     if have == set(range(len(have))) or not vocab:
-        return llguidance.LLTokenizer(hf.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos or None)
     if not _is_byte_level(spec):
         log.warning("the tokenizer's ids are not contiguous and it is not byte-level: structured output may misread it")
-        return llguidance.LLTokenizer(
-            hf.to_str(), n_vocab=vocab_size, eos_token=[t for t in eos if t < len(have)] or None
-        )
+        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=[t for t in eos if t < len(have)] or None)
     tokens, special = token_table(spec, vocab_size)
     bos = bos_id if bos_id in have else None
     wrapper = llguidance.TokenizerWrapper(_Table(hf, tokens, special, eos, bos))

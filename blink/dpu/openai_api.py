@@ -30,7 +30,7 @@ from blink.protocol.layout import MAX_LOGPROBS, MAX_STOP_IDS, UNLIMITED, DeviceF
 from blink.protocol.sampling_params import MAX_LOGIT_BIAS_VALUE, SamplingParams
 from blink.protocol.wire import SubmitRequest
 
-from .structured import GrammarError, json_schema_grammar, request_grammar
+from .structured import GrammarError, field_constraint, json_schema_grammar
 from .tool_parsers import ToolError, check_tools, required_schema
 
 
@@ -296,7 +296,8 @@ def sampling_params(
     `grammar`: request_constraint(r) when the caller has it already."""
     _check_unsupported(r)
     if grammar is ...:
-        grammar = request_constraint(r)
+        c = request_constraint(r)
+        grammar = c[0] if c else None
     gen_lp, prompt_lp = logprobs_wanted(r)
     if max_tokens == 0 and not (isinstance(r, CompletionRequest) and r.echo):
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
@@ -350,40 +351,22 @@ _CONSTRAINTS = (
 )
 
 
-def structured_grammar(r: _Sampling) -> str | None:
-    """The grammar text of the request's structured output fields (None: unconstrained); a 400
-    naming the field when one is malformed (blink/dpu/structured.py)."""
+def request_constraint(r: _Sampling) -> tuple[str, str] | None:
+    """(the grammar that constrains the request's output, the field that holds it), None when
+    unconstrained: a structured output field (blink/dpu/structured.py), or for tool_choice
+    `required` or a named function the schema of the calls, so they always parse ("tools"). A 400
+    naming the field when it is malformed or the engine cannot read it."""
     try:
-        return request_grammar({n: getattr(r, n) for n in _CONSTRAINTS})
+        found = field_constraint({n: getattr(r, n) for n in _CONSTRAINTS})
+        tools = chat_tools(r) if isinstance(r, ChatRequest) else None
+        if tools is not None and tools[1] in ("required", "named"):
+            if found:
+                raise APIError(400, "tool_choice required or a function excludes response_format", "tool_choice")
+            parallel = r.parallel_tool_calls is not False  # type: ignore[attr-defined]
+            found = json_schema_grammar(required_schema(tools[0], tools[2], parallel), "tools"), "tools"
     except GrammarError as e:
         raise APIError(400, str(e), e.param) from e
-
-
-def request_constraint(r: _Sampling) -> str | None:
-    """The grammar that constrains the request's output (None: none): its structured output field,
-    or for tool_choice `required` or a named function the schema of the calls (so they always
-    parse). A 400 naming the field when it is malformed or the engine cannot read it."""
-    grammar = structured_grammar(r)
-    tools = chat_tools(r) if isinstance(r, ChatRequest) else None
-    if tools is not None and tools[1] in ("required", "named"):
-        if grammar:
-            raise APIError(400, "tool_choice required or a function excludes response_format", "tool_choice")
-        parallel = r.parallel_tool_calls is not False  # type: ignore[attr-defined]
-        try:
-            grammar = json_schema_grammar(required_schema(tools[0], tools[2], parallel), "tools")
-        except GrammarError as e:
-            raise APIError(400, str(e), e.param) from e
-    return grammar
-
-
-def constraint_param(r: _Sampling) -> str:
-    """The field that holds the request's grammar (what a 400 about it names): a structured output
-    field, else `tools` (tool_choice required or a named function)."""
-    for n in _CONSTRAINTS:
-        v = getattr(r, n, None)
-        if v is not None and not (n == "response_format" and v.get("type", "text") == "text"):
-            return n
-    return "tools"
+    return found
 
 
 def stop_strings(r: _Sampling) -> list[str]:

@@ -229,9 +229,16 @@ def _structured_outputs(so: Any) -> str | None:
 
 
 def request_grammar(fields: Mapping[str, Any]) -> str | None:
-    """The grammar text a request's fields ask for (None: unconstrained). `fields`: the request's
-    response_format, structured_outputs, guided_json, guided_regex, guided_choice, guided_grammar
-    (absent or None when not set). More than one constraint is a 400."""
+    """The grammar text a request's fields ask for (None: unconstrained); see field_constraint."""
+    c = field_constraint(fields)
+    return c[0] if c else None
+
+
+def field_constraint(fields: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(the grammar text a request's fields ask for, the field that holds it), None when
+    unconstrained. `fields`: the request's response_format, structured_outputs, guided_json,
+    guided_regex, guided_choice, guided_grammar (absent or None when not set). More than one
+    constraint is a 400."""
     found: list[tuple[str, str]] = []
     if fields.get("response_format") is not None:
         g = _response_format(fields["response_format"])
@@ -249,7 +256,7 @@ def request_grammar(fields: Mapping[str, Any]) -> str | None:
         raise GrammarError(
             f"only one structured output constraint per request, got {[n for n, _ in found]}", found[1][0]
         )
-    return found[0][1] if found else None
+    return (found[0][1], found[0][0]) if found else None
 
 
 class Grammars:
@@ -284,19 +291,21 @@ class Grammars:
 
     def check(self, grammar: str) -> str:
         """'' when the grammar compiles against this tokenizer, else the engine's reason."""
-        m = self._compile(grammar)
-        return (m.get_error() or "invalid grammar") if m.is_error() else ""
+        return _why(self._compile(grammar))
 
     async def prepare(self, grammar: str) -> str:
         """check(), from the event loop: a grammar not compiled yet compiles in a worker thread (the
         engine releases the GIL while it compiles), so the loop keeps serving the other streams."""
-        if self._compiled.get(grammar) is not None:
-            return self.check(grammar)
-        return await asyncio.to_thread(self.check, grammar)
+        m = self._compiled.get(grammar)
+        return _why(m if m is not None else await asyncio.to_thread(self._compile, grammar))
 
     def matcher(self, grammar: str) -> Matcher:
         """A new request's matcher: its own copy of the compiled grammar, at the start."""
         return Matcher(self._compile(grammar).deep_copy(), self.words)
+
+
+def _why(m: Any) -> str:
+    return (m.get_error() or "invalid grammar") if m.is_error() else ""
 
 
 def executor(threads: int | None = None):

@@ -61,23 +61,32 @@ class Constraint:
     def writes(self, slot: int, k: int) -> list[Write]:
         """The bitmask for generated token k, then the position word that publishes it."""
         self.matcher.fill_mask(self.buf)
-        pos = np.array([k + 1], "<u4")
-        return [(self.geo.mask_offset(self.mask), self.buf.copy()), (self.geo.slot_offset(slot) + _MASK_POSITION, pos)]
+        return self.publish(slot, k, self.buf.copy())
 
-    def advance(self, slot: int, ids: list[int], k: int) -> list[Write]:
-        """After reading tokens `ids` (the last one is token k - 1): the mask of token k. A token the
-        grammar did not allow (only a device that ignored the mask emits one) leaves the matcher in
-        error; its mask then allows nothing but what the engine allows in error (EOS)."""
+    def publish(self, slot: int, k: int, bits: np.ndarray) -> list[Write]:
+        """The writes of `bits` as the mask of generated token k: the bits, then the position word."""
+        return [
+            (self.geo.mask_offset(self.mask), bits),
+            (self.geo.slot_offset(slot) + _MASK_POSITION, np.array([k + 1], "<u4")),
+        ]
+
+    def consume(self, ids: list[int]) -> None:
+        """Advance the matcher by tokens read. A token the grammar did not allow (only a device that
+        ignored the mask emits one), or the engine giving up, leaves it in error (`failed`); its mask
+        then allows nothing but what the engine allows in error (EOS)."""
         if not self.matcher.advance(ids):
             self.failed = True
+
+    def advance(self, slot: int, ids: list[int], k: int) -> list[Write]:
+        """After reading tokens `ids` (the last one is token k - 1): the mask of token k."""
+        self.consume(ids)
         return self.writes(slot, k)
 
 
 class MaskBatch:
     """The masks of one reader cycle's constrained slots, computed together (module doc)."""
 
-    def __init__(self, geo: RingGeometry, threads: int | None = None):
-        self.geo = geo
+    def __init__(self, threads: int | None = None):
         # the executor's threads; None: the engine's default (80 % of the CPUs, at most 32)
         self.threads = threads if threads is not None else min(32, int(0.8 * len(os.sched_getaffinity(0))))
         self._executor = None  # made at the first cycle with two constrained slots
@@ -92,18 +101,13 @@ class MaskBatch:
         if self._executor is None:
             self._executor = executor(self.threads)
         for _, c, ids, _ in items:  # one by one: a parallel consume costs more than it saves (module doc)
-            if not c.matcher.advance(ids):
-                c.failed = True
+            c.consume(ids)
         words = items[0][1].matcher.words  # the vocabulary's (one tokenizer per frontend)
         bits = np.empty((len(items), words), "<u4")  # each row is one write's data
         self._executor.unsafe_compute_mask_ptr(
             [(c.matcher.m, i) for i, (_, c, _, _) in enumerate(items)], bits.ctypes.data, 4 * words, len(items)
         )
-        writes: list[Write] = []
-        for i, (slot, c, _, k) in enumerate(items):
-            pos = np.array([k + 1], "<u4")
-            writes += [(self.geo.mask_offset(c.mask), bits[i]), (self.geo.slot_offset(slot) + _MASK_POSITION, pos)]
-        return _bits_first(writes)
+        return _bits_first([w for i, (slot, c, _, k) in enumerate(items) for w in c.publish(slot, k, bits[i])])
 
 
 def _bits_first(pairs: list[Write]) -> list[Write]:

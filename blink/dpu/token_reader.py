@@ -132,7 +132,7 @@ class TokenReader(ReaderFaults):
         self.slot_faults = 0
         self.constraint_failures = 0  # requests ended because their grammar engine failed
         self._cap = self.geo.output_capacity
-        self.masks = MaskBatch(self.geo, mask_threads)  # a cycle's masks, computed together
+        self.masks = MaskBatch(mask_threads)  # a cycle's masks, computed together
         self.mask_latency = MaskLatency()  # cycle start -> mask posted, per constrained token
         self._n_masked = 0  # active slots with a constraint (they poll without cadence sleeps)
 
