@@ -62,6 +62,10 @@ def _device_from_env() -> dict:
 
 DEVICE_FIELDS = _device_from_env()
 DEVICE_NAME = json.dumps(DEVICE_FIELDS) if DEVICE_FIELDS else "emulated"
+# RigSpec fields of a device whose steps last as long as a GPU's at real sizes: on the emulated device
+# the numpy model with 30 ms steps (conformance/slow_executor.py); another device as it is. For the
+# cases whose client must keep pace with the device (a tiny model's CPU step takes ~1.5 ms).
+GPU_PACED = {} if DEVICE_FIELDS else {"executor": "tests.conformance.slow_executor:make"}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conformance.rig import Rig
+from conformance.rig import GPU_PACED, Rig
 
 from blink.protocol.layout import FinishReason
 
@@ -111,7 +111,11 @@ MIXED_LONG = 240  # 8 decodes leave 8 of the 16-token budget (>= 16 / 2: it does
 
 
 def test_a_long_prompt_among_many_decodes_fills_the_mixed_budget_exactly(make_rig):
-    rig = make_rig(**MIXED_SPEC)
+    """Every one of the long prompt's steps carries the 8 decodes and budget - 8 prompt tokens. The
+    emulated device runs it at a GPU's step pace (GPU_PACED): at its own ~1.5 ms steps a client stalled
+    for a moment on a loaded CI host let the decodes run hundreds of tokens ahead, the KV pool ran
+    short and a decode left the batch, so one chunk was 9 tokens (29 steps, a CI failure)."""
+    rig = make_rig(**MIXED_SPEC, **GPU_PACED)
     c = rig.client
     runners = [c.submit(prompt(rig, 3, 20 + i), max_new_tokens=1000) for i in range(DECODERS)]
     for r in runners:

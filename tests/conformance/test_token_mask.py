@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 from conformance.client import RingClient
-from conformance.rig import DEVICE_FIELDS, Rig, refused_by_the_agent
+from conformance.rig import GPU_PACED, Rig, refused_by_the_agent
 
 from blink.protocol.layout import SLOT_DTYPE, DeviceFeatures, FinishReason, SlotError
 
@@ -99,7 +99,7 @@ def test_a_mask_published_while_the_step_runs_is_sampled_in_that_step(make_rig):
     TCP). The
     emulated device runs it with steps of 30 ms (conformance/slow_executor.py), as long as a GPU's at
     real sizes: its tiny model's CPU steps end before this client has read the token before."""
-    masked = make_rig(executor="" if DEVICE_FIELDS else "tests.conformance.slow_executor:make")
+    masked = make_rig(**GPU_PACED)
     if not int(masked.client.header()["features"]) & DeviceFeatures.TOKEN_MASK:
         pytest.skip("this device does not implement token masks (DeviceFeatures.TOKEN_MASK)")
     c = masked.client
