@@ -158,7 +158,7 @@ def test_models_health_metrics(tiny):
     assert m["blink_device_up"] == 1 and m["blink_ring_slots"] == slots
     assert m["blink_device_kv_blocks_total"] == 512
     # vLLM's names for the same series (dashboards written for vLLM), labelled with the model
-    tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+    tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
     m = tiny.metrics()
     lab = '{model_name="tiny-llama"}'
     assert m["vllm:prompt_tokens_total" + lab] == m["blink_prompt_tokens_total"] > 0
@@ -1010,7 +1010,7 @@ def test_streams_read_to_done_count_as_served(tiny):
 
 def test_startup_phases_and_request_lines_are_logged(tiny):
     """The operator's view on stderr: the device's start-up phases, then a line per request."""
-    tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+    tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
     time.sleep(0.2)
     log = "".join(tiny.log)
     assert "blink device: loading random:tiny-llama" in log

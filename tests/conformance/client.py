@@ -97,6 +97,29 @@ class RingClient:
         kind = HEADER_DTYPE.fields[name][0]
         return self.t.load_u64(_hoff(name)) if kind.itemsize == 8 else self.t.load_u32(_hoff(name))
 
+    def h_at_least(self, name: str, value: int, timeout: float = 10.0) -> int:
+        """Header counter `name` once it reaches `value`, and the header's other counters as recent
+        (settled). A device writes its statistics after a step's tokens (the CUDA scheduler copies its
+        counters to the header apart from them, one field per thread), so a client that has seen a token
+        waits for the counts that include it."""
+        t_end = time.monotonic() + timeout
+        while (v := self.h(name)) < value:
+            if time.monotonic() > t_end:
+                raise TimeoutError(f"header {name} = {v} after {timeout} s, waited for {value}")
+            time.sleep(0.001)
+        self.settled(t_end)
+        return v
+
+    def settled(self, t_end: float | None = None) -> None:
+        """Until the device has begun two more iterations of its loop (heartbeats): statistics written
+        in the iteration whose counts were just read, by whichever thread, are in the header."""
+        t_end = time.monotonic() + 10.0 if t_end is None else t_end
+        beat = self.h("heartbeat")
+        while self.h("heartbeat") < beat + 2:
+            if time.monotonic() > t_end:
+                raise TimeoutError("the device's heartbeat stopped")
+            time.sleep(0.001)
+
     def wait_status(self, status: DeviceStatus, timeout: float = 60.0) -> None:
         t_end = time.monotonic() + timeout
         while self.h("device_status") != status:
@@ -269,11 +292,13 @@ class RingClient:
         return self.wait([self.submit(prompt, **params)], timeout)[0]
 
     def wait_idle(self, timeout: float = 10.0) -> None:
-        """Wait until the device reports nothing running or waiting and every KV block free."""
+        """Wait until the device reports nothing running or waiting and every KV block free, and its
+        counters are settled (they then include every step run)."""
         t_end = time.monotonic() + timeout
         while True:
             h = self.header()
             if int(h["running"]) == 0 and int(h["waiting"]) == 0 and h["kv_blocks_free"] == h["kv_blocks_total"]:
+                self.settled(t_end)  # and the counters written with these
                 return
             if time.monotonic() > t_end:
                 raise AssertionError(

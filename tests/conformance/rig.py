@@ -66,6 +66,9 @@ DEVICE_NAME = json.dumps(DEVICE_FIELDS) if DEVICE_FIELDS else "emulated"
 # the numpy model with 30 ms steps (conformance/slow_executor.py); another device as it is. For the
 # cases whose client must keep pace with the device (a tiny model's CPU step takes ~1.5 ms).
 GPU_PACED = {} if DEVICE_FIELDS else {"executor": "tests.conformance.slow_executor:make"}
+# The same, with the header's statistics written a moment after a step's tokens (a GPU device's counters
+# lag its tokens): for the cases that read a counter right after a token.
+GPU_PACED_LATE_STATS = {} if DEVICE_FIELDS else {"executor": "tests.conformance.slow_executor:make_late_stats"}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conformance.rig import GPU_PACED, Rig
+from conformance.rig import GPU_PACED_LATE_STATS, Rig
 
 from blink.protocol.layout import FinishReason
 
@@ -36,18 +36,18 @@ def test_decodes_get_a_token_every_launch_while_a_long_prompt_prefills(make_rig)
     c = rig.client
     a = c.submit(prompt(rig, 4, 0), max_new_tokens=1000)
     wait_tokens(rig, a, 2)
-    launches0, tokens0 = c.h("launches"), len(c.poll(a).tokens)
+    c.settled()  # a's prefill step is in the counters
+    mixed0, prompt0, tokens0 = c.h("prefill_steps"), c.h("prompt_tokens"), len(c.poll(a).tokens)
     b = c.submit(prompt(rig, LONG, 1), max_new_tokens=2)
     while not c.poll(b).tokens:
         c.poll(a)  # keep a's output ring drained
         assert not c.poll(a).done, "the decoding request ended before the long prompt's first token"
-    launches1, tokens1 = c.h("launches"), len(c.poll(a).tokens)
-    launches = launches1 - launches0
-    assert launches >= -(
-        -LONG // (SPEC["max_num_batched_tokens"] - 1)
-    )  # the budget: the decode's token, the rest prefill
-    # a's decode rode on every launch; a GPU device publishes a step's tokens one launch later
-    assert tokens1 - tokens0 >= launches - 2, (tokens1 - tokens0, launches)
+    tokens1 = len(c.poll(a).tokens)
+    c.h_at_least("prompt_tokens", prompt0 + LONG)  # the counters come after the tokens
+    mixed = c.h("prefill_steps") - mixed0  # the launches that carried b's prompt
+    assert mixed >= -(-LONG // (SPEC["max_num_batched_tokens"] - 1))  # the budget: the decode's token, the rest prefill
+    # a's decode rode on every one of them; a GPU device publishes a step's tokens one launch later
+    assert tokens1 - tokens0 >= mixed - 2, (tokens1 - tokens0, mixed)
     c.cancel(a)
     res = c.wait([a, b], timeout=60)
     assert res[0].finish in (FinishReason.CANCELLED, FinishReason.LENGTH)
@@ -114,22 +114,26 @@ def test_a_long_prompt_among_many_decodes_fills_the_mixed_budget_exactly(make_ri
     """Every one of the long prompt's steps carries the 8 decodes and budget - 8 prompt tokens. The
     emulated device runs it at a GPU's step pace (GPU_PACED): at its own ~1.5 ms steps a client stalled
     for a moment on a loaded CI host let the decodes run hundreds of tokens ahead, the KV pool ran
-    short and a decode left the batch, so one chunk was 9 tokens (29 steps, a CI failure)."""
-    rig = make_rig(**MIXED_SPEC, **GPU_PACED)
+    short and a decode left the batch, so one chunk was 9 tokens (29 steps, a CI failure). Its statistics
+    reach the header a moment after the tokens (GPU_PACED_LATE_STATS), as a GPU's do: the counts are read
+    once they include the step that gave the long prompt its first token."""
+    rig = make_rig(**MIXED_SPEC, **GPU_PACED_LATE_STATS)
     c = rig.client
     runners = [c.submit(prompt(rig, 3, 20 + i), max_new_tokens=1000) for i in range(DECODERS)]
     for r in runners:
         wait_tokens(rig, r, 2)
     # the device's own counters (no sampling error): launches that carried prompt tokens, and those tokens
+    c.settled()
     mixed0, prompt0 = c.h("prefill_steps"), c.h("prompt_tokens")
     tokens0 = [len(c.poll(r).tokens) for r in runners]
     b = c.submit(prompt(rig, MIXED_LONG, 30), max_new_tokens=2)
     while not c.poll(b).tokens:
         for r in runners:  # keep their output rings drained (they hold 512)
             assert not c.poll(r).done, "a decoding request ended before the long prompt's first token"
+    # the counters reach the header after the step's tokens: those of the step that gave b its first token
+    assert c.h_at_least("prompt_tokens", prompt0 + MIXED_LONG) - prompt0 == MIXED_LONG
     mixed = c.h("prefill_steps") - mixed0
     tokens = [len(c.poll(r).tokens) - t0 for r, t0 in zip(runners, tokens0, strict=True)]
-    assert c.h("prompt_tokens") - prompt0 == MIXED_LONG
     # at most the budget per step and the budget filled, exactly: max_num_batched_tokens alone (64) would take 5
     # steps, a chunk of less than budget - decodes more than 30
     assert mixed == -(-MIXED_LONG // (MIXED_SPEC["mixed_tokens"] - DECODERS)), mixed

@@ -167,6 +167,7 @@ def _late_beside_24_steps(masked: Rig, rng) -> int:
     """A constrained slot given the mask of its token 0 only (it then waits for token 1's), and beside
     it another request run to its 24 tokens. Returns the waiting slot's request."""
     c = masked.client
+    generated0 = c.h("tokens_generated")
     late = submit_masked(c, rng.integers(3, masked.vocab, 8).tolist(), 1, [7], max_new_tokens=3)
     t0 = time.monotonic()
     while len(c.poll(late).tokens) < 1:  # token 0 comes under the mask given with the request
@@ -175,7 +176,7 @@ def _late_beside_24_steps(masked: Rig, rng) -> int:
     other = c.submit(rng.integers(3, masked.vocab, 8).tolist(), max_new_tokens=24)
     (r,) = c.wait([other], timeout=30)
     assert r.finish is FinishReason.LENGTH and len(r.tokens) == 24
-    time.sleep(0.05)  # the statistics reach the header after the step's tokens
+    c.h_at_least("tokens_generated", generated0 + 1 + 24)  # the statistics reach the header after the tokens
     return late
 
 
@@ -194,10 +195,11 @@ def test_every_step_a_slot_sits_out_for_its_late_mask_counts_in_the_header(maske
     c = masked.client
     rng = np.random.default_rng(9)
     steps = lambda: c.h("steps") + c.h("prefill_steps")  # noqa: E731
-    late0 = c.h("mask_late_rows")
+    c.wait_idle()  # the counts of the requests before this one are in
+    late0, generated0 = c.h("mask_late_rows"), c.h("tokens_generated")
     on_time = submit_masked(c, rng.integers(3, masked.vocab, 8).tolist(), 1, [7], max_new_tokens=1)
     assert drive(c, on_time, 1, [7]) == [7]  # its one mask came with the request
-    time.sleep(0.05)  # the statistics reach the header after the step's tokens
+    c.h_at_least("tokens_generated", generated0 + 1)  # the statistics reach the header after the tokens
     assert c.h("mask_late_rows") == late0
     steps0 = steps()
     late = _late_beside_24_steps(masked, rng)
