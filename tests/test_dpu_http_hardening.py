@@ -134,6 +134,53 @@ async def test_health_and_streams_run_while_long_prompts_are_tokenized(tok):
     )
 
 
+def _large_schema(fields: int, tag: str) -> dict:
+    """A JSON schema of about 160 bytes a field (its names distinct per `tag`)."""
+    names = [f"{tag}_{i:06d}_{'n' * 40}" for i in range(fields)]
+    props = {k: {"type": "string", "maxLength": 8, "description": "d" * 20} for k in names}
+    return {"type": "object", "properties": props, "required": names[::2]}
+
+
+@pytest.mark.asyncio
+async def test_health_and_streams_run_while_large_schemas_are_read(tok):
+    """Chat requests under 3 MB JSON schemas, two distinct and one repeated: reading a schema (its
+    checks, its text, its grammar: 0.2 s of Python and engine work each, which the engine then
+    refuses as too large) must not stall /health or a stream, whether the schema is new or cached."""
+    be = ScriptedBackend(n_tokens=100_000, delay=0.01)
+    schemas = [_large_schema(20_000, tag) for tag in ("a", "b")]
+    bodies = [
+        json.dumps(
+            {
+                **CHAT,
+                "max_tokens": 1,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
+            }
+        ).encode()
+        for schema in (*schemas, schemas[0])
+    ]
+    gaps: list[float] = []
+    async with Served(OpenAIServer(be, tok, ServerConfig())) as s, aiohttp.ClientSession() as session:
+        stop = asyncio.Event()
+        probe = asyncio.ensure_future(_probe_health(session, s.url, stop))
+        stream = asyncio.ensure_future(_stream_gaps(session, s.url, gaps))
+        await asyncio.sleep(0.2)  # the stream is running
+        answers = [await asyncio.to_thread(_post_raw, s.url + "/v1/chat/completions", b) for b in bodies]
+        stop.set()
+        lat = await probe
+        stream.cancel()
+        await asyncio.gather(stream, return_exceptions=True)
+    for status, raw in answers:
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["param"] == "response_format", err
+        assert "too large" in err["message"], err
+    assert len(lat) > 20 and _p99(lat) < 0.25 and max(lat) < 1, (
+        f"/health p99 {_p99(lat) * 1e3:.0f} ms, max {max(lat) * 1e3:.0f}"
+    )
+    assert len(gaps) > 40 and _p99(gaps) < 0.25 and max(gaps) < 1, (
+        f"stream pauses p99 {_p99(gaps) * 1e3:.0f} ms, max {max(gaps) * 1e3:.0f}"
+    )
+
+
 def _p99(xs: list[float]) -> float:
     return sorted(xs)[int(0.99 * len(xs))]
 

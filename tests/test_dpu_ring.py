@@ -386,3 +386,45 @@ async def test_a_crashing_reader_fails_requests_and_is_restarted(dev):
     assert rd.health().ok and rd.failed is None
     rd.stop()
     await asyncio.wait_for(task, 2)
+
+
+@pytest.mark.asyncio
+async def test_a_grammar_the_cache_dropped_compiles_off_the_event_loop_when_its_request_is_claimed(monkeypatch):
+    """A constrained request gets its matcher at submit: a grammar the compiled-grammar cache dropped
+    meanwhile (other requests' grammars pushed it out) compiles in a grammar thread, not on the event
+    loop at the claim (100 ms and more for a large schema), and one that does not compile is refused."""
+    import threading
+
+    from blink.dpu.structured import Grammars, request_grammar
+    from blink.dpu.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("random:tiny-llama")
+    grammars = Grammars(tok.grammars.tokenizer, tok.info.vocab_size, cache=1)
+    threads: list[threading.Thread] = []
+    compile_ = grammars._compile
+
+    def spy(text: str):
+        threads.append(threading.current_thread())
+        return compile_(text)
+
+    monkeypatch.setattr(grammars, "_compile", spy)
+    d = HandDevice.__new__(HandDevice)
+    d.name = f"blink-test-{uuid.uuid4().hex[:12]}"
+    d.t = ShmTransport.create(d.name, RingGeometry(4, 4 * 32, 8, 2, tok.info.vocab_size))
+    d.v = d.t.view()
+    d.v.header["vocab_size"], d.v.header["max_context"], d.v.header["max_batch"] = tok.info.vocab_size, 64, 4
+    d.v.header["device_status"] = DeviceStatus.READY
+    rt = RequestTracker(ShmTransport.open(d.name), reader_kwargs={"health_interval_s": 0.02}, grammars=grammars)
+    await rt.start()
+    try:
+        g, other = request_grammar({"guided_regex": "[a-c]{3}"}), request_grammar({"guided_regex": "[x-z]{3}"})
+        assert await grammars.prepare(g) == "" and await grammars.prepare(other) == ""  # g is dropped
+        threads.clear()
+        h = await rt.submit(SubmitRequest(1, [5, 6, 7], 3, grammar=g))
+        assert threads and threading.main_thread() not in threads, threads
+        assert d.v.slots[h.slot]["state"] == SlotState.PREFILL_PENDING and h.slot in rt._slot_masks
+        with pytest.raises(ValueError, match="does not compile"):
+            await rt.submit(SubmitRequest(2, [5, 6, 7], 3, grammar="start: (("))
+    finally:
+        await rt.close()
+        d.close()

@@ -29,7 +29,7 @@ from blink.config import ServerConfig
 from blink.protocol.wire import SubmitRequest
 
 from . import openai_api as api
-from . import stop_matcher
+from . import stop_matcher, structured
 from .choice_items import OneChoice, next_item
 from .generation import Backend, GenerationError, TextEvent, stream_text
 from .metrics import Finished, Metrics
@@ -274,10 +274,12 @@ class CompletionHandler:
         return parser_for(self.config.tool_call_parser, self.tok.tok.chat_template)
 
     async def _constraint(self, r: Any) -> str | None:
-        """The request's grammar (openai_api.request_constraint), compiled for this model's tokenizer
-        (a new one off the event loop); a 400 quoting the engine and naming the field that holds it
-        when it does not compile."""
-        c = api.request_constraint(r)
+        """The request's grammar (openai_api.request_constraint), compiled for this model's tokenizer,
+        both in a grammar thread (a schema of megabytes takes a second to read); a 400 quoting the
+        engine and naming the field that holds it when it does not compile."""
+        if api.constraint_field(r) is None:
+            return None
+        c = await structured.in_grammar_thread(api.request_constraint, r)
         if c is None:
             return None
         grammar, field = c

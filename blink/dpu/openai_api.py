@@ -351,6 +351,17 @@ _CONSTRAINTS = (
 )
 
 
+def constraint_field(r: _Sampling) -> str | None:
+    """The first field that asks to constrain the request's output (request_constraint reads them),
+    None when none does; cheap: it reads no schema."""
+    for n in _CONSTRAINTS:
+        if getattr(r, n) is not None:
+            return n
+    if isinstance(r, ChatRequest) and r.tools and r.tool_choice not in (None, "none", "auto"):
+        return "tools"
+    return None
+
+
 def request_constraint(r: _Sampling) -> tuple[str, str] | None:
     """(the grammar that constrains the request's output, the field that holds it), None when
     unconstrained: a structured output field (blink/dpu/structured.py), or for tool_choice

@@ -28,7 +28,7 @@ from blink.protocol.transport import Transport, TransportError
 from blink.protocol.wire import DeviceHealth, RingStats, SubmitRequest, TokenEvent
 
 from .slot_tracker import SlotTracker, attach_geometry, region_words
-from .structured import Grammars
+from .structured import GrammarError, Grammars, Matcher
 from .token_masks import Constraint, MaskArena
 from .token_reader import TokenReader
 
@@ -252,9 +252,16 @@ class RequestTracker:
         why = self.check_prompt(len(req.prompt_ids), region_words(req)) or self.check_grammar(req)
         if why:
             raise ValueError(why)
+        matcher = None
+        if req.grammar:  # its own matcher now, not at the claim: a grammar the cache dropped compiles off the loop
+            assert self.grammars is not None
+            try:
+                matcher = await self.grammars.request_matcher(req.grammar)
+            except GrammarError as e:
+                raise ValueError(f"the structured output constraint does not compile: {e}") from e
         if not self.slots.described:  # attached before the device was READY
             self.slots.describe(self.reader.header)
-        slot = None if self._waiters else self._try_claim(req)
+        slot = None if self._waiters else self._try_claim(req, matcher)
         front = False  # a woken waiter that lost its slot to a newcomer keeps its place
         while slot is None:
             if not front and len(self._waiters) >= self.max_queue:
@@ -271,7 +278,7 @@ class RequestTracker:
                 raise
             if self.reader.failed:
                 raise DeviceDownError(self.reader.failed)
-            slot = self._try_claim(req)
+            slot = self._try_claim(req, matcher)
             front = True
         h = RequestHandle(self, req.request_id, slot, len(req.prompt_ids))
         prompt = None
@@ -292,7 +299,8 @@ class RequestTracker:
         return h
 
     def check_grammar(self, req: SubmitRequest) -> str | None:
-        """Why a structured-output request cannot be served here (None if it can, or is not one)."""
+        """Why a structured-output request cannot be served here (None if it can, or is not one); whether
+        its grammar compiles is known when its matcher is made (submit)."""
         if not req.grammar:
             return None
         if self.grammars is None:
@@ -301,16 +309,15 @@ class RequestTracker:
             return "structured output is not enabled on this server (ring.mask_slots = 0)"
         if self.grammars.words > self.geo.mask_words:
             return f"the vocabulary ({self.grammars.vocab_size}) exceeds the ring's masks (ring.mask_vocab)"
-        return self.grammars.check(req.grammar) or None
+        return None
 
-    def _claim(self, req: SubmitRequest) -> int | None:
+    def _claim(self, req: SubmitRequest, matcher: Matcher | None) -> int | None:
         constraint = None
-        if req.grammar:
-            assert self.grammars is not None
+        if matcher is not None:
             mask = self.masks.take()
             if mask is None:
                 return None  # waits for a constrained request to end, as for a slot
-            constraint = Constraint(self.grammars.matcher(req.grammar), mask, self.geo)
+            constraint = Constraint(matcher, mask, self.geo)
         try:
             slot = self.slots.claim(req, constraint=constraint)
         except BaseException:
@@ -326,9 +333,9 @@ class RequestTracker:
             self._constraints[slot] = constraint
         return slot
 
-    def _try_claim(self, req: SubmitRequest) -> int | None:
+    def _try_claim(self, req: SubmitRequest, matcher: Matcher | None) -> int | None:
         try:
-            return self._claim(req)
+            return self._claim(req, matcher)
         except TransportError as e:  # the ring cannot be reached: the device is down for us
             self.fail(f"ring unreachable: {e}")
             raise DeviceDownError(self.reader.failed) from e

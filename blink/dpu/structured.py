@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 # the engine's JSON options: no free whitespace (a model left free to emit whitespace can loop on it)
@@ -26,6 +29,29 @@ _CACHE = 512  # distinct grammars kept compiled
 # and at most this much grammar text among them: a compiled grammar takes ~70 bytes a byte of its
 # text when large (7.8 MB for a 3,000-field schema), ~94 KB when small (docs/decisions.md)
 _CACHE_TEXT = 2 << 20
+_T = TypeVar("_T")
+
+
+def grammar_threads() -> int:
+    """Grammar threads: half the cores this process may run on (1 to 8), as vLLM sizes its grammar
+    compiler's pool; the rest stay with the event loop and the token reader."""
+    return max(1, min(len(os.sched_getaffinity(0)) // 2, 8))
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+async def in_grammar_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """fn(*args) in a grammar thread: the work of a request's constraint (reading its schema, converting
+    it, compiling it: up to seconds for a body of megabytes) stays off the event loop, and at most
+    grammar_threads() such jobs run at once however many requests bring new grammars (a compile may
+    hold a hundred megabytes while it runs). Python work there still takes the GIL, in slices."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(grammar_threads(), thread_name_prefix="blink-grammar")
+    return await asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
 
 
 class TextCache:
@@ -57,9 +83,6 @@ class TextCache:
                 self._held -= n
 
 
-_SCHEMA_GRAMMARS = TextCache(_CACHE, _CACHE_TEXT)  # JSON schema text -> its grammar text
-
-
 class GrammarError(ValueError):
     """A constraint the engine cannot use (HTTP 400 naming `param`)."""
 
@@ -77,29 +100,40 @@ def _engine():
 def json_schema_grammar(schema: Any, param: str) -> str:
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
+            schema = msgspec.json.decode(schema)
+        except msgspec.DecodeError as e:
             raise GrammarError(f"{param} is not valid JSON: {e}", param) from e
-    if not isinstance(schema, Mapping | bool):
+        except RecursionError as e:  # the decoder recurses once a level
+            raise GrammarError(f"{param}: the schema is nested too deeply", param) from e
+    if schema is True:
+        schema = {}  # any JSON value
+    if schema is False:
+        raise GrammarError(f"{param}: the schema false admits no value", param)
+    if not isinstance(schema, Mapping):
         raise GrammarError(f"{param} must be a JSON schema object", param)
     why = _unfit(schema)
     if why is not None:
         raise GrammarError(f"{param}: the schema {why}", param)
-    text = json.dumps(schema)
-    grammar = _SCHEMA_GRAMMARS.get(text)  # a schema sent with every request converts once (~5 ms at 3,000 fields)
-    if grammar is None:
-        try:
-            grammar = _engine().LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
-        except ValueError as e:  # what the engine's JSON reader refuses (e.g. nesting past its recursion limit)
-            raise GrammarError(f"{param}: the grammar engine cannot read this schema: {e}", param) from e
-        _SCHEMA_GRAMMARS.put(text, grammar, len(text) + len(grammar))
-    return grammar
+    return schema_grammar(schema)
+
+
+def schema_grammar(schema: Mapping[str, Any]) -> str:
+    """The engine's grammar of a JSON schema object: what LLMatcher.grammar_from_json_schema(schema,
+    defaults=_JSON_DEFAULTS) gives (the options under the schema's "x-guidance", its own over the
+    defaults), in one msgspec encode: the engine's conversion holds the GIL for ~40 ms a megabyte of
+    schema, this about 1 ms."""
+    own = schema.get("x-guidance")
+    options = {**_JSON_DEFAULTS, **own} if isinstance(own, Mapping) else _JSON_DEFAULTS
+    top = {"grammars": [{"name": "json_schema", "json_schema": {**schema, "x-guidance": options}}]}
+    return msgspec.json.encode(top).decode()
 
 
 _EXACT = 1 << 53  # the integers a 64-bit float holds exactly: |n| <= 2^53
-# nesting refused before the schema is serialized for the engine (which refuses about 140 levels itself):
-# json.dumps recurses once a level
-_MAX_DEPTH = 200
+# The deepest object or array a schema may hold (the schema itself is level 0): the engine's JSON reader
+# refuses objects and arrays nested 128 deep, and its grammar holds the schema inside 3 of them
+# (schema_grammar). Refused before the schema is encoded (msgspec's encoder recurses once a level), with
+# the field named.
+_MAX_DEPTH = 128 - 3 - 2
 _NUMERIC_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
@@ -110,7 +144,7 @@ def _unfit(schema: Any) -> str | None:
     stack: list[tuple[Any, str, int]] = [(schema, "", 0)]
     while stack:
         node, key, depth = stack.pop()
-        if depth > _MAX_DEPTH:
+        if depth > _MAX_DEPTH and isinstance(node, Mapping | list):
             return f"is nested deeper than {_MAX_DEPTH} levels (past the grammar engine's recursion limit)"
         if isinstance(node, bool):
             continue
@@ -294,14 +328,25 @@ class Grammars:
         return _why(self._compile(grammar))
 
     async def prepare(self, grammar: str) -> str:
-        """check(), from the event loop: a grammar not compiled yet compiles in a worker thread (the
+        """check(), from the event loop: a grammar not compiled yet compiles in a grammar thread (the
         engine releases the GIL while it compiles), so the loop keeps serving the other streams."""
         m = self._compiled.get(grammar)
-        return _why(m if m is not None else await asyncio.to_thread(self._compile, grammar))
+        return _why(m if m is not None else await in_grammar_thread(self._compile, grammar))
 
     def matcher(self, grammar: str) -> Matcher:
-        """A new request's matcher: its own copy of the compiled grammar, at the start."""
+        """A matcher of its own, at the grammar's start (compiled in the caller's thread when the cache
+        does not hold it; from the event loop: request_matcher)."""
         return Matcher(self._compile(grammar).deep_copy(), self.words)
+
+    async def request_matcher(self, grammar: str) -> Matcher:
+        """A new request's matcher, from the event loop: compiled in a grammar thread when the cache no
+        longer holds it. A GrammarError when the grammar does not compile."""
+        m = self._compiled.get(grammar)
+        if m is None:
+            m = await in_grammar_thread(self._compile, grammar)
+        if m.is_error():
+            raise GrammarError(_why(m), "grammar")
+        return Matcher(m.deep_copy(), self.words)
 
 
 def _why(m: Any) -> str:
