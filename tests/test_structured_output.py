@@ -558,3 +558,13 @@ def test_metrics_count_the_masks_of_constrained_tokens_and_the_rows_that_sat_out
     free = scrape(server.url, KEY)
     client.completions.create(model=server.model, prompt="x", max_tokens=8)
     assert masks_between(free, scrape(server.url, KEY), 8)["frontend"]["masks"] == 0  # unconstrained: none
+
+
+def test_the_boolean_schemas():
+    """`true` admits any JSON value (the engine's conversion refused it: a 400); `false` admits none."""
+    grammars = load_tokenizer("random:tiny-llama").grammars
+    assert grammars.check(request_grammar({"guided_json": True})) == ""
+    assert request_grammar({"guided_json": True}) == request_grammar({"guided_json": {}})
+    with pytest.raises(GrammarError, match="admits no value") as e:
+        request_grammar({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": False}}})
+    assert e.value.param == "response_format.json_schema.schema"
