@@ -491,7 +491,7 @@ def test_a_tokenizer_the_engine_cannot_read_disables_structured_output_with_a_40
     from tokenizers import models
 
     from blink.dpu import openai_api as api
-    from blink.dpu.completions import CompletionHandler
+    from blink.dpu.request_intake import RequestIntake
     from blink.dpu.tokenizer import FrontendTokenizer, ModelInfo
     from blink.models.tokenizer import Tokenizer
 
@@ -500,14 +500,14 @@ def test_a_tokenizer_the_engine_cannot_read_disables_structured_output_with_a_40
     with caplog.at_level("WARNING", logger="blink.structured"):
         assert tok.grammars is None
     assert "structured output is off" in caplog.text and "decoder" in caplog.text
-    handler = CompletionHandler.__new__(CompletionHandler)
-    handler.tok = tok
+    intake = RequestIntake.__new__(RequestIntake)
+    intake.tok = tok
     r = api.parse(api.CompletionRequest, json.dumps({"model": "words", "prompt": "a", "guided_regex": "a+"}).encode())
     with pytest.raises(api.APIError) as e:
-        asyncio.run(handler._constraint(r))
+        asyncio.run(intake._constraint(r))
     assert e.value.status == 400 and e.value.param == "guided_regex" and "decoder" in e.value.message
     unconstrained = api.parse(api.CompletionRequest, b'{"model": "words", "prompt": "a"}')
-    assert asyncio.run(handler._constraint(unconstrained)) is None
+    assert asyncio.run(intake._constraint(unconstrained)) is None
 
 
 def test_grammars_of_a_synthetic_tokenizer_whose_eos_lies_past_its_tokens():

@@ -1,9 +1,9 @@
 """The generation endpoints (/v1/chat/completions, /v1/completions): one request from its body to
 its last byte.
 
-A request is parsed and validated (openai_api), tokenized (tokenizer role), submitted through the
-backend's request tracker (slot tracker + token reader) and its text streamed (generation.py: one
-generation per choice), as one JSON response or as SSE. A client that disconnects mid-stream gets
+A request is parsed, validated and tokenized into one ring request per choice (request_intake.py),
+submitted through the backend's request tracker (slot tracker + token reader) and its text streamed
+(generation.py: one generation per choice), as one JSON response or as SSE. A client that disconnects mid-stream gets
 its handler cancelled (aiohttp handler_cancellation), and the `finally` of the generation cancels
 its ring slot, so the slot is freed; a client gone while its stream is written is one INFO line
 (the request's own, outcome "disconnected"), not an error. A request's state is one `Call`; when it
@@ -26,10 +26,8 @@ import msgspec
 from aiohttp import web
 
 from blink.config import ServerConfig
-from blink.protocol.wire import SubmitRequest
 
 from . import openai_api as api
-from . import stop_matcher, structured
 from .choice_items import OneChoice, next_item
 from .generation import Backend, GenerationError, TextEvent, stream_text
 from .metrics import Finished, Metrics
@@ -37,10 +35,10 @@ from .middleware import json_response, log_safe, read_body
 from .openai_logprobs import ChoiceLogprobs
 from .openai_responses import ChunkMaker, chat_response, completion_response, new_id
 from .prompt_encoder import PromptEncoder
+from .request_intake import RequestIntake
 from .request_tracker import RequestHandle
-from .slot_tracker import region_words
-from .tokenizer import FrontendTokenizer, PromptError
-from .tool_parsers import JsonArray, Parser, ToolStream, parser_for
+from .tokenizer import FrontendTokenizer
+from .tool_parsers import Parser, ToolStream
 
 log = logging.getLogger("blink.server")
 _json = msgspec.json.Encoder()
@@ -110,6 +108,7 @@ class CompletionHandler:
         self.config = config
         self.metrics = metrics
         self.encoder = encoder or PromptEncoder(tokenizer, config.tokenizer_pool_size)
+        self.intake = RequestIntake(backend, tokenizer, config, self.encoder)
         self.active: dict[Call, asyncio.Task] = {}  # requests in flight, by their handler's task
         # one token's text for logprobs (special tokens kept: they were generated)
         self._decode_one = functools.lru_cache(maxsize=1 << 16)(lambda i: tokenizer.decode([i], False))
@@ -177,42 +176,16 @@ class CompletionHandler:
                 await g.aclose()
 
     async def _prepare(self, call: Call, body: bytes, request_id: str | None = None) -> None:
-        """Parse, validate and tokenize; one generation per choice in call.gens (not yet started).
-        request_id: the X-Request-Id header, which names the response as in vLLM."""
+        """Parse, validate and tokenize (request_intake.py); one generation per choice in call.gens (not
+        yet started). request_id: the X-Request-Id header, which names the response as in vLLM."""
         chat = call.chat
-        r = api.parse(api.ChatRequest if chat else api.CompletionRequest, body)
+        r = self.intake.parse(chat, body)
         if request_id or r.request_id:  # vLLM's response id: chatcmpl-<X-Request-Id | request_id>
             call.rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or r.request_id}"
-        api.check_model(r.model, self.tok.name)
-        if not chat and r.suffix:
-            raise api.APIError(400, "suffix is not supported", "suffix")
-        if not chat and (r.best_of or 1) > 1:
-            raise api.APIError(400, "best_of is not supported (as in vLLM V1); use n", "best_of")
-        if chat:
-            call.tool_parser = self._tool_parser(api.chat_tools(r))
-        prompts = [r.messages] if chat else api.completion_prompts(r)
-        n = api.choices_per_prompt(r, len(prompts), self.config.max_n)
-        stop = self._stop_strings(r)
-        call.stop_matcher = await stop_matcher.prepare(stop)  # built off the loop's critical path
-        grammar = await self._constraint(r)  # a 400 about it comes before the prompt is tokenized
-        encoded = [await self._encode(chat, p, r) for p in prompts]
-        self._check_context(r, chat, encoded)
-        try:
-            stop_ids = self.tok.stop_ids(r.stop_token_ids or [], r.ignore_eos)
-        except PromptError as e:
-            raise api.APIError(400, str(e), e.param) from e
-        # choice index = prompt index * n + i (vLLM's order); one ring request each
-        max_tokens = api.requested_max_tokens(r)
-        vocab = self.tok.info.vocab_size
-        ids_ = [self.backend.new_request_id() for _ in range(len(encoded) * n)]
-        group = ids_[0] if len(ids_) > 1 else 0  # the device caps a group's batch places (slot.group)
-        subs = [
-            api.sampling_params(r, ids_[j * n + i], ids, stop_ids, max_tokens, i, vocab, group, grammar)
-            for j, ids in enumerate(encoded)
-            for i in range(n)
-        ]
-        self._check_subs(subs[::n], chat)
-        call.prompt_only = max_tokens == 0
+        x = await self.intake.take(r, chat)
+        subs, n, prompts = x.subs, x.n, x.prompts
+        call.tool_parser, call.stop_matcher = x.tool_parser, x.stop_matcher
+        call.prompt_only = x.max_tokens == 0
         decode = _token_id_name if r.return_tokens_as_token_ids else self._decode_one
         call.lps = [
             ChoiceLogprobs(
@@ -227,7 +200,7 @@ class CompletionHandler:
         ]
         if not chat and r.echo:  # each completion choice starts with its prompt (token prompts decoded)
             call.prefixes = [p if isinstance(p, str) else self.tok.decode(p) for p in prompts for _ in range(n)]
-        call.n_prompt = sum(len(ids) for ids in encoded)
+        call.n_prompt = sum(len(ids) for ids in x.encoded)
         call.stream = bool(r.stream)
         call.include_usage = bool(r.stream_options and r.stream_options.include_usage)
         call.continuous = bool(r.stream_options and r.stream_options.continuous_usage_stats)
@@ -238,88 +211,13 @@ class CompletionHandler:
                 self.backend,
                 self.tok,
                 sub,
-                stop,
+                x.stop,
                 functools.partial(call.submitted, j),
                 r.include_stop_str_in_output,
                 r.skip_special_tokens,
             )
             for j, sub in enumerate(subs)
         ]
-
-    def _check_context(self, r: Any, chat: bool, encoded: list[list[int]]) -> None:
-        """Each prompt fits the context, and so do prompt + an explicit max_tokens (vLLM's 400s)."""
-        for ids in encoded:
-            why = self.backend.check_prompt(len(ids))
-            if why:
-                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
-        asked = r.max_completion_tokens if chat and r.max_completion_tokens is not None else r.max_tokens
-        limit, n_in = self.backend.max_context, max(len(ids) for ids in encoded)
-        if asked is not None and limit and n_in + asked > limit:
-            raise api.APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n_in + asked} tokens ({n_in} in the {'messages' if chat else 'prompt'}, {asked} in the "
-                "completion). Please reduce the length of the messages or completion.",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-
-    def _tool_parser(self, tools: tuple[list[dict], str, str | None] | None) -> Parser | None:
-        """How the choices' tool calls are read: none without tools or with tool_choice none; the
-        grammar's JSON array for required / named; else the server's parser (auto: by template)."""
-        if tools is None or tools[1] == "none":
-            return None
-        if tools[1] in ("required", "named"):
-            return JsonArray()
-        return parser_for(self.config.tool_call_parser, self.tok.tok.chat_template)
-
-    async def _constraint(self, r: Any) -> str | None:
-        """The request's grammar (openai_api.request_constraint), compiled for this model's tokenizer,
-        both in a grammar thread (a schema of megabytes takes a second to read); a 400 quoting the
-        engine and naming the field that holds it when it does not compile."""
-        if api.constraint_field(r) is None:
-            return None
-        c = await structured.in_grammar_thread(api.request_constraint, r)
-        if c is None:
-            return None
-        grammar, field = c
-        if self.tok.grammars is None:
-            raise api.APIError(400, f"structured output is not available: {self.tok.grammar_error}", field)
-        why = await self.tok.grammars.prepare(grammar)
-        if why:
-            raise api.APIError(400, f"the structured output constraint does not compile: {why.strip()}", field)
-        return grammar
-
-    def _check_subs(self, subs: list[SubmitRequest], chat: bool) -> None:
-        """A 400 for a ring request the device or the ring cannot serve: a feature the device lacks, a
-        prompt region larger than a slot's."""
-        for sub in subs:
-            api.check_features(sub, self.backend.features)
-            why = self.backend.check_prompt(len(sub.prompt_ids), region_words(sub))
-            if why:
-                raise api.APIError(400, why, "messages" if chat else "prompt", "context_length_exceeded")
-
-    async def _encode(self, chat: bool, prompt: Any, r: Any) -> list[int]:
-        """A prompt's ids (long ones off the event loop: prompt_encoder.py)."""
-        try:
-            if chat:
-                return await self.encoder.chat(prompt, r.add_generation_prompt, api.chat_template_kwargs(r))
-            return await self.encoder.completion(prompt)
-        except PromptError as e:
-            raise api.APIError(400, str(e), e.param) from e
-
-    def _stop_strings(self, r: Any) -> list[str]:
-        """The request's stop strings within server.max_stop_strings and max_stop_string_chars."""
-        stop = api.stop_strings(r)
-        cfg = self.config
-        if len(stop) > cfg.max_stop_strings:
-            raise api.APIError(400, f"at most {cfg.max_stop_strings} stop strings", "stop")
-        longest = max(map(len, stop), default=0)
-        if longest > cfg.max_stop_string_chars:
-            raise api.APIError(
-                400, f"a stop string is {longest} characters; at most {cfg.max_stop_string_chars}", "stop"
-            )
-        return stop
 
     def _trace(self, call: Call) -> None:
         """After the first response byte: where did the first token's time go?"""
