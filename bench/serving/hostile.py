@@ -12,6 +12,9 @@ its defaults, and anything else counts as `unexpected` (with an example):
     stop_flood     16 stop strings of 1024 characters on a real completion -> 200 (503 while the device is down)
     long_stop      one stop string of 250,000 characters                   -> 400
     bad_template   chat_template_kwargs {"self": 1}                        -> 400
+    big_schema     a chat completion under a JSON schema new to the server, of about
+                   --hostile-prompt-mb (read and compiled in a grammar thread) -> 200, or 400 when the grammar
+                                                                              engine finds it too large (413, 503)
 
 The prober GETs /health every 50 ms for the whole run; its latencies (p50, p99, max) are the
 number that says whether anyone could stall the server.
@@ -36,6 +39,7 @@ KINDS = (
     "stop_flood",
     "long_stop",
     "bad_template",
+    "big_schema",
 )
 CUT_WAIT_S = 60.0  # a connection the server has not closed after this long is an unexpected answer
 
@@ -175,6 +179,13 @@ async def one_attack(
             stops = ["".join(rng.choices("abcdefgh ", k=1024)) for _ in range(16)]
             body, path = json.dumps({**chat, "stop": stops}).encode(), "/v1/chat/completions"
             want = (200, 503)  # 503: the device is down (soak's kill), not the attack's doing
+        elif kind == "big_schema":
+            tag = f"{rng.randrange(1 << 30):x}"  # new to the server: it reads and compiles this one
+            names = [f"{tag}_{i}_{'n' * 40}" for i in range(max(1, len(big) // 100))]
+            schema = {"type": "object", "properties": {k: {"type": "string", "maxLength": 4} for k in names}}
+            fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+            body = json.dumps({**chat, "max_tokens": 2, "response_format": fmt}).encode()
+            path, want = "/v1/chat/completions", (200, 400, 413, 503)
         elif kind == "long_stop":
             body, path, want = json.dumps({**chat, "stop": ["z" * 250_000]}).encode(), "/v1/chat/completions", (400,)
         else:  # bad_template

@@ -6,11 +6,13 @@
 Load: `--concurrency` client loops, each drawing its next request from a mix: short chats
 (streamed or not), completions with n = 2, long prompts (up to 90 % of the context), streams
 the client aborts after a few chunks, and prompts that share one of three system prefixes (prefix
-caching: blocks shared by running requests, some of them aborted mid-stream). At `--kill-at` (a fraction of the duration) the device
+caching: blocks shared by running requests, some of them aborted mid-stream), and chats under one of a few
+small JSON schemas (structured output: token masks in the ring). At `--kill-at` (a fraction of the duration) the device
 process is sent SIGKILL; the server should end the requests then in flight with an error and
 (with self-healing) restart its device and come back to /health 200. Beside them, `--hostile`
 loops of hostile clients (bench/serving/hostile.py: 4 MB prompts, slowloris, endless bodies, idle-socket
-floods, stop-string floods, bad template variables), each attack with its expected answer, and a
+floods, stop-string floods, bad template variables, large JSON schemas new to the server), each attack
+with its expected answer, and a
 prober that GETs /health every 50 ms.
 
 Reported (and written as JSON to bench/results/soak-<device>-<commit>.json, with the command):
@@ -81,14 +83,22 @@ async def one_request(session, url: str, model: str, max_context: int, rng: rand
     """Send one request of a random kind; (kind, outcome, why)."""
     import aiohttp
 
-    kinds = ["chat", "chat_stream", "n2", "long", "abort", "prefix", "prefix_abort"]
-    kind = rng.choices(kinds, weights=[3, 4, 1, 1, 2, 3, 1])[0]
-    if kind in ("chat", "chat_stream"):
+    kinds = ["chat", "chat_stream", "n2", "long", "abort", "prefix", "prefix_abort", "structured"]
+    kind = rng.choices(kinds, weights=[3, 4, 1, 1, 2, 3, 1, 1])[0]
+    if kind == "structured":  # one of a few schemas: compiled once, then a copy of the matcher per request
         path = "/v1/chat/completions"
+        props = {f"f{i}": {"type": rng.choice(["integer", "boolean", "string"])} for i in range(rng.randint(1, 3))}
+        schema = {"type": "object", "properties": props, "required": list(props)}
+        body = {"model": model, "messages": [{"role": "user", "content": "json"}], "max_tokens": 48}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    elif kind in ("chat", "chat_stream"):
+        path = "/v1/chat/completions"
+        # within a small context too (the CI test's 128 tokens: a byte-level tokenizer, the template's ~30)
+        n_words, n_out = min(30, max_context // 16), min(64, max_context // 4)
         words = " ".join(
-            rng.choice(["tell", "me", "about", "the", "sea", "and", "sky"]) for _ in range(rng.randint(1, 30))
+            rng.choice(["tell", "me", "about", "the", "sea", "and", "sky"]) for _ in range(rng.randint(1, n_words))
         )
-        body = {"model": model, "messages": [{"role": "user", "content": words}], "max_tokens": rng.randint(1, 64)}
+        body = {"model": model, "messages": [{"role": "user", "content": words}], "max_tokens": rng.randint(1, n_out)}
         body["stream"] = kind == "chat_stream"
     else:
         path = "/v1/completions"
@@ -98,8 +108,8 @@ async def one_request(session, url: str, model: str, max_context: int, rng: rand
             prompt = SHARED[rng.randrange(len(SHARED))][: max_context // 2] + prompt[: rng.randint(1, 24)]
         body = {"model": model, "prompt": prompt, "max_tokens": 16}
         body.update(n=2 if kind == "n2" else 1, stream=kind.endswith("abort"), ignore_eos=True)
-        if kind.endswith("abort"):
-            body["max_tokens"] = 400
+        if kind.endswith("abort"):  # long enough to be cut, and within the context
+            body["max_tokens"] = min(400, max_context - len(prompt))
     body["temperature"] = rng.choice([0.0, 0.7, 1.0])
     timeout = aiohttp.ClientTimeout(total=600)
     try:
