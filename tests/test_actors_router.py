@@ -198,7 +198,12 @@ def test_router_switches_at_once_to_a_replaced_ring() -> None:
                 await router.submit(SubmitRequest(router.new_request_id(), [7, 7], 5, sampling=GREEDY))
             )
             assert got[0] == reference_greedy([7, 7], 5, VOCAB)
-            assert int(new.transport.view().header["requests_completed"]) == 1  # served by the new ring
+            # served by the new ring; the device writes its statistics after the step's tokens
+            t_end = time.monotonic() + 10
+            while int(new.transport.view().header["requests_completed"]) < 1:
+                assert time.monotonic() < t_end
+                await asyncio.sleep(0.001)
+            assert int(new.transport.view().header["requests_completed"]) == 1
         finally:
             await router.close()
             old.transport.view().header["shutdown"] = 2
@@ -227,7 +232,10 @@ def test_routing_counts_every_frontends_requests() -> None:
             held = [
                 await b0.submit(SubmitRequest(b0.new_request_id(), [5, 6], 1000, sampling=GREEDY)) for _ in range(3)
             ]
-            await asyncio.sleep(0.4)  # A's idle token readers refresh their records every 0.25 s
+            t_end = time.monotonic() + 10  # A's idle token readers refresh their records every 0.25 s
+            while a.replicas[0].tracker.load() < 3:
+                assert time.monotonic() < t_end, a.replicas[0].tracker.load()
+                await asyncio.sleep(0.02)
             assert a.replicas[0].tracker.load() == 3 and a.replicas[1].tracker.load() == 0
             mine = [await a.submit(SubmitRequest(a.new_request_id(), [1, 2, i], 4, sampling=GREEDY)) for i in range(3)]
             assert [r.requests for r in a.replicas] == [0, 3]  # all to the replica B is not using

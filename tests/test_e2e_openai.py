@@ -999,10 +999,16 @@ def test_streams_read_to_done_count_as_served(tiny):
                     assert (await r.read()).endswith(b"data: [DONE]\n\n")
 
     asyncio.run(go())
-    time.sleep(0.2)
-    m = tiny.metrics()
-    delta = {k: v - before.get(k, 0) for k, v in m.items()}
-    assert delta['blink_requests_total{endpoint="chat",outcome="ok"}'] == 30
+    # a stream's outcome is counted when its handler ends, after `[DONE]` went out: wait for all 30
+    ok, t_end = 'blink_requests_total{endpoint="chat",outcome="ok"}', time.monotonic() + 10
+    while True:
+        m = tiny.metrics()
+        delta = {k: v - before.get(k, 0) for k, v in m.items()}
+        counted = delta.get(ok, 0) + delta.get('blink_requests_total{endpoint="chat",outcome="disconnected"}', 0)
+        if counted >= 30 or time.monotonic() > t_end:
+            break
+        time.sleep(0.05)
+    assert delta[ok] == 30
     assert delta.get('blink_requests_total{endpoint="chat",outcome="disconnected"}', 0) == 0
     assert delta["blink_cancelled_total"] == 0
     assert delta['vllm:request_success_total{finished_reason="length",model_name="tiny-llama"}'] == 30
@@ -1011,9 +1017,12 @@ def test_streams_read_to_done_count_as_served(tiny):
 def test_startup_phases_and_request_lines_are_logged(tiny):
     """The operator's view on stderr: the device's start-up phases, then a line per request."""
     tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
-    time.sleep(0.2)
+    request_line = r"cmpl-\w+ completions ok: prompt \d+ tokens, output 2 tokens, ttft [\d.]+ s, total"
+    t_end = time.monotonic() + 10  # the line comes through the server's stderr and a reader thread
+    while not re.search(request_line, "".join(tiny.log)) and time.monotonic() < t_end:
+        time.sleep(0.05)
     log = "".join(tiny.log)
     assert "blink device: loading random:tiny-llama" in log
     assert "blink device: KV cache: 512 blocks of 16 tokens" in log
     assert "blink device: serving the ring" in log
-    assert re.search(r"cmpl-\w+ completions ok: prompt \d+ tokens, output 2 tokens, ttft [\d.]+ s, total", log)
+    assert re.search(request_line, log)
