@@ -173,10 +173,12 @@ async def test_health_and_streams_run_while_large_schemas_are_read(tok):
         err = json.loads(raw)["error"]
         assert status == 400 and err["param"] == "response_format", err
         assert "too large" in err["message"], err
-    assert len(lat) > 20 and _p99(lat) < 0.25 and max(lat) < 1, (
+    # Read on the loop, each request paused both for 0.5 s or more; now the loop decodes the body (~30 ms)
+    # and waits while the engine holds the GIL (up to ~60 ms): 300 ms leaves room for a loaded 2-core host.
+    assert len(lat) > 20 and _p99(lat) < 0.3 and max(lat) < 1, (
         f"/health p99 {_p99(lat) * 1e3:.0f} ms, max {max(lat) * 1e3:.0f}"
     )
-    assert len(gaps) > 40 and _p99(gaps) < 0.25 and max(gaps) < 1, (
+    assert len(gaps) > 40 and _p99(gaps) < 0.3 and max(gaps) < 1, (
         f"stream pauses p99 {_p99(gaps) * 1e3:.0f} ms, max {max(gaps) * 1e3:.0f}"
     )
 
