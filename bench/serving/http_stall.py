@@ -13,7 +13,8 @@ host, commit and command (default bench/results/http_stall-<device>-<commit>.jso
 
 With --schema-fields N, the load is instead --schemas completions (one after another, 2 tokens each)
 whose `guided_json` is an object of N required string fields: in `schema_new` every schema is new to
-the server (it compiles each), in `schema_same` all are one schema (compiled once, then cached).
+the server (it compiles each), in `schema_same` all are one schema (compiled once, then cached). A
+schema the grammar engine finds too large (from ~70,000 fields, 3 MB) is a 400, still read first.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import os
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from bench.common import add_commit_arg, git_commit, metadata, result_path, smi_gpu_name, write_json
@@ -35,11 +37,16 @@ PACED = ["--device-executor", "bench.serving.paced_executor:h200_llama3_8b"]
 
 
 def _post(url: str, body: bytes) -> tuple[int, float]:
+    """(HTTP status, seconds): a 4xx is an answer too (a schema the grammar engine finds too large)."""
     t0 = time.monotonic()
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        r.read()
-        return r.status, time.monotonic() - t0
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+            return r.status, time.monotonic() - t0
+    except urllib.error.HTTPError as e:
+        e.read()
+        return e.code, time.monotonic() - t0
 
 
 def _schema_load(url: str, model: str, fields: int, n: int, new: bool) -> tuple[int, float]:
