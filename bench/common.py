@@ -96,6 +96,19 @@ def add_commit_arg(ap: Any) -> None:
     )
 
 
+def command_line(argv: Sequence[str]) -> str:
+    """argv as a command: a script of this clone (and the interpreter before it) as `python -m` its
+    module, so that it reproduces from any clone and names no path of this machine."""
+    args = list(argv)
+    for i, a in enumerate(args[:2]):
+        path = pathlib.Path(a)
+        if path.suffix == ".py" and path.resolve().is_relative_to(ROOT):
+            module = ".".join(path.resolve().relative_to(ROOT).with_suffix("").parts)
+            args[: i + 1] = ["python", "-m", module]
+            break
+    return " ".join(args)
+
+
 def metadata(
     commit: str, argv: list[str] | None = None, *, gpu_key: str = "gpu", gpu: str | None = None
 ) -> dict[str, Any]:
@@ -110,7 +123,7 @@ def metadata(
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         gpu_key: gpu if gpu is not None else gpu_name(),
         "commit": commit if commit and commit != "unknown" else git_commit(),
-        "command": " ".join(argv if argv is not None else sys.argv),
+        "command": command_line(argv if argv is not None else sys.argv),
     }
     if gpu is None and out[gpu_key] != "cpu":
         import cupy as cp

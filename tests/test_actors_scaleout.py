@@ -23,7 +23,7 @@ def test_scaleout_procs_launcher(tmp_path: Path) -> None:
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
-    assert res["bench"] == "scaleout" and res["commit"] and "scaleout.py" in res["command"]
+    assert res["bench"] == "scaleout" and res["commit"] and "bench.serving.scaleout" in res["command"]
     assert [x["replicas"] for x in res["runs"]] == [1, 2]
     for run in res["runs"]:
         n = run["replicas"]

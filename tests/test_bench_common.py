@@ -212,7 +212,7 @@ def test_metadata(monkeypatch):
     monkeypatch.setattr(common, "gpu_name", lambda: "cpu")
     m = common.metadata("abc1234", ["bench/x.py", "--flag"])
     assert set(m) == {"date", "gpu", "commit", "command"}
-    assert m["commit"] == "abc1234" and m["command"] == "bench/x.py --flag" and m["gpu"] == "cpu"
+    assert m["commit"] == "abc1234" and m["command"] == "python -m bench.x --flag" and m["gpu"] == "cpu"
     d = common.metadata("abc1234", ["x"], gpu_key="device")
     assert "gpu" not in d and d["device"] == "cpu"
 
@@ -222,6 +222,18 @@ def test_metadata(monkeypatch):
     monkeypatch.setattr(common, "gpu_name", no_cuda)
     g = common.metadata("c", ["x"], gpu="NVIDIA H200", gpu_key="device_name")
     assert g["device_name"] == "NVIDIA H200" and "sms" not in g
+
+
+def test_the_command_names_a_benchmark_by_its_module(monkeypatch):
+    """A benchmark started as a script of this clone is recorded as `python -m bench...`: the command
+    reproduces it from any clone, and no result names the machine's paths."""
+    from bench import common
+
+    monkeypatch.setattr(common, "gpu_name", lambda: "cpu")
+    script = str(common.ROOT / "bench" / "serving" / "http_stall.py")
+    for argv in (["python3.12", script, "--schemas", "3"], [script, "--schemas", "3"]):
+        assert common.metadata("c", argv)["command"] == "python -m bench.serving.http_stall --schemas 3"
+    assert common.metadata("c", ["/elsewhere/x.py", "-q"])["command"] == "/elsewhere/x.py -q"
 
 
 def test_commit_from_the_command_line_else_this_checkout(monkeypatch):
