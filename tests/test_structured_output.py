@@ -568,3 +568,54 @@ def test_the_boolean_schemas():
     with pytest.raises(GrammarError, match="admits no value") as e:
         request_grammar({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": False}}})
     assert e.value.param == "response_format.json_schema.schema"
+
+
+def _allowed_after(grammar: str, text: str) -> set[str]:
+    """The texts of the tokens the grammar allows after `text` (tiny-llama's byte-level tokenizer)."""
+    tok = load_tokenizer("random:tiny-llama")
+    m = tok.grammars.matcher(grammar)
+    assert m.advance(tok.tok.encode(text, False))
+    bits = np.zeros(tok.grammars.words, "<u4")
+    m.fill_mask(bits)
+    return {tok.decode([i]) for i in np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))}
+
+
+@pytest.mark.parametrize(
+    "fields, after_brace",
+    [
+        ({"guided_json": {"type": "object"}}, {'"', "}"}),  # Blink's default: no whitespace (docs/decisions.md)
+        ({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": False}}, None),
+        ({"structured_outputs": {"json_object": True, "whitespace_pattern": "[ ]?"}}, {'"', "}", " "}),
+        ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ ]?"}, {'"', "}", " "}),
+        ({"response_format": {"type": "json_object"}, "guided_whitespace_pattern": "\n?"}, {'"', "}", "\n"}),
+    ],
+)
+def test_the_whitespace_a_json_constraint_allows_follows_the_request(fields, after_brace):
+    """vLLM's disable_any_whitespace and whitespace_pattern (structured_outputs), and its older
+    guided_whitespace_pattern, set the whitespace allowed between JSON tokens (the first two were
+    accepted and ignored, the third refused as an unknown field). disable_any_whitespace false allows
+    the engine's whitespace (space, tab, newlines)."""
+    allowed = _allowed_after(request_grammar(fields), "{")
+    assert allowed == (after_brace or {'"', "}", " ", "\t", "\n", "\r"}), allowed
+
+
+def test_a_bad_whitespace_option_is_a_400_naming_its_field():
+    with pytest.raises(GrammarError) as e:
+        request_grammar({"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}})
+    assert e.value.param == "structured_outputs"
+    grammars = load_tokenizer("random:tiny-llama").grammars
+    bad = request_grammar({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "(("})
+    assert "unclosed group" in grammars.check(bad)
+
+
+def test_guided_whitespace_pattern_is_served(client, server):
+    r = client.completions.create(
+        model=server.model,
+        prompt="x",
+        max_tokens=40,
+        extra_body={"guided_json": {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"],
+                                    "additionalProperties": False},
+                    "guided_whitespace_pattern": "[ ]?"},
+    )  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "length" or json.loads(c.text).keys() == {"b"}, c

@@ -92,6 +92,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     guided_regex: str | None = None
     guided_choice: list[Any] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # the whitespace a JSON constraint allows (vLLM's older name)
     # vLLM's extensions Blink does not implement: declared so that using one is a 400
     use_beam_search: bool = False
 
@@ -368,7 +369,7 @@ def request_constraint(r: _Sampling) -> tuple[str, str] | None:
     `required` or a named function the schema of the calls, so they always parse ("tools"). A 400
     naming the field when it is malformed or the engine cannot read it."""
     try:
-        found = field_constraint({n: getattr(r, n) for n in _CONSTRAINTS})
+        found = field_constraint({n: getattr(r, n) for n in (*_CONSTRAINTS, "guided_whitespace_pattern")})
         tools = chat_tools(r) if isinstance(r, ChatRequest) else None
         if tools is not None and tools[1] in ("required", "named"):
             if found:

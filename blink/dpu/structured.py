@@ -97,7 +97,9 @@ def _engine():
     return llguidance
 
 
-def json_schema_grammar(schema: Any, param: str) -> str:
+def json_schema_grammar(schema: Any, param: str, options: Mapping[str, Any] | None = None) -> str:
+    """The grammar of a JSON schema (an object, or its JSON text); options: the engine's JSON options the
+    request asks for (json_options), over Blink's defaults and under the schema's own x-guidance."""
     if isinstance(schema, str):
         try:
             schema = msgspec.json.decode(schema)
@@ -114,18 +116,35 @@ def json_schema_grammar(schema: Any, param: str) -> str:
     why = _unfit(schema)
     if why is not None:
         raise GrammarError(f"{param}: the schema {why}", param)
-    return schema_grammar(schema)
+    return schema_grammar(schema, options)
 
 
-def schema_grammar(schema: Mapping[str, Any]) -> str:
+def schema_grammar(schema: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> str:
     """The engine's grammar of a JSON schema object: what LLMatcher.grammar_from_json_schema(schema,
-    defaults=_JSON_DEFAULTS) gives (the options under the schema's "x-guidance", its own over the
-    defaults), in one msgspec encode: the engine's conversion holds the GIL for ~40 ms a megabyte of
-    schema, this about 1 ms."""
+    defaults={**_JSON_DEFAULTS, **options}) gives (the options under the schema's "x-guidance", its own
+    over the defaults), in one msgspec encode: the engine's conversion holds the GIL for ~40 ms a
+    megabyte of schema, this about 1 ms."""
+    defaults = {**_JSON_DEFAULTS, **(options or {})}
     own = schema.get("x-guidance")
-    options = {**_JSON_DEFAULTS, **own} if isinstance(own, Mapping) else _JSON_DEFAULTS
-    top = {"grammars": [{"name": "json_schema", "json_schema": {**schema, "x-guidance": options}}]}
+    merged = {**defaults, **own} if isinstance(own, Mapping) else defaults
+    top = {"grammars": [{"name": "json_schema", "json_schema": {**schema, "x-guidance": merged}}]}
     return msgspec.json.encode(top).decode()
+
+
+def json_options(disable_any_whitespace: Any, whitespace_pattern: Any, param: str) -> dict[str, Any]:
+    """The engine's JSON options from vLLM's request fields: disable_any_whitespace (false: whitespace
+    allowed between tokens, as vLLM's default; Blink's default allows none, docs/decisions.md) and
+    whitespace_pattern (a regex of the whitespace allowed there). Only the fields given count."""
+    options: dict[str, Any] = {}
+    if disable_any_whitespace is not None:
+        if not isinstance(disable_any_whitespace, bool):
+            raise GrammarError(f"{param}.disable_any_whitespace must be a boolean", param)
+        options["whitespace_flexible"] = not disable_any_whitespace
+    if whitespace_pattern is not None:
+        if not isinstance(whitespace_pattern, str):
+            raise GrammarError(f"{param}: the whitespace pattern must be a string (a regex)", param)
+        options["whitespace_pattern"] = whitespace_pattern
+    return options
 
 
 _EXACT = 1 << 53  # the integers a 64-bit float holds exactly: |n| <= 2^53
@@ -225,7 +244,7 @@ _KINDS = {
 }
 
 
-def _response_format(fmt: Any) -> str | None:
+def _response_format(fmt: Any, options: Mapping[str, Any]) -> str | None:
     param = "response_format"
     if not isinstance(fmt, Mapping):
         raise GrammarError("response_format must be an object", param)
@@ -233,13 +252,13 @@ def _response_format(fmt: Any) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return json_schema_grammar({"type": "object"}, param)
+        return json_schema_grammar({"type": "object"}, param, options)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, Mapping):
             raise GrammarError("response_format.json_schema must be an object", param)
         # OpenAI's field is `schema`; a json_schema without one allows any JSON value
-        return json_schema_grammar(spec.get("schema", {}), "response_format.json_schema.schema")
+        return json_schema_grammar(spec.get("schema", {}), "response_format.json_schema.schema", options)
     raise GrammarError(f"response_format type {kind!r}; expected text, json_object or json_schema", param)
 
 
@@ -257,8 +276,11 @@ def _structured_outputs(so: Any) -> str | None:
         raise GrammarError(f"structured_outputs: only one of {given} may be set", param)
     if not given:
         return None
+    options = json_options(so.get("disable_any_whitespace"), so.get("whitespace_pattern"), param)
     if given[0] == "json_object":
-        return json_schema_grammar({"type": "object"}, param)
+        return json_schema_grammar({"type": "object"}, param, options)
+    if given[0] == "json":
+        return json_schema_grammar(so["json"], f"{param}.json", options)
     return _KINDS[given[0]](so[given[0]], f"{param}.{given[0]}")
 
 
@@ -271,18 +293,21 @@ def request_grammar(fields: Mapping[str, Any]) -> str | None:
 def field_constraint(fields: Mapping[str, Any]) -> tuple[str, str] | None:
     """(the grammar text a request's fields ask for, the field that holds it), None when
     unconstrained. `fields`: the request's response_format, structured_outputs, guided_json,
-    guided_regex, guided_choice, guided_grammar (absent or None when not set). More than one
-    constraint is a 400."""
+    guided_regex, guided_choice, guided_grammar and guided_whitespace_pattern (vLLM's older name of
+    the JSON whitespace pattern; absent or None when not set). More than one constraint is a 400."""
     found: list[tuple[str, str]] = []
+    options = json_options(None, fields.get("guided_whitespace_pattern"), "guided_whitespace_pattern")
     if fields.get("response_format") is not None:
-        g = _response_format(fields["response_format"])
+        g = _response_format(fields["response_format"], options)
         if g is not None:
             found.append(("response_format", g))
     if fields.get("structured_outputs") is not None:
         g = _structured_outputs(fields["structured_outputs"])
         if g is not None:
             found.append(("structured_outputs", g))
-    for kind in ("json", "regex", "choice", "grammar"):
+    if fields.get("guided_json") is not None:
+        found.append(("guided_json", json_schema_grammar(fields["guided_json"], "guided_json", options)))
+    for kind in ("regex", "choice", "grammar"):
         name = f"guided_{kind}"
         if fields.get(name) is not None:
             found.append((name, _KINDS[kind](fields[name], name)))
