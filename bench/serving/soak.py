@@ -130,7 +130,7 @@ async def one_request(session, url: str, model: str, max_context: int, rng: rand
                 if not error and b'"error"' in line[:20]:
                     error = line.strip()
                 chunks += 1
-                if kind == "abort" and chunks >= 3 and not error:
+                if kind.endswith("abort") and chunks >= 3 and not error:
                     return kind, "aborted", ""  # leaving the block closes the connection mid-stream
             return kind, "lost", "stream ended without [DONE]"
     except (TimeoutError, aiohttp.ClientError) as e:
