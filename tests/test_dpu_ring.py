@@ -26,12 +26,13 @@ from blink.protocol.wire import SubmitRequest, TokenEvent
 class HandDevice:
     """The device's side of the ring, written directly by the test."""
 
-    def __init__(self, n_slots: int = 4, per_slot: int = 32, cap: int = 8):
+    def __init__(self, n_slots: int = 4, per_slot: int = 32, cap: int = 8, n_masks: int = 0, vocab: int = 1000):
         self.name = f"blink-test-{uuid.uuid4().hex[:12]}"
-        self.t = ShmTransport.create(self.name, RingGeometry(n_slots, n_slots * per_slot, cap))
+        geo = RingGeometry(n_slots, n_slots * per_slot, cap, n_masks, vocab if n_masks else 0)
+        self.t = ShmTransport.create(self.name, geo)
         self.v = self.t.view()
         h = self.v.header
-        h["vocab_size"], h["max_context"], h["max_batch"] = 1000, 64, n_slots
+        h["vocab_size"], h["max_context"], h["max_batch"] = vocab, 64, n_slots
         h["device_status"] = DeviceStatus.READY
 
     def beat(self) -> None:
@@ -408,12 +409,7 @@ async def test_a_grammar_the_cache_dropped_compiles_off_the_event_loop_when_its_
         return compile_(text)
 
     monkeypatch.setattr(grammars, "_compile", spy)
-    d = HandDevice.__new__(HandDevice)
-    d.name = f"blink-test-{uuid.uuid4().hex[:12]}"
-    d.t = ShmTransport.create(d.name, RingGeometry(4, 4 * 32, 8, 2, tok.info.vocab_size))
-    d.v = d.t.view()
-    d.v.header["vocab_size"], d.v.header["max_context"], d.v.header["max_batch"] = tok.info.vocab_size, 64, 4
-    d.v.header["device_status"] = DeviceStatus.READY
+    d = HandDevice(n_masks=2, vocab=tok.info.vocab_size)
     rt = RequestTracker(ShmTransport.open(d.name), reader_kwargs={"health_interval_s": 0.02}, grammars=grammars)
     await rt.start()
     try:

@@ -348,6 +348,11 @@ class Grammars:
         self._compiled.put(grammar, m, len(grammar))
         return m
 
+    async def _compiled_off_loop(self, grammar: str) -> Any:
+        """_compile from the event loop: from the cache, else in a grammar thread."""
+        m = self._compiled.get(grammar)
+        return m if m is not None else await in_grammar_thread(self._compile, grammar)
+
     def check(self, grammar: str) -> str:
         """'' when the grammar compiles against this tokenizer, else the engine's reason."""
         return _why(self._compile(grammar))
@@ -355,8 +360,7 @@ class Grammars:
     async def prepare(self, grammar: str) -> str:
         """check(), from the event loop: a grammar not compiled yet compiles in a grammar thread (the
         engine releases the GIL while it compiles), so the loop keeps serving the other streams."""
-        m = self._compiled.get(grammar)
-        return _why(m if m is not None else await in_grammar_thread(self._compile, grammar))
+        return _why(await self._compiled_off_loop(grammar))
 
     def matcher(self, grammar: str) -> Matcher:
         """A matcher of its own, at the grammar's start (compiled in the caller's thread when the cache
@@ -366,9 +370,7 @@ class Grammars:
     async def request_matcher(self, grammar: str) -> Matcher:
         """A new request's matcher, from the event loop: compiled in a grammar thread when the cache no
         longer holds it. A GrammarError when the grammar does not compile."""
-        m = self._compiled.get(grammar)
-        if m is None:
-            m = await in_grammar_thread(self._compile, grammar)
+        m = await self._compiled_off_loop(grammar)
         if m.is_error():
             raise GrammarError(_why(m), "grammar")
         return Matcher(m.deep_copy(), self.words)
