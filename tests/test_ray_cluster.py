@@ -47,6 +47,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The ports `ray start` gives its other components when no flag names them: the dashboard, its
+# agent's HTTP server and the workers' range. A head --port equal to one of them is refused
+# ("trying to use a port number ... that is used by other components").
+RAY_DEFAULT_PORTS = frozenset({8265, 52365, *range(10002, 20000)})
+
+
+def _head_port() -> int:
+    """A free port that Ray accepts as the head's --port."""
+    while (port := _free_port()) in RAY_DEFAULT_PORTS:
+        pass
+    return port
+
+
 def _env(token_path: str | None = None) -> dict[str, str]:
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_AUTH_TOKEN", None)
@@ -75,7 +88,7 @@ def _kill_sessions(sids: set[int]) -> None:
 
 def _start_cluster(tmp: str, env: dict[str, str]) -> tuple[str, set[int]]:
     """A head (2 logical GPUs) and a `dpu` node; returns (address, their session ids)."""
-    port = _free_port()
+    port = _head_port()
     address = f"127.0.0.1:{port}"
     common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
     sids: set[int] = set()
@@ -246,3 +259,29 @@ def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
     conf.write_text("[deploy]\nreplicaz = 2\n")
     r = _blink("deploy", "--config", str(conf), "--address", "127.0.0.1:1")
     assert r.returncode == 2 and "unknown key deploy.replicaz" in r.stderr
+
+
+def test_ray_refuses_a_head_port_it_keeps_for_a_default() -> None:
+    """Why the cluster's port is not any free port: Ray's dashboard agent listens on 52365 unless
+    told otherwise, and `ray start --head --port=52365` stops before starting anything."""
+    tmp = tempfile.mkdtemp(prefix="rayp", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    argv = ["--head", "--port=52365", f"--temp-dir={tmp}", "--include-dashboard=false"]
+    p = subprocess.Popen(
+        [RAY, "start", *argv, "--node-ip-address=127.0.0.1", "--disable-usage-stats"],
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        out = p.communicate(timeout=60)[0].decode()
+    finally:
+        _kill_sessions({p.pid})  # whatever it started, were it to start
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert p.returncode != 0 and "used by other components" in out, out
+
+
+def test_the_head_port_is_never_one_ray_keeps_for_a_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    picks = iter([52365, 8265, 10002, 19999, 40123])
+    monkeypatch.setattr(sys.modules[__name__], "_free_port", lambda: next(picks))
+    assert _head_port() == 40123
