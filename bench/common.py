@@ -379,9 +379,18 @@ def only_launches(fwd: Any, categories: set[str], roles: set[tuple[int, int]] | 
     in, FP8 kernels) whose weight has one of these (n_out, k) shapes (gemm_roles)."""
     drv, blas, fp8_gemms = fwd.drv, fwd.blas, getattr(fwd, "fp8_gemms", None)
 
-    def launch(fn: int, grid: Any, block: Any, args: Any, stream: int, smem: int = 0, name: str = "") -> None:
+    def launch(
+        fn: int,
+        grid: Any,
+        block: Any,
+        args: Any,
+        stream: int,
+        smem: int = 0,
+        name: str = "",
+        programmatic: bool = False,
+    ) -> None:
         if kernel_category(name) in categories:
-            drv.launch(fn, grid, block, args, stream, smem, name)
+            drv.launch(fn, grid, block, args, stream, smem, name, programmatic=programmatic)
 
     def of_role(method: str, w_at: int) -> Callable[..., None]:
         real = getattr(fwd, method)

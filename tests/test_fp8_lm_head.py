@@ -189,12 +189,12 @@ def test_head_scratch_only_where_a_step_has_more_rows_than_the_tensor_core_kerne
 def test_pipelined_gemv_configurations_are_selectable_per_bucket(signatures: dict):  # noqa: F811
     """EngineConfig.fp8_gemv_config / Forward.set_fp8_gemv_config: the pipelined weight loop (r<R>p<S>) is a
     compiled configuration of buckets 1 and 2, launched (fused kernels too) with its own grid; uncompiled
-    ones are refused; the default stays the register loop."""
+    ones are refused; the default is the pipelined loop (docs/decisions.md)."""
     from blink.gpu.engine.fp8_weights import FP8_GEMV_CONFIG, FP8_GEMV_CONFIGS, fp8_config_label
 
     assert (2, 4, "p") in FP8_GEMV_CONFIGS[1] and (1, 8, "p") in FP8_GEMV_CONFIGS[1]
     assert fp8_config_label((1, 8, "p")) == "r1p8" and fp8_config_label((2, 4)) == "r2u4"
-    assert len(FP8_GEMV_CONFIG[1]) == 2  # the default: not the pipelined loop
+    assert FP8_GEMV_CONFIG[1] == FP8_GEMV_CONFIG[2] == (2, 4, "p")
     f, calls = _forward("llama3-8b", 8, "all", signatures, layers=1)
     f = _fp8(f, "outer", calls)
     f.set_fp8_gemv_config({1: (1, 8, "p")})

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,7 @@ from blink.gpu.engine.forward import (
     Dims,
     Forward,
     RopeArgs,
+    pdl_kernel,
     rope_kernel,
 )
 from blink.gpu.engine.fp8_weights import (
@@ -151,8 +154,12 @@ def _finish(f: Forward, gemv_max_tokens: int, fusion: str, signatures: dict) -> 
     f.fp8_scratch = f.fp8_x8 = f.fp8_xs = f.fp8_d32 = f.fp8_head_scratch = _Arr(1)
     f.set_gemv_fusion(_fusion(fusion))
     calls: list = []
+    f.pdl, f.programmatic = False, []  # the kernels launched with programmatic dependent launch
     f.drv = SimpleNamespace(
-        launch=lambda fn, grid, block, args, stream, smem, name: calls.append((name, grid, args, smem))
+        launch=lambda fn, grid, block, args, stream, smem, name, programmatic=False: (
+            calls.append((name, grid, args, smem)),
+            programmatic and f.programmatic.append(name),
+        )
     )
     f.blas = SimpleNamespace(linear=lambda *a: calls.append(("cublas", None, a, 0)))
     return f, calls
@@ -618,7 +625,11 @@ def test_fp8_scratch_holds_the_largest_projection():
 def test_fp8_decode_between_gemv_sizes_runs_in_pieces_and_prefill_never_on_the_gemv(signatures: dict):
     f, calls = _forward("llama3-8b", 8, "all", signatures, layers=1)
     f = _fp8(f, "outer", calls)
-    assert FP8_MMA_MIN_TOKENS > 3  # 3 tokens run on the GEMV
+    f.record(0, 3, 3, True)  # by default 3 tokens run on the tensor-core kernel
+    assert FP8_MMA_MIN_TOKENS <= 3
+    assert [c[0] for c in calls if c[0].startswith("gemv_fp8")] == [fp8_mma_name(3)] * 4
+    calls.clear()
+    f.fp8_mma_min_tokens = 4  # EngineConfig.fp8_mma_min_tokens = 4: 3 tokens run on the GEMV
     f.record(0, 3, 3, True)  # a batch bucket of 3 (max_seqs 3): rows 0-1 on the t2 GEMV, row 2 on t1
     g = [c for c in calls if c[0].startswith("gemv_fp8")]
     assert [c[0] for c in g] == [fp8_gemv_name(2), fp8_gemv_name(1)] * 4  # no fusions between buckets
@@ -693,3 +704,76 @@ def test_fp8_decode_without_fusions_runs_the_plain_fp8_gemv(T: int, signatures: 
     assert names.count(fp8_gemv_name(T)) == 4 * 2 and names.count("add_rmsnorm") == 2 * 2
     assert [n for n in names if n.startswith("gemv_fp8")] == [fp8_gemv_name(T)] * 8
     assert f.fusions_for(T) == frozenset()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pdl_launches_only_the_gemvs_that_wait_for_the_kernel_before(fp8: bool, signatures: dict):
+    """EngineConfig.pdl: a one-token decode step launches its four GEMVs a layer with programmatic
+    dependent launch and nothing else; steps off the GEMV (prefill, FP8's tensor-core kernel) none."""
+    f, calls = _forward("llama3-8b", 8, "all", signatures, layers=2)
+    if fp8:
+        f = _fp8(f, "outer", calls)
+    f.pdl = True
+    f.record(0, 1, 1, True)
+    names = [c[0] for c in calls]
+    suffix = f"_t1_r{FP8_GEMV_CONFIG[1][0]}p{FP8_GEMV_CONFIG[1][1]}" if fp8 else "_t1"  # the pipelined loop
+    prefix = "gemv_fp8_" if fp8 else "gemv_"
+    layer = [f"{prefix}{k}{suffix}" for k in ("norm_rope", "resid", "norm_swiglu", "resid")]
+    assert f.programmatic == [n for n in names if pdl_kernel(n)] == layer * 2
+    for S, T, decode in ((1, 8, False), (4, 4, True)) if fp8 else ((1, 16, False),):  # bf16: the GEMV to 8 rows
+        calls.clear()
+        f.programmatic.clear()
+        f.record(0, S, T, decode)
+        assert f.programmatic == [] and calls
+    f.pdl = False
+    f.record(0, 1, 1, True)
+    assert f.programmatic == []
+
+
+CSRC = Path(__file__).resolve().parents[1] / "blink" / "gpu" / "engine" / "csrc"
+
+
+def _fused_gemv_kernel_names() -> list[re.Pattern]:
+    """The name patterns of the kernels whose macro calls gemv_fused_impl: a macro parameter stands for the
+    values the sources pass it (any word where a macro passes on its own parameter)."""
+    lines = [ln for src in sorted(CSRC.glob("*.cu")) for ln in src.read_text().replace("\\\n", " ").splitlines()]
+    out = []
+    for line in lines:
+        m = re.match(r"#define (\w+)\(([^)]*)\)(.*)", line)
+        if not m or "__global__" not in m.group(3) or "gemv_fused_impl" not in m.group(3):
+            continue
+        params = [p.strip() for p in m.group(2).split(",")]
+        uses = [u.split(",") for ln in lines for u in re.findall(rf"(?<!#define )\b{m.group(1)}\(([^()]*)\)", ln)]
+        uses = [[a.strip() for a in u] for u in uses if len(u) == len(params)]
+
+        def values(i: int, uses: list = uses) -> str:
+            vals = {u[i] for u in uses}
+            return "|".join(sorted(vals)) if vals and all(re.fullmatch(r"[a-z0-9_]+", v) for v in vals) else r"\w+"
+
+        for name in re.findall(r"\b(gemv_[\w#]+)\s*\(", m.group(3)):
+            if name != "gemv_fused_impl":
+                parts = [f"(?:{values(params.index(x))})" if x in params else re.escape(x) for x in name.split("##")]
+                out.append(re.compile("".join(parts)))
+    return out
+
+
+def test_pdl_kernels_are_exactly_the_kernels_built_on_gemv_fused_impl(signatures: dict):
+    patterns = _fused_gemv_kernel_names()
+    assert len(patterns) == 6  # the FP8 GEMV's plain, f32, fused and rope kernels; the fused bf16 GEMVs
+    fused = {n for n in signatures if any(p.fullmatch(n) for p in patterns)}
+    assert {n for n in signatures if pdl_kernel(n)} == fused
+    assert "gemv_resid_t1" in fused and "gemv_bf16_t1" not in fused and "gemv_fp8_mma_m1_n1" not in fused
+
+
+def test_gemv_fused_impl_reads_only_weights_before_it_waits_for_the_kernel_before():
+    """Under programmatic dependent launch the kernel before may still be writing the activations, the
+    residual stream and the step's token data: gemv_fused_impl touches none of them before pdl_wait()."""
+    src = (CSRC / "gemv_fused.cuh").read_text()
+    body = src[src.index("void gemv_fused_impl") :]
+    body = re.sub(r"//[^\n]*", "", body[body.index("{") :])  # the code after the parameter list
+    assert body.count("pdl_wait();") == 1 and body.index("pdl_launch_dependents();") < body.index("pdl_wait();")
+    before = body[: body.index("pdl_wait();")]
+    step_data = r"ra\.(num_tokens|num_seqs|positions|cu_q_lens|block_tables|q_out|k_cache|v_cache|cos_tab|sin_tab)"
+    for pattern in (r"\bX\b", r"\bY\b", r"\bnw\b", r"\bsx\[", step_data):
+        assert not re.search(pattern, before), pattern
+    assert re.search(r"\bW\b", before) and re.search(r"\bscales\[", before)  # the weights do come first

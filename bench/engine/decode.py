@@ -105,6 +105,8 @@ def parse_fp8_gemv_config(spec: str) -> dict[int, tuple]:
 def engine_fields(a: argparse.Namespace) -> dict:
     """The EngineConfig fields the flags set (the others: decode_engine_config's)."""
     out: dict = {"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}
+    if getattr(a, "no_pdl", False):
+        out["pdl"] = False
     if a.quantization:
         out["quantization"] = a.quantization
         out["fp8_lm_head"] = a.fp8_lm_head
@@ -183,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-fp8-gemv-config", default="",
         help='fp8: whole steps also with these GEMV configurations, ";"-separated ("1=r2p4;1=r1p8")',
     )  # fmt: skip
+    ap.add_argument("--no-pdl", action="store_true", help="EngineConfig.pdl off (programmatic dependent launch)")
+    ap.add_argument(
+        "--compare-pdl", default="1", help='batches also timed with EngineConfig.pdl the other way ("pdl_on"/"pdl_off")'
+    )
     add_commit_arg(ap)
     ap.add_argument("--out", default="bench/results/decode.json")
     a = ap.parse_args(argv)
@@ -215,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         if eng.fwd.fp8 and eng.fwd.uses_fp8_gemv_bucket(b):  # other GEMV configurations
             for name, execs in fp8_config_variants(eng, b, a.compare_fp8_gemv_config).items():
                 variants[name] = alternate(eng, execs)
+        if str(b) in a.compare_pdl.split(","):  # programmatic dependent launch the other way
+            eng.fwd.pdl = not eng.fwd.pdl
+            try:
+                execs = eng.capture_variant(b, b, True)
+            finally:
+                eng.fwd.pdl = not eng.fwd.pdl
+            variants["pdl_off" if eng.fwd.pdl else "pdl_on"] = alternate(eng, execs)
         if str(b) in a.compare_cublas.split(",") and not eng.fwd.fp8:  # the other GEMM back end at this batch
             eng.fwd.gemv_max_tokens = 8 if b > ecfg.gemv_max_tokens else 0  # the GEMV, or cuBLAS only
             execs = eng.capture_variant(b, b, True)
@@ -274,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": rep.seconds,
             "device_bytes": rep.device_bytes,
             "decode_graph_nodes_max": rep.nodes_decode_max,
+            "pdl": eng.fwd.pdl,
+            "pdl_refused": rep.pdl_refused,
         },
         "rows": rows,
         "breakdown_ms": breakdown,
@@ -289,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     res["best_decode_attention"] = {str(b): {"variant": v, "ms_per_step": ms} for b, (v, ms) in best.items()}
     write_json(a.out, res)
     print(f"\ncopy bandwidth (read+write) {bw['read_plus_write_GBps']:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
-    print(f"engine gemv fusion: {res['gemv_fusion']}, gemv_max_tokens {ecfg.gemv_max_tokens}")
+    print(f"engine gemv fusion: {res['gemv_fusion']}, gemv_max_tokens {ecfg.gemv_max_tokens}, pdl {eng.fwd.pdl}")
+    if rep.pdl_refused:
+        print(f"programmatic dependent launch refused: {rep.pdl_refused}")
     print(f"{'batch':>5} {'variant':>28} {'ms/step':>8} {'tok/s':>9} {'GB/s':>7} {'of copy':>7}")
     for r in rows:
         print(

@@ -46,7 +46,7 @@ from blink.gpu.engine.engine_config import (  # noqa: F401 (the engine's public 
     DEFAULT_TOKEN_BUCKETS,
     EngineConfig,
 )
-from blink.gpu.engine.forward import Dims, Forward, kv_element_bytes
+from blink.gpu.engine.forward import PDL_MIN_ARCH, Dims, Forward, kv_element_bytes
 from blink.gpu.engine.fp8_gemm import SCALE_MODES, Fp8Gemm
 from blink.gpu.engine.fp8_weights import (
     Fp8Loader,
@@ -59,8 +59,8 @@ from blink.gpu.engine.fp8_weights import (
 from blink.gpu.engine.moe_launch import MoeLaunches
 from blink.gpu.engine.step_loader import StepLoader
 from blink.gpu.engine.weights import GpuWeights
-from blink.gpu.toolchain.cuda_api import Cublas, Driver
-from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels
+from blink.gpu.toolchain.cuda_api import Cublas, CudaError, Driver
+from blink.gpu.toolchain.kernels import DEFAULT_CACHE, Kernels, device_arch
 from blink.models.config import ModelConfig
 from blink.protocol.layout import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from blink.protocol.ring_geometry import RingGeometry
@@ -81,6 +81,7 @@ class CaptureReport:
     device_bytes: int = 0
     nodes_decode_max: int = 0
     shapes: list[tuple[str, int, int]] = field(default_factory=list)
+    pdl_refused: str = ""  # why the graphs were captured without programmatic dependent launch
 
 
 class Engine(StepLoader, AbiWriter):
@@ -125,6 +126,7 @@ class Engine(StepLoader, AbiWriter):
         self.fwd.fp8_gemv_max_tokens = ecfg.fp8_gemv_max_tokens
         self.fwd.fp8_mma_min_tokens = ecfg.fp8_mma_min_tokens
         self.fwd.set_fp8_gemv_config(dict(ecfg.fp8_gemv_config))
+        self.fwd.pdl = ecfg.pdl and device_arch() >= PDL_MIN_ARCH
         if self.fwd.fp8:
             self._set_fp8_path()
         self.arena = self.fwd.arena
@@ -241,12 +243,27 @@ class Engine(StepLoader, AbiWriter):
             self.report.nodes_decode_max = max(self.report.nodes_decode_max, d.graph_node_count(graph))
         out = []
         for _ in range(execs):
-            ex = d.instantiate_device_launch(graph)
+            try:
+                ex = d.instantiate_device_launch(graph)
+            except CudaError as e:
+                if not self.fwd.pdl or out:
+                    raise
+                self._refuse_pdl(graph, str(e))
+                return self._capture_one(S, T, decode, execs)
             d.graph_upload(ex, self.s)
             out.append(ex)
         self.report.graphs += 1
         self.report.execs += execs
         return out
+
+    def _refuse_pdl(self, graph: int, why: str) -> None:
+        """A graph with programmatic dependent launch that cannot be instantiated for device launch: it is
+        captured again without it, and so is every graph after it."""
+        self._graphs.remove(graph)
+        self.driver.graph_destroy(graph)
+        self.fwd.pdl = False
+        self.report.pdl_refused = why
+        print(f"blink engine: graphs captured without programmatic dependent launch ({why})", file=sys.stderr)
 
     def _gemm_sm_target(self) -> None:
         r = self.ecfg.gemm_sm_reserve

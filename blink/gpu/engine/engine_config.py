@@ -70,6 +70,11 @@ class EngineConfig:
     """W8A8 GEMMs with cuBLASLt's FAST_ACCUM (the FP8 tensor cores' partial sums never promoted to fp32
     registers): 5-10 % faster from 1024 rows on the H200, with about 1.5x the GEMM's error against the
     fp32-sum definition (bench.kernels.fp8_gemm_graphs); off: the definition's fp32 sums."""
+    pdl: bool = True
+    """Programmatic dependent launch of the decode GEMVs (common.cuh): each may start while the kernel before
+    it in its graph finishes, loading its first weights before it waits for that kernel's output. On GPUs
+    of compute capability 9.0 and later; where a device-launched graph cannot hold it, the engine captures
+    without it and says so. Speed only: the same kernels, the same bits (docs/decisions.md)."""
     gemm_sm_reserve: int = 1
     """SMs the cuBLAS GEMMs leave free (cublasSetSmCountTarget: they are sized for the others). The
     GPU-resident scheduler's block holds one SM for as long as it runs, steps included; a GEMM

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 
 import numpy as np
 
@@ -68,6 +69,18 @@ from blink.models.config import ModelConfig, rope_inv_freq
 GEMV_BUCKETS = (1, 2, 4, 8)
 GEMV_ROWS_PER_WARP = {1: 1, 2: 4, 4: 4, 8: 4}  # must match GEMV(NT, R) in model_kernels.cu
 GEMV_FUSIONS = ("norm", "swiglu", "rope")
+# The kernels built on gemv_fused.cuh's gemv_fused_impl, which waits for the kernel before it itself
+# (pdl_wait, common.cuh): the FP8 GEMVs (not the tensor-core gemv_fp8_mma_*) and the fused bf16 GEMVs
+# (not the plain gemv_bf16/gemv_f32 of gemv_impl). Only these are launched with programmatic dependent
+# launch (Forward.pdl); any other kernel would read its inputs before they are written.
+_PDL_KERNEL = re.compile(r"gemv_(fp8_(?!mma_)\w+|(norm|norm_swiglu|swiglu|resid|rope|norm_rope)_t\d+)")
+
+
+PDL_MIN_ARCH = 90  # griddepcontrol: compute capability 9.0 and later
+
+
+def pdl_kernel(name: str) -> bool:
+    return _PDL_KERNEL.fullmatch(name) is not None
 
 
 class RopeArgs(ctypes.Structure):
@@ -204,6 +217,7 @@ class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
         self.moe = MoeLaunches(c, dims.max_num_batched_tokens, driver, kernels) if c.is_moe else None
         self.gemv_fusion = frozenset(GEMV_FUSIONS)  # every fusion where it applies (fusions_for)
         self.gemv_max_tokens = 1
+        self.pdl = False  # programmatic dependent launch of the GEMVs (EngineConfig.pdl; pdl_kernel)
         # FP8 weights: steps past the GEMV take the path set_fp8_gemm chose (fp8_decode: record's step kind)
         self.fp8 = isinstance(weights.layers[0].qkv, Fp8Linear)
         self.fp8_gemv_max_tokens, self.fp8_decode = FP8_GEMV_BUCKETS[-1], True
@@ -265,8 +279,12 @@ class Forward(AttentionLaunches, SamplingLaunches, Fp8Launches):
     def _launch(
         self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, smem: int = 0, **args
     ) -> None:
-        """Launch kernel `name` with its parameters by name (checked against its signature: Kernels.args)."""
-        self.drv.launch(self.k[name], grid, block, self.k.args(name, args), stream, smem, name)
+        """Launch kernel `name` with its parameters by name (checked against its signature: Kernels.args),
+        with programmatic dependent launch where `pdl` is on and the kernel waits for its predecessor itself."""
+        programmatic = self.pdl and pdl_kernel(name)
+        self.drv.launch(
+            self.k[name], grid, block, self.k.args(name, args), stream, smem, name, programmatic=programmatic
+        )
 
     def linear(self, x: object, w: object, y: object, rows: int, stream: int, out_f32: bool = False) -> None:
         n_out, k = int(w.shape[0]), int(w.shape[1])  # type: ignore[attr-defined]

@@ -36,14 +36,14 @@ FP8_GEMV_CONFIGS: dict[int, tuple[tuple, ...]] = {
 }
 # The engine's configuration per bucket, one of FP8_GEMV_CONFIGS (bench.kernels.fp8_gemv times them all;
 # docs/decisions.md): every configuration sums in the same order, so this changes speed, never a bit.
-FP8_GEMV_CONFIG: dict[int, tuple] = {1: (2, 4), 2: (2, 4), 4: (2, 4), 8: (2, 2)}
+FP8_GEMV_CONFIG: dict[int, tuple] = {1: (2, 4, "p"), 2: (2, 4, "p"), 4: (2, 4), 8: (2, 2)}
 # Weight-only FP8 on tensor cores (gemv_fp8_mma_m<MT>_n<NT8> in fp8.cu: 16 MT weight rows a CTA, 8 NT8
 # token columns): decode steps of FP8_MMA_MIN_TOKENS tokens or more (up to EngineConfig.fp8_gemv_max_tokens,
 # at most FP8_MMA_MAX_TOKENS) run it instead of the GEMV (one launch, no fusions; the GEMV's fp32 FMAs
 # are issue-bound from about 8 tokens). FP8_MMA_COMPILED: the MT compiled for each NT8.
 FP8_MMA_COMPILED = {1: (1, 2, 4), 2: (1, 2), 4: (1, 2)}
 FP8_MMA_ROWS = 1  # the engine's MT: the most CTAs (N / 16) for the narrow projections
-FP8_MMA_MIN_TOKENS = 4
+FP8_MMA_MIN_TOKENS = 2
 FP8_MMA_MAX_TOKENS = 32
 # The FP8 LM head (EngineConfig.fp8_lm_head; weight-only in every step, fp32 logits): the plain GEMV's
 # f32 kernels below FP8_MMA_MIN_TOKENS rows, the tensor-core kernel's up to FP8_MMA_MAX_TOKENS, and past

@@ -49,6 +49,43 @@ class HeuristicResult(ctypes.Structure):
     ]
 
 
+# CUlaunchAttributeID (cuda.h): the kernel resolves its stream dependency itself (griddepcontrol.wait)
+LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: {CUlaunchAttributeID id; char pad[4]; CUlaunchAttributeValue value (a 64-byte
+    union)} = 72 bytes."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig: grid, block, dynamic shared memory, stream, attributes."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", _vp),
+        ("attrs", ctypes.POINTER(LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+def programmatic_launch_config(
+    grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int
+) -> tuple[LaunchConfig, LaunchAttribute]:
+    """A launch that may overlap the kernel before it in the stream (programmatic dependent launch);
+    the attribute is returned too, as the config only points to it."""
+    attr = LaunchAttribute(id=LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value = (1).to_bytes(4, "little") + bytes(60)  # programmaticStreamSerializationAllowed = 1
+    cfg = LaunchConfig(
+        (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, _vp(stream), ctypes.pointer(attr), 1
+    )
+    return cfg, attr
+
+
 class Driver:
     """The subset of libcuda that the engine uses. Every call checks its CUresult."""
 
@@ -86,8 +123,16 @@ class Driver:
         stream: int,
         smem: int = 0,
         name: str = "kernel",
+        programmatic: bool = False,
     ) -> None:
+        """cuLaunchKernel; `programmatic`: with programmatic dependent launch (cuLaunchKernelEx), for a kernel
+        that waits for the one before it itself (common.cuh's pdl_wait)."""
         ptrs = (_vp * len(args))(*[ctypes.cast(ctypes.pointer(a), _vp) for a in args])
+        if programmatic:
+            cfg, _attr = programmatic_launch_config(grid, block, smem, stream)
+            res = self.lib.cuLaunchKernelEx(ctypes.byref(cfg), _vp(fn), ptrs, None)
+            self.check(res, f"cuLaunchKernelEx({name}, grid={grid}, programmatic)")
+            return
         self.check(
             self.lib.cuLaunchKernel(
                 _vp(fn),

@@ -89,3 +89,20 @@ __device__ __forceinline__ int seq_of_token(const int* cu, int num_seqs, int t) 
   }
   return lo;
 }
+
+// Programmatic dependent launch (sm_90 and later). A kernel the engine launches with it (the GEMVs of
+// gemv_fused.cuh: forward.pdl_kernel) may start while the kernel before it in its graph is finishing:
+// pdl_wait() returns once that kernel has completed and its writes are visible, so a kernel calls it
+// before it touches any memory another kernel writes or reads (only the weights come before it).
+// pdl_launch_dependents() lets such a next kernel start now, once every CTA of this one has called it.
+// Both are no-ops in a kernel launched without it, and compile to nothing before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}

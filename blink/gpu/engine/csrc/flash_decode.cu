@@ -67,6 +67,7 @@ __device__ __forceinline__ void attn_flash_impl(const bf16* __restrict__ q, cons
                                                 const int* __restrict__ block_tables,
                                                 const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
                                                 float scale_log2, int target) {
+  pdl_launch_dependents();  // the projection after attention may start its weight loads (common.cuh)
   constexpr int LPT = HD / 8;         // lanes per key row
   constexpr int KPI = 32 / LPT;       // keys per warp-wide load
   constexpr int KT = N * KPI;         // keys per warp tile
@@ -327,6 +328,7 @@ __device__ __forceinline__ void attn_flash_combine_impl(const float* __restrict_
                                                         const int* __restrict__ seq_lens,
                                                         const uint32_t* __restrict__ num_seqs, int nkv, int nq,
                                                         int grid_splits, int target) {
+  pdl_launch_dependents();  // the projection after attention may start its weight loads (common.cuh)
   const int s = blockIdx.y;
   const int lane = threadIdx.x & 31, hq = blockIdx.x * FLASH_WARPS + (threadIdx.x >> 5);
   const int ns = (int)*num_seqs, L = seq_lens[s], tok = cu_q_lens[s + 1] - 1;  // s < bucket <= max_seqs
@@ -470,6 +472,7 @@ __device__ __forceinline__ void attn_flashmma_impl(const bf16* __restrict__ q, c
                                                    const int* __restrict__ block_tables,
                                                    const uint32_t* __restrict__ num_seqs, int nkv, int bs, int mbps,
                                                    float scale_log2, int target) {
+  pdl_launch_dependents();  // the projection after attention may start its weight loads (common.cuh)
   constexpr int LD = HD + 8, NK = HD / 16, ND = HD / 8, CH = HD / 8, NW = FLASH_WARPS;
   static_assert(G <= 8 && HD % 16 == 0, "rows g + 8 are padding: G <= 8");
   extern __shared__ __align__(128) unsigned char mm_smem_raw[];

@@ -96,6 +96,7 @@ __device__ __forceinline__ void gemv_fused_impl(const typename WT::T* __restrict
   __shared__ long long tok_slot[NT];  // F_ROPE_OUT: KV slot of each bucket token, -1 past the live count
   __shared__ int tok_pos[NT];
   bf16* sx = reinterpret_cast<bf16*>(gemv_smem);  // F_NORM_IN: normalised x [NT, K]
+  pdl_launch_dependents();  // the next GEMV may start its weight loads under this one (common.cuh)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // PAIRS: pair p (of N / 2) is rows lo(p), hi(p); this warp takes R consecutive pairs from p0.
   const int p0 = (blockIdx.x * 4 + (warp & 3)) * R;
@@ -112,20 +113,6 @@ __device__ __forceinline__ void gemv_fused_impl(const typename WT::T* __restrict
     row_end = N;
   }
   const bool live = n0 < row_end;
-  if constexpr (ROPE) {
-    if (threadIdx.x < NT) {
-      const int t = threadIdx.x;
-      long long slot = -1;
-      int pos = 0;
-      if (t < (int)*ra.num_tokens) {
-        pos = ra.positions[t];
-        const int s = seq_of_token(ra.cu_q_lens, (int)*ra.num_seqs, t);
-        slot = (long long)ra.block_tables[(size_t)s * ra.mbps + pos / ra.bs] * ra.bs + pos % ra.bs;
-      }
-      tok_slot[t] = slot;
-      tok_pos[t] = pos;
-    }
-  }
   float sc[R];  // WT::SCALED: the rows' scales, loaded with the first weights
   if constexpr (WT::SCALED) {
 #pragma unroll
@@ -155,6 +142,25 @@ __device__ __forceinline__ void gemv_fused_impl(const typename WT::T* __restrict
         const int k = lane * VALS + p * STRIDE;
         if (live && k < K && n0 + r < row_end) wpre[p][r] = WT::load(W, (size_t)(n0 + r) * K + k);
       }
+  }
+  // Up to here only weights were read: under programmatic dependent launch all of the above overlaps
+  // the kernel before, and everything below waits for it.
+  pdl_wait();
+  if constexpr (ROPE) {
+    if (threadIdx.x < NT) {
+      const int t = threadIdx.x;
+      long long slot = -1;
+      int pos = 0;
+      if (t < (int)*ra.num_tokens) {
+        pos = ra.positions[t];
+        const int s = seq_of_token(ra.cu_q_lens, (int)*ra.num_seqs, t);
+        slot = (long long)ra.block_tables[(size_t)s * ra.mbps + pos / ra.bs] * ra.bs + pos % ra.bs;
+      }
+      tok_slot[t] = slot;
+      tok_pos[t] = pos;
+    }
+  }
+  if constexpr (NORM) {
     float ss[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) ss[t] = 0.f;
