@@ -185,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-fp8-gemv-config", default="",
         help='fp8: whole steps also with these GEMV configurations, ";"-separated ("1=r2p4;1=r1p8")',
     )  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=1, help="time the variants in turn this many times (median)")
     ap.add_argument("--no-pdl", action="store_true", help="EngineConfig.pdl off (programmatic dependent launch)")
     ap.add_argument(
-        "--compare-pdl", default="1", help='batches also timed with EngineConfig.pdl the other way ("pdl_on"/"pdl_off")'
+        "--compare-pdl", default="1", help='batches also timed with EngineConfig.pdl on and off ("pdl_on", "pdl_off")'
     )
     add_commit_arg(ap)
     ap.add_argument("--out", default="bench/results/decode.json")
@@ -221,13 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         if eng.fwd.fp8 and eng.fwd.uses_fp8_gemv_bucket(b):  # other GEMV configurations
             for name, execs in fp8_config_variants(eng, b, a.compare_fp8_gemv_config).items():
                 variants[name] = alternate(eng, execs)
-        if str(b) in a.compare_pdl.split(","):  # programmatic dependent launch the other way
-            eng.fwd.pdl = not eng.fwd.pdl
-            try:
-                execs = eng.capture_variant(b, b, True)
-            finally:
-                eng.fwd.pdl = not eng.fwd.pdl
-            variants["pdl_off" if eng.fwd.pdl else "pdl_on"] = alternate(eng, execs)
+        if str(b) in a.compare_pdl.split(","):  # programmatic dependent launch on and off, both captured now
+            engine_pdl = eng.fwd.pdl
+            for on in (True, False):
+                eng.fwd.pdl = on
+                try:
+                    variants["pdl_on" if on else "pdl_off"] = alternate(eng, eng.capture_variant(b, b, True))
+                finally:
+                    eng.fwd.pdl = engine_pdl
         if str(b) in a.compare_cublas.split(",") and not eng.fwd.fp8:  # the other GEMM back end at this batch
             eng.fwd.gemv_max_tokens = 8 if b > ecfg.gemv_max_tokens else 0  # the GEMV, or cuBLAS only
             execs = eng.capture_variant(b, b, True)
@@ -255,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
                 execs = eng.capture_variant(b, b, True)
             eng.fwd.set_decode_attention(None)
             attn_only.setdefault(str(b), {})[v] = time_ms(alternate(eng, execs), eng.stream, iters=a.iters)
-        for name, fn in variants.items():
-            ms = time_ms(fn, eng.stream, iters=a.iters)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(a.rounds):  # the variants in turn, round after round: drift falls on all of them
+            for name, fn in variants.items():
+                times[name].append(time_ms(fn, eng.stream, iters=a.iters))
+        for name in variants:
+            ms = float(np.median(times[name]))
             moved = step_bytes(eng, cfg, b, ctx)
             attention = variant_of.get(name, default_variant)
             rows.append({"batch": b, "variant": name, "decode_attention": attention, **step_rates(b, ms, moved, bw)})
