@@ -270,7 +270,10 @@ class Cublas:
     """cublasGemmEx on CuPy's handle, bound to one stream with a user workspace.
 
     The workspace is set AFTER cublasSetStream (which resets it): without a user workspace cuBLAS
-    allocates during capture, the graph gets MemAlloc nodes and device-launch instantiation fails."""
+    allocates during capture, the graph gets MemAlloc nodes and device-launch instantiation fails.
+    The handle is shared: CuPy's own cuBLAS calls point it at CuPy's current stream and drop the
+    workspace, so each GEMM binds both again (a few host microseconds); otherwise a GEMM issued after
+    a CuPy matmul would run on CuPy's stream, racing the engine's kernels on its own."""
 
     def __init__(self, stream: int, workspace_ptr: int, workspace_bytes: int) -> None:
         import cupy as cp
@@ -283,11 +286,16 @@ class Cublas:
         self.lib.cublasSetPointerMode_v2.argtypes = [vp, ci]
         self.lib.cublasGemmEx.argtypes = [vp, ci, ci, ci, ci, ci, vp, vp, ci, ci, vp, ci, ci, vp, vp, ci, ci, ci, ci]
         self.lib.cublasSetSmCountTarget.argtypes = [vp, ci]
-        self._check(self.lib.cublasSetStream_v2(self.handle, stream), "cublasSetStream")
-        self._check(self.lib.cublasSetPointerMode_v2(self.handle, 0), "cublasSetPointerMode(host)")
-        self._check(self.lib.cublasSetWorkspace_v2(self.handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
+        self.stream, self.workspace = stream, (workspace_ptr, workspace_bytes)
+        self._bind()
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
+
+    def _bind(self) -> None:
+        """The handle on this stream, with this workspace and host-side scalars."""
+        self._check(self.lib.cublasSetStream_v2(self.handle, self.stream), "cublasSetStream")
+        self._check(self.lib.cublasSetPointerMode_v2(self.handle, 0), "cublasSetPointerMode(host)")
+        self._check(self.lib.cublasSetWorkspace_v2(self.handle, *self.workspace), "cublasSetWorkspace")
 
     @staticmethod
     def _check(st: int, what: str) -> None:
@@ -306,6 +314,7 @@ class Cublas:
         Y's row stride in elements (default n_out; more: Y is a block of columns of a wider matrix).
         cuBLAS is column-major: row-major Y [rows, n_out] is column-major Y^T [n_out, rows] = W X^T,
         with W [n_out, k] row-major read as op = T and X [rows, k] read as op = N: gemm(T, N, n_out, rows, k)."""
+        self._bind()
         self._check(
             self.lib.cublasGemmEx(
                 self.handle,
