@@ -74,8 +74,6 @@ GEMV_FUSIONS = ("norm", "swiglu", "rope")
 # (not the plain gemv_bf16/gemv_f32 of gemv_impl). Only these are launched with programmatic dependent
 # launch (Forward.pdl); any other kernel would read its inputs before they are written.
 _PDL_KERNEL = re.compile(r"gemv_(fp8_(?!mma_)\w+|(norm|norm_swiglu|swiglu|resid|rope|norm_rope)_t\d+)")
-
-
 PDL_MIN_ARCH = 90  # griddepcontrol: compute capability 9.0 and later
 
 
