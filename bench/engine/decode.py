@@ -105,7 +105,7 @@ def parse_fp8_gemv_config(spec: str) -> dict[int, tuple]:
 def engine_fields(a: argparse.Namespace) -> dict:
     """The EngineConfig fields the flags set (the others: decode_engine_config's)."""
     out: dict = {"gemv_max_tokens": a.gemv_max_tokens} if a.gemv_max_tokens else {}
-    if getattr(a, "no_pdl", False):
+    if a.no_pdl:
         out["pdl"] = False
     if a.quantization:
         out["quantization"] = a.quantization
