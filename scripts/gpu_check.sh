@@ -31,6 +31,8 @@
 #   kernels      bench.kernels: retired decode-attention variants, RoPE/norm kernels         (~2 min)
 #   fp8          bench.kernels.fp8_gemm (each projection's FP8 and bf16 paths, M = 1..4096), then bench.engine.throughput
 #                --quantization fp8 for Llama-3-8B and Qwen3-32B (batch-1 decode, 256 x (256 -> 128)) (~7 min)
+#   fp8models    bench.engine.throughput for the four models with FP8 weights, an FP8 KV cache, and both
+#                (batch-1 decode, 256 x (256 -> 128), KV blocks), GPU scheduler                 (~5 min)
 #   fp8kv        tests/gpu/test_gpu_fp8_kv.py (the fp8-KV attention kernels against float64, the engine against
 #                the numpy fp8-KV model), then bench.kernels.fp8kv_attention: decode and prefill attention
 #                over a bf16 cache, the first fp8 kernels and the engine's, Llama-3-8B's shape    (~3 min)
@@ -173,6 +175,15 @@ if has fp8; then
     --quantization fp8 --timeout 200 --commit "$COMMIT" --out "$(json models_fp8)"
   part models_fp8kv 300 "$PY" -m bench.engine.throughput --presets llama3-8b --schedulers gpu \
     --kv-cache-dtype fp8 --timeout 200 --commit "$COMMIT" --out "$(json models_fp8kv)"
+fi
+if has fp8models; then
+  FOUR=llama3-8b,phi-4,qwen3-32b,qwen3-30b-a3b
+  part models4_fp8 600 "$PY" -m bench.engine.throughput --presets $FOUR --schedulers gpu --quantization fp8 \
+    --timeout 200 --commit "$COMMIT" --out "$(json models4_fp8)"
+  part models4_fp8kv 600 "$PY" -m bench.engine.throughput --presets $FOUR --schedulers gpu --kv-cache-dtype fp8 \
+    --timeout 200 --commit "$COMMIT" --out "$(json models4_fp8kv)"
+  part models4_both 600 "$PY" -m bench.engine.throughput --presets $FOUR --schedulers gpu --quantization fp8 \
+    --kv-cache-dtype fp8 --timeout 200 --commit "$COMMIT" --out "$(json models4_fp8_fp8kv)"
 fi
 if has fp8kv; then
   part fp8kv_tests 240 "${PT[@]}" tests/gpu/test_gpu_fp8_kv.py
