@@ -192,9 +192,11 @@ def test_deploy_needs_ray_token_authentication(token_cluster: tuple[str, str], t
     conf.write_text(_toml("auth", port))
     (tmp_path / "other").write_text(secrets.token_hex(32))
     for env in (_env(), _env(str(tmp_path / "other"))):  # no token, another token
-        env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "3"  # Ray retries a refused driver for 60 s
+        # Ray retries a refused driver, once a second, 20 times (and reconnects for 60 s): 3 is enough here
+        env.update(RAY_gcs_rpc_server_reconnect_timeout_s="3", RAY_gcs_server_port_wait_time_s="3")
         r = _blink("deploy", "--config", str(conf), "--address", address, env=env)
         assert r.returncode == 1 and "token" in r.stderr, r.stdout + r.stderr
+        assert "Authentication token is missing or incorrect" in r.stderr  # refused for the token, not unreachable
         assert "Traceback" not in r.stderr and "deployed" not in r.stdout
     code = f"import ray; ray.init(address='{address}'); print(ray.get(ray.remote(lambda: 'ran').remote()))"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
