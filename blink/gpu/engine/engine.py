@@ -201,6 +201,9 @@ class Engine(StepLoader, AbiWriter):
         if ecfg.sampling_rows:  # processed logits, penalty state, logit_bias tables, prompt logprob rows
             act += 4 * Sm * c.vocab_size + ecfg.sampling_rows * (4 * c.vocab_size + 8 * MAX_LOGIT_BIAS)
             act += Tm * (4 * c.vocab_size + 2 * c.hidden_size + 4 + 8 * MAX_LOGPROBS)
+        # What CuPy's pool keeps cached from frees (FP8 random weights made in bf16, a loader's staging
+        # buffer) is free memory too: hand it back first, or the driver does not count it.
+        cp.get_default_memory_pool().free_all_blocks()
         free = cp.cuda.runtime.memGetInfo()[0] - act - (ecfg.graph_reserve_mib << 20)
         per_block = c.num_layers * 2 * ecfg.block_size * c.kv_size * kv_element_bytes(ecfg.kv_cache_dtype)
         n = int(free * ecfg.kv_fraction) // per_block
