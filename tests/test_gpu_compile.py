@@ -33,25 +33,22 @@ def _unit(name: str) -> B.Unit:
 @pytest.mark.parametrize("arch", B.TARGET_ARCHS)
 @pytest.mark.parametrize("src", CU_FILES, ids=lambda p: p.name)
 def test_compiles_for_every_target(src: pathlib.Path, arch: int, tmp_path: pathlib.Path):
-    """flash_decode.cu and the scheduler on sm_90 (the H200): the production build, with ptxas's report
-    of flash decode's spills and the scheduler's one-block budget (full optimisation: what the report
-    is about). Every other source and target: the same source, options and headers with
-    --Ofast-compile=max (front end and code generation, ptxas included, for that architecture at a
-    ninth of the compile time: flash_decode.cu takes 90 s of CPU at full optimisation, 10 s so; CI has
-    2 cores). The production build of every unit runs on the GPU machine before its tests
-    (scripts/gpu_check.sh's build part); B.build and its cache: test_cache_key_tracks_source_arch_and_options."""
+    """The scheduler on sm_90 (the H200): the production build, with ptxas's report of its one-block
+    budget (full optimisation: what the report is about). Every other source and target: the same
+    source, options and headers with --Ofast-compile=max (front end and code generation, ptxas
+    included, for that architecture at a fifth of the compile time: flash_decode.cu takes 100 s of
+    CPU at full optimisation, 17 s so; CI has 2 cores). Flash decode's spills are read from the
+    production cubin on the GPU (tests/gpu/test_kernel_resources.py), which gpu_check.sh's build part
+    makes before its tests; B.build and its cache: test_cache_key_tracks_source_arch_and_options."""
     unit = _unit(src.name)
     rtc = B.nvrtc()
-    if arch != 90 or src.name not in ("flash_decode.cu", S.UNIT.source.name):
+    if arch != 90 or src.name != S.UNIT.source.name:
         out = tmp_path / f"{src.stem}.sm_{arch}.cubin"
         opts = (*unit.options, "--Ofast-compile=max")
         out.write_bytes(rtc.compile(src, f"sm_{arch}", opts, unit.include_dirs()))
     else:  # the production build, with ptxas's report
         image = rtc.compile(src, "sm_90", (*unit.options, "--ptxas-options=-v"), unit.include_dirs())
-        if src.name == "flash_decode.cu":
-            _assert_no_spills(rtc.last_log)
-        else:
-            _assert_scheduler_fits_one_block(rtc.last_log)
+        _assert_scheduler_fits_one_block(rtc.last_log)
         out = tmp_path / (src.stem + ".cubin")
         out.write_bytes(image)
     data = out.read_bytes()
@@ -116,25 +113,6 @@ def test_bench_kernels_compile():
     for k in ("attn_flashq_hd128_g4_fp8tile", "attn_flashmma_hd128_g4_fp8tile", "attn_prefill_fa2_hd128_fp8tile"):
         assert k in names, k
     assert "attn_flashq_hd128_g4_fp8kv" not in names and "attn_flashq_combine_hd128" not in names
-
-
-def _assert_no_spills(ptxas_log: str) -> None:
-    """No flash decode kernel with G <= 4 (every shipped model), over a bf16 or an fp8 cache, spills
-    registers to local memory."""
-    import re
-
-    spills: dict[str, int] = {}
-    fn = None
-    for line in ptxas_log.splitlines():
-        m = re.search(r"Function properties for (\w+)", line)
-        if m:
-            fn = m.group(1)
-        m = re.search(r"(\d+) bytes spill stores", line)
-        if m and fn:
-            spills[fn] = int(m.group(1))
-    g4 = {k: v for k, v in spills.items() if re.search(r"_g[1-4](_fp8kv)?$", k)}
-    assert len(g4) == len(FLASH_VARIANTS) * 4 * 4 * 2, sorted(spills)
-    assert not {k: v for k, v in g4.items() if v}, g4
 
 
 def test_kernel_signatures_file_is_fresh():

@@ -197,6 +197,11 @@ def test_longest_prompt_that_fits_is_served(clean: Rig):
 
 
 def test_heartbeat_advances_while_idle(clean: Rig):
+    """An idle device beats about every millisecond (the GPU scheduler in its poll loop; the emulated
+    device sleeps at most 0.5 ms between polls). Asserted with room for a loaded 2-core host, where
+    sleeps overshoot by milliseconds (307 beats/s seen beside a full test run): at least 100 beats a
+    second with a median gap under 10 ms, three orders of magnitude inside the frontend's 30 s stall
+    timeout; a device that stops beating while idle gives 0."""
     c = clean.client
     time.sleep(0.05)
     b0, t0 = c.h("heartbeat"), time.monotonic()
@@ -208,8 +213,8 @@ def test_heartbeat_advances_while_idle(clean: Rig):
             ns = n
         time.sleep(0.0001)
     rate = (c.h("heartbeat") - b0) / (time.monotonic() - t0)
-    assert rate > 500, f"{rate:.0f} beats/s"
-    assert np.median(gaps) < 1e6
+    assert rate > 100, f"{rate:.0f} beats/s"
+    assert np.median(gaps) < 10e6
     assert abs(c.h("heartbeat_ns") - time.time_ns()) < 1e9  # a wall clock, in ns since the epoch
 
 
