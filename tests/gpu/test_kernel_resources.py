@@ -34,15 +34,19 @@ def drv():
 
 
 def test_the_attribute_sees_local_memory(drv, tmp_path):
-    """The instrument: a kernel with a dynamically indexed array of its own reports local memory."""
+    """The instrument: a kernel that scatters into an array of its own (dynamic indices) reports local
+    memory."""
     from blink.gpu.toolchain import build as B
 
     src = tmp_path / "local.cu"
     src.write_text(
         'extern "C" __global__ void uses_local(const int* idx, float* out) {\n'
         "  float a[64];\n"
-        "  for (int i = 0; i < 64; ++i) a[i] = i * out[i];\n"
-        "  out[threadIdx.x] = a[idx[threadIdx.x] & 63];\n"
+        "  for (int i = 0; i < 64; ++i) a[i] = out[i];\n"
+        "  for (int i = 0; i < 64; ++i) a[idx[i] & 63] += 1.0f;  // a scatter: no register file holds it\n"
+        "  float s = 0.0f;\n"
+        "  for (int i = 0; i < 64; ++i) s += a[i] * i;\n"
+        "  out[threadIdx.x] = s;\n"
         "}\n"
     )
     cubin = tmp_path / "local.cubin"
