@@ -15,7 +15,8 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # --no-compile: Python compiles each module when it is first imported, not the whole of torch, ray and
-# the rest at install (134 s -> 54 s on 2 cores; docs/decisions.md)
+# the rest at install (134 s -> 54 s on 2 cores; docs/decisions.md). That first import must be let
+# write its .pyc: `make test` runs with PYTHONDONTWRITEBYTECODE unset (NOCACHE_OFF).
 install: $(BIN)/python
 	$(BIN)/pip install -q --no-compile -e .
 
@@ -31,10 +32,14 @@ serve: install
 
 # Every test that can run on this machine (gpu/rdma-marked tests are skipped without the hardware),
 # in TEST_WORKERS processes, a test file per process at a time (its servers and rigs stay in one).
+# Its hundreds of Python processes (servers, devices, Ray workers) reuse the bytecode the first one
+# wrote, even where the environment says PYTHONDONTWRITEBYTECODE=1 (each compiled ray, aiohttp, numpy
+# and blink from source again: 9 minutes of CPU a run).
 TEST_WORKERS ?= 2
+NOCACHE_OFF := env -u PYTHONDONTWRITEBYTECODE
 test: install-test
-	$(BIN)/blink pull
-	$(BIN)/pytest -m "not gpu and not rdma" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(NOCACHE_OFF) $(BIN)/blink pull
+	$(NOCACHE_OFF) $(BIN)/pytest -m "not gpu and not rdma" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check blink tests bench
