@@ -31,7 +31,8 @@ serve: install
 	$(BIN)/blink serve --host $(HOST) --port $(PORT) $(ARGS)
 
 # Every test that can run on this machine (gpu/rdma-marked tests are skipped without the hardware),
-# in TEST_WORKERS processes, a test file per process at a time (its servers and rigs stay in one).
+# in TEST_WORKERS processes, a test file per process at a time (its servers and rigs stay in one),
+# handed out in collection order: the longest files first (tests/conftest.py).
 # Its hundreds of Python processes (servers, devices, Ray workers) reuse the bytecode the first one
 # wrote, even where the environment says PYTHONDONTWRITEBYTECODE=1 (each compiled ray, aiohttp, numpy
 # and blink from source again: 9 minutes of CPU a run).
@@ -39,7 +40,7 @@ TEST_WORKERS ?= 2
 NOCACHE_OFF := env -u PYTHONDONTWRITEBYTECODE
 test: install-test
 	$(NOCACHE_OFF) $(BIN)/blink pull
-	$(NOCACHE_OFF) $(BIN)/pytest -m "not gpu and not rdma" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(NOCACHE_OFF) $(BIN)/pytest -m "not gpu and not rdma" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check blink tests bench

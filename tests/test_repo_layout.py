@@ -64,6 +64,13 @@ def test_make_test_caches_bytecode_whatever_the_environment_says():
     assert all(ln.startswith("env -u PYTHONDONTWRITEBYTECODE ") for ln in runs), runs
 
 
+def test_the_long_files_that_start_first_exist():
+    from conftest import LONG_FILES
+
+    assert len(set(LONG_FILES)) == len(LONG_FILES)
+    assert all((ROOT / "tests" / f).is_file() for f in LONG_FILES), LONG_FILES
+
+
 def test_no_sys_path_edits_in_bench_or_tests():
     for p in [*ROOT.glob("bench/**/*.py"), *ROOT.glob("tests/**/*.py")]:
         if p != Path(__file__):
