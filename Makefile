@@ -16,7 +16,7 @@ $(BIN)/python:
 
 # --no-compile: Python compiles each module when it is first imported, not the whole of torch, ray and
 # the rest at install (134 s -> 54 s on 2 cores; docs/decisions.md). That first import must be let
-# write its .pyc: `make test` runs with PYTHONDONTWRITEBYTECODE unset (NOCACHE_OFF).
+# write its .pyc: `make test` runs with PYTHONDONTWRITEBYTECODE unset (TEST_ENV).
 install: $(BIN)/python
 	$(BIN)/pip install -q --no-compile -e .
 
@@ -35,12 +35,14 @@ serve: install
 # handed out in collection order: the longest files first (tests/conftest.py).
 # Its hundreds of Python processes (servers, devices, Ray workers) reuse the bytecode the first one
 # wrote, even where the environment says PYTHONDONTWRITEBYTECODE=1 (each compiled ray, aiohttp, numpy
-# and blink from source again: 9 minutes of CPU a run).
+# and blink from source again: 9 minutes of CPU a run), and each runs its BLAS and torch on one thread:
+# TEST_WORKERS processes already fill the cores, and BLAS threads spinning beside another busy worker
+# made the transformers reference 2.3x slower (docs/decisions.md).
 TEST_WORKERS ?= 2
-NOCACHE_OFF := env -u PYTHONDONTWRITEBYTECODE
+TEST_ENV := env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 test: install-test
-	$(NOCACHE_OFF) $(BIN)/blink pull
-	$(NOCACHE_OFF) $(BIN)/pytest -m "not gpu and not rdma" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/blink pull
+	$(TEST_ENV) $(BIN)/pytest -m "not gpu and not rdma" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check blink tests bench

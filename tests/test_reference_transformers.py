@@ -63,7 +63,7 @@ def hf_model(ours):
     mp.setenv("HF_HUB_OFFLINE", "1")
     mp.setenv("TRANSFORMERS_VERBOSITY", "error")
     try:
-        torch.set_num_threads(2)
+        torch.set_num_threads(min(2, torch.get_num_threads()))  # make test: OMP_NUM_THREADS=1
         _memoize_gguf_parsing(mp)
         path = ours.source
         model = transformers.AutoModelForCausalLM.from_pretrained(
