@@ -51,14 +51,18 @@ def test_ci_runs_exactly_make_test():
     assert re.findall(r"^make .*$", ci, re.M) == ['make test PYTEST_ARGS="-q --durations=15"']
 
 
+def _make_n_test(**env: str) -> str:
+    """What `make test` would run (make -n), under this environment plus `env`."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")} | env
+    return subprocess.run(["make", "-n", "test"], cwd=ROOT, env=full, capture_output=True, text=True, check=True).stdout
+
+
 def test_make_test_caches_bytecode_whatever_the_environment_says():
     """The suite starts hundreds of Python processes (servers, devices, Ray workers). The install skips
     byte-compiling (--no-compile), so the first import of a module must write its .pyc: with
     PYTHONDONTWRITEBYTECODE=1 in the environment (CI's) every process compiled ray, aiohttp, numpy and
     blink from source again (`import ray`: 2.3 s of CPU instead of 1.0 s), 9 minutes of CPU a run."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    out = subprocess.run(["make", "-n", "test"], cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    out = _make_n_test(PYTHONDONTWRITEBYTECODE="1")
     runs = [ln for ln in out.splitlines() if re.search(r"/(pytest|blink) ", ln)]
     assert len(runs) == 2, out  # blink pull, pytest
     assert all(ln.startswith("env -u PYTHONDONTWRITEBYTECODE ") for ln in runs), runs
@@ -68,9 +72,7 @@ def test_make_test_runs_blas_and_torch_on_one_thread_per_process():
     """Two workers fill two cores; a BLAS or torch pool of two threads in each process spins beside
     the other worker (the transformers reference: 24.7 s on one thread, 57.6 s on two, next to a
     busy core)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
-    out = subprocess.run(["make", "-n", "test"], cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
-    (run,) = [ln for ln in out.splitlines() if "/pytest " in ln]
+    (run,) = [ln for ln in _make_n_test().splitlines() if "/pytest " in ln]
     words = run.split()
     assert {"OMP_NUM_THREADS=1", "OPENBLAS_NUM_THREADS=1", "MKL_NUM_THREADS=1"} <= set(
         words[: words.index(".venv/bin/pytest")]

@@ -44,7 +44,7 @@ def test_fp8_weights_leave_room_for_more_kv_blocks():
         del eng
         gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
-    per_block = c.num_layers * 2 * 16 * c.kv_size * 2
+    per_block = c.num_layers * 2 * EngineConfig().block_size * c.kv_size * 2
     # The layers' weights: 13.96 GB in bf16, 6.98 GB in fp8 (6.5 GiB saved); the FP8 path's activation
     # buffers and kv_fraction (0.85) take part of that back: 4.85 GiB more KV measured on the H200
     # (47,884 -> 50,365 blocks here). With the pool's cache uncounted the FP8 engine got fewer blocks
