@@ -101,12 +101,35 @@ def test_kv_pressure_preempts_and_recomputes_without_changing_tokens(rig_factory
     assert int(rig.c.header()["prompt_tokens"]) > 6 * 20  # recompute prefills happened
 
 
-def test_idle_device_beats_every_ms_without_burning_a_core(rig_factory):
+class _SleepLog:
+    """ring_device's `time`, recording every sleep the device asks for (the device's own choice; how
+    long the host then takes to wake it is the host's)."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    def sleep(self, s: float) -> None:
+        self.asked.append(s)
+        time.sleep(s)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def test_idle_device_beats_every_ms_without_burning_a_core(rig_factory, monkeypatch):
+    """Idle, the device sleeps at most max_sleep_s (0.5 ms) between polls and beats after each: that is
+    checked on the sleeps it asks for, which a loaded host cannot change. The wall-clock rate is checked
+    with the room the conformance suite gives it (sleeps overshoot by milliseconds on a loaded 2-core
+    host): a device that stops beating while idle gives 0."""
+    import blink.device.ring_device as ring_device
+
     rig = rig_factory()
     rig.c.generate([1, 2, 3], max_new_tokens=2)
     time.sleep(0.05)  # past the spin window
     clock = time.pthread_getcpuclockid(rig.thread.ident)
     cpu0, wall0, beat0 = time.clock_gettime(clock), time.monotonic(), rig.c.h("heartbeat")
+    log = _SleepLog()
+    monkeypatch.setattr(ring_device, "time", log)  # after beat0: each sleep logged is followed by a beat
     gaps, last_ns = [], rig.c.h("heartbeat_ns")
     while time.monotonic() - wall0 < 0.5:
         ns = rig.c.h("heartbeat_ns")
@@ -114,14 +137,15 @@ def test_idle_device_beats_every_ms_without_burning_a_core(rig_factory):
             gaps.append(ns - last_ns)
             last_ns = ns
         time.sleep(0.0002)
+    monkeypatch.undo()  # before the last read: only the last sleep logged may not have beaten yet
     cpu = time.clock_gettime(clock) - cpu0
     wall = time.monotonic() - wall0
     beats = rig.c.h("heartbeat") - beat0
     assert cpu / wall < 0.25, f"idle device used {cpu / wall:.0%} of a core"
-    assert beats / wall > 800, f"{beats / wall:.0f} beats/s"
-    # ns; in-process the device thread competes for the GIL with this loop (the strict per-beat
-    # bound is checked on the device process in the conformance suite)
-    assert np.median(gaps) < 1e6
+    assert len(log.asked) > 10 and max(log.asked) <= rig.dev.config.max_sleep_s <= 1e-3, max(log.asked)
+    assert beats >= len(log.asked) - 1  # a beat every poll: one after every sleep
+    assert beats / wall > 100, f"{beats / wall:.0f} beats/s"
+    assert np.median(gaps) < 10e6  # ns
 
 
 def test_executor_fault_fails_in_flight_requests(rig_factory):
