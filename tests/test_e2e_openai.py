@@ -1014,6 +1014,19 @@ def test_streams_read_to_done_count_as_served(tiny):
     assert delta['vllm:request_success_total{finished_reason="length",model_name="tiny-llama"}'] == 30
 
 
+def test_the_frontend_and_the_device_freeze_their_start_up_heaps(tiny):
+    """A full garbage collection stops its whole process for as long as it takes to walk every object
+    alive: in the frontend every stream and /health. Both processes move what start-up left out of
+    those walks before they serve (blink.protocol.gc_freeze), and say so on stderr."""
+    from test_gc_freeze import FROZEN_LINE
+
+    log = "".join(tiny.log)
+    device = re.search(r"blink device: serving the ring \(.*; (\d+) start-up objects frozen\)", log)
+    assert device and int(device[1]) > 10_000, log
+    frontend = re.search(FROZEN_LINE, log)
+    assert frontend and int(frontend[1]) > 20_000 and float(frontend[3]) < float(frontend[2]), log
+
+
 def test_startup_phases_and_request_lines_are_logged(tiny):
     """The operator's view on stderr: the device's start-up phases, then a line per request."""
     tiny.client().completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})

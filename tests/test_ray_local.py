@@ -207,6 +207,8 @@ def test_two_frontends_share_one_port(cluster) -> None:
         ports = {i["port"] for i in d.frontends_info}
         assert len(ports) == 1 and d.url.endswith(f":{ports.pop()}")
         assert len({i["pid"] for i in d.frontends_info}) == 2
+        # each actor process froze its start-up heap (Ray's worker included) out of full collections
+        assert all(i["gc_frozen"] > 20_000 for i in d.frontends_info), d.frontends_info
         # one connection per request (urllib): the kernel spreads them over both listeners
         with cf.ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda i: _complete(d.url, 6, f"f{i}"), range(32)))
@@ -343,6 +345,7 @@ def test_killed_gpu_actor_marks_replica_down_and_restarts(cluster) -> None:
         info = ray.get(d.gpu_actors[victim].ring_info.remote())
         old_pid, engine_pid = info["pid"], info["engine_pid"]
         assert engine_pid and engine_pid != old_pid  # the engine is a child process of the actor
+        assert info["gc_frozen"] > 20_000  # the actor's start-up heap, out of full collections
         old_inode = os.stat(shm_path(cfg.ring_name(victim))).st_ino
         with cf.ThreadPoolExecutor(12) as pool:
             futs = [pool.submit(_stream, d.url, 1000, f"s{i}") for i in range(12)]

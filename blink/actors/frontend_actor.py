@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from blink.dpu import metrics as dpu_metrics
+from blink.protocol.gc_freeze import freeze_startup_heap
 
 from . import raycount
 from .config import DeployConfig
@@ -145,6 +146,9 @@ class FrontendActor:
                 dpu_metrics.enable_multiprocess(metrics_dir, str(self.index), restore=self._restarted)
             self._server = await start_http(self.cfg.serving, self._router, tok, self.port, self.count > 1)
             self._info = {"url": self._server.url, "pid": os.getpid(), "restarted": self._restarted}
+            frozen = freeze_startup_heap()
+            log.info("frontend %d: %s", self.index, frozen.describe())
+            self._info["gc_frozen"] = frozen.objects
             self._info.update(index=self.index, count=self.count, port=self._server.port)
             ray = sys.modules.get("ray")  # None when running without Ray
             if ray is not None and ray.is_initialized():

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from blink.launch import DeviceProcess, create_ring, device_spec, start_device
+from blink.protocol.gc_freeze import freeze_startup_heap
 from blink.protocol.layout import DEVICE_COUNTERS, DEVICE_GAUGES, DeviceStatus
 from blink.protocol.transport import ShmTransport, shm_path
 
@@ -60,6 +61,7 @@ class GpuActor:
         self._incarnation = 0
         self._agent = None  # RingAgent serving the ring to other hosts (ring.transport != shm)
         self._serving = False  # the engine reached READY (an exit after that is a crash)
+        self._gc_frozen = 0  # objects freeze_startup_heap left out of full collections
         self._stopping = False
         if reconstructed():
             start_in_background(self.start, f"gpu-actor-{replica}", self._set_start_error)
@@ -96,6 +98,7 @@ class GpuActor:
                     self._teardown(drain=False, timeout_s=5.0)  # a retried start() begins afresh
                     raise
                 self._serving = True
+                self._gc_frozen = freeze_startup_heap().objects  # the ring agent's thread serves from here
         return self.ring_info()
 
     def _start_agent(self) -> None:
@@ -140,6 +143,7 @@ class GpuActor:
             "engine_log": getattr(self._engine, "log_path", ""),
             "incarnation": self._incarnation,
             "agent": self._agent.address if self._agent is not None else None,
+            "gc_frozen": self._gc_frozen,
         }
 
     def status(self) -> dict[str, Any]:

@@ -58,12 +58,14 @@ def serve(cfg: C.BlinkConfig) -> int:
 
 async def _serve_async(stack: Any) -> None:
     from blink.dpu.server import OpenAIServer, start_http
+    from blink.protocol.gc_freeze import freeze_startup_heap
 
     cfg = stack.cfg
     stop = asyncio.Event()
     backend = await stack.start_frontend(on_give_up=stop.set)  # a device that cannot be restarted ends serve
     server = OpenAIServer(backend, stack.tokenizer, cfg.server)
     runner, port = await start_http(server, cfg.server.host, cfg.server.port)
+    log.info("%s", freeze_startup_heap().describe())
     # The bound port on its own line: scripts that pass --port 0 read it from here.
     print(f"blink: serving {stack.tokenizer.name} on http://{cfg.server.host}:{port}/v1", file=sys.stderr, flush=True)
     loop = asyncio.get_running_loop()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 
 from blink.models.fp8 import FP8_LM_HEAD
+from blink.protocol.gc_freeze import freeze_startup_heap
 from blink.protocol.layout import DeviceStatus
 from blink.protocol.transport import ShmTransport
 from blink.protocol.wire import DeviceSpec
@@ -67,7 +68,8 @@ def run(spec: DeviceSpec) -> DeviceStatus:
     executor = build_executor(spec)
     view = transport.view()
     try:
-        phase("serving the ring (scheduler: the emulated device's loop)")
+        frozen = freeze_startup_heap().objects
+        phase(f"serving the ring (scheduler: the emulated device's loop; {frozen} start-up objects frozen)")
         rcfg = RingDeviceConfig(
             mixed_tokens=spec.mixed_tokens, prefix_caching=spec.prefix_caching, kv_cache_key=kv_cache_key(spec)
         )

@@ -106,6 +106,7 @@ def build_engine(spec: DeviceSpec, sampling_rows: int = 0) -> Any:
 def run(spec: DeviceSpec) -> int:
     """Serve the ring in this process until told to stop. Returns the final DeviceStatus."""
     from blink.gpu.toolchain.build import BuildError
+    from blink.protocol.gc_freeze import freeze_startup_heap
     from blink.protocol.layout import DeviceStatus
     from blink.protocol.transport import ShmTransport
 
@@ -132,8 +133,9 @@ def run(spec: DeviceSpec) -> int:
                     kv_cache_key=kv_cache_key(spec),
                 ),
             )
+            frozen = freeze_startup_heap().objects  # before the kernel starts: its one collection pause too
             sched.start()
-            phase("persistent scheduler kernel launched")
+            phase(f"persistent scheduler kernel launched ({frozen} start-up objects frozen)")
             try:
                 status = sched.wait()  # header reads and sleeps only: the host is off the token path
             finally:
@@ -142,7 +144,8 @@ def run(spec: DeviceSpec) -> int:
         from blink.device.ring_device import RingDevice, RingDeviceConfig
         from blink.gpu.engine.host_executor import HostExecutor
 
-        phase("serving the ring (scheduler: the host loop)")
+        frozen = freeze_startup_heap().objects
+        phase(f"serving the ring (scheduler: the host loop; {frozen} start-up objects frozen)")
         rcfg = RingDeviceConfig(
             max_batch=spec.max_batch,
             mixed_tokens=spec.mixed_tokens,

@@ -59,6 +59,7 @@ import msgspec
 import numpy as np
 
 from . import agent_auth
+from .gc_freeze import freeze_startup_heap
 from .ring_access import AccessDenied, RingAccess
 from .tcp_transport import parse_address
 from .transport import RangeError, ShmTransport, check_range, file_id, host_id
@@ -411,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             a.ring, a.listen, a.rdma_device, secret=secret, partitions=a.partitions, reserved=tuple(a.reserve)
         )
         addr = await agent.start()
+        log.info("%s", freeze_startup_heap().describe())
         print(f"blink ring agent: listening on {addr}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -28,8 +28,13 @@ def test_cuda_serve_logs_phases_requests_and_metrics(scheduler):
         assert re.search(r"blink device: CUDA device \d+: .*GiB free", log), log
         assert "blink device: KV cache: 512 blocks of 16 tokens" in log, log
         assert re.search(r"capturing graphs \[#+\] (\d+)/\1", log), log  # graph capture n/m, to the end
-        want = "persistent scheduler kernel launched" if scheduler == "gpu" else "serving the ring (scheduler: the host"
-        assert want in log, log
+        want = (
+            "persistent scheduler kernel launched ("
+            if scheduler == "gpu"
+            else "serving the ring (scheduler: the host loop; "
+        )
+        frozen = re.search(re.escape(want) + r"(\d+) start-up objects frozen\)", log)  # blink.protocol.gc_freeze
+        assert frozen and int(frozen[1]) > 10_000, log
         for stream in (False, True):
             body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 8, "stream": stream, "ignore_eos": True}
             req = urllib.request.Request(
